@@ -1,0 +1,1 @@
+"""Placeholder until the quickstart lands in this commit series."""

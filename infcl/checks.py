@@ -1,0 +1,114 @@
+"""Input validation for the public API: every problem is a TypeError or ValueError naming the argument.
+
+``assert`` is never used for user input; these checks run before any compute.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .ring.layout import RingLayout
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(n) for n in t.shape) + "]"
+
+
+def check_features(q, k) -> None:
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (float32, bfloat16, float16, float64), got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-d [batch, dim], got shape {_shape(t)}")
+        if t.shape[0] == 0:
+            raise ValueError(f"{name} is an empty batch: shape {_shape(t)}")
+        if t.shape[1] == 0:
+            raise ValueError(f"{name} has feature dimension 0: shape {_shape(t)}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must have the same feature dimension: q {_shape(q)}, k {_shape(k)}")
+    if q.dtype != k.dtype:
+        raise TypeError(f"q and k must have the same dtype: q {q.dtype}, k {k.dtype}")
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on the same device: q on {q.device}, k on {k.device}")
+
+
+def check_reduction(reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_head_dim(head_dim) -> None:
+    # Accepted for call-compatibility with Inf-CL's cal_inf_loss and ignored: every D is supported.
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
+        raise TypeError(f"head_dim must be None or an int (it is ignored), got {type(head_dim).__name__}")
+
+
+def make_scale(scale, q: torch.Tensor) -> torch.Tensor:
+    """The logit scale as a tensor that autograd can differentiate (a Python number gets no gradient)."""
+    if scale is None:
+        return torch.ones((), dtype=torch.float32)
+    if isinstance(scale, bool):
+        raise TypeError("scale must be a float or a 0-d floating tensor, got bool")
+    if isinstance(scale, (int, float)):
+        return torch.tensor(float(scale), dtype=torch.float64)
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a float or a 0-d floating tensor, got {type(scale).__name__}")
+    if not scale.is_floating_point():
+        raise TypeError(f"scale must be a floating tensor, got {scale.dtype}")
+    if scale.numel() != 1:
+        raise ValueError(f"scale must be a 0-d tensor (one value), got shape {_shape(scale)}")
+    return scale
+
+
+def make_labels(labels, q: torch.Tensor, k: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Tensor:
+    """Global column index of each local row's positive, as int64 on q's device."""
+    bq, bk = q.shape[0], k.shape[0]
+    if symmetric:
+        if bq != bk:
+            raise ValueError(f"symmetric=True needs as many q rows as k rows: q {_shape(q)}, k {_shape(k)}")
+    if labels is None:
+        if bq != bk:
+            raise ValueError(
+                f"labels=None means the diagonal, which needs Bq == Bk; got q {_shape(q)}, k {_shape(k)} "
+                "(pass labels to use the extra k rows as hard negatives)"
+            )
+        return torch.arange(bq, device=q.device) + layout.k_offsets[layout.rank]
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be None or an integer tensor, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != bq:
+        raise ValueError(f"labels must have shape [Bq] = [{bq}], got {_shape(labels)}")
+    labels = labels.to(device=q.device, dtype=torch.int64)
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= layout.total_k:
+        raise ValueError(
+            f"labels must be column indices in [0, {layout.total_k}) (the global k batch), got values in [{lo}, {hi}]"
+        )
+    if symmetric:
+        _check_permutation(labels, layout)
+    return labels
+
+
+def _check_permutation(labels: torch.Tensor, layout: RingLayout) -> None:
+    every = labels
+    if layout.world > 1:
+        # Each rank holds only its own labels: gather them (padded to the largest rank) to check globally.
+        width = max(layout.q_sizes)
+        padded = torch.full((width,), -1, dtype=torch.int64, device=labels.device)
+        padded[: labels.shape[0]] = labels
+        parts = [torch.empty_like(padded) for _ in range(layout.world)]
+        dist.all_gather(parts, padded, group=layout.group)
+        every = torch.cat([p[:n] for p, n in zip(parts, layout.q_sizes)])
+    if layout.total_q != layout.total_k:
+        raise ValueError(
+            f"symmetric=True needs as many rows as columns globally, got {layout.total_q} q rows and {layout.total_k} k rows"
+        )
+    expected = torch.arange(every.shape[0], device=every.device)
+    if not torch.equal(torch.sort(every).values, expected):
+        raise ValueError("symmetric=True needs labels that are a permutation of the column indices (each column once)")

@@ -1,0 +1,176 @@
+"""The one ring loop: every backend, every world size (a single process is the ring of one rank).
+
+Rank r holds its q rows for the whole call; the k blocks travel to rank+1 at every step, so at step t
+rank r holds the block of rank (r - t) mod W. For each block the driver asks the backend for the
+block's log-sum-exps (forward) or gradient contributions (backward), and handles the positive logits
+itself (they are O(B * D) row dot products, the same for every backend).
+
+Overlap: the exchange of the next k block is posted before the compute on the current one (double
+buffering). Whatever must be *accumulated* by every rank for a block (its column log-sum-exps and
+positive logits in the forward, its dk and column scale-gradient in the backward) travels one step
+behind the block, on a second stream: each rank merges its part after its compute, passes it on, and
+after W steps the sum arrives back at the block's owner.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from ..backends.base import BlockBackend, Tensor, accum_dtype
+from ..lse import empty_lse, lse_merge
+from .comm import RingComm
+from .layout import RingLayout
+
+
+@dataclass
+class ForwardResult:
+    row_lse: Tensor  # [Bq] log-sum-exp of each local row over all global columns
+    row_pos: Tensor  # [Bq] positive logit of each local row
+    col_lse: Optional[Tensor]  # [Bk] log-sum-exp of each local column over all global rows (symmetric)
+    col_pos: Optional[Tensor]  # [Bk] positive logit of each local column (symmetric)
+
+
+def _positive_pairs(labels: Tensor, offset: int, size: int) -> Tuple[Tensor, Tensor]:
+    """Local rows whose positive column lies in the block [offset, offset + size), and that column."""
+    rows = ((labels >= offset) & (labels < offset + size)).nonzero().squeeze(1)
+    return rows, labels[rows] - offset
+
+
+def _rowdot(q: Tensor, rows: Tensor, k: Tensor, cols: Tensor, acc: torch.dtype) -> Tensor:
+    return (q[rows].to(acc) * k[cols].to(acc)).sum(dim=1)
+
+
+def _comms(layout: RingLayout, *names: str):
+    if layout.world == 1:
+        return (None,) * len(names)
+    return tuple(RingComm(layout.group, name) for name in names)
+
+
+def ring_forward(
+    q: Tensor, k: Tensor, scale: float, labels: Tensor, symmetric: bool, backend: BlockBackend, layout: RingLayout
+) -> ForwardResult:
+    acc = accum_dtype(q.dtype)
+    dev, dim = q.device, q.shape[1]
+    row_lse = empty_lse(q.shape[0], acc, dev)
+    row_pos = torch.zeros(q.shape[0], dtype=acc, device=dev)
+    k_comm, col_comm = _comms(layout, "k-forward", "column-lse")
+    k_cur = k if layout.world == 1 else k.contiguous()
+    col_in = None  # column partials [2, n] (lse, positive) of the block held now, from rank - 1
+    for step in range(layout.world):
+        src = layout.block_at_step(step)
+        offset, size = layout.k_offsets[src], layout.k_sizes[src]
+        if step + 1 < layout.world:
+            k_next = k.new_empty(layout.k_sizes[layout.block_at_step(step + 1)], dim)
+            k_comm.send_recv(k_cur, k_next)
+            k_comm.commit(f"forward step {step} (k block of rank {src})")
+
+        r_lse, c_lse = backend.forward_block(q, k_cur, scale, symmetric)
+        lse_merge(row_lse, r_lse)
+        rows, cols = _positive_pairs(labels, offset, size)
+        pos = scale * _rowdot(q, rows, k_cur, cols, acc)
+        row_pos[rows] = pos
+
+        if symmetric:
+            col = torch.empty(2, size, dtype=acc, device=dev)
+            col[0] = c_lse
+            col[1] = 0
+            col[1, cols] = pos  # labels are a permutation: each column's positive is set on one rank
+            if step > 0:
+                col_comm.wait()
+                lse_merge(col[0], col_in[0])
+                col[1] += col_in[1]
+            if layout.world > 1:
+                # After the last step the partials go home: rank + 1 owns the block held last.
+                col_in = torch.empty(2, layout.k_sizes[layout.block_at_step(step + 1)], dtype=acc, device=dev)
+                col_comm.send_recv(col, col_in)
+                col_comm.commit(f"forward step {step} (column log-sum-exp of rank {src})")
+            else:
+                col_in = col
+        if step + 1 < layout.world:
+            k_comm.wait()
+            k_cur = k_next
+    if symmetric and layout.world > 1:
+        col_comm.wait()
+    return ForwardResult(
+        row_lse=row_lse,
+        row_pos=row_pos,
+        col_lse=col_in[0] if symmetric else None,
+        col_pos=col_in[1] if symmetric else None,
+    )
+
+
+def ring_backward(
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    labels: Tensor,
+    backend: BlockBackend,
+    layout: RingLayout,
+    row_lse: Tensor,
+    g_row: Tensor,
+    col_lse: Optional[Tensor],
+    g_col: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Return (dq, dk, dscale) in the accumulation dtype.
+
+    dq and dk hold the gradient of every rank's loss with respect to this rank's q and k; dscale is
+    the derivative of this rank's own loss (rows, and for the symmetric loss, columns) with respect
+    to the scale.
+    """
+    acc = accum_dtype(q.dtype)
+    dev, dim = q.device, q.shape[1]
+    symmetric = col_lse is not None
+    dq = torch.zeros(q.shape[0], dim, dtype=acc, device=dev)
+    dscale_row = torch.zeros((), dtype=acc, device=dev)
+    k_comm, acc_comm = _comms(layout, "k-backward", "dk")
+    k_cur = k if layout.world == 1 else k.contiguous()
+    # What each block carries ahead, read-only: its column (lse, upstream grad).
+    col_cur = torch.stack([col_lse, g_col]) if symmetric else None
+    acc_in = None  # [size * D + 1]: dk partial sum and column scale-gradient of the block held now
+    for step in range(layout.world):
+        src = layout.block_at_step(step)
+        offset, size = layout.k_offsets[src], layout.k_sizes[src]
+        if step + 1 < layout.world:
+            nxt_size = layout.k_sizes[layout.block_at_step(step + 1)]
+            k_next = k.new_empty(nxt_size, dim)
+            k_comm.send_recv(k_cur, k_next)
+            if symmetric:
+                col_next = col_cur.new_empty(2, nxt_size)
+                k_comm.send_recv(col_cur, col_next)
+            k_comm.commit(f"backward step {step} (k block of rank {src})")
+
+        packed = torch.zeros(size * dim + 1, dtype=acc, device=dev)
+        dk_part = packed[:-1].view(size, dim)
+        col_lse_cur = col_cur[0] if symmetric else None
+        g_col_cur = col_cur[1] if symmetric else None
+        ds_row, ds_col = backend.backward_block(q, k_cur, scale, row_lse, g_row, col_lse_cur, g_col_cur, dq, dk_part)
+
+        # The positive logit S[i, c] enters the loss with coefficient -(g_row[i] + g_col[c]).
+        rows, cols = _positive_pairs(labels, offset, size)
+        raw = _rowdot(q, rows, k_cur, cols, acc)
+        coef_row = g_row[rows]
+        coef = coef_row + g_col_cur[cols] if symmetric else coef_row
+        dq.index_add_(0, rows, k_cur[cols].to(acc) * (-scale * coef)[:, None])
+        dk_part.index_add_(0, cols, q[rows].to(acc) * (-scale * coef)[:, None])
+        dscale_row += ds_row - torch.dot(coef_row, raw)
+        packed[-1] = ds_col - (torch.dot(g_col_cur[cols], raw) if symmetric else 0)
+
+        if step > 0:
+            acc_comm.wait()
+            packed += acc_in
+        if layout.world > 1:
+            acc_in = torch.empty(layout.k_sizes[layout.block_at_step(step + 1)] * dim + 1, dtype=acc, device=dev)
+            acc_comm.send_recv(packed, acc_in)
+            acc_comm.commit(f"backward step {step} (dk of rank {src})")
+        else:
+            acc_in = packed
+        if step + 1 < layout.world:
+            k_comm.wait()
+            k_cur = k_next
+            if symmetric:
+                col_cur = col_next
+    if layout.world > 1:
+        acc_comm.wait()
+    dk = acc_in[:-1].view(k.shape[0], dim)
+    return dq, dk, dscale_row + acc_in[-1]

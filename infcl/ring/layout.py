@@ -1,0 +1,97 @@
+"""Who holds which rows: the ring layout of one ``cal_inf_loss`` call.
+
+A single process is the ring of one rank. With ``torch.distributed`` initialized and a group of more
+than one rank, every rank contributes its local q rows and k rows; the global k is the concatenation
+of every rank's k in rank order. Local sizes may differ between ranks, so they are exchanged once per
+call (one small ``all_gather``), and D and dtype are checked to agree on every rank.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+# dtype <-> small integer, for the one all_gather that checks every rank agrees.
+_DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Sizes and offsets of every rank's block; ``world == 1`` for a single process."""
+
+    rank: int
+    world: int
+    q_sizes: Tuple[int, ...]
+    k_sizes: Tuple[int, ...]
+    group: Optional[object] = None
+
+    @property
+    def k_offsets(self) -> Tuple[int, ...]:
+        offs, acc = [], 0
+        for n in self.k_sizes:
+            offs.append(acc)
+            acc += n
+        return tuple(offs)
+
+    @property
+    def q_offsets(self) -> Tuple[int, ...]:
+        offs, acc = [], 0
+        for n in self.q_sizes:
+            offs.append(acc)
+            acc += n
+        return tuple(offs)
+
+    @property
+    def total_k(self) -> int:
+        return sum(self.k_sizes)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_sizes)
+
+    def block_at_step(self, step: int) -> int:
+        """The rank whose k block this rank holds at ring step ``step`` (blocks move to rank+1)."""
+        return (self.rank - step) % self.world
+
+
+def ring_group(group) -> Optional[object]:
+    """The process group to ring over, or None when the call is single-process.
+
+    ``group=None`` means the default (world) group when ``torch.distributed`` is initialized.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if group is None:
+        group = dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def single_layout(bq: int, bk: int) -> RingLayout:
+    return RingLayout(rank=0, world=1, q_sizes=(bq,), k_sizes=(bk,))
+
+
+def exchange_layout(q: torch.Tensor, k: torch.Tensor, group) -> RingLayout:
+    """All-gather (Bq, Bk, D, dtype) from every rank; raise the same ValueError on every rank on mismatch."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
+    mine = torch.tensor([q.shape[0], k.shape[0], q.shape[1], code], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu().tolist()
+    dims = {row[2] for row in table}
+    codes = {row[3] for row in table}
+    if len(dims) > 1 or len(codes) > 1:
+        described = ", ".join(
+            f"rank {r}: q [{row[0]}, {row[2]}] {_DTYPE_CODES[row[3]] if row[3] >= 0 else 'unsupported'}"
+            for r, row in enumerate(table)
+        )
+        raise ValueError(f"q and k must have the same feature dimension and dtype on every rank; got {described}")
+    return RingLayout(
+        rank=rank,
+        world=world,
+        q_sizes=tuple(row[0] for row in table),
+        k_sizes=tuple(row[1] for row in table),
+        group=group,
+    )

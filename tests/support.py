@@ -1,0 +1,96 @@
+"""Shared test parameters, the float64 ground truth, and a verbose allclose."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from infcl.backends import unavailable_reason
+
+# Deliberately odd sizes: none is a multiple of a tile; 1 and D=1 are the degenerate ends.
+ODD_BATCHES = (1, 7, 129, 257, 1000)
+ODD_DIMS = (1, 3, 384, 1000)
+
+# (dtype, atol, rtol) for comparing against the float64 truth. fp32 is held to round-off; the low
+# precision dtypes are additionally held to "no worse than torch itself in that dtype" (assert_no_worse).
+DTYPE_TOLERANCES = (
+    (torch.float64, 1e-10, 1e-10),
+    (torch.float32, 1e-5, 1e-5),
+    (torch.bfloat16, 5e-3, 2e-2),
+    (torch.float16, 1e-3, 5e-3),
+)
+TOLERANCE = {dtype: (atol, rtol) for dtype, atol, rtol in DTYPE_TOLERANCES}
+
+
+def tiled_backends(device: str = "cpu"):
+    """Every non-reference backend that can run on ``device`` here (triton under TRITON_INTERPRET=1)."""
+    names = ["torch"]
+    for name in ("cpu", "triton"):
+        if unavailable_reason(name, torch.device(device)) is None:
+            names.append(name)
+    return names
+
+
+def vanilla_loss(q, k, labels=None, scale=1.0, symmetric=False, reduction="mean"):
+    """The vanilla loss by F.cross_entropy on materialized logits, in whatever dtype q and k have."""
+    logits = scale * q @ k.T
+    if labels is None:
+        labels = torch.arange(q.shape[0], device=q.device)
+    rows = F.cross_entropy(logits, labels, reduction="none")
+    per_item = rows
+    if symmetric:
+        cols = F.cross_entropy(logits.T, torch.argsort(labels), reduction="none")
+        per_item = (rows + cols) / 2
+    return {"mean": per_item.mean, "sum": per_item.sum, "none": lambda: per_item}[reduction]()
+
+
+def grads_of(fn, q, k, scale, upstream=None):
+    """(loss, dq, dk, dscale) of ``fn(q, k, scale)`` with the given upstream gradient (default ones)."""
+    q = q.detach().requires_grad_(True)
+    k = k.detach().requires_grad_(True)
+    scale = scale.detach().requires_grad_(True)
+    loss = fn(q, k, scale)
+    grad_out = torch.ones_like(loss) if upstream is None else upstream.to(loss.dtype)
+    dq, dk, ds = torch.autograd.grad(loss, (q, k, scale), grad_out)
+    return loss.detach(), dq, dk, ds
+
+
+def assert_close_verbose(actual, expected, atol, rtol, what=""):
+    """torch.testing-style check that prints the worst offending entries when it fails."""
+    actual = actual.detach().to(torch.float64).cpu()
+    expected = expected.detach().to(torch.float64).cpu()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+    assert torch.equal(nan_a, nan_e), f"{what}: NaN pattern differs ({int(nan_a.sum())} vs {int(nan_e.sum())} NaNs)"
+    err = (actual - expected).abs().nan_to_num(0.0)
+    bound = atol + rtol * expected.abs().nan_to_num(0.0)
+    bad = err > bound
+    if bad.any():
+        flat = (err - bound).flatten()
+        worst = torch.topk(flat, min(5, flat.numel())).indices
+        lines = []
+        for i in worst.tolist():
+            idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), actual.shape)) if actual.dim() else ()
+            lines.append(f"  at {idx}: got {actual.flatten()[i]:.8g}, expected {expected.flatten()[i]:.8g}")
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{bad.numel()} entries beyond atol={atol} rtol={rtol}; "
+            f"max abs err {err.max():.3g}\n" + "\n".join(lines)
+        )
+
+
+def assert_no_worse(ours, torch_lowp, truth, atol, rtol, what=""):
+    """Low precision: |ours - truth| <= |torch_in_dtype - truth| + (atol + rtol*|truth|), elementwise."""
+    ours, torch_lowp, truth = (t.detach().to(torch.float64).cpu() for t in (ours, torch_lowp, truth))
+    slack = (torch_lowp - truth).abs() + atol + rtol * truth.abs()
+    err = (ours - truth).abs()
+    bad = err > slack
+    if bad.any():
+        i = int(torch.argmax((err - slack).flatten()))
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{bad.numel()} entries worse than torch's own low-precision error; "
+            f"worst: ours err {err.flatten()[i]:.3g} vs torch err {(torch_lowp - truth).abs().flatten()[i]:.3g}"
+        )
+
+
+def interpreting_triton() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
