@@ -23,14 +23,24 @@ class LossPlan:
     layout: RingLayout
 
 
+def _losses(lse: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """lse - pos, with NaN wherever the log-sum-exp is not finite.
+
+    An infinite log-sum-exp means an infinite logit in that row (or column); F.cross_entropy turns
+    every such row into NaN (inf - inf inside its log-softmax), and so do we: never a silent inf or
+    finite number from non-finite features.
+    """
+    return torch.where(torch.isfinite(lse), lse - pos, float("nan"))
+
+
 class InfLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
         scale_value = float(scale)
         fwd = ring_forward(q, k, scale_value, labels, plan.symmetric, plan.backend, plan.layout)
-        row_loss = fwd.row_lse - fwd.row_pos
+        row_loss = _losses(fwd.row_lse, fwd.row_pos)
         if plan.symmetric:
-            col_loss = fwd.col_lse - fwd.col_pos
+            col_loss = _losses(fwd.col_lse, fwd.col_pos)
             ctx.save_for_backward(q, k, labels, fwd.row_lse, fwd.col_lse)
         else:
             col_loss = row_loss.new_empty(0)
