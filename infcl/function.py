@@ -8,6 +8,7 @@ upstream per-row / per-column gradients to the driver, which recomputes the tile
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .backends.base import BlockBackend
 from .ring.driver import ring_backward, ring_forward
@@ -52,6 +53,7 @@ class InfLossFunction(torch.autograd.Function):
         return row_loss, col_loss
 
     @staticmethod
+    @once_differentiable  # the backward is itself a tiled loop: no double backward
     def backward(ctx, g_row, g_col):
         plan: LossPlan = ctx.plan
         q, k, labels, row_lse, *rest = ctx.saved_tensors
