@@ -28,6 +28,16 @@ DIMS = (16, 40, 72, 200)  # 16: one exact chunk; 40: one masked chunk; 72, 200: 
 GRAD_NAMES = ("loss", "dq", "dk", "dscale")
 
 
+@pytest.fixture(autouse=True)
+def gpu_tiling(monkeypatch):
+    """Run every test with the GPU's tile sizes (the interpreter would otherwise pick one big tile)."""
+    from infcl.backends import triton_backend
+    from infcl.kernels import triton_backward, triton_lse_forward
+
+    monkeypatch.setattr(triton_backend.BACKEND, "forward_config", triton_lse_forward.DEFAULT_CONFIG)
+    monkeypatch.setattr(triton_backend.BACKEND, "backward_config", triton_backward.DEFAULT_CONFIG)
+
+
 def _inputs(bq, bk, dim, seed=0, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(bq, dim, generator=gen, dtype=torch.float64)
@@ -135,6 +145,17 @@ def test_small_tiles_many_blocks(monkeypatch):
     _assert_exact(ours, truth, torch.float64, "small tiles")
 
 
+def test_default_tiles(monkeypatch):
+    """No config: the interpreter's big tiles here (INTERPRETER_CONFIG), the GPU's defaults on a GPU."""
+    from infcl.backends import triton_backend
+
+    monkeypatch.setattr(triton_backend.BACKEND, "forward_config", None)
+    monkeypatch.setattr(triton_backend.BACKEND, "backward_config", None)
+    q, k, scale = _inputs(260, 260, 1030, seed=15, dtype=torch.float32)
+    ours, truth = _compare(q, k, scale, _labels(260, 260, True), symmetric=True)
+    _assert_exact(ours, truth, torch.float32, "default tiles")
+
+
 def test_block_contract_matches_torch_tiles():
     """forward_block/backward_block alone: same outputs as the torch tiles, accumulating into given dq/dk."""
     from infcl.backends.torch_tiles import TORCH_TILES
@@ -186,6 +207,8 @@ def test_bad_launch_options_raise():
 
     with pytest.raises(ValueError, match="block_m"):
         TileConfig(block_m=8, block_n=64)
+    with pytest.raises(ValueError, match="max_block_d"):
+        TileConfig(block_m=64, block_n=64, max_block_d=48)
     with pytest.raises(ValueError, match="precision"):
         launch_options(torch.float32, "fast")
 

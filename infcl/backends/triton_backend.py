@@ -25,7 +25,8 @@ else:
 class TritonBackend:
     """``precision``: tl.dot input precision for float32 ("ieee", "tf32"; None follows
     torch.backends.cuda.matmul.allow_tf32). ``forward_config`` / ``backward_config``: block sizes
-    (None: each kernel module's DEFAULT_CONFIG, or the autotuner under INFCL_AUTOTUNE=1)."""
+    (None: each kernel module's DEFAULT_CONFIG, the interpreter's big tiles under TRITON_INTERPRET=1, or
+    the autotuner under INFCL_AUTOTUNE=1)."""
 
     name = "triton"
 

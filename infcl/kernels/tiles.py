@@ -24,7 +24,8 @@ import triton.language as tl
 
 # tl.dot needs every side of both operands to be at least 16 (the MMA instruction shapes).
 MIN_DOT = 16
-# Widest feature chunk: a q chunk, a k chunk and the fp32 S tile must fit in registers; larger D loops.
+# Widest feature chunk on a GPU: a q chunk, a k chunk and the fp32 S tile must fit in registers;
+# larger D loops over chunks.
 MAX_BLOCK_D = 64
 # Full autotuning is opt-in: it benchmarks every config on the first call of each key (seconds).
 AUTOTUNE_ENV = "INFCL_AUTOTUNE"
@@ -52,15 +53,17 @@ def autotuning() -> bool:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Block sizes and launch parameters of one kernel (BLOCK_D follows D, see :func:`block_d`)."""
+    """Block sizes and launch parameters of one kernel. BLOCK_D follows D up to ``max_block_d``
+    (see :func:`block_d`)."""
 
     block_m: int
     block_n: int
+    max_block_d: int = MAX_BLOCK_D
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
+        for name in ("block_m", "block_n", "max_block_d"):
             value = getattr(self, name)
             if value < MIN_DOT or value & (value - 1):
                 raise ValueError(f"TileConfig.{name} must be a power of two >= {MIN_DOT}, got {value}")
@@ -71,9 +74,22 @@ class TileConfig:
         )
 
 
-def block_d(dim: int) -> int:
-    """Feature chunk: D rounded up to a power of two, at least MIN_DOT, at most MAX_BLOCK_D."""
-    return min(max(triton.next_power_of_2(dim), MIN_DOT), MAX_BLOCK_D)
+# Under the interpreter a kernel costs ~1 ms of Python per tile operation whatever the tile's size,
+# while the flops are numpy's: few big tiles run fastest (B=1000, D=1000 takes minutes with the GPU's
+# 64-wide tiles, about a second with these). Tests check the GPU tiling explicitly.
+INTERPRETER_CONFIG = TileConfig(block_m=256, block_n=256, max_block_d=1024)
+
+
+def block_d(dim: int, max_block_d: int = MAX_BLOCK_D) -> int:
+    """Feature chunk: D rounded up to a power of two, at least MIN_DOT, at most ``max_block_d``."""
+    return min(max(triton.next_power_of_2(dim), MIN_DOT), max_block_d)
+
+
+def pick_config(config, default: TileConfig) -> TileConfig:
+    """The caller's config, else the interpreter's big tiles under TRITON_INTERPRET=1, else ``default``."""
+    if config is not None:
+        return config
+    return INTERPRETER_CONFIG if INTERPRETED else default
 
 
 def launch_options(dtype: torch.dtype, precision=None) -> dict:

@@ -27,7 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import MIN_DOT, TileConfig, autotuning, block_d, launch_options, load_tile, score_tile, tile_dot
+from .tiles import (
+    MIN_DOT,
+    TileConfig,
+    autotuning,
+    block_d,
+    launch_options,
+    load_tile,
+    pick_config,
+    score_tile,
+    tile_dot,
+)
 
 
 @triton.jit
@@ -129,9 +139,9 @@ def lse_backward(
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]),)  # noqa: E731
         _lse_backward_autotuned[grid](*args, HAS_COL=has_col, BLOCK_D=block_d(dim), **opts)
     else:
-        cfg = config or DEFAULT_CONFIG
+        cfg = pick_config(config, DEFAULT_CONFIG)
         _lse_backward_kernel[(triton.cdiv(n_q, cfg.block_m),)](
-            *args, HAS_COL=has_col, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(dim),
+            *args, HAS_COL=has_col, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(dim, cfg.max_block_d),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
         )
     sums = dscale.sum(dim=0)

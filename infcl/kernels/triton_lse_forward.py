@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import MIN_DOT, TileConfig, autotuning, block_d, launch_options, score_tile
+from .tiles import MIN_DOT, TileConfig, autotuning, block_d, launch_options, pick_config, score_tile
 
 
 @triton.jit
@@ -70,8 +70,9 @@ def lse_forward(q: torch.Tensor, k: torch.Tensor, scale: float, precision=None, 
     """Row log-sum-exps of scale * q @ k.T: [Bq] in the accumulation dtype.
 
     ``precision`` picks tl.dot's input precision for float32 inputs ("ieee", "tf32"; None follows
-    torch.backends.cuda.matmul.allow_tf32). ``config`` overrides :data:`DEFAULT_CONFIG` (tests use
-    small blocks to cover many tiles); with INFCL_AUTOTUNE=1 and no ``config`` the kernel is autotuned.
+    torch.backends.cuda.matmul.allow_tf32). ``config`` overrides :data:`DEFAULT_CONFIG` (under the
+    interpreter: :data:`infcl.kernels.tiles.INTERPRETER_CONFIG`); with INFCL_AUTOTUNE=1 on a GPU and no
+    ``config`` the kernel is autotuned.
     """
     opts = launch_options(q.dtype, precision)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -84,9 +85,9 @@ def lse_forward(q: torch.Tensor, k: torch.Tensor, scale: float, precision=None, 
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]),)  # noqa: E731
         _lse_forward_autotuned[grid](*args, BLOCK_D=block_d(dim), **opts)
         return lse
-    cfg = config or DEFAULT_CONFIG
+    cfg = pick_config(config, DEFAULT_CONFIG)
     _lse_forward_kernel[(triton.cdiv(n_q, cfg.block_m),)](
-        *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(dim),
+        *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(dim, cfg.max_block_d),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return lse
