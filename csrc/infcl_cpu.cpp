@@ -1,0 +1,494 @@
+// infcl native CPU kernel: the two block operations of the contrastive loss (see
+// infcl/backends/base.py for the contract), fused so each S tile is produced by one BLAS call and
+// consumed while it is still in cache.
+//
+//   forward_block(q [Bq,D], k [Bk,D], scale, want_cols) -> (row_lse [Bq], col_lse [Bk] or [0])
+//   backward_block(q, k, scale, row_lse, g_row, col_lse?, g_col?, dq!, dk!) -> dscale [2] (row, col)
+//
+// Parallel layout: the Bq rows are cut into `lanes` contiguous row ranges (one per thread). Each lane
+// walks its rows in TILE_Q x TILE_K tiles of S = scale * q @ k.T; every product is a single-threaded
+// BLAS call on a cache-sized tile (at::mm_out / addmm_ for float32 and float64, MKL's
+// bf16 x bf16 -> fp32 GEMM for bfloat16). Row results belong to one lane; column results (the column
+// log-sum-exp partials in the forward, dk in the backward) are kept per lane and summed in lane
+// order at the end. Partition and merge order depend only on the shapes and the thread count, never
+// on scheduling, so results are bit-identical run to run.
+//
+// Extra memory: the tile buffers, O(lanes * Bk) column partials and (lanes - 1) dk partials of
+// [Bk, D] (plus float32 copies of q and k for float16 inputs) -- never O(Bq * Bk).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace infcl {
+namespace {
+
+// Tile of S: 256 query rows x 512 key columns of float32 = 512 KiB, which with its q and k panels
+// stays inside one core's 2 MiB L2 on the machines we measured, while every product still has a
+// reduction dimension (D, TILE_K or TILE_Q) long enough for BLAS to run at its full rate.
+constexpr int64_t TILE_Q = 256;
+constexpr int64_t TILE_K = 512;
+// A lane gets at least this many rows: below it, splitting the rows over threads costs more in
+// small, inefficient GEMMs than it gains.
+constexpr int64_t MIN_ROWS_PER_LANE = 32;
+
+// ---------------------------------------------------------------------------------------------
+// Vectorizable exp. std::exp does not auto-vectorize without -ffast-math (which would also break
+// NaN propagation), so this is the Cephes expf algorithm written branch-free: n = round(x / ln2),
+// r = x - n ln2 (two-constant Cody-Waite), exp(r) by a degree-7 minimax polynomial, times 2^n.
+// Max error about 1 ulp on the range we use (x <= 0 up to rounding). NaN in gives NaN out; results
+// below FLT_MIN flush to 0 (their contribution to any sum here is below float32 resolution).
+constexpr float LOG2E = 1.44269504088896341f;    // 1 / ln(2)
+constexpr float LN2_HI = 0.693359375f;           // ln(2) split: hi part exact in 9 bits ...
+constexpr float LN2_LO = -2.12194440e-4f;        // ... lo = ln(2) - hi
+constexpr float EXP_HI = 88.7228391f;            // log(FLT_MAX): above it exp overflows to inf
+constexpr float EXP_LO = -87.3365448f;           // log(FLT_MIN): below it we return 0
+constexpr float ROUND_MAGIC = 12582912.0f;       // 1.5 * 2^23: adding it rounds to an integer
+
+inline float pow2_int(int32_t n) {
+  // 2^n for n in [-126, 127] by building the exponent field directly.
+  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float exp_f32(float x) {
+  float xc = x >= EXP_LO ? x : EXP_LO;  // NaN compares false and is clamped here; restored below
+  xc = xc <= EXP_HI ? xc : EXP_HI;
+  const float n = (xc * LOG2E + ROUND_MAGIC) - ROUND_MAGIC;
+  float r = xc - n * LN2_HI;
+  r = r - n * LN2_LO;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  // n can reach 128 at the top of the range: apply 2^n as two in-range factors.
+  const int32_t ni = static_cast<int32_t>(n);
+  const int32_t n1 = ni >> 1;
+  float y = p * pow2_int(n1) * pow2_int(ni - n1);
+  y = x < EXP_LO ? 0.0f : y;
+  y = x > EXP_HI ? std::numeric_limits<float>::infinity() : y;
+  return x != x ? x : y;
+}
+
+inline float fast_exp(float x) { return exp_f32(x); }
+inline double fast_exp(double x) { return std::exp(x); }  // float64 is the exact path, not the fast one
+
+template <typename T>
+inline T nan_max(T a, T b) {
+  // max that keeps a NaN from either side.
+  return (a > b || a != a) ? a : b;
+}
+
+// exp(old - new) for rescaling a running sum when its running max grows; 1 when the max did not
+// move (this also covers old == new == -inf, where the difference would be NaN).
+template <typename T>
+inline T rescale_factor(T old_max, T new_max) {
+  return old_max == new_max ? T(1) : fast_exp(old_max - new_max);
+}
+
+// float -> bfloat16 bits, round to nearest even, written so it vectorizes; NaN stays NaN.
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM on row-major 2-D tiles: C[M,N] = alpha * op(A) @ op(B) + beta * C, op = transpose or not.
+// float32 / float64 go through ATen (at::mm_out / addmm_, i.e. MKL or whatever BLAS torch uses);
+// bfloat16 needs an fp32 output that at::mm cannot give on CPU, so it calls MKL's
+// cblas_gemm_bf16bf16f32 when the torch build exports it (weak symbol: absent -> float32 path).
+
+extern "C" {
+// MKL's CBLAS enums and LP64 signature.
+enum { kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112 };
+void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                            const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                            int ldc) __attribute__((weak));
+}
+
+bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
+
+template <typename T>
+at::Tensor view2d(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+  // A (rows x cols) row-major view with leading dimension ld, transposed if asked.
+  auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  at::Tensor t = at::from_blob(const_cast<T*>(data), {rows, cols}, {ld, 1}, opts);
+  return trans ? t.t() : t;
+}
+
+template <typename T>
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  at::Tensor av = ta ? view2d(a, k, m, lda, true) : view2d(a, m, k, lda, false);
+  at::Tensor bv = tb ? view2d(b, n, k, ldb, true) : view2d(b, k, n, ldb, false);
+  at::Tensor cv = view2d(c, m, n, ldc, false);
+  if (beta == T(0) && alpha == T(1)) {
+    at::mm_out(cv, av, bv);
+  } else {
+    cv.addmm_(av, bv, beta, alpha);
+  }
+}
+
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a, int64_t lda,
+          const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_gemm_bf16bf16f32(kCblasRowMajor, ta ? kCblasTrans : kCblasNoTrans, tb ? kCblasTrans : kCblasNoTrans,
+                         static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha,
+                         reinterpret_cast<const uint16_t*>(a), static_cast<int>(lda),
+                         reinterpret_cast<const uint16_t*>(b), static_cast<int>(ldb), beta, c,
+                         static_cast<int>(ldc));
+}
+
+// The input type, its accumulation type, and the type dS is handed to the dq / dk products in.
+template <typename In>
+struct Types {
+  using acc = In;
+  using ds = In;
+};
+template <>
+struct Types<at::BFloat16> {
+  using acc = float;
+  using ds = at::BFloat16;
+};
+
+// dS as handed to the dq / dk products. float32 / float64: itself. bfloat16: a compensated pair
+// hi = bf16(v), lo = bf16(v - hi) in two tiles `plane` elements apart, so hi + lo carries ~16 bits:
+// rounding dS to one bf16 would cost up to 2^-9 * |dS| per entry, which is not small next to the
+// gradient when it nearly cancels against the positive logit's term (added later by the ring driver).
+template <typename Acc>
+inline void store_ds(Acc* dst, int64_t i, int64_t /*plane*/, Acc v) { dst[i] = v; }
+inline void store_ds(at::BFloat16* dst, int64_t i, int64_t plane, float v) {
+  const uint16_t hi = to_bf16_bits(v);
+  const uint32_t hi_f_bits = static_cast<uint32_t>(hi) << 16;
+  float hi_f;
+  std::memcpy(&hi_f, &hi_f_bits, sizeof hi_f);
+  const uint16_t lo = to_bf16_bits(v - hi_f);
+  std::memcpy(dst + i, &hi, sizeof hi);
+  std::memcpy(dst + plane + i, &lo, sizeof lo);
+}
+// How many dS planes each dq / dk product runs over.
+template <typename DS, typename Acc>
+constexpr int ds_planes() { return std::is_same<DS, Acc>::value ? 1 : 2; }
+
+// Rows [begin, end) of lane `lane` out of `lanes` equal contiguous ranges of n rows.
+inline int64_t lane_start(int64_t n, int64_t lanes, int64_t lane) { return n * lane / lanes; }
+
+int64_t lane_count(int64_t rows) {
+  const int64_t by_size = std::max<int64_t>(1, rows / MIN_ROWS_PER_LANE);
+  return std::min<int64_t>(at::get_num_threads(), by_size);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward: running (max, sum) per row of the lane's current row tile and per column of the lane's
+// column partial; a tile is read twice from cache (max pass, exp pass), never written back to memory.
+
+template <typename In>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool want_cols, at::Tensor& row_lse,
+                  at::Tensor& col_lse) {
+  using Acc = typename Types<In>::acc;
+  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
+  const In* qp = q.data_ptr<In>();
+  const In* kp = k.data_ptr<In>();
+  const Acc scale = static_cast<Acc>(scale_d);
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  const int64_t lanes = lane_count(bq);
+  // Column partials per lane: running max (Acc) and running sum (double, it sums Bq terms).
+  std::vector<Acc> col_max(want_cols ? lanes * bk : 0, neg_inf);
+  std::vector<double> col_sum(want_cols ? lanes * bk : 0, 0.0);
+  Acc* out_row = row_lse.data_ptr<Acc>();
+
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
+    std::vector<Acc> s(tq * tk), tile_col_max(tk), tile_col_sum(tk);
+    std::vector<Acc> row_max(tq);
+    std::vector<double> row_sum(tq);
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      Acc* cmax = want_cols ? col_max.data() + lane * bk : nullptr;
+      double* csum = want_cols ? col_sum.data() + lane * bk : nullptr;
+      const int64_t r_end = lane_start(bq, lanes, lane + 1);
+      for (int64_t i0 = lane_start(bq, lanes, lane); i0 < r_end; i0 += tq) {
+        const int64_t ni = std::min(tq, r_end - i0);
+        std::fill(row_max.begin(), row_max.end(), neg_inf);
+        std::fill(row_sum.begin(), row_sum.end(), 0.0);
+        for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+          const int64_t nj = std::min(tk, bk - j0);
+          gemm(false, true, ni, nj, d, Acc(1), qp + i0 * d, d, kp + j0 * d, d, Acc(0), s.data(), nj);
+          // Pass 1: scale in place; tile row and column maxima.
+          std::fill(tile_col_max.begin(), tile_col_max.begin() + nj, neg_inf);
+          Acc* tcm = tile_col_max.data();
+          for (int64_t r = 0; r < ni; ++r) {
+            Acc* sr = s.data() + r * nj;
+            Acc m = neg_inf;
+#pragma omp simd reduction(max : m)
+            for (int64_t c = 0; c < nj; ++c) {
+              const Acc v = sr[c] * scale;
+              sr[c] = v;
+              m = m > v ? m : v;
+              tcm[c] = tcm[c] > v ? tcm[c] : v;
+            }
+            const Acc new_max = nan_max(row_max[r], m);
+            row_sum[r] *= rescale_factor(row_max[r], new_max);
+            row_max[r] = new_max;
+          }
+          if (want_cols) {
+            for (int64_t c = 0; c < nj; ++c) {
+              const Acc new_max = nan_max(cmax[j0 + c], tcm[c]);
+              csum[j0 + c] *= rescale_factor(cmax[j0 + c], new_max);
+              cmax[j0 + c] = new_max;
+              tile_col_sum[c] = 0;
+            }
+          }
+          // Pass 2: exp against the updated maxima; row sums and (optionally) column sums.
+          const Acc* cm = want_cols ? cmax + j0 : nullptr;
+          Acc* tcs = tile_col_sum.data();
+          for (int64_t r = 0; r < ni; ++r) {
+            const Acc* sr = s.data() + r * nj;
+            const Acc rm = row_max[r];
+            Acc acc = 0;
+            if (want_cols) {
+#pragma omp simd reduction(+ : acc)
+              for (int64_t c = 0; c < nj; ++c) {
+                acc += fast_exp(sr[c] - rm);
+                tcs[c] += fast_exp(sr[c] - cm[c]);
+              }
+            } else {
+#pragma omp simd reduction(+ : acc)
+              for (int64_t c = 0; c < nj; ++c) acc += fast_exp(sr[c] - rm);
+            }
+            row_sum[r] += acc;
+          }
+          if (want_cols) {
+            for (int64_t c = 0; c < nj; ++c) csum[j0 + c] += tcs[c];
+          }
+        }
+        for (int64_t r = 0; r < ni; ++r) out_row[i0 + r] = static_cast<Acc>(row_max[r] + std::log(row_sum[r]));
+      }
+    }
+  });
+
+  if (want_cols) {
+    // Merge the lanes' column partials in lane order: lse = M + log(sum_p sum_p * exp(max_p - M)).
+    Acc* out_col = col_lse.data_ptr<Acc>();
+    at::parallel_for(0, bk, 1024, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        Acc m = neg_inf;
+        for (int64_t p = 0; p < lanes; ++p) m = nan_max(m, col_max[p * bk + c]);
+        double total = 0.0;
+        for (int64_t p = 0; p < lanes; ++p) total += col_sum[p * bk + c] * rescale_factor(col_max[p * bk + c], m);
+        out_col[c] = static_cast<Acc>(m + std::log(total));
+      }
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: per tile, raw = q_i @ k_j.T once; one fused pass forms
+//   P_row = g_row * exp(scale*raw - row_lse),  P_col = g_col * exp(scale*raw - col_lse),
+// adds P_row*raw and P_col*raw to the split scale gradient and stores dS = P_row + P_col over raw;
+// then dq_i += scale * dS @ k_j and dk_j += scale * dS.T @ q_i.
+
+template <typename In>
+void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, const at::Tensor& row_lse,
+                   const at::Tensor& g_row, const at::Tensor& col_lse, const at::Tensor& g_col, at::Tensor& dq,
+                   at::Tensor& dk, at::Tensor& dscale) {
+  using Acc = typename Types<In>::acc;
+  using DS = typename Types<In>::ds;
+  const bool both = col_lse.defined();
+  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
+  const In* qp = q.data_ptr<In>();
+  const In* kp = k.data_ptr<In>();
+  const Acc scale = static_cast<Acc>(scale_d);
+  const Acc* lse_r = row_lse.data_ptr<Acc>();
+  const Acc* g_r = g_row.data_ptr<Acc>();
+  const Acc* lse_c = both ? col_lse.data_ptr<Acc>() : nullptr;
+  const Acc* g_c = both ? g_col.data_ptr<Acc>() : nullptr;
+  Acc* dqp = dq.data_ptr<Acc>();
+  const int64_t lanes = lane_count(bq);
+  // Lane 0 accumulates straight into dk; every other lane into its own [Bk, D] partial.
+  at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
+  std::vector<double> ds_row(lanes, 0.0), ds_col(lanes, 0.0);
+
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
+    std::vector<Acc> raw(tq * tk);
+    // float32 / float64 overwrite raw with dS in place; bfloat16 writes its (hi, lo) planes apart.
+    constexpr int planes = ds_planes<DS, Acc>();
+    const int64_t plane = tq * tk;
+    std::vector<DS> ds_buf(planes == 1 ? 0 : planes * plane);
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
+      DS* ds = std::is_same<DS, Acc>::value ? reinterpret_cast<DS*>(raw.data()) : ds_buf.data();
+      double lane_row = 0.0, lane_col = 0.0;
+      const int64_t r_end = lane_start(bq, lanes, lane + 1);
+      for (int64_t i0 = lane_start(bq, lanes, lane); i0 < r_end; i0 += tq) {
+        const int64_t ni = std::min(tq, r_end - i0);
+        for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+          const int64_t nj = std::min(tk, bk - j0);
+          gemm(false, true, ni, nj, d, Acc(1), qp + i0 * d, d, kp + j0 * d, d, Acc(0), raw.data(), nj);
+          Acc tile_row = 0, tile_col = 0;
+          for (int64_t r = 0; r < ni; ++r) {
+            Acc* rr = raw.data() + r * nj;
+            DS* dr = ds + r * nj;
+            const Acc lr = lse_r[i0 + r], gr = g_r[i0 + r];
+            Acc acc_r = 0, acc_c = 0;
+            if (both) {
+              const Acc* lc = lse_c + j0;
+              const Acc* gc = g_c + j0;
+#pragma omp simd reduction(+ : acc_r, acc_c)
+              for (int64_t c = 0; c < nj; ++c) {
+                const Acc x = rr[c], sv = x * scale;
+                const Acc pr = gr * fast_exp(sv - lr);
+                const Acc pc = gc[c] * fast_exp(sv - lc[c]);
+                acc_r += pr * x;
+                acc_c += pc * x;
+                store_ds(dr, c, plane, pr + pc);
+              }
+            } else {
+#pragma omp simd reduction(+ : acc_r)
+              for (int64_t c = 0; c < nj; ++c) {
+                const Acc x = rr[c];
+                const Acc pr = gr * fast_exp(x * scale - lr);
+                acc_r += pr * x;
+                store_ds(dr, c, plane, pr);
+              }
+            }
+            tile_row += acc_r;
+            tile_col += acc_c;
+          }
+          lane_row += tile_row;
+          lane_col += tile_col;
+          for (int p = 0; p < planes; ++p) {
+            const DS* dsp = ds + p * plane;
+            gemm(false, false, ni, d, nj, scale, dsp, nj, kp + j0 * d, d, Acc(1), dqp + i0 * d, d);
+            gemm(true, false, nj, d, ni, scale, dsp, nj, qp + i0 * d, d, Acc(1), dkp + j0 * d, d);
+          }
+        }
+      }
+      ds_row[lane] = lane_row;
+      ds_col[lane] = lane_col;
+    }
+  });
+
+  for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
+  double total_row = 0.0, total_col = 0.0;
+  for (int64_t p = 0; p < lanes; ++p) {
+    total_row += ds_row[p];
+    total_col += ds_col[p];
+  }
+  dscale[0] = total_row;
+  dscale[1] = total_col;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Op entry points: validate, bring inputs into the layout the kernels read (contiguous; float16 as
+// float32, bfloat16 as float32 when MKL's bf16 GEMM is missing), dispatch on dtype.
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_features(const at::Tensor& q, const at::Tensor& k) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "infcl native: q and k must be CPU tensors");
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2, "infcl native: q and k must be 2-d, got ", q.sizes(), " and ",
+              k.sizes());
+  TORCH_CHECK(q.size(1) == k.size(1), "infcl native: q ", q.sizes(), " and k ", k.sizes(), " differ in D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "infcl native: q and k dtypes differ");
+  const auto t = q.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf,
+              "infcl native: unsupported dtype ", t);
+}
+
+// The dtype the kernel runs on for inputs of dtype t.
+at::ScalarType kernel_type(at::ScalarType t) {
+  if (t == at::kHalf) return at::kFloat;  // fp16 dS would underflow; float32 copies are exact
+  if (t == at::kBFloat16 && !has_bf16_gemm()) return at::kFloat;
+  return t;
+}
+
+at::Tensor prepared(const at::Tensor& t) { return t.to(kernel_type(t.scalar_type())).contiguous(); }
+
+at::Tensor vector_arg(const at::Tensor& t, int64_t n, at::ScalarType acc, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "infcl native: ", name, " must have shape [", n, "], got ",
+              t.sizes());
+  return t.to(acc).contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                                 bool want_cols) {
+  check_features(q_in, k_in);
+  const auto acc = acc_type(q_in.scalar_type());
+  at::Tensor q = prepared(q_in), k = prepared(k_in);
+  at::Tensor row_lse = at::empty({q.size(0)}, q_in.options().dtype(acc));
+  at::Tensor col_lse = at::empty({want_cols ? k.size(0) : 0}, q_in.options().dtype(acc));
+  switch (q.scalar_type()) {
+    case at::kFloat: forward_impl<float>(q, k, scale, want_cols, row_lse, col_lse); break;
+    case at::kDouble: forward_impl<double>(q, k, scale, want_cols, row_lse, col_lse); break;
+    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, want_cols, row_lse, col_lse); break;
+    default: TORCH_CHECK(false, "infcl native: unreachable dtype");
+  }
+  return {row_lse, col_lse};
+}
+
+at::Tensor backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale, const at::Tensor& row_lse,
+                          const at::Tensor& g_row, const std::optional<at::Tensor>& col_lse,
+                          const std::optional<at::Tensor>& g_col, at::Tensor& dq, at::Tensor& dk) {
+  check_features(q_in, k_in);
+  const auto acc = acc_type(q_in.scalar_type());
+  const int64_t bq = q_in.size(0), bk = k_in.size(0);
+  TORCH_CHECK(col_lse.has_value() == g_col.has_value(), "infcl native: col_lse and g_col go together");
+  TORCH_CHECK(dq.scalar_type() == acc && dk.scalar_type() == acc, "infcl native: dq and dk must be ", acc);
+  TORCH_CHECK(dq.sizes() == q_in.sizes() && dk.sizes() == k_in.sizes(), "infcl native: dq ", dq.sizes(),
+              " / dk ", dk.sizes(), " must match q ", q_in.sizes(), " / k ", k_in.sizes());
+  at::Tensor q = prepared(q_in), k = prepared(k_in);
+  at::Tensor lr = vector_arg(row_lse, bq, acc, "row_lse"), gr = vector_arg(g_row, bq, acc, "g_row");
+  at::Tensor lc, gc;
+  if (col_lse.has_value()) {
+    lc = vector_arg(*col_lse, bk, acc, "col_lse");
+    gc = vector_arg(*g_col, bk, acc, "g_col");
+  }
+  // Accumulate into contiguous buffers; copy back only when the caller's dq / dk are strided.
+  at::Tensor dq_c = dq.is_contiguous() ? dq : dq.contiguous();
+  at::Tensor dk_c = dk.is_contiguous() ? dk : dk.contiguous();
+  at::Tensor dscale = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
+  switch (q.scalar_type()) {
+    case at::kFloat: backward_impl<float>(q, k, scale, lr, gr, lc, gc, dq_c, dk_c, dscale); break;
+    case at::kDouble: backward_impl<double>(q, k, scale, lr, gr, lc, gc, dq_c, dk_c, dscale); break;
+    case at::kBFloat16: backward_impl<at::BFloat16>(q, k, scale, lr, gr, lc, gc, dq_c, dk_c, dscale); break;
+    default: TORCH_CHECK(false, "infcl native: unreachable dtype");
+  }
+  if (!dq.is_same(dq_c)) dq.copy_(dq_c);
+  if (!dk.is_same(dk_c)) dk.copy_(dk_c);
+  return dscale.to(acc);
+}
+
+bool bf16_gemm_available() { return has_bf16_gemm(); }
+
+}  // namespace
+
+TORCH_LIBRARY(infcl, m) {
+  m.def("forward_block(Tensor q, Tensor k, float scale, bool want_cols) -> (Tensor, Tensor)");
+  m.def(
+      "backward_block(Tensor q, Tensor k, float scale, Tensor row_lse, Tensor g_row, Tensor? col_lse, "
+      "Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
+  m.def("bf16_gemm_available() -> bool", &bf16_gemm_available);
+}
+
+TORCH_LIBRARY_IMPL(infcl, CPU, m) {
+  m.impl("forward_block", &forward_block);
+  m.impl("backward_block", &backward_block);
+}
+
+}  // namespace infcl
