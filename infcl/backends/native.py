@@ -2,7 +2,7 @@
 
 The extension is compiled just-in-time on first use with ``torch.utils.cpp_extension.load`` (ninja)
 and cached in torch's extensions directory (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions/<python>_<torch build>/infcl_cpu``), so it is built once per machine and
+``~/.cache/torch_extensions/<python>_<torch build>/infcl_cpu_<cpu hash>``), so it is built once per machine and
 reloaded in milliseconds afterwards. It registers the custom ops ``torch.ops.infcl.forward_block`` and
 ``torch.ops.infcl.backward_block`` (with fake impls here, so ``torch.compile`` can trace them).
 
@@ -36,6 +36,25 @@ CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
+def _cpu_fingerprint() -> str:
+    """A short hash of this CPU's model and instruction-set flags.
+
+    The build uses -march=native, so a cached binary is only valid on the CPU it was built for; the
+    fingerprint goes into the extension's name, and a home directory shared between different
+    machines gets one cached build per CPU kind instead of an illegal instruction.
+    """
+    import hashlib
+    import platform
+
+    info = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info += "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return hashlib.sha1(info.encode()).hexdigest()[:8]
+
+
 def _build_and_load() -> None:
     """Compile (or reuse the cached build of) csrc/ and load it; raises on any failure."""
     from torch.utils import cpp_extension
@@ -48,7 +67,7 @@ def _build_and_load() -> None:
             "from a checkout (pip install -e .)"
         )
     cpp_extension.load(
-        name=EXTENSION_NAME,
+        name=f"{EXTENSION_NAME}_{_cpu_fingerprint()}",
         sources=[str(p) for p in sources],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
