@@ -29,8 +29,9 @@ CUDA_FREE_FRACTION = 0.5
 
 
 def saved_activation_bytes(model: nn.Module, chunk: Any, model_call: Callable[[nn.Module, Any], Any]) -> int:
-    """Bytes autograd saves for backward in ``model_call(model, chunk)`` (parameters not counted)."""
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Bytes autograd saves for backward in ``model_call(model, chunk)``, parameters and inputs excluded."""
+    resident = [*model.parameters(), *input_tensors(chunk)]
+    skip = {(t.device, t.untyped_storage().data_ptr()) for t in resident}
     seen = set()
     total = 0
 
@@ -38,7 +39,7 @@ def saved_activation_bytes(model: nn.Module, chunk: Any, model_call: Callable[[n
         nonlocal total
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
-        if storage.data_ptr() not in param_storages and key not in seen:
+        if key not in skip and key not in seen:
             seen.add(key)
             total += storage.nbytes()
         return t
