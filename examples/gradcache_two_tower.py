@@ -128,7 +128,8 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         objective(image_tower(images), text_tower(tokens)).backward()
         plain_peak = peak_rss_mib()
-        print(f"plain full-batch step: peak RSS {plain_peak:.0f} MiB (+{plain_peak - baseline:.0f} MiB over the baseline)")
+        print(f"plain full-batch step: peak RSS {plain_peak:.0f} MiB "
+              f"(+{plain_peak - baseline:.0f} MiB over the baseline)")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """``chunk_sizes="auto"``: the largest chunk whose activations fit a memory budget.
 
-One probe chunk of ``PROBE_ROWS`` samples is run forward with grad enabled (RNG snapshot restored
-afterwards, no backward, so parameters and the random stream are untouched). Every tensor autograd
-saves for backward is counted once per storage, parameters excluded: those activations are what a
-chunk holds at its peak and what grows linearly with its size. The chunk is then
-``budget // bytes_per_sample``, clamped to [1, batch]. The estimate ignores temporaries that are
+Two probe chunks, of ``PROBE_ROWS`` and ``2 * PROBE_ROWS`` samples, are run forward with grad enabled
+(RNG snapshot restored afterwards, no backward, so parameters and the random stream are untouched).
+Every tensor autograd saves for backward is counted once per storage, except parameters and the
+chunk's own inputs (a view of the batch, resident anyway): those activations are what a chunk holds
+at its peak. Their difference gives the bytes per sample, which grow with the chunk, apart from the
+fixed part (e.g. autocast's low-precision copies of the weights). The chunk is then
+``(budget - fixed) // bytes_per_sample``, clamped to [1, batch]. The estimate ignores temporaries
 freed during the forward and the gradient buffers, which is why the default CUDA budget is only a
 fraction of the free memory.
 """
@@ -15,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .inputs import batch_size_of, call_model, input_tensors
+from .inputs import batch_size_of, input_tensors
 from .rand_context import RandContext
 
 logger = logging.getLogger(__name__)
@@ -74,16 +76,21 @@ def auto_chunk_size(
         total = batch_size_of(model_input)
     except ValueError:  # e.g. Qwen-VL pixel_values: count samples the way the split function does
         total = len(split(model_input, 1))
-    rows = min(PROBE_ROWS, total)
-    probe = split(model_input, rows)[0]
+    rows = min(PROBE_ROWS, total // 2)
+    if rows == 0:
+        return total
+    small, large = split(model_input, rows)[0], split(model_input, 2 * rows)[0]
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    devices = input_tensors(probe)
     if budget is None:
+        devices = input_tensors(small)
         budget = default_budget(devices[0].device if devices else None)
-    per_sample = saved_activation_bytes(inner, probe, model_call) / rows
-    chunk = total if per_sample == 0 else max(1, min(total, int(budget // per_sample)))
+    small_bytes = saved_activation_bytes(inner, small, model_call)
+    per_sample = max(0, saved_activation_bytes(inner, large, model_call) - small_bytes) / rows
+    fixed = max(0.0, small_bytes - per_sample * rows)
+    chunk = total if per_sample == 0 else max(1, min(total, int((budget - fixed) // per_sample)))
     logger.debug(
-        "GradCache auto chunk for %s: %.0f activation bytes/sample (probe of %d), budget %d bytes -> chunk %d of %d",
-        what, per_sample, rows, budget, chunk, total,
+        "GradCache auto chunk for %s: %.0f activation bytes/sample + %.0f fixed (probes of %d and %d), "
+        "budget %d bytes -> chunk %d of %d",
+        what, per_sample, fixed, rows, 2 * rows, budget, chunk, total,
     )
     return chunk

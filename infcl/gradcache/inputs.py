@@ -46,7 +46,7 @@ def batch_size_of(x: Any) -> int:
     """
     sized = [(path, t) for path, t in tensor_leaves(x) if t.dim() > 0]
     if not sized:
-        raise ValueError(f"cannot split a model input with no tensor of at least one dimension (got {type(x).__name__})")
+        raise ValueError(f"cannot split a model input without a tensor of >= 1 dim (got {type(x).__name__})")
     sizes = {t.shape[0] for _, t in sized}
     if len(sizes) > 1:
         described = ", ".join(f"{path}: {tuple(t.shape)}" for path, t in sized)
