@@ -6,9 +6,19 @@
 
 from .api import cal_inf_loss
 from .backends import BACKENDS
+from .gradcache import GradCache, RandContext, split_vlm_inputs
 from .modules import InfCLIPLoss
 from .reference import cal_inf_loss_reference
 
 __version__ = "0.1.0"
 
-__all__ = ["cal_inf_loss", "cal_inf_loss_reference", "InfCLIPLoss", "BACKENDS", "__version__"]
+__all__ = [
+    "cal_inf_loss",
+    "cal_inf_loss_reference",
+    "InfCLIPLoss",
+    "BACKENDS",
+    "GradCache",
+    "RandContext",
+    "split_vlm_inputs",
+    "__version__",
+]
