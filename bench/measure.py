@@ -35,6 +35,29 @@ class Step:
     measured: Callable[[object], object]  # receives prepare()'s result
 
 
+def loss_step(loss_fn: Callable, q: torch.Tensor, k: torch.Tensor, scale: torch.Tensor, mode: str) -> Step:
+    """The step of ``mode`` ("forward", "backward", "forward+backward") for ``loss_fn(q, k, scale)``.
+
+    Gradients are reset to None before every forward, as ``optimizer.zero_grad(set_to_none=True)`` does,
+    so each run allocates them afresh (they count in the peak memory).
+    """
+
+    def clear_grads():
+        q.grad = k.grad = scale.grad = None
+
+    def forward():
+        clear_grads()
+        return loss_fn(q, k, scale)
+
+    if mode == "forward":
+        return Step(clear_grads, lambda _: forward())
+    if mode == "backward":
+        return Step(forward, lambda loss: loss.backward())
+    if mode == "forward+backward":
+        return Step(clear_grads, lambda _: forward().backward())
+    raise ValueError(f"mode must be forward, backward or forward+backward, got {mode!r}")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -20,8 +20,22 @@ from infcl.backends import unavailable_reason
 
 Tensor = torch.Tensor
 
+# CLIP's initial logit scale, 1 / 0.07.
+LOGIT_SCALE = 1 / 0.07
 # Inf-CL's kernels take D in heads of one of these sizes (its docstring: 16, 32, 64, 128 or 256).
 INF_CL_HEAD_DIMS = (256, 128, 64, 32, 16)
+
+
+def make_inputs(batch: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Leaf tensors (q [B, D], k [B, D] L2-normalized rows in ``dtype``; 0-d fp32 scale), all requiring grad."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def feats():
+        x = F.normalize(torch.randn(batch, dim, generator=gen), dim=-1)
+        return x.to(device=device, dtype=dtype).requires_grad_(True)
+
+    q, k = feats(), feats()
+    return q, k, torch.tensor(LOGIT_SCALE, device=device, requires_grad=True)
 
 
 def _diagonal(q: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ class Sweep:
 ISSUE_BATCHES = (2048, 4096, 8192, 16384)
 
 PRESETS: Dict[str, Tuple[Sweep, ...]] = {
-    "default": (Sweep(batch_sizes=(512, 1024, 2048), dims=(256,), repeats=3),),
+    "default": (Sweep(batch_sizes=(1024, 2048, 4096), dims=(256,), repeats=3),),
     "issue": (
         Sweep(batch_sizes=ISSUE_BATCHES, dims=(512,), repeats=3),
         Sweep(batch_sizes=ISSUE_BATCHES, dims=(512,), dtype="bfloat16", modes=("forward+backward",), repeats=3),

@@ -19,8 +19,9 @@ from infcl.function import InfLossFunction, LossPlan
 from infcl.ring.layout import single_layout
 
 from .gemm import gemm_bound_seconds, measure_gemm
-from .measure import Step, median, time_step
-from .worker import DTYPES, LOGIT_SCALE
+from .measure import Step, loss_step, median, time_step
+from .methods import make_inputs
+from .worker import DTYPES
 
 MODE = "forward+backward"
 
@@ -34,12 +35,11 @@ def tiles_step(q, k, scale, backend: TorchTilesBackend) -> Step:
     labels = torch.arange(q.shape[0], device=q.device)
     plan = LossPlan(backend=backend, symmetric=True, layout=single_layout(q.shape[0], k.shape[0]))
 
-    def run(_):
-        q.grad = k.grad = scale.grad = None
+    def loss_fn(q, k, scale):
         rows, cols = InfLossFunction.apply(q, k, scale, labels, plan)
-        ((rows + cols) / 2).mean().backward()
+        return ((rows + cols) / 2).mean()
 
-    return Step(lambda: None, run)
+    return loss_step(loss_fn, q, k, scale, MODE)
 
 
 def main(argv=None) -> None:
@@ -56,10 +56,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.nn.functional.normalize(torch.randn(args.batch, args.dim, generator=gen), dim=-1)
-            .to(DTYPES[args.dtype]).requires_grad_(True) for _ in range(2))
-    scale = torch.tensor(LOGIT_SCALE, requires_grad=True)
+    q, k, scale = make_inputs(args.batch, args.dim, DTYPES[args.dtype], device)
     gemm = measure_gemm(args.batch, args.dim, DTYPES[args.dtype], device, warmup=1, repeats=args.repeats)
     bound = gemm_bound_seconds(args.batch, args.dim, MODE, gemm["gflops"] * 1e9)
     print(f"B={args.batch} D={args.dim} {args.dtype} symmetric {MODE}, {torch.get_num_threads()} thread(s); "

@@ -9,22 +9,20 @@ OS kills (the Linux OOM killer) is reported as "OOM" too, from its exit signal, 
 import multiprocessing
 import os
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Dict
 
 import torch
 
 from .gemm import measure_gemm
-from .measure import MIB, Step, median, peak_extra_bytes, time_step
-from .methods import METHODS
+from .measure import MIB, Step, loss_step, median, peak_extra_bytes, time_step
+from .methods import METHODS, make_inputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MODES = ("forward", "backward", "forward+backward")
 # Rows of the throw-away first call: it initializes thread pools and lazy kernels without touching
 # full-size buffers, so the measured first full-size call sees only the step's own memory.
 WARMUP_ROWS = 64
-# CLIP's initial logit scale, 1 / 0.07.
-LOGIT_SCALE = 1 / 0.07
 
 
 @dataclass(frozen=True)
@@ -47,35 +45,11 @@ class Job:
         return f"{what} B={self.batch} D={self.dim} {self.dtype}"
 
 
-def _inputs(batch: int, dim: int, dtype: torch.dtype, device: torch.device):
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def feats():
-        x = torch.nn.functional.normalize(torch.randn(batch, dim, generator=gen), dim=-1)
-        return x.to(device=device, dtype=dtype).requires_grad_(True)
-
-    scale = torch.tensor(LOGIT_SCALE, device=device, requires_grad=True)
-    return feats(), feats(), scale
-
-
 def _step(job: Job, batch: int) -> Step:
-    """The (prepare, measured) pair of ``job.mode`` on fresh inputs of ``batch`` rows."""
-    device = torch.device(job.device)
-    q, k, scale = _inputs(batch, job.dim, DTYPES[job.dtype], device)
-    loss_fn = METHODS[job.method].loss
-
-    def clear_grads():
-        q.grad = k.grad = scale.grad = None
-
-    def forward():
-        clear_grads()
-        return loss_fn(q, k, scale, job.symmetric)
-
-    if job.mode == "forward":
-        return Step(clear_grads, lambda _: forward())
-    if job.mode == "backward":
-        return Step(forward, lambda loss: loss.backward())
-    return Step(clear_grads, lambda _: forward().backward())
+    """The step of ``job.mode`` on fresh inputs of ``batch`` rows."""
+    q, k, scale = make_inputs(batch, job.dim, DTYPES[job.dtype], torch.device(job.device))
+    method = METHODS[job.method]
+    return loss_step(lambda q, k, s: method.loss(q, k, s, job.symmetric), q, k, scale, job.mode)
 
 
 def _run_method(job: Job) -> Dict:
@@ -160,7 +134,3 @@ def set_worker_threads(threads: int) -> None:
     """Thread count of every worker; must run before the first job starts the forkserver."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
-
-
-def job_fields(job: Job) -> Dict:
-    return asdict(job)

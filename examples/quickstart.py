@@ -16,27 +16,24 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 # Run from a checkout: the timing and memory helpers live in the benchmark suite next to this folder.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.measure import MIB, Step, median, peak_extra_bytes, time_step  # noqa: E402
+from bench.measure import MIB, loss_step, median, peak_extra_bytes, time_step  # noqa: E402
+from bench.methods import make_inputs, vanilla_loss  # noqa: E402
 from infcl import cal_inf_loss  # noqa: E402
 from infcl.backends import unavailable_reason  # noqa: E402
 
 BACKENDS = ("reference", "torch", "cpu", "triton")
 # Agreement demanded of every backend, relative to the largest magnitude of each float64 quantity.
 MAX_REL_ERR = 1e-4
-LOGIT_SCALE = 1 / 0.07  # CLIP's initial logit scale
 REPEATS = 3
 
 
 def vanilla_clip_loss(q, k, scale):
     """open_clip's ClipLoss: materialized [B, B] logits, cross-entropy both ways."""
-    logits = scale * q @ k.T
-    labels = torch.arange(q.shape[0], device=q.device)
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    return vanilla_loss(q, k, scale, symmetric=True)
 
 
 def loss_and_grads(loss_fn, q, k, scale):
@@ -55,25 +52,13 @@ def max_rel_error(got, truth) -> float:
     )
 
 
-def fwd_bwd_step(loss_fn, q, k, scale) -> Step:
-    q, k, scale = (t.detach().requires_grad_(True) for t in (q, k, scale))
-
-    def run(_):
-        q.grad = k.grad = scale.grad = None
-        loss_fn(q, k, scale).backward()
-
-    return Step(lambda: None, run)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--dim", type=int, default=256)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    gen = torch.Generator().manual_seed(0)
-    q, k = (F.normalize(torch.randn(args.batch, args.dim, generator=gen), dim=-1).to(device) for _ in range(2))
-    scale = torch.tensor(LOGIT_SCALE, device=device)
+    q, k, scale = make_inputs(args.batch, args.dim, torch.float32, device)
     truth = loss_and_grads(vanilla_clip_loss, q.double(), k.double(), scale.double())
     print(f"symmetric CLIP loss, B={args.batch}, D={args.dim}, float32 on {device}: loss {truth[0].item():.6f}")
 
@@ -89,7 +74,7 @@ def main(argv=None) -> int:
     failed = []
     for name, loss_fn in methods.items():
         err = max_rel_error(loss_and_grads(loss_fn, q, k, scale), truth)
-        step = fwd_bwd_step(loss_fn, q, k, scale)
+        step = loss_step(loss_fn, q, k, scale, "forward+backward")
         mib = peak_extra_bytes(step, device) / MIB
         seconds = median(time_step(step, device, warmup=1, repeats=REPEATS))
         flag = "" if err <= MAX_REL_ERR else f"  FAIL (> {MAX_REL_ERR:g})"
