@@ -7,6 +7,7 @@ sweep and writes "custom.csv" (or --name).
 """
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 VANILLA_BUFFERS = 5
 # Default --max-vanilla-gb: this share of the device's memory (the rest: inputs, the OS, neighbours).
 VANILLA_MEMORY_SHARE = 0.5
+DEFAULT_REPEATS = 5
 # Default per-configuration limit: vanilla fwd+bwd at B=16384 takes ~18 s a run on 2 cores.
 TIMEOUT_S = 1800
 
@@ -51,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                            help="the CLIP loss (q->k + k->q) / 2 (the presets' choice)")
     direction.add_argument("--one-direction", dest="symmetric", action="store_false", help="the q->k loss only")
     p.add_argument("--memory-only", action="store_true", default=None, help="peak memory only, one run each")
-    p.add_argument("--repeats", type=int, help="timed runs per configuration (median reported; default 5)")
+    p.add_argument("--repeats", type=int, help=f"timed runs per configuration (median reported; default: the preset's, else {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per worker (default: all cores)")
@@ -86,36 +88,33 @@ def _device_memory_gb(device: torch.device) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
-def vanilla_estimate_gb(batch: int, dtype: str) -> float:
-    return VANILLA_BUFFERS * batch * batch * DTYPES[dtype].itemsize / 1e9
+def _vanilla_too_big(batch: int, dtype: str, max_gb: float):
+    estimate = VANILLA_BUFFERS * batch * batch * DTYPES[dtype].itemsize / 1e9
+    return f"estimated logits memory {estimate:.3g} GB > --max-vanilla-gb {max_gb:.3g}" if estimate > max_gb else None
 
 
 def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
-    """The jobs to run, and the rows already decided without running (skipped methods and sizes)."""
+    """The jobs to run, and the rows decided without running: unavailable methods, oversized vanilla."""
     device = torch.device(args.device)
     max_gb = args.max_vanilla_gb or VANILLA_MEMORY_SHARE * _device_memory_gb(device)
     jobs, decided = [], []
     for sw in sweeps:
-        common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup,
-                      repeats=args.repeats or sw.repeats or 5)
+        repeats = 1 if sw.memory_only else (args.repeats or sw.repeats or DEFAULT_REPEATS)
+        common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup, repeats=repeats)
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
-        for dim in sw.dims:
-            reasons = {m: METHODS[m].unavailable(device, dim) for m in names}
-            for batch in sw.batch_sizes:
-                if not sw.memory_only:
-                    jobs.append(Job("gemm", batch, dim, **common))
-                for name in names:
-                    for mode in sw.modes:
-                        job = Job("method", batch, dim, method=name, mode=mode, symmetric=sw.symmetric,
-                                  memory_only=sw.memory_only, **{**common, "repeats": 1 if sw.memory_only else common["repeats"]})
-                        why, unavailable = reasons[name], True
-                        if why is None and name == BASELINE and vanilla_estimate_gb(batch, sw.dtype) > max_gb:
-                            why, unavailable = (f"estimated logits memory {vanilla_estimate_gb(batch, sw.dtype):.1f} GB"
-                                                f" > --max-vanilla-gb {max_gb:.1f}"), False
-                        if why is None:
-                            jobs.append(job)
-                        else:
-                            decided.append({**row_of(job), "status": "skipped", "note": why, "unavailable": unavailable})
+        for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
+            if not sw.memory_only:
+                jobs.append(Job("gemm", batch, dim, **common))
+            for name, mode in itertools.product(names, sw.modes):
+                job = Job("method", batch, dim, method=name, mode=mode, symmetric=sw.symmetric,
+                          memory_only=sw.memory_only, **common)
+                unavailable = METHODS[name].unavailable(device, dim)
+                too_big = _vanilla_too_big(batch, sw.dtype, max_gb) if name == BASELINE else None
+                if unavailable is None and too_big is None:
+                    jobs.append(job)
+                else:
+                    decided.append({**row_of(job), "status": "skipped", "note": unavailable or too_big,
+                                    "unavailable": unavailable is not None})
     return jobs, decided
 
 

@@ -30,6 +30,12 @@ COLUMNS = (
 )
 
 
+# Characters of a note shown in the printed table (the CSV keeps it whole).
+NOTE_WIDTH = 70
+# Significant digits of the floats in the CSV.
+CSV_DIGITS = 6
+
+
 def _key(row: Dict):
     return row["device"], row["dtype"], row["batch"], row["dim"], row["symmetric"], row["mode"]
 
@@ -58,21 +64,28 @@ def _fmt(value, digits: int = 3) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.{digits}g}"
-    return str(value)
+    return str(value)[:NOTE_WIDTH]
 
 
 def format_table(rows: List[Dict]) -> str:
     """Measured rows as an aligned table; rows skipped for an unavailable method are summarized below it."""
-    heads = ("method", "dtype", "batch", "dim", "mode", "status", "time_s", "peak_extra_mib",
-             "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound")
+    heads = ("method", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
+             "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "note")
     shown = [r for r in rows if not (r["status"] == "skipped" and r.get("unavailable"))]
     cells = [heads] + [tuple(_fmt(r.get(h)) for h in heads) for r in shown]
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
-    lines = ["  ".join(c[i].rjust(widths[i]) for i in range(len(heads))) for c in cells]
+    # Numbers right-aligned, the free-text note (last) left-aligned.
+    lines = ["  ".join([c[i].rjust(widths[i]) for i in range(len(heads) - 1)] + [c[-1]]) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     skipped = {r["method"]: r["note"] for r in rows if r["status"] == "skipped" and r.get("unavailable")}
     lines += [f"skipped {name}: {why}" for name, why in skipped.items()]
     return "\n".join(lines)
+
+
+def _csv_cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.{CSV_DIGITS}g}"
+    return "" if value is None else str(value)
 
 
 def write_csv(rows: List[Dict], path: Path) -> None:
@@ -80,7 +93,7 @@ def write_csv(rows: List[Dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({c: ("" if row.get(c) is None else row.get(c)) for c in COLUMNS})
+            writer.writerow({c: _csv_cell(row.get(c)) for c in COLUMNS})
 
 
 def _series(rows: List[Dict], value: str):

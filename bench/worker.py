@@ -20,6 +20,7 @@ from .methods import METHODS, make_inputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MODES = ("forward", "backward", "forward+backward")
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch < 2.5: cuda only
 # Rows of the throw-away first call: it initializes thread pools and lazy kernels without touching
 # full-size buffers, so the measured first full-size call sees only the step's own memory.
 WARMUP_ROWS = 64
@@ -75,9 +76,9 @@ def run_job(job: Job) -> Dict:
         else:
             result = _run_method(job)
         return {"status": "ok", **result}
-    except (MemoryError, torch.OutOfMemoryError) as err:
+    except (MemoryError, OUT_OF_MEMORY) as err:
         return {"status": "OOM", "note": _first_line(err)}
-    except RuntimeError as err:
+    except Exception as err:  # reported in the table, not raised: one bad configuration must not end the run
         # The CPU allocator reports exhaustion as a plain RuntimeError.
         status = "OOM" if "can't allocate memory" in str(err) else "error"
         return {"status": status, "note": f"{type(err).__name__}: {_first_line(err)}"}
