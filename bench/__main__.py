@@ -39,6 +39,10 @@ def _names(text: str) -> Tuple[str, ...]:
     return tuple(x for x in text.replace(",", " ").split())
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help=f"timed runs per configuration (median reported; default: the preset's, else {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per worker (default: all cores)")
+    p.add_argument("--threads", type=int, default=_usable_cores(), help="CPU threads per worker (default: all cores)")
     p.add_argument("--max-vanilla-gb", type=float,
                    help=f"skip vanilla where its estimated logits memory exceeds this (default: "
                         f"{VANILLA_MEMORY_SHARE:g} x the device's memory)")
