@@ -1,0 +1,188 @@
+"""``python -m bench``: time and peak memory of the contrastive loss, vanilla vs infcl's backends.
+
+With no arguments it runs the embedded "default" sweep (about 1-2 minutes on 2 cores) and writes
+bench/results/default.csv and default.png. ``--preset issue`` is the full run of issue 4. Any of
+--batch-sizes/--dims/--dtype/--modes/--one-direction replaces that field of the chosen preset's first
+sweep and writes "custom.csv" (or --name).
+"""
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+
+from .methods import BASELINE, METHODS
+from .presets import PRESETS, Sweep, custom_sweep
+from .report import add_ratios, format_table, write_csv, write_plot
+from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+# The vanilla loss holds about this many [B, B] buffers at its fwd+bwd peak (logits, two
+# log-softmax outputs, their gradients): measured ~1.4 GB at B=8192 and ~5.1 GB at B=16384 in fp32.
+VANILLA_BUFFERS = 5
+# Default --max-vanilla-gb: this share of the device's memory (the rest: inputs, the OS, neighbours).
+VANILLA_MEMORY_SHARE = 0.5
+DEFAULT_REPEATS = 5
+# Default per-configuration limit: vanilla fwd+bwd at B=16384 takes ~18 s a run on 2 cores.
+TIMEOUT_S = 1800
+
+
+def _ints(text: str) -> Tuple[int, ...]:
+    return tuple(int(x) for x in text.replace(",", " ").split())
+
+
+def _names(text: str) -> Tuple[str, ...]:
+    return tuple(x for x in text.replace(",", " ").split())
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="embedded sweep(s) to run")
+    p.add_argument("--batch-sizes", type=_ints, help="e.g. 2048,4096")
+    p.add_argument("--dims", type=_ints, help="feature sizes D, e.g. 256,512")
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--modes", type=_names, help=f"subset of {','.join(MODES)}")
+    p.add_argument("--methods", type=_names, help=f"subset of {','.join(METHODS)} (default: all)")
+    direction = p.add_mutually_exclusive_group()
+    direction.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
+                           help="the CLIP loss (q->k + k->q) / 2 (the presets' choice)")
+    direction.add_argument("--one-direction", dest="symmetric", action="store_false", help="the q->k loss only")
+    p.add_argument("--memory-only", action="store_true", default=None, help="peak memory only, one run each")
+    p.add_argument("--repeats", type=int, help=f"timed runs per configuration (median reported; default: the preset's, else {DEFAULT_REPEATS})")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=_usable_cores(), help="CPU threads per worker (default: all cores)")
+    p.add_argument("--max-vanilla-gb", type=float,
+                   help=f"skip vanilla where its estimated logits memory exceeds this (default: "
+                        f"{VANILLA_MEMORY_SHARE:g} x the device's memory)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per configuration")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/results/)")
+    p.add_argument("--name", help="output file stem (default: the preset name, or 'custom')")
+    args = p.parse_args(argv)
+    for mode in args.modes or ():
+        if mode not in MODES:
+            p.error(f"--modes: unknown mode {mode!r}; choose from {MODES}")
+    for name in args.methods or ():
+        if name not in METHODS:
+            p.error(f"--methods: unknown method {name!r}; choose from {tuple(METHODS)}")
+    return args
+
+
+def _sweeps(args) -> Tuple[str, Tuple[Sweep, ...]]:
+    overrides = dict(batch_sizes=args.batch_sizes, dims=args.dims, dtype=args.dtype, modes=args.modes,
+                     symmetric=args.symmetric, memory_only=args.memory_only)
+    sweeps = PRESETS[args.preset]
+    if any(v is not None for v in overrides.values()):
+        return args.name or "custom", (custom_sweep(sweeps[0], **overrides),)
+    return args.name or args.preset, sweeps
+
+
+def _device_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 1e9
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+def _vanilla_too_big(batch: int, dtype: str, max_gb: float):
+    estimate = VANILLA_BUFFERS * batch * batch * DTYPES[dtype].itemsize / 1e9
+    return f"estimated logits memory {estimate:.3g} GB > --max-vanilla-gb {max_gb:.3g}" if estimate > max_gb else None
+
+
+def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
+    """The jobs to run, and the rows decided without running: unavailable methods, oversized vanilla."""
+    device = torch.device(args.device)
+    max_gb = args.max_vanilla_gb or VANILLA_MEMORY_SHARE * _device_memory_gb(device)
+    jobs, decided = [], []
+    for sw in sweeps:
+        repeats = 1 if sw.memory_only else (args.repeats or sw.repeats or DEFAULT_REPEATS)
+        common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup, repeats=repeats)
+        names = [m for m in sw.methods if args.methods is None or m in args.methods]
+        for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
+            if not sw.memory_only:
+                jobs.append(Job("gemm", batch, dim, **common))
+            for name, mode in itertools.product(names, sw.modes):
+                job = Job("method", batch, dim, method=name, mode=mode, symmetric=sw.symmetric,
+                          memory_only=sw.memory_only, **common)
+                unavailable = METHODS[name].unavailable(device, dim)
+                too_big = _vanilla_too_big(batch, sw.dtype, max_gb) if name == BASELINE else None
+                if unavailable is None and too_big is None:
+                    jobs.append(job)
+                else:
+                    decided.append({**row_of(job), "status": "skipped", "note": unavailable or too_big,
+                                    "unavailable": unavailable is not None})
+    return jobs, decided
+
+
+def row_of(job: Job) -> Dict:
+    return dict(method=job.method, device=job.device, dtype=job.dtype, batch=job.batch, dim=job.dim,
+                symmetric=job.symmetric, mode=job.mode, repeats=job.repeats, threads=job.threads)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    # disable=None: no bar when stderr is not a terminal (logs, CI); the per-config lines still print.
+    return tqdm(total=total, unit="config", file=sys.stderr, dynamic_ncols=True, disable=None)
+
+
+def run(jobs: List[Job], timeout_s: float):
+    """Run every job in its own process; returns (method rows, {(device, dtype, B, D): GFLOP/s})."""
+    rows, gemm = [], {}
+    bar = _progress(len(jobs))
+    say = bar.write if bar is not None else (lambda s: print(s, file=sys.stderr, flush=True))
+    for i, job in enumerate(jobs, 1):
+        if bar is not None:
+            bar.set_description(job.label())
+        result = run_isolated(job, timeout_s)
+        if job.kind == "gemm":
+            if result["status"] == "ok":
+                gemm[(job.device, job.dtype, job.batch, job.dim)] = result["gflops"]
+                say(f"[{i}/{len(jobs)}] {job.label()}: {result['gflops']:.1f} GFLOP/s "
+                    f"(S shape {result['s_gflops']:.1f}, dS shape {result['ds_gflops']:.1f})")
+            else:
+                say(f"[{i}/{len(jobs)}] {job.label()}: {result['status']} {result.get('note', '')}")
+        else:
+            rows.append({**row_of(job), **result})
+            t = f"{result['time_s']:.4g} s, " if "time_s" in result else ""
+            mem = f"{result['peak_extra_mib']:.1f} MiB" if "peak_extra_mib" in result else result.get("note", "")
+            say(f"[{i}/{len(jobs)}] {job.label()}: {result['status']} {t}{mem}")
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    return rows, gemm
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    name, sweeps = _sweeps(args)
+    set_worker_threads(args.threads)
+    jobs, decided = plan(args, sweeps)
+    print(f"bench: {len(jobs)} configurations on {args.device} with {args.threads} thread(s) -> {args.out}/{name}.*",
+          file=sys.stderr)
+    rows, gemm = run(jobs, args.timeout)
+    rows += decided
+    rows.sort(key=lambda r: (r["dtype"], r["dim"], r["batch"], MODES.index(r["mode"]), list(METHODS).index(r["method"])))
+    add_ratios(rows, gemm)
+    print(format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = args.out / f"{name}.csv", args.out / f"{name}.png"
+    write_csv(rows, csv_path)
+    write_plot(rows, png_path, f"infcl bench '{name}' on {args.device}, {args.threads} thread(s)")
+    print(f"wrote {csv_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The providers the benchmark compares, each a loss ``fn(q, k, scale, symmetric) -> 0-d tensor``.
+
+- "vanilla": materialized logits ``scale * q @ k.T`` and ``F.cross_entropy`` (open_clip's ClipLoss),
+  O(B^2) memory; the baseline every ratio is taken against.
+- "torch", "cpu", "triton": ``infcl.cal_inf_loss(..., backend=name)``.
+- "inf-cl": Inf-CL's ``inf_cl.cal_inf_loss`` (CUDA only; the symmetric loss is its two directions
+  averaged, as Inf-CL's own ClipLoss does).
+A method that cannot run here has an ``unavailable`` reason and is listed as skipped, never dropped.
+"""
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from infcl import cal_inf_loss
+from infcl.backends import unavailable_reason
+
+Tensor = torch.Tensor
+
+# CLIP's initial logit scale, 1 / 0.07.
+LOGIT_SCALE = 1 / 0.07
+# Inf-CL's kernels take D in heads of one of these sizes (its docstring: 16, 32, 64, 128 or 256).
+INF_CL_HEAD_DIMS = (256, 128, 64, 32, 16)
+
+
+def make_inputs(batch: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Leaf tensors (q [B, D], k [B, D] L2-normalized rows in ``dtype``; 0-d fp32 scale), all requiring grad."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def feats():
+        x = F.normalize(torch.randn(batch, dim, generator=gen), dim=-1)
+        return x.to(device=device, dtype=dtype).requires_grad_(True)
+
+    q, k = feats(), feats()
+    return q, k, torch.tensor(LOGIT_SCALE, device=device, requires_grad=True)
+
+
+def _diagonal(q: Tensor) -> Tensor:
+    return torch.arange(q.shape[0], device=q.device)
+
+
+def vanilla_loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
+    """The loss as users write it: [B, B] logits in the inputs' dtype, then F.cross_entropy."""
+    logits = scale * q @ k.T
+    labels = _diagonal(q)
+    rows = F.cross_entropy(logits, labels)
+    return (rows + F.cross_entropy(logits.T, labels)) / 2 if symmetric else rows
+
+
+def _infcl_loss(backend: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+    def loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
+        return cal_inf_loss(q, k, scale=scale, symmetric=symmetric, backend=backend)
+
+    return loss
+
+
+def _inf_cl_head_dim(dim: int) -> Optional[int]:
+    return next((h for h in INF_CL_HEAD_DIMS if dim % h == 0), None)
+
+
+def inf_cl_loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
+    """Inf-CL's own call; imported lazily because it is an optional, CUDA-only package."""
+    from inf_cl import cal_inf_loss as inf_cl_cal_inf_loss
+
+    labels, head_dim = _diagonal(q), _inf_cl_head_dim(q.shape[1])
+    rows = inf_cl_cal_inf_loss(q, k, labels, scale, head_dim)
+    return (rows + inf_cl_cal_inf_loss(k, q, labels, scale, head_dim)) / 2 if symmetric else rows
+
+
+def _inf_cl_unavailable(device: torch.device, dim: int) -> Optional[str]:
+    if device.type != "cuda":
+        return "Inf-CL's inf_cl package runs on CUDA only"
+    if importlib.util.find_spec("inf_cl") is None:
+        return "Inf-CL's inf_cl package is not installed"
+    if _inf_cl_head_dim(dim) is None:
+        return f"Inf-CL needs D divisible by one of {INF_CL_HEAD_DIMS}, got D={dim}"
+    return None
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    loss: Callable[[Tensor, Tensor, Tensor, bool], Tensor]
+    unavailable: Callable[[torch.device, int], Optional[str]]  # (device, D) -> None or why not
+    tiled: bool  # memory linear in B: runs the large memory-only configurations
+
+
+def _infcl_method(backend: str) -> Method:
+    return Method(backend, _infcl_loss(backend), lambda device, dim: unavailable_reason(backend, device), tiled=True)
+
+
+METHODS = {
+    m.name: m
+    for m in (
+        Method("vanilla", vanilla_loss, lambda device, dim: None, tiled=False),
+        _infcl_method("torch"),
+        _infcl_method("cpu"),
+        _infcl_method("triton"),
+        Method("inf-cl", inf_cl_loss, _inf_cl_unavailable, tiled=True),
+    )
+}
+BASELINE = "vanilla"

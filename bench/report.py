@@ -1,0 +1,141 @@
+"""Results: ratios against vanilla and the GEMM bound, the printed table, the CSV and the plot."""
+
+import csv
+from pathlib import Path
+from typing import Dict, List
+
+from .gemm import gemm_bound_seconds
+from .methods import BASELINE
+
+COLUMNS = (
+    "method",
+    "device",
+    "dtype",
+    "batch",
+    "dim",
+    "symmetric",
+    "mode",
+    "status",
+    "time_s",
+    "time_min_s",
+    "repeats",
+    "peak_extra_mib",
+    "time_vs_vanilla",
+    "memory_vs_vanilla",
+    "gemm_bound_s",
+    "time_vs_gemm_bound",
+    "gemm_gflops",
+    "threads",
+    "note",
+)
+
+
+# Characters of a note shown in the printed table (the CSV keeps it whole).
+NOTE_WIDTH = 70
+# Significant digits of the floats in the CSV.
+CSV_DIGITS = 6
+
+
+def _key(row: Dict):
+    return row["device"], row["dtype"], row["batch"], row["dim"], row["symmetric"], row["mode"]
+
+
+def add_ratios(rows: List[Dict], gemm: Dict) -> None:
+    """Fill the ratio columns in place. ``gemm`` maps (device, dtype, batch, dim) to a GFLOP/s rate."""
+    vanilla = {_key(r): r for r in rows if r["method"] == BASELINE and r["status"] == "ok"}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        base = vanilla.get(_key(row))
+        if base is not None:
+            if base["peak_extra_mib"] > 0:
+                row["memory_vs_vanilla"] = row["peak_extra_mib"] / base["peak_extra_mib"]
+            if row.get("time_s") is not None and base.get("time_s") is not None:
+                row["time_vs_vanilla"] = row["time_s"] / base["time_s"]
+        rate = gemm.get((row["device"], row["dtype"], row["batch"], row["dim"]))
+        if rate is not None and row.get("time_s") is not None:
+            row["gemm_gflops"] = rate
+            row["gemm_bound_s"] = gemm_bound_seconds(row["batch"], row["dim"], row["mode"], rate * 1e9)
+            row["time_vs_gemm_bound"] = row["time_s"] / row["gemm_bound_s"]
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)[:NOTE_WIDTH]
+
+
+def format_table(rows: List[Dict]) -> str:
+    """Measured rows as an aligned table; rows skipped for an unavailable method are summarized below it."""
+    heads = ("method", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
+             "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "note")
+    shown = [r for r in rows if not (r["status"] == "skipped" and r.get("unavailable"))]
+    cells = [heads] + [tuple(_fmt(r.get(h)) for h in heads) for r in shown]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
+    # Numbers right-aligned, the free-text note (last) left-aligned.
+    lines = ["  ".join([c[i].rjust(widths[i]) for i in range(len(heads) - 1)] + [c[-1]]) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    skipped = {r["method"]: r["note"] for r in rows if r["status"] == "skipped" and r.get("unavailable")}
+    lines += [f"skipped {name}: {why}" for name, why in skipped.items()]
+    return "\n".join(lines)
+
+
+def _csv_cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.{CSV_DIGITS}g}"
+    return "" if value is None else str(value)
+
+
+def write_csv(rows: List[Dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: _csv_cell(row.get(c)) for c in COLUMNS})
+
+
+def _series(rows: List[Dict], value: str):
+    """{label: (batches, values)} of the ok rows with ``value``, one mode per series (fwd+bwd first)."""
+    out = {}
+    for row in sorted(rows, key=lambda r: (r["batch"], r["mode"] != "forward+backward")):
+        if row["status"] != "ok" or not row.get(value):
+            continue  # log axes: nothing to draw for a missing or zero value
+        label = f"{row['method']} {row['dtype']} D={row['dim']}"
+        xs, ys, mode = out.setdefault(label, ([], [], row["mode"]))
+        if row["mode"] == mode and row["batch"] not in xs:
+            xs.append(row["batch"])
+            ys.append(row[value])
+    return out
+
+
+def write_plot(rows: List[Dict], path: Path, title: str) -> None:
+    """Peak extra memory and time against B on log-log axes, with the GEMM bound dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for label, (xs, ys, mode) in _series(rows, "peak_extra_mib").items():
+        ax_mem.plot(xs, ys, marker="o", label=f"{label} ({mode})")
+    for label, (xs, ys, mode) in _series(rows, "time_s").items():
+        ax_time.plot(xs, ys, marker="o", label=f"{label} ({mode})")
+    bounds = {}
+    for label, (xs, ys, mode) in _series(rows, "gemm_bound_s").items():
+        bounds[f"GEMM bound {label.split(' ', 1)[1]} ({mode})"] = (xs, ys)
+    for label, (xs, ys) in bounds.items():
+        ax_time.plot(xs, ys, "k--", linewidth=1, label=label)
+    for ax, ylabel in ((ax_mem, "peak extra memory [MiB]"), (ax_time, "time [s] (median)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
