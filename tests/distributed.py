@@ -34,6 +34,9 @@ ENV_RANK, ENV_WORLD, ENV_PORT, ENV_OUT, ENV_PG_TIMEOUT = (
     "INFCL_TEST_PG_TIMEOUT",
 )
 HOST = "127.0.0.1"
+# How long ranks wait for each other to start (importing torch takes seconds on a loaded machine); kept
+# apart from the process-group timeout, which the failure tests set to a few seconds.
+RENDEZVOUS_S = 300.0
 # Exit code of a rank that finished but wrote an error record instead of results.
 EXIT_OK = 0
 
@@ -122,8 +125,14 @@ def describe(outcomes: List[RankOutcome]) -> str:
 def init_worker():
     """Join the group described by the environment; return (rank, world)."""
     rank, world = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD])
+    store = dist.TCPStore(HOST, int(os.environ[ENV_PORT]), is_master=False, timeout=timedelta(seconds=RENDEZVOUS_S))
+    # Wait until every rank is up, so that a slow start never counts against the short group timeout
+    # (gloo connects its full mesh within that timeout).
+    store.add("started", 1)
+    end = time.monotonic() + RENDEZVOUS_S
+    while store.add("started", 0) < world and time.monotonic() < end:
+        time.sleep(0.01)
     timeout = timedelta(seconds=float(os.environ[ENV_PG_TIMEOUT]))
-    store = dist.TCPStore(HOST, int(os.environ[ENV_PORT]), is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     torch.set_num_threads(1)
     return rank, world

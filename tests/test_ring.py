@@ -27,7 +27,7 @@ MAIN_PG_TIMEOUT_S = 60.0
 MAIN_DEADLINE_S = 170.0
 # The failure tests' process-group timeout: short, so a hung peer is detected within seconds.
 FAIL_PG_TIMEOUT_S = 5.0
-FAIL_DEADLINE_S = FAIL_PG_TIMEOUT_S * 8
+FAIL_DEADLINE_S = 150.0  # bounds the survivors' start-up too; a passing run takes seconds
 FP32 = TOLERANCE[torch.float32]
 
 @pytest.fixture(scope="module")
