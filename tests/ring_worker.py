@@ -28,6 +28,7 @@ TINY_SUFFIX = "-tiny-tiles"
 # whose group ranks differ from the global ranks (which exercises the ``group`` argument), the ring
 # of 4 is the default world group. Members are sorted: group rank = index in the tuple.
 MAIN_WORLD = 4
+OVERLAP_CASES = ("sym-perm-uneven-sum", "one-custom-hardneg-none")  # both streams; one stream forward
 RINGS = {2: (1, 3), 3: (1, 2, 3), 4: (0, 1, 2, 3)}
 FAILING_RANK = 1
 HANG_S = 600  # far past any process-group timeout; the parent kills the hung rank
@@ -97,7 +98,7 @@ def run_overlap(rank, world, group):
     _hook_backend(("forward_block", "backward_block"), lambda method: _LoggingComm.events.append(("compute", method)))
     try:
         for case in ring_cases.ring_cases(world):
-            if case.name not in ("sym-perm-uneven-sum", "one-custom-hardneg-none"):
+            if case.name not in OVERLAP_CASES:
                 continue
             q_leaf, k_leaf, q, k, labels, upstream = ring_cases.local_inputs(case, rank)
             _LoggingComm.events = []

@@ -16,7 +16,7 @@ import torch
 
 import ring_cases
 from distributed import describe, launch
-from ring_worker import FAILING_RANK, MAIN_WORLD, RINGS, TINY_SUFFIX
+from ring_worker import FAILING_RANK, MAIN_WORLD, OVERLAP_CASES, RINGS, TINY_SUFFIX
 from support import TOLERANCE, assert_close_verbose, tiled_backends
 
 WORLDS = tuple(RINGS)
@@ -81,7 +81,7 @@ def _indices(events, kind, stream=None):
 
 
 @pytest.mark.parametrize("direction", ("forward", "backward"))
-@pytest.mark.parametrize("name", ("sym-perm-uneven-sum", "one-custom-hardneg-none"))
+@pytest.mark.parametrize("name", OVERLAP_CASES)
 @pytest.mark.parametrize("world", WORLDS)
 def test_next_block_is_posted_before_compute(spawned, world, name, direction):
     """The k exchange for step i+1 is committed before step i's compute and waited for after it."""
