@@ -12,6 +12,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .comm import RingError
+
 # dtype <-> small integer, for the one all_gather that checks every rank agrees.
 _DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -78,7 +80,14 @@ def exchange_layout(q: torch.Tensor, k: torch.Tensor, group) -> RingLayout:
     code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
     mine = torch.tensor([q.shape[0], k.shape[0], q.shape[1], code], dtype=torch.int64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as err:
+        # A peer that died or hangs before the call shows up here first, before ring step 0.
+        raise RingError(
+            f"infcl ring exchange failed at the layout exchange before step 0 (all_gather of batch sizes, "
+            f"rank {rank} of {world}): {err}"
+        ) from err
     table = torch.stack(every).cpu().tolist()
     dims = {row[2] for row in table}
     codes = {row[3] for row in table}
