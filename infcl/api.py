@@ -3,7 +3,7 @@
 import torch
 
 from .backends import block_backend, resolve_backend
-from .checks import check_features, check_head_dim, check_reduction, make_labels, make_scale
+from .checks import check_features, check_head_dim, check_reduction, global_labels, local_labels, make_scale
 from .function import InfLossFunction, LossPlan
 from .reference import reference_losses
 from .ring.layout import exchange_layout, ring_group, single_layout
@@ -55,8 +55,12 @@ def cal_inf_loss(
     name = resolve_backend(backend, q.device)
     scale_t = make_scale(scale, q)
     ring = ring_group(group)
-    layout = single_layout(q.shape[0], k.shape[0]) if ring is None else exchange_layout(q, k, ring)
-    labels_t = make_labels(labels, q, k, layout, symmetric)
+    labels_t = local_labels(labels, q)
+    if ring is None:
+        layout = single_layout(q.shape[0], k.shape[0], labels_t)
+    else:
+        layout = exchange_layout(q, k, ring, labels_t)
+    labels_t = global_labels(labels_t, q, layout, symmetric)
 
     if name == "reference":
         row_loss, col_loss = reference_losses(q, k, scale_t, labels_t, symmetric, layout)

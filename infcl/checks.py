@@ -65,31 +65,48 @@ def make_scale(scale, q: torch.Tensor) -> torch.Tensor:
     return scale
 
 
-def make_labels(labels, q: torch.Tensor, k: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Tensor:
-    """Global column index of each local row's positive, as int64 on q's device."""
-    bq, bk = q.shape[0], k.shape[0]
-    if symmetric:
-        if bq != bk:
-            raise ValueError(f"symmetric=True needs as many q rows as k rows: q {_shape(q)}, k {_shape(k)}")
+def local_labels(labels, q: torch.Tensor) -> Optional[torch.Tensor]:
+    """Check the labels' type and shape; return them as int64 on q's device, or None.
+
+    Everything that depends on batch sizes or label values is checked by :func:`global_labels`, after
+    the ring layout exchange, so that a problem on one rank raises on every rank instead of hanging.
+    """
+    bq = q.shape[0]
     if labels is None:
-        if bq != bk:
-            raise ValueError(
-                f"labels=None means the diagonal, which needs Bq == Bk; got q {_shape(q)}, k {_shape(k)} "
-                "(pass labels to use the extra k rows as hard negatives)"
-            )
-        return torch.arange(bq, device=q.device) + layout.k_offsets[layout.rank]
+        return None
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be None or an integer tensor, got {type(labels).__name__}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     if labels.dim() != 1 or labels.shape[0] != bq:
         raise ValueError(f"labels must have shape [Bq] = [{bq}], got {_shape(labels)}")
-    labels = labels.to(device=q.device, dtype=torch.int64)
-    lo, hi = int(labels.min()), int(labels.max())
-    if lo < 0 or hi >= layout.total_k:
-        raise ValueError(
-            f"labels must be column indices in [0, {layout.total_k}) (the global k batch), got values in [{lo}, {hi}]"
-        )
+    return labels.to(device=q.device, dtype=torch.int64)
+
+
+def global_labels(labels: Optional[torch.Tensor], q: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Tensor:
+    """Global column index of each local row's positive, checked against every rank's sizes and labels."""
+    dim = q.shape[1]
+    for rank, (bq, bk, bounds) in enumerate(zip(layout.q_sizes, layout.k_sizes, layout.label_ranges)):
+        where = "" if layout.world == 1 else f" on rank {rank}"
+        if symmetric and bq != bk:
+            raise ValueError(f"symmetric=True needs as many q rows as k rows{where}: q [{bq}, {dim}], k [{bk}, {dim}]")
+        if bounds is None and bq != bk:
+            raise ValueError(
+                f"labels=None means the diagonal, which needs Bq == Bk{where}; got q [{bq}, {dim}], k [{bk}, {dim}] "
+                "(pass labels to use the extra k rows as hard negatives)"
+            )
+    for rank, bounds in enumerate(layout.label_ranges):
+        if bounds is not None and (bounds[0] < 0 or bounds[1] >= layout.total_k):
+            where = "" if layout.world == 1 else f" on rank {rank}"
+            raise ValueError(
+                f"labels must be column indices in [0, {layout.total_k}) (the global k batch), got values in "
+                f"[{bounds[0]}, {bounds[1]}]{where}"
+            )
+    if labels is None:
+        labels = torch.arange(q.shape[0], device=q.device) + layout.k_offsets[layout.rank]
+        if symmetric and any(bounds is not None for bounds in layout.label_ranges):
+            _check_permutation(labels, layout)  # other ranks pass custom labels: check the mix globally
+        return labels
     if symmetric:
         _check_permutation(labels, layout)
     return labels

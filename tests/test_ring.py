@@ -115,6 +115,17 @@ def test_mismatch_raises_value_error_on_every_rank(spawned, world, what):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("what,match", (("labels", "labels must be column indices"), ("sizes", "symmetric=True needs")))
+def test_one_rank_bad_data_raises_value_error_on_every_rank(spawned, world, what, match):
+    # Data-dependent problems on one rank fail every rank at once (they travel with the layout
+    # exchange), naming the rank, instead of leaving the other ranks to hang until the timeout.
+    for r, results in enumerate(spawned(world)):
+        err = results["mismatch"][what]
+        assert err is not None and err[0] == "ValueError", f"rank {r}: {err}"
+        assert match in err[1] and f"on rank {world - 1}" in err[1], err[1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_equals_open_clip_local_loss_gather_with_grad(spawned, world):
     """Per rank: loss and every parameter gradient equal ClipLoss(local_loss=True, gather_with_grad=True)."""
     for r, results in enumerate(spawned(world)):

@@ -27,6 +27,9 @@ class RingLayout:
     q_sizes: Tuple[int, ...]
     k_sizes: Tuple[int, ...]
     group: Optional[object] = None
+    # (min, max) of every rank's custom labels, or None where a rank uses the default diagonal: gathered
+    # with the sizes so that one rank's out-of-range labels fail on every rank, not as a hang.
+    label_ranges: Tuple[Optional[Tuple[int, int]], ...] = (None,)
 
     @property
     def k_offsets(self) -> Tuple[int, ...]:
@@ -69,16 +72,21 @@ def ring_group(group) -> Optional[object]:
     return group if dist.get_world_size(group) > 1 else None
 
 
-def single_layout(bq: int, bk: int) -> RingLayout:
-    return RingLayout(rank=0, world=1, q_sizes=(bq,), k_sizes=(bk,))
+def _label_range(labels: Optional[torch.Tensor]) -> Optional[Tuple[int, int]]:
+    return None if labels is None else (int(labels.min()), int(labels.max()))
 
 
-def exchange_layout(q: torch.Tensor, k: torch.Tensor, group) -> RingLayout:
-    """All-gather (Bq, Bk, D, dtype) from every rank; raise the same ValueError on every rank on mismatch."""
+def single_layout(bq: int, bk: int, labels: Optional[torch.Tensor] = None) -> RingLayout:
+    return RingLayout(rank=0, world=1, q_sizes=(bq,), k_sizes=(bk,), label_ranges=(_label_range(labels),))
+
+
+def exchange_layout(q: torch.Tensor, k: torch.Tensor, group, labels: Optional[torch.Tensor] = None) -> RingLayout:
+    """All-gather (Bq, Bk, D, dtype, label range) from every rank; raise the same ValueError on every rank on mismatch."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
-    mine = torch.tensor([q.shape[0], k.shape[0], q.shape[1], code], dtype=torch.int64, device=q.device)
+    lo, hi = _label_range(labels) or (0, -1)  # an empty range marks the default labels
+    mine = torch.tensor([q.shape[0], k.shape[0], q.shape[1], code, lo, hi], dtype=torch.int64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     try:
         dist.all_gather(every, mine, group=group)
@@ -103,4 +111,5 @@ def exchange_layout(q: torch.Tensor, k: torch.Tensor, group) -> RingLayout:
         q_sizes=tuple(row[0] for row in table),
         k_sizes=tuple(row[1] for row in table),
         group=group,
+        label_ranges=tuple(None if row[5] < row[4] else (row[4], row[5]) for row in table),
     )
