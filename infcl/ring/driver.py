@@ -37,8 +37,28 @@ def _positive_pairs(labels: Tensor, offset: int, size: int) -> Tuple[Tensor, Ten
     return rows, labels[rows] - offset
 
 
+# The positive pairs are gathered POSITIVE_CHUNK rows at a time, so their temporaries stay a few MiB
+# (1024 x D) instead of several [B, D] copies.
+POSITIVE_CHUNK = 1024
+
+
 def _rowdot(q: Tensor, rows: Tensor, k: Tensor, cols: Tensor, acc: torch.dtype) -> Tensor:
-    return (q[rows].to(acc) * k[cols].to(acc)).sum(dim=1)
+    """raw[p] = q[rows[p]] . k[cols[p]] in the accumulation dtype, chunk by chunk."""
+    out = torch.empty(rows.shape[0], dtype=acc, device=q.device)
+    for start in range(0, rows.shape[0], POSITIVE_CHUNK):
+        r, c = rows[start : start + POSITIVE_CHUNK], cols[start : start + POSITIVE_CHUNK]
+        out[start : start + r.shape[0]] = torch.linalg.vecdot(q[r].to(acc), k[c].to(acc))
+    return out
+
+
+def _add_positive_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, coef: Tensor) -> None:
+    """dq[rows] += coef * k[cols] and dk[cols] += coef * q[rows] (repeated cols add up), chunk by chunk."""
+    acc = dq.dtype
+    for start in range(0, rows.shape[0], POSITIVE_CHUNK):
+        r, c = rows[start : start + POSITIVE_CHUNK], cols[start : start + POSITIVE_CHUNK]
+        w = coef[start : start + r.shape[0], None]
+        dq.index_add_(0, r, k[c].to(acc) * w)
+        dk.index_add_(0, c, q[r].to(acc) * w)
 
 
 def _comms(layout: RingLayout, *names: str):
@@ -151,8 +171,7 @@ def ring_backward(
         raw = _rowdot(q, rows, k_cur, cols, acc)
         coef_row = g_row[rows]
         coef = coef_row + g_col_cur[cols] if symmetric else coef_row
-        dq.index_add_(0, rows, k_cur[cols].to(acc) * (-scale * coef)[:, None])
-        dk_part.index_add_(0, cols, q[rows].to(acc) * (-scale * coef)[:, None])
+        _add_positive_grads(dq, dk_part, q, k_cur, rows, cols, -scale * coef)
         dscale_row += ds_row - torch.dot(coef_row, raw)
         packed[-1] = ds_col - (torch.dot(g_col_cur[cols], raw) if symmetric else 0)
 
