@@ -61,6 +61,42 @@ def _add_positive_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, rows: Tens
         dk.index_add_(0, c, q[r].to(acc) * w)
 
 
+class _Trailing:
+    """Per-block partial sums that travel one step behind their block, on their own stream.
+
+    At every step each rank merges its part for the block it holds into what arrived from rank - 1,
+    and passes the sum on to rank + 1 while it computes the next block. After W steps the total for a
+    block is back at its owner: :meth:`home`.
+    """
+
+    def __init__(self, layout: RingLayout, comm: Optional[RingComm], shape_of, merge, phase: str, kind: str):
+        self.layout, self.comm, self.shape_of, self.merge = layout, comm, shape_of, merge
+        self.phase, self.kind = phase, kind  # for error messages: "backward step 1 (dk of rank 2)"
+        self.incoming: Optional[Tensor] = None
+
+    def pass_on(self, step: int, mine: Tensor) -> None:
+        if step > 0:
+            self.comm.wait()
+            self.merge(mine, self.incoming)
+        if self.comm is None:
+            self.incoming = mine
+            return
+        # After the last step the partials go home: rank + 1 owns the block held last.
+        self.incoming = mine.new_empty(self.shape_of(self.layout.k_sizes[self.layout.block_at_step(step + 1)]))
+        self.comm.send_recv(mine, self.incoming)
+        self.comm.commit(f"{self.phase} step {step} ({self.kind} of rank {self.layout.block_at_step(step)})")
+
+    def home(self) -> Tensor:
+        if self.comm is not None:
+            self.comm.wait()
+        return self.incoming
+
+
+def _merge_columns(mine: Tensor, incoming: Tensor) -> None:
+    lse_merge(mine[0], incoming[0])
+    mine[1] += incoming[1]
+
+
 def _comms(layout: RingLayout, *names: str):
     if layout.world == 1:
         return (None,) * len(names)
@@ -76,7 +112,8 @@ def ring_forward(
     row_pos = torch.zeros(q.shape[0], dtype=acc, device=dev)
     k_comm, col_comm = _comms(layout, "k-forward", "column-lse")
     k_cur = k if layout.world == 1 else k.contiguous()
-    col_in = None  # column partials [2, n] (lse, positive) of the block held now, from rank - 1
+    # Column partials [2, n] (log-sum-exp, positive logit) of each block.
+    columns = _Trailing(layout, col_comm, lambda n: (2, n), _merge_columns, "forward", "column log-sum-exp")
     for step in range(layout.world):
         src = layout.block_at_step(step)
         offset, size = layout.k_offsets[src], layout.k_sizes[src]
@@ -96,22 +133,11 @@ def ring_forward(
             col[0] = c_lse
             col[1] = 0
             col[1, cols] = pos  # labels are a permutation: each column's positive is set on one rank
-            if step > 0:
-                col_comm.wait()
-                lse_merge(col[0], col_in[0])
-                col[1] += col_in[1]
-            if layout.world > 1:
-                # After the last step the partials go home: rank + 1 owns the block held last.
-                col_in = torch.empty(2, layout.k_sizes[layout.block_at_step(step + 1)], dtype=acc, device=dev)
-                col_comm.send_recv(col, col_in)
-                col_comm.commit(f"forward step {step} (column log-sum-exp of rank {src})")
-            else:
-                col_in = col
+            columns.pass_on(step, col)
         if step + 1 < layout.world:
             k_comm.wait()
             k_cur = k_next
-    if symmetric and layout.world > 1:
-        col_comm.wait()
+    col_in = columns.home() if symmetric else None
     return ForwardResult(
         row_lse=row_lse,
         row_pos=row_pos,
@@ -147,7 +173,8 @@ def ring_backward(
     k_cur = k if layout.world == 1 else k.contiguous()
     # What each block carries ahead, read-only: its column (lse, upstream grad).
     col_cur = torch.stack([col_lse, g_col]) if symmetric else None
-    acc_in = None  # [size * D + 1]: dk partial sum and column scale-gradient of the block held now
+    # [size * D + 1] per block: its dk partial sum and its column scale-gradient.
+    grads = _Trailing(layout, acc_comm, lambda n: (n * dim + 1,), Tensor.add_, "backward", "dk")
     for step in range(layout.world):
         src = layout.block_at_step(step)
         offset, size = layout.k_offsets[src], layout.k_sizes[src]
@@ -175,21 +202,11 @@ def ring_backward(
         dscale_row += ds_row - torch.dot(coef_row, raw)
         packed[-1] = ds_col - (torch.dot(g_col_cur[cols], raw) if symmetric else 0)
 
-        if step > 0:
-            acc_comm.wait()
-            packed += acc_in
-        if layout.world > 1:
-            acc_in = torch.empty(layout.k_sizes[layout.block_at_step(step + 1)] * dim + 1, dtype=acc, device=dev)
-            acc_comm.send_recv(packed, acc_in)
-            acc_comm.commit(f"backward step {step} (dk of rank {src})")
-        else:
-            acc_in = packed
+        grads.pass_on(step, packed)
         if step + 1 < layout.world:
             k_comm.wait()
             k_cur = k_next
             if symmetric:
                 col_cur = col_next
-    if layout.world > 1:
-        acc_comm.wait()
-    dk = acc_in[:-1].view(k.shape[0], dim)
-    return dq, dk, dscale_row + acc_in[-1]
+    own = grads.home()
+    return dq, own[:-1].view(k.shape[0], dim), dscale_row + own[-1]

@@ -33,19 +33,13 @@ class RingLayout:
 
     @property
     def k_offsets(self) -> Tuple[int, ...]:
-        offs, acc = [], 0
-        for n in self.k_sizes:
-            offs.append(acc)
-            acc += n
-        return tuple(offs)
+        """Global index of each rank's first k row (column of S)."""
+        return _starts(self.k_sizes)
 
     @property
     def q_offsets(self) -> Tuple[int, ...]:
-        offs, acc = [], 0
-        for n in self.q_sizes:
-            offs.append(acc)
-            acc += n
-        return tuple(offs)
+        """Global index of each rank's first q row."""
+        return _starts(self.q_sizes)
 
     @property
     def total_k(self) -> int:
@@ -58,6 +52,10 @@ class RingLayout:
     def block_at_step(self, step: int) -> int:
         """The rank whose k block this rank holds at ring step ``step`` (blocks move to rank+1)."""
         return (self.rank - step) % self.world
+
+
+def _starts(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
+    return tuple(sum(sizes[:r]) for r in range(len(sizes)))
 
 
 def ring_group(group) -> Optional[object]:
