@@ -35,8 +35,23 @@ namespace {
 // Tile of S: 256 query rows x 512 key columns of float32 = 512 KiB, which with its q and k panels
 // stays inside one core's 2 MiB L2 on the machines we measured, while every product still has a
 // reduction dimension (D, TILE_K or TILE_Q) long enough for BLAS to run at its full rate.
-constexpr int64_t TILE_Q = 256;
-constexpr int64_t TILE_K = 512;
+#ifndef INFCL_TILE_Q
+#define INFCL_TILE_Q 256
+#endif
+#ifndef INFCL_TILE_K
+#define INFCL_TILE_K 512
+#endif
+constexpr int64_t TILE_Q = INFCL_TILE_Q;
+constexpr int64_t TILE_K = INFCL_TILE_K;
+// Span (in natural-log units) within which one tile's row / column maxima or log-sum-exps must lie for
+// the one-exp-per-entry paths: exp(+-SPAN) and their products stay normal floats with room to spare,
+// and a term that underflows there is below exp(EXP_LO + SPAN) = e^-47 of its row's or column's
+// largest term -- far under float32 resolution even summed over 2^31 entries.
+constexpr float SHARED_REF_SPAN = 40.0f;
+// The backward's version: a flushed exp(s - lr) hides exp(s - lc) = exp(s - lr) * exp(lr - lc) with
+// |lr - lc| <= 2 * LSE_REF_SPAN, so what is lost stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a
+// column's total probability 1).
+constexpr float LSE_REF_SPAN = 20.0f;
 // A lane gets at least this many rows: below it, splitting the rows over threads costs more in
 // small, inefficient GEMMs than it gains.
 constexpr int64_t MIN_ROWS_PER_LANE = 32;
@@ -227,24 +242,28 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
         std::fill(row_sum.begin(), row_sum.end(), 0.0);
         for (int64_t j0 = 0; j0 < bk; j0 += tk) {
           const int64_t nj = std::min(tk, bk - j0);
-          gemm(false, true, ni, nj, d, Acc(1), qp + i0 * d, d, kp + j0 * d, d, Acc(0), s.data(), nj);
-          // Pass 1: scale in place; tile row and column maxima.
+          gemm(false, true, ni, nj, d, scale, qp + i0 * d, d, kp + j0 * d, d, Acc(0), s.data(), nj);
+          // Pass 1: tile row and column maxima (S is already scaled by the GEMM's alpha).
           std::fill(tile_col_max.begin(), tile_col_max.begin() + nj, neg_inf);
           Acc* tcm = tile_col_max.data();
+          Acc tile_max = neg_inf, low_row = std::numeric_limits<Acc>::infinity();
           for (int64_t r = 0; r < ni; ++r) {
-            Acc* sr = s.data() + r * nj;
+            const Acc* sr = s.data() + r * nj;
             Acc m = neg_inf;
 #pragma omp simd reduction(max : m)
             for (int64_t c = 0; c < nj; ++c) {
-              const Acc v = sr[c] * scale;
-              sr[c] = v;
+              const Acc v = sr[c];
               m = m > v ? m : v;
               tcm[c] = tcm[c] > v ? tcm[c] : v;
             }
+            tile_max = nan_max(tile_max, m);
+            low_row = std::min(low_row, m);
             const Acc new_max = nan_max(row_max[r], m);
             row_sum[r] *= rescale_factor(row_max[r], new_max);
             row_max[r] = new_max;
           }
+          Acc low_col = std::numeric_limits<Acc>::infinity();
+          for (int64_t c = 0; c < nj; ++c) low_col = std::min(low_col, tcm[c]);
           if (want_cols) {
             for (int64_t c = 0; c < nj; ++c) {
               const Acc new_max = nan_max(cmax[j0 + c], tcm[c]);
@@ -253,9 +272,34 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
               tile_col_sum[c] = 0;
             }
           }
-          // Pass 2: exp against the updated maxima; row sums and (optionally) column sums.
-          const Acc* cm = want_cols ? cmax + j0 : nullptr;
           Acc* tcs = tile_col_sum.data();
+          // Pass 2, one exp per entry: when every tile row and column maximum is within SHARED_REF_SPAN
+          // of the tile maximum M, e = exp(s - M) serves both the row and the column sums, each
+          // rebased once per row / column by exp(M - running max) <= exp(SHARED_REF_SPAN) (no
+          // overflow); every row's and column's own largest term is >= exp(-SHARED_REF_SPAN), a
+          // normal float, so what flushes to 0 is below exp(EXP_LO + SHARED_REF_SPAN) of it. Any
+          // other tile (inf, NaN, very spread logits) takes the two-exp path against the exact maxima.
+          const bool shared_ref = want_cols && std::isfinite(tile_max) && low_row >= tile_max - SHARED_REF_SPAN &&
+                                  low_col >= tile_max - SHARED_REF_SPAN;
+          if (shared_ref) {
+            for (int64_t r = 0; r < ni; ++r) {
+              const Acc* sr = s.data() + r * nj;
+              Acc acc = 0;
+#pragma omp simd reduction(+ : acc)
+              for (int64_t c = 0; c < nj; ++c) {
+                const Acc e = fast_exp(sr[c] - tile_max);
+                acc += e;
+                tcs[c] += e;
+              }
+              row_sum[r] += static_cast<double>(acc) * fast_exp(tile_max - row_max[r]);
+            }
+            for (int64_t c = 0; c < nj; ++c) {
+              csum[j0 + c] += static_cast<double>(tcs[c]) * fast_exp(tile_max - cmax[j0 + c]);
+            }
+            continue;
+          }
+          // Pass 2, two exps per entry: against the updated row and column maxima.
+          const Acc* cm = want_cols ? cmax + j0 : nullptr;
           for (int64_t r = 0; r < ni; ++r) {
             const Acc* sr = s.data() + r * nj;
             const Acc rm = row_max[r];
@@ -313,6 +357,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
   const In* qp = q.data_ptr<In>();
   const In* kp = k.data_ptr<In>();
   const Acc scale = static_cast<Acc>(scale_d);
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const Acc* lse_r = row_lse.data_ptr<Acc>();
   const Acc* g_r = g_row.data_ptr<Acc>();
   const Acc* lse_c = both ? col_lse.data_ptr<Acc>() : nullptr;
@@ -325,7 +370,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
 
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
-    std::vector<Acc> raw(tq * tk);
+    std::vector<Acc> raw(tq * tk), col_factor(tk);
     // float32 / float64 overwrite raw with dS in place; bfloat16 writes its (hi, lo) planes apart.
     constexpr int planes = ds_planes<DS, Acc>();
     const int64_t plane = tq * tk;
@@ -341,12 +386,47 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
           const int64_t nj = std::min(tk, bk - j0);
           gemm(false, true, ni, nj, d, Acc(1), qp + i0 * d, d, kp + j0 * d, d, Acc(0), raw.data(), nj);
           Acc tile_row = 0, tile_col = 0;
+          // One exp per entry when the tile's row and column log-sum-exps all lie within
+          // LSE_REF_SPAN of L = max row lse: then exp(s - lc) = exp(s - lr) * exp(lr - L) * exp(L - lc),
+          // the two factors per row / column in [e^-SPAN, e^SPAN]. Otherwise two exps per entry.
+          bool shared_ref = both;
+          Acc ref = neg_inf;
+          if (both) {
+            Acc low = std::numeric_limits<Acc>::infinity();
+            for (int64_t r = 0; r < ni; ++r) {
+              ref = nan_max(ref, lse_r[i0 + r]);
+              low = std::min(low, lse_r[i0 + r]);
+            }
+            Acc lo_c = std::numeric_limits<Acc>::infinity(), hi_c = neg_inf;
+            for (int64_t c = 0; c < nj; ++c) {
+              lo_c = std::min(lo_c, lse_c[j0 + c]);
+              hi_c = nan_max(hi_c, lse_c[j0 + c]);
+            }
+            shared_ref = std::isfinite(ref) && low >= ref - LSE_REF_SPAN && lo_c >= ref - LSE_REF_SPAN &&
+                         hi_c <= ref + LSE_REF_SPAN;
+            if (shared_ref) {
+              for (int64_t c = 0; c < nj; ++c) col_factor[c] = g_c[j0 + c] * fast_exp(ref - lse_c[j0 + c]);
+            }
+          }
           for (int64_t r = 0; r < ni; ++r) {
             Acc* rr = raw.data() + r * nj;
             DS* dr = ds + r * nj;
             const Acc lr = lse_r[i0 + r], gr = g_r[i0 + r];
             Acc acc_r = 0, acc_c = 0;
-            if (both) {
+            if (shared_ref) {
+              const Acc row_factor = fast_exp(lr - ref);
+              const Acc* cf = col_factor.data();
+#pragma omp simd reduction(+ : acc_r, acc_c)
+              for (int64_t c = 0; c < nj; ++c) {
+                const Acc x = rr[c];
+                const Acc e = fast_exp(x * scale - lr);
+                const Acc pr = gr * e;
+                const Acc pc = (e * row_factor) * cf[c];
+                acc_r += pr * x;
+                acc_c += pc * x;
+                store_ds(dr, c, plane, pr + pc);
+              }
+            } else if (both) {
               const Acc* lc = lse_c + j0;
               const Acc* gc = g_c + j0;
 #pragma omp simd reduction(+ : acc_r, acc_c)
