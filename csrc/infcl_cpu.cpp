@@ -181,24 +181,35 @@ struct Types<at::BFloat16> {
   using ds = at::BFloat16;
 };
 
-// dS as handed to the dq / dk products. float32 / float64: itself. bfloat16: a compensated pair
-// hi = bf16(v), lo = bf16(v - hi) in two tiles `plane` elements apart, so hi + lo carries ~16 bits:
-// rounding dS to one bf16 would cost up to 2^-9 * |dS| per entry, which is not small next to the
-// gradient when it nearly cancels against the positive logit's term (added later by the ring driver).
+// dS as handed to the dq / dk products. float32 / float64: itself, written over the raw tile in
+// place. bfloat16: hi = bf16(v) goes to the dq / dk products, and v stays in the raw tile. Rounding
+// dS to one bf16 costs up to 2^-9 * |dS| per entry; that is below torch's own bf16 error except where
+// the entry nearly cancels against the positive logit's term (added later by the ring driver), i.e.
+// where the probability is large. So entries with dS >= DS_LOW_PART_FRACTION * (g_row + g_col) also
+// get their low part lo = v - hi added exactly in float32 (a rank-1 update of one dq row and one dk
+// row each), which needs no second bf16 product over the whole tile.
 template <typename Acc>
-inline void store_ds(Acc* dst, int64_t i, int64_t /*plane*/, Acc v) { dst[i] = v; }
-inline void store_ds(at::BFloat16* dst, int64_t i, int64_t plane, float v) {
-  const uint16_t hi = to_bf16_bits(v);
-  const uint32_t hi_f_bits = static_cast<uint32_t>(hi) << 16;
-  float hi_f;
-  std::memcpy(&hi_f, &hi_f_bits, sizeof hi_f);
-  const uint16_t lo = to_bf16_bits(v - hi_f);
-  std::memcpy(dst + i, &hi, sizeof hi);
-  std::memcpy(dst + plane + i, &lo, sizeof lo);
+inline Acc store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v) {
+  dst[i] = v;
+  return v;
 }
-// How many dS planes each dq / dk product runs over.
-template <typename DS, typename Acc>
-constexpr int ds_planes() { return std::is_same<DS, Acc>::value ? 1 : 2; }
+inline float store_ds(at::BFloat16* dst, float* raw, int64_t i, float v) {
+  const uint16_t hi = to_bf16_bits(v);
+  std::memcpy(dst + i, &hi, sizeof hi);
+  raw[i] = v;
+  return v;
+}
+// At most 1 / DS_LOW_PART_FRACTION entries of a row (or column) can reach the threshold, as its
+// probabilities sum to 1; below it the dropped low part is under 2^-17 of that row's gradient weight.
+constexpr float DS_LOW_PART_FRACTION = 1.0f / 256;
+
+inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// y[0:n] += a * x[0:n] with x in bfloat16, y in float32.
+inline void axpy(int64_t n, float a, const at::BFloat16* x, float* y) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) y[t] += a * bf16_to_float(x[t]);
+}
 
 // Rows [begin, end) of lane `lane` out of `lanes` equal contiguous ranges of n rows.
 inline int64_t lane_start(int64_t n, int64_t lanes, int64_t lane) { return n * lane / lanes; }
@@ -346,6 +357,22 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
 // adds P_row*raw and P_col*raw to the split scale gradient and stores dS = P_row + P_col over raw;
 // then dq_i += scale * dS @ k_j and dk_j += scale * dS.T @ q_i.
 
+// The low parts of one row's large bfloat16 dS entries (see store_ds): for each column c with
+// dS = v[c] >= thr_r + DS_LOW_PART_FRACTION * g_col[c], lo = v - bf16(v) is added as
+// dq_row += scale * lo * k[c] and dk[c] += scale * lo * q_row, in column order.
+void add_low_parts(int64_t nj, const float* v, const at::BFloat16* hi, float thr_r, const float* g_col,
+                   const at::BFloat16* q_row, const at::BFloat16* k_tile, int64_t d, float scale, float* dq_row,
+                   float* dk_tile) {
+  for (int64_t c = 0; c < nj; ++c) {
+    const float thr = thr_r + (g_col ? DS_LOW_PART_FRACTION * g_col[c] : 0.0f);
+    if (!(v[c] >= thr)) continue;
+    const float lo = v[c] - bf16_to_float(hi[c]);
+    if (lo == 0.0f) continue;
+    axpy(d, scale * lo, k_tile + c * d, dq_row);
+    axpy(d, scale * lo, q_row, dk_tile + c * d);
+  }
+}
+
 template <typename In>
 void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, const at::Tensor& row_lse,
                    const at::Tensor& g_row, const at::Tensor& col_lse, const at::Tensor& g_col, at::Tensor& dq,
@@ -371,10 +398,9 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
     std::vector<Acc> raw(tq * tk), col_factor(tk);
-    // float32 / float64 overwrite raw with dS in place; bfloat16 writes its (hi, lo) planes apart.
-    constexpr int planes = ds_planes<DS, Acc>();
-    const int64_t plane = tq * tk;
-    std::vector<DS> ds_buf(planes == 1 ? 0 : planes * plane);
+    // float32 / float64 overwrite raw with dS in place; bfloat16 writes bf16(dS) here.
+    constexpr bool split = !std::is_same<DS, Acc>::value;
+    std::vector<DS> ds_buf(split ? tq * tk : 0);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
       DS* ds = std::is_same<DS, Acc>::value ? reinterpret_cast<DS*>(raw.data()) : ds_buf.data();
@@ -413,10 +439,14 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
             DS* dr = ds + r * nj;
             const Acc lr = lse_r[i0 + r], gr = g_r[i0 + r];
             Acc acc_r = 0, acc_c = 0;
+            // Largest dS - DS_LOW_PART_FRACTION * (g_row + g_col) of the row (bfloat16 only).
+            Acc need_low = neg_inf;
+            const Acc thr_r = DS_LOW_PART_FRACTION * gr;
+            const Acc* gcj = both ? g_c + j0 : nullptr;
             if (shared_ref) {
               const Acc row_factor = fast_exp(lr - ref);
               const Acc* cf = col_factor.data();
-#pragma omp simd reduction(+ : acc_r, acc_c)
+#pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
                 const Acc x = rr[c];
                 const Acc e = fast_exp(x * scale - lr);
@@ -424,39 +454,52 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc pc = (e * row_factor) * cf[c];
                 acc_r += pr * x;
                 acc_c += pc * x;
-                store_ds(dr, c, plane, pr + pc);
+                const Acc v = store_ds(dr, rr, c, pr + pc);
+                if constexpr (split) {
+                  const Acc over = v - (thr_r + DS_LOW_PART_FRACTION * gcj[c]);
+                  need_low = need_low > over ? need_low : over;
+                }
               }
             } else if (both) {
               const Acc* lc = lse_c + j0;
               const Acc* gc = g_c + j0;
-#pragma omp simd reduction(+ : acc_r, acc_c)
+#pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
                 const Acc x = rr[c], sv = x * scale;
                 const Acc pr = gr * fast_exp(sv - lr);
                 const Acc pc = gc[c] * fast_exp(sv - lc[c]);
                 acc_r += pr * x;
                 acc_c += pc * x;
-                store_ds(dr, c, plane, pr + pc);
+                const Acc v = store_ds(dr, rr, c, pr + pc);
+                if constexpr (split) {
+                  const Acc over = v - (thr_r + DS_LOW_PART_FRACTION * gcj[c]);
+                  need_low = need_low > over ? need_low : over;
+                }
               }
             } else {
-#pragma omp simd reduction(+ : acc_r)
+#pragma omp simd reduction(+ : acc_r) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
                 const Acc x = rr[c];
                 const Acc pr = gr * fast_exp(x * scale - lr);
                 acc_r += pr * x;
-                store_ds(dr, c, plane, pr);
+                const Acc v = store_ds(dr, rr, c, pr);
+                if constexpr (split) {
+                  const Acc over = v - thr_r;
+                  need_low = need_low > over ? need_low : over;
+                }
               }
             }
             tile_row += acc_r;
             tile_col += acc_c;
+            if constexpr (split) {
+              if (need_low >= 0) add_low_parts(nj, rr, dr, thr_r, gcj, qp + (i0 + r) * d, kp + j0 * d, d, scale,
+                                               dqp + (i0 + r) * d, dkp + j0 * d);
+            }
           }
           lane_row += tile_row;
           lane_col += tile_col;
-          for (int p = 0; p < planes; ++p) {
-            const DS* dsp = ds + p * plane;
-            gemm(false, false, ni, d, nj, scale, dsp, nj, kp + j0 * d, d, Acc(1), dqp + i0 * d, d);
-            gemm(true, false, nj, d, ni, scale, dsp, nj, qp + i0 * d, d, Acc(1), dkp + j0 * d, d);
-          }
+          gemm(false, false, ni, d, nj, scale, ds, nj, kp + j0 * d, d, Acc(1), dqp + i0 * d, d);
+          gemm(true, false, nj, d, ni, scale, ds, nj, qp + i0 * d, d, Acc(1), dkp + j0 * d, d);
         }
       }
       ds_row[lane] = lane_row;
