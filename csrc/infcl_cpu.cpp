@@ -185,16 +185,17 @@ struct Types<at::BFloat16> {
 // where the probability is large. So entries with dS >= DS_LOW_PART_FRACTION * (g_row + g_col) also
 // get their low part lo = v - hi added exactly in float32 (a rank-1 update of one dq row and one dk
 // row each), which needs no second bf16 product over the whole tile.
+// store_ds also raises need_low to v - thr (bfloat16 only): >= 0 once an entry reaches its threshold.
 template <typename Acc>
-inline Acc store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v) {
+inline void store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v, Acc /*thr*/, Acc& /*need_low*/) {
   dst[i] = v;
-  return v;
 }
-inline float store_ds(at::BFloat16* dst, float* raw, int64_t i, float v) {
+inline void store_ds(at::BFloat16* dst, float* raw, int64_t i, float v, float thr, float& need_low) {
   const uint16_t hi = to_bf16_bits(v);
   std::memcpy(dst + i, &hi, sizeof hi);
   raw[i] = v;
-  return v;
+  const float over = v - thr;
+  need_low = need_low > over ? need_low : over;
 }
 // At most 1 / DS_LOW_PART_FRACTION entries of a row (or column) can reach the threshold, as its
 // probabilities sum to 1; below it the dropped low part is under 2^-17 of that row's gradient weight.
@@ -451,11 +452,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc pc = (e * row_factor) * cf[c];
                 acc_r += pr * x;
                 acc_c += pc * x;
-                const Acc v = store_ds(dr, rr, c, pr + pc);
-                if constexpr (split) {
-                  const Acc over = v - (thr_r + DS_LOW_PART_FRACTION * gcj[c]);
-                  need_low = need_low > over ? need_low : over;
-                }
+                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
               }
             } else if (both) {
               const Acc* lc = lse_c + j0;
@@ -467,11 +464,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc pc = gc[c] * fast_exp(sv - lc[c]);
                 acc_r += pr * x;
                 acc_c += pc * x;
-                const Acc v = store_ds(dr, rr, c, pr + pc);
-                if constexpr (split) {
-                  const Acc over = v - (thr_r + DS_LOW_PART_FRACTION * gcj[c]);
-                  need_low = need_low > over ? need_low : over;
-                }
+                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
               }
             } else {
 #pragma omp simd reduction(+ : acc_r) reduction(max : need_low)
@@ -479,11 +472,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc x = rr[c];
                 const Acc pr = gr * fast_exp(x * scale - lr);
                 acc_r += pr * x;
-                const Acc v = store_ds(dr, rr, c, pr);
-                if constexpr (split) {
-                  const Acc over = v - thr_r;
-                  need_low = need_low > over ? need_low : over;
-                }
+                store_ds(dr, rr, c, pr, thr_r, need_low);
               }
             }
             tile_row += acc_r;
