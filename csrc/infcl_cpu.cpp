@@ -34,9 +34,21 @@ namespace {
 
 // Tile of S: 256 query rows x 512 key columns of float32 = 512 KiB, which with its q and k panels
 // stays inside one core's 2 MiB L2 on the machines we measured, while every product still has a
-// reduction dimension (D, TILE_K or TILE_Q) long enough for BLAS to run at its full rate.
+// reduction dimension (D, TILE_K or TILE_Q) long enough for BLAS to run at its full rate. Measured
+// at B=8192, D=512 on 2 cores (AMX Xeon, noisy VM): 512x512, 256x1024, 512x1024, 1024x1024 and
+// 1024x2048 were no faster in float32 (all within the +-15% run-to-run noise) and 5-30% slower in
+// bfloat16, whose small-tile MKL GEMMs are ~2x below its big-GEMM rate at every size tried.
 constexpr int64_t TILE_Q = 256;
 constexpr int64_t TILE_K = 512;
+// Span (in natural-log units) within which one tile's row / column maxima or log-sum-exps must lie for
+// the one-exp-per-entry paths: exp(+-SPAN) and their products stay normal floats with room to spare,
+// and a term that underflows there is below exp(EXP_LO + SPAN) = e^-47 of its row's or column's
+// largest term -- far under float32 resolution even summed over 2^31 entries.
+constexpr float SHARED_REF_SPAN = 40.0f;
+// The backward's version: a flushed exp(s - lr) hides exp(s - lc) = exp(s - lr) * exp(lr - lc) with
+// |lr - lc| <= 2 * LSE_REF_SPAN, so what is lost stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a
+// column's total probability 1).
+constexpr float LSE_REF_SPAN = 20.0f;
 // A lane gets at least this many rows: below it, splitting the rows over threads costs more in
 // small, inefficient GEMMs than it gains.
 constexpr int64_t MIN_ROWS_PER_LANE = 32;
@@ -166,24 +178,36 @@ struct Types<at::BFloat16> {
   using ds = at::BFloat16;
 };
 
-// dS as handed to the dq / dk products. float32 / float64: itself. bfloat16: a compensated pair
-// hi = bf16(v), lo = bf16(v - hi) in two tiles `plane` elements apart, so hi + lo carries ~16 bits:
-// rounding dS to one bf16 would cost up to 2^-9 * |dS| per entry, which is not small next to the
-// gradient when it nearly cancels against the positive logit's term (added later by the ring driver).
+// dS as handed to the dq / dk products. float32 / float64: itself, written over the raw tile in
+// place. bfloat16: hi = bf16(v) goes to the dq / dk products, and v stays in the raw tile. Rounding
+// dS to one bf16 costs up to 2^-9 * |dS| per entry; that is below torch's own bf16 error except where
+// the entry nearly cancels against the positive logit's term (added later by the ring driver), i.e.
+// where the probability is large. So entries with dS >= DS_LOW_PART_FRACTION * (g_row + g_col) also
+// get their low part lo = v - hi added exactly in float32 (a rank-1 update of one dq row and one dk
+// row each), which needs no second bf16 product over the whole tile.
+// store_ds also raises need_low to v - thr (bfloat16 only): >= 0 once an entry reaches its threshold.
 template <typename Acc>
-inline void store_ds(Acc* dst, int64_t i, int64_t /*plane*/, Acc v) { dst[i] = v; }
-inline void store_ds(at::BFloat16* dst, int64_t i, int64_t plane, float v) {
-  const uint16_t hi = to_bf16_bits(v);
-  const uint32_t hi_f_bits = static_cast<uint32_t>(hi) << 16;
-  float hi_f;
-  std::memcpy(&hi_f, &hi_f_bits, sizeof hi_f);
-  const uint16_t lo = to_bf16_bits(v - hi_f);
-  std::memcpy(dst + i, &hi, sizeof hi);
-  std::memcpy(dst + plane + i, &lo, sizeof lo);
+inline void store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v, Acc /*thr*/, Acc& /*need_low*/) {
+  dst[i] = v;
 }
-// How many dS planes each dq / dk product runs over.
-template <typename DS, typename Acc>
-constexpr int ds_planes() { return std::is_same<DS, Acc>::value ? 1 : 2; }
+inline void store_ds(at::BFloat16* dst, float* raw, int64_t i, float v, float thr, float& need_low) {
+  const uint16_t hi = to_bf16_bits(v);
+  std::memcpy(dst + i, &hi, sizeof hi);
+  raw[i] = v;
+  const float over = v - thr;
+  need_low = need_low > over ? need_low : over;
+}
+// At most 1 / DS_LOW_PART_FRACTION entries of a row (or column) can reach the threshold, as its
+// probabilities sum to 1; below it the dropped low part is under 2^-17 of that row's gradient weight.
+constexpr float DS_LOW_PART_FRACTION = 1.0f / 256;
+
+inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// y[0:n] += a * x[0:n] with x in bfloat16, y in float32.
+inline void axpy(int64_t n, float a, const at::BFloat16* x, float* y) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) y[t] += a * bf16_to_float(x[t]);
+}
 
 // Rows [begin, end) of lane `lane` out of `lanes` equal contiguous ranges of n rows.
 inline int64_t lane_start(int64_t n, int64_t lanes, int64_t lane) { return n * lane / lanes; }
@@ -227,24 +251,28 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
         std::fill(row_sum.begin(), row_sum.end(), 0.0);
         for (int64_t j0 = 0; j0 < bk; j0 += tk) {
           const int64_t nj = std::min(tk, bk - j0);
-          gemm(false, true, ni, nj, d, Acc(1), qp + i0 * d, d, kp + j0 * d, d, Acc(0), s.data(), nj);
-          // Pass 1: scale in place; tile row and column maxima.
+          gemm(false, true, ni, nj, d, scale, qp + i0 * d, d, kp + j0 * d, d, Acc(0), s.data(), nj);
+          // Pass 1: tile row and column maxima (S is already scaled by the GEMM's alpha).
           std::fill(tile_col_max.begin(), tile_col_max.begin() + nj, neg_inf);
           Acc* tcm = tile_col_max.data();
+          Acc tile_max = neg_inf, low_row = std::numeric_limits<Acc>::infinity();
           for (int64_t r = 0; r < ni; ++r) {
-            Acc* sr = s.data() + r * nj;
+            const Acc* sr = s.data() + r * nj;
             Acc m = neg_inf;
 #pragma omp simd reduction(max : m)
             for (int64_t c = 0; c < nj; ++c) {
-              const Acc v = sr[c] * scale;
-              sr[c] = v;
+              const Acc v = sr[c];
               m = m > v ? m : v;
               tcm[c] = tcm[c] > v ? tcm[c] : v;
             }
+            tile_max = nan_max(tile_max, m);
+            low_row = std::min(low_row, m);
             const Acc new_max = nan_max(row_max[r], m);
             row_sum[r] *= rescale_factor(row_max[r], new_max);
             row_max[r] = new_max;
           }
+          Acc low_col = std::numeric_limits<Acc>::infinity();
+          for (int64_t c = 0; c < nj; ++c) low_col = std::min(low_col, tcm[c]);
           if (want_cols) {
             for (int64_t c = 0; c < nj; ++c) {
               const Acc new_max = nan_max(cmax[j0 + c], tcm[c]);
@@ -253,9 +281,34 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
               tile_col_sum[c] = 0;
             }
           }
-          // Pass 2: exp against the updated maxima; row sums and (optionally) column sums.
-          const Acc* cm = want_cols ? cmax + j0 : nullptr;
           Acc* tcs = tile_col_sum.data();
+          // Pass 2, one exp per entry: when every tile row and column maximum is within SHARED_REF_SPAN
+          // of the tile maximum M, e = exp(s - M) serves both the row and the column sums, each
+          // rebased once per row / column by exp(M - running max) <= exp(SHARED_REF_SPAN) (no
+          // overflow); every row's and column's own largest term is >= exp(-SHARED_REF_SPAN), a
+          // normal float, so what flushes to 0 is below exp(EXP_LO + SHARED_REF_SPAN) of it. Any
+          // other tile (inf, NaN, very spread logits) takes the two-exp path against the exact maxima.
+          const bool shared_ref = want_cols && std::isfinite(tile_max) && low_row >= tile_max - SHARED_REF_SPAN &&
+                                  low_col >= tile_max - SHARED_REF_SPAN;
+          if (shared_ref) {
+            for (int64_t r = 0; r < ni; ++r) {
+              const Acc* sr = s.data() + r * nj;
+              Acc acc = 0;
+#pragma omp simd reduction(+ : acc)
+              for (int64_t c = 0; c < nj; ++c) {
+                const Acc e = fast_exp(sr[c] - tile_max);
+                acc += e;
+                tcs[c] += e;
+              }
+              row_sum[r] += static_cast<double>(acc) * fast_exp(tile_max - row_max[r]);
+            }
+            for (int64_t c = 0; c < nj; ++c) {
+              csum[j0 + c] += static_cast<double>(tcs[c]) * fast_exp(tile_max - cmax[j0 + c]);
+            }
+            continue;
+          }
+          // Pass 2, two exps per entry: against the updated row and column maxima.
+          const Acc* cm = want_cols ? cmax + j0 : nullptr;
           for (int64_t r = 0; r < ni; ++r) {
             const Acc* sr = s.data() + r * nj;
             const Acc rm = row_max[r];
@@ -302,6 +355,22 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
 // adds P_row*raw and P_col*raw to the split scale gradient and stores dS = P_row + P_col over raw;
 // then dq_i += scale * dS @ k_j and dk_j += scale * dS.T @ q_i.
 
+// The low parts of one row's large bfloat16 dS entries (see store_ds): for each column c with
+// dS = v[c] >= thr_r + DS_LOW_PART_FRACTION * g_col[c], lo = v - bf16(v) is added as
+// dq_row += scale * lo * k[c] and dk[c] += scale * lo * q_row, in column order.
+void add_low_parts(int64_t nj, const float* v, const at::BFloat16* hi, float thr_r, const float* g_col,
+                   const at::BFloat16* q_row, const at::BFloat16* k_tile, int64_t d, float scale, float* dq_row,
+                   float* dk_tile) {
+  for (int64_t c = 0; c < nj; ++c) {
+    const float thr = thr_r + (g_col ? DS_LOW_PART_FRACTION * g_col[c] : 0.0f);
+    if (!(v[c] >= thr)) continue;
+    const float lo = v[c] - bf16_to_float(hi[c]);
+    if (lo == 0.0f) continue;
+    axpy(d, scale * lo, k_tile + c * d, dq_row);
+    axpy(d, scale * lo, q_row, dk_tile + c * d);
+  }
+}
+
 template <typename In>
 void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, const at::Tensor& row_lse,
                    const at::Tensor& g_row, const at::Tensor& col_lse, const at::Tensor& g_col, at::Tensor& dq,
@@ -313,6 +382,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
   const In* qp = q.data_ptr<In>();
   const In* kp = k.data_ptr<In>();
   const Acc scale = static_cast<Acc>(scale_d);
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const Acc* lse_r = row_lse.data_ptr<Acc>();
   const Acc* g_r = g_row.data_ptr<Acc>();
   const Acc* lse_c = both ? col_lse.data_ptr<Acc>() : nullptr;
@@ -325,11 +395,10 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
 
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
-    std::vector<Acc> raw(tq * tk);
-    // float32 / float64 overwrite raw with dS in place; bfloat16 writes its (hi, lo) planes apart.
-    constexpr int planes = ds_planes<DS, Acc>();
-    const int64_t plane = tq * tk;
-    std::vector<DS> ds_buf(planes == 1 ? 0 : planes * plane);
+    std::vector<Acc> raw(tq * tk), col_factor(tk);
+    // float32 / float64 overwrite raw with dS in place; bfloat16 writes bf16(dS) here.
+    constexpr bool split = !std::is_same<DS, Acc>::value;
+    std::vector<DS> ds_buf(split ? tq * tk : 0);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
       DS* ds = std::is_same<DS, Acc>::value ? reinterpret_cast<DS*>(raw.data()) : ds_buf.data();
@@ -341,42 +410,82 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
           const int64_t nj = std::min(tk, bk - j0);
           gemm(false, true, ni, nj, d, Acc(1), qp + i0 * d, d, kp + j0 * d, d, Acc(0), raw.data(), nj);
           Acc tile_row = 0, tile_col = 0;
+          // One exp per entry when the tile's row and column log-sum-exps all lie within
+          // LSE_REF_SPAN of L = max row lse: then exp(s - lc) = exp(s - lr) * exp(lr - L) * exp(L - lc),
+          // the two factors per row / column in [e^-SPAN, e^SPAN]. Otherwise two exps per entry.
+          bool shared_ref = both;
+          Acc ref = neg_inf;
+          if (both) {
+            Acc low = std::numeric_limits<Acc>::infinity();
+            for (int64_t r = 0; r < ni; ++r) {
+              ref = nan_max(ref, lse_r[i0 + r]);
+              low = std::min(low, lse_r[i0 + r]);
+            }
+            Acc lo_c = std::numeric_limits<Acc>::infinity(), hi_c = neg_inf;
+            for (int64_t c = 0; c < nj; ++c) {
+              lo_c = std::min(lo_c, lse_c[j0 + c]);
+              hi_c = nan_max(hi_c, lse_c[j0 + c]);
+            }
+            shared_ref = std::isfinite(ref) && low >= ref - LSE_REF_SPAN && lo_c >= ref - LSE_REF_SPAN &&
+                         hi_c <= ref + LSE_REF_SPAN;
+            if (shared_ref) {
+              for (int64_t c = 0; c < nj; ++c) col_factor[c] = g_c[j0 + c] * fast_exp(ref - lse_c[j0 + c]);
+            }
+          }
           for (int64_t r = 0; r < ni; ++r) {
             Acc* rr = raw.data() + r * nj;
             DS* dr = ds + r * nj;
             const Acc lr = lse_r[i0 + r], gr = g_r[i0 + r];
             Acc acc_r = 0, acc_c = 0;
-            if (both) {
+            // Largest dS - DS_LOW_PART_FRACTION * (g_row + g_col) of the row (bfloat16 only).
+            Acc need_low = neg_inf;
+            const Acc thr_r = DS_LOW_PART_FRACTION * gr;
+            const Acc* gcj = both ? g_c + j0 : nullptr;
+            if (shared_ref) {
+              const Acc row_factor = fast_exp(lr - ref);
+              const Acc* cf = col_factor.data();
+#pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
+              for (int64_t c = 0; c < nj; ++c) {
+                const Acc x = rr[c];
+                const Acc e = fast_exp(x * scale - lr);
+                const Acc pr = gr * e;
+                const Acc pc = (e * row_factor) * cf[c];
+                acc_r += pr * x;
+                acc_c += pc * x;
+                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
+              }
+            } else if (both) {
               const Acc* lc = lse_c + j0;
               const Acc* gc = g_c + j0;
-#pragma omp simd reduction(+ : acc_r, acc_c)
+#pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
                 const Acc x = rr[c], sv = x * scale;
                 const Acc pr = gr * fast_exp(sv - lr);
                 const Acc pc = gc[c] * fast_exp(sv - lc[c]);
                 acc_r += pr * x;
                 acc_c += pc * x;
-                store_ds(dr, c, plane, pr + pc);
+                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
               }
             } else {
-#pragma omp simd reduction(+ : acc_r)
+#pragma omp simd reduction(+ : acc_r) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
                 const Acc x = rr[c];
                 const Acc pr = gr * fast_exp(x * scale - lr);
                 acc_r += pr * x;
-                store_ds(dr, c, plane, pr);
+                store_ds(dr, rr, c, pr, thr_r, need_low);
               }
             }
             tile_row += acc_r;
             tile_col += acc_c;
+            if constexpr (split) {
+              if (need_low >= 0) add_low_parts(nj, rr, dr, thr_r, gcj, qp + (i0 + r) * d, kp + j0 * d, d, scale,
+                                               dqp + (i0 + r) * d, dkp + j0 * d);
+            }
           }
           lane_row += tile_row;
           lane_col += tile_col;
-          for (int p = 0; p < planes; ++p) {
-            const DS* dsp = ds + p * plane;
-            gemm(false, false, ni, d, nj, scale, dsp, nj, kp + j0 * d, d, Acc(1), dqp + i0 * d, d);
-            gemm(true, false, nj, d, ni, scale, dsp, nj, qp + i0 * d, d, Acc(1), dkp + j0 * d, d);
-          }
+          gemm(false, false, ni, d, nj, scale, ds, nj, kp + j0 * d, d, Acc(1), dqp + i0 * d, d);
+          gemm(true, false, nj, d, ni, scale, ds, nj, qp + i0 * d, d, Acc(1), dkp + j0 * d, d);
         }
       }
       ds_row[lane] = lane_row;
