@@ -61,6 +61,33 @@ def _add_positive_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, rows: Tens
         dk.index_add_(0, c, q[r].to(acc) * w)
 
 
+class _Leading:
+    """Read-only block tensors that travel ahead of the compute, double buffered.
+
+    :meth:`post` sends what this rank holds to rank + 1 and posts the receive of the next step's
+    block *before* the compute on the current one; :meth:`advance` waits and swaps the buffers.
+    """
+
+    def __init__(self, layout: RingLayout, comm: Optional[RingComm], phase: str, tensors, shapes_of):
+        self.layout, self.comm, self.phase, self.shapes_of = layout, comm, phase, shapes_of
+        self.current = [t if comm is None else t.contiguous() for t in tensors]
+        self.next = None
+
+    def post(self, step: int) -> None:
+        if step + 1 >= self.layout.world:
+            return
+        size = self.layout.k_sizes[self.layout.block_at_step(step + 1)]
+        self.next = [t.new_empty(shape) for t, shape in zip(self.current, self.shapes_of(size))]
+        for mine, incoming in zip(self.current, self.next):
+            self.comm.send_recv(mine, incoming)
+        self.comm.commit(f"{self.phase} step {step} (k block of rank {self.layout.block_at_step(step)})")
+
+    def advance(self, step: int) -> None:
+        if step + 1 < self.layout.world:
+            self.comm.wait()
+            self.current = self.next
+
+
 class _Trailing:
     """Per-block partial sums that travel one step behind their block, on their own stream.
 
@@ -111,16 +138,14 @@ def ring_forward(
     row_lse = empty_lse(q.shape[0], acc, dev)
     row_pos = torch.zeros(q.shape[0], dtype=acc, device=dev)
     k_comm, col_comm = _comms(layout, "k-forward", "column-lse")
-    k_cur = k if layout.world == 1 else k.contiguous()
+    blocks = _Leading(layout, k_comm, "forward", [k], lambda n: [(n, dim)])
     # Column partials [2, n] (log-sum-exp, positive logit) of each block.
     columns = _Trailing(layout, col_comm, lambda n: (2, n), _merge_columns, "forward", "column log-sum-exp")
     for step in range(layout.world):
         src = layout.block_at_step(step)
         offset, size = layout.k_offsets[src], layout.k_sizes[src]
-        if step + 1 < layout.world:
-            k_next = k.new_empty(layout.k_sizes[layout.block_at_step(step + 1)], dim)
-            k_comm.send_recv(k_cur, k_next)
-            k_comm.commit(f"forward step {step} (k block of rank {src})")
+        blocks.post(step)
+        (k_cur,) = blocks.current
 
         r_lse, c_lse = backend.forward_block(q, k_cur, scale, symmetric)
         lse_merge(row_lse, r_lse)
@@ -134,9 +159,7 @@ def ring_forward(
             col[1] = 0
             col[1, cols] = pos  # labels are a permutation: each column's positive is set on one rank
             columns.pass_on(step, col)
-        if step + 1 < layout.world:
-            k_comm.wait()
-            k_cur = k_next
+        blocks.advance(step)
     col_in = columns.home() if symmetric else None
     return ForwardResult(
         row_lse=row_lse,
@@ -170,22 +193,17 @@ def ring_backward(
     dq = torch.zeros(q.shape[0], dim, dtype=acc, device=dev)
     dscale_row = torch.zeros((), dtype=acc, device=dev)
     k_comm, acc_comm = _comms(layout, "k-backward", "dk")
-    k_cur = k if layout.world == 1 else k.contiguous()
-    # What each block carries ahead, read-only: its column (lse, upstream grad).
-    col_cur = torch.stack([col_lse, g_col]) if symmetric else None
+    # What each block carries ahead, read-only: k and, for the symmetric loss, its column (lse, upstream grad).
+    ahead = [k, torch.stack([col_lse, g_col])] if symmetric else [k]
+    blocks = _Leading(layout, k_comm, "backward", ahead, lambda n: [(n, dim), (2, n)][: len(ahead)])
     # [size * D + 1] per block: its dk partial sum and its column scale-gradient.
     grads = _Trailing(layout, acc_comm, lambda n: (n * dim + 1,), Tensor.add_, "backward", "dk")
     for step in range(layout.world):
         src = layout.block_at_step(step)
         offset, size = layout.k_offsets[src], layout.k_sizes[src]
-        if step + 1 < layout.world:
-            nxt_size = layout.k_sizes[layout.block_at_step(step + 1)]
-            k_next = k.new_empty(nxt_size, dim)
-            k_comm.send_recv(k_cur, k_next)
-            if symmetric:
-                col_next = col_cur.new_empty(2, nxt_size)
-                k_comm.send_recv(col_cur, col_next)
-            k_comm.commit(f"backward step {step} (k block of rank {src})")
+        blocks.post(step)
+        k_cur = blocks.current[0]
+        col_cur = blocks.current[1] if symmetric else None
 
         packed = torch.zeros(size * dim + 1, dtype=acc, device=dev)
         dk_part = packed[:-1].view(size, dim)
@@ -203,10 +221,6 @@ def ring_backward(
         packed[-1] = ds_col - (torch.dot(g_col_cur[cols], raw) if symmetric else 0)
 
         grads.pass_on(step, packed)
-        if step + 1 < layout.world:
-            k_comm.wait()
-            k_cur = k_next
-            if symmetric:
-                col_cur = col_next
+        blocks.advance(step)
     own = grads.home()
     return dq, own[:-1].view(k.shape[0], dim), dscale_row + own[-1]
