@@ -53,7 +53,7 @@ def cal_inf_loss(
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
     name = resolve_backend(backend, q.device)
-    scale_t = make_scale(scale, q)
+    scale_t = make_scale(scale)
     ring = ring_group(group)
     labels_t = local_labels(labels, q)
     if ring is None:

@@ -48,7 +48,7 @@ def check_head_dim(head_dim) -> None:
         raise TypeError(f"head_dim must be None or an int (it is ignored), got {type(head_dim).__name__}")
 
 
-def make_scale(scale, q: torch.Tensor) -> torch.Tensor:
+def make_scale(scale) -> torch.Tensor:
     """The logit scale as a tensor that autograd can differentiate (a Python number gets no gradient)."""
     if scale is None:
         return torch.ones((), dtype=torch.float32)
@@ -95,9 +95,7 @@ def global_labels(labels: Optional[torch.Tensor], q: torch.Tensor, layout: RingL
                 f"labels=None means the diagonal, which needs Bq == Bk{where}; got q [{bq}, {dim}], k [{bk}, {dim}] "
                 "(pass labels to use the extra k rows as hard negatives)"
             )
-    for rank, bounds in enumerate(layout.label_ranges):
         if bounds is not None and (bounds[0] < 0 or bounds[1] >= layout.total_k):
-            where = "" if layout.world == 1 else f" on rank {rank}"
             raise ValueError(
                 f"labels must be column indices in [0, {layout.total_k}) (the global k batch), got values in "
                 f"[{bounds[0]}, {bounds[1]}]{where}"
@@ -122,10 +120,7 @@ def _check_permutation(labels: torch.Tensor, layout: RingLayout) -> None:
         parts = [torch.empty_like(padded) for _ in range(layout.world)]
         dist.all_gather(parts, padded, group=layout.group)
         every = torch.cat([p[:n] for p, n in zip(parts, layout.q_sizes)])
-    if layout.total_q != layout.total_k:
-        raise ValueError(
-            f"symmetric=True needs as many rows as columns globally, got {layout.total_q} q rows and {layout.total_k} k rows"
-        )
+    # Every rank has Bq == Bk here (global_labels checked it), so rows and columns are equally many.
     expected = torch.arange(every.shape[0], device=every.device)
     if not torch.equal(torch.sort(every).values, expected):
         raise ValueError("symmetric=True needs labels that are a permutation of the column indices (each column once)")
