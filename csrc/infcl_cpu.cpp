@@ -125,6 +125,17 @@ inline uint16_t to_bf16_bits(float f) {
 // float32 / float64 go through ATen (at::mm_out / addmm_, i.e. MKL or whatever BLAS torch uses);
 // bfloat16 needs an fp32 output that at::mm cannot give on CPU, so it calls MKL's
 // cblas_gemm_bf16bf16f32 when the torch build exports it (weak symbol: absent -> float32 path).
+//
+// Tried and dropped (2026-11-22, B=8192, D=512, 2 cores), so nobody retries them blind:
+// - MKL's packed-operand sgemm (cblas_sgemm_pack / _compute, exported by libtorch_cpu): S products
+//   alone ran 204-237 GFLOP/s against 166-192 unpacked, but cblas_sgemm_pack_get_size asks ~9 MB for
+//   every 256x512 or 512x512 panel (8-16x its data, whatever k is): ~140 MB for k's panels at B=8192,
+//   over 1 GB at B=65536, and no end-to-end gain once that buffer is allocated per call.
+// - oneDNN's float32 brgemm ukernel (at::native::cpublas::brgemm): 60-94 GFLOP/s on these tiles.
+// - oneDNN's bf16 AMX brgemm for the S products (branch exp/bf16-brgemm): 530-540 GFLOP/s against
+//   375-385 for MKL's bf16 GEMM on S alone, but no reliable end-to-end gain in interleaved runs. It
+//   also needs arch_prctl(ARCH_REQ_XCOMP_PERM) and a tile release after each product, because MKL's
+//   bf16 GEMM shares the AMX state (SIGILL otherwise).
 
 extern "C" {
 // MKL's CBLAS enums and LP64 signature.
