@@ -132,7 +132,7 @@ inline uint16_t to_bf16_bits(float f) {
 //   every 256x512 or 512x512 panel (8-16x its data, whatever k is): ~140 MB for k's panels at B=8192,
 //   over 1 GB at B=65536, and no end-to-end gain once that buffer is allocated per call.
 // - oneDNN's float32 brgemm ukernel (at::native::cpublas::brgemm): 60-94 GFLOP/s on these tiles.
-// - oneDNN's bf16 AMX brgemm for the S products (branch exp/bf16-brgemm): 530-540 GFLOP/s against
+// - oneDNN's bf16 AMX brgemm for the S products (kept off main; see issue 4's notes): 530-540 GFLOP/s against
 //   375-385 for MKL's bf16 GEMM on S alone, but no reliable end-to-end gain in interleaved runs. It
 //   also needs arch_prctl(ARCH_REQ_XCOMP_PERM) and a tile release after each product, because MKL's
 //   bf16 GEMM shares the AMX state (SIGILL otherwise).
