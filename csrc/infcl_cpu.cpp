@@ -6,11 +6,12 @@
 //   backward_block(q, k, scale, row_lse, g_row, col_lse?, g_col?, dq!, dk!) -> dscale [2] (row, col)
 //
 // Parallel layout: the Bq rows are cut into `lanes` contiguous row ranges (one per thread). Each lane
-// walks its rows in TILE_Q x TILE_K tiles of S = scale * q @ k.T; every product is a single-threaded
-// BLAS call on a cache-sized tile (at::mm_out / addmm_ for float32 and float64, MKL's
-// bf16 x bf16 -> fp32 GEMM for bfloat16). Row results belong to one lane; column results (the column
-// log-sum-exp partials in the forward, dk in the backward) are kept per lane and summed in lane
-// order at the end. Partition and merge order depend only on the shapes and the thread count, never
+// walks its rows in TILE_Q x TILE_K tiles of S = scale * q @ k.T, key tiles outer and row tiles inner,
+// so one key tile serves all the lane's row tiles (float32 packs it once for MKL: see ReusedB); every
+// product is a single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or at::mm_out /
+// addmm_ for float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16). Row results belong
+// to one lane; column results (the column log-sum-exp partials in the forward, dk in the backward)
+// are kept per lane and summed in lane order at the end. Partition and merge order depend only on the shapes and the thread count, never
 // on scheduling, so results are bit-identical run to run.
 //
 // Extra memory: the tile buffers, O(lanes * Bk) column partials and (lanes - 1) dk partials of
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -127,10 +129,9 @@ inline uint16_t to_bf16_bits(float f) {
 // cblas_gemm_bf16bf16f32 when the torch build exports it (weak symbol: absent -> float32 path).
 //
 // Tried and dropped (2026-11-22, B=8192, D=512, 2 cores), so nobody retries them blind:
-// - MKL's packed-operand sgemm (cblas_sgemm_pack / _compute, exported by libtorch_cpu): S products
-//   alone ran 204-237 GFLOP/s against 166-192 unpacked, but cblas_sgemm_pack_get_size asks ~9 MB for
-//   every 256x512 or 512x512 panel (8-16x its data, whatever k is): ~140 MB for k's panels at B=8192,
-//   over 1 GB at B=65536, and no end-to-end gain once that buffer is allocated per call.
+// - MKL's packed-operand sgemm with every k panel packed up front: cblas_sgemm_pack_get_size asks
+//   ~7.9 MB plus the panel's data for every panel, so ~140 MB at B=8192 and over 1 GB at B=65536.
+//   (ReusedB packs one key tile per lane at a time instead, in an uninitialized buffer.)
 // - oneDNN's float32 brgemm ukernel (at::native::cpublas::brgemm): 60-94 GFLOP/s on these tiles.
 // - oneDNN's bf16 AMX brgemm for the S products (kept off main; see issue 4's notes): 530-540 GFLOP/s against
 //   375-385 for MKL's bf16 GEMM on S alone, but no reliable end-to-end gain in interleaved runs. It
@@ -143,6 +144,13 @@ enum { kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112 };
 void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
                             const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
                             int ldc) __attribute__((weak));
+// MKL's packed-operand sgemm: op(B) packed once, then multiplied by many A tiles.
+enum { kCblasPacked = 151, kCblasBMatrix = 162 };
+size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
+void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
+                      int ld, float* dest) __attribute__((weak));
+void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
+                         const float* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
 }
 
 bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
@@ -177,6 +185,61 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
                          static_cast<int>(ldc));
 }
 
+bool has_sgemm_pack() {
+  return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr && cblas_sgemm_compute != nullptr;
+}
+
+// The B operand of C[m, n] = A[m, kk] @ op(B) + beta * C when one k tile serves all of a lane's row
+// tiles: set() once per k tile, then product() per row tile. For float32 with MKL, op(B) is packed
+// once into MKL's internal layout (with alpha folded in), so the row-tile products skip repacking it,
+// which is most of what separates a 256-row tile product from MKL's big-GEMM rate. The packed panel
+// is sized for m = TILE_Q rows; a shorter (ragged) row tile, and every other dtype, uses gemm().
+// The buffer is left uninitialized: MKL reserves ~8 MB beyond the panel's data that it does not
+// write, so those pages are never touched and never become resident.
+template <typename A, typename Bt, typename C>
+class ReusedB {
+ public:
+  ReusedB(bool tb, int64_t m, int64_t n_max, int64_t k_max) : tb_(tb), m_(m) {
+    if constexpr (std::is_same<Bt, float>::value) {
+      if (has_sgemm_pack()) {
+        const size_t bytes = cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(m), static_cast<int>(n_max),
+                                                        static_cast<int>(k_max));
+        packed_.reset(new float[(bytes + sizeof(float) - 1) / sizeof(float)]);
+      }
+    }
+  }
+
+  void set(const Bt* b, int64_t ldb, int64_t n, int64_t k, C alpha) {
+    b_ = b, ldb_ = ldb, n_ = n, k_ = k, alpha_ = alpha;
+    if constexpr (std::is_same<Bt, float>::value) {
+      if (packed_) {
+        cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, tb_ ? kCblasTrans : kCblasNoTrans, static_cast<int>(m_),
+                         static_cast<int>(n), static_cast<int>(k), alpha, b, static_cast<int>(ldb), packed_.get());
+      }
+    }
+  }
+
+  void product(int64_t m, const A* a, int64_t lda, C beta, C* c, int64_t ldc) const {
+    if constexpr (std::is_same<Bt, float>::value) {
+      if (packed_ && m == m_) {
+        cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, static_cast<int>(m), static_cast<int>(n_),
+                            static_cast<int>(k_), a, static_cast<int>(lda), packed_.get(), static_cast<int>(ldb_),
+                            beta, c, static_cast<int>(ldc));
+        return;
+      }
+    }
+    gemm(false, tb_, m, n_, k_, alpha_, a, lda, b_, ldb_, beta, c, ldc);
+  }
+
+ private:
+  bool tb_;
+  int64_t m_;
+  const Bt* b_ = nullptr;
+  int64_t ldb_ = 0, n_ = 0, k_ = 0;
+  C alpha_ = C(1);
+  std::unique_ptr<float[]> packed_;
+};
+
 // The input type, its accumulation type, and the type dS is handed to the dq / dk products in.
 template <typename In>
 struct Types {
@@ -196,17 +259,19 @@ struct Types<at::BFloat16> {
 // where the probability is large. So entries with dS >= DS_LOW_PART_FRACTION * (g_row + g_col) also
 // get their low part lo = v - hi added exactly in float32 (a rank-1 update of one dq row and one dk
 // row each), which needs no second bf16 product over the whole tile.
-// store_ds also raises need_low to v - thr (bfloat16 only): >= 0 once an entry reaches its threshold.
 template <typename Acc>
-inline void store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v, Acc /*thr*/, Acc& /*need_low*/) {
+inline void store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v) {
   dst[i] = v;
 }
-inline void store_ds(at::BFloat16* dst, float* raw, int64_t i, float v, float thr, float& need_low) {
+inline void store_ds(at::BFloat16* dst, float* raw, int64_t i, float v) {
   const uint16_t hi = to_bf16_bits(v);
   std::memcpy(dst + i, &hi, sizeof hi);
   raw[i] = v;
+}
+// Running max of v - thr over a row (bfloat16 only): >= 0 once an entry reaches its threshold thr.
+inline float past_threshold(float running, float v, float thr) {
   const float over = v - thr;
-  need_low = need_low > over ? need_low : over;
+  return running > over ? running : over;
 }
 // At most 1 / DS_LOW_PART_FRACTION entries of a row (or column) can reach the threshold, as its
 // probabilities sum to 1; below it the dropped low part is under 2^-17 of that row's gradient weight.
@@ -250,19 +315,22 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
     std::vector<Acc> s(tq * tk), tile_col_max(tk), tile_col_sum(tk);
-    std::vector<Acc> row_max(tq);
-    std::vector<double> row_sum(tq);
+    ReusedB<In, In, Acc> k_tile(/*tb=*/true, tq, tk, d);  // scale * k_j.T
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* cmax = want_cols ? col_max.data() + lane * bk : nullptr;
       double* csum = want_cols ? col_sum.data() + lane * bk : nullptr;
-      const int64_t r_end = lane_start(bq, lanes, lane + 1);
-      for (int64_t i0 = lane_start(bq, lanes, lane); i0 < r_end; i0 += tq) {
-        const int64_t ni = std::min(tq, r_end - i0);
-        std::fill(row_max.begin(), row_max.end(), neg_inf);
-        std::fill(row_sum.begin(), row_sum.end(), 0.0);
-        for (int64_t j0 = 0; j0 < bk; j0 += tk) {
-          const int64_t nj = std::min(tk, bk - j0);
-          gemm(false, true, ni, nj, d, scale, qp + i0 * d, d, kp + j0 * d, d, Acc(0), s.data(), nj);
+      const int64_t r_begin = lane_start(bq, lanes, lane), r_end = lane_start(bq, lanes, lane + 1);
+      // The lane's running row maxima and sums, over all its rows: the k tiles are the outer loop.
+      std::vector<Acc> lane_row_max(r_end - r_begin, neg_inf);
+      std::vector<double> lane_row_sum(r_end - r_begin, 0.0);
+      for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+        const int64_t nj = std::min(tk, bk - j0);
+        k_tile.set(kp + j0 * d, d, nj, d, scale);
+        for (int64_t i0 = r_begin; i0 < r_end; i0 += tq) {
+          const int64_t ni = std::min(tq, r_end - i0);
+          Acc* row_max = lane_row_max.data() + (i0 - r_begin);
+          double* row_sum = lane_row_sum.data() + (i0 - r_begin);
+          k_tile.product(ni, qp + i0 * d, d, Acc(0), s.data(), nj);
           // Pass 1: tile row and column maxima (S is already scaled by the GEMM's alpha).
           std::fill(tile_col_max.begin(), tile_col_max.begin() + nj, neg_inf);
           Acc* tcm = tile_col_max.data();
@@ -340,7 +408,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
             for (int64_t c = 0; c < nj; ++c) csum[j0 + c] += tcs[c];
           }
         }
-        for (int64_t r = 0; r < ni; ++r) out_row[i0 + r] = static_cast<Acc>(row_max[r] + std::log(row_sum[r]));
+      }
+      for (int64_t r = 0; r < r_end - r_begin; ++r) {
+        out_row[r_begin + r] = static_cast<Acc>(lane_row_max[r] + std::log(lane_row_sum[r]));
       }
     }
   });
@@ -410,16 +480,23 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
     // float32 / float64 overwrite raw with dS in place; bfloat16 writes bf16(dS) here.
     constexpr bool split = !std::is_same<DS, Acc>::value;
     std::vector<DS> ds_buf(split ? tq * tk : 0);
+    // A local copy: read through the lambda's reference inside the simd loops, GCC cannot hoist it past
+    // the dS stores and reloads it with a gather every iteration (measured: the loops ran ~3x slower).
+    const Acc sc = scale;
+    ReusedB<In, In, Acc> k_tile_t(/*tb=*/true, tq, tk, d);  // k_j.T, for raw = q_i @ k_j.T
+    ReusedB<DS, In, Acc> k_tile(/*tb=*/false, tq, d, tk);   // scale * k_j, for dq_i += dS @ k_j
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
       DS* ds = std::is_same<DS, Acc>::value ? reinterpret_cast<DS*>(raw.data()) : ds_buf.data();
       double lane_row = 0.0, lane_col = 0.0;
-      const int64_t r_end = lane_start(bq, lanes, lane + 1);
-      for (int64_t i0 = lane_start(bq, lanes, lane); i0 < r_end; i0 += tq) {
-        const int64_t ni = std::min(tq, r_end - i0);
-        for (int64_t j0 = 0; j0 < bk; j0 += tk) {
-          const int64_t nj = std::min(tk, bk - j0);
-          gemm(false, true, ni, nj, d, Acc(1), qp + i0 * d, d, kp + j0 * d, d, Acc(0), raw.data(), nj);
+      const int64_t r_begin = lane_start(bq, lanes, lane), r_end = lane_start(bq, lanes, lane + 1);
+      for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+        const int64_t nj = std::min(tk, bk - j0);
+        k_tile_t.set(kp + j0 * d, d, nj, d, Acc(1));
+        k_tile.set(kp + j0 * d, d, d, nj, scale);
+        for (int64_t i0 = r_begin; i0 < r_end; i0 += tq) {
+          const int64_t ni = std::min(tq, r_end - i0);
+          k_tile_t.product(ni, qp + i0 * d, d, Acc(0), raw.data(), nj);
           Acc tile_row = 0, tile_col = 0;
           // One exp per entry when the tile's row and column log-sum-exps all lie within
           // LSE_REF_SPAN of L = max row lse: then exp(s - lc) = exp(s - lr) * exp(lr - L) * exp(L - lc),
@@ -458,32 +535,35 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
 #pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
                 const Acc x = rr[c];
-                const Acc e = fast_exp(x * scale - lr);
+                const Acc e = fast_exp(x * sc - lr);
                 const Acc pr = gr * e;
                 const Acc pc = (e * row_factor) * cf[c];
                 acc_r += pr * x;
                 acc_c += pc * x;
-                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
+                store_ds(dr, rr, c, pr + pc);
+                if constexpr (split) need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
               }
             } else if (both) {
               const Acc* lc = lse_c + j0;
               const Acc* gc = g_c + j0;
 #pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
-                const Acc x = rr[c], sv = x * scale;
+                const Acc x = rr[c], sv = x * sc;
                 const Acc pr = gr * fast_exp(sv - lr);
                 const Acc pc = gc[c] * fast_exp(sv - lc[c]);
                 acc_r += pr * x;
                 acc_c += pc * x;
-                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
+                store_ds(dr, rr, c, pr + pc);
+                if constexpr (split) need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
               }
             } else {
 #pragma omp simd reduction(+ : acc_r) reduction(max : need_low)
               for (int64_t c = 0; c < nj; ++c) {
                 const Acc x = rr[c];
-                const Acc pr = gr * fast_exp(x * scale - lr);
+                const Acc pr = gr * fast_exp(x * sc - lr);
                 acc_r += pr * x;
-                store_ds(dr, rr, c, pr, thr_r, need_low);
+                store_ds(dr, rr, c, pr);
+                if constexpr (split) need_low = past_threshold(need_low, pr, thr_r);
               }
             }
             tile_row += acc_r;
@@ -495,7 +575,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
           }
           lane_row += tile_row;
           lane_col += tile_col;
-          gemm(false, false, ni, d, nj, scale, ds, nj, kp + j0 * d, d, Acc(1), dqp + i0 * d, d);
+          k_tile.product(ni, ds, nj, Acc(1), dqp + i0 * d, d);
           gemm(true, false, nj, d, ni, scale, ds, nj, qp + i0 * d, d, Acc(1), dkp + j0 * d, d);
         }
       }
