@@ -107,11 +107,8 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
         common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup, repeats=repeats)
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
         for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
-            if not sw.memory_only:
-                jobs.append(Job("gemm", batch, dim, **common))
             for name, mode in itertools.product(names, sw.modes):
-                job = Job("method", batch, dim, method=name, mode=mode, symmetric=sw.symmetric,
-                          memory_only=sw.memory_only, **common)
+                job = Job(name, batch, dim, mode=mode, symmetric=sw.symmetric, memory_only=sw.memory_only, **common)
                 unavailable = METHODS[name].unavailable(device, dim)
                 too_big = _vanilla_too_big(batch, sw.dtype, max_gb) if name == BASELINE else None
                 if unavailable is None and too_big is None:
@@ -136,32 +133,25 @@ def _progress(total: int):
     return tqdm(total=total, unit="config", file=sys.stderr, dynamic_ncols=True, disable=None)
 
 
-def run(jobs: List[Job], timeout_s: float):
-    """Run every job in its own process; returns (method rows, {(device, dtype, B, D): GFLOP/s})."""
-    rows, gemm = [], {}
+def run(jobs: List[Job], timeout_s: float) -> List[Dict]:
+    """Run every job in its own process; returns one row per job."""
+    rows = []
     bar = _progress(len(jobs))
     say = bar.write if bar is not None else (lambda s: print(s, file=sys.stderr, flush=True))
     for i, job in enumerate(jobs, 1):
         if bar is not None:
             bar.set_description(job.label())
         result = run_isolated(job, timeout_s)
-        if job.kind == "gemm":
-            if result["status"] == "ok":
-                gemm[(job.device, job.dtype, job.batch, job.dim)] = result["gflops"]
-                say(f"[{i}/{len(jobs)}] {job.label()}: {result['gflops']:.1f} GFLOP/s "
-                    f"(S shape {result['s_gflops']:.1f}, dS shape {result['ds_gflops']:.1f})")
-            else:
-                say(f"[{i}/{len(jobs)}] {job.label()}: {result['status']} {result.get('note', '')}")
-        else:
-            rows.append({**row_of(job), **result})
-            t = f"{result['time_s']:.4g} s, " if "time_s" in result else ""
-            mem = f"{result['peak_extra_mib']:.1f} MiB" if "peak_extra_mib" in result else result.get("note", "")
-            say(f"[{i}/{len(jobs)}] {job.label()}: {result['status']} {t}{mem}")
+        rows.append({**row_of(job), **result})
+        t = f"{result['time_s']:.4g} s, " if "time_s" in result else ""
+        mem = f"{result['peak_extra_mib']:.1f} MiB" if "peak_extra_mib" in result else result.get("note", "")
+        gemm = f", GEMM {result['gemm_gflops']:.1f} GFLOP/s" if "gemm_gflops" in result else ""
+        say(f"[{i}/{len(jobs)}] {job.label()}: {result['status']} {t}{mem}{gemm}")
         if bar is not None:
             bar.update()
     if bar is not None:
         bar.close()
-    return rows, gemm
+    return rows
 
 
 def main(argv=None) -> int:
@@ -171,10 +161,9 @@ def main(argv=None) -> int:
     jobs, decided = plan(args, sweeps)
     print(f"bench: {len(jobs)} configurations on {args.device} with {args.threads} thread(s) -> {args.out}/{name}.*",
           file=sys.stderr)
-    rows, gemm = run(jobs, args.timeout)
-    rows += decided
+    rows = run(jobs, args.timeout) + decided
     rows.sort(key=lambda r: (r["dtype"], r["dim"], r["batch"], MODES.index(r["mode"]), list(METHODS).index(r["method"])))
-    add_ratios(rows, gemm)
+    add_ratios(rows)
     print(format_table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = args.out / f"{name}.csv", args.out / f"{name}.png"

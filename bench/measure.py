@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -63,19 +63,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(step: Step, device: torch.device) -> float:
+    state = step.prepare()
+    _sync(device)
+    start = time.perf_counter()
+    out = step.measured(state)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    del out, state
+    return elapsed
+
+
 def time_step(step: Step, device: torch.device, warmup: int, repeats: int) -> List[float]:
     """Wall-clock seconds of ``step.measured`` for each of ``repeats`` runs after ``warmup`` runs."""
-    times = []
+    return time_interleaved({"step": step}, device, warmup, repeats)["step"]
+
+
+def time_interleaved(steps: Dict[str, Step], device: torch.device, warmup: int, repeats: int) -> Dict[str, List[float]]:
+    """``time_step`` for several steps, their runs taken in turn (a, b, a, b, ...): each name's timed runs."""
+    times = {name: [] for name in steps}
     for i in range(warmup + repeats):
-        state = step.prepare()
-        _sync(device)
-        start = time.perf_counter()
-        out = step.measured(state)
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        del out, state
-        if i >= warmup:
-            times.append(elapsed)
+        for name, step in steps.items():
+            elapsed = _timed(step, device)
+            if i >= warmup:
+                times[name].append(elapsed)
     return times
 
 

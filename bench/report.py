@@ -1,6 +1,7 @@
 """Results: ratios against vanilla and the GEMM bound, the printed table, the CSV and the plot."""
 
 import csv
+import math
 from pathlib import Path
 from typing import Dict, List
 
@@ -40,8 +41,8 @@ def _key(row: Dict):
     return row["device"], row["dtype"], row["batch"], row["dim"], row["symmetric"], row["mode"]
 
 
-def add_ratios(rows: List[Dict], gemm: Dict) -> None:
-    """Fill the ratio columns in place. ``gemm`` maps (device, dtype, batch, dim) to a GFLOP/s rate."""
+def add_ratios(rows: List[Dict]) -> None:
+    """Fill the ratio columns in place; each row's GEMM bound is from its own ``gemm_gflops``."""
     vanilla = {_key(r): r for r in rows if r["method"] == BASELINE and r["status"] == "ok"}
     for row in rows:
         if row["status"] != "ok":
@@ -52,9 +53,8 @@ def add_ratios(rows: List[Dict], gemm: Dict) -> None:
                 row["memory_vs_vanilla"] = row["peak_extra_mib"] / base["peak_extra_mib"]
             if row.get("time_s") is not None and base.get("time_s") is not None:
                 row["time_vs_vanilla"] = row["time_s"] / base["time_s"]
-        rate = gemm.get((row["device"], row["dtype"], row["batch"], row["dim"]))
+        rate = row.get("gemm_gflops")
         if rate is not None and row.get("time_s") is not None:
-            row["gemm_gflops"] = rate
             row["gemm_bound_s"] = gemm_bound_seconds(row["batch"], row["dim"], row["mode"], rate * 1e9)
             row["time_vs_gemm_bound"] = row["time_s"] / row["gemm_bound_s"]
 
@@ -110,6 +110,23 @@ def _series(rows: List[Dict], value: str):
     return out
 
 
+def _bounds(rows: List[Dict]):
+    """{label: (batches, seconds)}: per dtype and D, the GEMM bound at each B from the fastest matmul
+    rate its rows measured, for forward+backward (or the one mode that was run)."""
+    best = {}
+    for row in rows:
+        if row["status"] == "ok" and row.get("gemm_bound_s"):
+            key = (row["dtype"], row["dim"], row["mode"])
+            per_batch = best.setdefault(key, {})
+            per_batch[row["batch"]] = min(per_batch.get(row["batch"], math.inf), row["gemm_bound_s"])
+    out = {}
+    for (dtype, dim, mode), per_batch in best.items():
+        if mode == "forward+backward" or not any(k[:2] == (dtype, dim) and k[2] == "forward+backward" for k in best):
+            batches = sorted(per_batch)
+            out[f"GEMM bound {dtype} D={dim} ({mode})"] = (batches, [per_batch[b] for b in batches])
+    return out
+
+
 def write_plot(rows: List[Dict], path: Path, title: str) -> None:
     """Peak extra memory and time against B on log-log axes, with the GEMM bound dashed."""
     import matplotlib
@@ -122,10 +139,7 @@ def write_plot(rows: List[Dict], path: Path, title: str) -> None:
         ax_mem.plot(xs, ys, marker="o", label=f"{label} ({mode})")
     for label, (xs, ys, mode) in _series(rows, "time_s").items():
         ax_time.plot(xs, ys, marker="o", label=f"{label} ({mode})")
-    bounds = {}
-    for label, (xs, ys, mode) in _series(rows, "gemm_bound_s").items():
-        bounds[f"GEMM bound {label.split(' ', 1)[1]} ({mode})"] = (xs, ys)
-    for label, (xs, ys) in bounds.items():
+    for label, (xs, ys) in _bounds(rows).items():
         ax_time.plot(xs, ys, "k--", linewidth=1, label=label)
     for ax, ylabel in ((ax_mem, "peak extra memory [MiB]"), (ax_time, "time [s] (median)")):
         ax.set_xscale("log", base=2)
