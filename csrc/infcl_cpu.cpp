@@ -11,8 +11,8 @@
 // product is a single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or at::mm_out /
 // addmm_ for float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16). Row results belong
 // to one lane; column results (the column log-sum-exp partials in the forward, dk in the backward)
-// are kept per lane and summed in lane order at the end. Partition and merge order depend only on the shapes and the thread count, never
-// on scheduling, so results are bit-identical run to run.
+// are kept per lane and summed in lane order at the end. Partition and merge order depend only on the
+// shapes and the thread count, never on scheduling, so results are bit-identical run to run.
 //
 // Extra memory: the tile buffers, O(lanes * Bk) column partials and (lanes - 1) dk partials of
 // [Bk, D] (plus float32 copies of q and k for float16 inputs) -- never O(Bq * Bk).
@@ -144,6 +144,8 @@ enum { kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112 };
 void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
                             const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
                             int ldc) __attribute__((weak));
+// MKL's thread count for BLAS calls made by the calling thread (0: back to the global setting).
+int MKL_Set_Num_Threads_Local(int nthreads) __attribute__((weak));
 // MKL's packed-operand sgemm: op(B) packed once, then multiplied by many A tiles.
 enum { kCblasPacked = 151, kCblasBMatrix = 162 };
 size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
@@ -185,6 +187,22 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
                          static_cast<int>(ldc));
 }
 
+// Makes MKL run single-threaded in this lane for the guard's lifetime. torch.set_num_threads() turns
+// MKL's dynamic thread adjustment off, and MKL then partitions a product called from inside a
+// parallel region for the full thread count, run by one thread: 7% slower forward (B=8192, D=512).
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas() : previous_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~SingleThreadedBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous_);
+  }
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+
+ private:
+  int previous_;
+};
+
 bool has_sgemm_pack() {
   return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr && cblas_sgemm_compute != nullptr;
 }
@@ -199,20 +217,26 @@ bool has_sgemm_pack() {
 template <typename A, typename Bt, typename C>
 class ReusedB {
  public:
-  ReusedB(bool tb, int64_t m, int64_t n_max, int64_t k_max) : tb_(tb), m_(m) {
+  // pack: whether to pack at all -- worth it only when at least two full row tiles share each k tile.
+  ReusedB(bool pack, bool tb, int64_t m, int64_t n_max, int64_t k_max) : tb_(tb), m_(m) {
     if constexpr (std::is_same<Bt, float>::value) {
-      if (has_sgemm_pack()) {
-        const size_t bytes = cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(m), static_cast<int>(n_max),
-                                                        static_cast<int>(k_max));
-        packed_.reset(new float[(bytes + sizeof(float) - 1) / sizeof(float)]);
+      if (pack && has_sgemm_pack()) {
+        capacity_ = cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(m), static_cast<int>(n_max),
+                                              static_cast<int>(k_max));
+        packed_.reset(new float[(capacity_ + sizeof(float) - 1) / sizeof(float)]);
       }
     }
   }
 
   void set(const Bt* b, int64_t ldb, int64_t n, int64_t k, C alpha) {
     b_ = b, ldb_ = ldb, n_ = n, k_ = k, alpha_ = alpha;
+    is_packed_ = false;
     if constexpr (std::is_same<Bt, float>::value) {
-      if (packed_) {
+      // A ragged last tile is smaller than the buffer's (n_max, k_max) panel; should MKL ever size it
+      // larger, that tile takes the unpacked products.
+      if (packed_ && cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(m_), static_cast<int>(n),
+                                               static_cast<int>(k)) <= capacity_) {
+        is_packed_ = true;
         cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, tb_ ? kCblasTrans : kCblasNoTrans, static_cast<int>(m_),
                          static_cast<int>(n), static_cast<int>(k), alpha, b, static_cast<int>(ldb), packed_.get());
       }
@@ -221,7 +245,7 @@ class ReusedB {
 
   void product(int64_t m, const A* a, int64_t lda, C beta, C* c, int64_t ldc) const {
     if constexpr (std::is_same<Bt, float>::value) {
-      if (packed_ && m == m_) {
+      if (is_packed_ && m == m_) {
         cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, static_cast<int>(m), static_cast<int>(n_),
                             static_cast<int>(k_), a, static_cast<int>(lda), packed_.get(), static_cast<int>(ldb_),
                             beta, c, static_cast<int>(ldc));
@@ -237,6 +261,8 @@ class ReusedB {
   const Bt* b_ = nullptr;
   int64_t ldb_ = 0, n_ = 0, k_ = 0;
   C alpha_ = C(1);
+  size_t capacity_ = 0;
+  bool is_packed_ = false;
   std::unique_ptr<float[]> packed_;
 };
 
@@ -313,9 +339,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
   Acc* out_row = row_lse.data_ptr<Acc>();
 
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    const SingleThreadedBlas one_thread;
     const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
     std::vector<Acc> s(tq * tk), tile_col_max(tk), tile_col_sum(tk);
-    ReusedB<In, In, Acc> k_tile(/*tb=*/true, tq, tk, d);  // scale * k_j.T
+    const bool pack = bq / lanes >= 2 * tq;
+    ReusedB<In, In, Acc> k_tile(pack, /*tb=*/true, tq, tk, d);  // scale * k_j.T
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* cmax = want_cols ? col_max.data() + lane * bk : nullptr;
       double* csum = want_cols ? col_sum.data() + lane * bk : nullptr;
@@ -475,6 +503,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
   std::vector<double> ds_row(lanes, 0.0), ds_col(lanes, 0.0);
 
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    const SingleThreadedBlas one_thread;
     const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
     std::vector<Acc> raw(tq * tk), col_factor(tk);
     // float32 / float64 overwrite raw with dS in place; bfloat16 writes bf16(dS) here.
@@ -483,8 +512,9 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
     // A local copy: read through the lambda's reference inside the simd loops, GCC cannot hoist it past
     // the dS stores and reloads it with a gather every iteration (measured: the loops ran ~3x slower).
     const Acc sc = scale;
-    ReusedB<In, In, Acc> k_tile_t(/*tb=*/true, tq, tk, d);  // k_j.T, for raw = q_i @ k_j.T
-    ReusedB<DS, In, Acc> k_tile(/*tb=*/false, tq, d, tk);   // scale * k_j, for dq_i += dS @ k_j
+    const bool pack = bq / lanes >= 2 * tq;
+    ReusedB<In, In, Acc> k_tile_t(pack, /*tb=*/true, tq, tk, d);  // k_j.T, for raw = q_i @ k_j.T
+    ReusedB<DS, In, Acc> k_tile(pack, /*tb=*/false, tq, d, tk);   // scale * k_j, for dq_i += dS @ k_j
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
       DS* ds = std::is_same<DS, Acc>::value ? reinterpret_cast<DS*>(raw.data()) : ds_buf.data();
@@ -541,7 +571,9 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 acc_r += pr * x;
                 acc_c += pc * x;
                 store_ds(dr, rr, c, pr + pc);
-                if constexpr (split) need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
+                if constexpr (split) {
+                  need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
+                }
               }
             } else if (both) {
               const Acc* lc = lse_c + j0;
@@ -554,7 +586,9 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 acc_r += pr * x;
                 acc_c += pc * x;
                 store_ds(dr, rr, c, pr + pc);
-                if constexpr (split) need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
+                if constexpr (split) {
+                  need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
+                }
               }
             } else {
 #pragma omp simd reduction(+ : acc_r) reduction(max : need_low)
@@ -563,7 +597,9 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc pr = gr * fast_exp(x * sc - lr);
                 acc_r += pr * x;
                 store_ds(dr, rr, c, pr);
-                if constexpr (split) need_low = past_threshold(need_low, pr, thr_r);
+                if constexpr (split) {
+                  need_low = past_threshold(need_low, pr, thr_r);
+                }
               }
             }
             tile_row += acc_r;
