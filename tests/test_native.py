@@ -138,6 +138,27 @@ def test_loss_and_grads_match_vanilla(dtype, atol, rtol, b):
 
 
 @needs_native
+@pytest.mark.parametrize("threads", (1, 2, 3))
+def test_thread_counts_match_vanilla(threads):
+    """float32 at B=1100 with 1, 2 and 3 lanes: one or two lanes pack each key tile for MKL (at least
+    two full row tiles share it), three lanes of ~367 rows do not. torch.set_num_threads also turns
+    MKL's dynamic threading off, which the kernel must not depend on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k = _features(1100, 1100, ODD_DIMS[2], torch.float32)
+        scale = torch.tensor(SCALE)
+        got = grads_of(lambda a, c, s: cal_inf_loss(a, c, scale=s, symmetric=True, backend="cpu"),
+                       q, k, scale, torch.tensor(0.7))
+    finally:
+        torch.set_num_threads(before)
+    truth = grads_of(lambda a, c, s: vanilla_loss(a, c, scale=s, symmetric=True),
+                     q.double(), k.double(), scale.double(), torch.tensor(0.7))
+    for name, a, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
+        assert_close_verbose(a, t, *TOLERANCE[torch.float32], f"{name} threads={threads}")
+
+
+@needs_native
 @pytest.mark.parametrize("b", ODD_BATCHES)
 def test_one_directional_with_labels_and_hard_negatives(b):
     """Bk > Bq (hard negatives), shuffled labels, reduction='sum', strided (transposed) inputs."""
