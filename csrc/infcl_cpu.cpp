@@ -14,8 +14,9 @@
 // are kept per lane and summed in lane order at the end. Partition and merge order depend only on the
 // shapes and the thread count, never on scheduling, so results are bit-identical run to run.
 //
-// Extra memory: the tile buffers, O(lanes * Bk) column partials and (lanes - 1) dk partials of
-// [Bk, D] (plus float32 copies of q and k for float16 inputs) -- never O(Bq * Bk).
+// Extra memory: the tile buffers, MKL's packed copy of the current key tile per lane (float32; ~1.25x
+// its data resident), O(lanes * Bk) column partials and (lanes - 1) dk partials of [Bk, D] (plus
+// float32 copies of q and k for float16 inputs) -- never O(Bq * Bk).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
