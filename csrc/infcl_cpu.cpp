@@ -212,16 +212,16 @@ bool has_sgemm_pack() {
 // tiles: set() once per k tile, then product() per row tile. For float32 with MKL, op(B) is packed
 // once into MKL's internal layout (with alpha folded in), so the row-tile products skip repacking it,
 // which is most of what separates a 256-row tile product from MKL's big-GEMM rate. The packed panel
-// is sized for m = TILE_Q rows; a shorter (ragged) row tile, and every other dtype, uses gemm().
+// is sized for m = TILE_Q rows; a shorter (ragged) row tile, and every other dtype, uses gemm(). It is
+// only packed when at least two full row tiles share it (lane_rows >= 2 m): one product gains nothing.
 // The buffer is left uninitialized: MKL reserves ~8 MB beyond the panel's data that it does not
 // write, so those pages are never touched and never become resident.
 template <typename A, typename Bt, typename C>
 class ReusedB {
  public:
-  // pack: whether to pack at all -- worth it only when at least two full row tiles share each k tile.
-  ReusedB(bool pack, bool tb, int64_t m, int64_t n_max, int64_t k_max) : tb_(tb), m_(m) {
+  ReusedB(int64_t lane_rows, bool tb, int64_t m, int64_t n_max, int64_t k_max) : tb_(tb), m_(m) {
     if constexpr (std::is_same<Bt, float>::value) {
-      if (pack && has_sgemm_pack()) {
+      if (lane_rows >= 2 * m && has_sgemm_pack()) {
         capacity_ = cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(m), static_cast<int>(n_max),
                                               static_cast<int>(k_max));
         packed_.reset(new float[(capacity_ + sizeof(float) - 1) / sizeof(float)]);
@@ -286,19 +286,17 @@ struct Types<at::BFloat16> {
 // where the probability is large. So entries with dS >= DS_LOW_PART_FRACTION * (g_row + g_col) also
 // get their low part lo = v - hi added exactly in float32 (a rank-1 update of one dq row and one dk
 // row each), which needs no second bf16 product over the whole tile.
+// store_ds also raises need_low to v - thr (bfloat16 only): >= 0 once an entry reaches its threshold.
 template <typename Acc>
-inline void store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v) {
+inline void store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v, Acc /*thr*/, Acc& /*need_low*/) {
   dst[i] = v;
 }
-inline void store_ds(at::BFloat16* dst, float* raw, int64_t i, float v) {
+inline void store_ds(at::BFloat16* dst, float* raw, int64_t i, float v, float thr, float& need_low) {
   const uint16_t hi = to_bf16_bits(v);
   std::memcpy(dst + i, &hi, sizeof hi);
   raw[i] = v;
-}
-// Running max of v - thr over a row (bfloat16 only): >= 0 once an entry reaches its threshold thr.
-inline float past_threshold(float running, float v, float thr) {
   const float over = v - thr;
-  return running > over ? running : over;
+  need_low = need_low > over ? need_low : over;
 }
 // At most 1 / DS_LOW_PART_FRACTION entries of a row (or column) can reach the threshold, as its
 // probabilities sum to 1; below it the dropped low part is under 2^-17 of that row's gradient weight.
@@ -343,8 +341,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool
     const SingleThreadedBlas one_thread;
     const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
     std::vector<Acc> s(tq * tk), tile_col_max(tk), tile_col_sum(tk);
-    const bool pack = bq / lanes >= 2 * tq;
-    ReusedB<In, In, Acc> k_tile(pack, /*tb=*/true, tq, tk, d);  // scale * k_j.T
+    ReusedB<In, In, Acc> k_tile(bq / lanes, /*tb=*/true, tq, tk, d);  // scale * k_j.T
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* cmax = want_cols ? col_max.data() + lane * bk : nullptr;
       double* csum = want_cols ? col_sum.data() + lane * bk : nullptr;
@@ -513,9 +510,8 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
     // A local copy: read through the lambda's reference inside the simd loops, GCC cannot hoist it past
     // the dS stores and reloads it with a gather every iteration (measured: the loops ran ~3x slower).
     const Acc sc = scale;
-    const bool pack = bq / lanes >= 2 * tq;
-    ReusedB<In, In, Acc> k_tile_t(pack, /*tb=*/true, tq, tk, d);  // k_j.T, for raw = q_i @ k_j.T
-    ReusedB<DS, In, Acc> k_tile(pack, /*tb=*/false, tq, d, tk);   // scale * k_j, for dq_i += dS @ k_j
+    ReusedB<In, In, Acc> k_tile_t(bq / lanes, /*tb=*/true, tq, tk, d);  // k_j.T, for raw = q_i @ k_j.T
+    ReusedB<DS, In, Acc> k_tile(bq / lanes, /*tb=*/false, tq, d, tk);   // scale * k_j, for dq_i += dS @ k_j
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
       DS* ds = std::is_same<DS, Acc>::value ? reinterpret_cast<DS*>(raw.data()) : ds_buf.data();
@@ -571,10 +567,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc pc = (e * row_factor) * cf[c];
                 acc_r += pr * x;
                 acc_c += pc * x;
-                store_ds(dr, rr, c, pr + pc);
-                if constexpr (split) {
-                  need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
-                }
+                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
               }
             } else if (both) {
               const Acc* lc = lse_c + j0;
@@ -586,10 +579,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc pc = gc[c] * fast_exp(sv - lc[c]);
                 acc_r += pr * x;
                 acc_c += pc * x;
-                store_ds(dr, rr, c, pr + pc);
-                if constexpr (split) {
-                  need_low = past_threshold(need_low, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c]);
-                }
+                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
               }
             } else {
 #pragma omp simd reduction(+ : acc_r) reduction(max : need_low)
@@ -597,10 +587,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, con
                 const Acc x = rr[c];
                 const Acc pr = gr * fast_exp(x * sc - lr);
                 acc_r += pr * x;
-                store_ds(dr, rr, c, pr);
-                if constexpr (split) {
-                  need_low = past_threshold(need_low, pr, thr_r);
-                }
+                store_ds(dr, rr, c, pr, thr_r, need_low);
               }
             }
             tile_row += acc_r;
