@@ -121,9 +121,10 @@ def _bounds(rows: List[Dict]):
             per_batch[row["batch"]] = min(per_batch.get(row["batch"], math.inf), row["gemm_bound_s"])
     out = {}
     for (dtype, dim, mode), per_batch in best.items():
-        if mode == "forward+backward" or not any(k[:2] == (dtype, dim) and k[2] == "forward+backward" for k in best):
-            batches = sorted(per_batch)
-            out[f"GEMM bound {dtype} D={dim} ({mode})"] = (batches, [per_batch[b] for b in batches])
+        if mode != "forward+backward" and (dtype, dim, "forward+backward") in best:
+            continue
+        batches = sorted(per_batch)
+        out[f"GEMM bound {dtype} D={dim} ({mode})"] = (batches, [per_batch[b] for b in batches])
     return out
 
 
