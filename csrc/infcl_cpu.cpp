@@ -134,10 +134,18 @@ inline uint16_t to_bf16_bits(float f) {
 //   ~7.9 MB plus the panel's data for every panel, so ~140 MB at B=8192 and over 1 GB at B=65536.
 //   (ReusedB packs one key tile per lane at a time instead, in an uninitialized buffer.)
 // - oneDNN's float32 brgemm ukernel (at::native::cpublas::brgemm): 60-94 GFLOP/s on these tiles.
-// - oneDNN's bf16 AMX brgemm for the S products (kept off main; see issue 4's notes): 530-540 GFLOP/s against
-//   375-385 for MKL's bf16 GEMM on S alone, but no reliable end-to-end gain in interleaved runs. It
-//   also needs arch_prctl(ARCH_REQ_XCOMP_PERM) and a tile release after each product, because MKL's
-//   bf16 GEMM shares the AMX state (SIGILL otherwise).
+// - oneDNN's bf16 AMX brgemm ukernel (at::native::cpublas::brgemm). It needs arch_prctl(ARCH_REQ_XCOMP_PERM)
+//   and a tile release after each group of calls, because MKL's bf16 GEMM shares the AMX state (SIGILL
+//   otherwise); B must be VNNI-packed in blocks of <= 64 columns, in multiples of 16.
+//   - S products only: 530-540 GFLOP/s against 375-385 for MKL's bf16 GEMM on S alone, but no
+//     reliable end-to-end gain in interleaved runs (branch exp/bf16-brgemm).
+//   - All three products, every packed operand reused (k tile per lane, q rows per call, dS per tile;
+//     branch exp/bf16-brgemm-all): the same speed as MKL, 1.01-1.04x its time in 2 x 16 paired runs in one
+//     process at B=8192.
+// - at::mm bf16 x bf16 -> bf16 (oneDNN) for the S tiles: ~550 GFLOP/s, ~5% faster end to end, but it
+//   rounds every S entry to bf16; not worth that.
+// bf16 tile products here are bound by AMX throughput, which this VM's two vCPUs appear to share: one
+// big bf16 GEMM ran at 240-1070 GFLOP/s on 1 thread and 500-1900 on 2 in the same hour.
 
 extern "C" {
 // MKL's CBLAS enums and LP64 signature.
