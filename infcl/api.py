@@ -6,7 +6,7 @@ from .backends import block_backend, resolve_backend
 from .checks import check_features, check_head_dim, check_reduction, global_labels, local_labels, make_scale
 from .function import InfLossFunction, LossPlan
 from .reference import reference_losses
-from .ring.layout import exchange_layout, ring_group, single_layout
+from .ring.layout import exchange_layout, rejected_everywhere, ring_group, single_layout
 
 
 def cal_inf_loss(
@@ -47,15 +47,16 @@ def cal_inf_loss(
 
     Math: row loss_i = logsumexp_j S[i, j] - S[i, labels_i]; column loss_j = logsumexp_i S[i, j] - S[inv_j, j].
     """
-    check_features(q, k)
-    check_reduction(reduction)
-    check_head_dim(head_dim)
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
-    name = resolve_backend(backend, q.device)
-    scale_t = make_scale(scale)
     ring = ring_group(group)
-    labels_t = local_labels(labels, q)
+    with rejected_everywhere(ring):
+        check_features(q, k)
+        check_reduction(reduction)
+        check_head_dim(head_dim)
+        if not isinstance(symmetric, bool):
+            raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+        name = resolve_backend(backend, q.device)
+        scale_t = make_scale(scale)
+        labels_t = local_labels(labels, q)
     if ring is None:
         layout = single_layout(q.shape[0], k.shape[0], labels_t)
     else:

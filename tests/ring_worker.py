@@ -118,16 +118,21 @@ def run_overlap(rank, world, group):
 def run_mismatch(rank, world, group):
     """D (last rank) and dtype (rank 0) that disagree across ranks: every rank must raise ValueError."""
     out = {}
-    for what in ("dim", "dtype", "labels", "sizes"):
-        dim = ring_cases.DIM + (1 if what == "dim" and rank == world - 1 else 0)
+    for what in ("dim", "dtype", "labels", "sizes", "empty", "label-dtype"):
+        last = rank == world - 1
+        dim = ring_cases.DIM + (1 if what == "dim" and last else 0)
         dtype = torch.float64 if what == "dtype" and rank == 0 else torch.float32
         # "sizes": the last rank's q and k disagree under symmetric=True; "labels": only the last rank's
         # labels point past the global batch (3 * world columns). Both are caught on that rank's data alone.
-        bk = 4 if what == "sizes" and rank == world - 1 else 3
-        q, k = torch.randn(3, dim, dtype=dtype), torch.randn(bk, dim, dtype=dtype)
+        # "empty" / "label-dtype": the last rank's own argument checks fail (an empty shard, float labels).
+        bq = 0 if what == "empty" and last else 3
+        bk = {"sizes": 4, "empty": 0}.get(what, 3) if last else 3
+        q, k = torch.randn(bq, dim, dtype=dtype), torch.randn(bk, dim, dtype=dtype)
         labels = None
         if what == "labels":
-            labels = torch.tensor([0, 1, 3 * world]) if rank == world - 1 else torch.tensor([0, 1, 2])
+            labels = torch.tensor([0, 1, 3 * world]) if last else torch.tensor([0, 1, 2])
+        if what == "label-dtype":
+            labels = torch.tensor([0.0, 1.0, 2.0]) if last else torch.tensor([0, 1, 2]) + 3 * rank
         try:
             cal_inf_loss(q, k, labels, symmetric=what != "labels", group=group, backend="torch")
             out[what] = None

@@ -126,6 +126,23 @@ def test_one_rank_bad_data_raises_value_error_on_every_rank(spawned, world, what
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(
+    "what,kind,match",
+    (("empty", "ValueError", "q is an empty batch"), ("label-dtype", "TypeError", "labels must be an integer tensor")),
+)
+def test_one_rank_bad_arguments_stop_every_rank(spawned, world, what, kind, match):
+    # An argument that fails the last rank's own checks raises there, and every other rank raises a
+    # ValueError naming it at the layout exchange instead of waiting for the process group's timeout.
+    for r, results in enumerate(spawned(world)):
+        err = results["mismatch"][what]
+        assert err is not None, f"rank {r} raised nothing"
+        if r == world - 1:
+            assert err[0] == kind and match in err[1], f"rank {r}: {err}"
+        else:
+            assert err[0] == "ValueError" and f"on rank {world - 1} of this ring" in err[1], f"rank {r}: {err}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_equals_open_clip_local_loss_gather_with_grad(spawned, world):
     """Per rank: loss and every parameter gradient equal ClipLoss(local_loss=True, gather_with_grad=True)."""
     for r, results in enumerate(spawned(world)):

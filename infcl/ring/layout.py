@@ -6,8 +6,9 @@ of every rank's k in rank order. Local sizes may differ between ranks, so they a
 call (one small ``all_gather``), and D and dtype are checked to agree on every rank.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,8 @@ from .comm import RingError
 
 # dtype <-> small integer, for the one all_gather that checks every rank agrees.
 _DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The dtype code of a rank whose own arguments failed their local checks (see rejected_everywhere).
+_REJECTED = -2
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,35 @@ def single_layout(bq: int, bk: int, labels: Optional[torch.Tensor] = None) -> Ri
     return RingLayout(rank=0, world=1, q_sizes=(bq,), k_sizes=(bk,), label_ranges=(_label_range(labels),))
 
 
-def exchange_layout(q: torch.Tensor, k: torch.Tensor, group, labels: Optional[torch.Tensor] = None) -> RingLayout:
-    """All-gather (Bq, Bk, D, dtype, label range) from every rank; raise the same ValueError on every rank on mismatch."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
-    lo, hi = _label_range(labels) or (0, -1)  # an empty range marks the default labels
-    mine = torch.tensor([q.shape[0], k.shape[0], q.shape[1], code, lo, hi], dtype=torch.int64, device=q.device)
+@contextmanager
+def rejected_everywhere(group) -> Iterator[None]:
+    """Run a rank's local argument checks so that a failure stops every rank of the ring at once.
+
+    A rank whose own arguments fail (say an empty shard, or labels of the wrong dtype) raises its
+    TypeError / ValueError, but first joins the layout exchange that the other ranks are waiting in,
+    marked as rejected, so they raise a ValueError naming it instead of waiting for the process
+    group's timeout. ``group=None`` (a single process) just runs the checks.
+    """
+    try:
+        yield
+    except (TypeError, ValueError):
+        if group is not None:
+            _announce_rejection(group)
+        raise
+
+
+def _announce_rejection(group) -> None:
+    # The layout exchange's all_gather, with a row that only says "rejected". NCCL needs a tensor on
+    # this rank's current GPU; the checks may have failed on q itself, so q's device is not used.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    row = torch.tensor([0, 0, 0, _REJECTED, 0, -1], dtype=torch.int64, device=device)
+    try:
+        dist.all_gather([torch.empty_like(row) for _ in range(dist.get_world_size(group))], row, group=group)
+    except RuntimeError:
+        pass  # a broken ring: this rank's own error, raised next, is what matters here
+
+
+def _gather_rows(mine: torch.Tensor, group, rank: int, world: int) -> list:
     every = [torch.empty_like(mine) for _ in range(world)]
     try:
         dist.all_gather(every, mine, group=group)
@@ -94,7 +119,24 @@ def exchange_layout(q: torch.Tensor, k: torch.Tensor, group, labels: Optional[to
             f"infcl ring exchange failed at the layout exchange before step 0 (all_gather of batch sizes, "
             f"rank {rank} of {world}): {err}"
         ) from err
-    table = torch.stack(every).cpu().tolist()
+    return torch.stack(every).cpu().tolist()
+
+
+def exchange_layout(q: torch.Tensor, k: torch.Tensor, group, labels: Optional[torch.Tensor] = None) -> RingLayout:
+    """All-gather (Bq, Bk, D, dtype, label range) from every rank; raise the same ValueError on every rank on mismatch."""
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
+    lo, hi = _label_range(labels) or (0, -1)  # an empty range marks the default labels
+    mine = torch.tensor([q.shape[0], k.shape[0], q.shape[1], code, lo, hi], dtype=torch.int64, device=q.device)
+    table = _gather_rows(mine, group, rank, world)
+    rejected = [r for r, row in enumerate(table) if row[3] == _REJECTED]
+    if rejected:
+        ranks = ", ".join(str(r) for r in rejected)
+        raise ValueError(
+            f"cal_inf_loss: the arguments on rank {ranks} of this ring failed that rank's own checks (its error "
+            f"says why); every rank stops at this call"
+        )
     dims = {row[2] for row in table}
     codes = {row[3] for row in table}
     if len(dims) > 1 or len(codes) > 1:
