@@ -99,9 +99,11 @@ def rejected_everywhere(group) -> Iterator[None]:
 
 
 def _announce_rejection(group) -> None:
-    # The layout exchange's all_gather, with a row that only says "rejected". NCCL needs a tensor on
-    # this rank's current GPU; the checks may have failed on q itself, so q's device is not used.
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    # The layout exchange's all_gather, with a row that only says "rejected". NCCL (alone, or the CUDA
+    # half of "cpu:gloo,cuda:nccl") needs a tensor on this rank's current GPU; the checks may have failed
+    # on q itself, so q's device is not used.
+    on_gpu = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     row = torch.tensor([0, 0, 0, _REJECTED, 0, -1], dtype=torch.int64, device=device)
     try:
         dist.all_gather([torch.empty_like(row) for _ in range(dist.get_world_size(group))], row, group=group)
