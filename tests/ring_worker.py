@@ -116,7 +116,7 @@ def run_overlap(rank, world, group):
 
 
 def run_mismatch(rank, world, group):
-    """D (last rank) and dtype (rank 0) that disagree across ranks: every rank must raise ValueError."""
+    """Arguments that disagree across ranks, or that are wrong on one rank only: every rank must raise."""
     out = {}
     for what in ("dim", "dtype", "labels", "sizes", "empty", "label-dtype"):
         last = rank == world - 1
