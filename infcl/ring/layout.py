@@ -106,8 +106,8 @@ def _announce_rejection(group) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     row = torch.tensor([0, 0, 0, _REJECTED, 0, -1], dtype=torch.int64, device=device)
     try:
-        dist.all_gather([torch.empty_like(row) for _ in range(dist.get_world_size(group))], row, group=group)
-    except RuntimeError:
+        _gather_rows(row, group, dist.get_rank(group), dist.get_world_size(group))
+    except RingError:
         pass  # a broken ring: this rank's own error, raised next, is what matters here
 
 
