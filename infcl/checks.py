@@ -3,8 +3,10 @@
 ``assert`` is never used for user input; these checks run before any compute.
 """
 
+import numbers
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -48,20 +50,30 @@ def check_head_dim(head_dim) -> None:
         raise TypeError(f"head_dim must be None or an int (it is ignored), got {type(head_dim).__name__}")
 
 
-def make_scale(scale) -> torch.Tensor:
-    """The logit scale as a tensor that autograd can differentiate (a Python number gets no gradient)."""
+def make_scale(scale, name: str = "scale") -> torch.Tensor:
+    """The logit scale as a tensor that autograd can differentiate (a Python number gets no gradient).
+
+    Accepted: None (1.0); a Python or NumPy real scalar (float or int); a floating tensor or NumPy array
+    with one element (0-d, or open_clip's ``[1]`` logit_scale), whose gradient comes back in its shape.
+    """
     if scale is None:
         return torch.ones((), dtype=torch.float32)
-    if isinstance(scale, bool):
-        raise TypeError("scale must be a float or a 0-d floating tensor, got bool")
-    if isinstance(scale, (int, float)):
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a float or a one-element floating tensor, got bool")
+    if isinstance(scale, numbers.Real):
         return torch.tensor(float(scale), dtype=torch.float64)
+    if isinstance(scale, np.ndarray):
+        if not np.issubdtype(scale.dtype, np.floating) and not np.issubdtype(scale.dtype, np.integer):
+            raise TypeError(f"{name} must be a real number, got a NumPy array of {scale.dtype}")
+        if scale.size != 1:
+            raise ValueError(f"{name} must have one element, got a NumPy array of shape {list(scale.shape)}")
+        return torch.tensor(float(scale.reshape(())), dtype=torch.float64)
     if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"scale must be a float or a 0-d floating tensor, got {type(scale).__name__}")
+        raise TypeError(f"{name} must be a float or a one-element floating tensor, got {type(scale).__name__}")
     if not scale.is_floating_point():
-        raise TypeError(f"scale must be a floating tensor, got {scale.dtype}")
+        raise TypeError(f"{name} must be a floating tensor, got {scale.dtype}")
     if scale.numel() != 1:
-        raise ValueError(f"scale must be a 0-d tensor (one value), got shape {_shape(scale)}")
+        raise ValueError(f"{name} must be a 0-d or one-element tensor, got shape {_shape(scale)}")
     return scale
 
 

@@ -1,8 +1,9 @@
 """The one autograd Function behind ``cal_inf_loss`` for every non-reference backend.
 
-Forward runs the ring driver and returns per-row (and, for the symmetric loss, per-column) losses
-``lse - positive``; it saves only q, k, the labels and the log-sum-exp vectors. Backward hands the
-upstream per-row / per-column gradients to the driver, which recomputes the tiles.
+Forward runs the ring driver with the softmax loss's block steps and returns per-row (and, for the
+symmetric loss, per-column) losses ``(max - positive) + rel``; it saves only q, k, the labels and the
+``[2, n]`` log-sum-exp stats. Backward hands the upstream per-row / per-column gradients to the driver,
+which recomputes the tiles.
 """
 
 from dataclasses import dataclass
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backends.base import BlockBackend
+from .backends.base import BlockBackend, accum_dtype
+from .losses.softmax import SoftmaxRing, backward_rows, split
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout
 
@@ -24,31 +26,25 @@ class LossPlan:
     layout: RingLayout
 
 
-def _losses(lse: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """lse - pos, with NaN wherever the log-sum-exp is not finite.
-
-    An infinite log-sum-exp means an infinite logit in that row (or column); F.cross_entropy turns
-    every such row into NaN (inf - inf inside its log-softmax), and so do we: never a silent inf or
-    finite number from non-finite features.
-    """
-    return torch.where(torch.isfinite(lse), lse - pos, float("nan"))
+def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The scale as a 0-d tensor in the accumulation dtype on the features' device (no host sync)."""
+    return scale.detach().to(device=like.device, dtype=accum_dtype(like.dtype)).reshape(())
 
 
 class InfLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
-        scale_value = float(scale)
-        fwd = ring_forward(q, k, scale_value, labels, plan.symmetric, plan.backend, plan.layout)
-        row_loss = _losses(fwd.row_lse, fwd.row_pos)
+        ring = SoftmaxRing(plan.symmetric)
+        scale_t = device_scale(scale, q)
+        rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
+        row_loss, col_loss = split(rows, cols)
         if plan.symmetric:
-            col_loss = _losses(fwd.col_lse, fwd.col_pos)
-            ctx.save_for_backward(q, k, labels, fwd.row_lse, fwd.col_lse)
+            ctx.save_for_backward(q, k, scale_t, labels, rows[:2], cols[:2])
         else:
             col_loss = row_loss.new_empty(0)
-            ctx.save_for_backward(q, k, labels, fwd.row_lse)
+            ctx.save_for_backward(q, k, scale_t, labels, rows[:2])
         ctx.plan = plan
-        ctx.scale_value = scale_value
-        ctx.scale_meta = (scale.dtype, scale.shape)
+        ctx.scale_meta = (scale.dtype, scale.shape, scale.device)
         ctx.mark_non_differentiable(labels)
         return row_loss, col_loss
 
@@ -56,14 +52,12 @@ class InfLossFunction(torch.autograd.Function):
     @once_differentiable  # the backward is itself a tiled loop: no double backward
     def backward(ctx, g_row, g_col):
         plan: LossPlan = ctx.plan
-        q, k, labels, row_lse, *rest = ctx.saved_tensors
-        col_lse = rest[0] if plan.symmetric else None
-        g_col = g_col.to(row_lse.dtype) if plan.symmetric else None
-        dq, dk, dscale = ring_backward(
-            q, k, ctx.scale_value, labels, plan.backend, plan.layout, row_lse, g_row.to(row_lse.dtype), col_lse, g_col
-        )
+        q, k, scale_t, labels, row_stats, *rest = ctx.saved_tensors
+        ahead = backward_rows(rest[0], g_col) if plan.symmetric else None
+        rows = backward_rows(row_stats, g_row)
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, SoftmaxRing(plan.symmetric), plan.backend, plan.layout, rows, ahead)
         scale_grad = None
         if ctx.needs_input_grad[2]:
-            dtype, shape = ctx.scale_meta
-            scale_grad = dscale.to(dtype).reshape(shape)
+            dtype, shape, device = ctx.scale_meta
+            scale_grad = dparams[0].to(device=device, dtype=dtype).reshape(shape)
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None

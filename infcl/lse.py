@@ -1,22 +1,54 @@
 """The one stable log-sum-exp merge used by every tile loop, ring step and backend.
 
-Every place that combines two partial log-sum-exps (over disjoint column sets) calls
-:func:`lse_merge`; nothing in infcl writes ``log(exp(a) + exp(b))`` by hand.
+A log-sum-exp over a set of logits is kept as *stats*: a ``[2, n]`` tensor whose row 0 is the running
+maximum ``m`` and row 1 the log-sum relative to it, ``r = log sum exp(S - m)`` (``r >= 0`` for a
+non-empty set: the maximum itself contributes exp(0) = 1). The full value is ``m + r``, but nothing
+needs it rounded: the backward forms ``p = exp((S - m) - r)``, where ``S - m`` is exact for the entries
+that matter (Sterbenz: S and m are the same rounded tile value, bit-identically recomputed), so a
+confident row's ``p`` does not lose |S|·eps to the rounding of ``m + r``; and the loss is
+``(m - positive) + r``, which is never negative.
+
+Every place that combines two partial stats (over disjoint column sets) calls :func:`lse_merge`;
+nothing in infcl writes ``log(exp(a) + exp(b))`` by hand.
 """
 
 import torch
 
+# Row indices of a stats tensor.
+MAX, REL = 0, 1
+
 
 def lse_merge(acc: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """Return ``log(exp(acc) + exp(part))`` elementwise, in place into ``acc``.
+    """Merge the stats ``part`` into ``acc`` in place (both ``[2, ...]``) and return ``acc``.
 
-    ``torch.logaddexp`` subtracts the larger operand before exponentiating, so the merge never
-    overflows, ``-inf`` (an empty partial) is the identity, and a NaN in either side stays NaN.
-    Shapes must match; ``acc`` is returned for chaining.
+    With M = max(m_a, m_b): r = logaddexp(r_a + (m_a - M), r_b + (m_b - M)). One of the shifts is
+    exactly 0 and ``torch.logaddexp`` works as max + log1p(exp(-|a - b|)), so a tiny second partial is
+    kept to full relative precision in ``r``. An empty partial (m = -inf) is the identity; NaN in either
+    side stays NaN, and +inf becomes NaN (inf - inf), as ``F.cross_entropy`` gives for an infinite logit.
     """
-    return torch.logaddexp(acc, part, out=acc)
+    m_a, r_a = acc[MAX], acc[REL]
+    m_b, r_b = part[MAX], part[REL]
+    new_max = torch.maximum(m_a, m_b)
+    # A set with no terms contributes -inf whatever the other's max (never -inf - -inf = NaN).
+    shift_a = torch.where(m_a == float("-inf"), m_a, r_a + (m_a - new_max))
+    shift_b = torch.where(m_b == float("-inf"), m_b, r_b + (m_b - new_max))
+    torch.logaddexp(shift_a, shift_b, out=r_a)
+    m_a.copy_(new_max)
+    return acc
 
 
-def empty_lse(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An accumulator of ``n`` empty log-sum-exps (``-inf``: the identity of :func:`lse_merge`)."""
-    return torch.full((n,), float("-inf"), dtype=dtype, device=device)
+def empty_stats(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Stats of ``n`` empty sets: m = -inf, r = -inf (the identity of :func:`lse_merge`)."""
+    return torch.full((2, n), float("-inf"), dtype=dtype, device=device)
+
+
+def tile_stats(s: torch.Tensor, dim: int) -> torch.Tensor:
+    """Stats ``[2, n]`` of a tile of logits along ``dim`` (1: per row, 0: per column)."""
+    m = torch.amax(s, dim=dim)
+    rel = torch.logsumexp(s - m.unsqueeze(dim), dim=dim)
+    return torch.stack((m, rel))
+
+
+def stats_value(stats: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp ``m + r`` itself (for reports and tests; the loss uses ``(m - pos) + r``)."""
+    return stats[MAX] + stats[REL]

@@ -1,9 +1,13 @@
 """The tiled pure-PyTorch backend: runs anywhere torch runs (CPU, CUDA, MPS), no compiler needed.
 
-Walks S = scale * q @ k.T in TILE_Q x TILE_K tiles. The forward keeps running row (and column)
-log-sum-exps merged with :func:`infcl.lse.lse_merge`; the backward recomputes each tile and
-accumulates dq, dk and the scale gradient. Extra memory: the float32 (float64) copies of q and k
-plus a few tiles, O((Bq + Bk) * D + TILE_Q * TILE_K), never O(Bq * Bk).
+Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward keeps running row (and column) stats
+merged with :func:`infcl.lse.lse_merge` and reads each row's positive logit off the tile that holds
+it; the backward recomputes each tile with the same operations (so S is bit-identical), forms
+dS = g * (P - Y) in the accumulation dtype — the positive's entry as ``g * expm1(x)``, which keeps its
+digits when P is close to 1 — and accumulates dq, dk and the scale gradient as a sum of per-entry
+terms. Extra memory: the float32 (float64) copies of q and k plus a few tiles,
+O((Bq + Bk) * D + tile_q * tile_k), never O(Bq * Bk). No host synchronization: the scale stays a
+tensor and the positives are gathered with index arithmetic, never ``nonzero``.
 
 GEMM count per block (each a 2*Bq*Bk*D-flop product): forward 1 (S), backward 3 (S again, dq, dk),
 whether the loss is one-directional or symmetric.
@@ -13,14 +17,17 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..lse import empty_lse, lse_merge
-from .base import Tensor, accum_dtype
+from ..lse import MAX, REL, empty_stats, lse_merge, tile_stats
+from .base import Block, Tensor, accum_dtype
 
-# Tile sizes, measured with `python -m bench.tile_sizes` (B=4096, D=512, fp32, symmetric fwd+bwd, 2 threads,
-# 2026-11-22): 256 x 1024 (1 MiB fp32 tiles) ran at 1.59x the 4-GEMM bound, within the VM's noise of the
-# best point (512 x 2048, 1.49x, with 4x the tile memory); tiles of 64 rows or 256 columns were 1.9-3.4x.
-TILE_Q = 256
-TILE_K = 1024
+# CPU tile sizes, measured with `python -m bench.tile_sizes` (B=4096, D=512, fp32, symmetric fwd+bwd, 2
+# threads): 256 x 1024 (1 MiB fp32 tiles) ran within the noise of the best point, which needed 4x the tile
+# memory; tiles of 64 rows or 256 columns were 1.9-3.4x slower (figures in the README).
+CPU_TILES = (256, 1024)
+# On a GPU each tile op is a kernel launch, so tiles must be large enough to fill the device: 2048 x 4096
+# fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
+# is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
+GPU_TILES = (2048, 4096)
 
 
 def _tile(buf: Tensor, rows: int, cols: int) -> Tensor:
@@ -28,74 +35,99 @@ def _tile(buf: Tensor, rows: int, cols: int) -> Tensor:
     return buf[: rows * cols].view(rows, cols)
 
 
+def _positives(pos: Tensor, j0: int, nj: int) -> Tuple[Tensor, Tensor]:
+    """(inside, idx): which rows' positives fall in tile columns [j0, j0 + nj), and their column in it
+    (clamped to a valid index for the rest, whose gathered values are then ignored)."""
+    p = pos - j0
+    inside = (p >= 0) & (p < nj)
+    return inside, p.clamp(0, nj - 1)[:, None]
+
+
+def _probabilities(out: Tensor, s: Tensor, stats: Tensor, g: Tensor, inside: Tensor, idx: Tensor) -> Tensor:
+    """out = g * (exp((s - m) - r) - Y) for a tile, Y the one-hot of the positives at ``idx`` where ``inside``.
+
+    ``stats`` and ``g`` are already broadcast to the tile (rows: [n, 1]; columns: [1, n]); the positive's
+    entry is g * expm1(x), not g * exp(x) - g, so a confident row's 1 - p keeps its digits.
+    """
+    torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
+    x_pos = out.gather(1, idx)
+    out.exp_().mul_(g)
+    g_pos = g.expand_as(out).gather(1, idx)
+    at_pos = torch.where(inside[:, None], g_pos * torch.expm1(x_pos), out.gather(1, idx))
+    return out.scatter_(1, idx, at_pos)
+
+
 class TorchTilesBackend:
     name = "torch"
 
-    def __init__(self, tile_q: int = TILE_Q, tile_k: int = TILE_K):
+    def __init__(self, tile_q: Optional[int] = None, tile_k: Optional[int] = None):
         self.tile_q = tile_q
         self.tile_k = tile_k
 
-    def forward_block(self, q: Tensor, k: Tensor, scale: float, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        acc = accum_dtype(q.dtype)
-        qa, ka = q.to(acc), k.to(acc)
-        bq, bk = qa.shape[0], ka.shape[0]
-        row_lse = empty_lse(bq, acc, q.device)
-        col_lse = empty_lse(bk, acc, q.device) if want_cols else None
-        buf = torch.empty(min(bq, self.tile_q) * min(bk, self.tile_k), dtype=acc, device=q.device)
-        for i0 in range(0, bq, self.tile_q):
-            qi = qa[i0 : i0 + self.tile_q]
-            for j0 in range(0, bk, self.tile_k):
-                kj = ka[j0 : j0 + self.tile_k]
-                s = _tile(buf, qi.shape[0], kj.shape[0])
-                torch.mm(qi, kj.T, out=s)
-                s.mul_(scale)
-                lse_merge(row_lse[i0 : i0 + qi.shape[0]], torch.logsumexp(s, dim=1))
-                if want_cols:
-                    lse_merge(col_lse[j0 : j0 + kj.shape[0]], torch.logsumexp(s, dim=0))
-        return row_lse, col_lse
+    def tiles(self, device: torch.device) -> Tuple[int, int]:
+        """(tile_q, tile_k): the explicit sizes if given, else the device kind's defaults."""
+        tq, tk = CPU_TILES if device.type == "cpu" else GPU_TILES
+        return self.tile_q or tq, self.tile_k or tk
 
-    def backward_block(
-        self,
-        q: Tensor,
-        k: Tensor,
-        scale: float,
-        row_lse: Tensor,
-        g_row: Tensor,
-        col_lse: Optional[Tensor],
-        g_col: Optional[Tensor],
-        dq: Tensor,
-        dk: Tensor,
-    ) -> Tuple[Tensor, Tensor]:
-        acc = accum_dtype(q.dtype)
-        qa, ka = q.to(acc), k.to(acc)
-        bq, bk = qa.shape[0], ka.shape[0]
-        both = col_lse is not None
-        dscale_row = torch.zeros((), dtype=acc, device=q.device)
-        dscale_col = torch.zeros((), dtype=acc, device=q.device)
-        numel = min(bq, self.tile_q) * min(bk, self.tile_k)
-        raw_buf, s_buf, ds_buf = (torch.empty(numel, dtype=acc, device=q.device) for _ in range(3))
-        col_buf = torch.empty(numel, dtype=acc, device=q.device) if both else None
-        for i0 in range(0, bq, self.tile_q):
-            qi = qa[i0 : i0 + self.tile_q]
+    def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        acc = accum_dtype(block.q.dtype)
+        qa, ka, scale = block.q.to(acc), block.k.to(acc), block.scale
+        bq, bk, dev = qa.shape[0], ka.shape[0], qa.device
+        tq, tk = self.tiles(dev)
+        rows = torch.cat((empty_stats(bq, acc, dev), torch.zeros(1, bq, dtype=acc, device=dev)))
+        cols = empty_stats(bk, acc, dev) if want_cols else None
+        buf = torch.empty(min(bq, tq) * min(bk, tk), dtype=acc, device=dev)
+        for i0 in range(0, bq, tq):
+            qi = qa[i0 : i0 + tq]
             ni = qi.shape[0]
-            lse_i = row_lse[i0 : i0 + ni, None]
-            g_i = g_row[i0 : i0 + ni, None]
-            for j0 in range(0, bk, self.tile_k):
-                kj = ka[j0 : j0 + self.tile_k]
+            for j0 in range(0, bk, tk):
+                kj = ka[j0 : j0 + tk]
+                nj = kj.shape[0]
+                s = _tile(buf, ni, nj)
+                torch.mm(qi, kj.T, out=s)
+                s.mul_(scale)  # the backward repeats exactly these two operations
+                lse_merge(rows[:2, i0 : i0 + ni], tile_stats(s, dim=1))
+                if want_cols:
+                    lse_merge(cols[:, j0 : j0 + nj], tile_stats(s, dim=0))
+                inside, idx = _positives(block.pos[i0 : i0 + ni], j0, nj)
+                pos_row = rows[2, i0 : i0 + ni]
+                torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
+        return rows, cols
+
+    def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        acc = accum_dtype(block.q.dtype)
+        qa, ka, scale = block.q.to(acc), block.k.to(acc), block.scale
+        bq, bk, dev = qa.shape[0], ka.shape[0], qa.device
+        tq, tk = self.tiles(dev)
+        both = block.symmetric
+        dscale = torch.zeros(2, dtype=acc, device=dev)
+        numel = min(bq, tq) * min(bk, tk)
+        raw_buf, s_buf, ds_buf = (torch.empty(numel, dtype=acc, device=dev) for _ in range(3))
+        col_buf = torch.empty(numel, dtype=acc, device=dev) if both else None
+        for i0 in range(0, bq, tq):
+            qi = qa[i0 : i0 + tq]
+            ni = qi.shape[0]
+            row_stats = block.row_stats[:, i0 : i0 + ni, None]
+            g_i = block.g_row[i0 : i0 + ni, None]
+            dq_i = dq[i0 : i0 + ni]
+            for j0 in range(0, bk, tk):
+                kj = ka[j0 : j0 + tk]
                 nj = kj.shape[0]
                 raw = _tile(raw_buf, ni, nj)
                 torch.mm(qi, kj.T, out=raw)
-                s = torch.mul(raw, scale, out=_tile(s_buf, ni, nj))
-                ds = torch.sub(s, lse_i, out=_tile(ds_buf, ni, nj)).exp_().mul_(g_i)
-                dscale_row += torch.dot(ds.view(-1), raw.view(-1))
+                s = _tile(s_buf, ni, nj).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
+                inside, idx = _positives(block.pos[i0 : i0 + ni], j0, nj)
+                ds = _probabilities(_tile(ds_buf, ni, nj), s, row_stats, g_i, inside, idx)
+                dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
                 if both:
-                    pc = torch.sub(s, col_lse[None, j0 : j0 + nj], out=_tile(col_buf, ni, nj))
-                    pc.exp_().mul_(g_col[None, j0 : j0 + nj])
-                    dscale_col += torch.dot(pc.view(-1), raw.view(-1))
+                    col_stats = block.col_stats[:, None, j0 : j0 + nj]
+                    g_j = block.g_col[None, j0 : j0 + nj]
+                    pc = _probabilities(_tile(col_buf, ni, nj), s, col_stats, g_j, inside, idx)
+                    dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                     ds.add_(pc)
-                dq[i0 : i0 + ni].addmm_(ds, kj, alpha=scale)
-                dk[j0 : j0 + nj].addmm_(ds.T, qi, alpha=scale)
-        return dscale_row, dscale_col
+                dq_i.addcmul_(ds @ kj, scale)
+                dk[j0 : j0 + nj].addcmul_(ds.T @ qi, scale)
+        return dscale
 
 
 TORCH_TILES = TorchTilesBackend()

@@ -1,64 +1,65 @@
-"""The one ring loop: every backend, every world size (a single process is the ring of one rank).
+"""The one ring loop: every backend, every loss, every world size (a single process is the ring of one).
 
 Rank r holds its q rows for the whole call; the k blocks travel to rank+1 at every step, so at step t
-rank r holds the block of rank (r - t) mod W. For each block the driver asks the backend for the
-block's log-sum-exps (forward) or gradient contributions (backward), and handles the positive logits
-itself (they are O(B * D) row dot products, the same for every backend).
+rank r holds the block of rank (r - t) mod W. For each block the driver builds the positives' block
+columns from the labels and hands the block to the loss's per-block step (a :class:`RingLoss`), which
+calls the backend; the driver itself does no arithmetic on features.
 
 Overlap: the exchange of the next k block is posted before the compute on the current one (double
-buffering). Whatever must be *accumulated* by every rank for a block (its column log-sum-exps and
-positive logits in the forward, its dk and column scale-gradient in the backward) travels one step
-behind the block, on a second stream: each rank merges its part after its compute, passes it on, and
-after W steps the sum arrives back at the block's owner.
+buffering). Whatever must be *accumulated* by every rank for a block (its column partials in the
+forward, its dk and column-credited parameter gradients in the backward) travels one step behind the
+block, on a second stream: each rank merges its part after its compute, passes it on, and after W
+steps the sum arrives back at the block's owner.
+
+No host synchronization happens inside the loop on CUDA: the scale is a device tensor and the
+positives are found with ``torch.where``, never ``nonzero`` or ``.item()``.
 """
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 
 from ..backends.base import BlockBackend, Tensor, accum_dtype
-from ..lse import empty_lse, lse_merge
 from .comm import RingComm
 from .layout import RingLayout
 
 
-@dataclass
-class ForwardResult:
-    row_lse: Tensor  # [Bq] log-sum-exp of each local row over all global columns
-    row_pos: Tensor  # [Bq] positive logit of each local row
-    col_lse: Optional[Tensor]  # [Bk] log-sum-exp of each local column over all global rows (symmetric)
-    col_pos: Optional[Tensor]  # [Bk] positive logit of each local column (symmetric)
+class RingLoss(Protocol):
+    """What one loss contributes to the ring loop (softmax: :mod:`infcl.losses.softmax`).
+
+    Forward: a ``[R, Bq]`` row accumulator merged block by block, and optionally a ``[C, Bk]`` column
+    partial per block (``col_rows = C``, 0 for none) that travels home to the block's owner.
+    Backward: ``ahead`` (``[A, Bk]`` per block, e.g. column stats and upstream gradients) travels with
+    k; each block returns ``[2, n_params]`` parameter gradients: row 0 for this rank's own loss, row 1
+    credited to the block's owner (it travels home with dk).
+    """
+
+    col_rows: int
+    n_params: int
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        ...
+
+    def merge_rows(self, acc: Tensor, part: Tensor) -> None:
+        ...
+
+    def merge_cols(self, acc: Tensor, part: Tensor) -> None:
+        ...
+
+    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor):
+        ...
+
+    def backward_step(
+        self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor,
+        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor,
+    ) -> Tensor:
+        ...
 
 
-def _positive_pairs(labels: Tensor, offset: int, size: int) -> Tuple[Tensor, Tensor]:
-    """Local rows whose positive column lies in the block [offset, offset + size), and that column."""
-    rows = ((labels >= offset) & (labels < offset + size)).nonzero().squeeze(1)
-    return rows, labels[rows] - offset
-
-
-# The positive pairs are gathered POSITIVE_CHUNK rows at a time, so their temporaries stay a few MiB
-# (1024 x D) instead of several [B, D] copies.
-POSITIVE_CHUNK = 1024
-
-
-def _rowdot(q: Tensor, rows: Tensor, k: Tensor, cols: Tensor, acc: torch.dtype) -> Tensor:
-    """raw[p] = q[rows[p]] . k[cols[p]] in the accumulation dtype, chunk by chunk."""
-    out = torch.empty(rows.shape[0], dtype=acc, device=q.device)
-    for start in range(0, rows.shape[0], POSITIVE_CHUNK):
-        r, c = rows[start : start + POSITIVE_CHUNK], cols[start : start + POSITIVE_CHUNK]
-        out[start : start + r.shape[0]] = torch.linalg.vecdot(q[r].to(acc), k[c].to(acc))
-    return out
-
-
-def _add_positive_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, rows: Tensor, cols: Tensor, coef: Tensor) -> None:
-    """dq[rows] += coef * k[cols] and dk[cols] += coef * q[rows] (repeated cols add up), chunk by chunk."""
-    acc = dq.dtype
-    for start in range(0, rows.shape[0], POSITIVE_CHUNK):
-        r, c = rows[start : start + POSITIVE_CHUNK], cols[start : start + POSITIVE_CHUNK]
-        w = coef[start : start + r.shape[0], None]
-        dq.index_add_(0, r, k[c].to(acc) * w)
-        dk.index_add_(0, c, q[r].to(acc) * w)
+def block_positions(labels: Tensor, offset: int, size: int) -> Tensor:
+    """[Bq] int64: the column within the block [offset, offset + size) of each row's positive, else -1."""
+    inside = (labels >= offset) & (labels < offset + size)
+    return torch.where(inside, labels - offset, -1)
 
 
 class _Leading:
@@ -119,108 +120,83 @@ class _Trailing:
         return self.incoming
 
 
-def _merge_columns(mine: Tensor, incoming: Tensor) -> None:
-    lse_merge(mine[0], incoming[0])
-    mine[1] += incoming[1]
-
-
 def _comms(layout: RingLayout, *names: str):
     if layout.world == 1:
         return (None,) * len(names)
     return tuple(RingComm(layout.group, name) for name in names)
 
 
+def _block_span(layout: RingLayout, step: int) -> Tuple[int, int]:
+    src = layout.block_at_step(step)
+    return layout.k_offsets[src], layout.k_sizes[src]
+
+
 def ring_forward(
-    q: Tensor, k: Tensor, scale: float, labels: Tensor, symmetric: bool, backend: BlockBackend, layout: RingLayout
-) -> ForwardResult:
+    q: Tensor, k: Tensor, scale: Tensor, labels: Tensor, loss: RingLoss, backend: BlockBackend, layout: RingLayout
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Return (rows [R, Bq], cols [C, Bk] or None): this rank's row accumulator over the global
+    columns and, if the loss has column partials, its own k rows' totals over every rank's rows."""
     acc = accum_dtype(q.dtype)
     dev, dim = q.device, q.shape[1]
-    row_lse = empty_lse(q.shape[0], acc, dev)
-    row_pos = torch.zeros(q.shape[0], dtype=acc, device=dev)
-    k_comm, col_comm = _comms(layout, "k-forward", "column-lse")
+    rows = loss.init_rows(q.shape[0], acc, dev)
+    k_comm, col_comm = _comms(layout, "k-forward", "columns")
     blocks = _Leading(layout, k_comm, "forward", [k], lambda n: [(n, dim)])
-    # Column partials [2, n] (log-sum-exp, positive logit) of each block.
-    columns = _Trailing(layout, col_comm, lambda n: (2, n), _merge_columns, "forward", "column log-sum-exp")
+    columns = None
+    if loss.col_rows:
+        columns = _Trailing(layout, col_comm, lambda n: (loss.col_rows, n), loss.merge_cols, "forward", "column partials")
     for step in range(layout.world):
-        src = layout.block_at_step(step)
-        offset, size = layout.k_offsets[src], layout.k_sizes[src]
+        offset, size = _block_span(layout, step)
         blocks.post(step)
         (k_cur,) = blocks.current
-
-        r_lse, c_lse = backend.forward_block(q, k_cur, scale, symmetric)
-        lse_merge(row_lse, r_lse)
-        rows, cols = _positive_pairs(labels, offset, size)
-        pos = scale * _rowdot(q, rows, k_cur, cols, acc)
-        row_pos[rows] = pos
-
-        if symmetric:
-            col = torch.empty(2, size, dtype=acc, device=dev)
-            col[0] = c_lse
-            col[1] = 0
-            col[1, cols] = pos  # labels are a permutation: each column's positive is set on one rank
-            columns.pass_on(step, col)
+        row_part, col_part = loss.forward_step(backend, q, k_cur, scale, block_positions(labels, offset, size))
+        loss.merge_rows(rows, row_part)
+        if columns is not None:
+            columns.pass_on(step, col_part)
         blocks.advance(step)
-    col_in = columns.home() if symmetric else None
-    return ForwardResult(
-        row_lse=row_lse,
-        row_pos=row_pos,
-        col_lse=col_in[0] if symmetric else None,
-        col_pos=col_in[1] if symmetric else None,
-    )
+    return rows, (columns.home() if columns is not None else None)
 
 
 def ring_backward(
     q: Tensor,
     k: Tensor,
-    scale: float,
+    scale: Tensor,
     labels: Tensor,
+    loss: RingLoss,
     backend: BlockBackend,
     layout: RingLayout,
-    row_lse: Tensor,
-    g_row: Tensor,
-    col_lse: Optional[Tensor],
-    g_col: Optional[Tensor],
+    rows: Tensor,
+    ahead: Optional[Tensor],
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Return (dq, dk, dscale) in the accumulation dtype.
+    """Return (dq, dk, dparams [n_params]) in the accumulation dtype.
 
-    dq and dk hold the gradient of every rank's loss with respect to this rank's q and k; dscale is
-    the derivative of this rank's own loss (rows, and for the symmetric loss, columns) with respect
-    to the scale.
+    ``rows`` [*, Bq] is what the loss's backward step needs per local row (stats, upstream gradient);
+    ``ahead`` [A, Bk] (or None) per local k row, sent around with k. dq and dk hold the gradient of
+    every rank's loss with respect to this rank's q and k; dparams is the derivative of this rank's own
+    loss (rows, plus the column-credited parts of its own k block) with respect to the loss parameters.
     """
     acc = accum_dtype(q.dtype)
     dev, dim = q.device, q.shape[1]
-    symmetric = col_lse is not None
+    n_params = loss.n_params
     dq = torch.zeros(q.shape[0], dim, dtype=acc, device=dev)
-    dscale_row = torch.zeros((), dtype=acc, device=dev)
+    own = torch.zeros(n_params, dtype=acc, device=dev)
     k_comm, acc_comm = _comms(layout, "k-backward", "dk")
-    # What each block carries ahead, read-only: k and, for the symmetric loss, its column (lse, upstream grad).
-    ahead = [k, torch.stack([col_lse, g_col])] if symmetric else [k]
-    blocks = _Leading(layout, k_comm, "backward", ahead, lambda n: [(n, dim), (2, n)][: len(ahead)])
-    # [size * D + 1] per block: its dk partial sum and its column scale-gradient.
-    grads = _Trailing(layout, acc_comm, lambda n: (n * dim + 1,), Tensor.add_, "backward", "dk")
+    travelling = [k] if ahead is None else [k, ahead]
+    shapes = lambda n: [(n, dim)] + ([] if ahead is None else [(ahead.shape[0], n)])  # noqa: E731
+    blocks = _Leading(layout, k_comm, "backward", travelling, shapes)
+    # [size * D + n_params] per block: its dk partial sum and its column-credited parameter gradients.
+    grads = _Trailing(layout, acc_comm, lambda n: (n * dim + n_params,), Tensor.add_, "backward", "dk")
     for step in range(layout.world):
-        src = layout.block_at_step(step)
-        offset, size = layout.k_offsets[src], layout.k_sizes[src]
+        offset, size = _block_span(layout, step)
         blocks.post(step)
         k_cur = blocks.current[0]
-        col_cur = blocks.current[1] if symmetric else None
-
-        packed = torch.zeros(size * dim + 1, dtype=acc, device=dev)
-        dk_part = packed[:-1].view(size, dim)
-        col_lse_cur = col_cur[0] if symmetric else None
-        g_col_cur = col_cur[1] if symmetric else None
-        ds_row, ds_col = backend.backward_block(q, k_cur, scale, row_lse, g_row, col_lse_cur, g_col_cur, dq, dk_part)
-
-        # The positive logit S[i, c] enters the loss with coefficient -(g_row[i] + g_col[c]).
-        rows, cols = _positive_pairs(labels, offset, size)
-        raw = _rowdot(q, rows, k_cur, cols, acc)
-        coef_row = g_row[rows]
-        coef = coef_row + g_col_cur[cols] if symmetric else coef_row
-        _add_positive_grads(dq, dk_part, q, k_cur, rows, cols, -scale * coef)
-        dscale_row += ds_row - torch.dot(coef_row, raw)
-        packed[-1] = ds_col - (torch.dot(g_col_cur[cols], raw) if symmetric else 0)
-
+        ahead_cur = blocks.current[1] if ahead is not None else None
+        packed = torch.zeros(size * dim + n_params, dtype=acc, device=dev)
+        dk_part = packed[:-n_params].view(size, dim)
+        pos = block_positions(labels, offset, size)
+        dparams = loss.backward_step(backend, q, k_cur, scale, pos, rows, ahead_cur, dq, dk_part)
+        own += dparams[0]
+        packed[-n_params:] = dparams[1]
         grads.pass_on(step, packed)
         blocks.advance(step)
-    own = grads.home()
-    return dq, own[:-1].view(k.shape[0], dim), dscale_row + own[-1]
+    home = grads.home()
+    return dq, home[:-n_params].view(k.shape[0], dim), own + home[-n_params:]
