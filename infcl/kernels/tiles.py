@@ -61,9 +61,10 @@ def load_tile(ptr, rows, cols, n_rows, n_cols, stride_r, stride_c, RAGGED_ROWS: 
 
 @triton.jit
 def load_vector(ptr, idx, n, stride, other, MASK: tl.constexpr):
-    """ptr[idx * stride], ``other`` where idx >= n (only when MASK)."""
+    """ptr[idx * stride], ``other`` where idx >= n (only when MASK). (The fill is a select after the load,
+    not the load's ``other``: Triton 3.2 miscompiles an integer ``other`` in some layouts.)"""
     if MASK:
-        return tl.load(ptr + idx.to(tl.int64) * stride, mask=idx < n, other=other)
+        return tl.where(idx < n, tl.load(ptr + idx.to(tl.int64) * stride, mask=idx < n), other)
     return tl.load(ptr + idx.to(tl.int64) * stride)
 
 
@@ -76,7 +77,7 @@ def tile_dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=acc.dtype)
 
 
 @triton.jit
@@ -96,7 +97,7 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
     (float32 results differ in the last bit between a 64 x 16 and a 64 x 32 tile), which would break the
     bit-identical S between kernels with different block sizes; this sum's order depends on K alone."""
     if PTX:
-        return tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=PRECISION)
+        return tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=PRECISION, out_dtype=acc.dtype)
     if UPCAST:
         q_tile = q_tile.to(tl.float32)
         k_tile = k_tile.to(tl.float32)

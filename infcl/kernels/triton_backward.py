@@ -40,10 +40,11 @@ import triton.language as tl
 from .configs import (
     COMPILE_OPTIONS,
     SHAPE_HEURISTICS,
+    TRITON_VERSION,
     TileConfig,
     Tiling,
-    autotune_space,
     launch_options,
+    lazy_autotune,
     neighbours,
     plan_backward_splits,
     size_bucket,
@@ -104,7 +105,9 @@ def _dq_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
+    tl.static_assert(BLOCK_N >= MIN_DOT)
+    tl.static_assert(BLOCK_D >= MIN_DOT)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the k tile of S feeds dq too
     rb = tl.program_id(0)
     out_slice = tl.program_id(1)
@@ -188,7 +191,9 @@ def _dk_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
+    tl.static_assert(BLOCK_N >= MIN_DOT)
+    tl.static_assert(BLOCK_D >= MIN_DOT)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the q tile of S feeds dk too
     cb = tl.program_id(0)
     out_slice = tl.program_id(1)
@@ -263,16 +268,12 @@ DQ_CONFIGS = {
     (90, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
     (80, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
     (0, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
-    # FMA products: 32 x 32 blocks (64 rows spill with q held in registers); 4 warps on sm_90, whose
-    # ptxas holds 8-warp blocks of this kernel to 128 registers.
-    (90, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128),
-    (80, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, block_out=128),
-    (0, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, block_out=128),
-    # fp64: twice the registers per entry: 16 columns on sm_90; 4 warps on sm_86, whose allocator
-    # holds 8-warp blocks to 128 registers.
-    (90, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=8, num_stages=2, block_out=64),
-    (80, "fp64"): TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, block_out=64),
-    (0, "fp64"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=64),
+    # FMA products (fp32 "ieee", fp64): 32-row blocks on 4 warps over 16-feature chunks, maxnreg 255
+    # (as in the forward); fp64 owns 16 columns and 64-wide slices for twice the bytes per entry.
+    **{(arch, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=255)
+       for arch in (90, 80, 0)},
+    **{(arch, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in (90, 80, 0)},
 }
 # The dk kernel is the dq kernel with the roles of q and k swapped; where its accumulator (BLOCK_N
 # rows of k) needs room, it owns fewer k rows, while BLOCK_M (the S tile's M side) stays the same.
@@ -281,9 +282,13 @@ DK_CONFIGS = {
     # sm_80: fp16's dS normalization tips 32 owned rows into spills at ragged D; 16 fit.
     (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
     (0, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
-    (0, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128),
-    (0, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64),
 }
+if TRITON_VERSION < (3, 3):
+    # Triton 3.2 aborts compiling the sm_90 dq kernel above (an assertion in its LLVM lowering of the
+    # 64-row wgmma accumulator split over two warp groups): there it takes 128 rows on the same 8 warps
+    # (one warp group per 64 rows) and a 128-wide slice, so the accumulator still fits.
+    DQ_CONFIGS.update({(90, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=128)
+                       for k in ("mma", "tf32")})
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
@@ -292,8 +297,11 @@ DK_CONFIGS = {
 
 
 def _keep(key, config: TileConfig, default: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_compile.py): the FMA classes (ieee,
+    """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, halving
+    BLOCK_N of the bf16/fp16 kernels spills the dq kernel at ragged D (ptxas 13); the FMA classes (ieee,
     fp64) sit at their register limit already, so they keep their default alone."""
+    if key == (90, "mma") and config.block_n < default.block_n:
+        return False
     return key[1] in ("mma", "tf32") or config == default
 
 
@@ -306,18 +314,10 @@ _KEY = ["D", "HAS_COL", "PRECISION", "BUCKET"]
 
 _dq = triton.heuristics(_HEURISTICS)(_dq_kernel)
 _dk = triton.heuristics(_HEURISTICS)(_dk_kernel)
-_dq_space, _dq_prune = autotune_space(DQ_AUTOTUNE_CONFIGS)
-_dk_space, _dk_prune = autotune_space(DK_AUTOTUNE_CONFIGS)
 # Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
 # per-program scale-gradient slots are zeroed before each trial.
-_dq_autotuned = triton.autotune(
-    configs=_dq_space, key=_KEY, prune_configs_by={"early_config_prune": _dq_prune},
-    restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"],
-)(_dq)
-_dk_autotuned = triton.autotune(
-    configs=_dk_space, key=_KEY, prune_configs_by={"early_config_prune": _dk_prune},
-    restore_value=["out_ptr"],
-)(_dk)
+_dq_autotuned = lazy_autotune(_dq, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"])
+_dk_autotuned = lazy_autotune(_dk, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -325,11 +325,10 @@ _dk_autotuned = triton.autotune(
 
 def _launch(kernel, autotuned, grid, args, cfg: TileConfig, autotune: bool, bucket: int, consts: dict, wrap):
     if autotune:
-        wrap(autotuned)[grid](*args, BUCKET=bucket, **consts)
+        wrap(autotuned())[grid](*args, BUCKET=bucket, **consts)
     else:
         wrap(kernel)[grid(dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0, **cfg.launch_options(), **consts,
         )
 
 
