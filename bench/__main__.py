@@ -108,7 +108,8 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
         for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
             for name, mode in itertools.product(names, sw.modes):
-                job = Job(name, batch, dim, mode=mode, symmetric=sw.symmetric, memory_only=sw.memory_only, **common)
+                job = Job(name, batch, dim, mode=mode, symmetric=sw.symmetric, memory_only=sw.memory_only,
+                          accuracy=sw.accuracy and not sw.memory_only, **common)
                 unavailable = METHODS[name].unavailable(device, dim)
                 too_big = _vanilla_too_big(batch, sw.dtype, max_gb) if name == BASELINE else None
                 if unavailable is None and too_big is None:

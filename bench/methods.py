@@ -6,6 +6,8 @@
 - "inf-cl": Inf-CL's ``inf_cl.cal_inf_loss`` (CUDA only; the symmetric loss is its two directions
   averaged, as Inf-CL's own ClipLoss does).
 A method that cannot run here has an ``unavailable`` reason and is listed as skipped, never dropped.
+``gemm_equivalents`` counts the products (each 2 * B^2 * D flops) each method spends per mode, for the
+GEMM-throughput column: how much of the device's matmul rate its own products reach.
 """
 
 import importlib.util
@@ -90,6 +92,33 @@ class Method:
 
 def _infcl_method(backend: str) -> Method:
     return Method(backend, _infcl_loss(backend), lambda device, dim: unavailable_reason(backend, device), tiled=True)
+
+
+def _tiled_gemms(device, dtype, dim):  # the torch tiles and the native kernel: S; S again, dq, dk
+    return 1, 3
+
+
+def _triton_gemms(device, dtype, dim):
+    from infcl.kernels.ops import gemm_equivalents
+
+    return gemm_equivalents(dim, dtype, device, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+
+
+# (forward, backward) GEMM-equivalents of one direction; the symmetric loss costs the same except for
+# Inf-CL, which runs each direction separately.
+_GEMMS = {
+    "vanilla": lambda device, dtype, dim: (1, 2),  # logits; dq and dk from the logits' gradient
+    "torch": _tiled_gemms,
+    "cpu": _tiled_gemms,
+    "triton": _triton_gemms,
+    "inf-cl": lambda device, dtype, dim: (1, 4),  # S; S for dq, dq, S for dk, dk
+}
+
+
+def gemm_equivalents(name: str, mode: str, device: torch.device, dtype: torch.dtype, dim: int, symmetric: bool) -> int:
+    forward, backward = _GEMMS[name](device, dtype, dim)
+    total = {"forward": forward, "backward": backward, "forward+backward": forward + backward}[mode]
+    return total * (2 if symmetric and name == "inf-cl" else 1)
 
 
 METHODS = {
