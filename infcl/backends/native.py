@@ -24,11 +24,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import Tensor, accum_dtype
+from .base import Block, Tensor, accum_dtype
 
 EXTENSION_NAME = "infcl_cpu"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("infcl_cpu.cpp",)
+# infcl_siglip.cpp: the sigmoid (SigLIP) loss's ops, added to the same ``infcl`` op namespace.
+SOURCES = ("infcl_cpu.cpp", "infcl_siglip.cpp")
 # -O3 (+ full-width vectors) for the fused exp loops; -march=native because the build happens on the machine that
 # runs it (the cache is per machine); -fopenmp because at::parallel_for's OpenMP loop is compiled into
 # the extension from torch's headers.
@@ -86,6 +87,7 @@ def load_error() -> Optional[str]:
         warnings.warn(f"infcl: {reason}; backend 'auto' uses the pure-PyTorch tiles instead", RuntimeWarning, stacklevel=2)
         return reason
     _register_fakes()
+    _register_sigmoid_fakes()
     return None
 
 
@@ -106,6 +108,18 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("infcl::backward_block")
     def _backward_fake(q, k, scale, row_lse, g_row, col_lse, g_col, dq, dk):
+        return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
+def _register_sigmoid_fakes() -> None:
+    """Shape-only implementations of the sigmoid loss's ops (csrc/infcl_siglip.cpp)."""
+
+    @torch.library.register_fake("infcl::sigmoid_forward_block")
+    def _sigmoid_forward_fake(q, k, pos, scale, bias):
+        return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
+
+    @torch.library.register_fake("infcl::sigmoid_backward_block")
+    def _sigmoid_backward_fake(q, k, pos, scale, bias, g_row, dq, dk):
         return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
@@ -130,6 +144,16 @@ class NativeBackend:
     ) -> Tuple[Tensor, Tensor]:
         dscale = torch.ops.infcl.backward_block(q, k, float(scale), row_lse, g_row, col_lse, g_col, dq, dk)
         return dscale[0], dscale[1]
+
+    # --- the sigmoid (SigLIP) loss: csrc/infcl_siglip.cpp (contract: infcl.backends.base) ------------
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        return torch.ops.infcl.sigmoid_forward_block(block.q, block.k, block.pos, float(block.scale), float(block.bias))
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        return torch.ops.infcl.sigmoid_backward_block(
+            block.q, block.k, block.pos, float(block.scale), float(block.bias), block.g_row, dq, dk
+        )
 
 
 BACKEND = NativeBackend()

@@ -16,6 +16,7 @@ whether the loss is one-directional or symmetric.
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..lse import MAX, REL, empty_stats, lse_merge, tile_stats
 from .base import Block, Tensor, accum_dtype
@@ -28,6 +29,10 @@ CPU_TILES = (256, 1024)
 # fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
 # is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
 GPU_TILES = (2048, 4096)
+# F.softplus returns x itself above its threshold. The default, 20, drops log1p(e^-20) ~ 2e-9, which
+# float64 resolves; above 40, e^-x is below half an ulp of x even in float64, and below it exp(x) <= 2e17
+# is finite in every accumulation dtype.
+SOFTPLUS_THRESHOLD = 40.0
 
 
 def _tile(buf: Tensor, rows: int, cols: int) -> Tensor:
@@ -53,8 +58,19 @@ def _probabilities(out: Tensor, s: Tensor, stats: Tensor, g: Tensor, inside: Ten
     x_pos = out.gather(1, idx)
     out.exp_().mul_(g)
     g_pos = g.expand_as(out).gather(1, idx)
-    at_pos = torch.where(inside[:, None], g_pos * torch.expm1(x_pos), out.gather(1, idx))
-    return out.scatter_(1, idx, at_pos)
+    return _replace_positives(out, inside, idx, g_pos * torch.expm1(x_pos))
+
+
+def _margins(out: Tensor, raw: Tensor, block: Block, inside: Tensor, idx: Tensor) -> Tensor:
+    """out = -z * (scale * raw + bias): the sigmoid loss's logits, their sign flipped at the positives,
+    so that each entry's loss is softplus(out) and its derivative by the logit is -z * sigmoid(out)."""
+    torch.mul(raw, block.scale, out=out).add_(block.bias)
+    return _replace_positives(out, inside, idx, -out.gather(1, idx))
+
+
+def _replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor) -> Tensor:
+    """out[i, idx[i]] = values[i] for the rows whose positive lies in this tile (``inside``); in place."""
+    return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
 
 
 class TorchTilesBackend:
@@ -128,6 +144,58 @@ class TorchTilesBackend:
                 dq_i.addcmul_(ds @ kj, scale)
                 dk[j0 : j0 + nj].addcmul_(ds.T @ qi, scale)
         return dscale
+
+    # --- the sigmoid (SigLIP) loss (contract: infcl.backends.base) ------------------------------------
+    # GEMMs per block: forward 1 (the logits), backward 3 (the logits again, dq, dk).
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        acc = accum_dtype(block.q.dtype)
+        qa, ka = block.q.to(acc), block.k.to(acc)
+        bq, bk, dev = qa.shape[0], ka.shape[0], qa.device
+        tq, tk = self.tiles(dev)
+        rows = torch.zeros(bq, dtype=acc, device=dev)
+        buf = torch.empty(min(bq, tq) * min(bk, tk), dtype=acc, device=dev)
+        for i0 in range(0, bq, tq):
+            qi = qa[i0 : i0 + tq]
+            ni = qi.shape[0]
+            for j0 in range(0, bk, tk):
+                kj = ka[j0 : j0 + tk]
+                nj = kj.shape[0]
+                margins = torch.mm(qi, kj.T, out=_tile(buf, ni, nj))
+                inside, idx = _positives(block.pos[i0 : i0 + ni], j0, nj)
+                _margins(margins, margins, block, inside, idx)
+                rows[i0 : i0 + ni] += F.softplus(margins, threshold=SOFTPLUS_THRESHOLD).sum(dim=1)
+        return rows
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        acc = accum_dtype(block.q.dtype)
+        qa, ka, scale = block.q.to(acc), block.k.to(acc), block.scale
+        bq, bk, dev = qa.shape[0], ka.shape[0], qa.device
+        tq, tk = self.tiles(dev)
+        dparams = torch.zeros(2, dtype=acc, device=dev)  # (scale, bias)
+        numel = min(bq, tq) * min(bk, tk)
+        raw_buf, ds_buf = (torch.empty(numel, dtype=acc, device=dev) for _ in range(2))
+        for i0 in range(0, bq, tq):
+            qi = qa[i0 : i0 + tq]
+            ni = qi.shape[0]
+            g_i = block.g_row[i0 : i0 + ni, None]
+            dq_i = dq[i0 : i0 + ni]
+            for j0 in range(0, bk, tk):
+                kj = ka[j0 : j0 + tk]
+                nj = kj.shape[0]
+                raw = torch.mm(qi, kj.T, out=_tile(raw_buf, ni, nj))
+                inside, idx = _positives(block.pos[i0 : i0 + ni], j0, nj)
+                # dLoss/dL = -z * sigmoid(-z * L): sigmoid(L) off the positive, -sigmoid(-L) on it, both
+                # from sigmoid of the margin (never 1 - sigmoid: a confident positive keeps its digits).
+                ds = _margins(_tile(ds_buf, ni, nj), raw, block, inside, idx).sigmoid_()
+                ds = _replace_positives(ds, inside, idx, -ds.gather(1, idx)).mul_(g_i)
+                # Cascade sums (torch.sum), not torch.dot: these terms do not cancel, so a running sum
+                # over the tile would lose ~sqrt(n) * eps of their total.
+                dparams[0] += torch.mul(ds, raw, out=raw).sum()
+                dparams[1] += ds.sum()
+                dq_i.addcmul_(ds @ kj, scale)
+                dk[j0 : j0 + nj].addcmul_(ds.T @ qi, scale)
+        return dparams
 
 
 TORCH_TILES = TorchTilesBackend()
