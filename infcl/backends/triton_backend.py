@@ -12,10 +12,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import Tensor
+from .base import Block, Tensor
 
 try:
     from ..kernels import INTERPRETED, TileConfig, interpret_requested, lse_backward, lse_forward
+    from ..kernels.triton_siglip import siglip_backward, siglip_forward
 except ImportError as err:  # triton missing (or broken): the backend reports why instead of failing import
     _IMPORT_ERROR: Optional[ImportError] = err
 else:
@@ -54,6 +55,18 @@ class TritonBackend:
     ) -> Tuple[Tensor, Tensor]:
         return lse_backward(
             q, k, scale, row_lse, g_row, col_lse, g_col, dq, dk, self.precision, self.backward_config
+        )
+
+    # --- the sigmoid (SigLIP) loss: infcl/kernels/triton_siglip.py (contract: infcl.backends.base) -----
+    # GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no atomics).
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        return siglip_forward(block.q, block.k, block.pos, block.scale, block.bias, self.precision, self.forward_config)
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        return siglip_backward(
+            block.q, block.k, block.pos, block.scale, block.bias, block.g_row, dq, dk, self.precision,
+            self.backward_config,
         )
 
 
