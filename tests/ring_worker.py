@@ -45,7 +45,9 @@ def _run_case(case, backend, rank, group):
     return {"loss": loss.detach(), "dq": dq, "dk": dk, "dscale": scale.grad, "loss_dtype": loss.dtype}
 
 
-def run_cases(rank, world, group, backends):
+def run_cases(rank, world, group, backends, cases=ring_cases.ring_cases, run=_run_case):
+    """``run(case, backend, rank, group)`` for every case of ``cases(world)`` and every backend (a name
+    ending in TINY_SUFFIX: the torch tiles shrunk to ring_cases.TINY_TILES); results keyed (case, backend)."""
     out = {}
     for backend in backends:
         tiny = backend.endswith(TINY_SUFFIX)
@@ -54,8 +56,8 @@ def run_cases(rank, world, group, backends):
         if tiny:
             TORCH_TILES.tile_q, TORCH_TILES.tile_k = ring_cases.TINY_TILES
         try:
-            for case in ring_cases.ring_cases(world):
-                out[(case.name, backend)] = _run_case(case, name, rank, group)
+            for case in cases(world):
+                out[(case.name, backend)] = run(case, name, rank, group)
         finally:
             TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
     return out
