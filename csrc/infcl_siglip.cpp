@@ -24,8 +24,8 @@
 // the compiler vectorizes; float64 uses libm. The positive's column is handled apart from the vectorized
 // runs of negatives on either side of it.
 //
-// dtypes: float32 and float64 natively; bfloat16 and float16 on float32 copies of q and k (exact; on CPUs
-// without bf16 matrix units, like the AMD Zen 3 this was written on, fp32 products are the fast ones).
+// dtypes: float32 and float64 natively; bfloat16 and float16 on float32 copies of q and k (exact, and
+// simple; MKL's bf16 GEMM, which csrc/infcl_cpu.cpp uses where the CPU has AMX, was not tried here).
 // Extra memory: one tile per lane, (lanes - 1) dk partials of [Bk, D], the float32 copies for 16-bit
 // inputs -- never O(Bq * Bk).
 
@@ -48,8 +48,9 @@ namespace infcl {
 namespace siglip {
 namespace {
 
-// 256 x 512 float32 logits = 512 KiB: one tile per lane stays in a Zen 3 core's 512 KiB L2 / an Intel
-// core's 2 MiB, while every product keeps a long reduction dimension (D, TILE_K or TILE_Q) for BLAS.
+// 256 x 512 float32 logits = 512 KiB: one tile per lane stays in a core's L2 (1 MiB on the AMD EPYC
+// this was measured on, 2 MiB on Sapphire Rapids), while every product keeps a long reduction
+// dimension (D, TILE_K or TILE_Q) for BLAS. The softmax kernel's measured choice; not re-tuned here.
 constexpr int64_t TILE_Q = 256;
 constexpr int64_t TILE_K = 512;
 // A lane gets at least this many rows: thinner lanes cost more in small, slow products than they gain.
@@ -62,16 +63,24 @@ constexpr int64_t MIN_ROWS_PER_LANE = 32;
 constexpr float LOG2_E = 1.44269504088896341f;       // 1 / ln(2)
 constexpr float LN2_HI = 0.693145751953125f;         // ln(2) to 16 bits: n * LN2_HI is exact for |n| < 2^8
 constexpr float LN2_LO = 1.42860682030941723212e-6f; // ln(2) - LN2_HI
-// exp(x) below this (~ log of 1.6e-38, just above FLT_MIN) is returned as 0: such a loss term or
-// probability is below float32's resolution next to any sum it joins that is not itself denormal.
+// exp(x) below this (~ log of 1.6e-38, just above FLT_MIN) is returned as exp(EXP_FLOOR): such a loss
+// term or probability is below float32's resolution next to any sum it joins that is not itself
+// denormal. (Returning 0 there would be a select GCC turns into a branch around the polynomial, and
+// then, under -ftrapping-math, it no longer vectorizes the loop: 8x slower.)
 constexpr float EXP_FLOOR = -87.0f;
+// 1.5 * 2^23: adding it to a float y (|y| < 2^22) rounds y to the nearest integer n and leaves n in
+// the low mantissa bits. Under -ftrapping-math (GCC's default) neither std::floor / nearbyint nor a
+// float -> int conversion vectorizes; this rounding and bit read do.
+constexpr float INT_IN_MANTISSA = 12582912.0f;
 
 // e^x for x <= 0 (the loss only needs exp(-|t|)). e^x = 2^n * e^r with n = round(x / ln 2) and
 // r = x - n ln 2 in [-ln2/2, ln2/2], exact thanks to the two-part ln 2; e^r by its Taylor polynomial to
-// r^7 (truncation < 6e-9 relative); 2^n in [2^-126, 1] written into the exponent field. NaN stays NaN.
+// r^7 (truncation < 6e-9 relative); 2^n in [2^-125, 1] written into the exponent field. Branch-free:
+// std::max keeps a NaN x (it is not less than the floor), and NaN runs through the arithmetic.
 inline float exp_nonpositive(float x) {
-  const float xc = x > EXP_FLOOR ? x : EXP_FLOOR;
-  const float n = std::floor(xc * LOG2_E + 0.5f);
+  const float xc = std::max(x, EXP_FLOOR);
+  const float shifted = xc * LOG2_E + INT_IN_MANTISSA;
+  const float n = shifted - INT_IN_MANTISSA;
   const float r = (xc - n * LN2_HI) - n * LN2_LO;
   float p = 1.0f / 5040;
   p = p * r + 1.0f / 720;
@@ -81,11 +90,12 @@ inline float exp_nonpositive(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  uint32_t bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  bits = (bits + 127u) << 23;  // the biased exponent n + 127; the shift drops INT_IN_MANTISSA's own bits
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  const float y = x > EXP_FLOOR ? p * two_n : 0.0f;
-  return x != x ? x : y;
+  return p * two_n;
 }
 
 // log(1 + u) for u in [0, 1] as 2 atanh(s), s = u / (2 + u) in [0, 1/3]: an odd series in s whose terms
@@ -112,7 +122,7 @@ inline double log1p_unit(double u) { return std::log1p(u); }
 // The per-entry loss softplus(t) = -log sigmoid(-t) and its derivative sigmoid(t), stable for every t.
 template <typename T>
 inline T softplus(T t) {
-  return (t > T(0) ? t : T(0)) + log1p_unit(exp_nonpositive(-std::abs(t)));
+  return std::max(t, T(0)) + log1p_unit(exp_nonpositive(-std::abs(t)));
 }
 
 template <typename T>
