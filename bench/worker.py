@@ -39,16 +39,18 @@ class Job:
     mode: str = "forward+backward"
     symmetric: bool = True
     memory_only: bool = False
+    loss: str = "clip"  # "clip" (the contrastive loss) or "siglip" (the sigmoid loss)
 
     def label(self) -> str:
-        return f"{self.method} {self.mode} B={self.batch} D={self.dim} {self.dtype}"
+        loss = "" if self.loss == "clip" else f" {self.loss}"
+        return f"{self.method}{loss} {self.mode} B={self.batch} D={self.dim} {self.dtype}"
 
 
 def _step(job: Job, batch: int) -> Step:
     """The step of ``job.mode`` on fresh inputs of ``batch`` rows."""
     q, k, scale = make_inputs(batch, job.dim, DTYPES[job.dtype], torch.device(job.device))
-    method = METHODS[job.method]
-    return loss_step(lambda q, k, s: method.loss(q, k, s, job.symmetric), q, k, scale, job.mode)
+    loss = METHODS[job.method].loss_fn(job.loss)
+    return loss_step(lambda q, k, s: loss(q, k, s, job.symmetric), q, k, scale, job.mode)
 
 
 def _run_method(job: Job) -> Dict:
