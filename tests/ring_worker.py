@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ring_cases
-from distributed import finish, init_worker
+from distributed import finish, init_worker, run_on_rings
 from infcl import cal_inf_loss
 from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.ring import driver
@@ -218,24 +218,18 @@ def run_ddp(rank, world, group):
 
 
 def main(backends):
-    """Run every scenario on each ring in RINGS this process belongs to; results keyed by ring size."""
-    rank, world = init_worker()
-    assert world == MAIN_WORLD, world
-    # new_group is collective: every process creates every group, in the same order.
-    groups = {size: (None if len(members) == world else dist.new_group(list(members))) for size, members in RINGS.items()}
-    results = {}
-    for size, members in RINGS.items():
-        if rank not in members:
-            continue
-        group, group_rank = groups[size], members.index(rank)
-        results[size] = {
-            "cases": run_cases(group_rank, size, group, backends),
-            "overlap": run_overlap(group_rank, size, group),
-            "mismatch": run_mismatch(group_rank, size, group),
-            "open_clip": run_open_clip(group_rank, size, group),
-            "ddp": run_ddp(group_rank, size, group),
+    """Every scenario on each ring in RINGS this process belongs to; results keyed by ring size."""
+
+    def scenarios(rank, size, group):
+        return {
+            "cases": run_cases(rank, size, group, backends),
+            "overlap": run_overlap(rank, size, group),
+            "mismatch": run_mismatch(rank, size, group),
+            "open_clip": run_open_clip(rank, size, group),
+            "ddp": run_ddp(rank, size, group),
         }
-    finish(results)
+
+    run_on_rings(MAIN_WORLD, RINGS, scenarios)
 
 
 def fail(scenario):

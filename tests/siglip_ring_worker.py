@@ -11,13 +11,12 @@ be ranks 0..W-1.
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ring_cases
 from bench import open_clip_loss
-from distributed import finish, init_worker
+from distributed import run_on_rings
 from infcl import InfSigLipLoss, cal_siglip_loss
 from ring_worker import TINY_SUFFIX, run_cases
 
@@ -88,23 +87,17 @@ def run_bad_labels(rank, world, group):
 
 
 def main(backends):
-    rank, world = init_worker()
-    assert world == MAIN_WORLD, world
-    # new_group is collective: every process creates every group, in the same order.
-    groups = {size: (None if len(members) == world else dist.new_group(list(members))) for size, members in RINGS.items()}
     plain = [b for b in backends if not b.endswith(TINY_SUFFIX) and b != "reference"]
-    results = {}
-    for size, members in RINGS.items():
-        if rank not in members:
-            continue
-        group, group_rank = groups[size], members.index(rank)
-        results[size] = {
-            "cases": run_cases(group_rank, size, group, backends, cases=ring_cases.sigmoid_cases, run=_run_case),
-            "open_clip": run_open_clip(group_rank, size, group, plain),
-            "ddp": run_ddp(group_rank, size, group),
-            "bad_labels": run_bad_labels(group_rank, size, group),
+
+    def scenarios(rank, size, group):
+        return {
+            "cases": run_cases(rank, size, group, backends, cases=ring_cases.sigmoid_cases, run=_run_case),
+            "open_clip": run_open_clip(rank, size, group, plain),
+            "ddp": run_ddp(rank, size, group),
+            "bad_labels": run_bad_labels(rank, size, group),
         }
-    finish(results)
+
+    run_on_rings(MAIN_WORLD, RINGS, scenarios)
 
 
 if __name__ == "__main__":

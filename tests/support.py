@@ -25,6 +25,21 @@ DTYPE_TOLERANCES = (
 TOLERANCE = {dtype: (atol, rtol) for dtype, atol, rtol in DTYPE_TOLERANCES}
 
 
+def features_and_labels(bq, bk, d, label_kind, dtype, seed=0):
+    """Unit-norm q [bq, d] and k [bk, d] in ``dtype`` (drawn in float64) and labels: "diag" (None),
+    "perm" (a permutation of the rows) or "random" (any column, repeats allowed)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(bq, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(bk, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    if label_kind == "diag":
+        labels = None
+    elif label_kind == "perm":
+        labels = torch.randperm(bq, generator=gen)
+    else:
+        labels = torch.randint(0, bk, (bq,), generator=gen)
+    return q, k, labels
+
+
 def tiled_backends(device: str = "cpu"):
     """Every non-reference backend that runs natively on ``device`` here.
 

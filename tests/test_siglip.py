@@ -9,7 +9,6 @@ process. The Triton kernels (interpreter) are in test_siglip_triton.py, the ring
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import infcl.backends.torch_tiles as torch_tiles
 from infcl import InfSigLipLoss, cal_siglip_loss
@@ -17,6 +16,7 @@ from support import (
     TOLERANCE,
     assert_close_verbose,
     assert_no_worse,
+    features_and_labels,
     grads_of_inputs,
     open_clip_loss_module,
     siglip_magnitudes,
@@ -60,17 +60,7 @@ def backend_name(request, monkeypatch):
     return name
 
 
-def make_inputs(bq, bk, d, label_kind, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    image = F.normalize(torch.randn(bq, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
-    text = F.normalize(torch.randn(bk, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
-    if label_kind == "diag":
-        labels = None
-    elif label_kind == "perm":
-        labels = torch.randperm(bq, generator=gen)
-    else:
-        labels = torch.randint(0, bk, (bq,), generator=gen)
-    return image, text, labels
+make_inputs = features_and_labels  # (image, text, labels)
 
 
 def upstream_for(reduction, bq, seed=1):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ring_cases
-from distributed import describe, launch
+from distributed import launch, results_by_ring
 from siglip_ring_worker import MAIN_WORLD, OPEN_CLIP_IMPLS, RINGS
 from ring_worker import TINY_SUFFIX
 from support import TOLERANCE, assert_close_verbose, interpreting_triton, siglip_magnitudes, tiled_backends
@@ -40,14 +40,7 @@ def spawned(tmp_path_factory):
         MAIN_WORLD, "siglip_ring_worker", str(tmp_path_factory.mktemp("siglip-ring")), list(BACKENDS),
         pg_timeout_s=PG_TIMEOUT_S, deadline_s=DEADLINE_S,
     )
-    failed = None if all(o.returncode == 0 and o.results is not None for o in outcomes) else describe(outcomes)
-
-    def get(world):
-        if failed:
-            pytest.fail(f"ring workers failed:\n{failed}")
-        return [outcomes[member].results[world] for member in RINGS[world]]
-
-    return get
+    return results_by_ring(outcomes, RINGS)
 
 
 @functools.lru_cache(maxsize=None)
