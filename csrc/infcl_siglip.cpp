@@ -24,8 +24,12 @@
 // the compiler vectorizes; float64 uses libm. The positive's column is handled apart from the vectorized
 // runs of negatives on either side of it.
 //
-// dtypes: float32 and float64 natively; bfloat16 and float16 on float32 copies of q and k (exact, and
-// simple; MKL's bf16 GEMM, which csrc/infcl_cpu.cpp uses where the CPU has AMX, was not tried here).
+// dtypes: float32 and float64 natively; bfloat16 and float16 on float32 copies of q and k (exact). Tried
+// and dropped: MKL's bf16 x bf16 -> fp32 GEMM (cblas_gemm_bf16bf16f32, which csrc/infcl_cpu.cpp uses on
+// AMX machines) for all three products. Correct, but on the AMD EPYC this was measured on (avx512_bf16,
+// no AMX) it runs 256 x 512 x 512 tile products at the sgemm rate (43 vs 40 GFLOP/s on one thread,
+// interleaved), so it gains nothing here; oneDNN's bf16 matmul, which the vanilla loss gets through
+// at::mm (~4x that rate), has no float32 output on CPU in ATen.
 // Extra memory: one tile per lane, (lanes - 1) dk partials of [Bk, D], the float32 copies for 16-bit
 // inputs -- never O(Bq * Bk).
 
@@ -194,17 +198,11 @@ at::Tensor tile(const T* data, int64_t rows, int64_t cols) {
 // In a lane each product must run on this thread alone. torch.set_num_threads() turns MKL's own
 // adjustment inside parallel regions off, and MKL would then split a tile product for every thread and
 // run all the pieces on this one.
-class OneBlasThread {
- public:
-  OneBlasThread() : saved_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+struct OneBlasThread {
+  int saved = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
   ~OneBlasThread() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(saved_);
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(saved);
   }
-  OneBlasThread(const OneBlasThread&) = delete;
-  OneBlasThread& operator=(const OneBlasThread&) = delete;
-
- private:
-  int saved_;
 };
 
 int64_t lane_count(int64_t rows) {
@@ -263,27 +261,23 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const int64_t* pos,
   const int64_t lanes = lane_count(bq);
   // Lane 0 accumulates into the caller's dk, every other lane into its own partial.
   at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
-  std::vector<double> lane_dscale(lanes, 0.0), lane_dbias(lanes, 0.0);
+  at::Tensor lane_params = at::zeros({lanes, 2}, at::kDouble);  // (dscale, dbias) per lane
+  double* per_lane = lane_params.data_ptr<double>();
   for_each_tile<T>(qp, kp, bq, bk, d, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, T* raw) {
     T dscale = 0, dbias = 0;
     for (int64_t r = 0; r < ni; ++r) {
       row_grad(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias, g[i0 + r], dscale, dbias);
     }
-    lane_dscale[lane] += dscale;
-    lane_dbias[lane] += dbias;
+    per_lane[2 * lane] += dscale;
+    per_lane[2 * lane + 1] += dbias;
     const at::Tensor ds = tile(raw, ni, nj);
     dq.narrow(0, i0, ni).addmm_(ds, tile(kp + j0 * d, nj, d), 1, scale);
     at::Tensor dk_lane = lane == 0 ? dk : dk_parts[lane - 1];
     dk_lane.narrow(0, j0, nj).addmm_(ds.t(), tile(qp + i0 * d, ni, d), 1, scale);
   });
+  // Merged in lane order, whichever thread ran which lane.
   for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
-  double total_scale = 0.0, total_bias = 0.0;
-  for (int64_t p = 0; p < lanes; ++p) {
-    total_scale += lane_dscale[p];
-    total_bias += lane_dbias[p];
-  }
-  dparams[0] = total_scale;
-  dparams[1] = total_bias;
+  dparams.copy_(lane_params.sum(0));
 }
 
 // ---------------------------------------------------------------------------------------------------

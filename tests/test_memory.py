@@ -40,9 +40,9 @@ BATCHES = (2048, 4096, 8192)
 DIM = 32
 
 
-def peak_extra_bytes(b, d, backend, loss="clip"):
+def peak_extra_bytes(b, d, backend, loss="clip", threads=2):
     """Peak extra RSS of one forward + backward of ``loss`` ("clip" or "siglip") in a fresh process."""
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(b), str(d), backend, loss], capture_output=True, text=True, env=env,
         timeout=600,

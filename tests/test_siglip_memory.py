@@ -24,5 +24,7 @@ def materialized():
 
 @pytest.mark.parametrize("backend", tiled_backends())
 def test_peak_memory_is_a_tenth_of_the_materialized_loss(materialized, backend):
-    extra = peak_extra_bytes(BATCH, DIM, backend, "siglip")
+    # The torch tiles on one thread: their memory does not depend on it, and on a busy machine the
+    # OpenMP barriers of thousands of small tile ops make two threads several times slower.
+    extra = peak_extra_bytes(BATCH, DIM, backend, "siglip", threads=1 if backend == "torch" else 2)
     assert extra <= MAX_SHARE * materialized, (backend, extra, materialized)
