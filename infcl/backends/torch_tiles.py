@@ -11,6 +11,10 @@ tensor and the positives are gathered with index arithmetic, never ``nonzero``.
 
 GEMM count per block (each a 2*Bq*Bk*D-flop product): forward 1 (S), backward 3 (S again, dq, dk),
 whether the loss is one-directional or symmetric.
+
+The sigmoid (SigLIP) loss walks the same tiles (``sigmoid_forward_block`` / ``sigmoid_backward_block``):
+each tile's logits scale * raw + bias with their sign flipped at the positive (the margins), their
+softplus summed per row in the forward and their sigmoid as dL in the backward; the same GEMM count.
 """
 
 from typing import NamedTuple, Optional, Tuple
