@@ -192,12 +192,3 @@ def load_error() -> Optional[str]:
     _register_fakes()
     return None
 
-
-def build_status() -> str:
-    """Where the build of the current sources is cached and whether it exists; never compiles anything."""
-    try:
-        library = built_library()
-    except FileNotFoundError as err:
-        return f"no sources to build: {err}"
-    state = "built" if library.is_file() else "not built yet (`python -m infcl build` builds it)"
-    return f"{library.parent} ({state})"
