@@ -7,7 +7,8 @@
 
 Modules: ``grad_cache`` (the three phases), ``inputs`` (splitting, model calls, representation
 extraction), ``vlm`` (Qwen-VL patch-aware splitting), ``rand_context`` (RNG replay),
-``precision`` (fp16/bf16 autocast and loss scaling), ``auto_chunk`` (``chunk_sizes="auto"``).
+``precision`` (fp16/bf16 autocast and loss scaling), ``auto_chunk`` (``chunk_sizes="auto"``),
+``sync`` (``no_sync_except_last`` for DDP, FSDP and FSDP2).
 """
 
 from .grad_cache import GradCache
