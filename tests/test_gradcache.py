@@ -699,7 +699,8 @@ def test_auto_chunk_size_separates_fixed_cost(caplog):
 
 def test_no_sync_except_last_requires_a_data_parallel_wrapper():
     gc = GradCache([TensorTower(), TensorTower()], 4, ClipLoss())
-    with pytest.raises(TypeError, match=r"FullyShardedDataParallel.*models\[0\] is TensorTower, models\[1\] is TensorTower"):
+    expected = r"FullyShardedDataParallel.*models\[0\] is TensorTower, models\[1\] is TensorTower"
+    with pytest.raises(TypeError, match=expected):
         gc(torch.randn(5, FEAT), torch.randn(5, FEAT), no_sync_except_last=True)
 
 
@@ -755,7 +756,8 @@ def _ddp_case(rank, shared, no_sync):
 
 
 def _ddp_results(rank):
-    return {(shared, no_sync): _ddp_case(rank, shared, no_sync) for shared in (False, True) for no_sync in (True, False)}
+    cases = [(shared, no_sync) for shared in (False, True) for no_sync in (True, False)]
+    return {case: _ddp_case(rank, *case) for case in cases}
 
 
 # torch.distributed collectives through which FSDP (1 and 2) reduce-scatter gradients, by torch version.

@@ -5,7 +5,9 @@ offline, tests/st_models.py) and batch, and checks the loss and every parameter 
 relative (fp32). The model is in eval mode unless a test is about dropout.
 """
 
+import importlib.util
 import inspect
+import math
 import os
 import subprocess
 import sys
@@ -41,6 +43,7 @@ REL_TOL = 1e-4
 # come out as ~1e-11 round-off; they are held to this fraction of the largest gradient instead.
 ZERO_GRAD_FRACTION = 1e-6
 SEED = 1234
+EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_sentence_transformer.py")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -159,10 +162,11 @@ def test_same_constructor_config_and_citation(model, name):
     theirs_params = inspect.signature(getattr(st_losses, name).__init__).parameters
     shared = [(p.name, p.default, p.kind) for p in ours_params.values() if p.name not in ("group", "backend")]
     assert shared == [(p.name, p.default, p.kind) for p in theirs_params.values()]
-    assert [p.kind for p in ours_params.values() if p.name in ("group", "backend")] == [inspect.Parameter.KEYWORD_ONLY] * 2
+    extra_kinds = [p.kind for p in ours_params.values() if p.name in ("group", "backend")]
+    assert extra_kinds == [inspect.Parameter.KEYWORD_ONLY] * 2
     ours, theirs = make(infcl_losses, name, model), make(st_losses, name, model)
-    parent = st_losses.CachedMultipleNegativesRankingLoss if "Cached" in name else st_losses.MultipleNegativesRankingLoss
-    assert isinstance(ours, parent)
+    parent = "CachedMultipleNegativesRankingLoss" if "Cached" in name else "MultipleNegativesRankingLoss"
+    assert isinstance(ours, getattr(st_losses, parent))
     assert ours.get_config_dict() == theirs.get_config_dict()
     assert ours.citation == theirs.citation
 
@@ -215,9 +219,13 @@ def test_two_gloo_ranks_match_gather_across_devices():
 # ---- SentenceTransformerTrainer -----------------------------------------------------------------
 
 
+def skip_without_training_extras():
+    for name in ("datasets", "accelerate"):
+        pytest.importorskip(name, reason=f"SentenceTransformerTrainer needs {name} (sentence-transformers[train])")
+
+
 def test_trainer_trains_with_the_cached_loss():
-    pytest.importorskip("datasets", reason="SentenceTransformerTrainer needs datasets (sentence-transformers[train])")
-    pytest.importorskip("accelerate", reason="SentenceTransformerTrainer needs accelerate (sentence-transformers[train])")
+    skip_without_training_extras()
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
@@ -246,3 +254,19 @@ def test_trainer_trains_with_the_cached_loss():
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
     changed = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]
     assert len(changed) > len(before) // 2, f"only {changed} changed"
+
+
+def test_example_script_trains_both_losses_alike():
+    """examples/train_sentence_transformer.py at a tiny size: with dropout on, the same per-step losses."""
+    skip_without_training_extras()
+    spec = importlib.util.spec_from_file_location("train_sentence_transformer", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(
+        ["--batch-size", "32", "--mini-batch-size", "8", "--steps", "2", "--hidden", "32", "--layers", "1",
+         "--vocab", "100", "--backend", "torch"]
+    )
+    theirs, ours = results = [example.train(name, args) for name in example.LOSSES]
+    example.report(results, args)
+    assert len(ours["losses"]) == args.steps and all(math.isfinite(x) for x in ours["losses"]), ours
+    assert_close_verbose(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), 0.0, REL_TOL, what="losses")

@@ -68,8 +68,8 @@ class RandContext:
     ``RandContext(*tensors, devices=module_devices(model))`` records the states now (luyug's
     ``RandContext(*tensors)`` still works and covers the inputs' devices only). ``with ctx:`` sets
     them back for the duration of the block and, on exit, restores whatever the states were on
-    entry, so the replay does not disturb the random stream of the surrounding code. It may be entered again later (each entry
-    replays the same snapshot) but not re-entered while active.
+    entry, so the replay does not disturb the random stream of the surrounding code. It may be
+    entered again later (each entry replays the same snapshot) but not re-entered while active.
 
     CUDA devices are handled through ``torch.cuda.get_rng_state(device)``; any other device type
     whose ``torch.<type>`` module has ``get_rng_state``/``set_rng_state`` is handled the same way.

@@ -120,7 +120,8 @@ class CachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankin
 
     def _mini_batches(self, features: dict):
         ranges = _minibatch_ranges(features, self.mini_batch_size, self.mini_batch_num_tokens)
-        return [_create_minibatch(features, begin, end) for begin, end in ranges], [end - begin for begin, end in ranges]
+        chunks = [_create_minibatch(features, begin, end) for begin, end in ranges]
+        return chunks, [end - begin for begin, end in ranges]
 
     def _progress(self, mini_batches: list):
         return tqdm.tqdm(mini_batches, desc="Embed mini-batches", disable=not self.show_progress_bar)
@@ -129,9 +130,11 @@ class CachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankin
         """Phases 1 and 2 now; phase 3 in a hook on the returned loss (module docstring)."""
         features = list(sentence_features)
         grad_enabled = torch.is_grad_enabled()
-        grad_cache = SentenceTransformerGradCache(
-            self.model, len(features), self.mini_batch_size, lambda *columns: self.calculate_loss([[c] for c in columns])
-        )
+
+        def whole_batch_loss(*columns):  # GradCache's loss_fn (what its cache_step would call)
+            return self.calculate_loss([[column] for column in columns])
+
+        grad_cache = SentenceTransformerGradCache(self.model, len(features), self.mini_batch_size, whole_batch_loss)
         # Boundaries first: modules may edit the features in place while embedding.
         mini_batches, rows = zip(*(self._mini_batches(f) for f in features))
         reps, random_states = [], []
