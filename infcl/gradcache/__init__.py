@@ -13,7 +13,7 @@ extraction), ``vlm`` (Qwen-VL patch-aware splitting), ``rand_context`` (RNG repl
 
 from .grad_cache import GradCache
 from .inputs import get_rep, split_inputs
-from .rand_context import RandContext
+from .rand_context import RandContext, module_devices
 from .vlm import split_vlm_inputs
 
-__all__ = ["GradCache", "RandContext", "split_inputs", "split_vlm_inputs", "get_rep"]
+__all__ = ["GradCache", "RandContext", "module_devices", "split_inputs", "split_vlm_inputs", "get_rep"]
