@@ -110,9 +110,11 @@ def test_both_directions(model, name, columns, partition_mode):
     compare(model, name, COLUMNS[columns], directions=("doc_to_query", "query_to_doc"), partition_mode=partition_mode)
 
 
-def test_mini_batch_num_tokens_and_model_similarity(model):
-    """Mini-batches packed by token count, and model.similarity resolved to the model's function."""
-    compare(model, CLASSES[1], 3, mini_batch_num_tokens=20, similarity_fct=model.similarity)
+def test_mini_batch_num_tokens_model_similarity_and_progress_bar(model, capsys):
+    """Mini-batches packed by token count, model.similarity resolved to the model's function, and the
+    progress bar over the embedding mini-batches (both passes)."""
+    compare(model, CLASSES[1], 3, mini_batch_num_tokens=20, similarity_fct=model.similarity, show_progress_bar=True)
+    assert capsys.readouterr().err.count("Embed mini-batches") >= 2 * 3 * 2  # ours and theirs, 3 columns, 2 passes
 
 
 @pytest.mark.parametrize("name", [CLASSES[0], CLASSES[1], CLASSES[3]])
