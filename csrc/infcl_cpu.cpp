@@ -57,8 +57,12 @@ namespace {
 // bfloat16, whose small-tile MKL GEMMs are ~2x below its big-GEMM rate at every size tried.
 constexpr int64_t TILE_Q = 256;
 constexpr int64_t TILE_K = 512;
-// Span (in natural-log units) of the backward's one-exp path (kOneExp) on the log-sum-exps L = m + r of
-// a tile's rows and columns: a flushed exp(x_row) hides
+// Span (in natural-log units) within which one tile's row and column maxima must lie for the forward's
+// one-exp path (kOneExp): exp(+-SPAN) and their products stay normal floats with room to spare, and a
+// term that underflows there is below exp(EXP_LO + SPAN) = e^-47 of its row's or column's largest term.
+constexpr float SHARED_REF_SPAN = 40.0f;
+// The backward's version, on the log-sum-exps L = m + r of a tile's rows and columns: a flushed
+// exp(x_row) hides
 // exp(x_col) = exp(x_row) * exp(L_row - L_col) with |L_row - L_col| <= 2 * LSE_REF_SPAN, so what is lost
 // stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a column's total probability 1).
 constexpr double LSE_REF_SPAN = 20.0;
@@ -298,13 +302,15 @@ struct Types<at::BFloat16> {
   using ds = at::BFloat16;
 };
 
-// The backward's one-exp-per-entry shortcut for the symmetric loss, bfloat16 only. With AMX its products
-// are several times faster than float32's, so the elementwise passes are a large share of its time and
-// a second exp per entry shows. The shortcut computes P_col = exp(x_col) as exp(x_row) * exp(L_row - L_col)
-// (see SharedRef), whose rounding of x_row costs up to ~2^-24 * |x_row| <= ~2^-24 * (|x_col| + 2 SPAN)
-// relative to a probability (a few 1e-6 at most), far below the 2^-9 to which dS is then rounded for the
-// bfloat16 products; the positive's entry is always formed from its own x_row and x_col. float32 and
-// float64 take two exps per entry, each from its own stats.
+// The one-exp-per-entry shortcuts of the symmetric loss, bfloat16 only. With AMX its products are
+// several times faster than float32's, so the elementwise passes are a large share of its time and a
+// second exp per entry shows. The forward takes e = exp(S - M) against the tile max M for both the row
+// and the column sums (add_shared_terms), the backward P_col = exp(x_col) as exp(x_row) times
+// exp(L_row - L_col) (SharedRef). Their rounding costs up to ~2^-24 * 2 SPAN relative to a term or a
+// probability (a few 1e-6 at most), far below bfloat16's 2^-9, to which its logits' inputs and dS
+// are rounded; the exact parts stay exact: the forward's entries equal to their max are counted, never
+// summed, and the backward forms the positive's entry from its own x_row and x_col. float32 and
+// float64 take two exps per entry, each against its own row's or column's stats.
 template <typename In>
 constexpr bool kOneExp = std::is_same<In, at::BFloat16>::value;
 
@@ -472,6 +478,43 @@ void add_row_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>&
   }
 }
 
+// Rows and columns from one exp per entry (kOneExp): e = exp(s - M) against the tile max M, rebased
+// once per row and column by exp(M - running max) <= exp(SHARED_REF_SPAN). The entries equal to their
+// running max are counted in top as in add_term, never rebased. Returns false (nothing added) unless
+// every tile row and column maximum lies within SHARED_REF_SPAN of M.
+template <typename Acc>
+bool add_shared_terms(const Acc* s, int64_t ni, int64_t nj, const Acc* tile_row_max, const Acc* tile_col_max,
+                      const Running<Acc>& rows, const Running<Acc>& cols, Acc* col_top, Acc* col_rest) {
+  const Acc top_max = *std::max_element(tile_row_max, tile_row_max + ni);
+  const Acc low = std::min(*std::min_element(tile_row_max, tile_row_max + ni),
+                           *std::min_element(tile_col_max, tile_col_max + nj));
+  if (!std::isfinite(top_max) || !(low >= top_max - SHARED_REF_SPAN)) return false;
+  std::fill(col_top, col_top + nj, Acc(0));
+  std::fill(col_rest, col_rest + nj, Acc(0));
+  const Acc* col_max = cols.max;
+  for (int64_t r = 0; r < ni; ++r) {
+    const Acc* sr = s + r * nj;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest)
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc e = fast_exp(sr[c] - top_max);
+      const bool row_top = sr[c] == m, col_top_entry = sr[c] == col_max[c];
+      top += row_top ? Acc(1) : Acc(0);
+      rest += row_top ? Acc(0) : e;
+      col_top[c] += col_top_entry ? Acc(1) : Acc(0);
+      col_rest[c] += col_top_entry ? Acc(0) : e;
+    }
+    rows.top[r] += top;
+    rows.rest[r] += static_cast<double>(rest) * rescale_factor(top_max, m);
+  }
+  for (int64_t c = 0; c < nj; ++c) {
+    cols.top[c] += col_top[c];
+    cols.rest[c] += static_cast<double>(col_rest[c]) * rescale_factor(top_max, col_max[c]);
+  }
+  return true;
+}
+
 // rows[2] for the tile's rows whose positive lies in it: S itself, the very value the max was taken over.
 template <typename Acc>
 void take_positives(const Acc* s, int64_t ni, int64_t nj, const int64_t* pos, int64_t i0, int64_t j0, Acc* out) {
@@ -530,6 +573,10 @@ class ForwardLane {
     }
     const Running<Acc> cols = lane_cols.offset(j0);
     raise_maxima(cols, tile_col_max_.data(), nj);
+    if (kOneExp<In> && add_shared_terms(s, ni, nj, tile_row_max_.data(), tile_col_max_.data(), rows, cols,
+                                        col_top_.data(), col_rest_.data())) {
+      return;
+    }
     add_row_col_terms(s, ni, nj, rows, cols, col_top_.data(), col_rest_.data());
   }
 

@@ -171,6 +171,24 @@ def test_block_matches_float64_torch_tiles(bq, bk, d, symmetric):
 
 @needs_native
 @pytest.mark.parametrize("symmetric", (False, True))
+@pytest.mark.parametrize("scale", (SCALE, 400.0))
+def test_bfloat16_block_matches_float64_torch_tiles(symmetric, scale):
+    """bfloat16 runs its products in bf16 x bf16 -> fp32 and (symmetric) the one-exp shortcuts: its stats
+    are still float32-accurate on the bf16 values; dq / dk / dscale carry dS rounded to bf16. At scale
+    400 the tiles' maxima and log-sum-exps spread beyond the shortcuts' spans, so the two-exp paths run."""
+    q, k = (t.to(torch.bfloat16) for t in _features(300, 1100, 40, torch.float64))
+    pos = _diagonal_pos(300, 1100)
+    truth = _block_outputs(TORCH_TILES, q.double(), k.double(), scale, pos, symmetric)
+    ours = _block_outputs(native.BACKEND, q, k, scale, pos, symmetric)
+    for name, a, t in zip(("rows", "cols"), ours[:2], truth[:2]):
+        if t is not None:
+            assert_close_verbose(a, t, 1e-5 * max(float(t.abs().max()), 1.0), 1e-5, name)
+    for name, a, t in zip(("dq", "dk", "dscale"), ours[2:], truth[2:]):
+        assert_close_verbose(a, t, 2e-3 * float(t.abs().max()), 1e-2, name)
+
+
+@needs_native
+@pytest.mark.parametrize("symmetric", (False, True))
 def test_float64_block_matches_torch_tiles_closely(symmetric):
     q, k = _features(300, 513, 40, torch.float64)
     pos = _diagonal_pos(300, 513)
@@ -262,7 +280,7 @@ REGIMES = {
 
 @needs_native
 @pytest.mark.parametrize("regime", sorted(REGIMES))
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16))
 @pytest.mark.parametrize("symmetric", (False, True))
 def test_regimes_no_worse_than_vanilla(regime, dtype, symmetric):
     q, k, scale = REGIMES[regime]()
@@ -274,20 +292,21 @@ def test_regimes_no_worse_than_vanilla(regime, dtype, symmetric):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype, rtol", ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)))
 @pytest.mark.parametrize("symmetric", (False, True))
-def test_confident_pairs_keep_their_digits(symmetric):
-    """float32 at scale 100: every row's loss is below float32's ulp of 1, and vanilla float32 returns
-    P = 1 at the positives (gradients off by ~100%). The native kernel keeps r = log1p(rest) and
-    g * expm1(x) at the positive, so its gradients are right to float32 rounding of the small terms."""
+def test_confident_pairs_keep_their_digits(dtype, rtol, symmetric):
+    """Scale 100: every row's loss is below float32's ulp of 1, and vanilla float32 returns P = 1 at the
+    positives (gradients off by ~100%). The native kernel keeps r = log1p(rest) and g * expm1(x) at the
+    positive, so its gradients are right to the rounding of the small terms (bfloat16: of dS)."""
     q64, k64 = _confident(257, 64)
-    q, k = q64.float(), k64.float()
+    q, k = q64.to(dtype), k64.to(dtype)
     s = torch.tensor(100.0)
     fn = lambda a, b, c: cal_inf_loss(a, b, scale=c, symmetric=symmetric, reduction="sum", backend="cpu")  # noqa: E731
     got = grads_of(fn, q, k, s)
     truth = grads_of(lambda a, b, c: vanilla_loss(a, b, scale=c, symmetric=symmetric, reduction="sum"),
                      q.double(), k.double(), s.double())
     for name, a, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
-        assert_close_verbose(a, t, 1e-4 * float(t.abs().max()), 1e-3, name)
+        assert_close_verbose(a, t, rtol * float(t.abs().max()), 10 * rtol, name)
 
 
 @needs_native
