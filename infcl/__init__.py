@@ -2,7 +2,12 @@
 
     from infcl import cal_inf_loss
     loss = cal_inf_loss(image_feats, text_feats, scale=logit_scale.exp(), symmetric=True)
+
+``python -m infcl`` reports the versions and which backends run here; ``python -m infcl build`` compiles the
+native CPU kernel ahead of time.
 """
+
+from importlib import metadata
 
 from .api import cal_inf_loss
 from .backends import BACKENDS
@@ -10,7 +15,10 @@ from .gradcache import GradCache, RandContext, split_vlm_inputs
 from .modules import InfCLIPLoss
 from .reference import cal_inf_loss_reference
 
-__version__ = "0.1.0"
+try:
+    __version__ = metadata.version("infcl")  # the installed distribution's (setup.py's) version
+except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "cal_inf_loss",

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from infcl import cal_inf_loss
-from infcl.backends import native, resolve_backend, unavailable_reason
+from infcl.backends import native, native_build, resolve_backend, unavailable_reason
 from infcl.backends.base import Block, accum_dtype
 from infcl.backends.torch_tiles import TORCH_TILES
 from support import (
@@ -458,7 +458,7 @@ def test_failed_build_warns_once_and_auto_falls_back(monkeypatch):
     def broken_build():
         raise RuntimeError("no C++ compiler (simulated)")
 
-    monkeypatch.setattr(native, "_build_and_load", broken_build)
+    monkeypatch.setattr(native_build, "_build_and_load", broken_build)
     monkeypatch.delenv("INFCL_BACKEND", raising=False)
     native.load_error.cache_clear()
     try:

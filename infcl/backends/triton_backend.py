@@ -63,7 +63,10 @@ BACKEND = TritonBackend()
 def unavailable_reason(device: torch.device) -> Optional[str]:
     """None if the Triton kernels can run on ``device``, else a sentence saying why not."""
     if _IMPORT_ERROR is not None:
-        return f"backend 'triton' needs the triton package, which failed to import: {_IMPORT_ERROR}"
+        return (
+            f"backend 'triton' needs the triton package (pip install 'infcl[triton]'), which failed to import: "
+            f"{_IMPORT_ERROR}"
+        )
     if device.type == "cuda":
         return None
     if device.type == "cpu":
