@@ -305,7 +305,7 @@ struct Types<at::BFloat16> {
 // The one-exp-per-entry shortcuts of the symmetric loss, bfloat16 only. With AMX its products are
 // several times faster than float32's, so the elementwise passes are a large share of its time and a
 // second exp per entry shows. The forward takes e = exp(S - M) against the tile max M for both the row
-// and the column sums (add_shared_terms), the backward P_col = exp(x_col) as exp(x_row) times
+// and the column sums (add_row_col_terms), the backward P_col = exp(x_col) as exp(x_row) times
 // exp(L_row - L_col) (SharedRef). Their rounding costs up to ~2^-24 * 2 SPAN relative to a term or a
 // probability (a few 1e-6 at most), far below bfloat16's 2^-9, to which its logits' inputs and dS
 // are rounded; the exact parts stay exact: the forward's entries equal to their max are counted, never
@@ -428,14 +428,13 @@ void raise_maxima(const Running<Acc>& run, const Acc* tile_max, int64_t n) {
   }
 }
 
-// The terms of one entry against its running max m: exp(s - m) goes to `rest` unless s == m, which
-// counts in `top` instead (exp(0) - 1 = 0 exactly).
+// One entry's term for a row's or column's running stats (max m): an entry equal to m counts in `top`;
+// any other adds its exp e to `rest` (e = exp(s - m), or exp(s - M) on the one-exp path).
 template <typename Acc>
-inline void add_term(Acc s, Acc m, Acc& top, Acc& rest) {
-  const Acc x = s - m;
-  const Acc is_top = x == Acc(0) ? Acc(1) : Acc(0);
-  top += is_top;
-  rest += fast_exp(x) - is_top;
+inline void add_term(Acc s, Acc m, Acc e, Acc& top, Acc& rest) {
+  const bool is_top = s == m;
+  top += is_top ? Acc(1) : Acc(0);
+  rest += is_top ? Acc(0) : e;
 }
 
 // Rows only: each row's terms against its running max.
@@ -446,49 +445,31 @@ void add_row_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& row
     const Acc m = rows.max[r];
     Acc top = 0, rest = 0;
 #pragma omp simd reduction(+ : top, rest)
-    for (int64_t c = 0; c < nj; ++c) add_term(sr[c], m, top, rest);
+    for (int64_t c = 0; c < nj; ++c) add_term(sr[c], m, fast_exp(sr[c] - m), top, rest);
     rows.top[r] += top;
     rows.rest[r] += rest;
   }
 }
 
-// Rows and columns: two exps per entry, each against its own running max. col_top / col_rest: nj
-// scratch entries (a column's tile sums; counts up to TILE_Q are exact in float).
+// The one-exp path's reference (kOneExp): the tile max M, when every tile row and column maximum lies
+// within SHARED_REF_SPAN of it (then exp(M - running max) <= exp(SHARED_REF_SPAN) rebases each row's and
+// column's sum once); NaN otherwise.
 template <typename Acc>
-void add_row_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows, const Running<Acc>& cols,
-                       Acc* col_top, Acc* col_rest) {
-  std::fill(col_top, col_top + nj, Acc(0));
-  std::fill(col_rest, col_rest + nj, Acc(0));
-  const Acc* col_max = cols.max;
-  for (int64_t r = 0; r < ni; ++r) {
-    const Acc* sr = s + r * nj;
-    const Acc m = rows.max[r];
-    Acc top = 0, rest = 0;
-#pragma omp simd reduction(+ : top, rest)
-    for (int64_t c = 0; c < nj; ++c) {
-      add_term(sr[c], m, top, rest);
-      add_term(sr[c], col_max[c], col_top[c], col_rest[c]);
-    }
-    rows.top[r] += top;
-    rows.rest[r] += rest;
-  }
-  for (int64_t c = 0; c < nj; ++c) {
-    cols.top[c] += col_top[c];
-    cols.rest[c] += col_rest[c];
-  }
-}
-
-// Rows and columns from one exp per entry (kOneExp): e = exp(s - M) against the tile max M, rebased
-// once per row and column by exp(M - running max) <= exp(SHARED_REF_SPAN). The entries equal to their
-// running max are counted in top as in add_term, never rebased. Returns false (nothing added) unless
-// every tile row and column maximum lies within SHARED_REF_SPAN of M.
-template <typename Acc>
-bool add_shared_terms(const Acc* s, int64_t ni, int64_t nj, const Acc* tile_row_max, const Acc* tile_col_max,
-                      const Running<Acc>& rows, const Running<Acc>& cols, Acc* col_top, Acc* col_rest) {
-  const Acc top_max = *std::max_element(tile_row_max, tile_row_max + ni);
+Acc shared_reference(const Acc* tile_row_max, int64_t ni, const Acc* tile_col_max, int64_t nj) {
+  const Acc top = *std::max_element(tile_row_max, tile_row_max + ni);
   const Acc low = std::min(*std::min_element(tile_row_max, tile_row_max + ni),
                            *std::min_element(tile_col_max, tile_col_max + nj));
-  if (!std::isfinite(top_max) || !(low >= top_max - SHARED_REF_SPAN)) return false;
+  const bool usable = std::isfinite(top) && low >= top - SHARED_REF_SPAN;
+  return usable ? top : std::numeric_limits<Acc>::quiet_NaN();
+}
+
+// Rows and columns. Two exps per entry, each against its own running max (so each largest term is
+// exp(0) = 1, counted in top); or, one_exp, e = exp(s - ref) for both, each sum rebased by
+// exp(ref - running max) at the end. col_top / col_rest: nj scratch entries (a column's sums over the
+// tile; counts up to TILE_Q are exact in float).
+template <bool one_exp, typename Acc>
+void add_row_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows, const Running<Acc>& cols,
+                       Acc ref, Acc* col_top, Acc* col_rest) {
   std::fill(col_top, col_top + nj, Acc(0));
   std::fill(col_rest, col_rest + nj, Acc(0));
   const Acc* col_max = cols.max;
@@ -498,21 +479,23 @@ bool add_shared_terms(const Acc* s, int64_t ni, int64_t nj, const Acc* tile_row_
     Acc top = 0, rest = 0;
 #pragma omp simd reduction(+ : top, rest)
     for (int64_t c = 0; c < nj; ++c) {
-      const Acc e = fast_exp(sr[c] - top_max);
-      const bool row_top = sr[c] == m, col_top_entry = sr[c] == col_max[c];
-      top += row_top ? Acc(1) : Acc(0);
-      rest += row_top ? Acc(0) : e;
-      col_top[c] += col_top_entry ? Acc(1) : Acc(0);
-      col_rest[c] += col_top_entry ? Acc(0) : e;
+      const Acc v = sr[c];
+      if constexpr (one_exp) {
+        const Acc e = fast_exp(v - ref);
+        add_term(v, m, e, top, rest);
+        add_term(v, col_max[c], e, col_top[c], col_rest[c]);
+      } else {
+        add_term(v, m, fast_exp(v - m), top, rest);
+        add_term(v, col_max[c], fast_exp(v - col_max[c]), col_top[c], col_rest[c]);
+      }
     }
     rows.top[r] += top;
-    rows.rest[r] += static_cast<double>(rest) * rescale_factor(top_max, m);
+    rows.rest[r] += one_exp ? rest * rescale_factor(ref, m) : rest;
   }
   for (int64_t c = 0; c < nj; ++c) {
     cols.top[c] += col_top[c];
-    cols.rest[c] += static_cast<double>(col_rest[c]) * rescale_factor(top_max, col_max[c]);
+    cols.rest[c] += one_exp ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
   }
-  return true;
 }
 
 // rows[2] for the tile's rows whose positive lies in it: S itself, the very value the max was taken over.
@@ -573,11 +556,12 @@ class ForwardLane {
     }
     const Running<Acc> cols = lane_cols.offset(j0);
     raise_maxima(cols, tile_col_max_.data(), nj);
-    if (kOneExp<In> && add_shared_terms(s, ni, nj, tile_row_max_.data(), tile_col_max_.data(), rows, cols,
-                                        col_top_.data(), col_rest_.data())) {
-      return;
+    const Acc ref = kOneExp<In> ? shared_reference(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
+    if (kOneExp<In> && !std::isnan(ref)) {
+      add_row_col_terms<true>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
+    } else {
+      add_row_col_terms<false>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
     }
-    add_row_col_terms(s, ni, nj, rows, cols, col_top_.data(), col_rest_.data());
   }
 
   const In* q_;
