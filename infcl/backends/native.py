@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .base import Tensor, accum_dtype
+from .base import Block, Tensor, accum_dtype
 from .native_build import load_error
 
 
@@ -31,36 +31,30 @@ def _register_fakes() -> None:
     """Shape-only implementations so torch.compile / FakeTensor can trace through the custom ops."""
 
     @torch.library.register_fake("infcl::forward_block")
-    def _forward_fake(q, k, scale, want_cols):
+    def _forward_fake(q, k, scale, pos, want_cols):
         acc = accum_dtype(q.dtype)
-        return q.new_empty(q.shape[0], dtype=acc), q.new_empty(k.shape[0] if want_cols else 0, dtype=acc)
+        return q.new_empty(3, q.shape[0], dtype=acc), q.new_empty(2, k.shape[0] if want_cols else 0, dtype=acc)
 
     @torch.library.register_fake("infcl::backward_block")
-    def _backward_fake(q, k, scale, row_lse, g_row, col_lse, g_col, dq, dk):
+    def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk):
         return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
 class NativeBackend:
+    """The block contract (:mod:`infcl.backends.base`) on the custom ops; the scale goes in as a host float
+    (reading a CPU tensor costs no device sync)."""
+
     name = "cpu"
 
-    def forward_block(self, q: Tensor, k: Tensor, scale: float, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        row_lse, col_lse = torch.ops.infcl.forward_block(q, k, float(scale), bool(want_cols))
-        return row_lse, (col_lse if want_cols else None)
+    def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(want_cols))
+        return rows, (cols if want_cols else None)
 
-    def backward_block(
-        self,
-        q: Tensor,
-        k: Tensor,
-        scale: float,
-        row_lse: Tensor,
-        g_row: Tensor,
-        col_lse: Optional[Tensor],
-        g_col: Optional[Tensor],
-        dq: Tensor,
-        dk: Tensor,
-    ) -> Tuple[Tensor, Tensor]:
-        dscale = torch.ops.infcl.backward_block(q, k, float(scale), row_lse, g_row, col_lse, g_col, dq, dk)
-        return dscale[0], dscale[1]
+    def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        return torch.ops.infcl.backward_block(
+            block.q, block.k, float(block.scale), block.pos, block.row_stats, block.g_row,
+            block.col_stats, block.g_col, dq, dk,
+        )
 
 
 BACKEND = NativeBackend()
