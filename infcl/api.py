@@ -29,8 +29,9 @@ def cal_inf_loss(
             columns are hard negatives.
         labels: [Bq] integer column index of each row's positive; None means the diagonal (Bq == Bk).
             Under a ring (see ``group``) these are global column indices.
-        scale: logit scale (inverse temperature): None (1.0), a Python float, or a 0-d tensor such as
-            ``logit_scale.exp()``, which receives a gradient.
+        scale: logit scale (inverse temperature): None (1.0), a Python or NumPy number, or a floating
+            tensor with one element (0-d, or open_clip's [1]) such as ``logit_scale.exp()``, which
+            receives a gradient in its own shape and dtype.
         head_dim: accepted for compatibility with Inf-CL's ``cal_inf_loss`` and ignored.
         symmetric: return (q->k + k->q) / 2, the CLIP loss, in one fused pass. Needs Bq == Bk and,
             with labels, a permutation (the k->q direction uses its inverse).

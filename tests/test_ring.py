@@ -78,7 +78,7 @@ def _indices(events, kind, stream=None):
 @pytest.mark.parametrize("world", WORLDS)
 def test_next_block_is_posted_before_compute(spawned, world, name, direction):
     """The k exchange for step i+1 is committed before step i's compute and waited for after it."""
-    k_stream, acc_stream = ("k-forward", "column-lse") if direction == "forward" else ("k-backward", "dk")
+    k_stream, acc_stream = ("k-forward", "columns") if direction == "forward" else ("k-backward", "dk")
     symmetric = name.startswith("sym")
     for r, results in enumerate(spawned(world)):
         events = results["overlap"][name][direction]

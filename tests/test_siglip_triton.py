@@ -48,8 +48,7 @@ def gpu_tiling(monkeypatch):
     from infcl.backends import triton_backend
     from infcl.kernels import triton_siglip
 
-    monkeypatch.setattr(triton_backend.BACKEND, "forward_config", triton_siglip.DEFAULT_CONFIG)
-    monkeypatch.setattr(triton_backend.BACKEND, "backward_config", triton_siglip.DEFAULT_CONFIG)
+    monkeypatch.setattr(triton_backend.BACKEND, "tiling", triton_siglip.DEFAULT_TILING)
 
 
 def _inputs(bq, bk, dim, dtype, seed=0):
@@ -165,7 +164,8 @@ _COMPILE = textwrap.dedent(
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, ACC=acc, UPCAST=False, PRECISION=precision, **extra)
 
     def compile(kernel, pointers, ints, consts):
-        sig = {**pointers, **{name: "i64" for name in ints}, **{name: "constexpr" for name in consts}}
+        # Ints are i32, as Triton specializes a launch's ints below 2**31.
+        sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in consts}}
         triton.compile(ASTSource(kernel, sig, consts), target=TARGET)
 
     # float32: every kernel and variant; bfloat16 and float64: one backward variant each (the operand casts).

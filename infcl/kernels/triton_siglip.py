@@ -31,13 +31,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import MIN_DOT, TileConfig, block_d, launch_options, load_tile, pick_config, score_tile, tile_dot
+from .configs import INTERPRETED, TileConfig, Tiling, launch_options
+from .tiles import MIN_DOT, load_tile, score_tile, tile_dot
 
-# The config used when the backend is given none. Not tuned on a GPU yet (none was available): the
-# softmax kernels' square 64 tiles, which keep the fp32 logit tile plus one feature chunk in registers.
-DEFAULT_CONFIG = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-# tl.dot's smallest operand side, as a constexpr: a plain module-level int is unreadable to a compiled kernel.
-SMALLEST_SIDE = tl.constexpr(MIN_DOT)
+# The tiling used when the backend pins none. Not tuned on a GPU yet (none was available): square 64 tiles
+# keep the fp32 logit tile plus one 64-wide feature chunk in registers. Under the interpreter (~1 ms of
+# Python per tile op whatever its size) 128-wide tiles run fastest within Triton's 2**20-entry cap on the
+# interpreted S product (tiles.score_dot).
+DEFAULT_TILING = Tiling(*(TileConfig(block_m=64, block_n=64),) * 3, resident_d=64, chunk_d=64)
+INTERPRETER_TILING = Tiling(*(TileConfig(block_m=128, block_n=128),) * 3, resident_d=64, chunk_d=64)
+
+
+def _pick(tiling):
+    """The caller's tiling, else the interpreter's big tiles under TRITON_INTERPRET=1, else the default."""
+    if tiling is not None:
+        return tiling
+    return INTERPRETER_TILING if INTERPRETED else DEFAULT_TILING
 
 
 @triton.jit
@@ -83,7 +92,7 @@ def _siglip_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M >= SMALLEST_SIDE and BLOCK_N >= SMALLEST_SIDE and BLOCK_D >= SMALLEST_SIDE)
+    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
@@ -95,7 +104,7 @@ def _siglip_forward_kernel(
         cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         raw = score_tile(
             q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
         )
         t = _margins(raw, cols[None, :] == pos[:, None], scale, bias)
         total += tl.sum(tl.where(cols[None, :] < n_k, _softplus(t), 0.0), axis=1)
@@ -113,7 +122,7 @@ def _siglip_backward_kernel(
 ):
     """grad[own rows] += scale * dL @ other, where own/other are q/k (OWNS_Q) or k/q. ``pos`` and ``g``
     are per q row: the owned rows' (OWNS_Q) or the walked ones'. ONE_CHUNK: D <= BLOCK_D."""
-    tl.static_assert(BLOCK_M >= SMALLEST_SIDE and BLOCK_N >= SMALLEST_SIDE and BLOCK_D >= SMALLEST_SIDE)
+    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_own
@@ -130,7 +139,7 @@ def _siglip_backward_kernel(
         col_ok = cols < n_other
         raw = score_tile(
             own_ptr, other_ptr, rows, cols, n_own, n_other, D, stride_own0, stride_own1, stride_other0, stride_other1,
-            BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
         )
         if OWNS_Q:
             is_pos = cols[None, :] == row_pos[:, None]
@@ -148,12 +157,12 @@ def _siglip_backward_kernel(
         dl_op = dl.to(other_ptr.dtype.element_ty)  # the products' operand dtype (tensor cores on a GPU)
         if ONE_CHUNK:
             feats = tl.arange(0, BLOCK_D).to(tl.int64)
-            other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1)
+            other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1, True, True)
             acc = tile_dot(dl_op, other_tile, acc, UPCAST, PRECISION)
         else:
             for d0 in range(0, D, BLOCK_D):
                 feats = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
-                other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1)
+                other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1, True, True)
                 part = tile_dot(dl_op, other_tile, tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC), UPCAST, PRECISION)
                 _add_rows(grad_ptr, rows, feats, n_own, D, stride_grad0, stride_grad1, scale * part)
     if ONE_CHUNK:
@@ -169,29 +178,30 @@ def _params(scale: torch.Tensor, bias: torch.Tensor, acc: torch.dtype) -> torch.
     return torch.stack((scale, bias)).to(acc)
 
 
-def siglip_forward(q, k, pos, scale, bias, precision=None, config: TileConfig = None) -> torch.Tensor:
+def siglip_forward(q, k, pos, scale, bias, precision=None, tiling: Tiling = None) -> torch.Tensor:
     """Row losses [Bq] (accumulation dtype): sum_j softplus(-z_ij * (scale * q_i.k_j + bias)).
 
     q [Bq, D], k [Bk, D] (any strides, one dtype), pos [Bq] int64: each row's positive column in k, -1
     for none; scale and bias 0-d tensors on q's device. ``precision`` picks tl.dot's input precision for
-    float32 ("ieee", "tf32"; None follows torch.backends.cuda.matmul.allow_tf32); ``config`` overrides
-    :data:`DEFAULT_CONFIG` (the interpreter's big tiles under TRITON_INTERPRET=1).
+    float32 ("ieee", "tf32"; None follows torch.backends.cuda.matmul.allow_tf32); ``tiling`` overrides
+    :data:`DEFAULT_TILING` (the interpreter's big tiles under TRITON_INTERPRET=1).
     """
     opts = launch_options(q.dtype, precision)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
-    cfg = pick_config(config, DEFAULT_CONFIG)
+    tiling = _pick(tiling)
+    cfg = tiling.forward
     out = torch.empty(n_q, dtype=acc, device=q.device)
     _siglip_forward_kernel[(triton.cdiv(n_q, cfg.block_m),)](
         q, k, pos.contiguous(), _params(scale, bias, acc), out, n_q, k.shape[0], dim,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(dim, cfg.max_block_d),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(dim),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )
     return out
 
 
-def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, config: TileConfig = None) -> torch.Tensor:
+def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, tiling: Tiling = None) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
     :func:`siglip_forward`."""
@@ -199,8 +209,9 @@ def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, confi
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]
-    cfg = pick_config(config, DEFAULT_CONFIG)
-    chunk = block_d(dim, cfg.max_block_d)
+    tiling = _pick(tiling)
+    cfg = tiling.dq
+    chunk = tiling.block_d(dim)
     params, pos, g_row = _params(scale, bias, acc), pos.contiguous(), g_row.to(acc).contiguous()
     programs = triton.cdiv(n_q, cfg.block_m)
     partials = torch.zeros(programs, 2, dtype=acc, device=q.device)
