@@ -1,22 +1,46 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
-# torch is a range that 2.13.0 satisfies: install `torch==2.13.0` first (or in the same pip command)
-# so pip never reaches for a newer, multi-GB CUDA build. The native CPU kernel in csrc/ is compiled
-# just-in-time on first use (torch.utils.cpp_extension + ninja) and cached, so installing needs no
-# compiler and no torch inside pip's build isolation.
+# torch has no upper bound: install `torch==2.13.0` in the same pip command (README's Set up) or before, so
+# pip is satisfied by it and never reaches for a newer, multi-GB CUDA build. The native CPU kernel is not
+# compiled here: its C++ sources ship inside the package as infcl/_csrc (mapped from the repository's csrc/,
+# not copied in the repository) and are compiled just-in-time on first use (torch.utils.cpp_extension + ninja)
+# or ahead of time by `python -m infcl build`, so installing needs no compiler and no torch in pip's build
+# isolation.
+CSRC_PACKAGE = "infcl._csrc"
+CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native_build compiles every *.cpp it finds there
+
+TRITON = 'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"'
+SENTENCE_TRANSFORMERS = "sentence-transformers>=5"
+# The trainer (SentenceTransformerTrainer) needs datasets and accelerate: the tests run a short training.
+SENTENCE_TRANSFORMERS_TRAIN = "sentence-transformers[train]>=5"
+
 setup(
     name="infcl",
     version="0.1.0",
     description="Exact contrastive (InfoNCE / CLIP) losses with memory linear in the batch: tiled kernels and a ring over ranks",
-    packages=find_packages(include=["infcl", "infcl.*"]),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["infcl", "infcl.*"]) + [CSRC_PACKAGE],
+    package_dir={CSRC_PACKAGE: "csrc"},
+    package_data={CSRC_PACKAGE: CSRC_FILES},
     python_requires=">=3.9",
-    install_requires=[
-        "torch>=2.1,<=2.13.0",
-        "numpy",
-        "ninja",
-        'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"',
-    ],
+    install_requires=["torch>=2.1", "numpy", "ninja"],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "pytest-benchmark>=4", "matplotlib>=3.5", "tqdm>=4"],
+        "triton": [TRITON],
+        "sentence-transformers": [SENTENCE_TRANSFORMERS],
+        # pulls torchvision, whose PyPI build must match the installed torch; the tests need only its loss
+        # module, so README's Set up installs it with --no-deps instead of through this extra.
+        "open_clip": ["open-clip-torch"],
+        "dev": [
+            "pytest>=7",
+            "hypothesis>=6",
+            "pytest-benchmark>=4",
+            "matplotlib>=3.5",
+            "tqdm>=4",
+            TRITON,
+            SENTENCE_TRANSFORMERS_TRAIN,
+        ],
     },
 )

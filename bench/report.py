@@ -10,6 +10,7 @@ from .methods import BASELINE
 
 COLUMNS = (
     "method",
+    "loss",
     "device",
     "dtype",
     "batch",
@@ -42,7 +43,7 @@ CSV_DIGITS = 6
 
 
 def _key(row: Dict):
-    return row["device"], row["dtype"], row["batch"], row["dim"], row["symmetric"], row["mode"]
+    return row["loss"], row["device"], row["dtype"], row["batch"], row["dim"], row["symmetric"], row["mode"]
 
 
 def add_ratios(rows: List[Dict]) -> None:
@@ -75,7 +76,7 @@ def _fmt(value, digits: int = 3) -> str:
 
 def format_table(rows: List[Dict]) -> str:
     """Measured rows as an aligned table; rows skipped for an unavailable method are summarized below it."""
-    heads = ("method", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
+    heads = ("method", "loss", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
              "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "gemm_fraction", "grad_rel_error", "note")
     shown = [r for r in rows if not (r["status"] == "skipped" and r.get("unavailable"))]
     cells = [heads] + [tuple(_fmt(r.get(h)) for h in heads) for r in shown]

@@ -1,18 +1,32 @@
-// infcl native CPU kernel: the two block operations of the contrastive loss (see
-// infcl/backends/base.py for the contract), fused so each S tile is produced by one BLAS call and
-// consumed while it is still in cache.
+// infcl native CPU kernel: the two block operations of the softmax contrastive loss (the contract is
+// infcl/backends/base.py), fused so each S tile is produced by one BLAS call and consumed while it is
+// still in cache.
 //
-//   forward_block(q [Bq,D], k [Bk,D], scale, want_cols) -> (row_lse [Bq], col_lse [Bk] or [0])
-//   backward_block(q, k, scale, row_lse, g_row, col_lse?, g_col?, dq!, dk!) -> dscale [2] (row, col)
+//   forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], want_cols) -> (rows [3,Bq], cols [2,Bk] or [2,0])
+//   backward_block(q, k, scale, pos, row_stats [2,Bq], g_row [Bq], col_stats? [2,Bk], g_col? [Bk], dq!, dk!)
+//       -> dscale [2] (row part, column part)
+//
+// Stats are (running max m, r = log sum exp(S - m)); rows[2] is S at each row's positive column pos[i]
+// (-1: elsewhere; then 0). The backward forms dS = g_row (P_row - Y) + g_col (P_col - Y) in the tile,
+// P = exp((S - m) - r), the positive's entry as g expm1(.), and dscale as sums of per-entry dS * raw.
+//
+// Exactness rests on three things. (1) S = raw * scale is recomputed bit-identically: both passes take
+// raw = q_i @ k_j.T from the same BLAS route on the same tiles (RawTiles) and round the one product
+// raw * scale to memory (scale_tile), never folded into the GEMM or fused into a later subtraction;
+// so S - m is exact where it matters (Sterbenz) and a confident row's P - 1 keeps its digits. (2) The
+// forward keeps the entries equal to the max (each exactly exp(0) = 1) out of the sum of the others,
+// so r = log1p((count - 1) + rest) has full relative precision and r >= 0: losses (m - pos) + r are
+// never negative. (3) Nothing depends on the sign of the upstream gradient: negating g negates every
+// output bit for bit.
 //
 // Parallel layout: the Bq rows are cut into `lanes` contiguous row ranges (one per thread). Each lane
-// walks its rows in TILE_Q x TILE_K tiles of S = scale * q @ k.T, key tiles outer and row tiles inner,
-// so one key tile serves all the lane's row tiles (float32 packs it once for MKL: see ReusedB); every
-// product is a single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or at::mm_out /
-// addmm_ for float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16). Row results belong
-// to one lane; column results (the column log-sum-exp partials in the forward, dk in the backward)
-// are kept per lane and summed in lane order at the end. Partition and merge order depend only on the
-// shapes and the thread count, never on scheduling, so results are bit-identical run to run.
+// walks its rows in TILE_Q x TILE_K tiles of S, key tiles outer and row tiles inner, so one key tile
+// serves all the lane's row tiles (float32 packs it once for MKL: see ReusedB); every product is a
+// single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or at::mm_out / addmm_ for
+// float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16). Row results belong to one lane;
+// column results (the column stats partials in the forward, dk in the backward) are kept per lane and
+// merged in lane order at the end. Partition and merge order depend only on the shapes and the thread
+// count, never on scheduling, so results are bit-identical run to run.
 //
 // Extra memory: the tile buffers, MKL's packed copy of the current key tile per lane (float32; ~1.25x
 // its data resident), O(lanes * Bk) column partials and (lanes - 1) dk partials of [Bk, D] (plus
@@ -43,15 +57,15 @@ namespace {
 // bfloat16, whose small-tile MKL GEMMs are ~2x below its big-GEMM rate at every size tried.
 constexpr int64_t TILE_Q = 256;
 constexpr int64_t TILE_K = 512;
-// Span (in natural-log units) within which one tile's row / column maxima or log-sum-exps must lie for
-// the one-exp-per-entry paths: exp(+-SPAN) and their products stay normal floats with room to spare,
-// and a term that underflows there is below exp(EXP_LO + SPAN) = e^-47 of its row's or column's
-// largest term -- far under float32 resolution even summed over 2^31 entries.
+// Span (in natural-log units) within which one tile's row and column maxima must lie for the forward's
+// one-exp path (kOneExp): exp(+-SPAN) and their products stay normal floats with room to spare, and a
+// term that underflows there is below exp(EXP_LO + SPAN) = e^-47 of its row's or column's largest term.
 constexpr float SHARED_REF_SPAN = 40.0f;
-// The backward's version: a flushed exp(s - lr) hides exp(s - lc) = exp(s - lr) * exp(lr - lc) with
-// |lr - lc| <= 2 * LSE_REF_SPAN, so what is lost stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a
-// column's total probability 1).
-constexpr float LSE_REF_SPAN = 20.0f;
+// The backward's version, on the log-sum-exps L = m + r of a tile's rows and columns: a flushed
+// exp(x_row) hides
+// exp(x_col) = exp(x_row) * exp(L_row - L_col) with |L_row - L_col| <= 2 * LSE_REF_SPAN, so what is lost
+// stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a column's total probability 1).
+constexpr double LSE_REF_SPAN = 20.0;
 // A lane gets at least this many rows: below it, splitting the rows over threads costs more in
 // small, inefficient GEMMs than it gains.
 constexpr int64_t MIN_ROWS_PER_LANE = 32;
@@ -108,11 +122,12 @@ inline T nan_max(T a, T b) {
   return (a > b || a != a) ? a : b;
 }
 
-// exp(old - new) for rescaling a running sum when its running max grows; 1 when the max did not
-// move (this also covers old == new == -inf, where the difference would be NaN).
+// exp(old - new) for rescaling a running sum (double) when its running max grows, in double (once per
+// row or column per tile); exactly 1 when the max did not move (this also covers old == new == -inf,
+// where the difference would be NaN), so a sum's largest term stays exactly 1.
 template <typename T>
-inline T rescale_factor(T old_max, T new_max) {
-  return old_max == new_max ? T(1) : fast_exp(old_max - new_max);
+inline double rescale_factor(T old_max, T new_max) {
+  return old_max == new_max ? 1.0 : std::exp(static_cast<double>(old_max) - static_cast<double>(new_max));
 }
 
 // float -> bfloat16 bits, round to nearest even, written so it vectorizes; NaN stays NaN.
@@ -287,35 +302,27 @@ struct Types<at::BFloat16> {
   using ds = at::BFloat16;
 };
 
-// dS as handed to the dq / dk products. float32 / float64: itself, written over the raw tile in
-// place. bfloat16: hi = bf16(v) goes to the dq / dk products, and v stays in the raw tile. Rounding
-// dS to one bf16 costs up to 2^-9 * |dS| per entry; that is below torch's own bf16 error except where
-// the entry nearly cancels against the positive logit's term (added later by the ring driver), i.e.
-// where the probability is large. So entries with dS >= DS_LOW_PART_FRACTION * (g_row + g_col) also
-// get their low part lo = v - hi added exactly in float32 (a rank-1 update of one dq row and one dk
-// row each), which needs no second bf16 product over the whole tile.
-// store_ds also raises need_low to v - thr (bfloat16 only): >= 0 once an entry reaches its threshold.
+// The one-exp-per-entry shortcuts of the symmetric loss, bfloat16 only. With AMX its products are
+// several times faster than float32's, so the elementwise passes are a large share of its time and a
+// second exp per entry shows. The forward takes e = exp(S - M) against the tile max M for both the row
+// and the column sums (add_row_col_terms), the backward P_col = exp(x_col) as exp(x_row) times
+// exp(L_row - L_col) (SharedRef). Their rounding costs up to ~2^-24 * 2 SPAN relative to a term or a
+// probability (a few 1e-6 at most), far below bfloat16's 2^-9, to which its logits' inputs and dS
+// are rounded; the exact parts stay exact: the forward's entries equal to their max are counted, never
+// summed, and the backward forms the positive's entry from its own x_row and x_col. float32 and
+// float64 take two exps per entry, each against its own row's or column's stats.
+template <typename In>
+constexpr bool kOneExp = std::is_same<In, at::BFloat16>::value;
+
+// dS as handed to the dq / dk products: float32 / float64 as is; bfloat16 rounded to nearest even
+// (sign-symmetric: -v rounds to -bf16(v)). dS already holds -Y, so nothing cancels against it later.
 template <typename Acc>
-inline void store_ds(Acc* dst, Acc* /*raw*/, int64_t i, Acc v, Acc /*thr*/, Acc& /*need_low*/) {
-  dst[i] = v;
+inline void store_ds(Acc* ds, int64_t c, Acc v) {
+  ds[c] = v;
 }
-inline void store_ds(at::BFloat16* dst, float* raw, int64_t i, float v, float thr, float& need_low) {
-  const uint16_t hi = to_bf16_bits(v);
-  std::memcpy(dst + i, &hi, sizeof hi);
-  raw[i] = v;
-  const float over = v - thr;
-  need_low = need_low > over ? need_low : over;
-}
-// At most 1 / DS_LOW_PART_FRACTION entries of a row (or column) can reach the threshold, as its
-// probabilities sum to 1; below it the dropped low part is under 2^-17 of that row's gradient weight.
-constexpr float DS_LOW_PART_FRACTION = 1.0f / 256;
-
-inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
-
-// y[0:n] += a * x[0:n] with x in bfloat16, y in float32.
-inline void axpy(int64_t n, float a, const at::BFloat16* x, float* y) {
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) y[t] += a * bf16_to_float(x[t]);
+inline void store_ds(at::BFloat16* ds, int64_t c, float v) {
+  const uint16_t bits = to_bf16_bits(v);
+  std::memcpy(ds + c, &bits, sizeof bits);
 }
 
 // Rows [begin, end) of lane `lane` out of `lanes` equal contiguous ranges of n rows.
@@ -326,301 +333,525 @@ int64_t lane_count(int64_t rows) {
   return std::min<int64_t>(at::get_num_threads(), by_size);
 }
 
+// The tile's column of row i's positive, or -1 when it lies outside columns [j0, j0 + nj).
+inline int64_t positive_in_tile(const int64_t* pos, int64_t i, int64_t j0, int64_t nj) {
+  const int64_t c = pos[i] - j0;
+  return (c >= 0 && c < nj) ? c : -1;
+}
+
 // ---------------------------------------------------------------------------------------------
-// Forward: running (max, sum) per row of the lane's current row tile and per column of the lane's
-// column partial; a tile is read twice from cache (max pass, exp pass), never written back to memory.
+// Tile phases shared by the forward and the backward.
 
+// raw = q_i @ k_j.T, the tile product, by one route in both passes: the same ReusedB (packing
+// decision, tile shapes, alpha = 1) for the same tiles, so the backward's raw is the forward's bit
+// for bit. set_keys() once per key tile, product() per row tile.
 template <typename In>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, bool want_cols, at::Tensor& row_lse,
-                  at::Tensor& col_lse) {
+class RawTiles {
+ public:
   using Acc = typename Types<In>::acc;
-  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
-  const In* qp = q.data_ptr<In>();
-  const In* kp = k.data_ptr<In>();
-  const Acc scale = static_cast<Acc>(scale_d);
-  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-  const int64_t lanes = lane_count(bq);
-  // Column partials per lane: running max (Acc) and running sum (double, it sums Bq terms).
-  std::vector<Acc> col_max(want_cols ? lanes * bk : 0, neg_inf);
-  std::vector<double> col_sum(want_cols ? lanes * bk : 0, 0.0);
-  Acc* out_row = row_lse.data_ptr<Acc>();
+  RawTiles(int64_t lane_rows, int64_t tk, int64_t d) : d_(d), k_t_(lane_rows, /*tb=*/true, TILE_Q, tk, d) {}
+  void set_keys(const In* k_rows, int64_t nj) { k_t_.set(k_rows, d_, nj, d_, Acc(1)); }
+  void product(const In* q_rows, int64_t ni, Acc* raw, int64_t nj) const {
+    k_t_.product(ni, q_rows, d_, Acc(0), raw, nj);
+  }
 
-  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
-    const SingleThreadedBlas one_thread;
-    const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
-    std::vector<Acc> s(tq * tk), tile_col_max(tk), tile_col_sum(tk);
-    ReusedB<In, In, Acc> k_tile(bq / lanes, /*tb=*/true, tq, tk, d);  // scale * k_j.T
-    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      Acc* cmax = want_cols ? col_max.data() + lane * bk : nullptr;
-      double* csum = want_cols ? col_sum.data() + lane * bk : nullptr;
-      const int64_t r_begin = lane_start(bq, lanes, lane), r_end = lane_start(bq, lanes, lane + 1);
-      // The lane's running row maxima and sums, over all its rows: the k tiles are the outer loop.
-      std::vector<Acc> lane_row_max(r_end - r_begin, neg_inf);
-      std::vector<double> lane_row_sum(r_end - r_begin, 0.0);
-      for (int64_t j0 = 0; j0 < bk; j0 += tk) {
-        const int64_t nj = std::min(tk, bk - j0);
-        k_tile.set(kp + j0 * d, d, nj, d, scale);
-        for (int64_t i0 = r_begin; i0 < r_end; i0 += tq) {
-          const int64_t ni = std::min(tq, r_end - i0);
-          Acc* row_max = lane_row_max.data() + (i0 - r_begin);
-          double* row_sum = lane_row_sum.data() + (i0 - r_begin);
-          k_tile.product(ni, qp + i0 * d, d, Acc(0), s.data(), nj);
-          // Pass 1: tile row and column maxima (S is already scaled by the GEMM's alpha).
-          std::fill(tile_col_max.begin(), tile_col_max.begin() + nj, neg_inf);
-          Acc* tcm = tile_col_max.data();
-          Acc tile_max = neg_inf, low_row = std::numeric_limits<Acc>::infinity();
-          for (int64_t r = 0; r < ni; ++r) {
-            const Acc* sr = s.data() + r * nj;
-            Acc m = neg_inf;
+ private:
+  int64_t d_;
+  ReusedB<In, In, Acc> k_t_;
+};
+
+// S = raw * scale, each product rounded and stored. The forward (with its maxima) and the backward
+// both form S by exactly this one rounded multiply: it is never folded into the GEMM's alpha and never
+// fused into the later S - m, which an FMA would compute from the unrounded product.
+template <typename Acc>
+inline void scale_tile(const Acc* raw, Acc* s, int64_t n, Acc sc) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] = raw[t] * sc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward phases. A row's (or column's) running stats are its max m, the number of entries equal to it
+// (top), and the sum of exp(S - m) over the others (rest), both in double; at the end
+// r = log(top + rest) = log1p((top - 1) + rest). Keeping the exact 1s out of the sum of the small terms
+// keeps a confident row's tiny r to full relative precision (1 + rest would round rest to the
+// accumulator's ulp of 1), and r >= 0 by construction (top >= 1), so losses (m - pos) + r are >= 0.
+
+template <typename Acc>
+struct Running {
+  Acc* max;
+  double* top;
+  double* rest;
+  Running offset(int64_t t) const { return {max + t, top + t, rest + t}; }
+};
+
+// Running stats storage for n rows or columns (m = -inf, nothing counted: the empty set).
+template <typename Acc>
+struct RunningStore {
+  std::vector<Acc> max;
+  std::vector<double> top, rest;
+  void reset(int64_t n) {
+    max.assign(n, -std::numeric_limits<Acc>::infinity());
+    top.assign(n, 0.0);
+    rest.assign(n, 0.0);
+  }
+  Running<Acc> at(int64_t t) { return {max.data() + t, top.data() + t, rest.data() + t}; }
+};
+
+// S = raw * scale in place, with the tile's row maxima and column maxima (nj entries).
+template <typename Acc>
+void scale_with_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, Acc* row_max, Acc* col_max) {
+  std::fill(col_max, col_max + nj, -std::numeric_limits<Acc>::infinity());
+  for (int64_t r = 0; r < ni; ++r) {
+    Acc* sr = s + r * nj;
+    Acc m = -std::numeric_limits<Acc>::infinity();
 #pragma omp simd reduction(max : m)
-            for (int64_t c = 0; c < nj; ++c) {
-              const Acc v = sr[c];
-              m = m > v ? m : v;
-              tcm[c] = tcm[c] > v ? tcm[c] : v;
-            }
-            tile_max = nan_max(tile_max, m);
-            low_row = std::min(low_row, m);
-            const Acc new_max = nan_max(row_max[r], m);
-            row_sum[r] *= rescale_factor(row_max[r], new_max);
-            row_max[r] = new_max;
-          }
-          Acc low_col = std::numeric_limits<Acc>::infinity();
-          for (int64_t c = 0; c < nj; ++c) low_col = std::min(low_col, tcm[c]);
-          if (want_cols) {
-            for (int64_t c = 0; c < nj; ++c) {
-              const Acc new_max = nan_max(cmax[j0 + c], tcm[c]);
-              csum[j0 + c] *= rescale_factor(cmax[j0 + c], new_max);
-              cmax[j0 + c] = new_max;
-              tile_col_sum[c] = 0;
-            }
-          }
-          Acc* tcs = tile_col_sum.data();
-          // Pass 2, one exp per entry: when every tile row and column maximum is within SHARED_REF_SPAN
-          // of the tile maximum M, e = exp(s - M) serves both the row and the column sums, each
-          // rebased once per row / column by exp(M - running max) <= exp(SHARED_REF_SPAN) (no
-          // overflow); every row's and column's own largest term is >= exp(-SHARED_REF_SPAN), a
-          // normal float, so what flushes to 0 is below exp(EXP_LO + SHARED_REF_SPAN) of it. Any
-          // other tile (inf, NaN, very spread logits) takes the two-exp path against the exact maxima.
-          const bool shared_ref = want_cols && std::isfinite(tile_max) && low_row >= tile_max - SHARED_REF_SPAN &&
-                                  low_col >= tile_max - SHARED_REF_SPAN;
-          if (shared_ref) {
-            for (int64_t r = 0; r < ni; ++r) {
-              const Acc* sr = s.data() + r * nj;
-              Acc acc = 0;
-#pragma omp simd reduction(+ : acc)
-              for (int64_t c = 0; c < nj; ++c) {
-                const Acc e = fast_exp(sr[c] - tile_max);
-                acc += e;
-                tcs[c] += e;
-              }
-              row_sum[r] += static_cast<double>(acc) * fast_exp(tile_max - row_max[r]);
-            }
-            for (int64_t c = 0; c < nj; ++c) {
-              csum[j0 + c] += static_cast<double>(tcs[c]) * fast_exp(tile_max - cmax[j0 + c]);
-            }
-            continue;
-          }
-          // Pass 2, two exps per entry: against the updated row and column maxima.
-          const Acc* cm = want_cols ? cmax + j0 : nullptr;
-          for (int64_t r = 0; r < ni; ++r) {
-            const Acc* sr = s.data() + r * nj;
-            const Acc rm = row_max[r];
-            Acc acc = 0;
-            if (want_cols) {
-#pragma omp simd reduction(+ : acc)
-              for (int64_t c = 0; c < nj; ++c) {
-                acc += fast_exp(sr[c] - rm);
-                tcs[c] += fast_exp(sr[c] - cm[c]);
-              }
-            } else {
-#pragma omp simd reduction(+ : acc)
-              for (int64_t c = 0; c < nj; ++c) acc += fast_exp(sr[c] - rm);
-            }
-            row_sum[r] += acc;
-          }
-          if (want_cols) {
-            for (int64_t c = 0; c < nj; ++c) csum[j0 + c] += tcs[c];
-          }
-        }
-      }
-      for (int64_t r = 0; r < r_end - r_begin; ++r) {
-        out_row[r_begin + r] = static_cast<Acc>(lane_row_max[r] + std::log(lane_row_sum[r]));
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc v = sr[c] * sc;  // the product scale_tile forms
+      sr[c] = v;
+      m = m > v ? m : v;
+      col_max[c] = col_max[c] > v ? col_max[c] : v;
+    }
+    row_max[r] = m;
+  }
+}
+
+// Raise n running maxima to include a tile's maxima; where one grows, everything so far becomes `rest`,
+// rescaled by exp(old - new).
+template <typename Acc>
+void raise_maxima(const Running<Acc>& run, const Acc* tile_max, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) {
+    const Acc new_max = nan_max(run.max[t], tile_max[t]);
+    if (new_max == run.max[t]) continue;
+    run.rest[t] = (run.top[t] + run.rest[t]) * rescale_factor(run.max[t], new_max);
+    run.top[t] = 0.0;
+    run.max[t] = new_max;
+  }
+}
+
+// One entry's term for a row's or column's running stats (max m): an entry equal to m counts in `top`;
+// any other adds its exp e to `rest` (e = exp(s - m), or exp(s - M) on the one-exp path).
+template <typename Acc>
+inline void add_term(Acc s, Acc m, Acc e, Acc& top, Acc& rest) {
+  const bool is_top = s == m;
+  top += is_top ? Acc(1) : Acc(0);
+  rest += is_top ? Acc(0) : e;
+}
+
+// Rows only: each row's terms against its running max.
+template <typename Acc>
+void add_row_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows) {
+  for (int64_t r = 0; r < ni; ++r) {
+    const Acc* sr = s + r * nj;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest)
+    for (int64_t c = 0; c < nj; ++c) add_term(sr[c], m, fast_exp(sr[c] - m), top, rest);
+    rows.top[r] += top;
+    rows.rest[r] += rest;
+  }
+}
+
+// The one-exp path's reference (kOneExp): the tile max M, when every tile row and column maximum lies
+// within SHARED_REF_SPAN of it (then exp(M - running max) <= exp(SHARED_REF_SPAN) rebases each row's and
+// column's sum once); NaN otherwise.
+template <typename Acc>
+Acc shared_reference(const Acc* tile_row_max, int64_t ni, const Acc* tile_col_max, int64_t nj) {
+  const Acc top = *std::max_element(tile_row_max, tile_row_max + ni);
+  const Acc low = std::min(*std::min_element(tile_row_max, tile_row_max + ni),
+                           *std::min_element(tile_col_max, tile_col_max + nj));
+  const bool usable = std::isfinite(top) && low >= top - SHARED_REF_SPAN;
+  return usable ? top : std::numeric_limits<Acc>::quiet_NaN();
+}
+
+// Rows and columns. Two exps per entry, each against its own running max (so each largest term is
+// exp(0) = 1, counted in top); or, one_exp, e = exp(s - ref) for both, each sum rebased by
+// exp(ref - running max) at the end. col_top / col_rest: nj scratch entries (a column's sums over the
+// tile; counts up to TILE_Q are exact in float).
+template <bool one_exp, typename Acc>
+void add_row_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows, const Running<Acc>& cols,
+                       Acc ref, Acc* col_top, Acc* col_rest) {
+  std::fill(col_top, col_top + nj, Acc(0));
+  std::fill(col_rest, col_rest + nj, Acc(0));
+  const Acc* col_max = cols.max;
+  for (int64_t r = 0; r < ni; ++r) {
+    const Acc* sr = s + r * nj;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest)
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc v = sr[c];
+      if constexpr (one_exp) {
+        const Acc e = fast_exp(v - ref);
+        add_term(v, m, e, top, rest);
+        add_term(v, col_max[c], e, col_top[c], col_rest[c]);
+      } else {
+        add_term(v, m, fast_exp(v - m), top, rest);
+        add_term(v, col_max[c], fast_exp(v - col_max[c]), col_top[c], col_rest[c]);
       }
     }
-  });
-
-  if (want_cols) {
-    // Merge the lanes' column partials in lane order: lse = M + log(sum_p sum_p * exp(max_p - M)).
-    Acc* out_col = col_lse.data_ptr<Acc>();
-    at::parallel_for(0, bk, 1024, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        Acc m = neg_inf;
-        for (int64_t p = 0; p < lanes; ++p) m = nan_max(m, col_max[p * bk + c]);
-        double total = 0.0;
-        for (int64_t p = 0; p < lanes; ++p) total += col_sum[p * bk + c] * rescale_factor(col_max[p * bk + c], m);
-        out_col[c] = static_cast<Acc>(m + std::log(total));
-      }
-    });
+    rows.top[r] += top;
+    rows.rest[r] += one_exp ? rest * rescale_factor(ref, m) : rest;
+  }
+  for (int64_t c = 0; c < nj; ++c) {
+    cols.top[c] += col_top[c];
+    cols.rest[c] += one_exp ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Backward: per tile, raw = q_i @ k_j.T once; one fused pass forms
-//   P_row = g_row * exp(scale*raw - row_lse),  P_col = g_col * exp(scale*raw - col_lse),
-// adds P_row*raw and P_col*raw to the split scale gradient and stores dS = P_row + P_col over raw;
-// then dq_i += scale * dS @ k_j and dk_j += scale * dS.T @ q_i.
-
-// The low parts of one row's large bfloat16 dS entries (see store_ds): for each column c with
-// dS = v[c] >= thr_r + DS_LOW_PART_FRACTION * g_col[c], lo = v - bf16(v) is added as
-// dq_row += scale * lo * k[c] and dk[c] += scale * lo * q_row, in column order.
-void add_low_parts(int64_t nj, const float* v, const at::BFloat16* hi, float thr_r, const float* g_col,
-                   const at::BFloat16* q_row, const at::BFloat16* k_tile, int64_t d, float scale, float* dq_row,
-                   float* dk_tile) {
-  for (int64_t c = 0; c < nj; ++c) {
-    const float thr = thr_r + (g_col ? DS_LOW_PART_FRACTION * g_col[c] : 0.0f);
-    if (!(v[c] >= thr)) continue;
-    const float lo = v[c] - bf16_to_float(hi[c]);
-    if (lo == 0.0f) continue;
-    axpy(d, scale * lo, k_tile + c * d, dq_row);
-    axpy(d, scale * lo, q_row, dk_tile + c * d);
+// rows[2] for the tile's rows whose positive lies in it: S itself, the very value the max was taken over.
+template <typename Acc>
+void take_positives(const Acc* s, int64_t ni, int64_t nj, const int64_t* pos, int64_t i0, int64_t j0, Acc* out) {
+  for (int64_t r = 0; r < ni; ++r) {
+    const int64_t c = positive_in_tile(pos, i0 + r, j0, nj);
+    if (c >= 0) out[i0 + r] = s[r * nj + c];
   }
+}
+
+// r = log(top + rest) = log1p((top - 1) + rest); an empty set (m = -inf) keeps r = -inf; NaN stays NaN.
+template <typename Acc>
+inline Acc log_rel(Acc m, double top, double rest) {
+  if (m == -std::numeric_limits<Acc>::infinity()) return m;
+  return static_cast<Acc>(std::log1p((top - 1.0) + rest));
+}
+
+// One lane's forward: running row stats over all k tiles, running column stats over the lane's rows.
+template <typename In>
+class ForwardLane {
+ public:
+  using Acc = typename Types<In>::acc;
+
+  ForwardLane(const In* q, const In* k, int64_t bq, int64_t bk, int64_t d, int64_t lanes, Acc sc, const int64_t* pos)
+      : q_(q), k_(k), bk_(bk), d_(d), sc_(sc), pos_(pos), tk_(std::min(TILE_K, bk)), raw_(bq / lanes, tk_, d),
+        s_(TILE_Q * tk_), tile_row_max_(TILE_Q), tile_col_max_(tk_), col_top_(tk_), col_rest_(tk_) {}
+
+  // Rows [r_begin, r_end); cols: this lane's column partials (max == nullptr: rows only). Writes
+  // rows[0..2] of its rows into out ([3, bq], row-major).
+  void run(int64_t r_begin, int64_t r_end, const Running<Acc>& cols, Acc* out, int64_t bq) {
+    const int64_t n = r_end - r_begin;
+    rows_.reset(n);
+    for (int64_t j0 = 0; j0 < bk_; j0 += tk_) {
+      const int64_t nj = std::min(tk_, bk_ - j0);
+      raw_.set_keys(k_ + j0 * d_, nj);
+      for (int64_t i0 = r_begin; i0 < r_end; i0 += TILE_Q) {
+        tile(i0, std::min(TILE_Q, r_end - i0), rows_.at(i0 - r_begin), j0, nj, cols, out + 2 * bq);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      out[r_begin + t] = rows_.max[t];
+      out[bq + r_begin + t] = log_rel(rows_.max[t], rows_.top[t], rows_.rest[t]);
+    }
+  }
+
+ private:
+  void tile(int64_t i0, int64_t ni, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& lane_cols,
+            Acc* positives) {
+    Acc* s = s_.data();
+    raw_.product(q_ + i0 * d_, ni, s, nj);
+    scale_with_maxima(s, ni, nj, sc_, tile_row_max_.data(), tile_col_max_.data());
+    take_positives(s, ni, nj, pos_, i0, j0, positives);
+    raise_maxima(rows, tile_row_max_.data(), ni);
+    if (!lane_cols.max) {
+      add_row_terms(s, ni, nj, rows);
+      return;
+    }
+    const Running<Acc> cols = lane_cols.offset(j0);
+    raise_maxima(cols, tile_col_max_.data(), nj);
+    const Acc ref = kOneExp<In> ? shared_reference(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
+    if (kOneExp<In> && !std::isnan(ref)) {
+      add_row_col_terms<true>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
+    } else {
+      add_row_col_terms<false>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
+    }
+  }
+
+  const In* q_;
+  const In* k_;
+  int64_t bk_, d_;
+  Acc sc_;
+  const int64_t* pos_;
+  int64_t tk_;
+  RawTiles<In> raw_;
+  std::vector<Acc> s_, tile_row_max_, tile_col_max_, col_top_, col_rest_;
+  RunningStore<Acc> rows_;
+};
+
+// Column stats from the lanes' partials, merged in lane order: M = max_p m_p; the lanes at M add their
+// top and rest, the others' top + rest joins rest, times exp(m_p - M).
+template <typename Acc>
+void merge_column_partials(RunningStore<Acc>& parts, int64_t lanes, int64_t bk, Acc* out) {
+  at::parallel_for(0, bk, 1024, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      Acc m = -std::numeric_limits<Acc>::infinity();
+      for (int64_t p = 0; p < lanes; ++p) m = nan_max(m, parts.max[p * bk + c]);
+      double top = 0.0, rest = 0.0;
+      for (int64_t p = 0; p < lanes; ++p) {
+        const int64_t t = p * bk + c;
+        if (parts.max[t] == m) {
+          top += parts.top[t];
+          rest += parts.rest[t];
+        } else {
+          rest += (parts.top[t] + parts.rest[t]) * rescale_factor(parts.max[t], m);
+        }
+      }
+      out[c] = m;
+      out[bk + c] = log_rel(m, top, rest);
+    }
+  });
 }
 
 template <typename In>
-void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale_d, const at::Tensor& row_lse,
-                   const at::Tensor& g_row, const at::Tensor& col_lse, const at::Tensor& g_col, at::Tensor& dq,
-                   at::Tensor& dk, at::Tensor& dscale) {
+void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool want_cols,
+                  at::Tensor& rows, at::Tensor& cols) {
+  using Acc = typename Types<In>::acc;
+  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
+  const int64_t lanes = lane_count(bq);
+  RunningStore<Acc> col_parts;  // per lane, [lanes, bk]
+  col_parts.reset(want_cols ? lanes * bk : 0);
+  rows.zero_();  // rows[2] stays 0 where the positive lies in another block
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    const SingleThreadedBlas one_thread;
+    ForwardLane<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, lanes, static_cast<Acc>(scale),
+                         pos.data_ptr<int64_t>());
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      const Running<Acc> lane_cols = want_cols ? col_parts.at(lane * bk) : Running<Acc>{nullptr, nullptr, nullptr};
+      work.run(lane_start(bq, lanes, lane), lane_start(bq, lanes, lane + 1), lane_cols, rows.data_ptr<Acc>(), bq);
+    }
+  });
+  if (want_cols) merge_column_partials(col_parts, lanes, bk, cols.data_ptr<Acc>());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward phases. Per tile: raw once, S = raw * scale (scale_tile), then per row the dS pass over the
+// columns on either side of the row's positive (ds_span), the positive itself (ds_positive), then
+// dq_i += scale * dS @ k_j and dk_j += scale * dS.T @ q_i.
+
+// What the dS pass reads per row, with the symmetric loss's per-column stats (offset to the tile).
+template <typename Acc>
+struct RowGrad {
+  Acc m, rel, g;
+};
+template <typename Acc>
+struct ColGrads {
+  const Acc* m = nullptr;
+  const Acc* rel = nullptr;
+  const Acc* g = nullptr;
+  // kOneExp only: per column g * exp(ref - L_col), and per row exp(L_row - ref) (see SharedRef).
+  const Acc* factor = nullptr;
+};
+
+// Which terms a tile's dS has: the row's only, both directions with two exps per entry, or both with
+// the one-exp shortcut (kOneExp).
+enum class Terms { Rows, Both, BothShared };
+
+// dS over columns [c0, c1) of one row (none of them its positive): g_row * P_row (+ g_col * P_col),
+// P = exp((S - m) - r), with the row's and column's parts of the scale gradient, sum dS_part * raw.
+template <Terms terms, typename Acc, typename DS>
+inline void ds_span(int64_t c0, int64_t c1, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                    Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+  const Acc m = row.m, rel = row.rel, g = row.g;
+#pragma omp simd reduction(+ : acc_row, acc_col)
+  for (int64_t c = c0; c < c1; ++c) {
+    const Acc x = raw[c];
+    const Acc e = fast_exp((s[c] - m) - rel);
+    const Acc pr = g * e;
+    Acc v = pr;
+    acc_row += pr * x;
+    if constexpr (terms != Terms::Rows) {
+      Acc pc;
+      if constexpr (terms == Terms::Both) {
+        pc = col.g[c] * fast_exp((s[c] - col.m[c]) - col.rel[c]);
+      } else {
+        pc = (e * row_factor) * col.factor[c];
+      }
+      acc_col += pc * x;
+      v += pc;
+    }
+    store_ds(ds, c, v);
+  }
+}
+
+// dS at the row's positive column c: g * (P - 1) = g * expm1((S - m) - r) for each direction, so a
+// confident row's tiny 1 - P keeps its digits (exp(x) - 1 would round it away).
+template <Terms terms, typename Acc, typename DS>
+inline void ds_positive(int64_t c, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                        const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+  const Acc x = raw[c];
+  const Acc pr = row.g * std::expm1((s[c] - row.m) - row.rel);
+  Acc v = pr;
+  acc_row += pr * x;
+  if constexpr (terms != Terms::Rows) {
+    const Acc pc = col.g[c] * std::expm1((s[c] - col.m[c]) - col.rel[c]);
+    acc_col += pc * x;
+    v += pc;
+  }
+  store_ds(ds, c, v);
+}
+
+// One row of a tile: the spans left and right of its positive, and the positive (if in the tile).
+template <Terms terms, typename Acc, typename DS>
+inline void ds_row(int64_t nj, int64_t pos, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                   Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+  ds_span<terms>(0, pos >= 0 ? pos : nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+  if (pos < 0) return;
+  ds_positive<terms>(pos, raw, s, ds, row, col, acc_row, acc_col);
+  ds_span<terms>(pos + 1, nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+}
+
+// The one-exp shortcut's reference for one tile (kOneExp, symmetric): ref = the largest row
+// log-sum-exp L = m + r of the tile. Usable when every row's L and every column's L lies within
+// LSE_REF_SPAN of it; then exp(x_col) = exp(x_row) * exp(L_row - ref) * exp(ref - L_col), each factor
+// computed in double from the stats (so only x_row's rounding is shared) and within e^+-SPAN.
+template <typename Acc>
+class SharedRef {
+ public:
+  explicit SharedRef(int64_t tk) : col_factor_(tk) {}
+
+  // Sets the column factors g_col * exp(ref - L_col) and returns true when the tile qualifies.
+  bool prepare(const Acc* row_m, const Acc* row_rel, int64_t ni, const ColGrads<Acc>& col, int64_t nj) {
+    double ref = -std::numeric_limits<double>::infinity(), low = std::numeric_limits<double>::infinity();
+    for (int64_t r = 0; r < ni; ++r) {
+      const double l = static_cast<double>(row_m[r]) + row_rel[r];
+      ref = std::max(ref, l);
+      low = std::min(low, l);
+    }
+    for (int64_t c = 0; c < nj; ++c) {
+      const double l = static_cast<double>(col.m[c]) + col.rel[c];
+      low = std::min(low, l);
+      if (!(l <= ref + LSE_REF_SPAN)) return false;
+    }
+    if (!std::isfinite(ref) || !(low >= ref - LSE_REF_SPAN)) return false;
+    ref_ = ref;
+    for (int64_t c = 0; c < nj; ++c) {
+      col_factor_[c] = static_cast<Acc>(col.g[c] * std::exp(ref - (static_cast<double>(col.m[c]) + col.rel[c])));
+    }
+    return true;
+  }
+  Acc row_factor(Acc m, Acc rel) const { return static_cast<Acc>(std::exp((static_cast<double>(m) + rel) - ref_)); }
+  const Acc* col_factors() const { return col_factor_.data(); }
+
+ private:
+  double ref_ = 0.0;
+  std::vector<Acc> col_factor_;
+};
+
+// One lane's backward: dq of its rows, dk (lane 0) or a dk partial, and its two dscale sums.
+template <typename In>
+class BackwardLane {
+ public:
   using Acc = typename Types<In>::acc;
   using DS = typename Types<In>::ds;
-  const bool both = col_lse.defined();
+
+  struct Args {
+    const In* q;
+    const In* k;
+    int64_t bq, bk, d, lanes;
+    Acc scale;
+    const int64_t* pos;
+    const Acc* row_stats;  // [2, bq]
+    const Acc* g_row;
+    const Acc* col_stats;  // [2, bk] or nullptr (one direction)
+    const Acc* g_col;
+    Acc* dq;
+  };
+
+  explicit BackwardLane(const Args& a)
+      : a_(a), tk_(std::min(TILE_K, a.bk)), raw_tiles_(a.bq / a.lanes, tk_, a.d),
+        k_tile_(a.bq / a.lanes, /*tb=*/false, TILE_Q, a.d, tk_), raw_(TILE_Q * tk_), s_(TILE_Q * tk_),
+        ds_buf_(std::is_same<DS, Acc>::value ? 0 : TILE_Q * tk_), shared_(tk_) {}
+
+  // Rows [r_begin, r_end), accumulating into dk ([bk, d]); returns (row part, column part) of dscale.
+  std::pair<double, double> run(int64_t r_begin, int64_t r_end, Acc* dk) {
+    double lane_row = 0.0, lane_col = 0.0;
+    for (int64_t j0 = 0; j0 < a_.bk; j0 += tk_) {
+      const int64_t nj = std::min(tk_, a_.bk - j0);
+      raw_tiles_.set_keys(a_.k + j0 * a_.d, nj);
+      k_tile_.set(a_.k + j0 * a_.d, a_.d, a_.d, nj, a_.scale);  // scale * k_j, for dq_i += dS @ k_j
+      for (int64_t i0 = r_begin; i0 < r_end; i0 += TILE_Q) {
+        const int64_t ni = std::min(TILE_Q, r_end - i0);
+        const auto parts = tile(i0, ni, j0, nj, dk);
+        lane_row += parts.first;
+        lane_col += parts.second;
+      }
+    }
+    return {lane_row, lane_col};
+  }
+
+ private:
+  std::pair<double, double> tile(int64_t i0, int64_t ni, int64_t j0, int64_t nj, Acc* dk) {
+    Acc* raw = raw_.data();
+    Acc* s = s_.data();
+    // float32 / float64 write dS over raw (each entry is read before it is written); bfloat16 to ds_buf_.
+    DS* ds = ds_buf_.empty() ? reinterpret_cast<DS*>(raw) : ds_buf_.data();
+    raw_tiles_.product(a_.q + i0 * a_.d, ni, raw, nj);
+    scale_tile(raw, s, ni * nj, a_.scale);
+    ColGrads<Acc> col;
+    if (a_.col_stats) col = {a_.col_stats + j0, a_.col_stats + a_.bk + j0, a_.g_col + j0};
+    const bool shared =
+        kOneExp<In> && a_.col_stats && shared_.prepare(a_.row_stats + i0, a_.row_stats + a_.bq + i0, ni, col, nj);
+    if (shared) col.factor = shared_.col_factors();
+    double tile_row = 0.0, tile_col = 0.0;
+    for (int64_t r = 0; r < ni; ++r) {
+      const int64_t i = i0 + r;
+      const RowGrad<Acc> row{a_.row_stats[i], a_.row_stats[a_.bq + i], a_.g_row[i]};
+      const int64_t p = positive_in_tile(a_.pos, i, j0, nj);
+      Acc acc_row = 0, acc_col = 0;
+      const Acc* raw_r = raw + r * nj;
+      const Acc* s_r = s + r * nj;
+      DS* ds_r = ds + r * nj;
+      if (!a_.col_stats) {
+        ds_row<Terms::Rows>(nj, p, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
+      } else if (shared) {
+        ds_row<Terms::BothShared>(nj, p, raw_r, s_r, ds_r, row, shared_.row_factor(row.m, row.rel), col, acc_row,
+                                  acc_col);
+      } else {
+        ds_row<Terms::Both>(nj, p, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
+      }
+      tile_row += acc_row;
+      tile_col += acc_col;
+    }
+    k_tile_.product(ni, ds, nj, Acc(1), a_.dq + i0 * a_.d, a_.d);
+    gemm(true, false, nj, a_.d, ni, a_.scale, ds, nj, a_.q + i0 * a_.d, a_.d, Acc(1), dk + j0 * a_.d, a_.d);
+    return {tile_row, tile_col};
+  }
+
+  Args a_;
+  int64_t tk_;
+  RawTiles<In> raw_tiles_;
+  ReusedB<DS, In, Acc> k_tile_;
+  std::vector<Acc> raw_, s_;
+  std::vector<DS> ds_buf_;
+  SharedRef<Acc> shared_;
+};
+
+template <typename In>
+void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
+                   const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
+                   const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale) {
+  using Acc = typename Types<In>::acc;
+  const bool both = col_stats.defined();
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
-  const In* qp = q.data_ptr<In>();
-  const In* kp = k.data_ptr<In>();
-  const Acc scale = static_cast<Acc>(scale_d);
-  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-  const Acc* lse_r = row_lse.data_ptr<Acc>();
-  const Acc* g_r = g_row.data_ptr<Acc>();
-  const Acc* lse_c = both ? col_lse.data_ptr<Acc>() : nullptr;
-  const Acc* g_c = both ? g_col.data_ptr<Acc>() : nullptr;
-  Acc* dqp = dq.data_ptr<Acc>();
   const int64_t lanes = lane_count(bq);
+  const typename BackwardLane<In>::Args args{q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, lanes,
+                                             static_cast<Acc>(scale), pos.data_ptr<int64_t>(),
+                                             row_stats.data_ptr<Acc>(), g_row.data_ptr<Acc>(),
+                                             both ? col_stats.data_ptr<Acc>() : nullptr,
+                                             both ? g_col.data_ptr<Acc>() : nullptr, dq.data_ptr<Acc>()};
   // Lane 0 accumulates straight into dk; every other lane into its own [Bk, D] partial.
   at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
-  std::vector<double> ds_row(lanes, 0.0), ds_col(lanes, 0.0);
-
+  std::vector<std::pair<double, double>> parts(lanes);
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     const SingleThreadedBlas one_thread;
-    const int64_t tq = TILE_Q, tk = std::min(TILE_K, bk);
-    std::vector<Acc> raw(tq * tk), col_factor(tk);
-    // float32 / float64 overwrite raw with dS in place; bfloat16 writes bf16(dS) here.
-    constexpr bool split = !std::is_same<DS, Acc>::value;
-    std::vector<DS> ds_buf(split ? tq * tk : 0);
-    // A local copy: read through the lambda's reference inside the simd loops, GCC cannot hoist it past
-    // the dS stores and reloads it with a gather every iteration (measured: the loops ran ~3x slower).
-    const Acc sc = scale;
-    ReusedB<In, In, Acc> k_tile_t(bq / lanes, /*tb=*/true, tq, tk, d);  // k_j.T, for raw = q_i @ k_j.T
-    ReusedB<DS, In, Acc> k_tile(bq / lanes, /*tb=*/false, tq, d, tk);   // scale * k_j, for dq_i += dS @ k_j
+    BackwardLane<In> work(args);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
-      DS* ds = std::is_same<DS, Acc>::value ? reinterpret_cast<DS*>(raw.data()) : ds_buf.data();
-      double lane_row = 0.0, lane_col = 0.0;
-      const int64_t r_begin = lane_start(bq, lanes, lane), r_end = lane_start(bq, lanes, lane + 1);
-      for (int64_t j0 = 0; j0 < bk; j0 += tk) {
-        const int64_t nj = std::min(tk, bk - j0);
-        k_tile_t.set(kp + j0 * d, d, nj, d, Acc(1));
-        k_tile.set(kp + j0 * d, d, d, nj, scale);
-        for (int64_t i0 = r_begin; i0 < r_end; i0 += tq) {
-          const int64_t ni = std::min(tq, r_end - i0);
-          k_tile_t.product(ni, qp + i0 * d, d, Acc(0), raw.data(), nj);
-          Acc tile_row = 0, tile_col = 0;
-          // One exp per entry when the tile's row and column log-sum-exps all lie within
-          // LSE_REF_SPAN of L = max row lse: then exp(s - lc) = exp(s - lr) * exp(lr - L) * exp(L - lc),
-          // the two factors per row / column in [e^-SPAN, e^SPAN]. Otherwise two exps per entry.
-          bool shared_ref = both;
-          Acc ref = neg_inf;
-          if (both) {
-            Acc low = std::numeric_limits<Acc>::infinity();
-            for (int64_t r = 0; r < ni; ++r) {
-              ref = nan_max(ref, lse_r[i0 + r]);
-              low = std::min(low, lse_r[i0 + r]);
-            }
-            Acc lo_c = std::numeric_limits<Acc>::infinity(), hi_c = neg_inf;
-            for (int64_t c = 0; c < nj; ++c) {
-              lo_c = std::min(lo_c, lse_c[j0 + c]);
-              hi_c = nan_max(hi_c, lse_c[j0 + c]);
-            }
-            shared_ref = std::isfinite(ref) && low >= ref - LSE_REF_SPAN && lo_c >= ref - LSE_REF_SPAN &&
-                         hi_c <= ref + LSE_REF_SPAN;
-            if (shared_ref) {
-              for (int64_t c = 0; c < nj; ++c) col_factor[c] = g_c[j0 + c] * fast_exp(ref - lse_c[j0 + c]);
-            }
-          }
-          for (int64_t r = 0; r < ni; ++r) {
-            Acc* rr = raw.data() + r * nj;
-            DS* dr = ds + r * nj;
-            const Acc lr = lse_r[i0 + r], gr = g_r[i0 + r];
-            Acc acc_r = 0, acc_c = 0;
-            // Largest dS - DS_LOW_PART_FRACTION * (g_row + g_col) of the row (bfloat16 only).
-            Acc need_low = neg_inf;
-            const Acc thr_r = DS_LOW_PART_FRACTION * gr;
-            const Acc* gcj = both ? g_c + j0 : nullptr;
-            if (shared_ref) {
-              const Acc row_factor = fast_exp(lr - ref);
-              const Acc* cf = col_factor.data();
-#pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
-              for (int64_t c = 0; c < nj; ++c) {
-                const Acc x = rr[c];
-                const Acc e = fast_exp(x * sc - lr);
-                const Acc pr = gr * e;
-                const Acc pc = (e * row_factor) * cf[c];
-                acc_r += pr * x;
-                acc_c += pc * x;
-                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
-              }
-            } else if (both) {
-              const Acc* lc = lse_c + j0;
-              const Acc* gc = g_c + j0;
-#pragma omp simd reduction(+ : acc_r, acc_c) reduction(max : need_low)
-              for (int64_t c = 0; c < nj; ++c) {
-                const Acc x = rr[c], sv = x * sc;
-                const Acc pr = gr * fast_exp(sv - lr);
-                const Acc pc = gc[c] * fast_exp(sv - lc[c]);
-                acc_r += pr * x;
-                acc_c += pc * x;
-                store_ds(dr, rr, c, pr + pc, thr_r + DS_LOW_PART_FRACTION * gcj[c], need_low);
-              }
-            } else {
-#pragma omp simd reduction(+ : acc_r) reduction(max : need_low)
-              for (int64_t c = 0; c < nj; ++c) {
-                const Acc x = rr[c];
-                const Acc pr = gr * fast_exp(x * sc - lr);
-                acc_r += pr * x;
-                store_ds(dr, rr, c, pr, thr_r, need_low);
-              }
-            }
-            tile_row += acc_r;
-            tile_col += acc_c;
-            if constexpr (split) {
-              if (need_low >= 0) add_low_parts(nj, rr, dr, thr_r, gcj, qp + (i0 + r) * d, kp + j0 * d, d, scale,
-                                               dqp + (i0 + r) * d, dkp + j0 * d);
-            }
-          }
-          lane_row += tile_row;
-          lane_col += tile_col;
-          k_tile.product(ni, ds, nj, Acc(1), dqp + i0 * d, d);
-          gemm(true, false, nj, d, ni, scale, ds, nj, qp + i0 * d, d, Acc(1), dkp + j0 * d, d);
-        }
-      }
-      ds_row[lane] = lane_row;
-      ds_col[lane] = lane_col;
+      parts[lane] = work.run(lane_start(bq, lanes, lane), lane_start(bq, lanes, lane + 1), dkp);
     }
   });
-
   for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
   double total_row = 0.0, total_col = 0.0;
-  for (int64_t p = 0; p < lanes; ++p) {
-    total_row += ds_row[p];
-    total_col += ds_col[p];
+  for (const auto& part : parts) {
+    total_row += part.first;
+    total_col += part.second;
   }
   dscale[0] = total_row;
   dscale[1] = total_col;
@@ -643,6 +874,18 @@ void check_features(const at::Tensor& q, const at::Tensor& k) {
               "infcl native: unsupported dtype ", t);
 }
 
+// pos: [Bq] int64, each a column of the block or -1.
+at::Tensor positions(const at::Tensor& pos, int64_t bq, int64_t bk) {
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == bq && pos.scalar_type() == at::kLong,
+              "infcl native: pos must be int64 of shape [", bq, "], got ", pos.scalar_type(), " ", pos.sizes());
+  at::Tensor p = pos.contiguous();
+  if (bq > 0) {
+    TORCH_CHECK(p.min().item<int64_t>() >= -1 && p.max().item<int64_t>() < bk,
+                "infcl native: pos must lie in [-1, ", bk, ")");
+  }
+  return p;
+}
+
 // The dtype the kernel runs on for inputs of dtype t.
 at::ScalarType kernel_type(at::ScalarType t) {
   if (t == at::kHalf) return at::kFloat;  // fp16 dS would underflow; float32 copies are exact
@@ -652,53 +895,56 @@ at::ScalarType kernel_type(at::ScalarType t) {
 
 at::Tensor prepared(const at::Tensor& t) { return t.to(kernel_type(t.scalar_type())).contiguous(); }
 
-at::Tensor vector_arg(const at::Tensor& t, int64_t n, at::ScalarType acc, const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "infcl native: ", name, " must have shape [", n, "], got ",
-              t.sizes());
+at::Tensor stats_arg(const at::Tensor& t, std::vector<int64_t> shape, at::ScalarType acc, const char* name) {
+  TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), "infcl native: ", name, " must have shape ",
+              at::IntArrayRef(shape), ", got ", t.sizes());
   return t.to(acc).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
-                                                 bool want_cols) {
+                                                 const at::Tensor& pos_in, bool want_cols) {
   check_features(q_in, k_in);
   const auto acc = acc_type(q_in.scalar_type());
   at::Tensor q = prepared(q_in), k = prepared(k_in);
-  at::Tensor row_lse = at::empty({q.size(0)}, q_in.options().dtype(acc));
-  at::Tensor col_lse = at::empty({want_cols ? k.size(0) : 0}, q_in.options().dtype(acc));
+  at::Tensor pos = positions(pos_in, q.size(0), k.size(0));
+  at::Tensor rows = at::empty({3, q.size(0)}, q_in.options().dtype(acc));
+  at::Tensor cols = at::empty({2, want_cols ? k.size(0) : 0}, q_in.options().dtype(acc));
   switch (q.scalar_type()) {
-    case at::kFloat: forward_impl<float>(q, k, scale, want_cols, row_lse, col_lse); break;
-    case at::kDouble: forward_impl<double>(q, k, scale, want_cols, row_lse, col_lse); break;
-    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, want_cols, row_lse, col_lse); break;
+    case at::kFloat: forward_impl<float>(q, k, scale, pos, want_cols, rows, cols); break;
+    case at::kDouble: forward_impl<double>(q, k, scale, pos, want_cols, rows, cols); break;
+    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, pos, want_cols, rows, cols); break;
     default: TORCH_CHECK(false, "infcl native: unreachable dtype");
   }
-  return {row_lse, col_lse};
+  return {rows, cols};
 }
 
-at::Tensor backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale, const at::Tensor& row_lse,
-                          const at::Tensor& g_row, const std::optional<at::Tensor>& col_lse,
-                          const std::optional<at::Tensor>& g_col, at::Tensor& dq, at::Tensor& dk) {
+at::Tensor backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale, const at::Tensor& pos_in,
+                          const at::Tensor& row_stats, const at::Tensor& g_row,
+                          const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
+                          at::Tensor& dq, at::Tensor& dk) {
   check_features(q_in, k_in);
   const auto acc = acc_type(q_in.scalar_type());
   const int64_t bq = q_in.size(0), bk = k_in.size(0);
-  TORCH_CHECK(col_lse.has_value() == g_col.has_value(), "infcl native: col_lse and g_col go together");
+  TORCH_CHECK(col_stats.has_value() == g_col.has_value(), "infcl native: col_stats and g_col go together");
   TORCH_CHECK(dq.scalar_type() == acc && dk.scalar_type() == acc, "infcl native: dq and dk must be ", acc);
   TORCH_CHECK(dq.sizes() == q_in.sizes() && dk.sizes() == k_in.sizes(), "infcl native: dq ", dq.sizes(),
               " / dk ", dk.sizes(), " must match q ", q_in.sizes(), " / k ", k_in.sizes());
   at::Tensor q = prepared(q_in), k = prepared(k_in);
-  at::Tensor lr = vector_arg(row_lse, bq, acc, "row_lse"), gr = vector_arg(g_row, bq, acc, "g_row");
-  at::Tensor lc, gc;
-  if (col_lse.has_value()) {
-    lc = vector_arg(*col_lse, bk, acc, "col_lse");
-    gc = vector_arg(*g_col, bk, acc, "g_col");
+  at::Tensor pos = positions(pos_in, bq, bk);
+  at::Tensor rs = stats_arg(row_stats, {2, bq}, acc, "row_stats"), gr = stats_arg(g_row, {bq}, acc, "g_row");
+  at::Tensor cs, gc;
+  if (col_stats.has_value()) {
+    cs = stats_arg(*col_stats, {2, bk}, acc, "col_stats");
+    gc = stats_arg(*g_col, {bk}, acc, "g_col");
   }
   // Accumulate into contiguous buffers; copy back only when the caller's dq / dk are strided.
   at::Tensor dq_c = dq.is_contiguous() ? dq : dq.contiguous();
   at::Tensor dk_c = dk.is_contiguous() ? dk : dk.contiguous();
   at::Tensor dscale = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
   switch (q.scalar_type()) {
-    case at::kFloat: backward_impl<float>(q, k, scale, lr, gr, lc, gc, dq_c, dk_c, dscale); break;
-    case at::kDouble: backward_impl<double>(q, k, scale, lr, gr, lc, gc, dq_c, dk_c, dscale); break;
-    case at::kBFloat16: backward_impl<at::BFloat16>(q, k, scale, lr, gr, lc, gc, dq_c, dk_c, dscale); break;
+    case at::kFloat: backward_impl<float>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale); break;
+    case at::kDouble: backward_impl<double>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale); break;
+    case at::kBFloat16: backward_impl<at::BFloat16>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale); break;
     default: TORCH_CHECK(false, "infcl native: unreachable dtype");
   }
   if (!dq.is_same(dq_c)) dq.copy_(dq_c);
@@ -711,10 +957,10 @@ bool bf16_gemm_available() { return has_bf16_gemm(); }
 }  // namespace
 
 TORCH_LIBRARY(infcl, m) {
-  m.def("forward_block(Tensor q, Tensor k, float scale, bool want_cols) -> (Tensor, Tensor)");
+  m.def("forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool want_cols) -> (Tensor, Tensor)");
   m.def(
-      "backward_block(Tensor q, Tensor k, float scale, Tensor row_lse, Tensor g_row, Tensor? col_lse, "
-      "Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
+      "backward_block(Tensor q, Tensor k, float scale, Tensor pos, Tensor row_stats, Tensor g_row, "
+      "Tensor? col_stats, Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
   m.def("bf16_gemm_available() -> bool", &bf16_gemm_available);
 }
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ring_cases
-from distributed import describe, launch
+from distributed import describe, launch, results_by_ring
 from ring_worker import FAILING_RANK, MAIN_WORLD, OVERLAP_CASES, RINGS, TINY_SUFFIX
 from support import TOLERANCE, assert_close_verbose, tiled_backends
 
@@ -41,14 +41,7 @@ def spawned(tmp_path_factory):
         pg_timeout_s=MAIN_PG_TIMEOUT_S,
         deadline_s=MAIN_DEADLINE_S,
     )
-    failed = None if all(o.returncode == 0 and o.results is not None for o in outcomes) else describe(outcomes)
-
-    def get(world):
-        if failed:
-            pytest.fail(f"ring workers failed:\n{failed}")
-        return [outcomes[member].results[world] for member in RINGS[world]]
-
-    return get
+    return results_by_ring(outcomes, RINGS)
 
 
 def _case(world, name):
@@ -85,7 +78,7 @@ def _indices(events, kind, stream=None):
 @pytest.mark.parametrize("world", WORLDS)
 def test_next_block_is_posted_before_compute(spawned, world, name, direction):
     """The k exchange for step i+1 is committed before step i's compute and waited for after it."""
-    k_stream, acc_stream = ("k-forward", "column-lse") if direction == "forward" else ("k-backward", "dk")
+    k_stream, acc_stream = ("k-forward", "columns") if direction == "forward" else ("k-backward", "dk")
     symmetric = name.startswith("sym")
     for r, results in enumerate(spawned(world)):
         events = results["overlap"][name][direction]

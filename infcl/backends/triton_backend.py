@@ -21,6 +21,7 @@ from .torch_tiles import TORCH_TILES
 try:
     from ..kernels import INTERPRETED, Tiling, backward_block, forward_block, interpret_requested
     from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT
+    from ..kernels.triton_siglip import siglip_backward, siglip_forward
 except Exception as err:  # triton missing or broken (or a driver error): the backend reports why instead
     _IMPORT_ERROR: Optional[Exception] = err
 else:
@@ -66,6 +67,17 @@ class TritonBackend:
             dq, dk, *self._options(),
         )
 
+    # --- the sigmoid (SigLIP) loss: infcl/kernels/triton_siglip.py (contract: infcl.backends.base) -----
+    # GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no atomics).
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        return siglip_forward(block.q, block.k, block.pos, block.scale, block.bias, self._options()[0], self.tiling)
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        return siglip_backward(
+            block.q, block.k, block.pos, block.scale, block.bias, block.g_row, dq, dk, self._options()[0], self.tiling,
+        )
+
 
 BACKEND = TritonBackend()
 
@@ -73,7 +85,10 @@ BACKEND = TritonBackend()
 def unavailable_reason(device: torch.device) -> Optional[str]:
     """None if the Triton kernels can run on ``device``, else a sentence saying why not."""
     if _IMPORT_ERROR is not None:
-        return f"backend 'triton' needs the triton package, which failed to import: {_IMPORT_ERROR}"
+        return (
+            f"backend 'triton' needs the triton package (pip install 'infcl[triton]'), which failed to import: "
+            f"{_IMPORT_ERROR}"
+        )
     if device.type == "cuda":
         return None
     if device.type == "cpu":
