@@ -71,9 +71,13 @@ class TritonBackend:
     # GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no atomics).
 
     def sigmoid_forward_block(self, block: Block) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.sigmoid_forward_block(block)
         return siglip_forward(block.q, block.k, block.pos, block.scale, block.bias, self._options()[0], self.tiling)
 
     def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.sigmoid_backward_block(block, dq, dk)
         return siglip_backward(
             block.q, block.k, block.pos, block.scale, block.bias, block.g_row, dq, dk, self._options()[0], self.tiling,
         )
