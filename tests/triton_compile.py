@@ -21,7 +21,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 # Largest shared memory a block may use (opt-in dynamic shared memory), bytes.
 SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}

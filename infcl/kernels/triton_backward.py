@@ -50,13 +50,12 @@ from .configs import (
     size_bucket,
 )
 from .tiles import (
-    MIN_DOT,
     block_range,
+    block_scores,
+    check_blocks,
     load_tile,
     load_vector,
     masked_scores,
-    score_resident,
-    score_tile,
     softmax_grad,
     tile_dot,
 )
@@ -74,9 +73,29 @@ def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL: tl.constexpr):
 
 
 @triton.jit
-def _store_slice(ptr, rows, feats, n_rows, D, stride_r, stride_f, value, ADD: tl.constexpr,
-                 MASK_ROWS: tl.constexpr, MASK_FEATS: tl.constexpr):
-    """ptr[rows, feats] (+)= value: the program's one write of its gradient slice."""
+def _load_stats(stats_ptr, g_ptr, idx, n, stride_stat, stride_elem, stride_g, MASK: tl.constexpr):
+    """(m, r, g) of the rows (columns) ``idx``: zero past ``n``, where the entries' S is -inf anyway
+    (masked_scores), so their dS is 0."""
+    m = load_vector(stats_ptr, idx, n, stride_elem, 0.0, MASK)
+    r = load_vector(stats_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+    return m, r, load_vector(g_ptr, idx, n, stride_g, 0.0, MASK)
+
+
+@triton.jit
+def _inverse(factor):
+    """1 / factor, 0 where factor is 0 (a row no gradient reaches)."""
+    return tl.where(factor > 0, 1.0 / tl.where(factor > 0, factor, 1.0), 0.0)
+
+
+@triton.jit
+def _store_slice(ptr, rows, feats, n_rows, D, stride_r, stride_f, acc, scale, factor, NORMALIZE: tl.constexpr,
+                 ADD: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_FEATS: tl.constexpr):
+    """ptr[rows, feats] (+)= scale * acc (times each row's dS factor): the program's one write of its
+    gradient slice."""
+    if NORMALIZE:
+        value = acc * (factor * scale)[:, None]
+    else:
+        value = acc * scale
     ptrs = ptr + rows[:, None].to(tl.int64) * stride_r + feats[None, :].to(tl.int64) * stride_f
     if ADD:
         value += load_tile(ptr, rows, feats, n_rows, D, stride_r, stride_f, MASK_ROWS, MASK_FEATS, False)
@@ -105,9 +124,7 @@ def _dq_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
-    tl.static_assert(BLOCK_N >= MIN_DOT)
-    tl.static_assert(BLOCK_D >= MIN_DOT)
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the k tile of S feeds dq too
     rb = tl.program_id(0)
     out_slice = tl.program_id(1)
@@ -115,16 +132,14 @@ def _dq_kernel(
     cb_lo, cb_hi = block_range(split, tl.num_programs(2), tl.cdiv(n_k, BLOCK_N))
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.load(scale_ptr)
-    # Padded rows read zero stats and gradient: their S is -inf (masked_scores), so their dS is 0.
-    m_r = load_vector(row_stats_ptr, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-    r_r = load_vector(row_stats_ptr + stride_rs0, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-    g_r = load_vector(g_row_ptr, rows, n_q, stride_gr, 0.0, not EVEN_M)
+    m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
-    if NORMALIZE:
+    if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
         if HAS_COL:
             factor = tl.maximum(factor, tl.load(g_max_ptr + 1))
-        inv_factor = tl.where(factor > 0, 1.0 / tl.where(factor > 0, factor, 1.0), 0.0)
+    else:
+        factor = g_r  # unused
     feats = tl.arange(0, BLOCK_D)
     out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     if ONE_CHUNK:
@@ -136,19 +151,13 @@ def _dq_kernel(
     dscale_col = tl.zeros([BLOCK_M], dtype=ACC)
     for cb in range(cb_lo, cb_hi):
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-        if ONE_CHUNK:
-            k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_D)
-            raw = score_resident(q_res, k_tile, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
-        else:
-            raw = score_tile(
-                q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
-            )
+        raw, k_tile = block_scores(
+            q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if HAS_COL:
-            m_c = load_vector(col_stats_ptr, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-            r_c = load_vector(col_stats_ptr + stride_cs0, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-            g_c = load_vector(g_col_ptr, cols, n_k, stride_gc, 0.0, not EVEN_N)
+            m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
         else:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
@@ -158,18 +167,14 @@ def _dq_kernel(
             dscale_col += tl.sum(ds_col * raw, axis=1)
             ds = ds + ds_col
         if NORMALIZE:
-            ds = ds * inv_factor[:, None]
+            ds = ds * _inverse(factor)[:, None]
         if ONE_CHUNK:
             k_out = k_tile
         else:
             k_out = load_tile(k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, False)
         acc = tile_dot(ds.to(q_ptr.dtype.element_ty), k_out, acc, UPCAST, PRECISION)
-    if NORMALIZE:
-        acc = acc * (factor * scale)[:, None]
-    else:
-        acc = acc * scale
-    out = out_ptr + split.to(tl.int64) * stride_out_split
-    _store_slice(out, rows, out_feats, n_q, D, stride_out0, stride_out1, acc, ADD, not EVEN_M, not EVEN_OUT)
+    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, rows, out_feats, n_q, D, stride_out0, stride_out1,
+                 acc, scale, factor, NORMALIZE, ADD, not EVEN_M, not EVEN_OUT)
     if out_slice == 0:
         slot = dscale_ptr + 2 * (rb.to(tl.int64) * tl.num_programs(2) + split)
         tl.store(slot, tl.sum(dscale_row, axis=0))
@@ -191,9 +196,7 @@ def _dk_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
-    tl.static_assert(BLOCK_N >= MIN_DOT)
-    tl.static_assert(BLOCK_D >= MIN_DOT)
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the q tile of S feeds dk too
     cb = tl.program_id(0)
     out_slice = tl.program_id(1)
@@ -202,14 +205,13 @@ def _dk_kernel(
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     scale = tl.load(scale_ptr)
     if HAS_COL:
-        m_c = load_vector(col_stats_ptr, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-        r_c = load_vector(col_stats_ptr + stride_cs0, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-        g_c = load_vector(g_col_ptr, cols, n_k, stride_gc, 0.0, not EVEN_N)
-    if NORMALIZE:
+        m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
+    if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
         factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
         if HAS_COL:
             factor = tl.maximum(factor, tl.abs(g_c))
-        inv_factor = tl.where(factor > 0, 1.0 / tl.where(factor > 0, factor, 1.0), 0.0)
+    else:
+        factor = scale  # unused
     feats = tl.arange(0, BLOCK_D)
     out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     if ONE_CHUNK:
@@ -219,36 +221,26 @@ def _dk_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_OUT], dtype=ACC)
     for rb in range(rb_lo, rb_hi):
         rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_r = load_vector(row_stats_ptr, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-        r_r = load_vector(row_stats_ptr + stride_rs0, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-        g_r = load_vector(g_row_ptr, rows, n_q, stride_gr, 0.0, not EVEN_M)
+        m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
         pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
-        if ONE_CHUNK:
-            q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
-            raw = score_resident(q_tile, k_res, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
-        else:
-            raw = score_tile(
-                q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
-            )
+        raw, q_tile = block_scores(
+            q_ptr, k_ptr, k_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, False, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if not HAS_COL:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
         ds = ds_row + ds_col
         if NORMALIZE:
-            ds = ds * inv_factor[None, :]
+            ds = ds * _inverse(factor)[None, :]
         if ONE_CHUNK:
             q_out = q_tile
         else:
             q_out = load_tile(q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, False)
         acc = tile_dot(tl.trans(ds.to(q_ptr.dtype.element_ty)), q_out, acc, UPCAST, PRECISION)
-    if NORMALIZE:
-        acc = acc * (factor * scale)[:, None]
-    else:
-        acc = acc * scale
-    out = out_ptr + split.to(tl.int64) * stride_out_split
-    _store_slice(out, cols, out_feats, n_k, D, stride_out0, stride_out1, acc, ADD, not EVEN_N, not EVEN_OUT)
+    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, cols, out_feats, n_k, D, stride_out0, stride_out1,
+                 acc, scale, factor, NORMALIZE, ADD, not EVEN_N, not EVEN_OUT)
 
 
 # ---- configs ------------------------------------------------------------------------------------

@@ -41,14 +41,13 @@ from .configs import (
     size_bucket,
 )
 from .tiles import (
-    MIN_DOT,
     block_range,
+    block_scores,
+    check_blocks,
     load_tile,
     load_vector,
     masked_scores,
     merge_rest_stats,
-    score_resident,
-    score_tile,
     tile_rest_stats,
 )
 
@@ -73,9 +72,7 @@ def _forward_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
-    tl.static_assert(BLOCK_N >= MIN_DOT)
-    tl.static_assert(BLOCK_D >= MIN_DOT)
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     group = tl.program_id(0)
     split = tl.program_id(1)
     rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(n_q, BLOCK_M))
@@ -96,14 +93,10 @@ def _forward_kernel(
         pos_logit = tl.zeros([BLOCK_M], dtype=ACC)
         for cb in range(cb_lo, cb_hi):
             cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-            if ONE_CHUNK:
-                k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_D)
-                raw = score_resident(q_res, k_tile, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
-            else:
-                raw = score_tile(
-                    q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                    BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
-                )
+            raw, _ = block_scores(
+                q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+            )
             # Row stats see only real columns; padded rows are finite (zero features) and never stored.
             s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
             tile_max, tile_rest = tile_rest_stats(s_rows, 1)
