@@ -1,17 +1,19 @@
 """What the three Triton kernels share: strided tile loads, the S tile, its log-sum-exp stats, and dS.
 
 **The S tile.** ``raw = q[rows] @ k[cols].T`` (unscaled) in the accumulation dtype, then
-``s = raw * scale``. Every kernel builds it with :func:`score_tile` (or, when one feature chunk covers
-D, :func:`score_resident` on a q tile the caller loaded once), always in this orientation (q rows as
-the MMA's M side, k rows as its N side), summing over the same BLOCK_D feature chunks in the same
-order, and never fusing the scale into a later subtraction (:func:`scale_scores`). The backward relies on this: S recomputed in either backward kernel is
+``s = raw * scale``. Every kernel's loop builds it with :func:`block_scores`: :func:`score_tile` over
+BLOCK_D feature chunks, or, when one chunk covers D, :func:`score_resident` on the tile the program
+holds in registers. Always in this orientation (q rows on the MMA's M side, k rows on its N side),
+over the same chunks in the same order, and with the scale never fused into a later subtraction
+(:func:`scale_scores`). The backward relies on this: S recomputed in either backward kernel is
 bit-identical to the forward's, so ``S - m`` is exact at a row's maximum (the forward took ``m`` from
 the same values) and a confident row keeps ``1 - p`` to full relative precision. The assumption this
 rests on: tl.dot's per-entry result depends only on the operand values, the K chunking and the MMA
 instruction kind, not on where the entry sits in the tile or on the tile's M/N size. A tile shape that
 changes the instruction kind (on sm_90 a dot whose M is below 64 rows per warp group falls back from
-wgmma to mma.sync) could break it, so the default configs of all three kernels keep BLOCK_M >= 64 and
-a multiple of 4 warps (the configs' comments say so where it constrains them).
+wgmma to mma.sync) could break it, so every tensor-core config of the three kernels keeps
+BLOCK_M >= 64 on a multiple of 4 warps. (FMA products, fp32 "ieee" and fp64, sum each entry in K
+order whatever the tile.) Under the interpreter :func:`score_dot` makes the same guarantee.
 
 **Stats in "rest" form.** Inside the kernels a running log-sum-exp is kept as (m, rest) with
 ``rest = sum(exp(S - m)) - 1``: the maximum's own term (exactly 1) is taken off by counting ties, not
@@ -23,8 +25,9 @@ entry is ``g * expm1(x)``, from Kahan's ``(u - 1) * x / log(u)`` (:func:`expm1`)
 has no libdevice, and the trick only needs exp and an accurate log (tl.log is libdevice's logf on
 NVIDIA GPUs; tl.exp is ex2.approx, whose error the trick absorbs).
 
-Offsets are int64 (rows * stride exceeds 2**31 for large batches); loads are masked only where the
-EVEN_* flags (set by ``triton.heuristics`` in the kernels) say a block can be ragged.
+Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (set by
+``triton.heuristics`` in the kernels) say a block can be ragged, rows past the end are clamped to the
+last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
 """
 
 import triton

@@ -3,7 +3,7 @@ logit, from one pass over the tiles; S never leaves registers.
 
 Grid (groups, splits). Program (g, c) walks the row blocks of row group g (one row block per group
 for the one-directional loss) and, for each, the k blocks of split c, building each S tile once
-(:func:`infcl.kernels.tiles.score_tile`) and folding it into
+(:func:`infcl.kernels.tiles.block_scores`) and folding it into
 - the row's running stats (m, rest) and positive logit (the tile entry at ``pos``), kept in
   registers and stored per split: ``[3, splits, Bq]``;
 - for the symmetric loss, the column stats over the group's rows: each tile's column stats are merged
