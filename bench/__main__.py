@@ -111,7 +111,8 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
     for sw in sweeps:
         repeats = 1 if sw.memory_only else (args.repeats or sw.repeats or DEFAULT_REPEATS)
         common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup, repeats=repeats,
-                      loss=args.loss, symmetric=sw.symmetric and args.loss == "clip", memory_only=sw.memory_only)
+                      loss=args.loss, symmetric=sw.symmetric and args.loss == "clip", memory_only=sw.memory_only,
+                      accuracy=sw.accuracy and not sw.memory_only)
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
         for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
             for name, mode in itertools.product(names, sw.modes):

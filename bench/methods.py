@@ -12,6 +12,9 @@ that receives a gradient):
   same math on materialized logits (``-logsigmoid(z * (scale * q @ k.T + bias)).sum() / B``).
 - "torch", "cpu", "triton": ``infcl.cal_siglip_loss(..., backend=name)``; Inf-CL has no sigmoid loss.
 A method that cannot run here has an ``unavailable`` reason and is listed as skipped, never dropped.
+``gemm_equivalents`` counts the products (each 2 * B^2 * D flops) each method spends per mode on the
+contrastive loss, for the GEMM-throughput column: how much of the device's matmul rate its own
+products reach.
 """
 
 import importlib.util
@@ -136,6 +139,37 @@ def _infcl_method(backend: str) -> Method:
         backend, _infcl_loss(backend), lambda device, dim: unavailable_reason(backend, device), tiled=True,
         siglip=_infcl_siglip(backend),
     )
+
+
+def _tiled_gemms(device, dtype, dim):  # the torch tiles and the native kernel: S; S again, dq, dk
+    return 1, 3
+
+
+def _triton_gemms(device, dtype, dim):
+    from infcl.kernels.ops import gemm_equivalents
+
+    return gemm_equivalents(dim, dtype, device, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+
+
+# (forward, backward) GEMM-equivalents of one direction; the symmetric loss costs the same except for
+# Inf-CL, which runs each direction separately.
+_GEMMS = {
+    "vanilla": lambda device, dtype, dim: (1, 2),  # logits; dq and dk from the logits' gradient
+    "torch": _tiled_gemms,
+    "cpu": _tiled_gemms,
+    "triton": _triton_gemms,
+    "inf-cl": lambda device, dtype, dim: (1, 4),  # S; S for dq, dq, S for dk, dk
+}
+
+
+def gemm_equivalents(name: str, loss: str, mode: str, device: torch.device, dtype: torch.dtype, dim: int,
+                     symmetric: bool) -> Optional[int]:
+    """The products ``name`` spends on the contrastive loss in ``mode`` (None for the sigmoid loss)."""
+    if loss != "clip":
+        return None
+    forward, backward = _GEMMS[name](device, dtype, dim)
+    total = {"forward": forward, "backward": backward, "forward+backward": forward + backward}[mode]
+    return total * (2 if symmetric and name == "inf-cl" else 1)
 
 
 METHODS = {

@@ -7,7 +7,8 @@ for either loss (forward 1, backward 4) while D fits one backward slice (see
 :mod:`infcl.kernels.triton_backward`).
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 was set
-before this module was imported (that is how CI tests it). float64 inputs are computed in float64.
+before this module was imported (that is how CI tests it). float64 inputs are computed in float64
+(with Triton 3.2, whose tl.dot has no float64, by the torch tiles).
 """
 
 from typing import Optional, Tuple
@@ -15,13 +16,14 @@ from typing import Optional, Tuple
 import torch
 
 from .base import Block, Tensor
+from .torch_tiles import TORCH_TILES
 
 try:
     from ..kernels import INTERPRETED, Tiling, backward_block, forward_block, interpret_requested
-    from ..kernels.configs import DOT_PRECISIONS
+    from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT
     from ..kernels.triton_siglip import siglip_backward, siglip_forward
-except ImportError as err:  # triton missing (or broken): the backend reports why instead of failing import
-    _IMPORT_ERROR: Optional[ImportError] = err
+except Exception as err:  # triton missing or broken (or a driver error): the backend reports why instead
+    _IMPORT_ERROR: Optional[Exception] = err
 else:
     _IMPORT_ERROR = None
 
@@ -46,11 +48,20 @@ class TritonBackend:
             precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
         return precision, (self.tiling.to_ints() if self.tiling is not None else [])
 
+    @staticmethod
+    def _on_torch_tiles(block: Block) -> bool:
+        """float64 on a GPU with Triton 3.2, whose tl.dot has no float64: the torch tiles run the block."""
+        return block.q.dtype == torch.float64 and not FLOAT64_DOT and not INTERPRETED
+
     def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.forward_block(block, want_cols)
         rows, cols = forward_block(block.q, block.k, block.scale, block.pos, want_cols, *self._options())
         return rows, (cols if want_cols else None)
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.backward_block(block, dq, dk)
         return backward_block(
             block.q, block.k, block.scale, block.pos, block.row_stats, block.g_row, block.col_stats, block.g_col,
             dq, dk, *self._options(),
@@ -60,9 +71,13 @@ class TritonBackend:
     # GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no atomics).
 
     def sigmoid_forward_block(self, block: Block) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.sigmoid_forward_block(block)
         return siglip_forward(block.q, block.k, block.pos, block.scale, block.bias, self._options()[0], self.tiling)
 
     def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.sigmoid_backward_block(block, dq, dk)
         return siglip_backward(
             block.q, block.k, block.pos, block.scale, block.bias, block.g_row, dq, dk, self._options()[0], self.tiling,
         )

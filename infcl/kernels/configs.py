@@ -20,6 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The installed Triton's (major, minor): a few configs work around older compilers' bugs.
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+# tl.dot takes float64 operands from Triton 3.3 on; with 3.2 float64 blocks run on the torch tiles.
+FLOAT64_DOT = TRITON_VERSION >= (3, 3)
 # Full autotuning is opt-in: it benchmarks every config on the first call of each key (seconds).
 AUTOTUNE_ENV = "INFCL_AUTOTUNE"
 DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
@@ -56,7 +60,9 @@ class TileConfig:
     """One kernel's block sizes and launch parameters.
 
     ``block_out`` (backward kernels only): the widest slice of dq (dk) columns a program accumulates in
-    registers; a wider D runs ceil(D / block_out) slices, each recomputing S.
+    registers; a wider D runs ceil(D / block_out) slices, each recomputing S. ``max_registers``: passed
+    as Triton's ``maxnreg`` (0: unset). Where set to 255 it stops ptxas from spilling a few bytes to fit
+    more blocks on an SM.
     """
 
     block_m: int
@@ -64,15 +70,19 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     block_out: int = 256
+    max_registers: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_out"):
             _power_of_two(f"TileConfig.{name}", getattr(self, name))
 
+    def launch_options(self) -> dict:
+        """num_warps, num_stages (and maxnreg) for a kernel launch."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {**opts, "maxnreg": self.max_registers} if self.max_registers else opts
+
     def as_triton(self) -> triton.Config:
-        return triton.Config(
-            {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, num_warps=self.num_warps, num_stages=self.num_stages
-        )
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, **self.launch_options())
 
 
 @dataclass(frozen=True)
@@ -142,9 +152,9 @@ def operand_class(dtype: torch.dtype, precision: Optional[str]) -> str:
 
 
 # The feature chunking per operand class, (resident_d, chunk_d) of :class:`Tiling`: 128 bf16/fp16
-# columns are the fused-attention head size; tf32 operands take twice the bytes, and FMA products and
-# fp64 hold whole operand rows in registers, so they chunk narrower.
-FEATURE_CHUNKS = {"mma": (128, 64), "tf32": (64, 32), "ieee": (32, 32), "fp64": (32, 16)}
+# columns are the fused-attention head size; tf32 operands take twice the bytes; FMA products (fp32
+# "ieee" and fp64) hold their operand fragments in registers, fully unrolled over the chunk: 16.
+FEATURE_CHUNKS = {"mma": (128, 64), "tf32": (64, 32), "ieee": (16, 16), "fp64": (16, 16)}
 
 
 def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
@@ -166,6 +176,8 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
 # Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the
 # elementwise math); the one product that must not be contracted, S = raw * scale, is an explicit
 # mul.rn (tiles.scale_scores). Saying so explicitly also keeps Triton 3.9 from warning about its default.
+# maxnreg = 255 (.maxnreg in the PTX) stops ptxas from spilling a few bytes to fit a second or third
+# block on an SM: these kernels keep the accumulators, stats and tiles of a program in registers.
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
@@ -221,6 +233,19 @@ def autotune_space(by_key: Dict[Tuple[int, str], List[TileConfig]]):
         return [c for c, owner in zip(configs, owners) if owner == key and any(c is x for x in candidates)]
 
     return configs, prune
+
+
+def lazy_autotune(kernel, by_key: Dict[Tuple[int, str], List[TileConfig]], key: List[str], **buffers):
+    """A function returning ``kernel`` autotuned over :func:`autotune_space` (``buffers``: restore_value /
+    reset_to_zero), built on its first call: Triton < 3.4's autotune decorator asks the active GPU driver
+    for a benchmarker when it is applied, which fails on a machine without a GPU."""
+
+    @functools.lru_cache(maxsize=None)
+    def build():
+        configs, prune = autotune_space(by_key)
+        return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, **buffers)(kernel)
+
+    return build
 
 
 def neighbours(default: TileConfig) -> List[TileConfig]:

@@ -39,6 +39,15 @@ PTX = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
+def check_blocks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every side of a tl.dot operand is at least MIN_DOT (one assertion each: Triton 3.2 rejects a
+    chained ``and``)."""
+    tl.static_assert(BLOCK_M >= MIN_DOT)
+    tl.static_assert(BLOCK_N >= MIN_DOT)
+    tl.static_assert(BLOCK_D >= MIN_DOT)
+
+
+@triton.jit
 def load_tile(ptr, rows, cols, n_rows, n_cols, stride_r, stride_c, RAGGED_ROWS: tl.constexpr,
               RAGGED_COLS: tl.constexpr, ZERO_COLS: tl.constexpr = True):
     """The [len(rows), len(cols)] tile ptr[rows, cols] of an (n_rows x n_cols) strided matrix.
@@ -61,9 +70,10 @@ def load_tile(ptr, rows, cols, n_rows, n_cols, stride_r, stride_c, RAGGED_ROWS: 
 
 @triton.jit
 def load_vector(ptr, idx, n, stride, other, MASK: tl.constexpr):
-    """ptr[idx * stride], ``other`` where idx >= n (only when MASK)."""
+    """ptr[idx * stride], ``other`` where idx >= n (only when MASK). (The fill is a select after the load,
+    not the load's ``other``: Triton 3.2 miscompiles an integer ``other`` in some layouts.)"""
     if MASK:
-        return tl.load(ptr + idx.to(tl.int64) * stride, mask=idx < n, other=other)
+        return tl.where(idx < n, tl.load(ptr + idx.to(tl.int64) * stride, mask=idx < n), other)
     return tl.load(ptr + idx.to(tl.int64) * stride)
 
 
@@ -76,7 +86,7 @@ def tile_dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+    return tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=acc.dtype)
 
 
 @triton.jit
@@ -96,7 +106,7 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
     (float32 results differ in the last bit between a 64 x 16 and a 64 x 32 tile), which would break the
     bit-identical S between kernels with different block sizes; this sum's order depends on K alone."""
     if PTX:
-        return tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=PRECISION)
+        return tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=PRECISION, out_dtype=acc.dtype)
     if UPCAST:
         q_tile = q_tile.to(tl.float32)
         k_tile = k_tile.to(tl.float32)
@@ -124,6 +134,36 @@ def score_tile(
         k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
         raw = score_dot(q_tile, k_tile, raw, UPCAST, PRECISION)
     return raw
+
+
+@triton.jit
+def block_scores(
+    q_ptr, k_ptr, resident, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    Q_RESIDENT: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """(raw, chunk) for the tile q[rows] x k[cols], the one call every kernel's loop makes.
+
+    ONE_CHUNK: ``resident`` is the side the program holds in registers (the q tile if Q_RESIDENT, else
+    the k tile), the other side's one chunk is loaded here and returned as ``chunk`` for the caller's
+    product. Otherwise raw is :func:`score_tile` and ``chunk`` is a placeholder.
+    """
+    if ONE_CHUNK:
+        feats = tl.arange(0, BLOCK_D)
+        if Q_RESIDENT:
+            chunk = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
+            raw = score_resident(resident, chunk, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
+        else:
+            chunk = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
+            raw = score_resident(chunk, resident, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
+    else:
+        raw = score_tile(
+            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, MASK_M, MASK_N, MASK_D, ACC, UPCAST, PRECISION,
+        )
+        chunk = raw  # unused
+    return raw, chunk
 
 
 @triton.jit

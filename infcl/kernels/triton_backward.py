@@ -40,22 +40,22 @@ import triton.language as tl
 from .configs import (
     COMPILE_OPTIONS,
     SHAPE_HEURISTICS,
+    TRITON_VERSION,
     TileConfig,
     Tiling,
-    autotune_space,
     launch_options,
+    lazy_autotune,
     neighbours,
     plan_backward_splits,
     size_bucket,
 )
 from .tiles import (
-    MIN_DOT,
     block_range,
+    block_scores,
+    check_blocks,
     load_tile,
     load_vector,
     masked_scores,
-    score_resident,
-    score_tile,
     softmax_grad,
     tile_dot,
 )
@@ -73,9 +73,29 @@ def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL: tl.constexpr):
 
 
 @triton.jit
-def _store_slice(ptr, rows, feats, n_rows, D, stride_r, stride_f, value, ADD: tl.constexpr,
-                 MASK_ROWS: tl.constexpr, MASK_FEATS: tl.constexpr):
-    """ptr[rows, feats] (+)= value: the program's one write of its gradient slice."""
+def _load_stats(stats_ptr, g_ptr, idx, n, stride_stat, stride_elem, stride_g, MASK: tl.constexpr):
+    """(m, r, g) of the rows (columns) ``idx``: zero past ``n``, where the entries' S is -inf anyway
+    (masked_scores), so their dS is 0."""
+    m = load_vector(stats_ptr, idx, n, stride_elem, 0.0, MASK)
+    r = load_vector(stats_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+    return m, r, load_vector(g_ptr, idx, n, stride_g, 0.0, MASK)
+
+
+@triton.jit
+def _inverse(factor):
+    """1 / factor, 0 where factor is 0 (a row no gradient reaches)."""
+    return tl.where(factor > 0, 1.0 / tl.where(factor > 0, factor, 1.0), 0.0)
+
+
+@triton.jit
+def _store_slice(ptr, rows, feats, n_rows, D, stride_r, stride_f, acc, scale, factor, NORMALIZE: tl.constexpr,
+                 ADD: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_FEATS: tl.constexpr):
+    """ptr[rows, feats] (+)= scale * acc (times each row's dS factor): the program's one write of its
+    gradient slice."""
+    if NORMALIZE:
+        value = acc * (factor * scale)[:, None]
+    else:
+        value = acc * scale
     ptrs = ptr + rows[:, None].to(tl.int64) * stride_r + feats[None, :].to(tl.int64) * stride_f
     if ADD:
         value += load_tile(ptr, rows, feats, n_rows, D, stride_r, stride_f, MASK_ROWS, MASK_FEATS, False)
@@ -104,7 +124,7 @@ def _dq_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the k tile of S feeds dq too
     rb = tl.program_id(0)
     out_slice = tl.program_id(1)
@@ -112,16 +132,14 @@ def _dq_kernel(
     cb_lo, cb_hi = block_range(split, tl.num_programs(2), tl.cdiv(n_k, BLOCK_N))
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.load(scale_ptr)
-    # Padded rows read zero stats and gradient: their S is -inf (masked_scores), so their dS is 0.
-    m_r = load_vector(row_stats_ptr, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-    r_r = load_vector(row_stats_ptr + stride_rs0, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-    g_r = load_vector(g_row_ptr, rows, n_q, stride_gr, 0.0, not EVEN_M)
+    m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
-    if NORMALIZE:
+    if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
         if HAS_COL:
             factor = tl.maximum(factor, tl.load(g_max_ptr + 1))
-        inv_factor = tl.where(factor > 0, 1.0 / tl.where(factor > 0, factor, 1.0), 0.0)
+    else:
+        factor = g_r  # unused
     feats = tl.arange(0, BLOCK_D)
     out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     if ONE_CHUNK:
@@ -133,19 +151,13 @@ def _dq_kernel(
     dscale_col = tl.zeros([BLOCK_M], dtype=ACC)
     for cb in range(cb_lo, cb_hi):
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-        if ONE_CHUNK:
-            k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_D)
-            raw = score_resident(q_res, k_tile, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
-        else:
-            raw = score_tile(
-                q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
-            )
+        raw, k_tile = block_scores(
+            q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if HAS_COL:
-            m_c = load_vector(col_stats_ptr, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-            r_c = load_vector(col_stats_ptr + stride_cs0, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-            g_c = load_vector(g_col_ptr, cols, n_k, stride_gc, 0.0, not EVEN_N)
+            m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
         else:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
@@ -155,18 +167,14 @@ def _dq_kernel(
             dscale_col += tl.sum(ds_col * raw, axis=1)
             ds = ds + ds_col
         if NORMALIZE:
-            ds = ds * inv_factor[:, None]
+            ds = ds * _inverse(factor)[:, None]
         if ONE_CHUNK:
             k_out = k_tile
         else:
             k_out = load_tile(k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, False)
         acc = tile_dot(ds.to(q_ptr.dtype.element_ty), k_out, acc, UPCAST, PRECISION)
-    if NORMALIZE:
-        acc = acc * (factor * scale)[:, None]
-    else:
-        acc = acc * scale
-    out = out_ptr + split.to(tl.int64) * stride_out_split
-    _store_slice(out, rows, out_feats, n_q, D, stride_out0, stride_out1, acc, ADD, not EVEN_M, not EVEN_OUT)
+    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, rows, out_feats, n_q, D, stride_out0, stride_out1,
+                 acc, scale, factor, NORMALIZE, ADD, not EVEN_M, not EVEN_OUT)
     if out_slice == 0:
         slot = dscale_ptr + 2 * (rb.to(tl.int64) * tl.num_programs(2) + split)
         tl.store(slot, tl.sum(dscale_row, axis=0))
@@ -188,7 +196,7 @@ def _dk_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the q tile of S feeds dk too
     cb = tl.program_id(0)
     out_slice = tl.program_id(1)
@@ -197,14 +205,13 @@ def _dk_kernel(
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     scale = tl.load(scale_ptr)
     if HAS_COL:
-        m_c = load_vector(col_stats_ptr, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-        r_c = load_vector(col_stats_ptr + stride_cs0, cols, n_k, stride_cs1, 0.0, not EVEN_N)
-        g_c = load_vector(g_col_ptr, cols, n_k, stride_gc, 0.0, not EVEN_N)
-    if NORMALIZE:
+        m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
+    if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
         factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
         if HAS_COL:
             factor = tl.maximum(factor, tl.abs(g_c))
-        inv_factor = tl.where(factor > 0, 1.0 / tl.where(factor > 0, factor, 1.0), 0.0)
+    else:
+        factor = scale  # unused
     feats = tl.arange(0, BLOCK_D)
     out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     if ONE_CHUNK:
@@ -214,36 +221,26 @@ def _dk_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_OUT], dtype=ACC)
     for rb in range(rb_lo, rb_hi):
         rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_r = load_vector(row_stats_ptr, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-        r_r = load_vector(row_stats_ptr + stride_rs0, rows, n_q, stride_rs1, 0.0, not EVEN_M)
-        g_r = load_vector(g_row_ptr, rows, n_q, stride_gr, 0.0, not EVEN_M)
+        m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
         pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
-        if ONE_CHUNK:
-            q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
-            raw = score_resident(q_tile, k_res, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
-        else:
-            raw = score_tile(
-                q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
-            )
+        raw, q_tile = block_scores(
+            q_ptr, k_ptr, k_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, False, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if not HAS_COL:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
         ds = ds_row + ds_col
         if NORMALIZE:
-            ds = ds * inv_factor[None, :]
+            ds = ds * _inverse(factor)[None, :]
         if ONE_CHUNK:
             q_out = q_tile
         else:
             q_out = load_tile(q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, False)
         acc = tile_dot(tl.trans(ds.to(q_ptr.dtype.element_ty)), q_out, acc, UPCAST, PRECISION)
-    if NORMALIZE:
-        acc = acc * (factor * scale)[:, None]
-    else:
-        acc = acc * scale
-    out = out_ptr + split.to(tl.int64) * stride_out_split
-    _store_slice(out, cols, out_feats, n_k, D, stride_out0, stride_out1, acc, ADD, not EVEN_N, not EVEN_OUT)
+    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, cols, out_feats, n_k, D, stride_out0, stride_out1,
+                 acc, scale, factor, NORMALIZE, ADD, not EVEN_N, not EVEN_OUT)
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -263,16 +260,12 @@ DQ_CONFIGS = {
     (90, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
     (80, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
     (0, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
-    # FMA products: 32 x 32 blocks (64 rows spill with q held in registers); 4 warps on sm_90, whose
-    # ptxas holds 8-warp blocks of this kernel to 128 registers.
-    (90, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128),
-    (80, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, block_out=128),
-    (0, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, block_out=128),
-    # fp64: twice the registers per entry: 16 columns on sm_90; 4 warps on sm_86, whose allocator
-    # holds 8-warp blocks to 128 registers.
-    (90, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=8, num_stages=2, block_out=64),
-    (80, "fp64"): TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, block_out=64),
-    (0, "fp64"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=64),
+    # FMA products (fp32 "ieee", fp64): 32-row blocks on 4 warps over 16-feature chunks, maxnreg 255
+    # (as in the forward); fp64 owns 16 columns and 64-wide slices for twice the bytes per entry.
+    **{(arch, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=255)
+       for arch in (90, 80, 0)},
+    **{(arch, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in (90, 80, 0)},
 }
 # The dk kernel is the dq kernel with the roles of q and k swapped; where its accumulator (BLOCK_N
 # rows of k) needs room, it owns fewer k rows, while BLOCK_M (the S tile's M side) stays the same.
@@ -281,9 +274,13 @@ DK_CONFIGS = {
     # sm_80: fp16's dS normalization tips 32 owned rows into spills at ragged D; 16 fit.
     (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
     (0, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
-    (0, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128),
-    (0, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64),
 }
+if TRITON_VERSION < (3, 3):
+    # Triton 3.2 aborts compiling the sm_90 dq kernel above (an assertion in its LLVM lowering of the
+    # 64-row wgmma accumulator split over two warp groups): there it takes 128 rows on the same 8 warps
+    # (one warp group per 64 rows) and a 128-wide slice, so the accumulator still fits.
+    DQ_CONFIGS.update({(90, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=128)
+                       for k in ("mma", "tf32")})
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
@@ -292,8 +289,11 @@ DK_CONFIGS = {
 
 
 def _keep(key, config: TileConfig, default: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_compile.py): the FMA classes (ieee,
+    """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, halving
+    BLOCK_N of the bf16/fp16 kernels spills the dq kernel at ragged D (ptxas 13); the FMA classes (ieee,
     fp64) sit at their register limit already, so they keep their default alone."""
+    if key == (90, "mma") and config.block_n < default.block_n:
+        return False
     return key[1] in ("mma", "tf32") or config == default
 
 
@@ -306,18 +306,10 @@ _KEY = ["D", "HAS_COL", "PRECISION", "BUCKET"]
 
 _dq = triton.heuristics(_HEURISTICS)(_dq_kernel)
 _dk = triton.heuristics(_HEURISTICS)(_dk_kernel)
-_dq_space, _dq_prune = autotune_space(DQ_AUTOTUNE_CONFIGS)
-_dk_space, _dk_prune = autotune_space(DK_AUTOTUNE_CONFIGS)
 # Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
 # per-program scale-gradient slots are zeroed before each trial.
-_dq_autotuned = triton.autotune(
-    configs=_dq_space, key=_KEY, prune_configs_by={"early_config_prune": _dq_prune},
-    restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"],
-)(_dq)
-_dk_autotuned = triton.autotune(
-    configs=_dk_space, key=_KEY, prune_configs_by={"early_config_prune": _dk_prune},
-    restore_value=["out_ptr"],
-)(_dk)
+_dq_autotuned = lazy_autotune(_dq, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"])
+_dk_autotuned = lazy_autotune(_dk, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -325,11 +317,10 @@ _dk_autotuned = triton.autotune(
 
 def _launch(kernel, autotuned, grid, args, cfg: TileConfig, autotune: bool, bucket: int, consts: dict, wrap):
     if autotune:
-        wrap(autotuned)[grid](*args, BUCKET=bucket, **consts)
+        wrap(autotuned())[grid](*args, BUCKET=bucket, **consts)
     else:
         wrap(kernel)[grid(dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0, **cfg.launch_options(), **consts,
         )
 
 

@@ -34,21 +34,20 @@ from .configs import (
     SHAPE_HEURISTICS,
     TileConfig,
     Tiling,
-    autotune_space,
     launch_options,
+    lazy_autotune,
     neighbours,
     plan_forward,
     size_bucket,
 )
 from .tiles import (
-    MIN_DOT,
     block_range,
+    block_scores,
+    check_blocks,
     load_tile,
     load_vector,
     masked_scores,
     merge_rest_stats,
-    score_resident,
-    score_tile,
     tile_rest_stats,
 )
 
@@ -73,7 +72,7 @@ def _forward_kernel(
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     group = tl.program_id(0)
     split = tl.program_id(1)
     rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(n_q, BLOCK_M))
@@ -94,14 +93,10 @@ def _forward_kernel(
         pos_logit = tl.zeros([BLOCK_M], dtype=ACC)
         for cb in range(cb_lo, cb_hi):
             cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-            if ONE_CHUNK:
-                k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_D)
-                raw = score_resident(q_res, k_tile, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
-            else:
-                raw = score_tile(
-                    q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                    BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
-                )
+            raw, _ = block_scores(
+                q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+            )
             # Row stats see only real columns; padded rows are finite (zero features) and never stored.
             s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
             tile_max, tile_rest = tile_rest_stats(s_rows, 1)
@@ -130,32 +125,30 @@ DEFAULT_CONFIGS = {
     (90, "mma"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     # sm_80: 128 rows on mma.sync; ptxas 12 spills the 64-column tile at ragged D, 32 columns fit.
     (80, "mma"): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
-    # sm_86/89/120 (<= 99 KiB of shared memory): sm_80's tile with 2 stages.
-    (0, "mma"): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
+    # sm_86/89/120 (<= 99 KiB of shared memory; its ptxas spills 128-row tiles at ragged D): 64 x 32.
+    (0, "mma"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
     # tf32: fp32 operands in 32-feature chunks; on sm_90 a third stage pushes registers into spills.
     (90, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     (80, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     (0, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    # fp32 "ieee" products run on FMA units with both operands in registers: 64 x 64 tiles on sm_80;
-    # ptxas 13 (sm_90) spills anything above 32 x 32 with q held in registers, sm_86's above 64 x 32.
-    (90, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
-    (80, "ieee"): TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
-    (0, "ieee"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
-    # fp64 holds twice the registers per entry: 32 x 32 tiles (16 x 32 for ptxas 12 on sm_80).
-    (90, "fp64"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
-    (80, "fp64"): TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2),
-    (0, "fp64"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
+    # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
+    # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM.
+    **{(arch, klass): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=255)
+       for arch in (90, 80, 0) for klass in ("ieee", "fp64")},
 }
 
 
 
 def _keep(key, config: TileConfig) -> bool:
     """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, 128 x 32
-    tiles with 3 stages spill at ragged D (ptxas 13); the FMA classes (ieee, fp64) sit at their register
-    limit already, so they keep their default alone."""
+    tiles with 3 stages (bf16/fp16) and a third tf32 stage spill at ragged D (ptxas 13); the FMA
+    classes (ieee, fp64) sit at their register limit already, so they keep their default alone."""
+    default = DEFAULT_CONFIGS[key]
     if key == (90, "mma") and config.block_n == 32:
         return False
-    return key[1] in ("mma", "tf32") or config == DEFAULT_CONFIGS[key]
+    if key == (90, "tf32") and config.num_stages > default.num_stages:
+        return False
+    return key[1] in ("mma", "tf32") or config == default
 
 
 # The search space under INFCL_AUTOTUNE=1 (keyed by D, dtypes, precision, the loss direction and the
@@ -164,15 +157,11 @@ def _keep(key, config: TileConfig) -> bool:
 AUTOTUNE_CONFIGS = {key: [c for c in neighbours(config) if _keep(key, c)] for key, config in DEFAULT_CONFIGS.items()}
 
 _forward = triton.heuristics(SHAPE_HEURISTICS)(_forward_kernel)
-_autotune_configs, _autotune_prune = autotune_space(AUTOTUNE_CONFIGS)
 # Every buffer a trial writes: the row partials are overwritten whole, the column partials are
 # read-merged-written from the host's empty stats, so both are restored between trials.
-_forward_autotuned = triton.autotune(
-    configs=_autotune_configs,
-    key=["D", "COLS", "PRECISION", "BUCKET"],
-    prune_configs_by={"early_config_prune": _autotune_prune},
-    restore_value=["rows_ptr", "cols_ptr"],
-)(_forward)
+_forward_autotuned = lazy_autotune(
+    _forward, AUTOTUNE_CONFIGS, key=["D", "COLS", "PRECISION", "BUCKET"], restore_value=["rows_ptr", "cols_ptr"]
+)
 
 
 # ---- launcher -----------------------------------------------------------------------------------
@@ -230,12 +219,11 @@ def softmax_forward(
     grid = (plan.groups, plan.splits)
     consts = dict(COLS=want_cols, BLOCK_D=tiling.block_d(dim), **opts, **COMPILE_OPTIONS)
     if autotune:
-        wrap(_forward_autotuned)[grid](*args, BUCKET=size_bucket(n_q, n_k), **consts)
+        wrap(_forward_autotuned())[grid](*args, BUCKET=size_bucket(n_q, n_k), **consts)
     else:
         cfg = tiling.forward
         wrap(_forward)[grid](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **consts,
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0, **cfg.launch_options(), **consts,
         )
     rows[REL].log1p_()  # rest -> r = log1p(rest), the contract's form; -1 (empty) -> -inf
     row_stats = merge_partials(rows)
