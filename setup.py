@@ -13,6 +13,8 @@ CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native_build compiles e
 
 TRITON = 'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"'
 SENTENCE_TRANSFORMERS = "sentence-transformers>=5"
+# The trainer (SentenceTransformerTrainer) needs datasets and accelerate: the tests run a short training.
+SENTENCE_TRANSFORMERS_TRAIN = "sentence-transformers[train]>=5"
 
 setup(
     name="infcl",
@@ -38,7 +40,7 @@ setup(
             "matplotlib>=3.5",
             "tqdm>=4",
             TRITON,
-            SENTENCE_TRANSFORMERS,
+            SENTENCE_TRANSFORMERS_TRAIN,
         ],
     },
 )

@@ -3,7 +3,8 @@
 With no arguments it runs the embedded "default" sweep (about 1-2 minutes on 2 cores) and writes
 bench/results/default.csv and default.png. ``--preset issue`` is the full run of issue 4. Any of
 --batch-sizes/--dims/--dtype/--modes/--one-direction replaces that field of the chosen preset's first
-sweep and writes "custom.csv" (or --name).
+sweep and writes "custom.csv" (or --name). ``--loss siglip`` runs the same sweeps on the sigmoid
+(SigLIP) loss, vanilla being open_clip's SigLipLoss, and prefixes the file names with "siglip-".
 """
 
 import argparse
@@ -15,7 +16,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .methods import BASELINE, METHODS
+from .methods import BASELINE, LOSSES, METHODS
 from .presets import PRESETS, Sweep, custom_sweep
 from .report import add_ratios, format_table, write_csv, write_plot
 from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
@@ -47,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="embedded sweep(s) to run")
+    p.add_argument("--loss", choices=LOSSES, default="clip",
+                   help="clip: the contrastive loss (cal_inf_loss); siglip: the sigmoid loss (cal_siglip_loss)")
     p.add_argument("--batch-sizes", type=_ints, help="e.g. 2048,4096")
     p.add_argument("--dims", type=_ints, help="feature sizes D, e.g. 256,512")
     p.add_argument("--dtype", choices=sorted(DTYPES))
@@ -74,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.methods or ():
         if name not in METHODS:
             p.error(f"--methods: unknown method {name!r}; choose from {tuple(METHODS)}")
+    if args.loss == "siglip" and args.symmetric is not None:
+        p.error("--symmetric / --one-direction choose the direction of the clip loss; the siglip loss has one form")
     return args
 
 
@@ -81,9 +86,10 @@ def _sweeps(args) -> Tuple[str, Tuple[Sweep, ...]]:
     overrides = dict(batch_sizes=args.batch_sizes, dims=args.dims, dtype=args.dtype, modes=args.modes,
                      symmetric=args.symmetric, memory_only=args.memory_only)
     sweeps = PRESETS[args.preset]
+    prefix = "" if args.loss == "clip" else f"{args.loss}-"
     if any(v is not None for v in overrides.values()):
-        return args.name or "custom", (custom_sweep(sweeps[0], **overrides),)
-    return args.name or args.preset, sweeps
+        return args.name or f"{prefix}custom", (custom_sweep(sweeps[0], **overrides),)
+    return args.name or f"{prefix}{args.preset}", sweeps
 
 
 def _device_memory_gb(device: torch.device) -> float:
@@ -104,12 +110,14 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
     jobs, decided = [], []
     for sw in sweeps:
         repeats = 1 if sw.memory_only else (args.repeats or sw.repeats or DEFAULT_REPEATS)
-        common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup, repeats=repeats)
+        common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup, repeats=repeats,
+                      loss=args.loss, symmetric=sw.symmetric and args.loss == "clip", memory_only=sw.memory_only,
+                      accuracy=sw.accuracy and not sw.memory_only)
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
         for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
             for name, mode in itertools.product(names, sw.modes):
-                job = Job(name, batch, dim, mode=mode, symmetric=sw.symmetric, memory_only=sw.memory_only, **common)
-                unavailable = METHODS[name].unavailable(device, dim)
+                job = Job(name, batch, dim, mode=mode, **common)
+                unavailable = METHODS[name].unavailable_for(args.loss, device, dim)
                 too_big = _vanilla_too_big(batch, sw.dtype, max_gb) if name == BASELINE else None
                 if unavailable is None and too_big is None:
                     jobs.append(job)
@@ -120,7 +128,7 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
 
 
 def row_of(job: Job) -> Dict:
-    return dict(method=job.method, device=job.device, dtype=job.dtype, batch=job.batch, dim=job.dim,
+    return dict(method=job.method, loss=job.loss, device=job.device, dtype=job.dtype, batch=job.batch, dim=job.dim,
                 symmetric=job.symmetric, mode=job.mode, repeats=job.repeats, threads=job.threads)
 
 
@@ -168,7 +176,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = args.out / f"{name}.csv", args.out / f"{name}.png"
     write_csv(rows, csv_path)
-    write_plot(rows, png_path, f"infcl bench '{name}' on {args.device}, {args.threads} thread(s)")
+    write_plot(rows, png_path, f"infcl bench '{name}' ({args.loss} loss) on {args.device}, {args.threads} thread(s)")
     print(f"wrote {csv_path} and {png_path}")
     return 0
 

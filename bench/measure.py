@@ -2,7 +2,7 @@
 
 A step is a pair of callables: ``prepare()`` (untimed: e.g. the forward before a timed backward) and
 ``measured()`` (the timed phase). Time: median over ``repeats`` runs after ``warmup`` runs, with
-``torch.cuda.synchronize`` around each run on CUDA. Peak extra memory: the high-water mark while
+``torch.cuda.synchronize`` around each run and CUDA events timing it on CUDA. Peak extra memory: the high-water mark while
 ``measured`` runs minus the memory held before ``prepare`` (so the forward's saved tensors count in
 a backward's figure); on CUDA from ``torch.cuda.max_memory_allocated``, on CPU from the process's
 resident-set high-water mark (``resource.getrusage(...).ru_maxrss``), read in a fresh process per
@@ -66,10 +66,17 @@ def _sync(device: torch.device) -> None:
 def _timed(step: Step, device: torch.device) -> float:
     state = step.prepare()
     _sync(device)
-    start = time.perf_counter()
-    out = step.measured(state)
-    _sync(device)
-    elapsed = time.perf_counter() - start
+    if device.type == "cuda":  # CUDA events: the GPU's own clock, no host launch overhead in the figure
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = step.measured(state)
+        end.record()
+        end.synchronize()
+        elapsed = start.elapsed_time(end) / 1e3
+    else:
+        start = time.perf_counter()
+        out = step.measured(state)
+        elapsed = time.perf_counter() - start
     del out, state
     return elapsed
 

@@ -1,11 +1,20 @@
-"""The providers the benchmark compares, each a loss ``fn(q, k, scale, symmetric) -> 0-d tensor``.
+"""The providers the benchmark compares, for each loss a ``fn(q, k, scale, symmetric) -> 0-d tensor``.
 
+The contrastive (CLIP) loss, ``--loss clip``:
 - "vanilla": materialized logits ``scale * q @ k.T`` and ``F.cross_entropy`` (open_clip's ClipLoss),
   O(B^2) memory; the baseline every ratio is taken against.
 - "torch", "cpu", "triton": ``infcl.cal_inf_loss(..., backend=name)``.
 - "inf-cl": Inf-CL's ``inf_cl.cal_inf_loss`` (CUDA only; the symmetric loss is its two directions
   averaged, as Inf-CL's own ClipLoss does).
+The sigmoid (SigLIP) loss, ``--loss siglip`` (``symmetric`` is ignored; the bias is SIGLIP_BIAS, a leaf
+that receives a gradient):
+- "vanilla": open_clip's own ``SigLipLoss`` (its loss.py loaded by file), or, without open_clip, the
+  same math on materialized logits (``-logsigmoid(z * (scale * q @ k.T + bias)).sum() / B``).
+- "torch", "cpu", "triton": ``infcl.cal_siglip_loss(..., backend=name)``; Inf-CL has no sigmoid loss.
 A method that cannot run here has an ``unavailable`` reason and is listed as skipped, never dropped.
+``gemm_equivalents`` counts the products (each 2 * B^2 * D flops) each method spends per mode on the
+contrastive loss, for the GEMM-throughput column: how much of the device's matmul rate its own
+products reach.
 """
 
 import importlib.util
@@ -15,8 +24,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from infcl import cal_inf_loss
+from infcl import cal_inf_loss, cal_siglip_loss
 from infcl.backends import unavailable_reason
+
+from . import open_clip_loss
 
 Tensor = torch.Tensor
 
@@ -24,6 +35,9 @@ Tensor = torch.Tensor
 LOGIT_SCALE = 1 / 0.07
 # Inf-CL's kernels take D in heads of one of these sizes (its docstring: 16, 32, 64, 128 or 256).
 INF_CL_HEAD_DIMS = (256, 128, 64, 32, 16)
+LOSSES = ("clip", "siglip")
+# SigLIP's initial logit bias (its paper's b = -10), used with the same scale as the CLIP loss.
+SIGLIP_BIAS = -10.0
 
 
 def make_inputs(batch: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -57,6 +71,29 @@ def _infcl_loss(backend: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor
     return loss
 
 
+def _siglip_bias(scale: Tensor) -> Tensor:
+    """The sigmoid loss's bias: a fresh leaf per call (it receives a gradient, like the scale)."""
+    return torch.full((), SIGLIP_BIAS, dtype=scale.dtype, device=scale.device, requires_grad=True)
+
+
+def siglip_vanilla_loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
+    """open_clip's SigLipLoss (materialized [B, B] logits and labels in the inputs' dtype), or its math."""
+    bias = _siglip_bias(scale)
+    module = open_clip_loss.load()
+    if module is not None:
+        return module.SigLipLoss()(q, k, scale, bias)
+    logits = scale * q @ k.T + bias
+    signs = 2 * torch.eye(q.shape[0], dtype=q.dtype, device=q.device) - 1
+    return -F.logsigmoid(signs * logits).sum() / q.shape[0]
+
+
+def _infcl_siglip(backend: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+    def loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
+        return cal_siglip_loss(q, k, scale, _siglip_bias(scale), backend=backend)
+
+    return loss
+
+
 def _inf_cl_head_dim(dim: int) -> Optional[int]:
     return next((h for h in INF_CL_HEAD_DIMS if dim % h == 0), None)
 
@@ -86,16 +123,59 @@ class Method:
     loss: Callable[[Tensor, Tensor, Tensor, bool], Tensor]
     unavailable: Callable[[torch.device, int], Optional[str]]  # (device, D) -> None or why not
     tiled: bool  # memory linear in B: runs the large memory-only configurations
+    siglip: Optional[Callable[[Tensor, Tensor, Tensor, bool], Tensor]] = None  # the sigmoid loss, if it has one
+
+    def loss_fn(self, loss: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+        return self.siglip if loss == "siglip" else self.loss
+
+    def unavailable_for(self, loss: str, device: torch.device, dim: int) -> Optional[str]:
+        if loss == "siglip" and self.siglip is None:
+            return f"{self.name} has no sigmoid (SigLIP) loss"
+        return self.unavailable(device, dim)
 
 
 def _infcl_method(backend: str) -> Method:
-    return Method(backend, _infcl_loss(backend), lambda device, dim: unavailable_reason(backend, device), tiled=True)
+    return Method(
+        backend, _infcl_loss(backend), lambda device, dim: unavailable_reason(backend, device), tiled=True,
+        siglip=_infcl_siglip(backend),
+    )
+
+
+def _tiled_gemms(device, dtype, dim):  # the torch tiles and the native kernel: S; S again, dq, dk
+    return 1, 3
+
+
+def _triton_gemms(device, dtype, dim):
+    from infcl.kernels.ops import gemm_equivalents
+
+    return gemm_equivalents(dim, dtype, device, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+
+
+# (forward, backward) GEMM-equivalents of one direction; the symmetric loss costs the same except for
+# Inf-CL, which runs each direction separately.
+_GEMMS = {
+    "vanilla": lambda device, dtype, dim: (1, 2),  # logits; dq and dk from the logits' gradient
+    "torch": _tiled_gemms,
+    "cpu": _tiled_gemms,
+    "triton": _triton_gemms,
+    "inf-cl": lambda device, dtype, dim: (1, 4),  # S; S for dq, dq, S for dk, dk
+}
+
+
+def gemm_equivalents(name: str, loss: str, mode: str, device: torch.device, dtype: torch.dtype, dim: int,
+                     symmetric: bool) -> Optional[int]:
+    """The products ``name`` spends on the contrastive loss in ``mode`` (None for the sigmoid loss)."""
+    if loss != "clip":
+        return None
+    forward, backward = _GEMMS[name](device, dtype, dim)
+    total = {"forward": forward, "backward": backward, "forward+backward": forward + backward}[mode]
+    return total * (2 if symmetric and name == "inf-cl" else 1)
 
 
 METHODS = {
     m.name: m
     for m in (
-        Method("vanilla", vanilla_loss, lambda device, dim: None, tiled=False),
+        Method("vanilla", vanilla_loss, lambda device, dim: None, tiled=False, siglip=siglip_vanilla_loss),
         _infcl_method("torch"),
         _infcl_method("cpu"),
         _infcl_method("triton"),

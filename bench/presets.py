@@ -1,4 +1,5 @@
-"""The embedded sweeps: "default" (no arguments, ~1-2 min on 2 cores) and "issue" (the full run)."""
+"""The embedded sweeps: "default" (no arguments, ~1-2 min on 2 cores), "issue" (the full CPU run) and
+"gpu" (vanilla vs Inf-CL vs the Triton kernels on one GPU, with errors against float64)."""
 
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
@@ -22,9 +23,13 @@ class Sweep:
     symmetric: bool = True
     memory_only: bool = False  # one run per configuration, peak memory only, no GEMM rate
     repeats: Optional[int] = None  # None: the CLI's --repeats
+    accuracy: bool = False  # also the error against a float64 truth (bench.accuracy)
 
 
 ISSUE_BATCHES = (2048, 4096, 8192, 16384)
+# The GPU run: vanilla (until its logits no longer fit), Inf-CL and the Triton kernels, 8k .. 256k.
+GPU_BATCHES = (8192, 16384, 32768, 65536, 131072, 262144)
+GPU_METHODS = ("vanilla", "inf-cl", "triton")
 
 PRESETS: Dict[str, Tuple[Sweep, ...]] = {
     "default": (Sweep(batch_sizes=(1024, 2048, 4096), dims=(256,), repeats=3),),
@@ -33,6 +38,14 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
         Sweep(batch_sizes=ISSUE_BATCHES, dims=(512,), dtype="bfloat16", modes=("forward+backward",), repeats=3),
         # The memory claim: vanilla would need ~80 GB here, so it is listed as skipped by its estimate.
         Sweep(batch_sizes=(65536,), dims=(256,), modes=("forward+backward",), memory_only=True),
+    ),
+    "gpu": (
+        Sweep(batch_sizes=GPU_BATCHES, dims=(512,), dtype="bfloat16", modes=("forward+backward",),
+              methods=GPU_METHODS, accuracy=True),
+        Sweep(batch_sizes=GPU_BATCHES[:3], dims=(1024,), dtype="bfloat16", modes=("forward+backward",),
+              methods=GPU_METHODS, accuracy=True),
+        Sweep(batch_sizes=GPU_BATCHES[:3], dims=(512,), dtype="float32", modes=("forward+backward",),
+              methods=GPU_METHODS, accuracy=True),
     ),
 }
 

@@ -5,11 +5,12 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from .gemm import gemm_bound_seconds
+from .gemm import gemm_bound_seconds, gemm_flops
 from .methods import BASELINE
 
 COLUMNS = (
     "method",
+    "loss",
     "device",
     "dtype",
     "batch",
@@ -26,6 +27,10 @@ COLUMNS = (
     "gemm_bound_s",
     "time_vs_gemm_bound",
     "gemm_gflops",
+    "gemm_equivalents",
+    "gemm_fraction",
+    "loss_rel_error",
+    "grad_rel_error",
     "threads",
     "note",
 )
@@ -38,7 +43,7 @@ CSV_DIGITS = 6
 
 
 def _key(row: Dict):
-    return row["device"], row["dtype"], row["batch"], row["dim"], row["symmetric"], row["mode"]
+    return row["loss"], row["device"], row["dtype"], row["batch"], row["dim"], row["symmetric"], row["mode"]
 
 
 def add_ratios(rows: List[Dict]) -> None:
@@ -57,6 +62,8 @@ def add_ratios(rows: List[Dict]) -> None:
         if rate is not None and row.get("time_s") is not None:
             row["gemm_bound_s"] = gemm_bound_seconds(row["batch"], row["dim"], row["mode"], rate * 1e9)
             row["time_vs_gemm_bound"] = row["time_s"] / row["gemm_bound_s"]
+            if row.get("gemm_equivalents"):  # the method's own products per second, / the matmul rate
+                row["gemm_fraction"] = row["gemm_equivalents"] * gemm_flops(row["batch"], row["dim"]) / row["time_s"] / (rate * 1e9)
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -69,8 +76,8 @@ def _fmt(value, digits: int = 3) -> str:
 
 def format_table(rows: List[Dict]) -> str:
     """Measured rows as an aligned table; rows skipped for an unavailable method are summarized below it."""
-    heads = ("method", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
-             "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "note")
+    heads = ("method", "loss", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
+             "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "gemm_fraction", "grad_rel_error", "note")
     shown = [r for r in rows if not (r["status"] == "skipped" and r.get("unavailable"))]
     cells = [heads] + [tuple(_fmt(r.get(h)) for h in heads) for r in shown]
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]

@@ -14,9 +14,10 @@ from typing import Dict
 
 import torch
 
+from .accuracy import errors_vs_float64
 from .gemm import gemm_rates, gemm_steps
 from .measure import MIB, Step, loss_step, median, peak_extra_bytes, time_interleaved
-from .methods import METHODS, make_inputs
+from .methods import METHODS, gemm_equivalents, make_inputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MODES = ("forward", "backward", "forward+backward")
@@ -39,16 +40,19 @@ class Job:
     mode: str = "forward+backward"
     symmetric: bool = True
     memory_only: bool = False
+    loss: str = "clip"  # "clip" (the contrastive loss) or "siglip" (the sigmoid loss)
+    accuracy: bool = False  # also measure the error against a float64 truth (bench.accuracy)
 
     def label(self) -> str:
-        return f"{self.method} {self.mode} B={self.batch} D={self.dim} {self.dtype}"
+        loss = "" if self.loss == "clip" else f" {self.loss}"
+        return f"{self.method}{loss} {self.mode} B={self.batch} D={self.dim} {self.dtype}"
 
 
 def _step(job: Job, batch: int) -> Step:
     """The step of ``job.mode`` on fresh inputs of ``batch`` rows."""
     q, k, scale = make_inputs(batch, job.dim, DTYPES[job.dtype], torch.device(job.device))
-    method = METHODS[job.method]
-    return loss_step(lambda q, k, s: method.loss(q, k, s, job.symmetric), q, k, scale, job.mode)
+    loss = METHODS[job.method].loss_fn(job.loss)
+    return loss_step(lambda q, k, s: loss(q, k, s, job.symmetric), q, k, scale, job.mode)
 
 
 def _run_method(job: Job) -> Dict:
@@ -65,7 +69,13 @@ def _run_method(job: Job) -> Dict:
         times = time_interleaved({"method": step, **gemm}, device, job.warmup, job.repeats)
         method_times = times.pop("method")
         rates = gemm_rates(job.batch, job.dim, times)
-        result.update(time_s=median(method_times), time_min_s=min(method_times), gemm_gflops=rates["gflops"])
+        result.update(time_s=median(method_times), time_min_s=min(method_times), gemm_gflops=rates["gflops"],
+                      gemm_equivalents=gemm_equivalents(job.method, job.loss, job.mode, device, DTYPES[job.dtype],
+                                                        job.dim, job.symmetric))
+    if job.accuracy:
+        del step
+        result.update(errors_vs_float64(job.method, job.loss, job.batch, job.dim, DTYPES[job.dtype], device,
+                                        job.symmetric))
     return result
 
 

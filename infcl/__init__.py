@@ -1,7 +1,8 @@
-"""infcl: exact contrastive (InfoNCE / CLIP) losses at memory linear in the batch.
+"""infcl: exact contrastive (InfoNCE / CLIP, and sigmoid / SigLIP) losses at memory linear in the batch.
 
-    from infcl import cal_inf_loss
+    from infcl import cal_inf_loss, cal_siglip_loss
     loss = cal_inf_loss(image_feats, text_feats, scale=logit_scale.exp(), symmetric=True)
+    loss = cal_siglip_loss(image_feats, text_feats, logit_scale.exp(), logit_bias)
 
 ``python -m infcl`` reports the versions and which backends run here; ``python -m infcl build`` compiles the
 native CPU kernel ahead of time.
@@ -12,8 +13,9 @@ from importlib import metadata
 from .api import cal_inf_loss
 from .backends import BACKENDS
 from .gradcache import GradCache, RandContext, split_vlm_inputs
-from .modules import InfCLIPLoss
+from .modules import InfCLIPLoss, InfSigLipLoss
 from .reference import cal_inf_loss_reference
+from .siglip import cal_siglip_loss
 
 try:
     __version__ = metadata.version("infcl")  # the installed distribution's (setup.py's) version
@@ -24,6 +26,8 @@ __all__ = [
     "cal_inf_loss",
     "cal_inf_loss_reference",
     "InfCLIPLoss",
+    "cal_siglip_loss",
+    "InfSigLipLoss",
     "BACKENDS",
     "GradCache",
     "RandContext",

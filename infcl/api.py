@@ -6,7 +6,7 @@ from .backends import block_backend, resolve_backend
 from .checks import check_features, check_head_dim, check_reduction, global_labels, local_labels, make_scale
 from .function import InfLossFunction, LossPlan
 from .reference import reference_losses
-from .ring.layout import exchange_layout, rejected_everywhere, ring_group, single_layout
+from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 
 
 def cal_inf_loss(
@@ -58,10 +58,7 @@ def cal_inf_loss(
         name = resolve_backend(backend, q.device)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
-    if ring is None:
-        layout = single_layout(q.shape[0], k.shape[0], labels_t)
-    else:
-        layout = exchange_layout(q, k, ring, labels_t)
+    layout = call_layout(ring, q, k, labels_t)
     labels_t = global_labels(labels_t, q, layout, symmetric)
 
     if name == "reference":
@@ -69,7 +66,18 @@ def cal_inf_loss(
     else:
         plan = LossPlan(backend=block_backend(name), symmetric=symmetric, layout=layout)
         row_loss, col_loss = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
-    per_item = (row_loss + col_loss) / 2 if symmetric else row_loss
+    return reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
+
+
+def call_layout(ring, q: torch.Tensor, k: torch.Tensor, labels) -> RingLayout:
+    """This call's ring layout: a single process, or every rank's sizes exchanged over ``ring``."""
+    if ring is None:
+        return single_layout(q.shape[0], k.shape[0], labels)
+    return exchange_layout(q, k, ring, labels)
+
+
+def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The local reduction: mean or sum over this rank's items, or the items themselves ("none")."""
     if reduction == "mean":
         return per_item.mean()
     if reduction == "sum":

@@ -19,8 +19,10 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(n) for n in t.shape) + "]"
 
 
-def check_features(q, k) -> None:
-    for name, t in (("q", q), ("k", k)):
+def check_features(q, k, names=("q", "k")) -> None:
+    """q [Bq, D] and k [Bk, D]: float tensors of one dtype and device; ``names`` as the caller calls them."""
+    nq, nk = names
+    for name, t in ((nq, q), (nk, k)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
@@ -32,11 +34,11 @@ def check_features(q, k) -> None:
         if t.shape[1] == 0:
             raise ValueError(f"{name} has feature dimension 0: shape {_shape(t)}")
     if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must have the same feature dimension: q {_shape(q)}, k {_shape(k)}")
+        raise ValueError(f"{nq} and {nk} must have the same feature dimension: {nq} {_shape(q)}, {nk} {_shape(k)}")
     if q.dtype != k.dtype:
-        raise TypeError(f"q and k must have the same dtype: q {q.dtype}, k {k.dtype}")
+        raise TypeError(f"{nq} and {nk} must have the same dtype: {nq} {q.dtype}, {nk} {k.dtype}")
     if q.device != k.device:
-        raise ValueError(f"q and k must be on the same device: q on {q.device}, k on {k.device}")
+        raise ValueError(f"{nq} and {nk} must be on the same device: {nq} on {q.device}, {nk} on {k.device}")
 
 
 def check_reduction(reduction) -> None:
@@ -77,6 +79,13 @@ def make_scale(scale, name: str = "scale") -> torch.Tensor:
     return scale
 
 
+def make_bias(bias) -> torch.Tensor:
+    """The sigmoid loss's logit bias, accepted as :func:`make_scale` accepts the scale; None means 0."""
+    if bias is None:
+        return torch.zeros((), dtype=torch.float32)
+    return make_scale(bias, "bias")
+
+
 def local_labels(labels, q: torch.Tensor) -> Optional[torch.Tensor]:
     """Check the labels' type and shape; return them as int64 on q's device, or None.
 
@@ -95,17 +104,20 @@ def local_labels(labels, q: torch.Tensor) -> Optional[torch.Tensor]:
     return labels.to(device=q.device, dtype=torch.int64)
 
 
-def global_labels(labels: Optional[torch.Tensor], q: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Tensor:
+def global_labels(
+    labels: Optional[torch.Tensor], q: torch.Tensor, layout: RingLayout, symmetric: bool, names=("q", "k")
+) -> torch.Tensor:
     """Global column index of each local row's positive, checked against every rank's sizes and labels."""
     dim = q.shape[1]
+    nq, nk = names
     for rank, (bq, bk, bounds) in enumerate(zip(layout.q_sizes, layout.k_sizes, layout.label_ranges)):
         where = "" if layout.world == 1 else f" on rank {rank}"
         if symmetric and bq != bk:
             raise ValueError(f"symmetric=True needs as many q rows as k rows{where}: q [{bq}, {dim}], k [{bk}, {dim}]")
         if bounds is None and bq != bk:
             raise ValueError(
-                f"labels=None means the diagonal, which needs Bq == Bk{where}; got q [{bq}, {dim}], k [{bk}, {dim}] "
-                "(pass labels to use the extra k rows as hard negatives)"
+                f"labels=None means the diagonal, which needs Bq == Bk{where}; got {nq} [{bq}, {dim}], {nk} [{bk}, {dim}] "
+                f"(pass labels to use the extra {nk} rows as hard negatives)"
             )
         if bounds is not None and (bounds[0] < 0 or bounds[1] >= layout.total_k):
             raise ValueError(

@@ -1,9 +1,12 @@
-"""The one autograd Function behind ``cal_inf_loss`` for every non-reference backend.
+"""The autograd Functions behind ``cal_inf_loss`` and ``cal_siglip_loss`` for every non-reference backend.
 
-Forward runs the ring driver with the softmax loss's block steps and returns per-row (and, for the
-symmetric loss, per-column) losses ``(max - positive) + rel``; it saves only q, k, the labels and the
-``[2, n]`` log-sum-exp stats. Backward hands the upstream per-row / per-column gradients to the driver,
-which recomputes the tiles.
+:class:`InfLossFunction` (softmax): forward runs the ring driver with the softmax loss's block steps and
+returns per-row (and, for the symmetric loss, per-column) losses ``(max - positive) + rel``; it saves
+only q, k, the labels and the ``[2, n]`` log-sum-exp stats. Backward hands the upstream per-row /
+per-column gradients to the driver, which recomputes the tiles.
+
+:class:`SigmoidLossFunction` (SigLIP): the same driver with the sigmoid loss's block steps; it saves
+only q, k, the labels, the scale and the bias (the backward needs no forward statistics).
 """
 
 from dataclasses import dataclass
@@ -12,6 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backends.base import BlockBackend, accum_dtype
+from .losses.sigmoid import SigmoidRing
 from .losses.softmax import SoftmaxRing, backward_rows, split
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout
@@ -31,6 +35,18 @@ def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return scale.detach().to(device=like.device, dtype=accum_dtype(like.dtype)).reshape(())
 
 
+def _param_meta(param: torch.Tensor):
+    return param.dtype, param.shape, param.device
+
+
+def _param_grad(needed: bool, grad: torch.Tensor, meta):
+    """A loss parameter's gradient back in the dtype, shape and device the caller passed (None if unneeded)."""
+    if not needed:
+        return None
+    dtype, shape, device = meta
+    return grad.to(device=device, dtype=dtype).reshape(shape)
+
+
 class InfLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
@@ -44,7 +60,7 @@ class InfLossFunction(torch.autograd.Function):
             col_loss = row_loss.new_empty(0)
             ctx.save_for_backward(q, k, scale_t, labels, rows[:2])
         ctx.plan = plan
-        ctx.scale_meta = (scale.dtype, scale.shape, scale.device)
+        ctx.scale_meta = _param_meta(scale)
         ctx.mark_non_differentiable(labels)
         return row_loss, col_loss
 
@@ -56,8 +72,29 @@ class InfLossFunction(torch.autograd.Function):
         ahead = backward_rows(rest[0], g_col) if plan.symmetric else None
         rows = backward_rows(row_stats, g_row)
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, SoftmaxRing(plan.symmetric), plan.backend, plan.layout, rows, ahead)
-        scale_grad = None
-        if ctx.needs_input_grad[2]:
-            dtype, shape, device = ctx.scale_meta
-            scale_grad = dparams[0].to(device=device, dtype=dtype).reshape(shape)
+        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
+
+
+class SigmoidLossFunction(torch.autograd.Function):
+    """Per-row sigmoid losses ``[Bq]`` of this rank's rows against the global k (see ``cal_siglip_loss``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, scale, bias, labels, plan: LossPlan):
+        scale_t, bias_t = device_scale(scale, q), device_scale(bias, q)
+        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidRing(bias_t), plan.backend, plan.layout)
+        ctx.save_for_backward(q, k, scale_t, bias_t, labels)
+        ctx.plan = plan
+        ctx.param_meta = (_param_meta(scale), _param_meta(bias))
+        return rows[0]
+
+    @staticmethod
+    @once_differentiable  # the backward is itself a tiled loop: no double backward
+    def backward(ctx, g_row):
+        plan: LossPlan = ctx.plan
+        q, k, scale_t, bias_t, labels = ctx.saved_tensors
+        # The upstream gradient of a mean is an expanded (stride 0) vector: an O(B) copy makes it plain.
+        rows = g_row.to(scale_t.dtype).contiguous()[None]
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, SigmoidRing(bias_t), plan.backend, plan.layout, rows, None)
+        grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
+        return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None

@@ -1,6 +1,7 @@
 """The materializing reference: plain autograd over the full logits, for tests and debugging.
 
-This is the vanilla loss (``F.cross_entropy`` on ``scale * q @ k.T``) and deliberately shares no
+This is the vanilla loss (``F.cross_entropy`` on ``scale * q @ k.T``; for the sigmoid loss
+``-F.logsigmoid`` on ``±(scale * q @ k.T + bias)``) and deliberately shares no
 compute with the tiled backends, so ``INFCL_BACKEND=reference`` is an independent A/B check. It uses
 O(Bq * Bk) memory. Under a ring it all-gathers the features with gradient (as open_clip's
 ``gather_with_grad=True`` does), so it also checks the ring's gradient convention.
@@ -53,6 +54,16 @@ def reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout):
     off = layout.k_offsets[layout.rank]
     col_loss = F.cross_entropy(s * ka @ q_all.T, inverse[off : off + k.shape[0]], reduction="none")
     return row_loss, col_loss
+
+
+def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout):
+    """Per-row sigmoid (SigLIP) losses of this rank on materialized logits, as open_clip's SigLipLoss
+    writes them: ``-logsigmoid(z * (scale * q @ k_all.T + bias)).sum(1)``, z = +1 at the label, -1 elsewhere."""
+    acc = accum_dtype(q.dtype)
+    k_all = _gather(k.to(acc), layout, layout.k_sizes)
+    logits = scale.to(acc) * q.to(acc) @ k_all.T + bias.to(acc)
+    signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    return -F.logsigmoid(signs * logits).sum(dim=1)
 
 
 def cal_inf_loss_reference(q, k, labels=None, scale=None, head_dim=None, *, symmetric=False, reduction="mean", group=None):

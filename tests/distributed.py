@@ -17,8 +17,9 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -122,6 +123,19 @@ def describe(outcomes: List[RankOutcome]) -> str:
     return "\n".join(f"--- rank {o.rank}: exit {o.returncode}\n{o.log[-3000:]}" for o in outcomes)
 
 
+def results_by_ring(outcomes: List[RankOutcome], rings: Dict[int, Tuple[int, ...]]) -> Callable[[int], List[dict]]:
+    """Parent side of :func:`run_on_rings`: ``get(world)`` -> the results of the ring of ``world`` ranks,
+    one dict per member in group-rank order; every call fails the test if any rank failed."""
+    failed = None if all(o.returncode == 0 and o.results is not None for o in outcomes) else describe(outcomes)
+
+    def get(world: int) -> List[dict]:
+        if failed:
+            pytest.fail(f"ring workers failed:\n{failed}")
+        return [outcomes[member].results[world] for member in rings[world]]
+
+    return get
+
+
 def init_worker():
     """Join the group described by the environment; return (rank, world)."""
     rank, world = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD])
@@ -136,6 +150,18 @@ def init_worker():
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     torch.set_num_threads(1)
     return rank, world
+
+
+def run_on_rings(world: int, rings: Dict[int, Tuple[int, ...]], scenarios: Callable[[int, int, object], dict]) -> None:
+    """Worker side: join the group of ``world`` processes, make one process group per ring (``rings``:
+    size -> global ranks, sorted; the whole world is the default group), run
+    ``scenarios(group_rank, size, group)`` on every ring this process belongs to and :func:`finish`
+    with ``{size: result}``."""
+    rank, joined = init_worker()
+    assert joined == world, (joined, world)
+    # new_group is collective: every process creates every group, in the same order.
+    groups = {size: (None if len(members) == world else dist.new_group(list(members))) for size, members in rings.items()}
+    finish({size: scenarios(members.index(rank), size, groups[size]) for size, members in rings.items() if rank in members})
 
 
 def finish(results: dict, barrier: bool = True) -> None:

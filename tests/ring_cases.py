@@ -141,28 +141,85 @@ class Truth:
     loss: List[torch.Tensor]
     dq: List[torch.Tensor]
     dk: List[torch.Tensor]
-    dscale: List[torch.Tensor]  # d <upstream_r, L_r> / d scale, per rank
-    dscale_full: torch.Tensor  # d total / d scale
+    dparams: List[torch.Tensor]  # [n_params] per rank: d <upstream_r, L_r> / d (scale[, bias])
+    dparams_full: torch.Tensor  # [n_params]: d total / d (scale[, bias])
+
+    @property
+    def dscale(self) -> List[torch.Tensor]:
+        return [d[0] for d in self.dparams]
+
+    @property
+    def dscale_full(self) -> torch.Tensor:
+        return self.dparams_full[0]
 
 
-@functools.lru_cache(maxsize=None)  # one truth per case, shared by every backend's test
-def truth(case: RingCase) -> Truth:
+def _truth(case: RingCase, local_losses, values: Tuple[float, ...]) -> Truth:
+    """The float64 truth of ``local_losses(case, q, k, labels, params_per_rank)``, the loss parameters
+    starting at ``values`` (one replica per rank, and once shared by every rank for the full derivative)."""
     g = global_inputs(case)
     q, k = g.q.clone().requires_grad_(), g.k.clone().requires_grad_()
-    replicas = [torch.tensor(SCALE, dtype=torch.float64, requires_grad=True) for _ in range(case.world)]
-    losses = _local_losses(case, q, k, g.labels, replicas)
-    total = sum((u * l).sum() for u, l in zip(g.upstream, losses))
-    dq, dk, *dscale = torch.autograd.grad(total, [q, k, *replicas])
-    shared = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
-    shared_total = sum((u * l).sum() for u, l in zip(g.upstream, _local_losses(case, g.q, g.k, g.labels, [shared] * case.world)))
-    (dscale_full,) = torch.autograd.grad(shared_total, [shared])
+
+    def params():
+        return [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in values]
+
+    def total(losses):
+        return sum((u * l).sum() for u, l in zip(g.upstream, losses))
+
+    replicas = [params() for _ in range(case.world)]
+    losses = local_losses(case, q, k, g.labels, replicas)
+    dq, dk, *dparams = torch.autograd.grad(total(losses), [q, k, *(p for ps in replicas for p in ps)])
+    shared = params()
+    dparams_full = torch.autograd.grad(total(local_losses(case, g.q, g.k, g.labels, [shared] * case.world)), shared)
+    n_params = len(values)
     return Truth(
         loss=[l.detach() for l in losses],
         dq=[dq[o : o + n] for o, n in zip(case.q_offsets, case.q_sizes)],
         dk=[dk[o : o + n] for o, n in zip(case.k_offsets, case.k_sizes)],
-        dscale=dscale,
-        dscale_full=dscale_full,
+        dparams=[torch.stack(dparams[r * n_params : (r + 1) * n_params]) for r in range(case.world)],
+        dparams_full=torch.stack(dparams_full),
     )
+
+
+@functools.lru_cache(maxsize=None)  # one truth per case, shared by every backend's test
+def truth(case: RingCase) -> Truth:
+    return _truth(case, lambda c, q, k, labels, ps: _local_losses(c, q, k, labels, [p[0] for p in ps]), (SCALE,))
+
+
+# --- the sigmoid (SigLIP) loss on the ring ---------------------------------------------------------------
+BIAS = -4.0  # with SCALE on unit features: logits in [-11, 3], both signs of the margin well represented
+
+
+def sigmoid_cases(world: int) -> List[RingCase]:
+    """One-directional cases (the sigmoid loss has no symmetric form): uneven shards, Bk > Bq, labels."""
+    even, uneven, hard = (EVEN_SIZE,) * world, UNEVEN_Q[world], HARD_NEG_K[world]
+    base = RingCase("", world, even, even, False, "default", "mean", torch.float32, "unit")
+    return [
+        replace(base, name="sig-default-mean"),
+        replace(base, name="sig-custom-hardneg-sum", q_sizes=uneven, k_sizes=hard, labels="custom", reduction="sum",
+                upstream="scaled", noncontig=True),
+        replace(base, name="sig-default-uneven-none-f64", q_sizes=uneven, k_sizes=uneven, reduction="none",
+                dtype=torch.float64, upstream="scaled"),
+        replace(base, name="sig-custom-hardneg-mean-f64", q_sizes=uneven, k_sizes=hard, labels="custom",
+                dtype=torch.float64, upstream="scaled"),
+    ]
+
+
+def _sigmoid_local_losses(case: RingCase, q, k, labels, params) -> list:
+    """Every rank's local sigmoid loss on the materialized global logits; rank s uses ``params[s]``."""
+    losses = []
+    for s, (scale, bias) in enumerate(params):
+        qo, nq = case.q_offsets[s], case.q_sizes[s]
+        logits = scale * q[qo : qo + nq] @ k.T + bias
+        signs = torch.full_like(logits, -1.0).scatter_(1, labels[qo : qo + nq, None], 1.0)
+        per = -F.logsigmoid(signs * logits).sum(dim=1)
+        losses.append({"mean": per.mean, "sum": per.sum, "none": lambda p=per: p}[case.reduction]())
+    return losses
+
+
+@functools.lru_cache(maxsize=None)
+def sigmoid_truth(case: RingCase) -> Truth:
+    """As :func:`truth`, for the sigmoid loss; the parameters are (scale, bias)."""
+    return _truth(case, _sigmoid_local_losses, (SCALE, BIAS))
 
 
 # --- the DDP / open_clip model: a tiny two-tower model on synthetic pairs ------------------------------
@@ -195,16 +252,46 @@ def tower_data(world: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, TOWER_IN[0], generator=gen), torch.randn(n, TOWER_IN[1], generator=gen)
 
 
-def clip_mean_loss_grads(world: int, dtype=torch.float64) -> dict:
-    """Gradient of the CLIP loss averaged over the whole global batch (what DDP training should see)."""
-    model = TwoTower().to(dtype)
-    x_img, x_txt = (x.to(dtype) for x in tower_data(world))
-    img, txt, scale = model(x_img, x_txt)
-    logits = scale * img @ txt.T
-    target = torch.arange(logits.shape[0])
-    loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
-    loss.backward()
+def _global_batch_grads(world: int, model: torch.nn.Module, loss_fn) -> dict:
+    """Parameter gradients, in float64, of ``loss_fn(*model(global batch))``: the loss of the whole
+    global batch in one process, whose gradient DDP training over ``world`` ranks should see."""
+    model = model.to(torch.float64)
+    loss_fn(*model(*(x.to(torch.float64) for x in tower_data(world)))).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def clip_mean_loss_grads(world: int) -> dict:
+    """Gradient of the CLIP loss averaged over the whole global batch (what DDP training should see)."""
+
+    def clip(img, txt, scale):
+        logits = scale * img @ txt.T
+        target = torch.arange(logits.shape[0])
+        return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+    return _global_batch_grads(world, TwoTower(), clip)
+
+
+class SigLipTwoTower(TwoTower):
+    """TwoTower with SigLIP's learned logit bias as a fourth output."""
+
+    def __init__(self):
+        super().__init__()
+        self.logit_bias = torch.nn.Parameter(torch.tensor(BIAS))
+
+    def forward(self, x_img, x_txt):
+        return (*super().forward(x_img, x_txt), self.logit_bias)
+
+
+def siglip_mean_loss_grads(world: int) -> dict:
+    """Gradient of the sigmoid loss of the whole global batch, mean over its rows: with equal shards,
+    the mean over ranks of each rank's loss (its rows against every text, over its own row count)."""
+
+    def siglip(img, txt, scale, bias):
+        logits = scale * img @ txt.T + bias
+        signs = 2 * torch.eye(logits.shape[0], dtype=logits.dtype) - 1
+        return -F.logsigmoid(signs * logits).sum() / logits.shape[0]
+
+    return _global_batch_grads(world, SigLipTwoTower(), siglip)
 
 
 def rank_slice(rank: int) -> slice:

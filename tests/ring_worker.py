@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ring_cases
-from distributed import finish, init_worker
+from distributed import finish, init_worker, run_on_rings
 from infcl import cal_inf_loss
 from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.ring import driver
@@ -45,7 +45,9 @@ def _run_case(case, backend, rank, group):
     return {"loss": loss.detach(), "dq": dq, "dk": dk, "dscale": scale.grad, "loss_dtype": loss.dtype}
 
 
-def run_cases(rank, world, group, backends):
+def run_cases(rank, world, group, backends, cases=ring_cases.ring_cases, run=_run_case):
+    """``run(case, backend, rank, group)`` for every case of ``cases(world)`` and every backend (a name
+    ending in TINY_SUFFIX: the torch tiles shrunk to ring_cases.TINY_TILES); results keyed (case, backend)."""
     out = {}
     for backend in backends:
         tiny = backend.endswith(TINY_SUFFIX)
@@ -54,8 +56,8 @@ def run_cases(rank, world, group, backends):
         if tiny:
             TORCH_TILES.tile_q, TORCH_TILES.tile_k = ring_cases.TINY_TILES
         try:
-            for case in ring_cases.ring_cases(world):
-                out[(case.name, backend)] = _run_case(case, name, rank, group)
+            for case in cases(world):
+                out[(case.name, backend)] = run(case, name, rank, group)
         finally:
             TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
     return out
@@ -216,24 +218,18 @@ def run_ddp(rank, world, group):
 
 
 def main(backends):
-    """Run every scenario on each ring in RINGS this process belongs to; results keyed by ring size."""
-    rank, world = init_worker()
-    assert world == MAIN_WORLD, world
-    # new_group is collective: every process creates every group, in the same order.
-    groups = {size: (None if len(members) == world else dist.new_group(list(members))) for size, members in RINGS.items()}
-    results = {}
-    for size, members in RINGS.items():
-        if rank not in members:
-            continue
-        group, group_rank = groups[size], members.index(rank)
-        results[size] = {
-            "cases": run_cases(group_rank, size, group, backends),
-            "overlap": run_overlap(group_rank, size, group),
-            "mismatch": run_mismatch(group_rank, size, group),
-            "open_clip": run_open_clip(group_rank, size, group),
-            "ddp": run_ddp(group_rank, size, group),
+    """Every scenario on each ring in RINGS this process belongs to; results keyed by ring size."""
+
+    def scenarios(rank, size, group):
+        return {
+            "cases": run_cases(rank, size, group, backends),
+            "overlap": run_overlap(rank, size, group),
+            "mismatch": run_mismatch(rank, size, group),
+            "open_clip": run_open_clip(rank, size, group),
+            "ddp": run_ddp(rank, size, group),
         }
-    finish(results)
+
+    run_on_rings(MAIN_WORLD, RINGS, scenarios)
 
 
 def fail(scenario):

@@ -2,8 +2,11 @@
 
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
+
+from bench import open_clip_loss
 
 from infcl.backends import unavailable_reason
 
@@ -20,6 +23,21 @@ DTYPE_TOLERANCES = (
     (torch.float16, 1e-3, 5e-3),
 )
 TOLERANCE = {dtype: (atol, rtol) for dtype, atol, rtol in DTYPE_TOLERANCES}
+
+
+def features_and_labels(bq, bk, d, label_kind, dtype, seed=0):
+    """Unit-norm q [bq, d] and k [bk, d] in ``dtype`` (drawn in float64) and labels: "diag" (None),
+    "perm" (a permutation of the rows) or "random" (any column, repeats allowed)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(bq, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(bk, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    if label_kind == "diag":
+        labels = None
+    elif label_kind == "perm":
+        labels = torch.randperm(bq, generator=gen)
+    else:
+        labels = torch.randint(0, bk, (bq,), generator=gen)
+    return q, k, labels
 
 
 def tiled_backends(device: str = "cpu"):
@@ -51,24 +69,31 @@ def vanilla_loss(q, k, labels=None, scale=1.0, symmetric=False, reduction="mean"
 
 def grads_of(fn, q, k, scale, upstream=None):
     """(loss, dq, dk, dscale) of ``fn(q, k, scale)`` with the given upstream gradient (default ones)."""
-    q = q.detach().requires_grad_(True)
-    k = k.detach().requires_grad_(True)
-    scale = scale.detach().requires_grad_(True)
-    loss = fn(q, k, scale)
+    return grads_of_inputs(fn, (q, k, scale), upstream)
+
+
+def grads_of_inputs(fn, inputs, upstream=None):
+    """(loss, *gradients) of ``fn(*inputs)`` by every input, with the given upstream gradient (default ones)."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    loss = fn(*leaves)
     grad_out = torch.ones_like(loss) if upstream is None else upstream.to(loss.dtype)
-    dq, dk, ds = torch.autograd.grad(loss, (q, k, scale), grad_out)
-    return loss.detach(), dq, dk, ds
+    return (loss.detach(), *torch.autograd.grad(loss, leaves, grad_out))
 
 
-def assert_close_verbose(actual, expected, atol, rtol, what=""):
-    """torch.testing-style check that prints the worst offending entries when it fails."""
+def assert_close_verbose(actual, expected, atol, rtol, what="", magnitude=None):
+    """torch.testing-style check that prints the worst offending entries when it fails.
+
+    ``rtol`` is relative to ``|expected|``, or to ``magnitude`` where given: the sum of the absolute
+    values of the terms that make up each expected entry (see :func:`siglip_magnitudes`).
+    """
     actual = actual.detach().to(torch.float64).cpu()
     expected = expected.detach().to(torch.float64).cpu()
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
     assert torch.equal(nan_a, nan_e), f"{what}: NaN pattern differs ({int(nan_a.sum())} vs {int(nan_e.sum())} NaNs)"
     err = (actual - expected).abs().nan_to_num(0.0)
-    bound = atol + rtol * expected.abs().nan_to_num(0.0)
+    base = expected.abs() if magnitude is None else magnitude.detach().to(torch.float64).cpu()
+    bound = atol + rtol * base.nan_to_num(0.0)
     bad = err > bound
     if bad.any():
         flat = (err - bound).flatten()
@@ -99,3 +124,46 @@ def assert_no_worse(ours, torch_lowp, truth, atol, rtol, what=""):
 
 def interpreting_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def open_clip_loss_module():
+    """open_clip's loss module loaded by file (see bench/open_clip_loss.py); skips the test without open_clip."""
+    module = open_clip_loss.load()
+    if module is None:
+        pytest.skip("open_clip is not installed")
+    return module
+
+
+def siglip_magnitudes(q, k, scale, bias, labels=None, reduction="mean", upstream=None):
+    """For the sigmoid loss's (loss, dq, dk, dscale, dbias): each entry's sum of |terms|, in float64.
+
+    Every output of the sigmoid loss is a sum over Bk (or Bq) terms, each carrying the rounding of its
+    logit, and the feature gradients' terms cancel (sigmoid's derivative has no row-sum-to-one like
+    softmax's), so in float32 no algorithm -- torch's own materialized loss included -- keeps a small
+    error relative to such a result; the forward error of a sum is bounded relative to the sum of its
+    terms' magnitudes. Tolerances for these outputs are taken relative to that (loss: the terms are
+    positive, so it is the loss itself).
+    """
+    q, k = q.double(), k.double()
+    scale, bias = torch.as_tensor(scale, dtype=torch.float64), torch.as_tensor(bias, dtype=torch.float64)
+    bq = q.shape[0]
+    raw = q @ k.T
+    logits = scale * raw + bias
+    if labels is None:
+        labels = torch.arange(bq)
+    signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    g = torch.ones(()) if upstream is None else upstream.double()
+    g = (g.abs() / (bq if reduction == "mean" else 1)).expand(bq)
+    ds = g[:, None] * torch.sigmoid(-signs * logits)  # |d loss / d logit|
+    loss = siglip_truth(q, k, scale, bias, labels, reduction).abs()
+    return loss, scale.abs() * ds @ k.abs(), scale.abs() * ds.T @ q.abs(), (ds * raw.abs()).sum(), ds.sum()
+
+
+def siglip_truth(q, k, scale, bias, labels=None, reduction="mean"):
+    """The sigmoid loss on materialized logits in q's dtype: sum_j -logsigmoid(z_ij * L_ij) per row."""
+    logits = scale * q @ k.T + bias
+    if labels is None:
+        labels = torch.arange(q.shape[0], device=q.device)
+    signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    rows = -F.logsigmoid(signs * logits).sum(dim=1)
+    return {"mean": rows.mean, "sum": rows.sum, "none": lambda: rows}[reduction]()

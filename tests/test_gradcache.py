@@ -13,6 +13,7 @@ import socket
 import tempfile
 import traceback
 from collections import UserDict
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infcl import GradCache, RandContext, cal_inf_loss, split_vlm_inputs
-from infcl.gradcache import auto_chunk
+from infcl.gradcache import auto_chunk, grad_cache
 from infcl.gradcache.inputs import get_rep, split_inputs
 from support import TOLERANCE, assert_close_verbose, assert_no_worse
 
@@ -314,13 +315,42 @@ def test_split_inputs_structures():
 
 def test_get_rep_order():
     a, b, h = torch.ones(2, 3), torch.zeros(2, 3), torch.arange(12.0).reshape(2, 2, 3)
+    bert_like = SimpleNamespace(pooler_output=a, last_hidden_state=h)  # pooler = BERT's NSP head
     assert get_rep(a) is a
-    assert get_rep(SimpleNamespace(pooler_output=a, sentence_embedding=b, last_hidden_state=h)) is a
+    assert get_rep(SimpleNamespace(pooler_output=a, sentence_embedding=b, last_hidden_state=h)) is b
     assert get_rep({"sentence_embedding": b, "last_hidden_state": h}) is b
-    assert torch.equal(get_rep(SimpleNamespace(pooler_output=None, last_hidden_state=h)), h[:, 0])
+    assert torch.equal(get_rep(bert_like), h[:, 0]), "pooler_output must not be taken unless named"
+    assert get_rep(bert_like, "pooler_output") is a
+    assert get_rep({"text_embeds": a, "sentence_embedding": b}, "text_embeds") is a, "a named field wins"
     assert get_rep((b, a)) is b
+    with pytest.raises(TypeError, match="rep_field='pooler_output'"):
+        get_rep(SimpleNamespace(pooler_output=a))
+    with pytest.raises(TypeError, match="no tensor 'image_embeds'"):
+        get_rep(bert_like, "image_embeds")
     with pytest.raises(TypeError, match="get_rep_fn"):
         get_rep({"logits": a})
+
+
+def test_rep_field_reaches_grad_cache():
+    """GradCache(rep_field=...) back-propagates through the named field, not the default choice."""
+    torch.manual_seed(6)
+
+    class BertLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(FEAT, EMBED)
+            self.pooler = nn.Linear(EMBED, EMBED)
+
+        def forward(self, x):
+            hidden = self.body(x)[:, None].expand(-1, 2, -1)
+            return SimpleNamespace(last_hidden_state=hidden, pooler_output=torch.tanh(self.pooler(hidden[:, 0])))
+
+    towers, loss_fn = [BertLike(), TensorTower(p=0.0)], ClipLoss()
+    batches = [make_input("tensor"), make_input("tensor")]
+    GradCache(towers, 5, loss_fn).cache_step(*batches)
+    assert towers[0].pooler.weight.grad is None, "the default must not use the NSP pooler"
+    GradCache(towers, 5, loss_fn, rep_field="pooler_output").cache_step(*batches)
+    assert towers[0].pooler.weight.grad.abs().max() > 0
 
 
 def test_get_rep_fn_and_split_input_fn_are_used():
@@ -357,6 +387,82 @@ def test_rand_context_replays_and_restores():
         assert torch.equal(torch.rand(3), first)
         with pytest.raises(RuntimeError, match="already active"):
             ctx.__enter__()
+
+
+class _FakeDeviceRNG:
+    """The ``torch.cuda``-style RNG API (get/set_rng_state per device) of a stand-in accelerator.
+
+    Registered as ``torch.meta`` in the test below, it makes the "meta" device type look like a GPU
+    to RandContext, whose only view of a device RNG is that API, so a CPU-only machine can show what
+    happens on a GPU: a model that keeps its parameters on the device and draws dropout there.
+    """
+
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(0)
+
+    def get_rng_state(self, device=None):
+        return self.generator.get_state()
+
+    def set_rng_state(self, state, device=None):
+        self.generator.set_state(state)
+
+
+class DeviceDropoutTower(nn.Module):
+    """Takes CPU inputs and draws its dropout mask from the RNG of the device it lives on.
+
+    The model's "device" is that of its ``home`` buffer (meta here, a GPU in real life), exactly as
+    a model that moves its inputs to ``next(self.parameters()).device`` and runs dropout there: the
+    inputs never name that device, so only a RandContext that looks at the model replays its RNG.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(FEAT, EMBED)
+        self.register_buffer("home", torch.empty(0, device="meta"))
+
+    def forward(self, x):
+        generator = getattr(torch, self.home.device.type).generator
+        keep = torch.rand(x.shape[0], EMBED, generator=generator) >= DROPOUT
+        return self.net(x) * keep / (1 - DROPOUT)
+
+    rep = staticmethod(TensorTower.rep)
+
+
+def test_model_device_rng_is_replayed(monkeypatch):
+    fake = _FakeDeviceRNG()
+    monkeypatch.setattr(torch, "meta", fake, raising=False)
+    torch.manual_seed(7)
+    models, loss_fn = [DeviceDropoutTower(), TensorTower()], ClipLoss()
+    batches = [make_input("tensor"), make_input("tensor")]
+
+    def run(step):
+        fake.generator.manual_seed(SEED)
+        return step(models, batches, CHUNKS, loss_fn)
+
+    ref_loss, ref = run(big_batch_step)
+    loss, got = run(grad_cache_step)
+    assert_close_verbose(loss, ref_loss, FP32_ATOL, FP32_RTOL, what="loss")
+    assert_grads_close(got, ref)
+
+    # The old RandContext looked at the inputs' devices only: the second pass then draws new masks.
+    monkeypatch.setattr(grad_cache, "module_devices", lambda model: [])
+    _, inputs_only = run(grad_cache_step)
+    assert not torch.allclose(inputs_only[0], ref[0], atol=1e-3), "the device RNG must matter in this test"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU stand-in is the test above)")
+def test_model_that_moves_cpu_inputs_to_cuda_replays_cuda_dropout():
+    class CudaTower(TensorTower):
+        def forward(self, x):
+            return self.net(x.to(next(self.parameters()).device))
+
+    torch.manual_seed(8)
+    models, loss_fn = [CudaTower().cuda(), CudaTower().cuda()], ClipLoss().cuda()
+    batches = [make_input("tensor"), make_input("tensor")]  # CPU tensors: they do not name the GPU
+    ref_loss, ref = big_batch_step(models, batches, CHUNKS, loss_fn)
+    loss, got = grad_cache_step(models, batches, CHUNKS, loss_fn)
+    assert_close_verbose(loss, ref_loss, FP32_ATOL, FP32_RTOL, what="loss")
+    assert_grads_close(got, ref)
 
 
 # ---- Qwen-VL batches ---------------------------------------------------------------------------
@@ -588,25 +694,31 @@ def test_auto_chunk_size_separates_fixed_cost(caplog):
     assert "chunk 6 of 23" in caplog.text
 
 
-# ---- DDP: no_sync_except_last ------------------------------------------------------------------
+# ---- DDP / FSDP / FSDP2: no_sync_except_last ---------------------------------------------------
 
 
-def test_no_sync_except_last_requires_ddp():
+def test_no_sync_except_last_requires_a_data_parallel_wrapper():
     gc = GradCache([TensorTower(), TensorTower()], 4, ClipLoss())
-    with pytest.raises(TypeError, match=r"models\[0\] is TensorTower, models\[1\] is TensorTower"):
+    expected = r"FullyShardedDataParallel.*models\[0\] is TensorTower, models\[1\] is TensorTower"
+    with pytest.raises(TypeError, match=expected):
         gc(torch.randn(5, FEAT), torch.randn(5, FEAT), no_sync_except_last=True)
 
 
 WORLD = 2
 DDP_BATCH = 11  # per rank
 DDP_CHUNK = 4  # 3 chunks per input, the last one short
-DDP_TIMEOUT_S = 120
+SPAWN_TIMEOUT_S = 120
 
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _rank_batch(rank):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(DDP_BATCH, FEAT, generator=gen), torch.randn(DDP_BATCH, FEAT, generator=gen)
 
 
 def _ddp_case(rank, shared, no_sync):
@@ -627,8 +739,7 @@ def _ddp_case(rank, shared, no_sync):
     for w in wrapped:
         w.register_comm_hook(None, counting_allreduce)
     loss_fn = ClipLoss()  # under torch.distributed, cal_inf_loss rings over the world
-    gen = torch.Generator().manual_seed(100 + rank)
-    q, p = torch.randn(DDP_BATCH, FEAT, generator=gen), torch.randn(DDP_BATCH, FEAT, generator=gen)
+    q, p = _rank_batch(rank)
     params = distinct_params(*towers, loss_fn)
 
     models = [wrapped[0], wrapped[0]] if shared else wrapped
@@ -644,7 +755,81 @@ def _ddp_case(rank, shared, no_sync):
     return cached, take_grads(params), cached_calls
 
 
-def _ddp_worker(rank, port, out_dir):
+def _ddp_results(rank):
+    cases = [(shared, no_sync) for shared in (False, True) for no_sync in (True, False)]
+    return {case: _ddp_case(rank, *case) for case in cases}
+
+
+# torch.distributed collectives through which FSDP (1 and 2) reduce-scatter gradients, by torch version.
+REDUCE_SCATTER_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+
+
+@contextmanager
+def _counting_reduce_scatters():
+    """Count the calls of torch.distributed's reduce-scatter entry points inside the block."""
+    import torch.distributed as dist
+
+    calls = [0]
+    real = {name: getattr(dist, name) for name in REDUCE_SCATTER_NAMES if hasattr(dist, name)}
+
+    def counting(fn):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name, fn in real.items():
+        setattr(dist, name, counting(fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def _full_grads(towers, kind):
+    """Every tower parameter's full (unsharded) gradient, in parameter order."""
+    if kind == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        grads = []
+        for tower in towers:
+            with FSDP.summon_full_params(tower, with_grads=True):
+                grads += [p.grad.detach().clone() for p in tower.parameters()]
+        return grads
+    return [p.grad.full_tensor().detach().clone() for tower in towers for p in tower.parameters()]
+
+
+def _fsdp_case(rank, kind, no_sync):
+    """(cached grads, un-cached grads, reduce-scatter calls) of two FSDP1 or FSDP2 towers on this rank."""
+    torch.manual_seed(10)
+    towers = [TensorTower(p=0.0), TensorTower(p=0.0)]
+    if kind == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        towers = [FSDP(t, device_id=torch.device("cpu"), use_orig_params=True) for t in towers]
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for tower in towers:
+            fully_shard(tower)
+    loss_fn = ClipLoss()
+    q, p = _rank_batch(rank)
+    with _counting_reduce_scatters() as calls:
+        GradCache(towers, DDP_CHUNK, loss_fn).cache_step(q, p, no_sync_except_last=no_sync)
+    cached, cached_calls = _full_grads(towers, kind), calls[0]
+    for tower in towers:
+        tower.zero_grad(set_to_none=True)
+    loss_fn(towers[0](q), towers[1](p)).backward()
+    return cached, _full_grads(towers, kind), cached_calls
+
+
+def _fsdp_results(rank):
+    return {(kind, no_sync): _fsdp_case(rank, kind, no_sync) for kind in ("fsdp", "fsdp2") for no_sync in (True, False)}
+
+
+def _spawned_worker(rank, port, out_dir, job):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -652,10 +837,7 @@ def _ddp_worker(rank, port, out_dir):
     status = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        results = {
-            (shared, no_sync): _ddp_case(rank, shared, no_sync) for shared in (False, True) for no_sync in (True, False)
-        }
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(job(rank), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     except BaseException:  # report to the parent, which fails the test with it
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
@@ -666,23 +848,27 @@ def _ddp_worker(rank, port, out_dir):
     os._exit(status)
 
 
-def test_ddp_no_sync_except_last_matches_uncached_step():
+def _run_spawned(job):
+    """``job(rank)`` on WORLD spawned gloo ranks; every rank's return value, in rank order."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        procs = [ctx.Process(target=_ddp_worker, args=(r, port, out_dir)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_spawned_worker, args=(r, port, out_dir, job)) for r in range(WORLD)]
         for proc in procs:
             proc.start()
         for proc in procs:
-            proc.join(DDP_TIMEOUT_S)
+            proc.join(SPAWN_TIMEOUT_S)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
         errors = [open(os.path.join(out_dir, n)).read() for n in sorted(os.listdir(out_dir)) if n.endswith(".err")]
         assert not errors, "\n".join(errors)
         assert [proc.exitcode for proc in procs] == [0] * WORLD
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
 
+
+def test_ddp_no_sync_except_last_matches_uncached_step():
+    results = _run_spawned(_ddp_results)
     chunks = -(-DDP_BATCH // DDP_CHUNK)
     for (shared, no_sync), _ in results[0].items():
         per_rank = [res[(shared, no_sync)] for res in results]
@@ -695,3 +881,18 @@ def test_ddp_no_sync_except_last_matches_uncached_step():
         encoder_params = len(per_rank[0][0]) - 1  # the loss's temperature is not DDP-synced
         for a, b in zip(per_rank[0][0][:encoder_params], per_rank[1][0][:encoder_params]):
             assert_close_verbose(a, b, FP32_ATOL, FP32_RTOL, what="DDP gradient differs between ranks")
+
+
+def test_fsdp_no_sync_except_last_matches_uncached_step():
+    """FSDP1 (FullyShardedDataParallel.no_sync) and FSDP2 (set_requires_gradient_sync) on CPU + gloo:
+    one reduce-scatter per tower with no_sync_except_last, one per chunk without, the same gradients."""
+    results = _run_spawned(_fsdp_results)
+    chunks = -(-DDP_BATCH // DDP_CHUNK)
+    for (kind, no_sync), _ in results[0].items():
+        per_rank = [res[(kind, no_sync)] for res in results]
+        for rank, (cached, uncached, calls) in enumerate(per_rank):
+            expected_calls = 2 if no_sync else 2 * chunks  # two towers, one flat parameter group each
+            assert calls == expected_calls, f"{kind} no_sync={no_sync} rank {rank}: {calls} reduce-scatters"
+            assert_grads_close(cached, uncached)
+        for a, b in zip(per_rank[0][0], per_rank[1][0]):
+            assert_close_verbose(a, b, FP32_ATOL, FP32_RTOL, what=f"{kind} gradient differs between ranks")

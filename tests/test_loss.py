@@ -6,11 +6,18 @@ labels, all reductions, non-unit upstream gradients, non-contiguous inputs and e
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import infcl.backends.torch_tiles as torch_tiles
 from infcl import cal_inf_loss
-from support import TOLERANCE, assert_close_verbose, assert_no_worse, grads_of, tiled_backends, vanilla_loss
+from support import (
+    TOLERANCE,
+    assert_close_verbose,
+    assert_no_worse,
+    features_and_labels,
+    grads_of,
+    tiled_backends,
+    vanilla_loss,
+)
 
 # (Bq, Bk, D, labels, symmetric): labels "diag" (None), "perm" (a permutation) or "random" (any column).
 CASES = (
@@ -46,15 +53,7 @@ def backend_name(request, monkeypatch):
 
 
 def make_inputs(bq, bk, d, label_kind, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(bq, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
-    k = F.normalize(torch.randn(bk, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
-    if label_kind == "diag":
-        labels = None
-    elif label_kind == "perm":
-        labels = torch.randperm(bq, generator=gen)
-    else:
-        labels = torch.randint(0, bk, (bq,), generator=gen)
+    q, k, labels = features_and_labels(bq, bk, d, label_kind, dtype, seed)
     scale = torch.tensor(14.3, dtype=torch.float64 if dtype == torch.float64 else torch.float32)  # 1/0.07, CLIP
     return q, k, labels, scale
 

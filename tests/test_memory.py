@@ -15,17 +15,22 @@ from support import tiled_backends
 
 _MEASURE = r"""
 import json, resource, sys, torch
-from infcl import cal_inf_loss
-b, d, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+from infcl import cal_inf_loss, cal_siglip_loss
+b, d, backend, loss_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+LOSSES = {  # the symmetric CLIP loss; the sigmoid loss with SigLIP's initial scale and bias
+    "clip": lambda q, k, s: cal_inf_loss(q, k, scale=s, symmetric=True, backend=backend),
+    "siglip": lambda q, k, s: cal_siglip_loss(q, k, s, -10.0, backend=backend),
+}
+loss_fn = LOSSES[loss_name]
 torch.manual_seed(0)
 q = torch.randn(b, d, requires_grad=True)
 k = torch.randn(b, d, requires_grad=True)
 scale = torch.tensor(10.0, requires_grad=True)
 # Warm up thread pools and kernels on a small problem so they are not counted.
-cal_inf_loss(q[:64], k[:64], scale=scale, symmetric=True, backend=backend).backward()
+loss_fn(q[:64], k[:64], scale).backward()
 q.grad = k.grad = scale.grad = None
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-cal_inf_loss(q, k, scale=scale, symmetric=True, backend=backend).backward()
+loss_fn(q, k, scale).backward()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"extra_bytes": (after - before) * 1024}))
 """
@@ -35,10 +40,12 @@ BATCHES = (2048, 4096, 8192)
 DIM = 32
 
 
-def peak_extra_bytes(b, d, backend):
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+def peak_extra_bytes(b, d, backend, loss="clip", threads=2):
+    """Peak extra RSS of one forward + backward of ``loss`` ("clip" or "siglip") in a fresh process."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(b), str(d), backend], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", _MEASURE, str(b), str(d), backend, loss], capture_output=True, text=True, env=env,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ring_cases
-from distributed import describe, launch
+from distributed import describe, launch, results_by_ring
 from ring_worker import FAILING_RANK, MAIN_WORLD, OVERLAP_CASES, RINGS, TINY_SUFFIX
 from support import TOLERANCE, assert_close_verbose, tiled_backends
 
@@ -41,14 +41,7 @@ def spawned(tmp_path_factory):
         pg_timeout_s=MAIN_PG_TIMEOUT_S,
         deadline_s=MAIN_DEADLINE_S,
     )
-    failed = None if all(o.returncode == 0 and o.results is not None for o in outcomes) else describe(outcomes)
-
-    def get(world):
-        if failed:
-            pytest.fail(f"ring workers failed:\n{failed}")
-        return [outcomes[member].results[world] for member in RINGS[world]]
-
-    return get
+    return results_by_ring(outcomes, RINGS)
 
 
 def _case(world, name):

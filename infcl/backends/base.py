@@ -28,6 +28,17 @@ block (``row_stats``, ``g_row`` and, symmetric, ``col_stats``, ``g_col``); Y is 
 The scale gradient is a sum of per-entry terms (never a difference of two large sums), split by
 direction so the ring can credit each rank's replica of the scale with the derivative of its own loss
 (open_clip's convention). The backward must recompute S bit-identically to its forward.
+
+Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
+positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks but plain sums:
+
+``sigmoid_forward_block(block) -> rows [Bq]``
+    rows[i] = sum_j softplus(-z_ij * L_ij)    (= -log sigmoid(z_ij * L_ij), never formed as log(sigmoid))
+
+``sigmoid_backward_block(block, dq, dk) -> dparams [2]`` with the upstream gradients ``g_row``:
+    dL      = g_row * (sigmoid(L) - Y)     formed as g * sigmoid(L) off the positive, -g * sigmoid(-L) on it
+    dq     += scale * dL @ k,   dk += scale * dL.T @ q
+    dparams = (sum(dL * q @ k.T), sum(dL))     the scale and the bias gradient
 """
 
 from dataclasses import dataclass
@@ -55,6 +66,7 @@ class Block:
     g_row: Optional[Tensor] = None  # [Bq] upstream gradient of each row's loss (backward)
     col_stats: Optional[Tensor] = None  # [2, Bk] global stats of each column (symmetric backward)
     g_col: Optional[Tensor] = None  # [Bk] upstream gradient of each column's loss (symmetric backward)
+    bias: Optional[Tensor] = None  # 0-d like scale: the sigmoid loss's logit bias (None for softmax)
 
     @property
     def symmetric(self) -> bool:
@@ -68,4 +80,16 @@ class BlockBackend(Protocol):
         ...
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        ...
+
+
+class SigmoidBlockBackend(Protocol):
+    """The sigmoid (SigLIP) loss's block operations (see the module docstring); every backend has both."""
+
+    name: str
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        ...
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         ...

@@ -29,6 +29,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 def _register_fakes() -> None:
     """Shape-only implementations so torch.compile / FakeTensor can trace through the custom ops."""
+    _register_sigmoid_fakes()
 
     @torch.library.register_fake("infcl::forward_block")
     def _forward_fake(q, k, scale, pos, want_cols):
@@ -37,6 +38,18 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("infcl::backward_block")
     def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk):
+        return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
+def _register_sigmoid_fakes() -> None:
+    """Shape-only implementations of the sigmoid loss's ops (csrc/infcl_siglip.cpp)."""
+
+    @torch.library.register_fake("infcl::sigmoid_forward_block")
+    def _sigmoid_forward_fake(q, k, pos, scale, bias):
+        return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
+
+    @torch.library.register_fake("infcl::sigmoid_backward_block")
+    def _sigmoid_backward_fake(q, k, pos, scale, bias, g_row, dq, dk):
         return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
@@ -54,6 +67,16 @@ class NativeBackend:
         return torch.ops.infcl.backward_block(
             block.q, block.k, float(block.scale), block.pos, block.row_stats, block.g_row,
             block.col_stats, block.g_col, dq, dk,
+        )
+
+    # --- the sigmoid (SigLIP) loss: csrc/infcl_siglip.cpp (contract: infcl.backends.base) ------------
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        return torch.ops.infcl.sigmoid_forward_block(block.q, block.k, block.pos, float(block.scale), float(block.bias))
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        return torch.ops.infcl.sigmoid_backward_block(
+            block.q, block.k, block.pos, float(block.scale), float(block.bias), block.g_row, dq, dk
         )
 
 

@@ -11,11 +11,16 @@ tensor and the positives are gathered with index arithmetic, never ``nonzero``.
 
 GEMM count per block (each a 2*Bq*Bk*D-flop product): forward 1 (S), backward 3 (S again, dq, dk),
 whether the loss is one-directional or symmetric.
+
+The sigmoid (SigLIP) loss walks the same tiles (``sigmoid_forward_block`` / ``sigmoid_backward_block``):
+each tile's logits scale * raw + bias with their sign flipped at the positive (the margins), their
+softplus summed per row in the forward and their sigmoid as dL in the backward; the same GEMM count.
 """
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..lse import MAX, REL, empty_stats, lse_merge, tile_stats
 from .base import Block, Tensor, accum_dtype
@@ -28,17 +33,57 @@ CPU_TILES = (256, 1024)
 # fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
 # is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
 GPU_TILES = (2048, 4096)
+# F.softplus returns x itself above its threshold. The default, 20, drops log1p(e^-20) ~ 2e-9, which
+# float64 resolves; above 40, e^-x is below half an ulp of x even in float64, and below it exp(x) <= 2e17
+# is finite in every accumulation dtype.
+SOFTPLUS_THRESHOLD = 40.0
 
 
-def _tile(buf: Tensor, rows: int, cols: int) -> Tensor:
-    """A contiguous [rows, cols] view at the start of a preallocated flat buffer."""
-    return buf[: rows * cols].view(rows, cols)
+class _Tile(NamedTuple):
+    """One tile of a block: its rows (of q) and columns (of k), and their features in the accumulation dtype."""
+
+    rows: slice
+    cols: slice
+    qi: Tensor  # [ni, D]
+    kj: Tensor  # [nj, D]
+
+    def view(self, buf: Tensor) -> Tensor:
+        """A contiguous [ni, nj] view at the start of a preallocated flat buffer."""
+        ni, nj = self.qi.shape[0], self.kj.shape[0]
+        return buf[: ni * nj].view(ni, nj)
 
 
-def _positives(pos: Tensor, j0: int, nj: int) -> Tuple[Tensor, Tensor]:
-    """(inside, idx): which rows' positives fall in tile columns [j0, j0 + nj), and their column in it
-    (clamped to a valid index for the rest, whose gathered values are then ignored)."""
-    p = pos - j0
+class _Walk:
+    """One block's q and k in the accumulation dtype, walked tile by tile, row tiles outer."""
+
+    def __init__(self, block: Block, tiles: Tuple[int, int]):
+        self.acc = accum_dtype(block.q.dtype)
+        self.q, self.k = block.q.to(self.acc), block.k.to(self.acc)
+        self.device = self.q.device
+        self.tq, self.tk = tiles
+
+    def zeros(self, *shape: int) -> Tensor:
+        return torch.zeros(*shape, dtype=self.acc, device=self.device)
+
+    def buffers(self, n: int):
+        """``n`` flat buffers, each large enough for one tile."""
+        numel = min(self.q.shape[0], self.tq) * min(self.k.shape[0], self.tk)
+        return [torch.empty(numel, dtype=self.acc, device=self.device) for _ in range(n)]
+
+    def __iter__(self):
+        for i0 in range(0, self.q.shape[0], self.tq):
+            rows = slice(i0, i0 + self.tq)
+            for j0 in range(0, self.k.shape[0], self.tk):
+                cols = slice(j0, j0 + self.tk)
+                yield _Tile(rows, cols, self.q[rows], self.k[cols])
+
+
+def _positives(pos: Tensor, tile: _Tile) -> Tuple[Tensor, Tensor]:
+    """(inside, idx): which of the tile's rows have their positive (``pos``: column in the block) among
+    the tile's columns, and its column in the tile (clamped to a valid index for the rest, whose
+    gathered values are then ignored)."""
+    nj = tile.kj.shape[0]
+    p = pos[tile.rows] - tile.cols.start
     inside = (p >= 0) & (p < nj)
     return inside, p.clamp(0, nj - 1)[:, None]
 
@@ -53,8 +98,19 @@ def _probabilities(out: Tensor, s: Tensor, stats: Tensor, g: Tensor, inside: Ten
     x_pos = out.gather(1, idx)
     out.exp_().mul_(g)
     g_pos = g.expand_as(out).gather(1, idx)
-    at_pos = torch.where(inside[:, None], g_pos * torch.expm1(x_pos), out.gather(1, idx))
-    return out.scatter_(1, idx, at_pos)
+    return _replace_positives(out, inside, idx, g_pos * torch.expm1(x_pos))
+
+
+def _margins(out: Tensor, raw: Tensor, block: Block, inside: Tensor, idx: Tensor) -> Tensor:
+    """out = -z * (scale * raw + bias): the sigmoid loss's logits, their sign flipped at the positives,
+    so that each entry's loss is softplus(out) and its derivative by the logit is -z * sigmoid(out)."""
+    torch.mul(raw, block.scale, out=out).add_(block.bias)
+    return _replace_positives(out, inside, idx, -out.gather(1, idx))
+
+
+def _replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor) -> Tensor:
+    """out[i, idx[i]] = values[i] for the rows whose positive lies in this tile (``inside``); in place."""
+    return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
 
 
 class TorchTilesBackend:
@@ -70,64 +126,74 @@ class TorchTilesBackend:
         return self.tile_q or tq, self.tile_k or tk
 
     def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        acc = accum_dtype(block.q.dtype)
-        qa, ka, scale = block.q.to(acc), block.k.to(acc), block.scale
-        bq, bk, dev = qa.shape[0], ka.shape[0], qa.device
-        tq, tk = self.tiles(dev)
-        rows = torch.cat((empty_stats(bq, acc, dev), torch.zeros(1, bq, dtype=acc, device=dev)))
+        walk = _Walk(block, self.tiles(block.q.device))
+        bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
+        rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
         cols = empty_stats(bk, acc, dev) if want_cols else None
-        buf = torch.empty(min(bq, tq) * min(bk, tk), dtype=acc, device=dev)
-        for i0 in range(0, bq, tq):
-            qi = qa[i0 : i0 + tq]
-            ni = qi.shape[0]
-            for j0 in range(0, bk, tk):
-                kj = ka[j0 : j0 + tk]
-                nj = kj.shape[0]
-                s = _tile(buf, ni, nj)
-                torch.mm(qi, kj.T, out=s)
-                s.mul_(scale)  # the backward repeats exactly these two operations
-                lse_merge(rows[:2, i0 : i0 + ni], tile_stats(s, dim=1))
-                if want_cols:
-                    lse_merge(cols[:, j0 : j0 + nj], tile_stats(s, dim=0))
-                inside, idx = _positives(block.pos[i0 : i0 + ni], j0, nj)
-                pos_row = rows[2, i0 : i0 + ni]
-                torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
+        (buf,) = walk.buffers(1)
+        for tile in walk:
+            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
+            s.mul_(block.scale)  # the backward repeats exactly these two operations
+            lse_merge(rows[:2, tile.rows], tile_stats(s, dim=1))
+            if want_cols:
+                lse_merge(cols[:, tile.cols], tile_stats(s, dim=0))
+            inside, idx = _positives(block.pos, tile)
+            pos_row = rows[2, tile.rows]
+            torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
         return rows, cols
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
-        acc = accum_dtype(block.q.dtype)
-        qa, ka, scale = block.q.to(acc), block.k.to(acc), block.scale
-        bq, bk, dev = qa.shape[0], ka.shape[0], qa.device
-        tq, tk = self.tiles(dev)
-        both = block.symmetric
-        dscale = torch.zeros(2, dtype=acc, device=dev)
-        numel = min(bq, tq) * min(bk, tk)
-        raw_buf, s_buf, ds_buf = (torch.empty(numel, dtype=acc, device=dev) for _ in range(3))
-        col_buf = torch.empty(numel, dtype=acc, device=dev) if both else None
-        for i0 in range(0, bq, tq):
-            qi = qa[i0 : i0 + tq]
-            ni = qi.shape[0]
-            row_stats = block.row_stats[:, i0 : i0 + ni, None]
-            g_i = block.g_row[i0 : i0 + ni, None]
-            dq_i = dq[i0 : i0 + ni]
-            for j0 in range(0, bk, tk):
-                kj = ka[j0 : j0 + tk]
-                nj = kj.shape[0]
-                raw = _tile(raw_buf, ni, nj)
-                torch.mm(qi, kj.T, out=raw)
-                s = _tile(s_buf, ni, nj).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
-                inside, idx = _positives(block.pos[i0 : i0 + ni], j0, nj)
-                ds = _probabilities(_tile(ds_buf, ni, nj), s, row_stats, g_i, inside, idx)
-                dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
-                if both:
-                    col_stats = block.col_stats[:, None, j0 : j0 + nj]
-                    g_j = block.g_col[None, j0 : j0 + nj]
-                    pc = _probabilities(_tile(col_buf, ni, nj), s, col_stats, g_j, inside, idx)
-                    dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
-                    ds.add_(pc)
-                dq_i.addcmul_(ds @ kj, scale)
-                dk[j0 : j0 + nj].addcmul_(ds.T @ qi, scale)
+        walk = _Walk(block, self.tiles(block.q.device))
+        scale, both = block.scale, block.symmetric
+        dscale = walk.zeros(2)
+        raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if both else 3) + ([] if both else [None])
+        for tile in walk:
+            raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
+            s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
+            inside, idx = _positives(block.pos, tile)
+            row_stats, g_i = block.row_stats[:, tile.rows, None], block.g_row[tile.rows, None]
+            ds = _probabilities(tile.view(ds_buf), s, row_stats, g_i, inside, idx)
+            dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
+            if both:
+                col_stats, g_j = block.col_stats[:, None, tile.cols], block.g_col[None, tile.cols]
+                pc = _probabilities(tile.view(col_buf), s, col_stats, g_j, inside, idx)
+                dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
+                ds.add_(pc)
+            dq[tile.rows].addcmul_(ds @ tile.kj, scale)
+            dk[tile.cols].addcmul_(ds.T @ tile.qi, scale)
         return dscale
+
+    # --- the sigmoid (SigLIP) loss (contract: infcl.backends.base) ------------------------------------
+    # GEMMs per block: forward 1 (the logits), backward 3 (the logits again, dq, dk).
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        walk = _Walk(block, self.tiles(block.q.device))
+        rows = walk.zeros(walk.q.shape[0])
+        (buf,) = walk.buffers(1)
+        for tile in walk:
+            margins = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
+            _margins(margins, margins, block, *_positives(block.pos, tile))
+            rows[tile.rows] += F.softplus(margins, threshold=SOFTPLUS_THRESHOLD).sum(dim=1)
+        return rows
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        walk = _Walk(block, self.tiles(block.q.device))
+        dparams = walk.zeros(2)  # (scale, bias)
+        raw_buf, ds_buf = walk.buffers(2)
+        for tile in walk:
+            raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
+            inside, idx = _positives(block.pos, tile)
+            # dLoss/dL = -z * sigmoid(-z * L): sigmoid(L) off the positive, -sigmoid(-L) on it, both
+            # from sigmoid of the margin (never 1 - sigmoid: a confident positive keeps its digits).
+            ds = _margins(tile.view(ds_buf), raw, block, inside, idx).sigmoid_()
+            ds = _replace_positives(ds, inside, idx, -ds.gather(1, idx)).mul_(block.g_row[tile.rows, None])
+            # Cascade sums (torch.sum), not torch.dot: these terms do not cancel, so a running sum
+            # over the tile would lose ~sqrt(n) * eps of their total.
+            dparams[0] += torch.mul(ds, raw, out=raw).sum()
+            dparams[1] += ds.sum()
+            dq[tile.rows].addcmul_(ds @ tile.kj, block.scale)
+            dk[tile.cols].addcmul_(ds.T @ tile.qi, block.scale)
+        return dparams
 
 
 TORCH_TILES = TorchTilesBackend()

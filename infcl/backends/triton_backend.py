@@ -1,59 +1,85 @@
-"""The Triton backend: the block math of :mod:`infcl.backends.base` as fused kernels (:mod:`infcl.kernels`).
+"""The Triton backend: the block contract of :mod:`infcl.backends.base` as fused kernels (:mod:`infcl.kernels`).
 
-forward_block runs the LSE kernel once for the rows and, when the column LSEs are wanted, once more
-with q and k swapped; backward_block runs the one backward kernel. GEMM-equivalents per block: 4 for
-one direction (forward 1, backward 3), 5 for the symmetric loss (forward 2, backward 3).
+forward_block is one kernel launch (row stats, positive logits and, when wanted, column stats from
+the same tiles); backward_block is two (dq, dk), without atomics. Both go through the custom ops
+``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block``. GEMM-equivalents per block: 5
+for either loss (forward 1, backward 4) while D fits one backward slice (see
+:mod:`infcl.kernels.triton_backward`).
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 was set
-before this module was imported (that is how CI tests it). float64 inputs are computed in float64.
+before this module was imported (that is how CI tests it). float64 inputs are computed in float64
+(with Triton 3.2, whose tl.dot has no float64, by the torch tiles).
 """
 
 from typing import Optional, Tuple
 
 import torch
 
-from .base import Tensor
+from .base import Block, Tensor
+from .torch_tiles import TORCH_TILES
 
 try:
-    from ..kernels import INTERPRETED, TileConfig, interpret_requested, lse_backward, lse_forward
-except ImportError as err:  # triton missing (or broken): the backend reports why instead of failing import
-    _IMPORT_ERROR: Optional[ImportError] = err
+    from ..kernels import INTERPRETED, Tiling, backward_block, forward_block, interpret_requested
+    from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT
+    from ..kernels.triton_siglip import siglip_backward, siglip_forward
+except Exception as err:  # triton missing or broken (or a driver error): the backend reports why instead
+    _IMPORT_ERROR: Optional[Exception] = err
 else:
     _IMPORT_ERROR = None
 
 
 class TritonBackend:
-    """``precision``: tl.dot input precision for float32 ("ieee", "tf32"; None follows
-    torch.backends.cuda.matmul.allow_tf32). ``forward_config`` / ``backward_config``: block sizes
-    (None: each kernel module's DEFAULT_CONFIG, the interpreter's big tiles under TRITON_INTERPRET=1, or
-    the autotuner under INFCL_AUTOTUNE=1)."""
+    """``precision``: tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"; None follows
+    ``torch.backends.cuda.matmul.allow_tf32`` at each call). ``tiling``: a :class:`infcl.kernels.Tiling`
+    pinning the three kernels' tiles and splits (None: the device's per-architecture defaults, the
+    interpreter's big tiles under TRITON_INTERPRET=1, or the autotuner under INFCL_AUTOTUNE=1)."""
 
     name = "triton"
 
-    def __init__(self, precision=None, forward_config: "TileConfig" = None, backward_config: "TileConfig" = None):
+    def __init__(self, precision: Optional[str] = None, tiling: "Optional[Tiling]" = None):
+        if precision is not None and precision not in DOT_PRECISIONS:
+            raise ValueError(f"precision must be None or one of {DOT_PRECISIONS}, got {precision!r}")
         self.precision = precision
-        self.forward_config = forward_config
-        self.backward_config = backward_config
+        self.tiling = tiling
 
-    def forward_block(self, q: Tensor, k: Tensor, scale: float, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        row_lse = lse_forward(q, k, scale, self.precision, self.forward_config)
-        col_lse = lse_forward(k, q, scale, self.precision, self.forward_config) if want_cols else None
-        return row_lse, col_lse
+    def _options(self):
+        precision = self.precision
+        if precision is None:
+            precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        return precision, (self.tiling.to_ints() if self.tiling is not None else [])
 
-    def backward_block(
-        self,
-        q: Tensor,
-        k: Tensor,
-        scale: float,
-        row_lse: Tensor,
-        g_row: Tensor,
-        col_lse: Optional[Tensor],
-        g_col: Optional[Tensor],
-        dq: Tensor,
-        dk: Tensor,
-    ) -> Tuple[Tensor, Tensor]:
-        return lse_backward(
-            q, k, scale, row_lse, g_row, col_lse, g_col, dq, dk, self.precision, self.backward_config
+    @staticmethod
+    def _on_torch_tiles(block: Block) -> bool:
+        """float64 on a GPU with Triton 3.2, whose tl.dot has no float64: the torch tiles run the block."""
+        return block.q.dtype == torch.float64 and not FLOAT64_DOT and not INTERPRETED
+
+    def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.forward_block(block, want_cols)
+        rows, cols = forward_block(block.q, block.k, block.scale, block.pos, want_cols, *self._options())
+        return rows, (cols if want_cols else None)
+
+    def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.backward_block(block, dq, dk)
+        return backward_block(
+            block.q, block.k, block.scale, block.pos, block.row_stats, block.g_row, block.col_stats, block.g_col,
+            dq, dk, *self._options(),
+        )
+
+    # --- the sigmoid (SigLIP) loss: infcl/kernels/triton_siglip.py (contract: infcl.backends.base) -----
+    # GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no atomics).
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.sigmoid_forward_block(block)
+        return siglip_forward(block.q, block.k, block.pos, block.scale, block.bias, self._options()[0], self.tiling)
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if self._on_torch_tiles(block):
+            return TORCH_TILES.sigmoid_backward_block(block, dq, dk)
+        return siglip_backward(
+            block.q, block.k, block.pos, block.scale, block.bias, block.g_row, dq, dk, self._options()[0], self.tiling,
         )
 
 

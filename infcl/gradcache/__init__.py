@@ -7,12 +7,13 @@
 
 Modules: ``grad_cache`` (the three phases), ``inputs`` (splitting, model calls, representation
 extraction), ``vlm`` (Qwen-VL patch-aware splitting), ``rand_context`` (RNG replay),
-``precision`` (fp16/bf16 autocast and loss scaling), ``auto_chunk`` (``chunk_sizes="auto"``).
+``precision`` (fp16/bf16 autocast and loss scaling), ``auto_chunk`` (``chunk_sizes="auto"``),
+``sync`` (``no_sync_except_last`` for DDP, FSDP and FSDP2).
 """
 
 from .grad_cache import GradCache
 from .inputs import get_rep, split_inputs
-from .rand_context import RandContext
+from .rand_context import RandContext, module_devices
 from .vlm import split_vlm_inputs
 
-__all__ = ["GradCache", "RandContext", "split_inputs", "split_vlm_inputs", "get_rep"]
+__all__ = ["GradCache", "RandContext", "module_devices", "split_inputs", "split_vlm_inputs", "get_rep"]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .inputs import batch_size_of, input_tensors
-from .rand_context import RandContext
+from .rand_context import RandContext, module_devices
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def saved_activation_bytes(model: nn.Module, chunk: Any, model_call: Callable[[n
             total += storage.nbytes()
         return t
 
-    with RandContext(*input_tensors(chunk)), torch.enable_grad():
+    with RandContext(*input_tensors(chunk), devices=module_devices(model)), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model_call(model, chunk)
     del out

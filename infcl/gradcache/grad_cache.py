@@ -26,7 +26,8 @@ from torch import nn
 from .auto_chunk import auto_chunk_size
 from .inputs import call_model, get_rep, input_tensors, split_inputs
 from .precision import Precision, autocast_disabled
-from .rand_context import RandContext
+from .rand_context import RandContext, module_devices
+from .sync import check_syncable, no_sync
 
 AUTO = "auto"
 
@@ -44,13 +45,17 @@ class GradCache:
             concatenation of its chunks' representations. May be an ``nn.Module`` with parameters.
         split_input_fn: ``(model_input, chunk_size) -> list of chunks``; default
             :func:`infcl.gradcache.inputs.split_inputs` (use :func:`infcl.split_vlm_inputs` for Qwen-VL).
-        get_rep_fn: ``model_output -> reps tensor``; default :func:`infcl.gradcache.inputs.get_rep`.
+        get_rep_fn: ``model_output -> reps tensor``; default :func:`infcl.gradcache.inputs.get_rep`
+            with ``rep_field``.
         fp16: run models and loss under float16 autocast; needs ``scaler`` (see
             :mod:`infcl.gradcache.precision`). The caller unscales and steps.
         scaler: a ``torch.amp.GradScaler`` for fp16.
         bf16: run models and loss under bfloat16 autocast (no scaler). Not in luyug's API.
         memory_budget: bytes of activations per chunk for ``chunk_sizes="auto"`` (default on CUDA:
             half the free memory; required elsewhere). Not in luyug's API.
+        rep_field: the output field that holds the representation (e.g. ``"pooler_output"``,
+            ``"text_embeds"``), for the default extraction; see :func:`infcl.gradcache.inputs.get_rep`
+            for what is taken when it is None. Not in luyug's API.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class GradCache:
         *,
         bf16: bool = False,
         memory_budget: Optional[int] = None,
+        rep_field: Optional[str] = None,
     ):
         if isinstance(models, nn.Module) or not all(isinstance(m, nn.Module) for m in models):
             raise TypeError("models must be a list of nn.Module (one per model input of cache_step)")
@@ -81,6 +87,7 @@ class GradCache:
         self.scaler = scaler
         self.precision = Precision(fp16, bf16, scaler)
         self.memory_budget = memory_budget
+        self.rep_field = rep_field
 
     def _check_chunk_sizes(self, chunk_sizes) -> Union[str, List[int]]:
         if chunk_sizes == AUTO:
@@ -112,7 +119,7 @@ class GradCache:
             return call_model(model, model_input)
 
     def get_reps(self, model_out: Any) -> torch.Tensor:
-        reps = self.get_rep_fn(model_out) if self.get_rep_fn is not None else get_rep(model_out)
+        reps = self.get_rep_fn(model_out) if self.get_rep_fn is not None else get_rep(model_out, self.rep_field)
         if not isinstance(reps, torch.Tensor) or reps.dim() == 0:
             raise TypeError(f"a representation must be a tensor of at least 1 dim, got {_describe(reps)}")
         return reps
@@ -129,9 +136,10 @@ class GradCache:
 
     def _forward_no_grad_chunks(self, model, model_inputs) -> Tuple[List[torch.Tensor], List[RandContext]]:
         chunk_reps, rnd_states = [], []
+        devices = module_devices(model)  # a model may move CPU inputs to its GPU: replay that RNG too
         with torch.no_grad():
             for chunk in model_inputs:
-                rnd_states.append(RandContext(*input_tensors(chunk)))
+                rnd_states.append(RandContext(*input_tensors(chunk), devices=devices))
                 chunk_reps.append(self.get_reps(self.model_call(model, chunk)).detach())
         return chunk_reps, rnd_states
 
@@ -164,9 +172,10 @@ class GradCache:
         """Phase 3 for one model: re-encode each chunk with its RNG replayed, back-propagate
         ``dot(reps, cached_gradient)`` in float32.
 
-        With ``no_sync_except_last`` (DDP), every chunk runs under ``model.no_sync()`` except the last
-        one, and that one too unless ``sync_last_chunk`` (False when the same module is used again by
-        a later input, which will sync for both).
+        With ``no_sync_except_last`` (DDP, FSDP or FSDP2), every chunk runs with the model's gradient
+        synchronization suspended (:func:`infcl.gradcache.sync.no_sync`) except the last one, and that
+        one too unless ``sync_last_chunk`` (False when the same module is used again by a later input,
+        which will sync for both).
         """
         if not (len(model_inputs) == len(cached_gradients) == len(random_states)):
             raise ValueError(
@@ -176,7 +185,7 @@ class GradCache:
         last = len(model_inputs) - 1
         for i, (chunk, grad, state) in enumerate(zip(model_inputs, cached_gradients, random_states)):
             syncs = not no_sync_except_last or (i == last and sync_last_chunk)
-            with nullcontext() if syncs else model.no_sync():
+            with nullcontext() if syncs else no_sync(model):
                 with torch.enable_grad():
                     with state:
                         reps = self.get_reps(self.model_call(model, chunk))
@@ -197,22 +206,14 @@ class GradCache:
         """One GradCache step over ``model_inputs`` (one per model). Returns the detached loss.
 
         Parameter gradients are accumulated into ``.grad`` (zero them before, step after). With
-        ``no_sync_except_last=True`` every model must be ``DistributedDataParallel``; gradients are
-        all-reduced once per distinct module, on its last chunk.
+        ``no_sync_except_last=True`` every model must be ``DistributedDataParallel``,
+        ``FullyShardedDataParallel`` or an FSDP2 module (``fully_shard``); gradients are all-reduced
+        (reduce-scattered) once per distinct module, on its last chunk.
         """
         if len(model_inputs) != len(self.models):
             raise ValueError(f"cache_step got {len(model_inputs)} model inputs for {len(self.models)} models")
         if no_sync_except_last:
-            not_ddp = [
-                f"models[{i}] is {type(m).__name__}"
-                for i, m in enumerate(self.models)
-                if not isinstance(m, nn.parallel.DistributedDataParallel)
-            ]
-            if not_ddp:
-                raise TypeError(
-                    "no_sync_except_last=True needs every model wrapped in DistributedDataParallel; "
-                    + ", ".join(not_ddp)
-                )
+            check_syncable(self.models)
         chunk_sizes = self._resolve_chunk_sizes(model_inputs)
         chunked = [self.split_inputs(x, c) for x, c in zip(model_inputs, chunk_sizes)]
 

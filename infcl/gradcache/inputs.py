@@ -8,7 +8,7 @@ each chunk; all those tensors must agree on dim 0, the batch size.
 """
 
 from collections.abc import Mapping
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -99,30 +99,41 @@ def call_model(model: nn.Module, model_input: Any) -> Any:
     return model(model_input)
 
 
-# Output fields that hold a sequence-level embedding, in order of preference (HF ModelOutput,
-# sentence-transformers' output dict, then the first token of the last hidden state).
-_REP_FIELDS = ("pooler_output", "sentence_embedding")
-
-
 def _field(output: Any, name: str):
     if isinstance(output, Mapping):
         return output.get(name)
     return getattr(output, name, None)
 
 
-def get_rep(output: Any) -> torch.Tensor:
-    """The representation in a model output: [rows, D] (or any [rows, ...]) tensor.
+def get_rep(output: Any, field: Optional[str] = None) -> torch.Tensor:
+    """The representation in a model output: a [rows, D] (or any [rows, ...]) tensor.
 
-    A tensor is returned as is; an output object or mapping gives ``pooler_output``, else
-    ``sentence_embedding``, else ``last_hidden_state[:, 0]``; a tuple or list gives its first element.
-    Anything else raises TypeError: pass ``get_rep_fn`` to GradCache.
+    In this order:
+
+    1. a tensor output is returned as is;
+    2. ``field`` (when given): that key / attribute of the output, as is (e.g. ``"pooler_output"``,
+       ``"text_embeds"``); TypeError if the output has no such tensor;
+    3. ``sentence_embedding`` (sentence-transformers' pooled embedding);
+    4. ``last_hidden_state[:, 0]`` (the first, CLS, token), even when the output also has a
+       ``pooler_output``: BERT's pooler is the next-sentence-prediction head (a dense + tanh layer
+       over that token), not a sentence embedding, so it is used only when named as ``field``;
+    5. a tuple or list: its first element.
+
+    Anything else (an output with only ``pooler_output``, say) raises TypeError: name the field or
+    pass ``get_rep_fn`` to GradCache.
     """
     if isinstance(output, torch.Tensor):
         return output
-    for name in _REP_FIELDS:
-        value = _field(output, name)
-        if isinstance(value, torch.Tensor):
-            return value
+    if field is not None:
+        value = _field(output, field)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"rep_field={field!r}: the model output ({type(output).__name__}) has no tensor {field!r}"
+            )
+        return value
+    value = _field(output, "sentence_embedding")
+    if isinstance(value, torch.Tensor):
+        return value
     hidden = _field(output, "last_hidden_state")
     if isinstance(hidden, torch.Tensor):
         return hidden[:, 0]
@@ -130,6 +141,6 @@ def get_rep(output: Any) -> torch.Tensor:
         return output[0]
     raise TypeError(
         f"cannot find a representation in a model output of type {type(output).__name__}: expected a tensor, "
-        "a tuple whose first element is a tensor, or an object with pooler_output / sentence_embedding / "
-        "last_hidden_state; pass get_rep_fn"
+        "a tuple whose first element is a tensor, or an object with sentence_embedding / last_hidden_state; "
+        "name the field (GradCache(rep_field='pooler_output')) or pass get_rep_fn"
     )

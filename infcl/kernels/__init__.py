@@ -1,15 +1,25 @@
-"""Fused Triton kernels for the contrastive loss's block math (used by ``backend="triton"``).
+"""Fused Triton kernels for the softmax (InfoNCE / CLIP) loss's block steps (``backend="triton"``).
 
-- :mod:`.triton_lse_forward`: row log-sum-exps of S = scale * q @ k.T with an online LSE (1 GEMM).
-- :mod:`.triton_backward`: recomputes S per tile and accumulates dq, dk and the scale gradient (3 GEMMs).
-- :mod:`.tiles`: the strided tile loads, the S tile and the launch options both phases share.
+- :mod:`.triton_lse_forward`: row (and column) log-sum-exp stats and positive logits, one pass (1 GEMM).
+- :mod:`.triton_backward`: the dq and dk kernels, deterministic, without atomics (4 GEMMs).
+- :mod:`.tiles`: the jit helpers all three share (tile loads, the S tile, stats, dS).
+- :mod:`.configs`: launch settings (tile configs, feature chunking, dtype options, split plans).
+- :mod:`.ops`: the custom ops ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block``.
 
 Importing this package needs triton; whether the kernels are interpreted (TRITON_INTERPRET=1, CPU
 tensors) is fixed when it is imported.
 """
 
-from .tiles import INTERPRETED, TileConfig, interpret_requested
-from .triton_backward import lse_backward
-from .triton_lse_forward import lse_forward
+from .configs import INTERPRETED, TileConfig, Tiling, interpret_requested
+from .ops import INTERPRETER_TILING, backward_block, default_tiling, forward_block
 
-__all__ = ["INTERPRETED", "TileConfig", "interpret_requested", "lse_backward", "lse_forward"]
+__all__ = [
+    "INTERPRETED",
+    "INTERPRETER_TILING",
+    "TileConfig",
+    "Tiling",
+    "backward_block",
+    "default_tiling",
+    "forward_block",
+    "interpret_requested",
+]

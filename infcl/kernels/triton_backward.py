@@ -1,148 +1,394 @@
-"""Backward phase: recompute each S tile, form dS, accumulate dq, dk and the scale gradient.
+"""Backward: recompute each S tile, form dS in registers, accumulate dq, dk and the scale gradient —
+deterministic, without atomics.
 
-With raw = q @ k.T, S = scale * raw, the global row (and column) log-sum-exps from the forward and the
-upstream gradients g_row [Bq] (and g_col [Bk]):
+With raw = q @ k.T, S = scale * raw, the global stats (m, r) of every row (and, symmetric, column),
+the upstream gradients g_row [Bq] (g_col [Bk]) and Y the one-hot of the positives:
 
-    dS    = g_row[:, None] * exp(S - row_lse[:, None])  [+ g_col[None, :] * exp(S - col_lse[None, :])]
-    dq   += scale * dS @ k            dk += scale * dS.T @ q
-    dscale_row = sum(row part of dS * raw),   dscale_col = sum(column part of dS * raw)
+    dS     = g_row * (P_row - Y) [+ g_col * (P_col - Y)],   P = exp((S - m) - r), formed in ACC
+    dq    += scale * dS @ k            dk += scale * dS.T @ q
+    dscale = (sum(g_row * (P_row - Y) * raw), sum(g_col * (P_col - Y) * raw))
 
-One kernel, one program per BLOCK_M rows of q, walking k in BLOCK_N blocks. Per block: S is recomputed
-(1 GEMM, over D in BLOCK_D chunks), dS is formed in registers, and for each feature chunk the program
-adds dS @ k[:, chunk] into its own rows of dq (a plain read-add-write: no other program touches those
-rows) and dS.T @ q[:, chunk] into dk with atomic adds (every row block adds into every k block; in the
-accumulation dtype, so the summation order, not the precision, varies from run to run). The symmetric
-loss adds the column term to the same dS, so it costs no extra GEMM.
+Two kernels, shaped like the fused-attention backward:
+- ``_dq_kernel``: a program owns BLOCK_M rows of q and one slice of BLOCK_OUT feature columns, walks
+  the k blocks of its split, and accumulates its dq slice in registers; it writes it once at the end.
+  It also sums the two scale-gradient parts per program into a small buffer that the host adds up in
+  a fixed order.
+- ``_dk_kernel``: a program owns BLOCK_N rows of k (one slice), walks the q blocks, and accumulates
+  dk the same way; it computes the S tile in the same q-rows-by-k-rows orientation as every other
+  kernel (then transposes dS for the product), so its S is bit-identical too.
+Nothing is accumulated across programs except through per-program buffers summed in a fixed order
+(k splits of dq, q splits of dk, the scale gradient), so the same inputs give the same bits every run.
 
-GEMM count per call: 3 (S, dq, dk), for the one-directional and the symmetric loss alike. With the
-forward (1 GEMM one direction, 2 symmetric): 4 in all for one direction, 5 for the symmetric loss
-(Inf-CL: 5 and 10). The scale gradient: each program writes its two partial sums (row, column) into a
-[programs, 2] buffer that torch sums. Extra memory: that buffer, O(Bq / BLOCK_M).
+dS is formed in the accumulation dtype with the positive's entry as g * expm1(x), then rounded to the
+inputs' dtype for the two products (tensor-core operands). For float16 each row (column) of dS is
+first divided by the largest |g| that can reach it, max(|g_row[i]|, max|g_col|) (for dk:
+max(|g_col[j]|, max|g_row|)), and the product multiplied back in float32, so that entries of order
+g * p (1e-9 for a mean over 65536 rows) do not flush to zero in float16's range.
 
-On a GPU dS is cast to the inputs' dtype before the two products (tensor-core operands, as torch does in
-that dtype); under the interpreter the same rounding happens before the upcast (see tiles.py).
+GEMM count per call, for D up to one slice (BLOCK_OUT, 256 by default; D <= 128 is one chunk): 4 —
+S in each kernel, dq, dk — whether the loss is one-directional or symmetric. A wider D runs
+ceil(D / BLOCK_OUT) slices, each recomputing S: 2 * slices + 2. With the forward's 1: 5 for either
+loss at D <= BLOCK_OUT (Inf-CL: 5 for one direction, 10 for the symmetric loss).
 """
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .tiles import (
-    MIN_DOT,
+from .configs import (
+    COMPILE_OPTIONS,
+    SHAPE_HEURISTICS,
+    TRITON_VERSION,
     TileConfig,
-    autotuning,
-    block_d,
+    Tiling,
     launch_options,
+    lazy_autotune,
+    neighbours,
+    plan_backward_splits,
+    size_bucket,
+)
+from .tiles import (
+    block_range,
+    block_scores,
+    check_blocks,
     load_tile,
-    pick_config,
-    score_tile,
+    load_vector,
+    masked_scores,
+    softmax_grad,
     tile_dot,
 )
 
 
 @triton.jit
-def _lse_backward_kernel(
-    q_ptr, k_ptr, scale_ptr, row_lse_ptr, g_row_ptr, col_lse_ptr, g_col_ptr, dq_ptr, dk_ptr, dscale_ptr,
+def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL: tl.constexpr):
+    """(row part, column part) of dS for one tile; the column part is 0 for the one-directional loss."""
+    ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos)
+    if HAS_COL:
+        ds_col = softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], is_pos)
+    else:
+        ds_col = 0.0
+    return ds_row, ds_col
+
+
+@triton.jit
+def _load_stats(stats_ptr, g_ptr, idx, n, stride_stat, stride_elem, stride_g, MASK: tl.constexpr):
+    """(m, r, g) of the rows (columns) ``idx``: zero past ``n``, where the entries' S is -inf anyway
+    (masked_scores), so their dS is 0."""
+    m = load_vector(stats_ptr, idx, n, stride_elem, 0.0, MASK)
+    r = load_vector(stats_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+    return m, r, load_vector(g_ptr, idx, n, stride_g, 0.0, MASK)
+
+
+@triton.jit
+def _inverse(factor):
+    """1 / factor, 0 where factor is 0 (a row no gradient reaches)."""
+    return tl.where(factor > 0, 1.0 / tl.where(factor > 0, factor, 1.0), 0.0)
+
+
+@triton.jit
+def _store_slice(ptr, rows, feats, n_rows, D, stride_r, stride_f, acc, scale, factor, NORMALIZE: tl.constexpr,
+                 ADD: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_FEATS: tl.constexpr):
+    """ptr[rows, feats] (+)= scale * acc (times each row's dS factor): the program's one write of its
+    gradient slice."""
+    if NORMALIZE:
+        value = acc * (factor * scale)[:, None]
+    else:
+        value = acc * scale
+    ptrs = ptr + rows[:, None].to(tl.int64) * stride_r + feats[None, :].to(tl.int64) * stride_f
+    if ADD:
+        value += load_tile(ptr, rows, feats, n_rows, D, stride_r, stride_f, MASK_ROWS, MASK_FEATS, False)
+    if MASK_ROWS and MASK_FEATS:
+        tl.store(ptrs, value, mask=(rows[:, None] < n_rows) & (feats[None, :] < D))
+    elif MASK_ROWS:
+        tl.store(ptrs, value, mask=rows[:, None] < n_rows)
+    elif MASK_FEATS:
+        tl.store(ptrs, value, mask=feats[None, :] < D)
+    else:
+        tl.store(ptrs, value)
+
+
+@triton.jit
+def _dq_kernel(
+    q_ptr, k_ptr, scale_ptr, pos_ptr, row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr, g_max_ptr,
+    out_ptr, dscale_ptr,
     n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1, stride_dq0, stride_dq1, stride_dk0, stride_dk1,
-    HAS_COL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_q0, stride_q1, stride_k0, stride_k1,
+    stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
+    stride_out_split, stride_out0, stride_out1,
+    HAS_COL: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_OUT: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_q
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the k tile of S feeds dq too
+    rb = tl.program_id(0)
+    out_slice = tl.program_id(1)
+    split = tl.program_id(2)
+    cb_lo, cb_hi = block_range(split, tl.num_programs(2), tl.cdiv(n_k, BLOCK_N))
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.load(scale_ptr)
-    row_lse = tl.load(row_lse_ptr + rows, mask=row_ok, other=0.0)
-    g_row = tl.load(g_row_ptr + rows, mask=row_ok, other=0.0)
-    dscale_row = tl.zeros([BLOCK_M], dtype=ACC)
-    dscale_col = tl.zeros([BLOCK_N], dtype=ACC)
-    for n0 in range(0, n_k, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        col_ok = cols < n_k
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        raw = score_tile(
-            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION,
-        )
-        s = raw * scale
-        # Zero outside the block explicitly: a padded entry must not add to any sum, whatever it holds.
-        ds = tl.where(tile_ok, g_row[:, None] * tl.exp(s - row_lse[:, None]), 0.0)
-        dscale_row += tl.sum(ds * raw, axis=1)
+    m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
+    pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+    if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
+        factor = tl.abs(g_r)
         if HAS_COL:
-            col_lse = tl.load(col_lse_ptr + cols, mask=col_ok, other=0.0)
-            g_col = tl.load(g_col_ptr + cols, mask=col_ok, other=0.0)
-            ds_col = tl.where(tile_ok, g_col[None, :] * tl.exp(s - col_lse[None, :]), 0.0)
-            dscale_col += tl.sum(ds_col * raw, axis=0)
+            factor = tl.maximum(factor, tl.load(g_max_ptr + 1))
+    else:
+        factor = g_r  # unused
+    feats = tl.arange(0, BLOCK_D)
+    out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    if ONE_CHUNK:
+        q_res = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
+    else:
+        q_res = q_ptr  # unused
+    acc = tl.zeros([BLOCK_M, BLOCK_OUT], dtype=ACC)
+    dscale_row = tl.zeros([BLOCK_M], dtype=ACC)
+    dscale_col = tl.zeros([BLOCK_M], dtype=ACC)
+    for cb in range(cb_lo, cb_hi):
+        cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+        raw, k_tile = block_scores(
+            q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        )
+        s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
+        if HAS_COL:
+            m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
+        else:
+            m_c, r_c, g_c = m_r, r_r, g_r  # unused
+        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
+        dscale_row += tl.sum(ds_row * raw, axis=1)
+        ds = ds_row
+        if HAS_COL:
+            dscale_col += tl.sum(ds_col * raw, axis=1)
             ds = ds + ds_col
-        ds_op = ds.to(q_ptr.dtype.element_ty)  # the products' operand dtype (tensor cores on a GPU)
-        for d0 in range(0, D, BLOCK_D):
-            feats = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
-            feat_ok = feats[None, :] < D
-            k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1)  # [BLOCK_N, BLOCK_D]
-            q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1)  # [BLOCK_M, BLOCK_D]
-            dq_part = tile_dot(ds_op, k_tile, tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC), UPCAST, PRECISION)
-            dq_ptrs = dq_ptr + rows[:, None] * stride_dq0 + feats[None, :] * stride_dq1
-            dq_mask = row_ok[:, None] & feat_ok
-            tl.store(dq_ptrs, tl.load(dq_ptrs, mask=dq_mask, other=0.0) + scale * dq_part, mask=dq_mask)
-            dk_part = tile_dot(tl.trans(ds_op), q_tile, tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC), UPCAST, PRECISION)
-            dk_ptrs = dk_ptr + cols[:, None] * stride_dk0 + feats[None, :] * stride_dk1
-            tl.atomic_add(dk_ptrs, scale * dk_part, mask=col_ok[:, None] & feat_ok, sem="relaxed")
-    tl.store(dscale_ptr + 2 * pid, tl.sum(dscale_row, axis=0))
-    tl.store(dscale_ptr + 2 * pid + 1, tl.sum(dscale_col, axis=0))
+        if NORMALIZE:
+            ds = ds * _inverse(factor)[:, None]
+        if ONE_CHUNK:
+            k_out = k_tile
+        else:
+            k_out = load_tile(k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, False)
+        acc = tile_dot(ds.to(q_ptr.dtype.element_ty), k_out, acc, UPCAST, PRECISION)
+    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, rows, out_feats, n_q, D, stride_out0, stride_out1,
+                 acc, scale, factor, NORMALIZE, ADD, not EVEN_M, not EVEN_OUT)
+    if out_slice == 0:
+        slot = dscale_ptr + 2 * (rb.to(tl.int64) * tl.num_programs(2) + split)
+        tl.store(slot, tl.sum(dscale_row, axis=0))
+        tl.store(slot + 1, tl.sum(dscale_col, axis=0))
 
 
-# The config used unless INFCL_AUTOTUNE=1. Not tuned on a GPU yet (none was available): square 64
-# tiles keep the fp32 S and dS tiles plus one feature chunk of q, k, dq and dk within 4 warps' registers.
-DEFAULT_CONFIG = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-# The search space under INFCL_AUTOTUNE=1, keyed by D, the symmetric flag and the input dtypes.
-AUTOTUNE_CONFIGS = [
-    TileConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-    for bm in (32, 64, 128)
-    for bn in (32, 64, 128)
-    for w in (4, 8)
-    for s in (1, 2)
-]
-# dq and dk are accumulated in place: every benchmarked config must start from the caller's values.
-_lse_backward_autotuned = triton.autotune(
-    configs=[c.as_triton() for c in AUTOTUNE_CONFIGS], key=["D", "HAS_COL"], restore_value=["dq_ptr", "dk_ptr"]
-)(_lse_backward_kernel)
-
-
-def lse_backward(
-    q, k, scale, row_lse, g_row, col_lse, g_col, dq, dk, precision=None, config: TileConfig = None
+@triton.jit
+def _dk_kernel(
+    q_ptr, k_ptr, scale_ptr, pos_ptr, row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr, g_max_ptr,
+    out_ptr,
+    n_q, n_k, D,
+    stride_q0, stride_q1, stride_k0, stride_k1,
+    stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
+    stride_out_split, stride_out0, stride_out1,
+    HAS_COL: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_OUT: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BUCKET: tl.constexpr,
 ):
-    """Accumulate dq [Bq, D] and dk [Bk, D] in place; return (dscale_row, dscale_col) as 0-d tensors.
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the q tile of S feeds dk too
+    cb = tl.program_id(0)
+    out_slice = tl.program_id(1)
+    split = tl.program_id(2)
+    rb_lo, rb_hi = block_range(split, tl.num_programs(2), tl.cdiv(n_q, BLOCK_M))
+    cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+    scale = tl.load(scale_ptr)
+    if HAS_COL:
+        m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
+    if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
+        factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
+        if HAS_COL:
+            factor = tl.maximum(factor, tl.abs(g_c))
+    else:
+        factor = scale  # unused
+    feats = tl.arange(0, BLOCK_D)
+    out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    if ONE_CHUNK:
+        k_res = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_D)
+    else:
+        k_res = k_ptr  # unused
+    acc = tl.zeros([BLOCK_N, BLOCK_OUT], dtype=ACC)
+    for rb in range(rb_lo, rb_hi):
+        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
+        pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+        raw, q_tile = block_scores(
+            q_ptr, k_ptr, k_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, False, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        )
+        s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
+        if not HAS_COL:
+            m_c, r_c, g_c = m_r, r_r, g_r  # unused
+        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
+        ds = ds_row + ds_col
+        if NORMALIZE:
+            ds = ds * _inverse(factor)[None, :]
+        if ONE_CHUNK:
+            q_out = q_tile
+        else:
+            q_out = load_tile(q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, False)
+        acc = tile_dot(tl.trans(ds.to(q_ptr.dtype.element_ty)), q_out, acc, UPCAST, PRECISION)
+    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, cols, out_feats, n_k, D, stride_out0, stride_out1,
+                 acc, scale, factor, NORMALIZE, ADD, not EVEN_N, not EVEN_OUT)
 
-    q [Bq, D], k [Bk, D] inputs (any strides); row_lse, g_row [Bq] and, for the symmetric loss, col_lse,
-    g_col [Bk] (else None) in the accumulation dtype, as are dq and dk (any strides). ``precision`` and
-    ``config`` as in :func:`infcl.kernels.triton_lse_forward.lse_forward`.
+
+# ---- configs ------------------------------------------------------------------------------------
+# Per (architecture family, operand class), as triton_lse_forward.DEFAULT_CONFIGS (not tuned on a GPU;
+# every variant compiles without spills, checked by tests/test_triton_compile.py). On tensor cores the
+# S tile keeps BLOCK_M >= 64 on a multiple of 4 warps, so it comes from the same MMA instruction as
+# the forward's (see tiles.py); FMA products (ieee, fp64) have no such constraint. ``block_out``: the
+# dq (dk) slice a program holds in registers: 64 rows x 256 fp32 columns over 8 warps is 64 registers
+# a thread, the most that leaves room for the S and dS tiles without spilling at uneven D.
+DQ_CONFIGS = {
+    # sm_90: 3 stages of the S chunks fit the registers and 64 KiB of shared memory.
+    (90, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, block_out=256),
+    # sm_80: ptxas 12's allocator needs the third stage's registers back.
+    (80, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
+    (0, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
+    # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not.
+    (90, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
+    (80, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
+    (0, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
+    # FMA products (fp32 "ieee", fp64): 32-row blocks on 4 warps over 16-feature chunks, maxnreg 255
+    # (as in the forward); fp64 owns 16 columns and 64-wide slices for twice the bytes per entry.
+    **{(arch, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=255)
+       for arch in (90, 80, 0)},
+    **{(arch, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in (90, 80, 0)},
+}
+# The dk kernel is the dq kernel with the roles of q and k swapped; where its accumulator (BLOCK_N
+# rows of k) needs room, it owns fewer k rows, while BLOCK_M (the S tile's M side) stays the same.
+DK_CONFIGS = {
+    **DQ_CONFIGS,
+    # sm_80: fp16's dS normalization tips 32 owned rows into spills at ragged D; 16 fit.
+    (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
+    (0, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
+}
+if TRITON_VERSION < (3, 3):
+    # Triton 3.2 aborts compiling the sm_90 dq kernel above (an assertion in its LLVM lowering of the
+    # 64-row wgmma accumulator split over two warp groups): there it takes 128 rows on the same 8 warps
+    # (one warp group per 64 rows) and a 128-wide slice, so the accumulator still fits.
+    DQ_CONFIGS.update({(90, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=128)
+                       for k in ("mma", "tf32")})
+
+# The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
+# direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
+# default, half its BLOCK_N and one more stage. The slice width is not searched: it fixes the grid
+# and the GEMM count, so it stays the default config's.
+
+
+def _keep(key, config: TileConfig, default: TileConfig) -> bool:
+    """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, halving
+    BLOCK_N of the bf16/fp16 kernels spills the dq kernel at ragged D (ptxas 13); the FMA classes (ieee,
+    fp64) sit at their register limit already, so they keep their default alone."""
+    if key == (90, "mma") and config.block_n < default.block_n:
+        return False
+    return key[1] in ("mma", "tf32") or config == default
+
+
+DQ_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] for key, cfg in DQ_CONFIGS.items()}
+DK_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] for key, cfg in DK_CONFIGS.items()}
+# The smallest BLOCK_M any config uses: the dq kernel's scale-gradient buffer has a slot per program.
+_MIN_BLOCK_M = min(c.block_m for tiles in DQ_AUTOTUNE_CONFIGS.values() for c in tiles)
+_HEURISTICS = {**SHAPE_HEURISTICS, "EVEN_OUT": lambda args: args["D"] % args["BLOCK_OUT"] == 0}
+_KEY = ["D", "HAS_COL", "PRECISION", "BUCKET"]
+
+_dq = triton.heuristics(_HEURISTICS)(_dq_kernel)
+_dk = triton.heuristics(_HEURISTICS)(_dk_kernel)
+# Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
+# per-program scale-gradient slots are zeroed before each trial.
+_dq_autotuned = lazy_autotune(_dq, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"])
+_dk_autotuned = lazy_autotune(_dk, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+
+def _launch(kernel, autotuned, grid, args, cfg: TileConfig, autotune: bool, bucket: int, consts: dict, wrap):
+    if autotune:
+        wrap(autotuned())[grid](*args, BUCKET=bucket, **consts)
+    else:
+        wrap(kernel)[grid(dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))](
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0, **cfg.launch_options(), **consts,
+        )
+
+
+def softmax_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: torch.Tensor,
+    pos: torch.Tensor,
+    row_stats: torch.Tensor,
+    g_row: torch.Tensor,
+    col_stats: Optional[torch.Tensor],
+    g_col: Optional[torch.Tensor],
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    tiling: Tiling,
+    precision: Optional[str] = None,
+    autotune: bool = False,
+    sms: int = 1,
+    wrap=lambda kernel: kernel,
+) -> torch.Tensor:
+    """Accumulate dq [Bq, D] and dk [Bk, D] in place (any strides); return dscale [2] (row part, column part).
+
+    q, k, scale, pos as in :func:`infcl.kernels.triton_lse_forward.softmax_forward`; row_stats [2, Bq] and
+    g_row [Bq], and for the symmetric loss col_stats [2, Bk] and g_col [Bk] (else None), all in the
+    accumulation dtype, any strides. ``tiling``, ``autotune``, ``sms`` and ``wrap`` as in the forward.
     """
     opts = launch_options(q.dtype, precision)
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]
-    has_col = col_lse is not None
-    # The upstream gradient of a mean is an expanded (stride 0) vector: O(B) copies make them plain.
-    row_lse, g_row = row_lse.contiguous(), g_row.contiguous()
-    col_lse, g_col = (col_lse.contiguous(), g_col.contiguous()) if has_col else (row_lse, g_row)
-    scale_t = torch.full((1,), scale, dtype=acc, device=q.device)
-    # One (row, column) partial per program; sized for the smallest BLOCK_M any config uses, unused
-    # entries stay zero.
-    dscale = torch.zeros(triton.cdiv(n_q, MIN_DOT), 2, dtype=acc, device=q.device)
-    args = (
-        q, k, scale_t, row_lse, g_row, col_lse, g_col, dq, dk, dscale, n_q, n_k, dim,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
+    has_col = col_stats is not None
+    normalize = q.dtype == torch.float16
+    if not has_col:
+        col_stats, g_col = row_stats, g_row  # never read
+    g_max = torch.stack((g_row.abs().amax(), g_col.abs().amax())) if normalize else scale  # read if normalizing
+    block_d = tiling.block_d(dim)
+    stats_args = (
+        q, k, scale, pos, row_stats, g_row, col_stats, g_col, g_max,
     )
-    if config is None and autotuning():
-        grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]),)  # noqa: E731
-        _lse_backward_autotuned[grid](*args, HAS_COL=has_col, BLOCK_D=block_d(dim), **opts)
-    else:
-        cfg = pick_config(config, DEFAULT_CONFIG)
-        _lse_backward_kernel[(triton.cdiv(n_q, cfg.block_m),)](
-            *args, HAS_COL=has_col, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(dim, cfg.max_block_d),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    sizes = (n_q, n_k, dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+             row_stats.stride(0), row_stats.stride(1), g_row.stride(0),
+             col_stats.stride(0), col_stats.stride(1), g_col.stride(0))
+    bucket = size_bucket(n_q, n_k)
+    dscale_parts = None
+    for which, grad, cfg, n_owned, n_other in (
+        ("dq", dq, tiling.dq, triton.cdiv(n_q, tiling.dq.block_m), triton.cdiv(n_k, tiling.dq.block_n)),
+        ("dk", dk, tiling.dk, triton.cdiv(n_k, tiling.dk.block_n), triton.cdiv(n_q, tiling.dk.block_m)),
+    ):
+        block_out = tiling.block_out(cfg, dim)
+        slices = triton.cdiv(dim, block_out)
+        splits = plan_backward_splits(n_owned, n_other, slices, tiling, sms)
+        # One split accumulates straight into the caller's gradient; several write fresh partials.
+        out = grad if splits == 1 else torch.empty(splits, *grad.shape, dtype=acc, device=grad.device)
+        out_strides = (0, *grad.stride()) if splits == 1 else out.stride()
+        consts = dict(
+            HAS_COL=has_col, NORMALIZE=normalize, ADD=splits == 1, BLOCK_D=block_d, BLOCK_OUT=block_out,
+            **opts, **COMPILE_OPTIONS,
         )
-    sums = dscale.sum(dim=0)
-    return sums[0], sums[1]
+        if which == "dq":
+            n_rows_max = triton.cdiv(n_q, min(_MIN_BLOCK_M, cfg.block_m) if autotune else cfg.block_m)
+            dscale_parts = torch.zeros(n_rows_max * splits, 2, dtype=acc, device=q.device)
+            grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), slices, splits)  # noqa: E731
+            args = (*stats_args, out, dscale_parts, *sizes, *out_strides)
+            _launch(_dq, _dq_autotuned, grid, args, cfg, autotune, bucket, consts, wrap)
+        else:
+            grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), slices, splits)  # noqa: E731
+            args = (*stats_args, out, *sizes, *out_strides)
+            _launch(_dk, _dk_autotuned, grid, args, cfg, autotune, bucket, consts, wrap)
+        if splits > 1:
+            grad += out.sum(dim=0)
+    return dscale_parts.sum(dim=0)

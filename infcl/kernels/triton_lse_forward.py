@@ -1,93 +1,233 @@
-"""Forward phase: the row log-sum-exps of S = scale * q @ k.T, fused, without writing S.
+"""Forward: the log-sum-exp stats of S = scale * q @ k.T per row (and per column), and each row's positive
+logit, from one pass over the tiles; S never leaves registers.
 
-Each program owns BLOCK_M rows of q and walks k in BLOCK_N blocks. For each block it builds the S tile
-(looping over D in BLOCK_D chunks, see :func:`infcl.kernels.tiles.score_tile`) and folds it into a
-running max ``m`` and a running sum ``l = sum_j exp(S[i, j] - m)`` (the online log-sum-exp: when the
-max grows, ``l`` is rescaled by ``exp(m_old - m_new)``). Only ``lse = m + log(l)`` is written: [Bq].
-Extra memory: the output vector and one scalar; the S tile lives in registers.
+Grid (groups, splits). Program (g, c) walks the row blocks of row group g (one row block per group
+for the one-directional loss) and, for each, the k blocks of split c, building each S tile once
+(:func:`infcl.kernels.tiles.score_tile`) and folding it into
+- the row's running stats (m, rest) and positive logit (the tile entry at ``pos``), kept in
+  registers and stored per split: ``[3, splits, Bq]``;
+- for the symmetric loss, the column stats over the group's rows: each tile's column stats are merged
+  into the group's own ``[2, groups, Bk]`` partials (read, merged, written back: one program owns each
+  (group, column) pair, so no atomics and no race).
+The host merges the splits and the groups with :func:`infcl.lse.lse_merge` in a fixed order. Splits
+exist to fill the GPU when there are few row blocks; groups are at most MAX_GROUPS, so the extra
+memory is O(MAX_SPLITS * Bq + MAX_GROUPS * Bk), never O(Bq * Bk).
 
-GEMM count: 1 GEMM-equivalent (2*Bq*Bk*D flops) per call. The symmetric loss's column log-sum-exps are
-a second call with q and k swapped (:class:`infcl.backends.triton_backend.TritonBackend`), so the
-forward costs 1 GEMM for one direction and 2 for the symmetric loss. A single pass would need per-row-
-block partial column LSEs, an O(Bk * Bq / BLOCK_M) buffer, which we do not allow.
+GEMM count: 1 GEMM-equivalent (2*Bq*Bk*D flops) per call, symmetric or not: the column stats come
+from the same tiles as the row stats (the tile's column max and a second exp per entry).
 
-Inputs: q [Bq, D], k [Bk, D] of one dtype among float32/bfloat16/float16/float64, any strides; the
-result is float32 (float64 for float64 inputs). NaN in a row gives NaN in that row's LSE.
+Inputs: q [Bq, D], k [Bk, D] of one dtype among float32/bfloat16/float16/float64, any strides; scale a
+0-d tensor in the accumulation dtype (float32, float64 for float64), read in the kernel (no host
+sync); pos [Bq] int64, the column of each row's positive in this block or -1. NaN in a row gives NaN
+stats for that row and every column it meets, as F.cross_entropy does.
 """
+
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .tiles import MIN_DOT, TileConfig, autotuning, block_d, launch_options, pick_config, score_tile
-
-
-@triton.jit
-def _lse_forward_kernel(
-    q_ptr, k_ptr, scale_ptr, lse_ptr,
-    n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    scale = tl.load(scale_ptr)  # a tensor, not a launch argument: Python floats would be cast to fp32
-    run_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-    run_sum = tl.zeros([BLOCK_M], dtype=ACC)
-    for n0 in range(0, n_k, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        raw = score_tile(
-            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION,
-        )
-        # Columns past Bk contribute exp(-inf) = 0; every block has at least one real column, so the
-        # new max is finite for finite inputs.
-        s = tl.where(cols[None, :] < n_k, raw * scale, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(s, axis=1))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), axis=1)
-        run_max = new_max
-    tl.store(lse_ptr + rows, run_max + tl.log(run_sum), mask=rows < n_q)
-
-
-# The config used unless INFCL_AUTOTUNE=1. Not tuned on a GPU yet (none was available): the fused-
-# attention tutorial's forward shape, halved in M so a 64-wide feature chunk of q stays in registers.
-DEFAULT_CONFIG = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-# The search space under INFCL_AUTOTUNE=1, keyed by D (and, implicitly, the input dtypes).
-AUTOTUNE_CONFIGS = [
-    TileConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-    for bm in (64, 128)
-    for bn in (32, 64, 128)
-    for w in (4, 8)
-    for s in (2, 3)
-]
-_lse_forward_autotuned = triton.autotune(configs=[c.as_triton() for c in AUTOTUNE_CONFIGS], key=["D"])(
-    _lse_forward_kernel
+from ..lse import MAX, REL, lse_merge
+from .configs import (
+    COMPILE_OPTIONS,
+    SHAPE_HEURISTICS,
+    TileConfig,
+    Tiling,
+    launch_options,
+    lazy_autotune,
+    neighbours,
+    plan_forward,
+    size_bucket,
+)
+from .tiles import (
+    block_range,
+    block_scores,
+    check_blocks,
+    load_tile,
+    load_vector,
+    masked_scores,
+    merge_rest_stats,
+    tile_rest_stats,
 )
 
 
-def lse_forward(q: torch.Tensor, k: torch.Tensor, scale: float, precision=None, config: TileConfig = None):
-    """Row log-sum-exps of scale * q @ k.T: [Bq] in the accumulation dtype.
+@triton.jit
+def _store_vector(ptr, idx, n, value, MASK: tl.constexpr):
+    if MASK:
+        tl.store(ptr + idx, value, mask=idx < n)
+    else:
+        tl.store(ptr + idx, value)
 
-    ``precision`` picks tl.dot's input precision for float32 inputs ("ieee", "tf32"; None follows
-    torch.backends.cuda.matmul.allow_tf32). ``config`` overrides :data:`DEFAULT_CONFIG` (under the
-    interpreter: :data:`infcl.kernels.tiles.INTERPRETER_CONFIG`); with INFCL_AUTOTUNE=1 on a GPU and no
-    ``config`` the kernel is autotuned.
+
+@triton.jit
+def _forward_kernel(
+    q_ptr, k_ptr, scale_ptr, pos_ptr, rows_ptr, cols_ptr,
+    n_q, n_k, D,
+    stride_q0, stride_q1, stride_k0, stride_k1,
+    stride_rows_stat, stride_rows_split, stride_cols_stat, stride_cols_group,
+    COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
+):
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    group = tl.program_id(0)
+    split = tl.program_id(1)
+    rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(n_q, BLOCK_M))
+    cb_lo, cb_hi = block_range(split, tl.num_programs(1), tl.cdiv(n_k, BLOCK_N))
+    scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
+    feats = tl.arange(0, BLOCK_D)
+    row_out = rows_ptr + split.to(tl.int64) * stride_rows_split
+    col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
+    for rb in range(rb_lo, rb_hi):
+        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
+            q_res = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
+        else:
+            q_res = q_ptr  # unused
+        pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+        run_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+        run_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
+        pos_logit = tl.zeros([BLOCK_M], dtype=ACC)
+        for cb in range(cb_lo, cb_hi):
+            cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+            raw, _ = block_scores(
+                q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+            )
+            # Row stats see only real columns; padded rows are finite (zero features) and never stored.
+            s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
+            tile_max, tile_rest = tile_rest_stats(s_rows, 1)
+            run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
+            pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
+            if COLS:
+                s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
+                col_max, col_rest = tile_rest_stats(s_cols, 0)
+                part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), not EVEN_N)
+                part_rest = load_vector(col_part + stride_cols_stat, cols, n_k, 1, -1.0, not EVEN_N)
+                part_max, part_rest = merge_rest_stats(part_max, part_rest, col_max, col_rest)
+                _store_vector(col_part, cols, n_k, part_max, not EVEN_N)
+                _store_vector(col_part + stride_cols_stat, cols, n_k, part_rest, not EVEN_N)
+        _store_vector(row_out, rows, n_q, run_max, not EVEN_M)
+        _store_vector(row_out + stride_rows_stat, rows, n_q, run_rest, not EVEN_M)
+        _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
+
+
+# ---- configs ------------------------------------------------------------------------------------
+# Defaults per (architecture family, operand class); see configs.arch_key and configs.operand_class.
+# Not tuned on a GPU (none was available): sized from the fused-attention tutorial's forward and
+# chosen so that every variant compiles without spills and within shared memory, which
+# tests/test_triton_compile.py checks for sm_80, sm_90 and sm_86 (the small-memory family).
+DEFAULT_CONFIGS = {
+    # sm_90: 128-row tiles over two warp groups (wgmma, M = 64 each); 3 stages of q/k chunks (<= 96 KiB).
+    (90, "mma"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    # sm_80: 128 rows on mma.sync; ptxas 12 spills the 64-column tile at ragged D, 32 columns fit.
+    (80, "mma"): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
+    # sm_86/89/120 (<= 99 KiB of shared memory; its ptxas spills 128-row tiles at ragged D): 64 x 32.
+    (0, "mma"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    # tf32: fp32 operands in 32-feature chunks; on sm_90 a third stage pushes registers into spills.
+    (90, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    (80, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    (0, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
+    # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM.
+    **{(arch, klass): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=255)
+       for arch in (90, 80, 0) for klass in ("ieee", "fp64")},
+}
+
+
+
+def _keep(key, config: TileConfig) -> bool:
+    """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, 128 x 32
+    tiles with 3 stages (bf16/fp16) and a third tf32 stage spill at ragged D (ptxas 13); the FMA
+    classes (ieee, fp64) sit at their register limit already, so they keep their default alone."""
+    default = DEFAULT_CONFIGS[key]
+    if key == (90, "mma") and config.block_n == 32:
+        return False
+    if key == (90, "tf32") and config.num_stages > default.num_stages:
+        return False
+    return key[1] in ("mma", "tf32") or config == default
+
+
+# The search space under INFCL_AUTOTUNE=1 (keyed by D, dtypes, precision, the loss direction and the
+# size bucket; pruned at tuning time to the call's (arch, class) list): each default, half its
+# BLOCK_N and one more stage, less what _keep drops. Opt-in: it benchmarks every config on each new key.
+AUTOTUNE_CONFIGS = {key: [c for c in neighbours(config) if _keep(key, c)] for key, config in DEFAULT_CONFIGS.items()}
+
+_forward = triton.heuristics(SHAPE_HEURISTICS)(_forward_kernel)
+# Every buffer a trial writes: the row partials are overwritten whole, the column partials are
+# read-merged-written from the host's empty stats, so both are restored between trials.
+_forward_autotuned = lazy_autotune(
+    _forward, AUTOTUNE_CONFIGS, key=["D", "COLS", "PRECISION", "BUCKET"], restore_value=["rows_ptr", "cols_ptr"]
+)
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+
+def merge_partials(parts: torch.Tensor) -> torch.Tensor:
+    """[R, S, n] per-split partials (stats in rows 0-1, any further rows are sums) -> [R, n], contiguous.
+
+    Pairs are merged in a fixed tree order with :func:`infcl.lse.lse_merge` (the further rows added),
+    so the result depends on nothing but the inputs.
+    """
+    n = parts.shape[1]
+    while n > 1:
+        half = n // 2
+        lse_merge(parts[:2, :half], parts[:2, n - half : n])
+        parts[2:, :half] += parts[2:, n - half : n]
+        n -= half
+    return parts[:, 0].contiguous()
+
+
+def softmax_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: torch.Tensor,
+    pos: torch.Tensor,
+    want_cols: bool,
+    tiling: Tiling,
+    precision: Optional[str] = None,
+    autotune: bool = False,
+    sms: int = 1,
+    wrap=lambda kernel: kernel,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """rows [3, Bq] = (max, log-sum relative to it, positive logit or 0), cols [2, Bk] stats or None.
+
+    ``tiling`` gives the block sizes (its forward config, unless ``autotune``) and the feature chunk;
+    ``sms`` the device's SM count for the split plan; ``wrap`` wraps each kernel before its launch
+    (``torch.library.wrap_triton`` inside a triton_op).
     """
     opts = launch_options(q.dtype, precision)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
     n_k = k.shape[0]
-    lse = torch.empty(n_q, dtype=acc, device=q.device)
-    scale_t = torch.full((1,), scale, dtype=acc, device=q.device)
-    args = (q, k, scale_t, lse, n_q, n_k, dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1))
-    if config is None and autotuning():
-        grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]),)  # noqa: E731
-        _lse_forward_autotuned[grid](*args, BLOCK_D=block_d(dim), **opts)
-        return lse
-    cfg = pick_config(config, DEFAULT_CONFIG)
-    _lse_forward_kernel[(triton.cdiv(n_q, cfg.block_m),)](
-        *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(dim, cfg.max_block_d),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    plan = plan_forward(n_q, n_k, tiling, want_cols, sms)
+    rows = torch.empty(3, plan.splits, n_q, dtype=acc, device=q.device)
+    if want_cols:
+        cols = torch.empty(2, plan.groups, n_k, dtype=acc, device=q.device)
+        cols[MAX].fill_(float("-inf"))
+        cols[REL].fill_(-1.0)  # rest = -1: the empty set
+    else:
+        cols = rows  # never touched (COLS=False)
+    args = (
+        q, k, scale, pos, rows, cols, n_q, n_k, dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
     )
-    return lse
+    grid = (plan.groups, plan.splits)
+    consts = dict(COLS=want_cols, BLOCK_D=tiling.block_d(dim), **opts, **COMPILE_OPTIONS)
+    if autotune:
+        wrap(_forward_autotuned())[grid](*args, BUCKET=size_bucket(n_q, n_k), **consts)
+    else:
+        cfg = tiling.forward
+        wrap(_forward)[grid](
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0, **cfg.launch_options(), **consts,
+        )
+    rows[REL].log1p_()  # rest -> r = log1p(rest), the contract's form; -1 (empty) -> -inf
+    row_stats = merge_partials(rows)
+    if not want_cols:
+        return row_stats, None
+    cols[REL].log1p_()
+    return row_stats, merge_partials(cols)

@@ -136,7 +136,7 @@ def exchange_layout(q: torch.Tensor, k: torch.Tensor, group, labels: Optional[to
     if rejected:
         ranks = ", ".join(str(r) for r in rejected)
         raise ValueError(
-            f"cal_inf_loss: the arguments on rank {ranks} of this ring failed that rank's own checks (its error "
+            f"infcl: the arguments on rank {ranks} of this ring failed that rank's own checks (its error "
             f"says why); every rank stops at this call"
         )
     dims = {row[2] for row in table}

@@ -1,0 +1,306 @@
+"""Host-side launch settings shared by the kernels: tile configs, the feature chunking, dtype options,
+the target architecture, and how a block is split into programs.
+
+Chosen on the host and handed to the kernels as constexprs:
+- ACC: the accumulation dtype (tl.float64 for float64 inputs, else tl.float32).
+- PRECISION: tl.dot's input precision for float32 inputs, "tf32" or "ieee" (default from
+  ``torch.backends.cuda.matmul.allow_tf32``); always "ieee" for other dtypes and under the interpreter.
+- UPCAST: True only under TRITON_INTERPRET=1 for bfloat16/float16 inputs (see :func:`tiles.tile_dot`).
+- BLOCK_D: the feature chunk of S, a function of D and the :class:`Tiling` only, so the forward and
+  both backward kernels sum S over the same chunks (bit-identical S; see :mod:`infcl.kernels.tiles`).
+"""
+
+import functools
+import math
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+# The installed Triton's (major, minor): a few configs work around older compilers' bugs.
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+# tl.dot takes float64 operands from Triton 3.3 on; with 3.2 float64 blocks run on the torch tiles.
+FLOAT64_DOT = TRITON_VERSION >= (3, 3)
+# Full autotuning is opt-in: it benchmarks every config on the first call of each key (seconds).
+AUTOTUNE_ENV = "INFCL_AUTOTUNE"
+DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+# tl.dot's smallest operand side (the MMA instruction shapes); tile sizes below it cannot compile.
+MIN_DOT = 16
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for the interpreter now (compare :data:`INTERPRETED`)."""
+    return _env_flag("TRITON_INTERPRET")
+
+
+# Read once, at import: @triton.jit builds interpreted kernels only if TRITON_INTERPRET is set *when
+# the decorator runs*, i.e. when the kernel modules are imported.
+INTERPRETED = interpret_requested()
+
+
+def autotuning() -> bool:
+    """True when INFCL_AUTOTUNE=1 asks for the full search (never under the interpreter: no GPU timer)."""
+    return _env_flag(AUTOTUNE_ENV) and not INTERPRETED
+
+
+def _power_of_two(name: str, value: int, least: int = MIN_DOT) -> None:
+    if value < least or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel's block sizes and launch parameters.
+
+    ``block_out`` (backward kernels only): the widest slice of dq (dk) columns a program accumulates in
+    registers; a wider D runs ceil(D / block_out) slices, each recomputing S. ``max_registers``: passed
+    as Triton's ``maxnreg`` (0: unset). Where set to 255 it stops ptxas from spilling a few bytes to fit
+    more blocks on an SM.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    block_out: int = 256
+    max_registers: int = 0
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_out"):
+            _power_of_two(f"TileConfig.{name}", getattr(self, name))
+
+    def launch_options(self) -> dict:
+        """num_warps, num_stages (and maxnreg) for a kernel launch."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {**opts, "maxnreg": self.max_registers} if self.max_registers else opts
+
+    def as_triton(self) -> triton.Config:
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, **self.launch_options())
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Everything that shapes one call's tiles: the three kernels' configs, the feature chunking (shared,
+    for bit-identical S), and how many programs share a block (None: planned from the device)."""
+
+    forward: TileConfig
+    dq: TileConfig
+    dk: TileConfig
+    # D (rounded up to a power of two) up to this is one feature chunk: q (k) is loaded once per
+    # program and held in registers; a larger D is summed in chunks of ``chunk_d``.
+    resident_d: int = 128
+    chunk_d: int = 64
+    groups: Optional[int] = None  # symmetric forward: row groups, each with its own column partials
+    splits: Optional[int] = None  # forward: k splits per row block, merged with lse_merge
+    backward_splits: Optional[int] = None  # backward: k (q) splits per dq (dk) block, summed
+
+    def __post_init__(self):
+        _power_of_two("Tiling.resident_d", self.resident_d)
+        _power_of_two("Tiling.chunk_d", self.chunk_d)
+        for name in ("groups", "splits", "backward_splits"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"Tiling.{name} must be None or >= 1, got {value}")
+
+    def block_d(self, dim: int) -> int:
+        """The feature chunk of S for D = ``dim`` (the same in all three kernels)."""
+        whole = max(triton.next_power_of_2(dim), MIN_DOT)
+        return whole if whole <= self.resident_d else self.chunk_d
+
+    def block_out(self, config: TileConfig, dim: int) -> int:
+        """Columns of dq (dk) one backward program accumulates: the whole D in one slice where it fits,
+        and exactly the resident chunk when D is one chunk (so the k tile of S is reused for dq)."""
+        whole = max(triton.next_power_of_2(dim), MIN_DOT)
+        return whole if whole <= self.resident_d else min(whole, config.block_out)
+
+    # The custom ops take the tiling as a list of ints (their schema has no dataclasses).
+    def to_ints(self) -> List[int]:
+        out = []
+        for config in (self.forward, self.dq, self.dk):
+            out += [getattr(config, f.name) for f in fields(TileConfig)]
+        out += [self.resident_d, self.chunk_d]
+        return out + [-1 if v is None else v for v in (self.groups, self.splits, self.backward_splits)]
+
+    @classmethod
+    def from_ints(cls, values: List[int]) -> "Tiling":
+        n = len(fields(TileConfig))
+        configs = [TileConfig(*values[i * n : (i + 1) * n]) for i in range(3)]
+        rest = list(values[3 * n :])
+        groups, splits, bsplits = (None if v < 0 else v for v in rest[2:5])
+        return cls(*configs, resident_d=rest[0], chunk_d=rest[1], groups=groups, splits=splits, backward_splits=bsplits)
+
+    def with_splits(self, groups=None, splits=None, backward_splits=None) -> "Tiling":
+        return replace(self, groups=groups, splits=splits, backward_splits=backward_splits)
+
+
+def operand_class(dtype: torch.dtype, precision: Optional[str]) -> str:
+    """What the products run on, which sets the tile sizes: "mma" (bf16/fp16 tensor cores), "tf32"
+    (fp32 tensor cores: twice the bytes per operand), "ieee" (fp32 FMA: operands live in registers)
+    or "fp64"."""
+    if dtype == torch.float64:
+        return "fp64"
+    if dtype == torch.float32:
+        return "ieee" if precision == "ieee" or INTERPRETED else "tf32"
+    return "mma"
+
+
+# The feature chunking per operand class, (resident_d, chunk_d) of :class:`Tiling`: 128 bf16/fp16
+# columns are the fused-attention head size; tf32 operands take twice the bytes; FMA products (fp32
+# "ieee" and fp64) hold their operand fragments in registers, fully unrolled over the chunk: 16.
+FEATURE_CHUNKS = {"mma": (128, 64), "tf32": (64, 32), "ieee": (16, 16), "fp64": (16, 16)}
+
+
+def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
+    """The dtype-dependent constexprs (ACC, UPCAST, PRECISION) for inputs of ``dtype``."""
+    if precision is not None and precision not in DOT_PRECISIONS:
+        raise ValueError(f"precision must be None or one of {DOT_PRECISIONS}, got {precision!r}")
+    if dtype == torch.float32 and not INTERPRETED:
+        if precision is None:
+            precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    else:
+        precision = "ieee"
+    return {
+        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
+        "UPCAST": INTERPRETED and dtype in (torch.bfloat16, torch.float16),
+        "PRECISION": precision,
+    }
+
+
+# Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the
+# elementwise math); the one product that must not be contracted, S = raw * scale, is an explicit
+# mul.rn (tiles.scale_scores). Saying so explicitly also keeps Triton 3.9 from warning about its default.
+# maxnreg = 255 (.maxnreg in the PTX) stops ptxas from spilling a few bytes to fit a second or third
+# block on an SM: these kernels keep the accumulators, stats and tiles of a program in registers.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
+def size_bucket(n_q: int, n_k: int) -> int:
+    """Autotuning key: the power-of-two buckets of Bq and Bk (a new bucket re-tunes, a new size does not)."""
+    return 64 * max(n_q - 1, 1).bit_length() + max(n_k - 1, 1).bit_length()
+
+
+# ---- the target ---------------------------------------------------------------------------------
+
+# Architecture families with their own default configs; anything else uses "small" (<= 99 KiB of
+# shared memory per block: sm_75, sm_86, sm_89, sm_120).
+ARCH_KEYS = (80, 90)
+SMALL_ARCH = 0
+
+
+def arch_key(capability: Tuple[int, int]) -> int:
+    """The default-config family of a CUDA compute capability: 90 (sm_90, sm_100), 80 (sm_80), else small."""
+    major, minor = capability
+    if major in (9, 10):
+        return 90
+    if (major, minor) == (8, 0):
+        return 80
+    return SMALL_ARCH
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> Tuple[Tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def device_facts(device: torch.device) -> Tuple[Tuple[int, int], int]:
+    """(compute capability, SM count) of a CUDA device; under the interpreter (9, 0) and 1 SM."""
+    if device.type != "cuda":
+        return (9, 0), 1
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def autotune_space(by_key: Dict[Tuple[int, str], List[TileConfig]]):
+    """(triton.Configs, early_config_prune) for one autotuned kernel whose search space depends on the
+    architecture family and the operand class: the union of every list, pruned at tuning time to the
+    call's own (arch, class) list."""
+    configs, owners = [], []
+    for key, tiles in by_key.items():
+        for tile in tiles:
+            configs.append(tile.as_triton())
+            owners.append(key)
+
+    def prune(candidates, named_args, **kwargs):
+        q = named_args["q_ptr"]
+        key = (arch_key(device_facts(q.device)[0]), operand_class(q.dtype, kwargs.get("PRECISION")))
+        return [c for c, owner in zip(configs, owners) if owner == key and any(c is x for x in candidates)]
+
+    return configs, prune
+
+
+def lazy_autotune(kernel, by_key: Dict[Tuple[int, str], List[TileConfig]], key: List[str], **buffers):
+    """A function returning ``kernel`` autotuned over :func:`autotune_space` (``buffers``: restore_value /
+    reset_to_zero), built on its first call: Triton < 3.4's autotune decorator asks the active GPU driver
+    for a benchmarker when it is applied, which fails on a machine without a GPU."""
+
+    @functools.lru_cache(maxsize=None)
+    def build():
+        configs, prune = autotune_space(by_key)
+        return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, **buffers)(kernel)
+
+    return build
+
+
+def neighbours(default: TileConfig) -> List[TileConfig]:
+    """An autotune list around a default config: itself, half the BLOCK_N, one more pipeline stage."""
+    out = [default]
+    if default.block_n > MIN_DOT:
+        out.append(replace(default, block_n=default.block_n // 2))
+    out.append(replace(default, num_stages=default.num_stages + 1))
+    return out
+
+
+# ---- splitting a block into programs ------------------------------------------------------------
+
+# Programs to aim for per SM: two resident programs hide each other's loads and tails.
+PROGRAMS_PER_SM = 2
+# Bounds on the per-split buffers, so extra memory stays linear in B: the forward's row partials
+# are [3, splits, Bq] and the symmetric column partials [2, groups, Bk]; the backward's partial dq
+# (dk) is [backward_splits, Bq (Bk), D], so it splits only a few ways.
+MAX_SPLITS = 16
+MAX_GROUPS = 32
+MAX_BACKWARD_SPLITS = 4
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    groups: int  # grid axis 0: row groups (one row block each, unless symmetric)
+    splits: int  # grid axis 1: contiguous shares of the k blocks
+
+
+def plan_forward(n_q: int, n_k: int, tiling: Tiling, symmetric: bool, sms: int) -> ForwardPlan:
+    """How many programs share the forward: every row block its own program (one direction) or at most
+    MAX_GROUPS row groups (symmetric: each group keeps its own column partials), times enough k splits
+    to give every SM PROGRAMS_PER_SM programs. Independent of the autotuned block sizes: a program
+    whose share is empty writes the empty stats."""
+    cfg = tiling.forward
+    n_rb, n_cb = triton.cdiv(n_q, cfg.block_m), triton.cdiv(n_k, cfg.block_n)
+    groups = tiling.groups or (min(n_rb, MAX_GROUPS) if symmetric else n_rb)
+    splits = tiling.splits or min(max(math.ceil(PROGRAMS_PER_SM * sms / groups), 1), n_cb, MAX_SPLITS)
+    return ForwardPlan(groups, splits)
+
+
+def plan_backward_splits(n_owned: int, n_other: int, slices: int, tiling: Tiling, sms: int) -> int:
+    """k (q) splits of the dq (dk) kernel: more than 1 only when the owned blocks times the D slices
+    leave SMs idle."""
+    if tiling.backward_splits is not None:
+        return tiling.backward_splits
+    programs = n_owned * slices
+    return min(max(math.ceil(PROGRAMS_PER_SM * sms / programs), 1), n_other, MAX_BACKWARD_SPLITS)
+
+
+# Shape flags every kernel takes as constexprs, set by ``triton.heuristics`` from the launch's
+# arguments: where a block cannot be ragged its loads and stores go unmasked.
+SHAPE_HEURISTICS = {
+    "ONE_CHUNK": lambda args: args["D"] <= args["BLOCK_D"],
+    "EVEN_M": lambda args: args["n_q"] % args["BLOCK_M"] == 0,
+    "EVEN_N": lambda args: args["n_k"] % args["BLOCK_N"] == 0,
+    "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0,
+}

@@ -1,0 +1,235 @@
+"""The sigmoid (SigLIP) loss's block math as fused Triton kernels (``backend="triton"``).
+
+With raw = q @ k.T, logits L = scale * raw + bias and the margin t = -z * L (z = +1 at the row's
+positive, -1 elsewhere), the loss of an entry is softplus(t) and its derivative by L is -z * sigmoid(t).
+Both come from one e = exp(-|t|) in (0, 1]: softplus(t) = max(t, 0) + log1p(e) and
+sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e), so no logit overflows and a tiny loss term keeps its digits.
+
+Forward (:func:`siglip_forward`): one program per BLOCK_M rows of q walks k in BLOCK_N blocks, builds
+each raw tile (:func:`infcl.kernels.tiles.score_tile`, 1 GEMM), and adds sum_j softplus(t) to its
+rows' sums in registers; only the [Bq] row losses are written.
+
+Backward (:func:`siglip_backward`): deterministic, without atomics, as the fused-attention backward:
+two launches of one kernel, each program owning BLOCK_M rows of one side.
+- q-owning pass: a program walks every k block, recomputes the tile, forms dL = g * -z * sigmoid(t) in
+  registers and accumulates its rows of dq = scale * dL @ k. It also writes its partial sums of
+  dL * raw and dL (the scale and bias gradients) to its own slot of a [programs, 2] buffer, which torch
+  sums in a fixed order.
+- k-owning pass: a program walks every q block, recomputes the transposed tile k @ q.T and accumulates
+  its rows of dk = scale * dL.T @ q.
+When D fits one feature chunk (BLOCK_D >= D) a program's dq (dk) rows stay in registers for the whole
+walk and are added to memory once; for larger D they are read, added and written back per block and
+chunk -- still only by the program that owns those rows.
+
+GEMM-equivalents per block (each 2 * Bq * Bk * D flops): forward 1, backward 4 (each pass recomputes the
+tile), 5 in all, against 4 for the torch and native backends: the price of a backward without atomics.
+On a GPU dL is rounded to the inputs' dtype before the products (tensor-core operands, as torch does in
+that dtype); under the interpreter see :mod:`infcl.kernels.tiles` (UPCAST).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import INTERPRETED, TileConfig, Tiling, launch_options
+from .tiles import MIN_DOT, load_tile, score_tile, tile_dot
+
+# The tiling used when the backend pins none. Not tuned on a GPU yet (none was available): square 64 tiles
+# keep the fp32 logit tile plus one 64-wide feature chunk in registers. Under the interpreter (~1 ms of
+# Python per tile op whatever its size) 128-wide tiles run fastest within Triton's 2**20-entry cap on the
+# interpreted S product (tiles.score_dot).
+DEFAULT_TILING = Tiling(*(TileConfig(block_m=64, block_n=64),) * 3, resident_d=64, chunk_d=64)
+INTERPRETER_TILING = Tiling(*(TileConfig(block_m=128, block_n=128),) * 3, resident_d=64, chunk_d=64)
+
+
+def _pick(tiling):
+    """The caller's tiling, else the interpreter's big tiles under TRITON_INTERPRET=1, else the default."""
+    if tiling is not None:
+        return tiling
+    return INTERPRETER_TILING if INTERPRETED else DEFAULT_TILING
+
+
+@triton.jit
+def _log1p_unit(u):
+    """log(1 + u) for u in [0, 1], to full relative precision for tiny u: log(w) * u / (w - 1), w = 1 + u
+    (the rounding of w cancels in the ratio); u itself where w rounds to 1."""
+    w = 1.0 + u
+    tiny = w == 1.0
+    return tl.where(tiny, u, tl.log(w) * (u / tl.where(tiny, 1.0, w - 1.0)))
+
+
+@triton.jit
+def _softplus(t):
+    return tl.maximum(t, 0.0) + _log1p_unit(tl.exp(-tl.abs(t)))
+
+
+@triton.jit
+def _sigmoid(t):
+    e = tl.exp(-tl.abs(t))
+    return tl.where(t >= 0, 1.0, e) / (1.0 + e)
+
+
+@triton.jit
+def _margins(raw, is_pos, scale, bias):
+    """t = -z * (scale * raw + bias): the logits with their sign flipped at the positives."""
+    logits = raw * scale + bias
+    return tl.where(is_pos, -logits, logits)
+
+
+@triton.jit
+def _add_rows(dst_ptr, rows, feats, n_rows, D, stride0, stride1, value):
+    """dst[rows, feats] += value, masked to the matrix; only the program owning ``rows`` calls it."""
+    mask = (rows[:, None] < n_rows) & (feats[None, :] < D)
+    ptrs = dst_ptr + rows[:, None] * stride0 + feats[None, :] * stride1
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
+
+
+@triton.jit
+def _siglip_forward_kernel(
+    q_ptr, k_ptr, pos_ptr, params_ptr, out_ptr,
+    n_q, n_k, D,
+    stride_q0, stride_q1, stride_k0, stride_k1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
+    tl.static_assert(BLOCK_N >= MIN_DOT)
+    tl.static_assert(BLOCK_D >= MIN_DOT)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_q
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    # Tensors, not launch arguments: a Python float would be rounded to float32.
+    scale = tl.load(params_ptr)
+    bias = tl.load(params_ptr + 1)
+    total = tl.zeros([BLOCK_M], dtype=ACC)
+    for n0 in range(0, n_k, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        raw = score_tile(
+            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+        )
+        t = _margins(raw, cols[None, :] == pos[:, None], scale, bias)
+        total += tl.sum(tl.where(cols[None, :] < n_k, _softplus(t), 0.0), axis=1)
+    tl.store(out_ptr + rows, total, mask=row_ok)
+
+
+@triton.jit
+def _siglip_backward_kernel(
+    own_ptr, other_ptr, pos_ptr, g_ptr, params_ptr, grad_ptr, partials_ptr,
+    n_own, n_other, D,
+    stride_own0, stride_own1, stride_other0, stride_other1, stride_grad0, stride_grad1,
+    OWNS_Q: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """grad[own rows] += scale * dL @ other, where own/other are q/k (OWNS_Q) or k/q. ``pos`` and ``g``
+    are per q row: the owned rows' (OWNS_Q) or the walked ones'. ONE_CHUNK: D <= BLOCK_D."""
+    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
+    tl.static_assert(BLOCK_N >= MIN_DOT)
+    tl.static_assert(BLOCK_D >= MIN_DOT)
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_own
+    scale = tl.load(params_ptr)
+    bias = tl.load(params_ptr + 1)
+    if OWNS_Q:
+        row_pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+        row_g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
+    dscale = tl.zeros([BLOCK_M], dtype=ACC)
+    dbias = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)  # the owned rows' gradient when ONE_CHUNK
+    for n0 in range(0, n_other, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        col_ok = cols < n_other
+        raw = score_tile(
+            own_ptr, other_ptr, rows, cols, n_own, n_other, D, stride_own0, stride_own1, stride_other0, stride_other1,
+            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+        )
+        if OWNS_Q:
+            is_pos = cols[None, :] == row_pos[:, None]
+            g = row_g[:, None]
+        else:
+            col_pos = tl.load(pos_ptr + cols, mask=col_ok, other=-1)
+            is_pos = rows[:, None] == col_pos[None, :]
+            g = tl.load(g_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        s = _sigmoid(_margins(raw, is_pos, scale, bias))
+        # Zero outside the block explicitly: a padded entry must not add to any sum, whatever it holds.
+        dl = tl.where(row_ok[:, None] & col_ok[None, :], g * tl.where(is_pos, -s, s), 0.0)
+        if OWNS_Q:
+            dscale += tl.sum(dl * raw, axis=1)
+            dbias += tl.sum(dl, axis=1)
+        dl_op = dl.to(other_ptr.dtype.element_ty)  # the products' operand dtype (tensor cores on a GPU)
+        if ONE_CHUNK:
+            feats = tl.arange(0, BLOCK_D).to(tl.int64)
+            other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1, True, True)
+            acc = tile_dot(dl_op, other_tile, acc, UPCAST, PRECISION)
+        else:
+            for d0 in range(0, D, BLOCK_D):
+                feats = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+                other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1, True, True)
+                part = tile_dot(dl_op, other_tile, tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC), UPCAST, PRECISION)
+                _add_rows(grad_ptr, rows, feats, n_own, D, stride_grad0, stride_grad1, scale * part)
+    if ONE_CHUNK:
+        feats = tl.arange(0, BLOCK_D).to(tl.int64)
+        _add_rows(grad_ptr, rows, feats, n_own, D, stride_grad0, stride_grad1, scale * acc)
+    if OWNS_Q:
+        tl.store(partials_ptr + 2 * pid, tl.sum(dscale, axis=0))
+        tl.store(partials_ptr + 2 * pid + 1, tl.sum(dbias, axis=0))
+
+
+def _params(scale: torch.Tensor, bias: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """(scale, bias) as one 2-element tensor on the features' device, read by the kernels."""
+    return torch.stack((scale, bias)).to(acc)
+
+
+def siglip_forward(q, k, pos, scale, bias, precision=None, tiling: Tiling = None) -> torch.Tensor:
+    """Row losses [Bq] (accumulation dtype): sum_j softplus(-z_ij * (scale * q_i.k_j + bias)).
+
+    q [Bq, D], k [Bk, D] (any strides, one dtype), pos [Bq] int64: each row's positive column in k, -1
+    for none; scale and bias 0-d tensors on q's device. ``precision`` picks tl.dot's input precision for
+    float32 ("ieee", "tf32"; None follows torch.backends.cuda.matmul.allow_tf32); ``tiling`` overrides
+    :data:`DEFAULT_TILING` (the interpreter's big tiles under TRITON_INTERPRET=1).
+    """
+    opts = launch_options(q.dtype, precision)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n_q, dim = q.shape
+    tiling = _pick(tiling)
+    cfg = tiling.forward
+    out = torch.empty(n_q, dtype=acc, device=q.device)
+    _siglip_forward_kernel[(triton.cdiv(n_q, cfg.block_m),)](
+        q, k, pos.contiguous(), _params(scale, bias, acc), out, n_q, k.shape[0], dim,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(dim),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    )
+    return out
+
+
+def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, tiling: Tiling = None) -> torch.Tensor:
+    """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
+    (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
+    :func:`siglip_forward`."""
+    opts = launch_options(q.dtype, precision)
+    acc = dq.dtype
+    n_q, dim = q.shape
+    n_k = k.shape[0]
+    tiling = _pick(tiling)
+    cfg = tiling.dq
+    chunk = tiling.block_d(dim)
+    params, pos, g_row = _params(scale, bias, acc), pos.contiguous(), g_row.to(acc).contiguous()
+    programs = triton.cdiv(n_q, cfg.block_m)
+    partials = torch.zeros(programs, 2, dtype=acc, device=q.device)
+    common = dict(
+        ONE_CHUNK=dim <= chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=chunk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    )
+    for owner, other, grad, n_own, n_other, owns_q, grid in (
+        (q, k, dq, n_q, n_k, True, programs),
+        (k, q, dk, n_k, n_q, False, triton.cdiv(n_k, cfg.block_m)),
+    ):
+        _siglip_backward_kernel[(grid,)](
+            owner, other, pos, g_row, params, grad, partials, n_own, n_other, dim,
+            owner.stride(0), owner.stride(1), other.stride(0), other.stride(1), grad.stride(0), grad.stride(1),
+            OWNS_Q=owns_q, **common,
+        )
+    return partials.sum(dim=0)

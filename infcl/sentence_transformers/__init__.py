@@ -1,0 +1,34 @@
+"""sentence-transformers' contrastive losses backed by infcl: switch by changing one import.
+
+    # from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+    from infcl.sentence_transformers import CachedMultipleNegativesRankingLoss
+
+    loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)   # same arguments
+    trainer = SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss)
+
+The four classes take sentence-transformers 6.x's constructor arguments (plus keyword-only
+``group`` and ``backend``) and give the same loss and parameter gradients; the loss itself is
+``cal_inf_loss`` (never a B x B similarity matrix), ``gather_across_devices`` runs over infcl's ring
+(no rank holds gathered embeddings), and the cached losses run infcl's GradCache phases. What is
+supported, and how it maps: :mod:`infcl.sentence_transformers.objective`. Importing this module
+imports sentence-transformers (6.x); ``import infcl`` does not.
+"""
+
+import sentence_transformers
+
+_MAJOR = int(sentence_transformers.__version__.split(".")[0])
+if _MAJOR < 6:
+    raise ImportError(
+        f"infcl.sentence_transformers needs sentence-transformers >= 6 (found {sentence_transformers.__version__}): "
+        "it subclasses the 6.x loss classes"
+    )
+
+from .cached import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss  # noqa: E402
+from .losses import MultipleNegativesRankingLoss, MultipleNegativesSymmetricRankingLoss  # noqa: E402
+
+__all__ = [
+    "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesRankingLoss",
+    "MultipleNegativesSymmetricRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
+]

@@ -1,0 +1,124 @@
+"""``MultipleNegativesRankingLoss`` and ``MultipleNegativesSymmetricRankingLoss`` on ``cal_inf_loss``.
+
+Subclasses of sentence-transformers' classes: the embedding pass (``forward``), ``get_config_dict``,
+``citation`` and the argument checks are theirs; only ``compute_loss_from_embeddings`` is ours.
+"""
+
+import warnings
+from typing import Any, Callable, Sequence
+
+from sentence_transformers.sentence_transformer import losses as st_losses
+from sentence_transformers.util import cos_sim
+from torch import Tensor
+
+from .objective import check_supported, loss_group, ranking_loss, similarity_kind
+
+SYMMETRIC_DIRECTIONS = ("query_to_doc", "doc_to_query")
+
+
+class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
+    """sentence-transformers' ``MultipleNegativesRankingLoss`` with the loss computed by infcl.
+
+    The same arguments, loss and gradients; the B x (world batch x (1 + negatives)) similarity
+    matrix is never built (``cal_inf_loss`` works tile by tile, O(B·D) memory), and with
+    ``gather_across_devices=True`` no rank gathers the others' embeddings: they travel around
+    infcl's ring instead, and each rank gets exactly sentence-transformers' per-rank loss and
+    gradients (the gradient of every rank's loss with respect to its own embeddings).
+
+    Supported: (anchor, positive) pairs and (anchor, positive, negative_1, ..., negative_n) tuples;
+    ``similarity_fct`` ``util.cos_sim``, ``util.dot_score`` or ``model.similarity`` resolving to
+    either; any ``scale``; ``directions`` ``("query_to_doc",)`` (joint and per_direction are then
+    the same) and ``("query_to_doc", "doc_to_query")`` with ``partition_mode`` ``"per_direction"``
+    (the symmetric loss; with hard negatives, which only the query_to_doc term sees) or
+    ``"joint"`` (one softmax over both directions' terms); ``hardness_mode`` only with
+    ``hardness_strength=0`` (no effect, as in sentence-transformers). ``query_to_query``,
+    ``doc_to_doc``, active hardness weighting and any other similarity raise ValueError, here or
+    when the loss runs if the attribute is changed later. See :mod:`infcl.sentence_transformers.objective`.
+
+    Extra keyword-only arguments:
+        group: the process group to gather across (default: the world); only with
+            ``gather_across_devices=True``.
+        backend: ``cal_inf_loss``'s backend ("auto", "torch", "cpu", "triton").
+    """
+
+    def __init__(
+        self,
+        model,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        gather_across_devices: bool = False,
+        directions: Sequence[str] = ("query_to_doc",),
+        partition_mode: str = "joint",
+        hardness_mode=None,
+        hardness_strength: float = 0.0,
+        *,
+        group=None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(
+            model,
+            scale=scale,
+            similarity_fct=similarity_fct,
+            gather_across_devices=gather_across_devices,
+            directions=directions,
+            partition_mode=partition_mode,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
+        )
+        check_supported(self, group)
+        self.group = group
+        self.backend = backend
+
+    def compute_loss_from_embeddings(self, embeddings: Sequence[Tensor], labels: Any = None) -> Tensor:
+        """The loss of [anchors, positives, negatives...] embeddings ([B, D] each); labels are unused."""
+        if len(embeddings) < 2:
+            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+        check_supported(self, self.group)
+        return ranking_loss(
+            embeddings[0],
+            embeddings[1:],
+            scale=self.scale,
+            similarity=similarity_kind(self.similarity_fct),
+            directions=self.directions,
+            partition_mode=self.partition_mode,
+            group=loss_group(self.gather_across_devices, self.group),
+            backend=self.backend,
+        )
+
+
+def warn_deprecated(name: str, replacement: str) -> None:
+    """The DeprecationWarning sentence-transformers gives for its symmetric loss classes."""
+    warnings.warn(
+        f"The {name} is deprecated and will be removed in a future release. Please use {replacement} with "
+        "`directions=('query_to_doc', 'doc_to_query')` and `partition_mode='per_direction'` instead.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
+    """sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` (deprecated there, as here):
+    :class:`MultipleNegativesRankingLoss` with ``directions=("query_to_doc", "doc_to_query")`` and
+    ``partition_mode="per_direction"``, i.e. ``cal_inf_loss(..., symmetric=True)`` for pairs."""
+
+    def __init__(
+        self,
+        model,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        gather_across_devices: bool = False,
+        *,
+        group=None,
+        backend: str = "auto",
+    ) -> None:
+        warn_deprecated(type(self).__name__, "MultipleNegativesRankingLoss")
+        super().__init__(
+            model,
+            scale=scale,
+            similarity_fct=similarity_fct,
+            gather_across_devices=gather_across_devices,
+            directions=SYMMETRIC_DIRECTIONS,
+            partition_mode="per_direction",
+            group=group,
+            backend=backend,
+        )

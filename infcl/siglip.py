@@ -1,0 +1,68 @@
+"""The public entry point of the sigmoid (SigLIP) loss: ``cal_siglip_loss``."""
+
+import torch
+
+from .api import call_layout, reduce_losses
+from .backends import block_backend, resolve_backend
+from .checks import check_features, check_reduction, global_labels, local_labels, make_bias, make_scale
+from .function import LossPlan, SigmoidLossFunction
+from .reference import sigmoid_reference_losses
+from .ring.layout import rejected_everywhere, ring_group
+
+NAMES = ("image", "text")  # what the error messages call the two feature arguments
+
+
+def cal_siglip_loss(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    scale,
+    bias,
+    labels=None,
+    *,
+    reduction: str = "mean",
+    group=None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Sigmoid (SigLIP) loss over L = scale * image @ text.T + bias, exact, without materializing L.
+
+    Args:
+        image: [Bq, D] image features; float32 / bfloat16 / float16 / float64, any strides.
+        text: [Bk, D] text features, same dtype and device. Bk > Bq is allowed: the extra rows are
+            extra negatives (pass ``labels``).
+        scale: logit scale, e.g. ``logit_scale.exp()``: a float, or a 0-d / one-element floating tensor
+            (it receives a gradient in its own shape); None means 1.
+        bias: logit bias, e.g. open_clip's ``logit_bias``: as ``scale``; None means no bias (0).
+        labels: [Bq] integer column of each row's positive; None is the diagonal (Bq == Bk). Under a
+            ring (see ``group``) these are global column indices.
+        reduction: "mean" (the sum over the local rows divided by their count, open_clip's
+            ``-logsigmoid(...).sum() / B``), "sum", or "none" (the [Bq] row losses).
+        group: torch.distributed process group for the ring over ranks (default: the world group when
+            torch.distributed is initialized). Each rank passes its local shard and gets the loss of
+            its local rows against every rank's text, as open_clip's ``SigLipLoss(rank, world_size)``.
+        backend: "auto" | "torch" | "cpu" | "triton" | "reference" (materialized logits), as for
+            ``cal_inf_loss``; INFCL_BACKEND overrides "auto".
+
+    Returns:
+        0-d, or [Bq] for reduction="none"; float32 for float32/bfloat16/float16 inputs, float64 for float64.
+
+    Math: with z_ij = +1 where j is row i's positive and -1 elsewhere,
+    loss_i = sum_j -log sigmoid(z_ij * L_ij) = sum_j softplus(-z_ij * L_ij) over every global column j.
+    Gradients: under a ring, image and text receive the gradient of the sum of every rank's loss, and
+    scale and bias the gradient of this rank's own loss (DDP's averaging then gives the global mean).
+    """
+    ring = ring_group(group)
+    with rejected_everywhere(ring):
+        check_features(image, text, NAMES)
+        check_reduction(reduction)
+        name = resolve_backend(backend, image.device)
+        scale_t = make_scale(scale)
+        bias_t = make_bias(bias)
+        labels_t = local_labels(labels, image)
+    layout = call_layout(ring, image, text, labels_t)
+    labels_t = global_labels(labels_t, image, layout, symmetric=False, names=NAMES)
+    if name == "reference":
+        rows = sigmoid_reference_losses(image, text, scale_t, bias_t, labels_t, layout)
+    else:
+        plan = LossPlan(backend=block_backend(name), symmetric=False, layout=layout)
+        rows = SigmoidLossFunction.apply(image, text, scale_t, bias_t, labels_t, plan)
+    return reduce_losses(rows, reduction)

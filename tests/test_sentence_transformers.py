@@ -1,0 +1,274 @@
+"""infcl.sentence_transformers against sentence-transformers' own loss classes.
+
+Every comparison runs both losses on the same tiny random-init BERT SentenceTransformer (built
+offline, tests/st_models.py) and batch, and checks the loss and every parameter gradient to 1e-4
+relative (fp32). The model is in eval mode unless a test is about dropout.
+"""
+
+import importlib.util
+import inspect
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+
+from sentence_transformers import util  # noqa: E402
+from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
+
+import infcl.sentence_transformers as infcl_losses  # noqa: E402
+from distributed import REPO_ROOT, describe, launch  # noqa: E402
+from st_models import batch, loss_and_grads, tiny_model  # noqa: E402
+from st_worker import CASES, UNEVEN_BATCHES  # noqa: E402
+from support import assert_close_verbose  # noqa: E402
+
+CLASSES = (
+    "MultipleNegativesRankingLoss",
+    "CachedMultipleNegativesRankingLoss",
+    "MultipleNegativesSymmetricRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
+)
+BATCH = 7
+MINI_BATCH = 3  # does not divide BATCH: the last mini-batch is short
+COLUMNS = {"pairs": 2, "triplets": 3, "two-negatives": 4}
+SIMILARITIES = {"cos_sim": (util.cos_sim, 20.0), "dot_score": (util.dot_score, 1.0)}
+REL_TOL = 1e-4
+# Gradients that are zero in exact arithmetic (BERT's attention key bias: softmax ignores a shift)
+# come out as ~1e-11 round-off; they are held to this fraction of the largest gradient instead.
+ZERO_GRAD_FRACTION = 1e-6
+SEED = 1234
+EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_sentence_transformer.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The model is tiny: with more than one thread the ops spend their time waking threads up
+    (seconds per test on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = tiny_model()
+    model.eval()
+    return model
+
+
+def make(module, name, model, **kwargs):
+    if module is infcl_losses:
+        kwargs.setdefault("backend", "torch")
+    if "Cached" in name:
+        kwargs.setdefault("mini_batch_size", MINI_BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the symmetric classes are deprecated in both
+        return getattr(module, name)(model, **kwargs)
+
+
+def assert_same(actual, expected, what=""):
+    """Loss and gradients of ours (actual) and sentence-transformers' (expected) within REL_TOL."""
+    (loss, grads), (ref_loss, ref_grads) = actual, expected
+    assert_close_verbose(loss, ref_loss, 0.0, REL_TOL, what=f"{what} loss")
+    assert grads.keys() == ref_grads.keys(), f"{what}: different parameters got gradients"
+    largest = max(g.abs().max() for g in ref_grads.values())
+    for name, ref in ref_grads.items():
+        atol = REL_TOL * max(ref.abs().max(), ZERO_GRAD_FRACTION * largest)
+        assert_close_verbose(grads[name], ref, float(atol), REL_TOL, what=f"{what} grad of {name}")
+
+
+def compare(model, name, columns, seed=1, **kwargs):
+    features = batch(model, BATCH, columns, seed)
+    theirs = loss_and_grads(make(st_losses, name, model, **kwargs), model, features)
+    ours = loss_and_grads(make(infcl_losses, name, model, **kwargs), model, features)
+    assert_same(ours, theirs, what=name)
+    return ours
+
+
+# ---- the same loss and gradients ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("similarity", SIMILARITIES)
+@pytest.mark.parametrize("columns", COLUMNS)
+@pytest.mark.parametrize("name", CLASSES)
+def test_matches_sentence_transformers(model, name, columns, similarity):
+    fct, scale = SIMILARITIES[similarity]
+    compare(model, name, COLUMNS[columns], similarity_fct=fct, scale=scale)
+
+
+@pytest.mark.parametrize("partition_mode", ["joint", "per_direction"])
+@pytest.mark.parametrize("columns", ["pairs", "two-negatives"])
+@pytest.mark.parametrize("name", CLASSES[:2])
+def test_both_directions(model, name, columns, partition_mode):
+    compare(model, name, COLUMNS[columns], directions=("doc_to_query", "query_to_doc"), partition_mode=partition_mode)
+
+
+def test_mini_batch_num_tokens_model_similarity_and_progress_bar(model, capsys):
+    """Mini-batches packed by token count, model.similarity resolved to the model's function, and the
+    progress bar over the embedding mini-batches (both passes)."""
+    compare(model, CLASSES[1], 3, mini_batch_num_tokens=20, similarity_fct=model.similarity, show_progress_bar=True)
+    assert capsys.readouterr().err.count("Embed mini-batches") >= 2 * 3 * 2  # ours and theirs, 3 columns, 2 passes
+
+
+@pytest.mark.parametrize("name", [CLASSES[0], CLASSES[1], CLASSES[3]])
+def test_dropout_draws_the_same_masks_under_the_same_seed(model, name):
+    features = batch(model, BATCH, 3, seed=2)
+    model.train()
+    try:
+        runs = {}
+        for module, seed in ((st_losses, SEED), (infcl_losses, SEED), (infcl_losses, SEED + 1)):
+            torch.manual_seed(seed)
+            runs[module.__name__, seed] = loss_and_grads(make(module, name, model), model, features)
+    finally:
+        model.eval()
+    assert_same(runs[infcl_losses.__name__, SEED], runs[st_losses.__name__, SEED], what=f"{name} with dropout")
+    other_seed = runs[infcl_losses.__name__, SEED + 1][1]
+    assert any(not torch.allclose(g, other_seed[k]) for k, g in runs[st_losses.__name__, SEED][1].items()), (
+        "dropout must change the gradients, or this test shows nothing"
+    )
+
+
+def test_no_grad_evaluation(model):
+    features = batch(model, BATCH, 3, seed=3)
+    with torch.no_grad():
+        theirs = make(st_losses, CLASSES[1], model)([dict(f) for f in features], None)
+        ours = make(infcl_losses, CLASSES[1], model)([dict(f) for f in features], None)
+    assert not ours.requires_grad
+    assert_close_verbose(ours, theirs, 0.0, REL_TOL, what="evaluation loss")
+
+
+def test_matryoshka_wraps_the_cached_loss(model):
+    """MatryoshkaLoss decorates a cached loss's calculate_loss: ours keeps that contract."""
+    features = batch(model, BATCH, 3, seed=4)
+    results = [
+        loss_and_grads(st_losses.MatryoshkaLoss(model, make(module, CLASSES[1], model), [16, 8, 4]), model, features)
+        for module in (infcl_losses, st_losses)
+    ]
+    assert_same(*results, what="MatryoshkaLoss")
+
+
+# ---- the same interface ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_same_constructor_config_and_citation(model, name):
+    # __init__'s: sentence-transformers' @deprecated wraps the symmetric classes' __new__ in (*args, **kwargs).
+    ours_params = inspect.signature(getattr(infcl_losses, name).__init__).parameters
+    theirs_params = inspect.signature(getattr(st_losses, name).__init__).parameters
+    shared = [(p.name, p.default, p.kind) for p in ours_params.values() if p.name not in ("group", "backend")]
+    assert shared == [(p.name, p.default, p.kind) for p in theirs_params.values()]
+    extra_kinds = [p.kind for p in ours_params.values() if p.name in ("group", "backend")]
+    assert extra_kinds == [inspect.Parameter.KEYWORD_ONLY] * 2
+    ours, theirs = make(infcl_losses, name, model), make(st_losses, name, model)
+    parent = "CachedMultipleNegativesRankingLoss" if "Cached" in name else "MultipleNegativesRankingLoss"
+    assert isinstance(ours, getattr(st_losses, parent))
+    assert ours.get_config_dict() == theirs.get_config_dict()
+    assert ours.citation == theirs.citation
+
+
+def test_unsupported_options_raise(model):
+    name = CLASSES[1]
+    with pytest.raises(ValueError, match=r"manhattan_sim is not supported.*cos_sim, util\.dot_score"):
+        make(infcl_losses, name, model, similarity_fct=util.manhattan_sim)
+    for directions in (("query_to_doc", "query_to_query"), ("query_to_doc", "doc_to_doc")):
+        with pytest.raises(ValueError, match=r"directions \['(query_to_query|doc_to_doc)'\] are not supported"):
+            make(infcl_losses, name, model, directions=directions)
+    with pytest.raises(ValueError, match="hardness_mode='in_batch_negatives' with hardness_strength=9"):
+        make(infcl_losses, name, model, hardness_mode="in_batch_negatives", hardness_strength=9.0)
+    with pytest.raises(ValueError, match="needs gather_across_devices=True"):
+        make(infcl_losses, name, model, group=object())
+    with pytest.raises(ValueError, match="'query_to_doc' direction is required"):  # sentence-transformers' own check
+        make(infcl_losses, name, model, directions=("doc_to_query",))
+
+    loss = make(infcl_losses, name, model)
+    loss.similarity_fct = util.euclidean_sim  # delegated to the wrapped loss, checked when the loss runs
+    with pytest.raises(ValueError, match="euclidean_sim is not supported"):
+        loss(batch(model, BATCH, 2, seed=5), None)
+    # hardness_mode without strength has no effect in sentence-transformers either: accepted.
+    compare(model, name, 3, hardness_mode="hard_negatives", hardness_strength=0.0)
+
+
+def test_import_infcl_does_not_import_sentence_transformers():
+    code = "import sys, infcl, infcl.gradcache; assert 'sentence_transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+
+
+# ---- across ranks -----------------------------------------------------------------------------
+
+
+def test_two_gloo_ranks_match_gather_across_devices():
+    """Per-rank loss and gradients equal sentence-transformers' with gather_across_devices=True
+    (all_gather with gradients) — and with a DDP-wrapped model, its synchronized gradients."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        outcomes = launch(2, "st_worker", out_dir, deadline_s=240.0)
+    assert all(o.returncode == 0 and o.results is not None for o in outcomes), describe(outcomes)
+    for outcome in outcomes:
+        for case in CASES:
+            theirs, ours = outcome.results[case]
+            assert_same(ours, theirs, what=f"rank {outcome.rank} {case}")
+    # Uneven shards: the batch-size-weighted mean of the ranks' losses is the whole batch's loss.
+    ours = sum(size * o.results["uneven"][0] for size, o in zip(UNEVEN_BATCHES, outcomes)) / sum(UNEVEN_BATCHES)
+    assert_close_verbose(ours, outcomes[0].results["uneven"][1], 0.0, REL_TOL, what="uneven shards")
+
+
+# ---- SentenceTransformerTrainer -----------------------------------------------------------------
+
+
+def skip_without_training_extras():
+    for name in ("datasets", "accelerate"):
+        pytest.importorskip(name, reason=f"SentenceTransformerTrainer needs {name} (sentence-transformers[train])")
+
+
+def test_trainer_trains_with_the_cached_loss():
+    skip_without_training_extras()
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    from st_models import sentences
+
+    model = tiny_model(seed=3)
+    anchors, positives = sentences(32, 2, seed=6)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = SentenceTransformerTrainingArguments(
+            output_dir=out_dir,
+            per_device_train_batch_size=16,
+            max_steps=3,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        loss = infcl_losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4, backend="torch")
+        dataset = Dataset.from_dict({"anchor": anchors, "positive": positives})
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
+    changed = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]
+    assert len(changed) > len(before) // 2, f"only {changed} changed"
+
+
+def test_example_script_trains_both_losses_alike():
+    """examples/train_sentence_transformer.py at a tiny size: with dropout on, the same per-step losses."""
+    skip_without_training_extras()
+    spec = importlib.util.spec_from_file_location("train_sentence_transformer", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(
+        ["--batch-size", "32", "--mini-batch-size", "8", "--steps", "2", "--hidden", "32", "--layers", "1",
+         "--vocab", "100", "--backend", "torch"]
+    )
+    theirs, ours = results = [example.train(name, args) for name in example.LOSSES]
+    example.report(results, args)
+    assert len(ours["losses"]) == args.steps and all(math.isfinite(x) for x in ours["losses"]), ours
+    assert_close_verbose(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), 0.0, REL_TOL, what="losses")

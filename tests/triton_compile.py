@@ -1,0 +1,281 @@
+"""Compile the Triton kernels for a GPU target on a machine without one, and read ptxas's resource report.
+
+Used by tests/test_triton_compile.py. Each variant runs the real launchers
+(:func:`infcl.kernels.triton_lse_forward.softmax_forward`, :func:`...triton_backward.softmax_backward`)
+on small CPU tensors with a ``wrap`` that compiles each kernel launch for the chosen target instead of
+running it, so the compiled set is exactly what the public API launches for those inputs (its
+heuristic flags, integer specializations and constexprs). Triton needs an "active driver" only to
+name the target: a compile-only stand-in provides it.
+
+The worker processes must import infcl.kernels with TRITON_INTERPRET=0 (Triton decides at
+``@triton.jit`` time whether a kernel is interpreted): :func:`init_worker` sets it, and this module
+imports nothing from infcl or triton at the top.
+"""
+
+import contextlib
+import functools
+import hashlib
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List
+
+# Largest shared memory a block may use (opt-in dynamic shared memory), bytes.
+SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}
+# ptxas's report: "Used 128 registers, ..." and "N bytes spill stores, M bytes spill loads".
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# Float atomics (atom.global.add.f32, red.global.add.f64, atom.add.noftz.bf16, ...): none may appear.
+FLOAT_ATOMIC = re.compile(r"\b(atom|red)\.[\w.]*add[\w.]*\.(f16|bf16|f32|f64)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One call of a launcher: which phase, target, operand type, shape and tiling."""
+
+    phase: str  # "forward" or "backward"
+    arch: int  # 80 or 90
+    dtype: str  # "float32", "bfloat16", "float16", "float64"
+    precision: str  # "ieee", "tf32" (float32); "ieee" otherwise
+    dim: int
+    batch: int  # Bq = Bk; a multiple of every block size ("even") or not
+    symmetric: bool
+    tiling: tuple  # Tiling.to_ints()
+    origin: str  # "default" or "autotune #i"
+
+    def label(self) -> str:
+        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[self.dtype]
+        sym = "sym" if self.symmetric else "one"
+        return f"sm_{self.arch} {self.phase} {dtype} D={self.dim} B={self.batch} {sym} {self.origin}"
+
+    def key(self) -> str:
+        return hashlib.sha256(repr(asdict(self)).encode()).hexdigest()[:16]
+
+
+class _CompileOnlyDriver:
+    """What Triton's launch path asks of the active driver, for a GPU that is not there."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+        self.arch = arch
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return self.arch  # one kernel cache per target
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+class _Compiler:
+    """A launcher's ``wrap``: ``wrap(kernel)[grid](*args, **kw)`` compiles instead of launching, and keeps
+    (kernel, compiled kernel, the ptxas -v log of Triton's own ptxas run or None if it was cached)."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def __call__(self, kernel):
+        def launch(grid):
+            def run(*args, **kwargs):
+                with _ptxas_logs() as logs:
+                    compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+                self.compiled.append((kernel, compiled, logs[-1] if logs else None))
+
+            return run
+
+        return type("CompileOnly", (), {"__getitem__": lambda _, grid: launch(grid)})()
+
+
+@contextlib.contextmanager
+def _ptxas_logs():
+    """Collect the stderr of the ``ptxas -v`` runs Triton makes while compiling (its exact flags), and
+    pass it on to the log file Triton reads."""
+    from triton.backends.nvidia import compiler
+
+    logs, real_run = [], compiler.subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if not (isinstance(cmd, list) and "ptxas" in os.path.basename(str(cmd[0])) and "-v" in cmd):
+            return real_run(cmd, *args, **kwargs)
+        log_file = kwargs.pop("stderr", None)
+        check = kwargs.pop("check", False)
+        result = real_run(cmd, *args, stderr=subprocess.PIPE, **kwargs)
+        log = result.stderr.decode(errors="replace")
+        logs.append(log)
+        if log_file is not None and hasattr(log_file, "name"):
+            with open(log_file.name, "w") as f:
+                f.write(log)
+        if check and result.returncode:
+            raise subprocess.CalledProcessError(result.returncode, cmd, stderr=result.stderr)
+        return result
+
+    compiler.subprocess.run = run
+    try:
+        yield logs
+    finally:
+        compiler.subprocess.run = real_run
+
+
+def init_worker() -> None:
+    os.environ["TRITON_INTERPRET"] = "0"
+
+
+def _kernel_name(kernel) -> str:
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):  # unwrap triton.heuristics / triton.autotune
+        kernel = kernel.fn
+    return kernel.__name__.strip("_").replace("_kernel", "")
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton itself uses for ``arch`` (the wheel's bundled one unless TRITON_PTXAS_PATH says)."""
+    from triton.backends.nvidia import compiler
+
+    if hasattr(compiler, "get_ptxas"):  # Triton >= 3.4: a tool per architecture
+        return compiler.get_ptxas(arch).path
+    return compiler._path_to_binary("ptxas")[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _ptxas_flags(ptxas: str) -> List[str]:
+    """The flags Triton's own ptxas call adds that change register allocation: -lineinfo always, and
+    --regAllocOptLevel=2 with ptxas 13 (Triton >= 3.7 works around a ptxas 13 allocator bug with it)."""
+    version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    return ["-lineinfo"] + (["--regAllocOptLevel=2"] if "release 13." in version else [])
+
+
+def _parse_ptxas(log: str) -> Dict[str, int]:
+    regs = max(int(x) for x in _REGS.findall(log))
+    spills = [int(a) + int(b) for a, b in _SPILLS.findall(log)]
+    return {"regs": regs, "spill_bytes": max(spills) if spills else 0}
+
+
+def _ptxas_report(ptx: str, arch: int, arch_name: str) -> Dict[str, int]:
+    """Run ptxas -v ourselves (when Triton's compile came from its cache and ran no ptxas)."""
+    ptxas = _ptxas(arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [ptxas, *_ptxas_flags(ptxas), "-v", f"--gpu-name={arch_name}", src, "-o", os.path.join(tmp, "kernel.cubin")],
+            check=True, capture_output=True, text=True,
+        ).stderr
+    return _parse_ptxas(log)
+
+
+def compile_variant(variant: Variant) -> List[Dict]:
+    """Compile every kernel ``variant``'s launcher call launches; one report row per kernel."""
+    import torch
+    from triton.runtime import driver
+
+    from infcl.kernels import INTERPRETED, Tiling, triton_backward, triton_lse_forward
+
+    assert not INTERPRETED, "compile checks need TRITON_INTERPRET=0 before infcl.kernels is imported"
+    driver.set_active(_CompileOnlyDriver(variant.arch))
+    dtype = getattr(torch, variant.dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    n, dim = variant.batch, variant.dim
+    q, k = torch.zeros(n, dim, dtype=dtype), torch.zeros(n, dim, dtype=dtype)
+    scale = torch.ones((), dtype=acc)
+    pos = torch.arange(n)
+    tiling = Tiling.from_ints(list(variant.tiling))
+    compiler = _Compiler()
+    if variant.phase == "forward":
+        triton_lse_forward.softmax_forward(q, k, scale, pos, variant.symmetric, tiling, variant.precision, wrap=compiler)
+    else:
+        stats, grads = torch.zeros(2, n, dtype=acc), torch.ones(n, dtype=acc)
+        cols = (stats, grads) if variant.symmetric else (None, None)
+        triton_backward.softmax_backward(
+            q, k, scale, pos, stats, grads, *cols, torch.zeros(n, dim, dtype=acc), torch.zeros(n, dim, dtype=acc),
+            tiling, variant.precision, wrap=compiler,
+        )
+    rows = []
+    for kernel, compiled, log in compiler.compiled:
+        ptx = compiled.asm["ptx"]
+        arch_name = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+        usage = _parse_ptxas(log) if log else _ptxas_report(ptx, variant.arch, arch_name)
+        rows.append({
+            "variant": variant.label(),
+            "kernel": _kernel_name(kernel),
+            "num_warps": compiled.metadata.num_warps,
+            "smem": compiled.metadata.shared,
+            "smem_limit": SMEM_LIMITS[variant.arch],
+            "float_atomics": sorted(set(m.group(0) for m in FLOAT_ATOMIC.finditer(ptx))),
+            **usage,
+        })
+    return rows
+
+
+# (dtype, precision): every operand type the public API can launch.
+DTYPES = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee"), ("float64", "ieee"))
+# Targets: sm_90 and sm_80 get their own configs; sm_86 stands for the small-memory family (sm_86, sm_89,
+# sm_120: 99 KiB of shared memory per block).
+FULL_TARGETS = (90, 80)
+SMALL_TARGET = 86
+# B = 1000: no block size divides it (every load and store masked or clamped); 1024: every one does.
+RAGGED, EVEN = 1000, 1024
+
+
+def shapes(resident_d: int, full: bool = True):
+    """(D, symmetric, B) cases covering every code path of the kernels for one feature chunking:
+    the smallest D (one 16-wide chunk, one direction); the largest D that is still one chunk, just
+    below it so the chunk is masked (q or k held in registers: the most registers); a D that is
+    several whole chunks and whole dq slices (768) on block-multiple batches; and a ragged D (1000)
+    on ragged batches. The symmetric loss (column stats, column dS) is the heavier direction, so all
+    but the first case use it. ``full=False``: only the two heaviest cases."""
+    heavy = [(resident_d - 5, True, RAGGED), (1000, True, RAGGED)]
+    return heavy if not full else [(1, False, RAGGED), heavy[0], (768, True, EVEN), heavy[1]]
+
+
+def variants() -> List[Variant]:
+    """Every launch the public API can make that compiles to different code, per target: each dtype x
+    each case of :func:`shapes` x both phases with the default configs (fp16's forward, bf16's twin,
+    on the heavy cases only); each autotune config other than the default on the ragged D case; and
+    the small-memory family's defaults on the heavy cases."""
+    import torch
+
+    from infcl.kernels import triton_backward, triton_lse_forward
+    from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, arch_key, operand_class
+    from infcl.kernels.ops import arch_tiling
+
+    out = []
+
+    def add(arch, dtype, precision, cases, tiling, origin, phases=("forward", "backward")):
+        for phase in phases:
+            for dim, symmetric, batch in cases:
+                out.append(Variant(phase, arch, dtype, precision, dim, batch, symmetric, tuple(tiling.to_ints()), origin))
+
+    for arch in FULL_TARGETS + (SMALL_TARGET,):
+        for dtype, precision in DTYPES:
+            if dtype == "float64" and not FLOAT64_DOT:
+                continue  # Triton 3.2: float64 blocks run on the torch tiles, no kernel is launched
+            torch_dtype = getattr(torch, dtype)
+            klass = operand_class(torch_dtype, precision)
+            default = arch_tiling(arch_key((arch // 10, arch % 10)), torch_dtype, precision)
+            resident_d = FEATURE_CHUNKS[klass][0]
+            if arch == SMALL_TARGET:
+                add(arch, dtype, precision, shapes(resident_d, full=False), default, "default")
+                continue
+            add(arch, dtype, precision, shapes(resident_d, full=dtype != "float16"), default, "default", ("forward",))
+            add(arch, dtype, precision, shapes(resident_d), default, "default", ("backward",))
+            if dtype == "bfloat16":
+                continue  # the "mma" class's autotune configs are compiled at fp16 (dS normalization: more registers)
+            key, ragged = (arch_key((arch // 10, arch % 10)), klass), [shapes(resident_d)[-1]]
+            for i, cfg in enumerate(triton_lse_forward.AUTOTUNE_CONFIGS[key]):
+                if cfg != default.forward:
+                    add(arch, dtype, precision, ragged, replace(default, forward=cfg), f"autotune #{i}", ("forward",))
+            pairs = itertools.zip_longest(triton_backward.DQ_AUTOTUNE_CONFIGS[key], triton_backward.DK_AUTOTUNE_CONFIGS[key])
+            for i, (dq, dk) in enumerate(pairs):
+                dq, dk = dq or default.dq, dk or default.dk  # the lists may differ in length
+                if (dq, dk) != (default.dq, default.dk):
+                    add(arch, dtype, precision, ragged, replace(default, dq=dq, dk=dk), f"autotune #{i}", ("backward",))
+    return out
