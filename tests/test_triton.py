@@ -444,6 +444,21 @@ def test_custom_ops_pass_opcheck():
     )
 
 
+def test_torch_compile_matches_eager():
+    """The custom ops' fake impls let torch.compile trace cal_inf_loss (here the custom_op registration;
+    on a GPU with torch >= 2.6 the triton_op one, which tests/test_triton_gpu.py compiles)."""
+    q, k, scale = _inputs(40, 40, 16, seed=31)
+    labels = _labels(40, 40, True)
+
+    def loss(q_, k_, s_):
+        return cal_inf_loss(q_, k_, labels, s_, symmetric=True, backend="triton")
+
+    eager = grads_of(loss, q, k, scale)
+    compiled = grads_of(torch.compile(loss, backend="aot_eager"), q, k, scale)
+    for name, a, b in zip(GRAD_NAMES, compiled, eager):
+        assert torch.equal(a, b), name
+
+
 def test_tiling_round_trips_through_ints():
     assert Tiling.from_ints(SPLIT.to_ints()) == SPLIT
     assert Tiling.from_ints(GPU_LIKE.to_ints()) == GPU_LIKE
