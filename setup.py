@@ -11,7 +11,7 @@ from setuptools import find_packages, setup
 CSRC_PACKAGE = "infcl._csrc"
 CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native_build compiles every *.cpp it finds there
 
-TRITON = 'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"'
+TRITON = 'triton>=3.2; platform_system == "Linux" and platform_machine == "x86_64"'
 SENTENCE_TRANSFORMERS = "sentence-transformers>=5"
 # The trainer (SentenceTransformerTrainer) needs datasets and accelerate: the tests run a short training.
 SENTENCE_TRANSFORMERS_TRAIN = "sentence-transformers[train]>=5"
