@@ -70,22 +70,10 @@ def cal_inf_loss(
     return reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
 
 
-def cal_inf_loss_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    labels=None,
-    scale=None,
-    head_dim=None,
-    *,
-    symmetric: bool = False,
-    reduction: str = "mean",
-    group=None,
-) -> torch.Tensor:
-    """:func:`cal_inf_loss` with ``backend="reference"``: the same signature and validation, computed on
-    materialized logits (:mod:`infcl.reference`, O(Bq * Bk) memory), for tests and A/B checks."""
-    return cal_inf_loss(
-        q, k, labels, scale, head_dim, symmetric=symmetric, reduction=reduction, group=group, backend="reference"
-    )
+def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """:func:`cal_inf_loss` with ``backend="reference"``: the same arguments (but ``backend``) and validation,
+    computed on materialized logits (:mod:`infcl.reference`, O(Bq * Bk) memory), for tests and A/B checks."""
+    return cal_inf_loss(q, k, *args, backend="reference", **kwargs)
 
 
 def call_layout(ring, q: torch.Tensor, k: torch.Tensor, labels) -> RingLayout:
