@@ -1,4 +1,5 @@
-"""The public entry point: ``cal_inf_loss``."""
+"""The public entry point: ``cal_inf_loss`` (and ``cal_inf_loss_reference``, the same call on the
+materializing reference)."""
 
 import torch
 
@@ -67,6 +68,12 @@ def cal_inf_loss(
         plan = LossPlan(backend=block_backend(name), symmetric=symmetric, layout=layout)
         row_loss, col_loss = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
     return reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
+
+
+def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """:func:`cal_inf_loss` with ``backend="reference"``: the same arguments (but ``backend``) and validation,
+    computed on materialized logits (:mod:`infcl.reference`, O(Bq * Bk) memory), for tests and A/B checks."""
+    return cal_inf_loss(q, k, *args, backend="reference", **kwargs)
 
 
 def call_layout(ring, q: torch.Tensor, k: torch.Tensor, labels) -> RingLayout:
