@@ -167,3 +167,45 @@ def siglip_truth(q, k, scale, bias, labels=None, reduction="mean"):
     signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
     rows = -F.logsigmoid(signs * logits).sum(dim=1)
     return {"mean": rows.mean, "sum": rows.sum, "none": lambda: rows}[reduction]()
+
+
+def _exact_direction(s: torch.Tensor, labels: torch.Tensor):
+    """Row losses and g-free dS = P - Y of one direction of the softmax loss, without cancellation.
+
+    Relative to the positive logit (d_j = s_j - s_pos) and to c = max(0, max_j d_j):
+    rest = sum_{j != pos} exp(d_j - c), loss = log1p(rest) when c = 0 (the positive is the maximum),
+    else c + log(exp(-c) + rest); P_j = exp(d_j - c) / (exp(-c) + rest) off the positive and
+    1 - P_pos = rest / (exp(-c) + rest). Nothing is ever formed as 1 + tiny or 1 - p, so a confident
+    row's loss (~1e-20) and its gradient keep float64's relative precision.
+    """
+    n = s.shape[0]
+    onehot = torch.zeros_like(s, dtype=torch.bool)
+    onehot[torch.arange(n), labels] = True
+    d = s - s[onehot][:, None]
+    c = d.masked_fill(onehot, float("-inf")).amax(dim=1, keepdim=True).clamp(min=0.0)
+    e = torch.exp(d - c).masked_fill(onehot, 0.0)
+    rest = e.sum(dim=1, keepdim=True)
+    top = torch.exp(-c)  # the positive's own term, exactly 1 where it is the maximum
+    loss = torch.where(c == 0, torch.log1p(rest), c + torch.log(top + rest))[:, 0]
+    ds = torch.where(onehot, -rest / (top + rest), e / (top + rest))
+    return loss, ds
+
+
+def exact_softmax_truth(q, k, scale, labels=None, symmetric=False):
+    """(row losses, dq, dk, dscale) of ``cal_inf_loss(..., reduction="none")`` under an upstream gradient of
+    ones, in float64 and free of cancellation (see :func:`_exact_direction`): exact to float64 round-off
+    even where 1 - P_pos is 1e-24, where the materialized float64 loss rounds log(1 + rest) and P to 1.
+
+    q [Bq, D], k [Bk, D], scale a number or 0-d tensor; labels [Bq] (None: the diagonal), a permutation
+    for ``symmetric``, whose loss i is (row_i + column_i) / 2, column i's positive being row labels^-1[i].
+    """
+    q, k = q.detach().double().cpu(), k.detach().double().cpu()
+    scale = torch.as_tensor(scale, dtype=torch.float64).detach().cpu()
+    labels = torch.arange(q.shape[0]) if labels is None else labels.cpu()
+    raw = q @ k.T
+    s = scale * raw
+    loss, ds = _exact_direction(s, labels)
+    if symmetric:
+        col_loss, col_ds = _exact_direction(s.T, torch.argsort(labels))
+        loss, ds = (loss + col_loss) / 2, (ds + col_ds.T) / 2
+    return loss, scale * ds @ k, scale * ds.T @ q, (ds * raw).sum()
