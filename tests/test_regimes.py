@@ -16,7 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from infcl import cal_inf_loss
-from support import exact_softmax_truth, grads_of, interpreting_triton, tiled_backends, vanilla_loss
+from support import (
+    EXACT_NORMWISE,
+    assert_normwise,
+    exact_softmax_truth,
+    grads_of,
+    interpreting_triton,
+    margin_features,
+    tiled_backends,
+    vanilla_loss,
+)
 
 FACTOR = 2.0
 ULPS = 4
@@ -135,42 +144,6 @@ def test_no_worse_than_vanilla_in_that_dtype(backend, dtype, regime):
     _check_no_worse(ours, vanilla, truth, dtype, _term_sizes(q, k, scale, w))
 
 
-# Confident rows against the exact truth: the positive beats every negative of its row by MARGINS logits,
-# so 1 - P_pos ~ exp(-margin) is 1e-11 .. 1e-24. Normwise error bound per dtype: float32 keeps ~|S| * eps
-# (|S| <= 100) relative to each term; float64 the same with its own eps.
-MARGINS = (25.0, 55.0)
-EXACT_NORMWISE = {torch.float32: 1e-4, torch.float64: 1e-9}
-
-
-def _margin_features(b, d, scale, symmetric, seed):
-    """(q, k, labels) in float64 where every row's positive logit beats the row's largest negative by a
-    margin in MARGINS (and, symmetric, every column's likewise).
-
-    Row i's positive k[labels[i]] is a noisy copy of u_i, q_i = u_i times a factor (a margin is linear in
-    it). One-directional: a factor per row, its margin drawn uniformly from MARGINS. Symmetric: one
-    factor for all rows, so that the columns stay confident too (per-row factors would lift some rows'
-    negatives above other columns' positives), the largest row or column margin MARGINS[1] and the
-    smallest about 35.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    labels = torch.randperm(b, generator=gen)
-    u = F.normalize(torch.randn(b, d, generator=gen, dtype=torch.float64), dim=1)
-    k = torch.empty_like(u)
-    k[labels] = F.normalize(u + 0.1 * torch.randn(b, d, generator=gen, dtype=torch.float64) / d**0.5, dim=1)
-    s = scale * u @ k.T
-    onehot = torch.zeros_like(s, dtype=torch.bool)
-    onehot[torch.arange(b), labels] = True
-    negatives = s.masked_fill(onehot, float("-inf"))
-    rows = s[onehot] - negatives.amax(dim=1)
-    if symmetric:
-        cols = s.T[onehot.T] - negatives.amax(dim=0)
-        factor = MARGINS[1] / torch.cat((rows, cols)).max()
-    else:
-        factor = (MARGINS[0] + (MARGINS[1] - MARGINS[0]) * torch.rand(b, generator=gen, dtype=torch.float64)) / rows
-        factor = factor[:, None]
-    return u * factor, k, labels
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
 @pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
@@ -179,16 +152,14 @@ def test_confident_rows_are_exact(backend, dtype, symmetric, scale):
     """Rows with 1 - P_pos ~ 1e-11 .. 1e-24 (B=256, D=64), against the cancellation-free float64 truth:
     r = log1p(rest) and 1 - P_pos = rest / (1 + rest) must keep their digits in every backend, where
     the vanilla loss (even in float64) rounds 1 + rest to 1 and loses the whole gradient."""
-    q, k, labels = _margin_features(256, 64, scale, symmetric, seed=int(scale) + symmetric)
+    q, k, labels = margin_features(256, 64, scale, symmetric, seed=int(scale) + symmetric)
     q, k = q.to(dtype), k.to(dtype)
     scale_t = torch.tensor(scale, dtype=dtype)
     ours = grads_of(_ours(backend, labels, symmetric), q, k, scale_t)
     truth = exact_softmax_truth(q, k, scale_t, labels, symmetric)
     lo, hi = float(truth[0].min()), float(truth[0].max())
     assert 1e-25 < lo < 1e-22 and 1e-17 < hi < 1e-10, f"losses {lo:.3g} .. {hi:.3g}: not the confident regime"
-    for name, got, want in zip(("loss", "dq", "dk", "dscale"), ours, truth):
-        err = float((got.double() - want).norm() / want.norm())
-        assert err <= EXACT_NORMWISE[dtype], f"{name}: normwise error {err:.3g} > {EXACT_NORMWISE[dtype]:g}"
+    assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
