@@ -10,8 +10,8 @@ Importing this package needs triton; whether the kernels are interpreted (TRITON
 tensors) is fixed when it is imported.
 """
 
-from .configs import INTERPRETED, TileConfig, Tiling, interpret_requested
-from .ops import INTERPRETER_TILING, backward_block, default_tiling, forward_block
+from .configs import INTERPRETED, INTERPRETER_TILING, TileConfig, Tiling, interpret_requested
+from .ops import backward_block, default_tiling, forward_block
 
 __all__ = [
     "INTERPRETED",
