@@ -1,7 +1,7 @@
 """Compile the Triton kernels for a GPU target on a machine without one, and read ptxas's resource report.
 
 Used by tests/test_triton_compile.py. Each variant runs the real launchers
-(:func:`infcl.kernels.triton_lse_forward.softmax_forward`, :func:`...triton_backward.softmax_backward`)
+(:func:`infcl.kernels.softmax_forward.softmax_forward`, :func:`...softmax_backward.softmax_backward`)
 on small CPU tensors with a ``wrap`` that compiles each kernel launch for the chosen target instead of
 running it, so the compiled set is exactly what the public API launches for those inputs (its
 heuristic flags, integer specializations and constexprs). Triton needs an "active driver" only to
@@ -197,7 +197,7 @@ def compile_variant(variant: Variant) -> List[Dict]:
     import torch
     from triton.runtime import driver
 
-    from infcl.kernels import INTERPRETED, Tiling, triton_backward, triton_lse_forward
+    from infcl.kernels import INTERPRETED, Tiling, softmax_backward, softmax_forward
 
     assert not INTERPRETED, "compile checks need TRITON_INTERPRET=0 before infcl.kernels is imported"
     driver.set_active(_CompileOnlyDriver(variant.arch))
@@ -210,11 +210,11 @@ def compile_variant(variant: Variant) -> List[Dict]:
     tiling = Tiling.from_ints(list(variant.tiling))
     compiler = _Compiler()
     if variant.phase == "forward":
-        triton_lse_forward.softmax_forward(q, k, scale, pos, variant.symmetric, tiling, variant.precision, wrap=compiler)
+        softmax_forward.softmax_forward(q, k, scale, pos, variant.symmetric, tiling, variant.precision, wrap=compiler)
     else:
         stats, grads = torch.zeros(2, n, dtype=acc), torch.ones(n, dtype=acc)
         cols = (stats, grads) if variant.symmetric else (None, None)
-        triton_backward.softmax_backward(
+        softmax_backward.softmax_backward(
             q, k, scale, pos, stats, grads, *cols, torch.zeros(n, dim, dtype=acc), torch.zeros(n, dim, dtype=acc),
             tiling, variant.precision, wrap=compiler,
         )
@@ -263,7 +263,7 @@ def variants() -> List[Variant]:
     the small-memory family's defaults on the heavy cases."""
     import torch
 
-    from infcl.kernels import triton_backward, triton_lse_forward
+    from infcl.kernels import softmax_backward, softmax_forward
     from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, arch_key, operand_class
     from infcl.kernels.ops import arch_tiling
 
@@ -290,10 +290,10 @@ def variants() -> List[Variant]:
             if dtype == "bfloat16":
                 continue  # the "mma" class's autotune configs are compiled at fp16 (dS normalization: more registers)
             key, ragged = (arch_key((arch // 10, arch % 10)), klass), [shapes(resident_d)[-1]]
-            for i, cfg in enumerate(triton_lse_forward.AUTOTUNE_CONFIGS[key]):
+            for i, cfg in enumerate(softmax_forward.AUTOTUNE_CONFIGS[key]):
                 if cfg != default.forward:
                     add(arch, dtype, precision, ragged, replace(default, forward=cfg), f"autotune #{i}", ("forward",))
-            pairs = itertools.zip_longest(triton_backward.DQ_AUTOTUNE_CONFIGS[key], triton_backward.DK_AUTOTUNE_CONFIGS[key])
+            pairs = itertools.zip_longest(softmax_backward.DQ_AUTOTUNE_CONFIGS[key], softmax_backward.DK_AUTOTUNE_CONFIGS[key])
             for i, (dq, dk) in enumerate(pairs):
                 dq, dk = dq or default.dq, dk or default.dk  # the lists may differ in length
                 if (dq, dk) != (default.dq, default.dk):

@@ -4,7 +4,7 @@ forward_block is one kernel launch (row stats, positive logits and, when wanted,
 the same tiles); backward_block is two (dq, dk), without atomics. Both go through the custom ops
 ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block``. GEMM-equivalents per block: 5
 for either loss (forward 1, backward 4) while D fits one backward slice (see
-:mod:`infcl.kernels.triton_backward`).
+:mod:`infcl.kernels.softmax_backward`).
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 was set
 before this module was imported (that is how CI tests it). float64 inputs are computed in float64
@@ -67,7 +67,7 @@ class TritonBackend:
             dq, dk, *self._options(),
         )
 
-    # --- the sigmoid (SigLIP) loss: infcl/kernels/triton_siglip.py (contract: infcl.backends.base) -----
+    # --- the sigmoid (SigLIP) loss: infcl/kernels/sigmoid.py (contract: infcl.backends.base) -----
     # GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no atomics).
 
     def sigmoid_forward_block(self, block: Block) -> Tensor:

@@ -186,8 +186,7 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
 # Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the
 # elementwise math); the one product that must not be contracted, S = raw * scale, is an explicit
 # mul.rn (tiles.scale_scores). Saying so explicitly also keeps Triton 3.9 from warning about its default.
-# maxnreg = 255 (.maxnreg in the PTX) stops ptxas from spilling a few bytes to fit a second or third
-# block on an SM: these kernels keep the accumulators, stats and tiles of a program in registers.
+# (maxnreg is per config: TileConfig.max_registers.)
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 

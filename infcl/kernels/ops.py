@@ -26,7 +26,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import triton_backward, triton_lse_forward, triton_siglip
+from . import sigmoid, softmax_backward, softmax_forward
 from .configs import (
     FEATURE_CHUNKS,
     INTERPRETED,
@@ -53,9 +53,9 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
     return Tiling(
-        forward=triton_lse_forward.DEFAULT_CONFIGS[arch, klass],
-        dq=triton_backward.DQ_CONFIGS[arch, klass],
-        dk=triton_backward.DK_CONFIGS[arch, klass],
+        forward=softmax_forward.DEFAULT_CONFIGS[arch, klass],
+        dq=softmax_backward.DQ_CONFIGS[arch, klass],
+        dk=softmax_backward.DK_CONFIGS[arch, klass],
         resident_d=resident_d,
         chunk_d=chunk_d,
     )
@@ -71,7 +71,7 @@ def _tiling(tiling: List[int], q: Tensor, precision: str) -> Tuple[Tiling, bool]
 def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, want_cols: bool, precision: str,
              tiling: List[int]) -> Tuple[Tensor, Tensor]:
     chosen, autotune = _tiling(tiling, q, precision)
-    rows, cols = triton_lse_forward.softmax_forward(
+    rows, cols = softmax_forward.softmax_forward(
         q, k, scale, pos.contiguous(), want_cols, chosen, precision or None, autotune,
         sms=target_facts().sms, wrap=_WRAP,
     )
@@ -82,7 +82,7 @@ def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tenso
               col_stats: Optional[Tensor], g_col: Optional[Tensor], dq: Tensor, dk: Tensor, precision: str,
               tiling: List[int]) -> Tensor:
     chosen, autotune = _tiling(tiling, q, precision)
-    return triton_backward.softmax_backward(
+    return softmax_backward.softmax_backward(
         q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
         autotune, sms=target_facts().sms, wrap=_WRAP,
     )
@@ -91,13 +91,13 @@ def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tenso
 def _sigmoid_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str,
                      tiling: List[int]) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return triton_siglip.siglip_forward(q, k, pos, scale, bias, precision or None, chosen, wrap=_WRAP)
+    return sigmoid.siglip_forward(q, k, pos, scale, bias, precision or None, chosen, wrap=_WRAP)
 
 
 def _sigmoid_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, g_row: Tensor, dq: Tensor,
                       dk: Tensor, precision: str, tiling: List[int]) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return triton_siglip.siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision or None, chosen, wrap=_WRAP)
+    return sigmoid.siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision or None, chosen, wrap=_WRAP)
 
 
 def _accum(q: Tensor) -> torch.dtype:

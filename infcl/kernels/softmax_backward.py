@@ -64,10 +64,10 @@ from .tiles import (
 
 
 @triton.jit
-def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL: tl.constexpr):
+def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.constexpr):
     """(row part, column part) of dS for one tile; the column part is 0 for the one-directional loss."""
     ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos)
-    if HAS_COL:
+    if SYMMETRIC:
         ds_col = softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], is_pos)
     else:
         ds_col = 0.0
@@ -119,7 +119,7 @@ def _dq_kernel(
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
     stride_out_split, stride_out0, stride_out1,
-    HAS_COL: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
+    SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
@@ -138,7 +138,7 @@ def _dq_kernel(
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
     if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
-        if HAS_COL:
+        if SYMMETRIC:
             factor = tl.maximum(factor, tl.load(g_max_ptr + 1))
     else:
         factor = g_r  # unused
@@ -158,14 +158,14 @@ def _dq_kernel(
             BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
         )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
-        if HAS_COL:
+        if SYMMETRIC:
             m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
         else:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
-        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
+        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
-        if HAS_COL:
+        if SYMMETRIC:
             dscale_col += tl.sum(ds_col * raw, axis=1)
             ds = ds + ds_col
         if NORMALIZE:
@@ -191,7 +191,7 @@ def _dk_kernel(
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
     stride_out_split, stride_out0, stride_out1,
-    HAS_COL: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
+    SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
@@ -206,11 +206,11 @@ def _dk_kernel(
     rb_lo, rb_hi = block_range(split, tl.num_programs(2), tl.cdiv(n_q, BLOCK_M))
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     scale = tl.load(scale_ptr)
-    if HAS_COL:
+    if SYMMETRIC:
         m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
     if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
         factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
-        if HAS_COL:
+        if SYMMETRIC:
             factor = tl.maximum(factor, tl.abs(g_c))
     else:
         factor = scale  # unused
@@ -230,9 +230,9 @@ def _dk_kernel(
             BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, False, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
         )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
-        if not HAS_COL:
+        if not SYMMETRIC:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
-        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
+        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         ds = ds_row + ds_col
         if NORMALIZE:
             ds = ds * _inverse(factor)[None, :]
@@ -246,8 +246,8 @@ def _dk_kernel(
 
 
 # ---- configs ------------------------------------------------------------------------------------
-# Per (architecture family, operand class), as triton_lse_forward.DEFAULT_CONFIGS (not tuned on a GPU;
-# every variant compiles without spills, checked by tests/test_triton_compile.py). On tensor cores the
+# Per (architecture family, operand class), as softmax_forward.DEFAULT_CONFIGS (not tuned on a GPU;
+# every variant compiles without spills, checked by tests/test_triton_api_compile.py). On tensor cores the
 # S tile keeps BLOCK_M >= 64 on a multiple of 4 warps, so it comes from the same MMA instruction as
 # the forward's (see tiles.py); FMA products (ieee, fp64) have no such constraint. ``block_out``: the
 # dq (dk) slice a program holds in registers: 64 rows x 256 fp32 columns over 8 warps is 64 registers
@@ -291,7 +291,7 @@ if TRITON_VERSION < (3, 3):
 
 
 def _keep(key, config: TileConfig, default: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, halving
+    """Search points that compile without spills (tests/test_triton_api_compile.py): on sm_90, halving
     BLOCK_N of the bf16/fp16 kernels spills the dq kernel at ragged D (ptxas 13); the FMA classes (ieee,
     fp64) sit at their register limit already, so they keep their default alone."""
     if key[0] in (90, 100) and key[1] == "mma" and config.block_n < default.block_n:
@@ -303,7 +303,7 @@ DQ_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] f
 DK_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] for key, cfg in DK_CONFIGS.items()}
 # The smallest BLOCK_M any config uses: the dq kernel's scale-gradient buffer has a slot per program.
 _MIN_BLOCK_M = min(c.block_m for tiles in DQ_AUTOTUNE_CONFIGS.values() for c in tiles)
-_KEY = ["D", "HAS_COL", "PRECISION", "BUCKET"]
+_KEY = ["D", "SYMMETRIC", "PRECISION", "BUCKET"]
 # Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
 # per-program scale-gradient slots are zeroed before each trial.
 _dq_autotuned = lazy_autotune(_dq_kernel, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"])
@@ -345,7 +345,7 @@ def softmax_backward(
 ) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (any strides); return dscale [2] (row part, column part).
 
-    q, k, scale, pos as in :func:`infcl.kernels.triton_lse_forward.softmax_forward`; row_stats [2, Bq] and
+    q, k, scale, pos as in :func:`infcl.kernels.softmax_forward.softmax_forward`; row_stats [2, Bq] and
     g_row [Bq], and for the symmetric loss col_stats [2, Bk] and g_col [Bk] (else None), all in the
     accumulation dtype, any strides. ``tiling``, ``autotune``, ``sms`` and ``wrap`` as in the forward.
     """
@@ -353,19 +353,19 @@ def softmax_backward(
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]
-    has_col = col_stats is not None
+    symmetric = col_stats is not None
     normalize = q.dtype == torch.float16
-    if not has_col:
-        col_stats, g_col = row_stats, g_row  # never read
-    g_max = torch.stack((g_row.abs().amax(), g_col.abs().amax())) if normalize else scale  # read if normalizing
+    # float16: max|g_row| (and max|g_col|, read only when symmetric), the dS normalizers; else absent.
+    g_max = torch.stack([g.abs().amax() for g in (g_row, g_col) if g is not None]) if normalize else None
     block_d = tiling.block_d(dim)
     common = dict(
         q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, row_stats_ptr=row_stats, g_row_ptr=g_row,
         col_stats_ptr=col_stats, g_col_ptr=g_col, g_max_ptr=g_max, n_q=n_q, n_k=n_k, D=dim,
         stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
         stride_rs0=row_stats.stride(0), stride_rs1=row_stats.stride(1), stride_gr=g_row.stride(0),
-        stride_cs0=col_stats.stride(0), stride_cs1=col_stats.stride(1), stride_gc=g_col.stride(0),
-        HAS_COL=has_col, NORMALIZE=normalize, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts,
+        stride_cs0=col_stats.stride(0) if symmetric else 0, stride_cs1=col_stats.stride(1) if symmetric else 0,
+        stride_gc=g_col.stride(0) if symmetric else 0, SYMMETRIC=symmetric, NORMALIZE=normalize, BLOCK_D=block_d,
+        **feature_chunks(dim, block_d), **opts,
         **COMPILE_OPTIONS,
     )
     dscale_parts = None
@@ -386,10 +386,10 @@ def softmax_backward(
         if which == "dq":
             n_rows_max = triton.cdiv(n_q, min(_MIN_BLOCK_M, cfg.block_m) if autotune else cfg.block_m)
             dscale_parts = torch.zeros(n_rows_max * splits, 2, dtype=acc, device=q.device)
-            grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), slices, splits)  # noqa: E731
+            grid = lambda meta, slices=slices, splits=splits: (triton.cdiv(n_q, meta["BLOCK_M"]), slices, splits)  # noqa: E731
             _launch(_dq_kernel, _dq_autotuned, grid, dict(args, dscale_ptr=dscale_parts), cfg, autotune, wrap)
         else:
-            grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), slices, splits)  # noqa: E731
+            grid = lambda meta, slices=slices, splits=splits: (triton.cdiv(n_k, meta["BLOCK_N"]), slices, splits)  # noqa: E731
             _launch(_dk_kernel, _dk_autotuned, grid, args, cfg, autotune, wrap)
         if splits > 1:
             grad += out.sum(dim=0)

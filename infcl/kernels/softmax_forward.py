@@ -68,7 +68,7 @@ def _forward_kernel(
     n_q, n_k, D,
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rows_stat, stride_rows_split, stride_cols_stat, stride_cols_group,
-    COLS: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -82,7 +82,6 @@ def _forward_kernel(
     scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
     feats = tl.arange(0, BLOCK_D)
     row_out = rows_ptr + split.to(tl.int64) * stride_rows_split
-    col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
     for rb in range(rb_lo, rb_hi):
         rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
         if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
@@ -104,7 +103,8 @@ def _forward_kernel(
             tile_max, tile_rest = tile_rest_stats(s_rows, 1)
             run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
             pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
-            if COLS:
+            if SYMMETRIC:  # cols_ptr is None otherwise
+                col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
                 s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
                 col_max, col_rest = tile_rest_stats(s_cols, 0)
                 part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), not EVEN_N)
@@ -121,7 +121,7 @@ def _forward_kernel(
 # Defaults per (architecture family, operand class); see configs.arch_key and configs.operand_class.
 # Not tuned on a GPU (none was available): sized from the fused-attention tutorial's forward and
 # chosen so that every variant compiles without spills and within shared memory, which
-# tests/test_triton_compile.py checks for sm_80, sm_90 and sm_86 (the small-memory family).
+# tests/test_triton_api_compile.py checks for every family of configs.ARCH_FAMILIES.
 DEFAULT_CONFIGS = {
     # sm_90: 128-row tiles over two warp groups (wgmma, M = 64 each); 3 stages of q/k chunks (<= 96 KiB).
     (90, "mma"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
@@ -171,7 +171,8 @@ AUTOTUNE_CONFIGS = {key: [c for c in neighbours(config) if _keep(key, c)] for ke
 # Every buffer a trial writes: the row partials are overwritten whole, the column partials are
 # read-merged-written from the host's empty stats, so both are restored between trials.
 _forward_autotuned = lazy_autotune(
-    _forward_kernel, AUTOTUNE_CONFIGS, key=["D", "COLS", "PRECISION", "BUCKET"], restore_value=["rows_ptr", "cols_ptr"]
+    _forward_kernel, AUTOTUNE_CONFIGS, key=["D", "SYMMETRIC", "PRECISION", "BUCKET"],
+    restore_value=["rows_ptr", "cols_ptr"],
 )
 
 
@@ -217,19 +218,18 @@ def softmax_forward(
     n_k = k.shape[0]
     plan = plan_forward(n_q, n_k, tiling, want_cols, sms)
     rows = torch.empty(3, plan.splits, n_q, dtype=acc, device=q.device)
+    cols = None  # the column stats exist only for the symmetric loss
     if want_cols:
         cols = torch.empty(2, plan.groups, n_k, dtype=acc, device=q.device)
         cols[MAX].fill_(float("-inf"))
         cols[REL].fill_(-1.0)  # rest = -1: the empty set
-    else:
-        cols = rows  # never touched (COLS=False)
     block_d = tiling.block_d(dim)
     args = dict(
         q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=cols, n_q=n_q, n_k=n_k, D=dim,
         stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
         stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
-        stride_cols_stat=cols.stride(0), stride_cols_group=cols.stride(1),
-        COLS=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, **COMPILE_OPTIONS,
+        stride_cols_stat=cols.stride(0) if want_cols else 0, stride_cols_group=cols.stride(1) if want_cols else 0,
+        SYMMETRIC=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)
     if autotune:

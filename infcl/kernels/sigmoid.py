@@ -48,8 +48,8 @@ from .tiles import MIN_DOT, load_tile, score_tile, tile_dot
 # holds a [BLOCK_M, chunk] gradient tile, the logit tile and an operand chunk in registers: bf16/fp16
 # and tf32 take 64-row tiles on 8 warps over 32-feature chunks (a 64-wide resident chunk spills on
 # sm_80/86/120; tf32, twice the bytes per operand, takes 32 columns); the FMA classes (fp32 "ieee",
-# fp64) hold operand fragments in registers, so small tiles over 16-feature chunks with maxnreg 255, as the softmax kernels (ptxas 12 otherwise caps
-# them at 128 registers on sm_80 and spills).
+# fp64) hold operand fragments in registers, so small tiles over 16-feature chunks with maxnreg 255, as
+# the softmax kernels (ptxas 12 otherwise caps them at 128 registers on sm_80 and spills).
 DEFAULT_TILINGS = {
     "mma": Tiling(*(TileConfig(block_m=64, block_n=64, num_warps=8),) * 3, resident_d=32, chunk_d=32),
     "tf32": Tiling(*(TileConfig(block_m=64, block_n=32, num_warps=8),) * 3, resident_d=32, chunk_d=32),
