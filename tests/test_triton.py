@@ -466,10 +466,10 @@ def test_tiling_round_trips_through_ints():
 
 def test_autotune_restores_every_buffer_a_trial_writes():
     """INFCL_AUTOTUNE=1 benchmarks configs on the real buffers: each trial must start from the same state."""
-    from infcl.kernels import triton_backward, triton_lse_forward
+    from infcl.kernels import softmax_backward, softmax_forward
 
-    forward, dq, dk = (f() for f in (triton_lse_forward._forward_autotuned, triton_backward._dq_autotuned,
-                                      triton_backward._dk_autotuned))
+    forward, dq, dk = (f() for f in (softmax_forward._forward_autotuned, softmax_backward._dq_autotuned,
+                                      softmax_backward._dk_autotuned))
     assert set(forward.restore_value) == {"rows_ptr", "cols_ptr"}
     assert set(dq.restore_value) == {"out_ptr"} and set(dq.reset_to_zero) == {"dscale_ptr"}
     assert set(dk.restore_value) == {"out_ptr"}

@@ -1,4 +1,8 @@
-"""Every Triton kernel variant the public API can launch compiles for sm_90, sm_80 and sm_86 — no GPU needed.
+"""Launcher-level resource table of the softmax kernels for sm_90, sm_80 and sm_86 — no GPU needed.
+
+Not the gate (tests/test_triton_api_compile.py checks what the public API launches, through the real
+registration); kept for its per-variant table and run only with INFCL_COMPILE_FULL=1, which also runs
+the API check's full matrix.
 
 The kernels are compiled by Triton's real JIT (not the interpreter: the worker processes import
 infcl.kernels with TRITON_INTERPRET=0) through the real launchers, for GPU targets named to Triton by
@@ -23,10 +27,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 import triton_compile
 
 triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("INFCL_COMPILE_FULL", "0") != "1",
+                                reason="launcher-level table: INFCL_COMPILE_FULL=1")
 
 WORKERS = 2
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "infcl" / "kernels"

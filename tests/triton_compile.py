@@ -1,7 +1,7 @@
 """Compile the Triton kernels for a GPU target on a machine without one, and read ptxas's resource report.
 
 Used by tests/test_triton_compile.py. Each variant runs the real launchers
-(:func:`infcl.kernels.triton_lse_forward.softmax_forward`, :func:`...triton_backward.softmax_backward`)
+(:func:`infcl.kernels.softmax_forward.softmax_forward`, :func:`...softmax_backward.softmax_backward`)
 on small CPU tensors with a ``wrap`` that compiles each kernel launch for the chosen target instead of
 running it, so the compiled set is exactly what the public API launches for those inputs (its
 heuristic flags, integer specializations and constexprs). Triton needs an "active driver" only to
@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Dict, List
 
 # Largest shared memory a block may use (opt-in dynamic shared memory), bytes.
-SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}
+SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+# SMs of the stand-in GPU (the split plans read it): an H100 SXM's 132 for every target.
+STAND_IN_SMS = 132
 # ptxas's report: "Used 128 registers, ..." and "N bytes spill stores, M bytes spill loads".
 _REGS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -55,14 +57,18 @@ class Variant:
         return hashlib.sha256(repr(asdict(self)).encode()).hexdigest()[:16]
 
 
-class _CompileOnlyDriver:
-    """What Triton's launch path asks of the active driver, for a GPU that is not there."""
+class CompileOnlyDriver:
+    """What Triton (and infcl, which asks it for the target) reads of the active driver, for a GPU that is
+    not there: the target, a device, a stream, the device's properties, a benchmarker, and the torch
+    device its tensors live on (CPU: the tensors are never read)."""
 
-    def __init__(self, arch: int):
+    def __init__(self, arch: int, bench=None):
         from triton.backends.compiler import GPUTarget
 
         self.target = GPUTarget("cuda", arch, 32)
         self.arch = arch
+        self.bench = bench
+        self.utils = self  # driver.utils.get_device_properties
 
     def get_current_target(self):
         return self.target
@@ -72,6 +78,20 @@ class _CompileOnlyDriver:
 
     def get_current_stream(self, device=None):
         return 0
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def get_device_properties(self, device):
+        return {"multiprocessor_count": STAND_IN_SMS, "max_shared_mem": SMEM_LIMITS[self.arch], "warpSize": 32}
+
+    def get_benchmarker(self):
+        return self.bench
+
+
+_CompileOnlyDriver = CompileOnlyDriver
 
 
 class _Compiler:
@@ -177,7 +197,7 @@ def compile_variant(variant: Variant) -> List[Dict]:
     import torch
     from triton.runtime import driver
 
-    from infcl.kernels import INTERPRETED, Tiling, triton_backward, triton_lse_forward
+    from infcl.kernels import INTERPRETED, Tiling, softmax_backward, softmax_forward
 
     assert not INTERPRETED, "compile checks need TRITON_INTERPRET=0 before infcl.kernels is imported"
     driver.set_active(_CompileOnlyDriver(variant.arch))
@@ -190,11 +210,11 @@ def compile_variant(variant: Variant) -> List[Dict]:
     tiling = Tiling.from_ints(list(variant.tiling))
     compiler = _Compiler()
     if variant.phase == "forward":
-        triton_lse_forward.softmax_forward(q, k, scale, pos, variant.symmetric, tiling, variant.precision, wrap=compiler)
+        softmax_forward.softmax_forward(q, k, scale, pos, variant.symmetric, tiling, variant.precision, wrap=compiler)
     else:
         stats, grads = torch.zeros(2, n, dtype=acc), torch.ones(n, dtype=acc)
         cols = (stats, grads) if variant.symmetric else (None, None)
-        triton_backward.softmax_backward(
+        softmax_backward.softmax_backward(
             q, k, scale, pos, stats, grads, *cols, torch.zeros(n, dim, dtype=acc), torch.zeros(n, dim, dtype=acc),
             tiling, variant.precision, wrap=compiler,
         )
@@ -243,7 +263,7 @@ def variants() -> List[Variant]:
     the small-memory family's defaults on the heavy cases."""
     import torch
 
-    from infcl.kernels import triton_backward, triton_lse_forward
+    from infcl.kernels import softmax_backward, softmax_forward
     from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, arch_key, operand_class
     from infcl.kernels.ops import arch_tiling
 
@@ -270,12 +290,272 @@ def variants() -> List[Variant]:
             if dtype == "bfloat16":
                 continue  # the "mma" class's autotune configs are compiled at fp16 (dS normalization: more registers)
             key, ragged = (arch_key((arch // 10, arch % 10)), klass), [shapes(resident_d)[-1]]
-            for i, cfg in enumerate(triton_lse_forward.AUTOTUNE_CONFIGS[key]):
+            for i, cfg in enumerate(softmax_forward.AUTOTUNE_CONFIGS[key]):
                 if cfg != default.forward:
                     add(arch, dtype, precision, ragged, replace(default, forward=cfg), f"autotune #{i}", ("forward",))
-            pairs = itertools.zip_longest(triton_backward.DQ_AUTOTUNE_CONFIGS[key], triton_backward.DK_AUTOTUNE_CONFIGS[key])
+            pairs = itertools.zip_longest(softmax_backward.DQ_AUTOTUNE_CONFIGS[key], softmax_backward.DK_AUTOTUNE_CONFIGS[key])
             for i, (dq, dk) in enumerate(pairs):
                 dq, dk = dq or default.dq, dk or default.dk  # the lists may differ in length
                 if (dq, dk) != (default.dq, default.dk):
                     add(arch, dtype, precision, ragged, replace(default, dq=dq, dk=dk), f"autotune #{i}", ("backward",))
     return out
+
+
+# ==== the public API, compile-only ==================================================================
+#
+# :func:`run_call` makes one public call (cal_inf_loss, cal_siglip_loss, InfCLIPLoss, InfSigLipLoss) with
+# backend="triton" on CPU tensors, forward and backward, with everything real (the backend choice, the
+# custom-op registration: triton_op + wrap_triton on torch >= 2.6, the configs, split plans and the
+# autotuner) except Triton's active driver, which is :class:`CompileOnlyDriver`, and JITFunction.run,
+# which compiles (``warmup=True``) instead of launching. Every compiled kernel is checked by ptxas.
+
+# Targets in the API check; sm_100 and sm_120 only where the wheel's ptxas knows them.
+API_TARGETS = (90, 80, 86, 100, 120)
+# The feature dims of the check: D = 1 (one masked chunk), 40 (one chunk, not a multiple of 16), 256 /
+# 512 / 768 (whole chunks, one or several dq slices) and 1000 (ragged chunks and slices).
+API_DIMS = (1, 40, 256, 512, 768, 1000)
+# Batches: 100 rows (no block divides it) and 128 (every block divides it); Bk > Bq: 100 x 160.
+RAGGED_BATCH, EVEN_BATCH, WIDE_BATCH = 100, 128, 160
+
+
+@dataclass(frozen=True)
+class Call:
+    """One public-API call: forward and backward with backend="triton"."""
+
+    arch: int
+    entry: str  # "cal_inf_loss", "cal_siglip_loss", "InfCLIPLoss", "InfSigLipLoss"
+    dtype: str  # "float32", "bfloat16", "float16", "float64"
+    precision: str  # float32: "ieee" or "tf32" (set through torch.backends.cuda.matmul.allow_tf32)
+    dim: int
+    n_q: int
+    n_k: int
+    symmetric: bool = False
+    labels: bool = False
+    autotune: bool = False
+
+    def label(self) -> str:
+        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[self.dtype]
+        extra = "".join([" sym" if self.symmetric else "", " labels" if self.labels else "",
+                         " autotune" if self.autotune else ""])
+        return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
+
+
+def ptxas_knows(arch: int) -> bool:
+    """Whether the ptxas Triton uses for ``arch`` can compile for it (sm_100 / sm_120 need CUDA >= 12.8)."""
+    try:
+        ptxas = _ptxas(arch)
+    except Exception:
+        return False
+    out = subprocess.run([ptxas, "--help"], capture_output=True, text=True).stdout
+    return f"sm_{arch}" in out
+
+
+class _Recorder:
+    """JITFunction.run replaced by a compile: each launch's compiled kernel with Triton's ptxas log."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def install(self):
+        from triton.runtime.jit import JITFunction
+
+        real_run = JITFunction.run
+        recorder = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            with _ptxas_logs() as logs:
+                kernel = real_run(fn, *args, grid=grid, warmup=True, **kwargs)
+            recorder.compiled.append((fn, kernel, logs[-1] if logs else None))
+            return kernel
+
+        JITFunction.run = run
+
+
+_RECORDER = None
+_REPORTS: Dict[str, Dict] = {}  # per compiled kernel (its hash): the resource row, computed once per process
+
+
+def _bench(kernel_call, quantiles=None, **kwargs):
+    """The autotuner's benchmarker: compile the trial (through the recorder) and call every config equal.
+    A trial that fails is an error of the check, not an "infinitely slow" config the autotuner skips."""
+    try:
+        kernel_call()
+    except Exception as err:
+        raise RuntimeError(f"an autotune trial failed: {type(err).__name__}: {err}") from err
+    return [1.0, 1.0, 1.0] if quantiles else 1.0
+
+
+def _resources(fn, kernel, log, arch: int) -> Dict:
+    key = f"{arch}:{kernel.hash}" if hasattr(kernel, "hash") else f"{arch}:{id(kernel)}"
+    if key not in _REPORTS:
+        ptx = kernel.asm["ptx"]
+        arch_name = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+        usage = _parse_ptxas(log) if log else _ptxas_report(ptx, arch, arch_name)
+        _REPORTS[key] = {
+            "kernel": _kernel_name(fn),
+            "num_warps": kernel.metadata.num_warps,
+            "num_stages": kernel.metadata.num_stages,
+            "smem": kernel.metadata.shared,
+            "smem_limit": SMEM_LIMITS[arch],
+            "float_atomics": sorted(set(m.group(0) for m in FLOAT_ATOMIC.finditer(ptx))),
+            "hash": key,
+            **usage,
+        }
+    return _REPORTS[key]
+
+
+def _inputs(call: Call):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, call.dtype)
+    q = torch.randn(call.n_q, call.dim, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(call.n_k, call.dim, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randperm(call.n_k, generator=gen)[: call.n_q] if call.labels else None
+    return q, k, labels
+
+
+def _params():
+    """(scale, bias), leaves that receive gradients."""
+    import torch
+
+    return torch.tensor(2.0, requires_grad=True), torch.tensor(-1.0, requires_grad=True)
+
+
+def call_loss(call: Call, q, k, labels, scale, bias):
+    """The public call ``call`` names, on q and k: the loss (a 0-d tensor)."""
+    import infcl
+
+    if call.entry == "cal_inf_loss":
+        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend="triton")
+    if call.entry == "cal_siglip_loss":
+        return infcl.cal_siglip_loss(q, k, scale, bias, labels, backend="triton")
+    if call.entry == "InfCLIPLoss":
+        return infcl.InfCLIPLoss(backend="triton")(q, k, scale)
+    return infcl.InfSigLipLoss(backend="triton")(q, k, scale, bias)
+
+
+@contextlib.contextmanager
+def compile_only(arch: int):
+    """Triton's active driver is the stand-in for sm_``arch`` and every launch compiles instead of running."""
+    global _RECORDER
+    from triton.runtime import driver
+
+    if _RECORDER is None:
+        _RECORDER = _Recorder()
+        _RECORDER.install()
+    driver.set_active(CompileOnlyDriver(arch, bench=_bench))
+    # Left active afterwards: Triton's reset_active would build the real driver, which fails without a GPU.
+    yield _RECORDER.compiled, len(_RECORDER.compiled)
+
+
+def run_call(call: Call) -> Dict:
+    """Make ``call`` (forward + backward) compile-only; {"call", "error" or "kernels": [resource rows]}."""
+    import torch
+
+    from infcl.kernels import INTERPRETED
+
+    assert not INTERPRETED, "compile checks need TRITON_INTERPRET=0 before infcl.kernels is imported"
+    os.environ["INFCL_AUTOTUNE"] = "1" if call.autotune else "0"
+    torch.backends.cuda.matmul.allow_tf32 = call.precision == "tf32"
+    try:
+        with compile_only(call.arch) as (compiled, start):
+            q, k, labels = _inputs(call)
+            call_loss(call, q, k, labels, *_params()).backward()
+            launches = compiled[start:]
+            if not launches:
+                raise AssertionError("no kernel was launched")
+            rows = [_resources(fn, kernel, log, call.arch) for fn, kernel, log in launches]
+    except Exception as err:  # reported per call: one failure must not hide the others
+        import traceback
+
+        return {"call": call.label(), "error": f"{type(err).__name__}: {str(err)[-1500:]}\n"
+                                              f"{''.join(traceback.format_exc().splitlines(True)[-6:])}"}
+    return {"call": call.label(), "kernels": rows}
+
+
+def api_calls(full: bool) -> List[Call]:
+    """The calls of the check, per target whose ptxas the wheel has, per dtype (fp32 ieee / tf32, bf16,
+    fp16, fp64 where tl.dot has it).
+
+    ``full``: every D of :data:`API_DIMS` for cal_inf_loss symmetric and cal_siglip_loss on a ragged
+    batch and for cal_inf_loss one-directional with labels and Bk > Bq; an even batch; both modules; the
+    autotuned path (each config of its search space compiled as a trial) for both directions.
+
+    CI (not ``full``; D = 256 / 512 / 768 compile to the same kernels, so they stand in for each other):
+    on sm_90, D = 40 and 1000 symmetric and sigmoid, D = 1 one-directional with labels and Bk > Bq, an
+    even batch through both modules, and the autotuned symmetric path at D = 1000; on the other targets
+    the heaviest cases (symmetric at D = 40 and 1000, sigmoid at 1000, ragged) and the autotuned
+    symmetric path in bf16.
+    """
+    from infcl.kernels.configs import FLOAT64_DOT
+
+    dtypes = [("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee")]
+    if FLOAT64_DOT:
+        dtypes.append(("float64", "ieee"))
+    out = []
+    ragged, wide, even = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH), (EVEN_BATCH, EVEN_BATCH)
+    for arch in API_TARGETS:
+        if not ptxas_knows(arch):
+            continue
+        for dtype, precision in dtypes:
+            def add(entry, dims, sizes, arch=arch, dtype=dtype, precision=precision, **kw):
+                out.extend(Call(arch, entry, dtype, precision, dim, *sizes, **kw) for dim in dims)
+
+            if full:
+                add("cal_inf_loss", API_DIMS, ragged, symmetric=True)
+                add("cal_siglip_loss", API_DIMS, ragged)
+                add("cal_inf_loss", API_DIMS, wide, labels=True)
+                add("cal_siglip_loss", (1000,), wide, labels=True)
+                add("cal_inf_loss", (256,), even, symmetric=True)
+                add("InfCLIPLoss", (768,), even)
+                add("InfSigLipLoss", (768,), even)
+                add("cal_inf_loss", (1000,), ragged, autotune=True)
+                add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
+            elif arch == 90:
+                add("cal_inf_loss", (40, 1000), ragged, symmetric=True)
+                add("cal_siglip_loss", (40, 1000), ragged)
+                add("cal_inf_loss", (1,), wide, labels=True)
+                add("InfCLIPLoss", (256,), even)
+                add("InfSigLipLoss", (256,), even)
+                add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
+            else:
+                add("cal_inf_loss", (40, 1000), ragged, symmetric=True)
+                add("cal_siglip_loss", (1000,), ragged)
+                if dtype == "bfloat16":
+                    add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
+    return out
+
+
+def compile_training_step(arch: int, entry: str) -> Dict:
+    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, or cal_siglip_loss)
+    with backend="triton", through AOTAutograd with an eager backend (Inductor needs a real GPU), run
+    forward and backward compile-only. {"graphs": the AOT forward and backward graphs' code, "frames":
+    frames compiled} or {"error"}."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    os.environ["INFCL_AUTOTUNE"] = "0"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    call = Call(arch, entry, "bfloat16", "ieee", 64, RAGGED_BATCH, RAGGED_BATCH, symmetric=entry == "cal_inf_loss")
+    counter = CompileCounterWithBackend(aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    try:
+        torch._dynamo.reset()
+        with compile_only(arch) as (compiled, start):
+            q, k, labels = _inputs(call)
+            scale, bias = _params()
+            step = torch.compile(lambda q, k: call_loss(call, q, k, labels, scale, bias), backend=counter,
+                                 fullgraph=True)
+            step(q, k).backward()
+            kernels = sorted({_kernel_name(fn) for fn, _, _ in compiled[start:]})
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {str(err)[-3000:]}"}
+    return {"graphs": graphs, "frames": counter.frame_count, "kernels": kernels}

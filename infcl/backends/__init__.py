@@ -4,12 +4,15 @@
 - "torch":     tiled pure PyTorch, any device.
 - "cpu":       the native C++ kernel (csrc/), CPU tensors.
 - "triton":    fused Triton kernels, CUDA tensors (or CPU tensors under TRITON_INTERPRET=1).
-"auto" picks triton for CUDA tensors when importable, the native kernel for CPU tensors when it is
-built, and the torch tiles otherwise. ``INFCL_BACKEND=<name>`` overrides "auto" (never an explicit name).
+"auto" picks triton for CUDA tensors when it can run there, the native kernel for CPU tensors when it is
+built, and the torch tiles otherwise; where a CUDA device cannot take the Triton kernels (triton missing,
+a ROCm GPU, an architecture with no compiled configs) it warns once, naming why.
+``INFCL_BACKEND=<name>`` overrides "auto" (never an explicit name).
 """
 
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -24,11 +27,16 @@ ENV_VAR = "INFCL_BACKEND"
 _OPTIONAL = {"cpu": "infcl.backends.native", "triton": "infcl.backends.triton_backend"}
 
 
+_LOADED = {}  # name -> (module or None, why not): imported once, so a compiled call only reads a dict
+
+
 def _optional_module(name: str):
-    try:
-        return importlib.import_module(_OPTIONAL[name]), None
-    except ImportError as err:
-        return None, f"backend {name!r} is not available: {err}"
+    if name not in _LOADED:
+        try:
+            _LOADED[name] = importlib.import_module(_OPTIONAL[name]), None
+        except ImportError as err:
+            _LOADED[name] = None, f"backend {name!r} is not available: {err}"
+    return _LOADED[name]
 
 
 def unavailable_reason(name: str, device: torch.device):
@@ -39,6 +47,24 @@ def unavailable_reason(name: str, device: torch.device):
     return why if module is None else module.unavailable_reason(device)
 
 
+_WARNED = set()
+
+
+def _warn_once(message: str) -> None:
+    """One warning per distinct message per process (the fallback is chosen at every call)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _constant_for_compile(fn):
+    """torch.compile runs ``fn`` while tracing and keeps its result as a constant (no graph break on the
+    imports, driver queries and warnings inside); eager calls are unchanged."""
+    mark = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+    return mark(fn) if mark is not None else fn
+
+
+@_constant_for_compile
 def resolve_backend(backend, device: torch.device) -> str:
     """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name."""
     if backend not in BACKENDS:
@@ -51,8 +77,15 @@ def resolve_backend(backend, device: torch.device) -> str:
             backend = env
     if backend == "auto":
         preferred = {"cuda": "triton", "cpu": "cpu"}.get(device.type)
-        if preferred is not None and unavailable_reason(preferred, device) is None:
+        if preferred is None:
+            return "torch"
+        why = unavailable_reason(preferred, device)
+        if why is None:
             return preferred
+        if preferred == "triton":
+            _warn_once(
+                f"infcl: backend='auto' runs the torch tiles on {device.type} tensors, not the Triton kernels: {why}"
+            )
         return "torch"
     why = unavailable_reason(backend, device)
     if why is not None:

@@ -4,7 +4,7 @@ forward_block is one kernel launch (row stats, positive logits and, when wanted,
 the same tiles); backward_block is two (dq, dk), without atomics. Both go through the custom ops
 ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block``. GEMM-equivalents per block: 5
 for either loss (forward 1, backward 4) while D fits one backward slice (see
-:mod:`infcl.kernels.triton_backward`).
+:mod:`infcl.kernels.softmax_backward`).
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 was set
 before this module was imported (that is how CI tests it). float64 inputs are computed in float64
@@ -20,8 +20,8 @@ from .torch_tiles import TORCH_TILES
 
 try:
     from ..kernels import INTERPRETED, Tiling, backward_block, forward_block, interpret_requested
-    from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT
-    from ..kernels.triton_siglip import siglip_backward, siglip_forward
+    from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT, target_facts, unsupported_reason
+    from ..kernels.ops import sigmoid_backward_block, sigmoid_forward_block
 except Exception as err:  # triton missing or broken (or a driver error): the backend reports why instead
     _IMPORT_ERROR: Optional[Exception] = err
 else:
@@ -67,19 +67,19 @@ class TritonBackend:
             dq, dk, *self._options(),
         )
 
-    # --- the sigmoid (SigLIP) loss: infcl/kernels/triton_siglip.py (contract: infcl.backends.base) -----
+    # --- the sigmoid (SigLIP) loss: infcl/kernels/sigmoid.py (contract: infcl.backends.base) -----
     # GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no atomics).
 
     def sigmoid_forward_block(self, block: Block) -> Tensor:
         if self._on_torch_tiles(block):
             return TORCH_TILES.sigmoid_forward_block(block)
-        return siglip_forward(block.q, block.k, block.pos, block.scale, block.bias, self._options()[0], self.tiling)
+        return sigmoid_forward_block(block.q, block.k, block.scale, block.pos, block.bias, *self._options())
 
     def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         if self._on_torch_tiles(block):
             return TORCH_TILES.sigmoid_backward_block(block, dq, dk)
-        return siglip_backward(
-            block.q, block.k, block.pos, block.scale, block.bias, block.g_row, dq, dk, self._options()[0], self.tiling,
+        return sigmoid_backward_block(
+            block.q, block.k, block.scale, block.pos, block.bias, block.g_row, dq, dk, *self._options(),
         )
 
 
@@ -87,21 +87,33 @@ BACKEND = TritonBackend()
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
-    """None if the Triton kernels can run on ``device``, else a sentence saying why not."""
+    """None if the Triton kernels can run on ``device``, else a sentence saying why not: triton missing, a
+    device Triton's active driver does not launch on, or a GPU infcl has no compiled configs for."""
     if _IMPORT_ERROR is not None:
         return (
             f"backend 'triton' needs the triton package (pip install 'infcl[triton]'), which failed to import: "
             f"{_IMPORT_ERROR}"
         )
-    if device.type == "cuda":
-        return None
+    if INTERPRETED:
+        return None if device.type in ("cpu", "cuda") else _wrong_device(device)
+    try:
+        facts = target_facts()
+    except Exception as err:  # no GPU, or no driver for it: Triton's own message says which
+        facts, driver_error = None, err
+    if facts is not None and device.type == facts.device_type:
+        why = unsupported_reason(facts)
+        return None if why is None else f"backend 'triton': {why}"
     if device.type == "cpu":
-        if INTERPRETED:
-            return None
         if interpret_requested():
             return (
                 "backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before infcl's Triton kernels are "
                 "imported; it was set later, so the kernels were built for a GPU"
             )
         return "backend 'triton' runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1 (Triton's interpreter)"
+    if device.type == "cuda" and facts is None:
+        return f"backend 'triton' found no GPU driver for Triton: {type(driver_error).__name__}: {driver_error}"
+    return _wrong_device(device)
+
+
+def _wrong_device(device: torch.device) -> str:
     return f"backend 'triton' runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), not on {device.type}"

@@ -1,17 +1,20 @@
-"""Fused Triton kernels for the softmax (InfoNCE / CLIP) loss's block steps (``backend="triton"``).
+"""Fused Triton kernels for both losses' block steps (``backend="triton"``), one module per loss and phase.
 
-- :mod:`.triton_lse_forward`: row (and column) log-sum-exp stats and positive logits, one pass (1 GEMM).
-- :mod:`.triton_backward`: the dq and dk kernels, deterministic, without atomics (4 GEMMs).
-- :mod:`.tiles`: the jit helpers all three share (tile loads, the S tile, stats, dS).
-- :mod:`.configs`: launch settings (tile configs, feature chunking, dtype options, split plans).
-- :mod:`.ops`: the custom ops ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block``.
+- :mod:`.softmax_forward`: the softmax (InfoNCE / CLIP) loss's row (and, symmetric, column) log-sum-exp
+  stats and positive logits, one pass (1 GEMM).
+- :mod:`.softmax_backward`: its dq and dk kernels, deterministic, without atomics (4 GEMMs).
+- :mod:`.sigmoid`: the sigmoid (SigLIP) loss's forward and backward kernels (1 + 4 GEMMs).
+- :mod:`.tiles`: the jit helpers the kernels share (tile loads, the S tile, stats, dS).
+- :mod:`.configs`: launch settings (the target, tile configs, feature chunking, dtype options, split plans).
+- :mod:`.ops`: the custom ops ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block`` /
+  ``triton_sigmoid_forward_block`` / ``triton_sigmoid_backward_block``, registered one way.
 
 Importing this package needs triton; whether the kernels are interpreted (TRITON_INTERPRET=1, CPU
 tensors) is fixed when it is imported.
 """
 
-from .configs import INTERPRETED, TileConfig, Tiling, interpret_requested
-from .ops import INTERPRETER_TILING, backward_block, default_tiling, forward_block
+from .configs import INTERPRETED, INTERPRETER_TILING, TileConfig, Tiling, interpret_requested
+from .ops import backward_block, default_tiling, forward_block
 
 __all__ = [
     "INTERPRETED",

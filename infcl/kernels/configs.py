@@ -10,6 +10,7 @@ Chosen on the host and handed to the kernels as constexprs:
   both backward kernels sum S over the same chunks (bit-identical S; see :mod:`infcl.kernels.tiles`).
 """
 
+import copy
 import functools
 import math
 import os
@@ -140,6 +141,15 @@ class Tiling:
         return replace(self, groups=groups, splits=splits, backward_splits=backward_splits)
 
 
+# Under the interpreter a kernel costs ~1 ms of Python per tile operation whatever the tile's size,
+# while the flops are numpy's: few big tiles run fastest (B=1000, D=1000 takes minutes with a GPU's
+# 64-wide tiles, seconds with these). The interpreter's S product materializes [BLOCK_M, BLOCK_N, chunk]
+# (tiles.score_dot), and Triton caps a tensor at 2**20 entries: 128 x 128 x 64. Both losses' kernels
+# use it when no tiling is pinned; tests pin GPU-like tilings explicitly.
+_BIG = TileConfig(block_m=128, block_n=128, block_out=1024)
+INTERPRETER_TILING = Tiling(forward=_BIG, dq=_BIG, dk=_BIG, resident_d=64, chunk_d=64)
+
+
 def operand_class(dtype: torch.dtype, precision: Optional[str]) -> str:
     """What the products run on, which sets the tile sizes: "mma" (bf16/fp16 tensor cores), "tf32"
     (fp32 tensor cores: twice the bytes per operand), "ieee" (fp32 FMA: operands live in registers)
@@ -176,69 +186,153 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
 # Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the
 # elementwise math); the one product that must not be contracted, S = raw * scale, is an explicit
 # mul.rn (tiles.scale_scores). Saying so explicitly also keeps Triton 3.9 from warning about its default.
-# maxnreg = 255 (.maxnreg in the PTX) stops ptxas from spilling a few bytes to fit a second or third
-# block on an SM: these kernels keep the accumulators, stats and tiles of a program in registers.
+# (maxnreg is per config: TileConfig.max_registers.)
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
-def size_bucket(n_q: int, n_k: int) -> int:
-    """Autotuning key: the power-of-two buckets of Bq and Bk (a new bucket re-tunes, a new size does not)."""
-    return 64 * max(n_q - 1, 1).bit_length() + max(n_k - 1, 1).bit_length()
+# The largest block side any config uses is 2**MAX_BLOCK_LOG2 (the autotune key's divisibility range).
+MAX_BLOCK_LOG2 = 8
+
+
+def _twos(n: int) -> int:
+    """How many times 2 divides n, capped at MAX_BLOCK_LOG2 (n % 2**j == 0 for every block 2**j up to it)."""
+    return min((n & -n).bit_length() - 1, MAX_BLOCK_LOG2) if n else MAX_BLOCK_LOG2
+
+
+def autotune_bucket(n_q: int, n_k: int) -> int:
+    """Autotuning key: the target's architecture family (one process may drive GPUs of several), the
+    power-of-two buckets of Bq and Bk (a new bucket re-tunes, a new size does not), and their
+    divisibility by the block sides (which sets each config's EVEN_M / EVEN_N)."""
+    buckets = 64 * max(n_q - 1, 1).bit_length() + max(n_k - 1, 1).bit_length()
+    span = MAX_BLOCK_LOG2 + 1
+    return ((target_family() * 4096 + buckets) * span + _twos(n_q)) * span + _twos(n_k)
 
 
 # ---- the target ---------------------------------------------------------------------------------
 
-# Architecture families with their own default configs; anything else uses "small" (<= 99 KiB of
-# shared memory per block: sm_75, sm_86, sm_89, sm_120).
-ARCH_KEYS = (80, 90)
-SMALL_ARCH = 0
+# The architecture families with their own default configs, each named by its first member, and the
+# compute capabilities they cover. Every family's configs are compiled by tests/test_triton_api_compile.py;
+# a GPU outside them (sm_75, a ROCm GPU) has no compiled configs, so "auto" runs it on the torch tiles.
+ARCH_FAMILIES = {
+    80: ((8, 0),),  # A100: 163 KiB of shared memory per block
+    86: ((8, 6), (8, 7), (8, 9)),  # consumer Ampere / Ada: 99 KiB, fewer registers per SM than sm_80
+    90: ((9, 0),),  # H100 / H200: wgmma, 227 KiB
+    100: ((10, 0), (10, 3)),  # B200 / B300: tcgen05, 227 KiB
+    120: ((12, 0), (12, 1)),  # RTX 50xx / DGX Spark: mma.sync like sm_89, 99 KiB
+}
+_FAMILY_OF = {capability: family for family, caps in ARCH_FAMILIES.items() for capability in caps}
 
 
-def arch_key(capability: Tuple[int, int]) -> int:
-    """The default-config family of a CUDA compute capability: 90 (sm_90, sm_100), 80 (sm_80), else small."""
-    major, minor = capability
-    if major in (9, 10):
-        return 90
-    if (major, minor) == (8, 0):
-        return 80
-    return SMALL_ARCH
+def arch_key(capability: Tuple[int, int]) -> Optional[int]:
+    """The default-config family (a key of :data:`ARCH_FAMILIES`) of a CUDA compute capability, or None
+    for an architecture infcl has no compiled configs for."""
+    return _FAMILY_OF.get(tuple(capability))
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What Triton's active driver says about the GPU it compiles for and launches on."""
+
+    backend: str  # "cuda" or "hip" (Triton's GPUTarget.backend)
+    arch: object  # the compute capability as an int (90 for sm_90), or a gfx name on ROCm
+    sms: int  # streaming multiprocessors, for the split plans
+    device_type: str  # the torch device type of the tensors it launches on ("cuda")
+
+    @property
+    def capability(self) -> Optional[Tuple[int, int]]:
+        return divmod(self.arch, 10) if self.backend == "cuda" and isinstance(self.arch, int) else None
+
+    @property
+    def family(self) -> Optional[int]:
+        return arch_key(self.capability) if self.capability is not None else None
+
+
+# Under the interpreter: sm_90's configs (unused: the interpreter takes its own tiling) and one "SM".
+INTERPRETER_FACTS = TargetFacts("cuda", 90, 1, "cpu")
 
 
 @functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> Tuple[Tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
+def _driver_facts(active, device: int) -> TargetFacts:
+    target = active.get_current_target()
+    sms = active.utils.get_device_properties(device)["multiprocessor_count"]
+    # Triton < 3.3's drivers do not name their torch device; those drive CUDA (or ROCm's "cuda") tensors.
+    torch_device = getattr(active, "get_active_torch_device", None)
+    device_type = torch_device().type if torch_device is not None else "cuda"
+    return TargetFacts(target.backend, target.arch, sms, device_type)
 
 
-def device_facts(device: torch.device) -> Tuple[Tuple[int, int], int]:
-    """(compute capability, SM count) of a CUDA device; under the interpreter (9, 0) and 1 SM."""
-    if device.type != "cuda":
-        return (9, 0), 1
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+def target_facts() -> TargetFacts:
+    """The target of Triton's active driver: the device a launch compiles for (its current device).
+    Raises whatever the driver raises where there is no GPU."""
+    if INTERPRETED:
+        return INTERPRETER_FACTS
+    from triton.runtime import driver
+
+    active = driver.active
+    return _driver_facts(active, active.get_current_device())
+
+
+def unsupported_reason(facts: TargetFacts) -> Optional[str]:
+    """None if infcl has compiled configs for ``facts``' target, else a sentence saying why not."""
+    if facts.backend != "cuda":
+        return (
+            f"infcl's Triton configs are compiled for NVIDIA GPUs only; Triton's target is {facts.backend} "
+            f"{facts.arch}"
+        )
+    if facts.family is None:
+        known = ", ".join(f"sm_{a}{b}" for caps in ARCH_FAMILIES.values() for a, b in caps)
+        return f"infcl has no compiled Triton configs for sm_{facts.arch} (it has them for {known})"
+    return None
+
+
+def target_family() -> int:
+    """The default-config family of the active target; a clear error (never a KeyError mid-launch)
+    where there is none."""
+    facts = target_facts()
+    why = unsupported_reason(facts)
+    if why is not None:
+        raise RuntimeError(f"backend 'triton': {why}")
+    return facts.family
+
+
+def _as_triton(tile: TileConfig) -> triton.Config:
+    # EVEN_M / EVEN_N depend on the block sizes, so they travel with the config: False (masked, right
+    # for any size) in the declared space, set per call by the prune step (:func:`autotune_space`).
+    return triton.Config({"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "EVEN_M": False, "EVEN_N": False},
+                         **tile.launch_options())
 
 
 def autotune_space(by_key: Dict[Tuple[int, str], List[TileConfig]]):
     """(triton.Configs, early_config_prune) for one autotuned kernel whose search space depends on the
     architecture family and the operand class: the union of every list, pruned at tuning time to the
-    call's own (arch, class) list."""
+    call's own (family, class) list, each with the call's EVEN_M / EVEN_N (the tuning key,
+    :func:`autotune_bucket`, holds the sizes' divisibility, so a cached choice fits every call of its key)."""
     configs, owners = [], []
     for key, tiles in by_key.items():
         for tile in tiles:
-            configs.append(tile.as_triton())
+            configs.append(_as_triton(tile))
             owners.append(key)
 
     def prune(candidates, named_args, **kwargs):
-        q = named_args["q_ptr"]
-        key = (arch_key(device_facts(q.device)[0]), operand_class(q.dtype, kwargs.get("PRECISION")))
-        return [c for c, owner in zip(configs, owners) if owner == key and any(c is x for x in candidates)]
+        args = {**named_args, **kwargs}  # keyword launches: the arguments arrive as kwargs
+        q = args["q_ptr"]
+        key = (target_family(), operand_class(q.dtype, args.get("PRECISION")))
+        out = []
+        for config, owner in zip(configs, owners):
+            if owner == key and any(config is c for c in candidates):
+                config = copy.copy(config)
+                config.kwargs = {**config.kwargs, **even_blocks(args["n_q"], args["n_k"], config.kwargs["BLOCK_M"],
+                                                               config.kwargs["BLOCK_N"])}
+                out.append(config)
+        return out
 
     return configs, prune
 
 
 def lazy_autotune(kernel, by_key: Dict[Tuple[int, str], List[TileConfig]], key: List[str], **buffers):
-    """A function returning ``kernel`` autotuned over :func:`autotune_space` (``buffers``: restore_value /
-    reset_to_zero), built on its first call: Triton < 3.4's autotune decorator asks the active GPU driver
-    for a benchmarker when it is applied, which fails on a machine without a GPU."""
+    """A function returning the @triton.jit ``kernel`` autotuned over :func:`autotune_space` (``buffers``:
+    restore_value / reset_to_zero), built on its first call: Triton < 3.4's autotune decorator asks the
+    active GPU driver for a benchmarker when it is applied, which fails on a machine without a GPU."""
 
     @functools.lru_cache(maxsize=None)
     def build():
@@ -296,11 +390,16 @@ def plan_backward_splits(n_owned: int, n_other: int, slices: int, tiling: Tiling
     return min(max(math.ceil(PROGRAMS_PER_SM * sms / programs), 1), n_other, MAX_BACKWARD_SPLITS)
 
 
-# Shape flags every kernel takes as constexprs, set by ``triton.heuristics`` from the launch's
-# arguments: where a block cannot be ragged its loads and stores go unmasked.
-SHAPE_HEURISTICS = {
-    "ONE_CHUNK": lambda args: args["D"] <= args["BLOCK_D"],
-    "EVEN_M": lambda args: args["n_q"] % args["BLOCK_M"] == 0,
-    "EVEN_N": lambda args: args["n_k"] % args["BLOCK_N"] == 0,
-    "EVEN_D": lambda args: args["D"] % args["BLOCK_D"] == 0,
-}
+# Shape flags every kernel takes as constexprs, computed by the launcher (a triton.heuristics wrapper
+# is not a kernel torch.library.wrap_triton accepts): where a block cannot be ragged its loads and
+# stores go unmasked.
+
+
+def even_blocks(n_q: int, n_k: int, block_m: int, block_n: int) -> dict:
+    """EVEN_M / EVEN_N: whether Bq (Bk) is a whole number of row (column) blocks."""
+    return {"EVEN_M": n_q % block_m == 0, "EVEN_N": n_k % block_n == 0}
+
+
+def feature_chunks(dim: int, block_d: int) -> dict:
+    """ONE_CHUNK: D fits one feature chunk (held in registers); EVEN_D: D is a whole number of chunks."""
+    return {"ONE_CHUNK": dim <= block_d, "EVEN_D": dim % block_d == 0}

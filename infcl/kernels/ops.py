@@ -1,62 +1,61 @@
-"""The Triton block steps as torch.library custom ops, so the dispatcher and torch.compile see them.
+"""The Triton block steps of both losses as torch.library custom ops, so the dispatcher and torch.compile
+see them.
 
+Softmax (InfoNCE / CLIP):
 - ``torch.ops.infcl.triton_forward_block(q, k, scale, pos, want_cols, precision, tiling) -> (rows, cols)``
 - ``torch.ops.infcl.triton_backward_block(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq!, dk!,
   precision, tiling) -> dscale`` (accumulates into dq and dk)
 
+Sigmoid (SigLIP):
+- ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, precision, tiling) -> rows``
+- ``torch.ops.infcl.triton_sigmoid_backward_block(q, k, scale, pos, bias, g_row, dq!, dk!, precision, tiling)
+  -> dparams`` (accumulates into dq and dk)
+
 ``precision`` is tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"), resolved by the
-caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for the device's defaults
+caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for the defaults
 (:func:`default_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]`` when not wanted.
 
-Registration, by what the installed torch offers: ``torch.library.triton_op`` + ``wrap_triton``
-(torch >= 2.6, on a GPU: torch.compile traces into the kernels), else ``torch.library.custom_op``
-with fake impls (torch >= 2.4, and always under the interpreter, whose kernels torch.compile cannot
-trace), else plain functions under the same names in this module.
+Registration (:func:`_register`), by what the installed torch offers: ``torch.library.triton_op``, whose
+body launches each @triton.jit kernel (or triton.autotune of one) through ``wrap_triton`` (torch >= 2.6,
+compiled kernels: torch.compile traces into the kernels); else ``torch.library.custom_op`` with fake
+impls (torch >= 2.4, and always under the interpreter, whose kernels torch.compile cannot trace); else
+plain functions under the same names in this module.
 """
 
 from typing import List, Optional, Tuple
 
 import torch
 
-from . import triton_backward, triton_lse_forward
+from . import sigmoid, softmax_backward, softmax_forward
 from .configs import (
     FEATURE_CHUNKS,
     INTERPRETED,
-    TileConfig,
+    INTERPRETER_TILING,
     Tiling,
-    arch_key,
     autotuning,
-    device_facts,
     operand_class,
+    target_facts,
+    target_family,
 )
 
 Tensor = torch.Tensor
 
-# Under the interpreter a kernel costs ~1 ms of Python per tile operation whatever the tile's size,
-# while the flops are numpy's: few big tiles run fastest (B=1000, D=1000 takes minutes with a GPU's
-# 64-wide tiles, seconds with these). The interpreter's S product materializes [BLOCK_M, BLOCK_N, chunk]
-# (tiles.score_dot), and Triton caps a tensor at 2**20 entries: 128 x 128 x 64. Tests pin GPU-like
-# tilings explicitly.
-_BIG = TileConfig(block_m=128, block_n=128, block_out=1024)
-INTERPRETER_TILING = Tiling(forward=_BIG, dq=_BIG, dk=_BIG, resident_d=64, chunk_d=64)
-
-
 def default_tiling(device: torch.device, dtype: torch.dtype, precision: str) -> Tiling:
-    """The per-architecture default configs of the three kernels for inputs of ``dtype`` on ``device``
-    (the interpreter's big tiles under TRITON_INTERPRET=1)."""
+    """The default configs of the softmax kernels for inputs of ``dtype`` on the active target's
+    architecture family (the interpreter's big tiles under TRITON_INTERPRET=1)."""
     if INTERPRETED:
         return INTERPRETER_TILING
-    return arch_tiling(arch_key(device_facts(device)[0]), dtype, precision)
+    return arch_tiling(target_family(), dtype, precision)
 
 
 def arch_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
-    """The default configs for architecture family ``arch`` (:func:`infcl.kernels.configs.arch_key`)."""
+    """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`)."""
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
     return Tiling(
-        forward=triton_lse_forward.DEFAULT_CONFIGS[arch, klass],
-        dq=triton_backward.DQ_CONFIGS[arch, klass],
-        dk=triton_backward.DK_CONFIGS[arch, klass],
+        forward=softmax_forward.DEFAULT_CONFIGS[arch, klass],
+        dq=softmax_backward.DQ_CONFIGS[arch, klass],
+        dk=softmax_backward.DK_CONFIGS[arch, klass],
         resident_d=resident_d,
         chunk_d=chunk_d,
     )
@@ -72,9 +71,9 @@ def _tiling(tiling: List[int], q: Tensor, precision: str) -> Tuple[Tiling, bool]
 def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, want_cols: bool, precision: str,
              tiling: List[int]) -> Tuple[Tensor, Tensor]:
     chosen, autotune = _tiling(tiling, q, precision)
-    rows, cols = triton_lse_forward.softmax_forward(
+    rows, cols = softmax_forward.softmax_forward(
         q, k, scale, pos.contiguous(), want_cols, chosen, precision or None, autotune,
-        sms=device_facts(q.device)[1], wrap=_WRAP,
+        sms=target_facts().sms, wrap=_WRAP,
     )
     return rows, (cols if cols is not None else rows.new_empty(2, 0))
 
@@ -83,39 +82,68 @@ def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tenso
               col_stats: Optional[Tensor], g_col: Optional[Tensor], dq: Tensor, dk: Tensor, precision: str,
               tiling: List[int]) -> Tensor:
     chosen, autotune = _tiling(tiling, q, precision)
-    return triton_backward.softmax_backward(
+    return softmax_backward.softmax_backward(
         q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
-        autotune, sms=device_facts(q.device)[1], wrap=_WRAP,
+        autotune, sms=target_facts().sms, wrap=_WRAP,
     )
 
 
+def _sigmoid_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str,
+                     tiling: List[int]) -> Tensor:
+    chosen = Tiling.from_ints(tiling) if tiling else None
+    return sigmoid.siglip_forward(q, k, pos, scale, bias, precision or None, chosen, wrap=_WRAP)
+
+
+def _sigmoid_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, g_row: Tensor, dq: Tensor,
+                      dk: Tensor, precision: str, tiling: List[int]) -> Tensor:
+    chosen = Tiling.from_ints(tiling) if tiling else None
+    return sigmoid.siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision or None, chosen, wrap=_WRAP)
+
+
+def _accum(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _forward_fake(q, k, scale, pos, want_cols, precision, tiling):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(3, q.shape[0], dtype=acc), q.new_empty(2, k.shape[0] if want_cols else 0, dtype=acc)
+    return q.new_empty(3, q.shape[0], dtype=_accum(q)), q.new_empty(2, k.shape[0] if want_cols else 0, dtype=_accum(q))
 
 
 def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, precision, tiling):
     return dq.new_empty(2)
 
 
-FORWARD_OP = "infcl::triton_forward_block"
-BACKWARD_OP = "infcl::triton_backward_block"
-_WRAP = lambda kernel: kernel  # noqa: E731
+def _sigmoid_forward_fake(q, k, scale, pos, bias, precision, tiling):
+    return q.new_empty(q.shape[0], dtype=_accum(q))
 
-if not INTERPRETED and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton"):
-    _WRAP = torch.library.wrap_triton
-    forward_block = torch.library.triton_op(FORWARD_OP, _forward, mutates_args=())
-    backward_block = torch.library.triton_op(BACKWARD_OP, _backward, mutates_args=("dq", "dk"))
-    REGISTRATION = "triton_op"
-elif hasattr(torch.library, "custom_op"):
-    forward_block = torch.library.custom_op(FORWARD_OP, _forward, mutates_args=())
-    backward_block = torch.library.custom_op(BACKWARD_OP, _backward, mutates_args=("dq", "dk"))
-    forward_block.register_fake(_forward_fake)
-    backward_block.register_fake(_backward_fake)
-    REGISTRATION = "custom_op"
-else:  # torch < 2.4: no custom-op API worth the name; eager only
-    forward_block, backward_block = _forward, _backward
-    REGISTRATION = "python"
+
+def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk, precision, tiling):
+    return dq.new_empty(2)
+
+
+# Whether the custom ops launch through wrap_triton (triton_op): compiled kernels on torch >= 2.6.
+TRITON_OP = not INTERPRETED and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+# wrap_triton accepts a @triton.jit function or a triton.autotune of one; every launcher hands it those.
+_WRAP = torch.library.wrap_triton if TRITON_OP else (lambda kernel: kernel)
+
+
+def _register(name: str, impl, fake, mutates: Tuple[str, ...] = ()):
+    """``impl`` as the custom op ``infcl::<name>`` in the one way every block step is registered."""
+    qualname = f"infcl::{name}"
+    if TRITON_OP:
+        return torch.library.triton_op(qualname, impl, mutates_args=mutates)
+    if hasattr(torch.library, "custom_op"):
+        op = torch.library.custom_op(qualname, impl, mutates_args=mutates)
+        op.register_fake(fake)
+        return op
+    return impl  # torch < 2.4: no custom-op API worth the name; eager only
+
+
+forward_block = _register("triton_forward_block", _forward, _forward_fake)
+backward_block = _register("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
+sigmoid_forward_block = _register("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
+sigmoid_backward_block = _register(
+    "triton_sigmoid_backward_block", _sigmoid_backward, _sigmoid_backward_fake, ("dq", "dk")
+)
 
 
 def gemm_equivalents(dim: int, dtype: torch.dtype, device: torch.device, precision: str = "ieee") -> Tuple[int, int]:

@@ -38,16 +38,18 @@ import triton
 import triton.language as tl
 
 from .configs import (
+    ARCH_FAMILIES,
     COMPILE_OPTIONS,
-    SHAPE_HEURISTICS,
     TRITON_VERSION,
     TileConfig,
     Tiling,
+    autotune_bucket,
+    even_blocks,
+    feature_chunks,
     launch_options,
     lazy_autotune,
     neighbours,
     plan_backward_splits,
-    size_bucket,
 )
 from .tiles import (
     block_range,
@@ -62,10 +64,10 @@ from .tiles import (
 
 
 @triton.jit
-def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL: tl.constexpr):
+def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.constexpr):
     """(row part, column part) of dS for one tile; the column part is 0 for the one-directional loss."""
     ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos)
-    if HAS_COL:
+    if SYMMETRIC:
         ds_col = softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], is_pos)
     else:
         ds_col = 0.0
@@ -117,7 +119,7 @@ def _dq_kernel(
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
     stride_out_split, stride_out0, stride_out1,
-    HAS_COL: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
+    SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
@@ -136,7 +138,7 @@ def _dq_kernel(
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
     if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
-        if HAS_COL:
+        if SYMMETRIC:
             factor = tl.maximum(factor, tl.load(g_max_ptr + 1))
     else:
         factor = g_r  # unused
@@ -156,14 +158,14 @@ def _dq_kernel(
             BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
         )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
-        if HAS_COL:
+        if SYMMETRIC:
             m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
         else:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
-        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
+        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
-        if HAS_COL:
+        if SYMMETRIC:
             dscale_col += tl.sum(ds_col * raw, axis=1)
             ds = ds + ds_col
         if NORMALIZE:
@@ -189,7 +191,7 @@ def _dk_kernel(
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
     stride_out_split, stride_out0, stride_out1,
-    HAS_COL: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
+    SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
@@ -204,11 +206,11 @@ def _dk_kernel(
     rb_lo, rb_hi = block_range(split, tl.num_programs(2), tl.cdiv(n_q, BLOCK_M))
     cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     scale = tl.load(scale_ptr)
-    if HAS_COL:
+    if SYMMETRIC:
         m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
     if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
         factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
-        if HAS_COL:
+        if SYMMETRIC:
             factor = tl.maximum(factor, tl.abs(g_c))
     else:
         factor = scale  # unused
@@ -228,9 +230,9 @@ def _dk_kernel(
             BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, False, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
         )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
-        if not HAS_COL:
+        if not SYMMETRIC:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
-        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, HAS_COL)
+        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         ds = ds_row + ds_col
         if NORMALIZE:
             ds = ds * _inverse(factor)[None, :]
@@ -244,43 +246,43 @@ def _dk_kernel(
 
 
 # ---- configs ------------------------------------------------------------------------------------
-# Per (architecture family, operand class), as triton_lse_forward.DEFAULT_CONFIGS (not tuned on a GPU;
-# every variant compiles without spills, checked by tests/test_triton_compile.py). On tensor cores the
+# Per (architecture family, operand class), as softmax_forward.DEFAULT_CONFIGS (not tuned on a GPU;
+# every variant compiles without spills, checked by tests/test_triton_api_compile.py). On tensor cores the
 # S tile keeps BLOCK_M >= 64 on a multiple of 4 warps, so it comes from the same MMA instruction as
 # the forward's (see tiles.py); FMA products (ieee, fp64) have no such constraint. ``block_out``: the
 # dq (dk) slice a program holds in registers: 64 rows x 256 fp32 columns over 8 warps is 64 registers
 # a thread, the most that leaves room for the S and dS tiles without spilling at uneven D.
 DQ_CONFIGS = {
-    # sm_90: 3 stages of the S chunks fit the registers and 64 KiB of shared memory.
-    (90, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, block_out=256),
-    # sm_80: ptxas 12's allocator needs the third stage's registers back.
-    (80, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
-    (0, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
+    # sm_90 (and sm_100, the same shared memory): 3 stages of the S chunks fit the registers and 64 KiB.
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, block_out=256) for arch in (90, 100)},
+    # sm_80 and the 99 KiB families: ptxas 12's allocator needs the third stage's registers back.
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256)
+       for arch in (80, 86, 120)},
     # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not.
-    (90, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
+    **{(arch, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128)
+       for arch in (90, 100, 86, 120)},
     (80, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
-    (0, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128),
     # FMA products (fp32 "ieee", fp64): 32-row blocks on 4 warps over 16-feature chunks, maxnreg 255
     # (as in the forward); fp64 owns 16 columns and 64-wide slices for twice the bytes per entry.
     **{(arch, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=255)
-       for arch in (90, 80, 0)},
+       for arch in ARCH_FAMILIES},
     **{(arch, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
-       for arch in (90, 80, 0)},
+       for arch in ARCH_FAMILIES},
 }
 # The dk kernel is the dq kernel with the roles of q and k swapped; where its accumulator (BLOCK_N
 # rows of k) needs room, it owns fewer k rows, while BLOCK_M (the S tile's M side) stays the same.
 DK_CONFIGS = {
     **DQ_CONFIGS,
-    # sm_80: fp16's dS normalization tips 32 owned rows into spills at ragged D; 16 fit.
-    (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
-    (0, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256),
+    # sm_80 and the 99 KiB families: fp16's dS normalization tips 32 owned rows into spills at ragged D; 16 fit.
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256)
+       for arch in (80, 86, 120)},
 }
 if TRITON_VERSION < (3, 3):
     # Triton 3.2 aborts compiling the sm_90 dq kernel above (an assertion in its LLVM lowering of the
     # 64-row wgmma accumulator split over two warp groups): there it takes 128 rows on the same 8 warps
     # (one warp group per 64 rows) and a 128-wide slice, so the accumulator still fits.
-    DQ_CONFIGS.update({(90, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=128)
-                       for k in ("mma", "tf32")})
+    DQ_CONFIGS.update({(arch, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=128)
+                       for arch in (90, 100) for k in ("mma", "tf32")})
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
@@ -289,10 +291,10 @@ if TRITON_VERSION < (3, 3):
 
 
 def _keep(key, config: TileConfig, default: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, halving
+    """Search points that compile without spills (tests/test_triton_api_compile.py): on sm_90, halving
     BLOCK_N of the bf16/fp16 kernels spills the dq kernel at ragged D (ptxas 13); the FMA classes (ieee,
     fp64) sit at their register limit already, so they keep their default alone."""
-    if key == (90, "mma") and config.block_n < default.block_n:
+    if key[0] in (90, 100) and key[1] == "mma" and config.block_n < default.block_n:
         return False
     return key[1] in ("mma", "tf32") or config == default
 
@@ -301,26 +303,26 @@ DQ_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] f
 DK_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] for key, cfg in DK_CONFIGS.items()}
 # The smallest BLOCK_M any config uses: the dq kernel's scale-gradient buffer has a slot per program.
 _MIN_BLOCK_M = min(c.block_m for tiles in DQ_AUTOTUNE_CONFIGS.values() for c in tiles)
-_HEURISTICS = {**SHAPE_HEURISTICS, "EVEN_OUT": lambda args: args["D"] % args["BLOCK_OUT"] == 0}
-_KEY = ["D", "HAS_COL", "PRECISION", "BUCKET"]
-
-_dq = triton.heuristics(_HEURISTICS)(_dq_kernel)
-_dk = triton.heuristics(_HEURISTICS)(_dk_kernel)
+_KEY = ["D", "SYMMETRIC", "PRECISION", "BUCKET"]
 # Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
 # per-program scale-gradient slots are zeroed before each trial.
-_dq_autotuned = lazy_autotune(_dq, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"])
-_dk_autotuned = lazy_autotune(_dk, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
+_dq_autotuned = lazy_autotune(_dq_kernel, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"])
+_dk_autotuned = lazy_autotune(_dk_kernel, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
 
 
 # ---- launcher -----------------------------------------------------------------------------------
 
 
-def _launch(kernel, autotuned, grid, args, cfg: TileConfig, autotune: bool, bucket: int, consts: dict, wrap):
+def _launch(kernel, autotuned, grid, args: dict, cfg: TileConfig, autotune: bool, wrap):
+    """One backward kernel, by keyword: autotuned (the config and its EVEN_M / EVEN_N chosen per key) or
+    with ``cfg``."""
+    n_q, n_k = args["n_q"], args["n_k"]
     if autotune:
-        wrap(autotuned())[grid](*args, BUCKET=bucket, **consts)
+        wrap(autotuned())[grid](BUCKET=autotune_bucket(n_q, n_k), **args)
     else:
-        wrap(kernel)[grid(dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n))](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0, **cfg.launch_options(), **consts,
+        blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+        wrap(kernel)[grid(blocks)](
+            **blocks, **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n), BUCKET=0, **cfg.launch_options(), **args,
         )
 
 
@@ -343,7 +345,7 @@ def softmax_backward(
 ) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (any strides); return dscale [2] (row part, column part).
 
-    q, k, scale, pos as in :func:`infcl.kernels.triton_lse_forward.softmax_forward`; row_stats [2, Bq] and
+    q, k, scale, pos as in :func:`infcl.kernels.softmax_forward.softmax_forward`; row_stats [2, Bq] and
     g_row [Bq], and for the symmetric loss col_stats [2, Bk] and g_col [Bk] (else None), all in the
     accumulation dtype, any strides. ``tiling``, ``autotune``, ``sms`` and ``wrap`` as in the forward.
     """
@@ -351,19 +353,21 @@ def softmax_backward(
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]
-    has_col = col_stats is not None
+    symmetric = col_stats is not None
     normalize = q.dtype == torch.float16
-    if not has_col:
-        col_stats, g_col = row_stats, g_row  # never read
-    g_max = torch.stack((g_row.abs().amax(), g_col.abs().amax())) if normalize else scale  # read if normalizing
+    # float16: max|g_row| (and max|g_col|, read only when symmetric), the dS normalizers; else absent.
+    g_max = torch.stack([g.abs().amax() for g in (g_row, g_col) if g is not None]) if normalize else None
     block_d = tiling.block_d(dim)
-    stats_args = (
-        q, k, scale, pos, row_stats, g_row, col_stats, g_col, g_max,
+    common = dict(
+        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, row_stats_ptr=row_stats, g_row_ptr=g_row,
+        col_stats_ptr=col_stats, g_col_ptr=g_col, g_max_ptr=g_max, n_q=n_q, n_k=n_k, D=dim,
+        stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
+        stride_rs0=row_stats.stride(0), stride_rs1=row_stats.stride(1), stride_gr=g_row.stride(0),
+        stride_cs0=col_stats.stride(0) if symmetric else 0, stride_cs1=col_stats.stride(1) if symmetric else 0,
+        stride_gc=g_col.stride(0) if symmetric else 0, SYMMETRIC=symmetric, NORMALIZE=normalize, BLOCK_D=block_d,
+        **feature_chunks(dim, block_d), **opts,
+        **COMPILE_OPTIONS,
     )
-    sizes = (n_q, n_k, dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-             row_stats.stride(0), row_stats.stride(1), g_row.stride(0),
-             col_stats.stride(0), col_stats.stride(1), g_col.stride(0))
-    bucket = size_bucket(n_q, n_k)
     dscale_parts = None
     for which, grad, cfg, n_owned, n_other in (
         ("dq", dq, tiling.dq, triton.cdiv(n_q, tiling.dq.block_m), triton.cdiv(n_k, tiling.dq.block_n)),
@@ -375,20 +379,18 @@ def softmax_backward(
         # One split accumulates straight into the caller's gradient; several write fresh partials.
         out = grad if splits == 1 else torch.empty(splits, *grad.shape, dtype=acc, device=grad.device)
         out_strides = (0, *grad.stride()) if splits == 1 else out.stride()
-        consts = dict(
-            HAS_COL=has_col, NORMALIZE=normalize, ADD=splits == 1, BLOCK_D=block_d, BLOCK_OUT=block_out,
-            **opts, **COMPILE_OPTIONS,
+        args = dict(
+            common, out_ptr=out, stride_out_split=out_strides[0], stride_out0=out_strides[1],
+            stride_out1=out_strides[2], ADD=splits == 1, BLOCK_OUT=block_out, EVEN_OUT=dim % block_out == 0,
         )
         if which == "dq":
             n_rows_max = triton.cdiv(n_q, min(_MIN_BLOCK_M, cfg.block_m) if autotune else cfg.block_m)
             dscale_parts = torch.zeros(n_rows_max * splits, 2, dtype=acc, device=q.device)
-            grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), slices, splits)  # noqa: E731
-            args = (*stats_args, out, dscale_parts, *sizes, *out_strides)
-            _launch(_dq, _dq_autotuned, grid, args, cfg, autotune, bucket, consts, wrap)
+            grid = lambda meta, slices=slices, splits=splits: (triton.cdiv(n_q, meta["BLOCK_M"]), slices, splits)  # noqa: E731
+            _launch(_dq_kernel, _dq_autotuned, grid, dict(args, dscale_ptr=dscale_parts), cfg, autotune, wrap)
         else:
-            grid = lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), slices, splits)  # noqa: E731
-            args = (*stats_args, out, *sizes, *out_strides)
-            _launch(_dk, _dk_autotuned, grid, args, cfg, autotune, bucket, consts, wrap)
+            grid = lambda meta, slices=slices, splits=splits: (triton.cdiv(n_k, meta["BLOCK_N"]), slices, splits)  # noqa: E731
+            _launch(_dk_kernel, _dk_autotuned, grid, args, cfg, autotune, wrap)
         if splits > 1:
             grad += out.sum(dim=0)
     return dscale_parts.sum(dim=0)

@@ -30,15 +30,17 @@ import triton.language as tl
 
 from ..lse import MAX, REL, lse_merge
 from .configs import (
+    ARCH_FAMILIES,
     COMPILE_OPTIONS,
-    SHAPE_HEURISTICS,
     TileConfig,
     Tiling,
+    autotune_bucket,
+    even_blocks,
+    feature_chunks,
     launch_options,
     lazy_autotune,
     neighbours,
     plan_forward,
-    size_bucket,
 )
 from .tiles import (
     block_range,
@@ -66,7 +68,7 @@ def _forward_kernel(
     n_q, n_k, D,
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rows_stat, stride_rows_split, stride_cols_stat, stride_cols_group,
-    COLS: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -80,7 +82,6 @@ def _forward_kernel(
     scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
     feats = tl.arange(0, BLOCK_D)
     row_out = rows_ptr + split.to(tl.int64) * stride_rows_split
-    col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
     for rb in range(rb_lo, rb_hi):
         rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
         if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
@@ -102,7 +103,8 @@ def _forward_kernel(
             tile_max, tile_rest = tile_rest_stats(s_rows, 1)
             run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
             pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
-            if COLS:
+            if SYMMETRIC:  # cols_ptr is None otherwise
+                col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
                 s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
                 col_max, col_rest = tile_rest_stats(s_cols, 0)
                 part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), not EVEN_N)
@@ -119,34 +121,44 @@ def _forward_kernel(
 # Defaults per (architecture family, operand class); see configs.arch_key and configs.operand_class.
 # Not tuned on a GPU (none was available): sized from the fused-attention tutorial's forward and
 # chosen so that every variant compiles without spills and within shared memory, which
-# tests/test_triton_compile.py checks for sm_80, sm_90 and sm_86 (the small-memory family).
+# tests/test_triton_api_compile.py checks for every family of configs.ARCH_FAMILIES.
 DEFAULT_CONFIGS = {
     # sm_90: 128-row tiles over two warp groups (wgmma, M = 64 each); 3 stages of q/k chunks (<= 96 KiB).
     (90, "mma"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    # sm_100 (tcgen05) and sm_120: ptxas 13 spills 128- and 64 x 32 tiles at ragged D; 64 x 16 fit.
+    (100, "mma"): TileConfig(block_m=64, block_n=16, num_warps=4, num_stages=2),
     # sm_80: 128 rows on mma.sync; ptxas 12 spills the 64-column tile at ragged D, 32 columns fit.
     (80, "mma"): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
-    # sm_86/89/120 (<= 99 KiB of shared memory; its ptxas spills 128-row tiles at ragged D): 64 x 32.
-    (0, "mma"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    # sm_86/87/89 (<= 99 KiB of shared memory; ptxas spills 128-row tiles at ragged D): 64 x 32.
+    (86, "mma"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    (120, "mma"): TileConfig(block_m=64, block_n=16, num_warps=4, num_stages=2),
     # tf32: fp32 operands in 32-feature chunks; on sm_90 a third stage pushes registers into spills.
     (90, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    # sm_100: the 128 x 64 tf32 tile spills at ragged D (ptxas 13); 64 x 32 fits.
+    (100, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
     (80, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    (0, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    (86, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    (120, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
     # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM.
     **{(arch, klass): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=255)
-       for arch in (90, 80, 0) for klass in ("ieee", "fp64")},
+       for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
 }
 
 
-
 def _keep(key, config: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_compile.py): on sm_90, 128 x 32
-    tiles with 3 stages (bf16/fp16) and a third tf32 stage spill at ragged D (ptxas 13); the FMA
-    classes (ieee, fp64) sit at their register limit already, so they keep their default alone."""
+    """Search points that compile without spills at ragged D (tests/test_triton_api_compile.py): on sm_90,
+    128 x 32 bf16/fp16 tiles with 3 stages and a third tf32 stage spill (ptxas 13; sm_100's tf32 likewise);
+    on sm_80 (ptxas 12) a 16-column or 4-stage bf16/fp16 tile spills, and on sm_100 / sm_120 a third
+    stage of their 64 x 16 tiles; so those defaults are searched alone. The FMA classes (ieee, fp64) sit
+    at their register limit already, so they keep their default alone."""
     default = DEFAULT_CONFIGS[key]
-    if key == (90, "mma") and config.block_n == 32:
+    if key[0] in (90, 100) and key[1] == "mma" and config.block_n == 32:
         return False
-    if key == (90, "tf32") and config.num_stages > default.num_stages:
+    if key == (80, "mma") and config.block_n < default.block_n:
+        return False
+    more_stages = ((80, "mma"), (100, "mma"), (120, "mma"), (90, "tf32"), (100, "tf32"))
+    if key in more_stages and config.num_stages > default.num_stages:
         return False
     return key[1] in ("mma", "tf32") or config == default
 
@@ -156,11 +168,11 @@ def _keep(key, config: TileConfig) -> bool:
 # BLOCK_N and one more stage, less what _keep drops. Opt-in: it benchmarks every config on each new key.
 AUTOTUNE_CONFIGS = {key: [c for c in neighbours(config) if _keep(key, c)] for key, config in DEFAULT_CONFIGS.items()}
 
-_forward = triton.heuristics(SHAPE_HEURISTICS)(_forward_kernel)
 # Every buffer a trial writes: the row partials are overwritten whole, the column partials are
 # read-merged-written from the host's empty stats, so both are restored between trials.
 _forward_autotuned = lazy_autotune(
-    _forward, AUTOTUNE_CONFIGS, key=["D", "COLS", "PRECISION", "BUCKET"], restore_value=["rows_ptr", "cols_ptr"]
+    _forward_kernel, AUTOTUNE_CONFIGS, key=["D", "SYMMETRIC", "PRECISION", "BUCKET"],
+    restore_value=["rows_ptr", "cols_ptr"],
 )
 
 
@@ -206,24 +218,27 @@ def softmax_forward(
     n_k = k.shape[0]
     plan = plan_forward(n_q, n_k, tiling, want_cols, sms)
     rows = torch.empty(3, plan.splits, n_q, dtype=acc, device=q.device)
+    cols = None  # the column stats exist only for the symmetric loss
     if want_cols:
         cols = torch.empty(2, plan.groups, n_k, dtype=acc, device=q.device)
         cols[MAX].fill_(float("-inf"))
         cols[REL].fill_(-1.0)  # rest = -1: the empty set
-    else:
-        cols = rows  # never touched (COLS=False)
-    args = (
-        q, k, scale, pos, rows, cols, n_q, n_k, dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+    block_d = tiling.block_d(dim)
+    args = dict(
+        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=cols, n_q=n_q, n_k=n_k, D=dim,
+        stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
+        stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
+        stride_cols_stat=cols.stride(0) if want_cols else 0, stride_cols_group=cols.stride(1) if want_cols else 0,
+        SYMMETRIC=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)
-    consts = dict(COLS=want_cols, BLOCK_D=tiling.block_d(dim), **opts, **COMPILE_OPTIONS)
     if autotune:
-        wrap(_forward_autotuned())[grid](*args, BUCKET=size_bucket(n_q, n_k), **consts)
+        wrap(_forward_autotuned())[grid](BUCKET=autotune_bucket(n_q, n_k), **args)
     else:
         cfg = tiling.forward
-        wrap(_forward)[grid](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BUCKET=0, **cfg.launch_options(), **consts,
+        wrap(_forward_kernel)[grid](
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n), BUCKET=0,
+            **cfg.launch_options(), **args,
         )
     rows[REL].log1p_()  # rest -> r = log1p(rest), the contract's form; -1 (empty) -> -inf
     row_stats = merge_partials(rows)

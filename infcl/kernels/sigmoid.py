@@ -31,22 +31,39 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import INTERPRETED, TileConfig, Tiling, launch_options
+from .configs import (
+    COMPILE_OPTIONS,
+    INTERPRETED,
+    INTERPRETER_TILING,
+    TileConfig,
+    Tiling,
+    launch_options,
+    operand_class,
+)
 from .tiles import MIN_DOT, load_tile, score_tile, tile_dot
 
-# The tiling used when the backend pins none. Not tuned on a GPU yet (none was available): square 64 tiles
-# keep the fp32 logit tile plus one 64-wide feature chunk in registers. Under the interpreter (~1 ms of
-# Python per tile op whatever its size) 128-wide tiles run fastest within Triton's 2**20-entry cap on the
-# interpreted S product (tiles.score_dot).
-DEFAULT_TILING = Tiling(*(TileConfig(block_m=64, block_n=64),) * 3, resident_d=64, chunk_d=64)
-INTERPRETER_TILING = Tiling(*(TileConfig(block_m=128, block_n=128),) * 3, resident_d=64, chunk_d=64)
+# The tilings used when the backend pins none, per operand class (configs.operand_class), the same on
+# every architecture family. Not tuned on a GPU (none was available): the sizes that compile without
+# spills on sm_80, sm_86, sm_90, sm_100 and sm_120 (tests/test_triton_api_compile.py). The backward
+# holds a [BLOCK_M, chunk] gradient tile, the logit tile and an operand chunk in registers: bf16/fp16
+# and tf32 take 64-row tiles on 8 warps over 32-feature chunks (a 64-wide resident chunk spills on
+# sm_80/86/120; tf32, twice the bytes per operand, takes 32 columns); the FMA classes (fp32 "ieee",
+# fp64) hold operand fragments in registers, so small tiles over 16-feature chunks with maxnreg 255, as
+# the softmax kernels (ptxas 12 otherwise caps them at 128 registers on sm_80 and spills).
+DEFAULT_TILINGS = {
+    "mma": Tiling(*(TileConfig(block_m=64, block_n=64, num_warps=8),) * 3, resident_d=32, chunk_d=32),
+    "tf32": Tiling(*(TileConfig(block_m=64, block_n=32, num_warps=8),) * 3, resident_d=32, chunk_d=32),
+    "ieee": Tiling(*(TileConfig(block_m=32, block_n=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(block_m=32, block_n=16, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+}
 
 
-def _pick(tiling):
-    """The caller's tiling, else the interpreter's big tiles under TRITON_INTERPRET=1, else the default."""
+def _pick(tiling, dtype, precision):
+    """The caller's tiling, else the interpreter's big tiles under TRITON_INTERPRET=1, else the default of
+    the operand class."""
     if tiling is not None:
         return tiling
-    return INTERPRETER_TILING if INTERPRETED else DEFAULT_TILING
+    return INTERPRETER_TILING if INTERPRETED else DEFAULT_TILINGS[operand_class(dtype, precision)]
 
 
 @triton.jit
@@ -182,30 +199,33 @@ def _params(scale: torch.Tensor, bias: torch.Tensor, acc: torch.dtype) -> torch.
     return torch.stack((scale, bias)).to(acc)
 
 
-def siglip_forward(q, k, pos, scale, bias, precision=None, tiling: Tiling = None) -> torch.Tensor:
+def siglip_forward(q, k, pos, scale, bias, precision=None, tiling: Tiling = None, wrap=lambda kernel: kernel):
     """Row losses [Bq] (accumulation dtype): sum_j softplus(-z_ij * (scale * q_i.k_j + bias)).
 
     q [Bq, D], k [Bk, D] (any strides, one dtype), pos [Bq] int64: each row's positive column in k, -1
     for none; scale and bias 0-d tensors on q's device. ``precision`` picks tl.dot's input precision for
     float32 ("ieee", "tf32"; None follows torch.backends.cuda.matmul.allow_tf32); ``tiling`` overrides
-    :data:`DEFAULT_TILING` (the interpreter's big tiles under TRITON_INTERPRET=1).
+    :data:`DEFAULT_TILINGS` (the interpreter's big tiles under TRITON_INTERPRET=1); ``wrap`` wraps the
+    kernel before its launch (``torch.library.wrap_triton`` inside a triton_op).
     """
     opts = launch_options(q.dtype, precision)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
-    tiling = _pick(tiling)
+    tiling = _pick(tiling, q.dtype, opts["PRECISION"])
     cfg = tiling.forward
     out = torch.empty(n_q, dtype=acc, device=q.device)
-    _siglip_forward_kernel[(triton.cdiv(n_q, cfg.block_m),)](
-        q, k, pos.contiguous(), _params(scale, bias, acc), out, n_q, k.shape[0], dim,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(dim),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+    wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, cfg.block_m),)](
+        q_ptr=q, k_ptr=k, pos_ptr=pos.contiguous(), params_ptr=_params(scale, bias, acc), out_ptr=out,
+        n_q=n_q, n_k=k.shape[0], D=dim,
+        stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(dim), **cfg.launch_options(), **opts,
+        **COMPILE_OPTIONS,
     )
     return out
 
 
-def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, tiling: Tiling = None) -> torch.Tensor:
+def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, tiling: Tiling = None,
+                    wrap=lambda kernel: kernel) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
     :func:`siglip_forward`."""
@@ -213,23 +233,22 @@ def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, tilin
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]
-    tiling = _pick(tiling)
+    tiling = _pick(tiling, q.dtype, opts["PRECISION"])
     cfg = tiling.dq
     chunk = tiling.block_d(dim)
     params, pos, g_row = _params(scale, bias, acc), pos.contiguous(), g_row.to(acc).contiguous()
     programs = triton.cdiv(n_q, cfg.block_m)
     partials = torch.zeros(programs, 2, dtype=acc, device=q.device)
     common = dict(
+        pos_ptr=pos, g_ptr=g_row, params_ptr=params, partials_ptr=partials, D=dim,
         ONE_CHUNK=dim <= chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=chunk,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        **cfg.launch_options(), **opts, **COMPILE_OPTIONS,
     )
-    for owner, other, grad, n_own, n_other, owns_q, grid in (
-        (q, k, dq, n_q, n_k, True, programs),
-        (k, q, dk, n_k, n_q, False, triton.cdiv(n_k, cfg.block_m)),
-    ):
-        _siglip_backward_kernel[(grid,)](
-            owner, other, pos, g_row, params, grad, partials, n_own, n_other, dim,
-            owner.stride(0), owner.stride(1), other.stride(0), other.stride(1), grad.stride(0), grad.stride(1),
+    for owner, other, grad, n_own, n_other, owns_q in ((q, k, dq, n_q, n_k, True), (k, q, dk, n_k, n_q, False)):
+        wrap(_siglip_backward_kernel)[(triton.cdiv(n_own, cfg.block_m),)](
+            own_ptr=owner, other_ptr=other, grad_ptr=grad, n_own=n_own, n_other=n_other,
+            stride_own0=owner.stride(0), stride_own1=owner.stride(1), stride_other0=other.stride(0),
+            stride_other1=other.stride(1), stride_grad0=grad.stride(0), stride_grad1=grad.stride(1),
             OWNS_Q=owns_q, **common,
         )
     return partials.sum(dim=0)

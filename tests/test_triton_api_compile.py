@@ -1,0 +1,135 @@
+"""The public API on a GPU target, compile-only: every Triton kernel a user's call launches compiles,
+without spills, within shared memory and without float atomics, through the real registration.
+
+Each call (``triton_compile.api_calls``) is ``cal_inf_loss`` / ``cal_siglip_loss`` / ``InfCLIPLoss`` /
+``InfSigLipLoss`` forward and backward with ``backend="triton"`` on CPU tensors, in worker processes that
+import infcl with TRITON_INTERPRET=0. Nothing below the API is bypassed: the backend choice, the custom ops
+(``triton_op`` + ``wrap_triton`` on this torch), the per-architecture configs, the split plans and, under
+INFCL_AUTOTUNE=1, the autotuner with every config of its search space as a trial. Only Triton's active
+driver is a stand-in (``triton_compile.CompileOnlyDriver``: a GPU target, 132 SMs) and JITFunction.run
+compiles instead of launching. ptxas (the wheel's, with Triton's flags) reports registers and spills.
+
+Targets: sm_90, sm_80, sm_86 (the 99 KiB family) and, where the wheel's ptxas knows them, sm_100 and
+sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere; INFCL_COMPILE_FULL=1 runs every
+case on every target (``pytest -s`` prints the table either way; Triton's cache keeps compiled kernels
+across calls and runs).
+"""
+
+import concurrent.futures
+import multiprocessing
+import os
+import time
+from collections import defaultdict
+
+import pytest
+import triton_compile
+
+triton = pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+
+WORKERS = 2
+FULL = os.environ.get("INFCL_COMPILE_FULL", "0") == "1"
+
+
+def _pool():
+    context = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(WORKERS, context, initializer=triton_compile.init_worker)
+
+
+def _summary(results) -> str:
+    """Per target and kernel: compiled kernels, the ranges of registers and shared memory, spills."""
+    by = defaultdict(dict)
+    for result in results:
+        arch = result["call"].split()[0]
+        for row in result.get("kernels", ()):
+            by[arch, row["kernel"]][row["hash"]] = row
+    lines = [f"{'target':7} {'kernel':16} {'kernels':>7} {'regs':>9} {'smem KiB':>11} {'limit':>5} {'spills':>6}"]
+    for (arch, kernel), rows in sorted(by.items()):
+        regs = [r["regs"] for r in rows.values()]
+        smem = [r["smem"] / 1024 for r in rows.values()]
+        spills = sum(1 for r in rows.values() if r["spill_bytes"])
+        limit = next(iter(rows.values()))["smem_limit"] // 1024
+        lines.append(f"{arch:7} {kernel:16} {len(rows):7d} {min(regs):4d}-{max(regs):<4d} "
+                     f"{min(smem):5.0f}-{max(smem):<5.0f} {limit:5d} {spills:6d}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def results():
+    start = time.perf_counter()
+    out = []
+    with _pool() as pool:
+        calls = pool.submit(triton_compile.api_calls, FULL).result()
+        for result in pool.map(triton_compile.run_call, calls):
+            out.append(result)
+            if len(out) % 20 == 0 or len(out) == len(calls):
+                print(f"{len(out)} / {len(calls)} calls, {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"\n{_summary(out)}\n{len(out)} calls in {time.perf_counter() - start:.0f} s")
+    return out
+
+
+def _kernels(results):
+    return [(r["call"], row) for r in results for row in r.get("kernels", ())]
+
+
+def test_every_call_compiles(results):
+    errors = [f"{r['call']}: {r['error']}" for r in results if "error" in r]
+    assert not errors, f"{len(errors)} of {len(results)} calls failed:\n" + "\n".join(errors[:20])
+
+
+def test_no_register_spills(results):
+    spills = {f"{call} {row['kernel']}: {row['spill_bytes']} bytes ({row['regs']} registers)"
+              for call, row in _kernels(results) if row["spill_bytes"]}
+    assert not spills, "\n".join(sorted(spills))
+
+
+def test_shared_memory_within_target_limit(results):
+    over = {f"{call} {row['kernel']}: {row['smem']} > {row['smem_limit']} bytes"
+            for call, row in _kernels(results) if row["smem"] > row["smem_limit"]}
+    assert not over, "\n".join(sorted(over))
+
+
+def test_no_float_atomics(results):
+    atomics = {f"{call} {row['kernel']}: {row['float_atomics']}" for call, row in _kernels(results)
+               if row["float_atomics"]}
+    assert not atomics, "\n".join(sorted(atomics))
+
+
+def test_matrix_covers_every_target_dtype_and_kernel(results):
+    """Every (target, dtype) compiled each loss's kernels, and the autotuned path ran on every target."""
+    seen = defaultdict(set)
+    for call, row in _kernels(results):
+        arch, _, dtype = call.split()[:3]
+        seen[arch, dtype].add(row["kernel"])
+    targets = {r["call"].split()[0] for r in results}
+    assert {"sm_90", "sm_80", "sm_86"} <= targets
+    dtypes = {"fp32-ieee", "fp32-tf32", "bf16", "fp16"} | ({"fp64"} if _float64_dot() else set())
+    for arch in targets:
+        for dtype in dtypes:
+            assert {"forward", "dq", "dk", "siglip_forward", "siglip_backward"} <= seen[arch, dtype], (arch, dtype)
+        assert any(r["call"].startswith(arch + " ") and r["call"].endswith("autotune") for r in results), arch
+
+
+def _float64_dot():
+    from infcl.kernels.configs import FLOAT64_DOT
+
+    return FLOAT64_DOT
+
+
+@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss"])
+def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
+    """torch.compile(fullgraph=True) of a step calling the loss with backend="triton" traces (AOTAutograd,
+    an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
+    break, the kernels as triton_kernel_wrapper nodes in the forward and backward graphs, and the
+    compiled step runs forward and backward compile-only."""
+    from infcl.kernels.ops import TRITON_OP
+
+    with _pool() as pool:
+        out = pool.submit(triton_compile.compile_training_step, 90, entry).result()
+    assert "error" not in out, out.get("error")
+    assert out["frames"] == 1
+    forward_graph, backward_graph = out["graphs"]
+    if TRITON_OP:  # torch >= 2.6: the kernels themselves are in the graphs
+        assert "triton_kernel_wrapper" in forward_graph and "triton_kernel_wrapper" in backward_graph
+    expected = {"forward", "dq", "dk"} if entry == "cal_inf_loss" else {"siglip_forward", "siglip_backward"}
+    assert set(out["kernels"]) == expected
