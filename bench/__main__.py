@@ -16,6 +16,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .machine import device_name
 from .methods import BASELINE, LOSSES, METHODS
 from .presets import PRESETS, Sweep, custom_sweep
 from .report import add_ratios, format_table, write_csv, write_plot
@@ -172,11 +173,15 @@ def main(argv=None) -> int:
     rows = run(jobs, args.timeout) + decided
     rows.sort(key=lambda r: (r["dtype"], r["dim"], r["batch"], MODES.index(r["mode"]), list(METHODS).index(r["method"])))
     add_ratios(rows)
-    print(format_table(rows))
+    machine = device_name(args.device)
+    for row in rows:
+        row["device_name"] = machine
+    where = f"{args.device} ({machine}), {args.threads} thread(s)"
+    print(format_table(rows, f"infcl bench '{name}' ({args.loss} loss) on {where}"))
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = args.out / f"{name}.csv", args.out / f"{name}.png"
     write_csv(rows, csv_path)
-    write_plot(rows, png_path, f"infcl bench '{name}' ({args.loss} loss) on {args.device}, {args.threads} thread(s)")
+    write_plot(rows, png_path, f"infcl bench '{name}' ({args.loss} loss) on {where}")
     print(f"wrote {csv_path} and {png_path}")
     return 0
 

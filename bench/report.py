@@ -12,6 +12,7 @@ COLUMNS = (
     "method",
     "loss",
     "device",
+    "device_name",
     "dtype",
     "batch",
     "dim",
@@ -74,8 +75,9 @@ def _fmt(value, digits: int = 3) -> str:
     return str(value)[:NOTE_WIDTH]
 
 
-def format_table(rows: List[Dict]) -> str:
-    """Measured rows as an aligned table; rows skipped for an unavailable method are summarized below it."""
+def format_table(rows: List[Dict], title: str = "") -> str:
+    """Measured rows as an aligned table under ``title`` (which names the machine); rows skipped for an
+    unavailable method are summarized below it."""
     heads = ("method", "loss", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
              "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "gemm_fraction", "grad_rel_error", "note")
     shown = [r for r in rows if not (r["status"] == "skipped" and r.get("unavailable"))]
@@ -84,6 +86,8 @@ def format_table(rows: List[Dict]) -> str:
     # Numbers right-aligned, the free-text note (last) left-aligned.
     lines = ["  ".join([c[i].rjust(widths[i]) for i in range(len(heads) - 1)] + [c[-1]]) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if title:
+        lines.insert(0, title)
     skipped = {r["method"]: r["note"] for r in rows if r["status"] == "skipped" and r.get("unavailable")}
     lines += [f"skipped {name}: {why}" for name, why in skipped.items()]
     return "\n".join(lines)

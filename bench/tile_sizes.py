@@ -19,6 +19,7 @@ from infcl.function import InfLossFunction, LossPlan
 from infcl.ring.layout import single_layout
 
 from .gemm import gemm_bound_seconds, measure_gemm
+from .machine import cpu_name
 from .measure import Step, loss_step, median, time_step
 from .methods import make_inputs
 from .worker import DTYPES
@@ -59,7 +60,8 @@ def main(argv=None) -> None:
     q, k, scale = make_inputs(args.batch, args.dim, DTYPES[args.dtype], device)
     gemm = measure_gemm(args.batch, args.dim, DTYPES[args.dtype], device, warmup=1, repeats=args.repeats)
     bound = gemm_bound_seconds(args.batch, args.dim, MODE, gemm["gflops"] * 1e9)
-    print(f"B={args.batch} D={args.dim} {args.dtype} symmetric {MODE}, {torch.get_num_threads()} thread(s); "
+    print(f"{cpu_name()}, {torch.get_num_threads()} thread(s)")
+    print(f"B={args.batch} D={args.dim} {args.dtype} symmetric {MODE}; "
           f"GEMM {gemm['gflops']:.1f} GFLOP/s, 4-GEMM bound {bound:.3f} s; current default {TILE_Q}x{TILE_K}")
     print(f"{'tile_q':>7} {'tile_k':>7} {'tile_KiB':>9} {'time_s':>8} {'vs_bound':>9}")
     results = []

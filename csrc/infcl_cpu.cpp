@@ -23,16 +23,16 @@
 // columns; every product is a single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or
 // at::mm_out / addmm_ for float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16), by a route
 // fixed by the tile's shape (ReusedB), so S is the same bits whatever the thread count of either pass.
-// The forward takes one key tile at a time, its row tiles shared among the threads (each thread packs
-// the key tile once for MKL), each row tile updating its rows' running stats and writing its own column
-// partial, merged in row-tile order: the forward's outputs do not depend on the thread count at all.
+// The forward cuts the row tiles into column groups (at most MAX_COLUMN_GROUPS, fixed by Bq) that the
+// threads share; each group keeps its own running column stats, merged in group order at the end, and
+// each row tile updates its own rows' stats: the forward's outputs do not depend on the thread count.
 // The backward cuts the row tiles into `lanes` contiguous ranges (one per thread), each walking key
 // tiles outer; dq rows belong to one lane, dk is kept per lane and merged in lane order at the end, so
 // dk and dscale depend on the backward's own thread count (never on scheduling): bit-identical run to
 // run, and to a run whose forward had another thread count.
 //
 // Extra memory: the tile buffers, MKL's packed copy of the current key tile per thread (float32; ~1.25x
-// its data resident), column partials of one key tile per row tile (O(Bq / TILE_Q * TILE_K)) and
+// its data resident), O(groups * Bk) column partials (groups <= MAX_COLUMN_GROUPS) and
 // (lanes - 1) dk partials of [Bk, D] (plus float32 copies of q and k for float16 inputs) -- never
 // O(Bq * Bk).
 
@@ -442,8 +442,8 @@ inline Acc log_rel(Acc m, double top, double rest) {
   return static_cast<Acc>(std::log1p((top - 1.0) + rest));
 }
 
-// One thread's forward work: row tiles against the current key tile, each updating its rows' running
-// stats and writing its own column partial (merge_column_partials combines them in row-tile order).
+// One thread's forward work: its column groups' row tiles against one key tile at a time, each tile
+// updating its rows' running stats and its group's running column partial.
 template <typename In>
 class ForwardWorker {
  public:
@@ -454,15 +454,11 @@ class ForwardWorker {
         s_(tiles.size * std::min(TILE_K, bk)), tile_row_max_(tiles.size), tile_col_max_(TILE_K), col_top_(TILE_K),
         col_rest_(TILE_K) {}
 
-  // Packs key tile [j0, j0 + nj) for this thread's products, unless it holds it already.
-  void set_keys(int64_t j0, int64_t nj) {
-    if (j0 == j0_) return;
-    raw_.set_keys(k_ + j0 * d_, nj);
-    j0_ = j0;
-  }
+  // Packs key tile [j0, j0 + nj) for this thread's products.
+  void set_keys(int64_t j0, int64_t nj) { raw_.set_keys(k_ + j0 * d_, nj); }
 
-  // Row tile t against key tile [j0, j0 + nj): rows = the running stats of its rows; cols = its column
-  // partial over this key tile (nj entries, overwritten; max == nullptr: rows only); positives: [bq].
+  // Row tile t against key tile [j0, j0 + nj): rows = the running stats of its rows; cols = its group's
+  // running column stats of this key tile (max == nullptr: rows only); positives: [bq].
   void tile(int64_t t, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& cols,
             Acc* positives) {
     const int64_t i0 = tiles_.begin(t), ni = tiles_.height(t);
@@ -475,9 +471,7 @@ class ForwardWorker {
       add_row_terms(s, ni, nj, rows);
       return;
     }
-    std::copy(tile_col_max_.data(), tile_col_max_.data() + nj, cols.max);
-    std::fill(cols.top, cols.top + nj, 0.0);
-    std::fill(cols.rest, cols.rest + nj, 0.0);
+    raise_maxima(cols, tile_col_max_.data(), nj);
     const Acc ref = kOneExp<In> ? shared_reference(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
     if (kOneExp<In> && !std::isnan(ref)) {
       add_row_col_terms<true>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
@@ -493,86 +487,76 @@ class ForwardWorker {
   Acc sc_;
   const int64_t* pos_;
   RowTiles tiles_;
-  int64_t j0_ = -1;
   RawTiles<In> raw_;
   std::vector<Acc> s_, tile_row_max_, tile_col_max_, col_top_, col_rest_;
 };
 
-// Merges the row tiles' column partials over one key tile (parts: [count, stride], nj used) into the
-// columns' running stats, in row-tile order whichever thread made each: M = the largest max; a side at
-// M adds its top and rest, any other its top + rest times exp(m - M).
+// Column stats from the groups' partials ([groups, bk]), merged in group order: M = max_p m_p; the
+// partials at M add their top and rest, the others' top + rest joins rest, times exp(m_p - M).
 template <typename Acc>
-void merge_column_partials(RunningStore<Acc>& parts, int64_t count, int64_t stride, const Running<Acc>& run,
-                           int64_t nj) {
-  at::parallel_for(0, nj, 1024, [&](int64_t c0, int64_t c1) {
+void merge_column_partials(RunningStore<Acc>& parts, int64_t groups, int64_t bk, Acc* out) {
+  at::parallel_for(0, bk, 1024, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      Acc m = run.max[c];
-      for (int64_t p = 0; p < count; ++p) m = nan_max(m, parts.max[p * stride + c]);
+      Acc m = -std::numeric_limits<Acc>::infinity();
+      for (int64_t p = 0; p < groups; ++p) m = nan_max(m, parts.max[p * bk + c]);
       double top = 0.0, rest = 0.0;
-      const auto add = [&](Acc part_max, double part_top, double part_rest) {
-        if (part_max == m) {
-          top += part_top;
-          rest += part_rest;
+      for (int64_t p = 0; p < groups; ++p) {
+        const int64_t at = p * bk + c;
+        if (parts.max[at] == m) {
+          top += parts.top[at];
+          rest += parts.rest[at];
         } else {
-          rest += (part_top + part_rest) * rescale_factor(part_max, m);
+          rest += (parts.top[at] + parts.rest[at]) * rescale_factor(parts.max[at], m);
         }
-      };
-      add(run.max[c], run.top[c], run.rest[c]);
-      for (int64_t p = 0; p < count; ++p) {
-        const int64_t at = p * stride + c;
-        add(parts.max[at], parts.top[at], parts.rest[at]);
       }
-      run.max[c] = m;
-      run.top[c] = top;
-      run.rest[c] = rest;
+      out[c] = m;
+      out[bk + c] = log_rel(m, top, rest);
     }
   });
 }
 
-// (m, r) rows of a [2 (or 3), n] output from n running stats.
-template <typename Acc>
-void write_stats(RunningStore<Acc>& run, int64_t n, Acc* out) {
-  for (int64_t t = 0; t < n; ++t) {
-    out[t] = run.max[t];
-    out[n + t] = log_rel(run.max[t], run.top[t], run.rest[t]);
-  }
-}
+// Column groups: contiguous ranges of row tiles, each with its own running column stats over all of Bk,
+// merged in group order at the end. Fixed by the row tiles alone (never by the thread count), so the
+// forward's outputs do not depend on it; threads take whole groups, key tiles outer, so one packed key
+// tile serves all of a thread's row tiles. At most MAX_COLUMN_GROUPS (partials: 20 bytes per group per
+// column), which also caps the forward's threads.
+constexpr int64_t MAX_COLUMN_GROUPS = 64;
 
-// Key tiles outer, all threads on the row tiles of one key tile at a time: every result (row stats, the
-// positives, the column stats merged in row-tile order) is independent of the thread count.
+inline int64_t group_start(int64_t tiles, int64_t groups, int64_t g) { return tiles * g / groups; }
+
 template <typename In>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool want_cols,
                   at::Tensor& rows, at::Tensor& cols) {
   using Acc = typename Types<In>::acc;
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
   const RowTiles tiles(bq);
+  const int64_t groups = std::max<int64_t>(1, std::min(tiles.count, MAX_COLUMN_GROUPS));
   const int64_t tk = std::min(TILE_K, bk);
-  RunningStore<Acc> row_run, col_run, col_parts;  // col_parts: [tiles.count, tk], one key tile at a time
+  RunningStore<Acc> row_run, col_parts;  // col_parts: [groups, bk]
   row_run.reset(bq);
-  col_run.reset(want_cols ? bk : 0);
-  col_parts.reset(want_cols ? tiles.count * tk : 0);
+  col_parts.reset(want_cols ? groups * bk : 0);
   rows.zero_();  // rows[2] stays 0 where the positive lies in another block
   Acc* out = rows.data_ptr<Acc>();
-  std::vector<std::unique_ptr<ForwardWorker<In>>> workers(at::get_num_threads());
-  for (int64_t j0 = 0; j0 < bk; j0 += tk) {
-    const int64_t nj = std::min(tk, bk - j0);
-    at::parallel_for(0, tiles.count, 1, [&](int64_t t_begin, int64_t t_end) {
-      const SingleThreadedBlas one_thread;
-      auto& work = workers[at::get_thread_num()];
-      if (!work) {
-        work = std::make_unique<ForwardWorker<In>>(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles,
-                                                   static_cast<Acc>(scale), pos.data_ptr<int64_t>());
+  at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
+    const SingleThreadedBlas one_thread;
+    ForwardWorker<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles, static_cast<Acc>(scale),
+                           pos.data_ptr<int64_t>());
+    for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+      const int64_t nj = std::min(tk, bk - j0);
+      work.set_keys(j0, nj);
+      for (int64_t g = g_begin; g < g_end; ++g) {
+        const Running<Acc> part = want_cols ? col_parts.at(g * bk + j0) : Running<Acc>{nullptr, nullptr, nullptr};
+        for (int64_t t = group_start(tiles.count, groups, g); t < group_start(tiles.count, groups, g + 1); ++t) {
+          work.tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
+        }
       }
-      work->set_keys(j0, nj);
-      for (int64_t t = t_begin; t < t_end; ++t) {
-        const Running<Acc> part = want_cols ? col_parts.at(t * tk) : Running<Acc>{nullptr, nullptr, nullptr};
-        work->tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
-      }
-    });
-    if (want_cols) merge_column_partials(col_parts, tiles.count, tk, col_run.at(j0), nj);
+    }
+  });
+  for (int64_t i = 0; i < bq; ++i) {
+    out[i] = row_run.max[i];
+    out[bq + i] = log_rel(row_run.max[i], row_run.top[i], row_run.rest[i]);
   }
-  write_stats(row_run, bq, out);
-  if (want_cols) write_stats(col_run, bk, cols.data_ptr<Acc>());
+  if (want_cols) merge_column_partials(col_parts, groups, bk, cols.data_ptr<Acc>());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -39,10 +39,11 @@ CPU = torch.device("cpu")
 NATIVE_REASON = unavailable_reason("cpu", CPU)
 needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native kernel unavailable: {NATIVE_REASON}")
 
-# Shapes that cross the kernel's tile (256 x 512) and lane boundaries, plus the degenerate ends.
+# Shapes that cross the kernel's row tiles (csrc/common.h RowTiles: up to 256 rows), its 512-column key tiles
+# and its lane boundaries, plus the degenerate ends.
 ODD_SHAPES = ((1, 1, 1), (7, 7, 3), (257, 257, 384), (129, 1000, 5), (1000, 1000, 1), (300, 513, 1000))
 SCALE = 14.3  # exp(2.659), CLIP's initial logit scale: large enough that the exps spread out
-THREADS = (1, 2, 3)  # 1 and 2 lanes pack full key tiles for MKL at B >= 512 / 1024; 3 lanes of 200 rows do not
+THREADS = (1, 2, 3)  # 3 lanes split the row tiles unevenly
 ERR_FACTOR = 4.0
 TERM_ULPS = 8.0
 EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -382,7 +383,7 @@ def test_bit_identical_run_to_run(dtype):
 def test_loss_and_grads_match_vanilla(dtype, atol, rtol, b):
     """Symmetric loss end to end, non-unit upstream gradient and a tensor scale, against float64 vanilla.
 
-    B=1100 gives each lane several full 256 x 512 tiles plus ragged ones, in both directions.
+    B=1100: 7 row tiles of 160 rows (the last 140) and 3 key tiles (the last ragged), in both directions.
     """
     d = ODD_DIMS[2]
     q, k = _features(b, b, d, dtype)
@@ -410,9 +411,8 @@ def test_loss_and_grads_match_vanilla(dtype, atol, rtol, b):
 @needs_native
 @pytest.mark.parametrize("threads", THREADS)
 def test_thread_counts_match_vanilla(threads):
-    """float32 at B=1100 with 1, 2 and 3 lanes: one or two lanes pack each key tile for MKL (at least
-    two full row tiles share it), three lanes of ~367 rows do not. torch.set_num_threads also turns
-    MKL's dynamic threading off, which the kernel must not depend on."""
+    """float32 at B=1100 (7 row tiles) with 1, 2 and 3 lanes of whole row tiles. torch.set_num_threads also
+    turns MKL's dynamic threading off, which the kernel must not depend on."""
     q, k = _features(1100, 1100, ODD_DIMS[2], torch.float32)
     scale = torch.tensor(SCALE)
     with _threads(threads):
