@@ -10,13 +10,15 @@ only q, k, the labels, the scale and the bias (the backward needs no forward sta
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from .backends.base import BlockBackend, accum_dtype
 from .losses.sigmoid import SigmoidRing
-from .losses.softmax import SoftmaxRing, backward_rows, split
+from .losses.softmax import SoftmaxRing, backward_rows, infos, split
+from .masks import MaskOptions
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout
 
@@ -28,6 +30,7 @@ class LossPlan:
     backend: BlockBackend
     symmetric: bool
     layout: RingLayout
+    masks: Optional[MaskOptions] = None  # the softmax loss's ids / multi-positive / guide options
 
 
 def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -50,23 +53,28 @@ def _param_grad(needed: bool, grad: torch.Tensor, meta):
 class InfLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
+        """(row losses [Bq], column losses [Bk] or empty, row info [3, Bq], column info [3, Bk] or empty):
+        the infos (:mod:`infcl.stats`) carry no gradient."""
+        if plan.masks is not None:
+            raise NotImplementedError("mask options on the tiled backends")
         ring = SoftmaxRing(plan.symmetric)
         scale_t = device_scale(scale, q)
         rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
         row_loss, col_loss = split(rows, cols)
+        row_info, col_info = infos(rows, cols)
         if plan.symmetric:
             ctx.save_for_backward(q, k, scale_t, labels, rows[:2], cols[:2])
         else:
-            col_loss = row_loss.new_empty(0)
+            col_loss, col_info = row_loss.new_empty(0), row_info.new_empty(3, 0)
             ctx.save_for_backward(q, k, scale_t, labels, rows[:2])
         ctx.plan = plan
         ctx.scale_meta = _param_meta(scale)
-        ctx.mark_non_differentiable(labels)
-        return row_loss, col_loss
+        ctx.mark_non_differentiable(labels, row_info, col_info)
+        return row_loss, col_loss, row_info, col_info
 
     @staticmethod
     @once_differentiable  # the backward is itself a tiled loop: no double backward
-    def backward(ctx, g_row, g_col):
+    def backward(ctx, g_row, g_col, _g_row_info, _g_col_info):
         plan: LossPlan = ctx.plan
         q, k, scale_t, labels, row_stats, *rest = ctx.saved_tensors
         ahead = backward_rows(rest[0], g_col) if plan.symmetric else None

@@ -167,3 +167,61 @@ def siglip_truth(q, k, scale, bias, labels=None, reduction="mean"):
     signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
     rows = -F.logsigmoid(signs * logits).sum(dim=1)
     return {"mean": rows.mean, "sum": rows.sum, "none": lambda: rows}[reduction]()
+
+
+# --- the mask options (issue 23): an independent float64 truth, row by row with Python sets ---------------
+
+
+def _masked_direction_truth(logits, labels, ids, other_ids, scores, multi_positive, margin, strategy):
+    """Row losses of one direction (NaN where a row has no positive), from sets built entry by entry."""
+    n, m = logits.shape
+    losses = []
+    for i in range(n):
+        label = int(labels[i])
+        same = set() if ids is None else {j for j in range(m) if int(ids[i]) == int(other_ids[j])}
+        positives = {label} if multi_positive is None else same
+        excluded = same - positives
+        if scores is not None:
+            pos_score = float(scores[i, label])
+            threshold = pos_score - margin if strategy == "absolute" else pos_score * (1 - margin)
+            excluded |= {j for j in range(m) if float(scores[i, j]) > threshold} - positives
+        if not positives:
+            losses.append(logits.new_tensor(float("nan")))
+            continue
+        kept = [j for j in range(m) if j not in excluded]
+        lse = torch.logsumexp(logits[i, kept], dim=0)
+        pos = logits[i, sorted(positives)]
+        losses.append(lse - (torch.logsumexp(pos, dim=0) if multi_positive == "sum" else pos.mean()))
+    return torch.stack(losses)
+
+
+def masked_loss_truth(
+    q, k, labels=None, scale=1.0, *, symmetric=False, reduction="mean", q_ids=None, k_ids=None,
+    multi_positive=None, guide=None, guide_margin=0.0, guide_margin_strategy="absolute",
+):
+    """The loss of issue 23's definition in float64 (differentiable in q, k and a tensor scale).
+
+    Rows (and, symmetric, columns) without a positive: NaN under "none", left out of "sum" and of
+    "mean"'s count; symmetric "mean" is the mean over the rows and columns that have a positive.
+    """
+    q, k = q.double(), k.double()
+    scale = scale.double() if torch.is_tensor(scale) else scale
+    logits = scale * q @ k.T
+    labels = torch.arange(q.shape[0]) if labels is None else labels.cpu()
+    scores = None if guide is None else guide[0].double() @ guide[1].double().T
+    ids = (None, None) if q_ids is None else (q_ids.cpu(), k_ids.cpu())
+    args = (multi_positive, guide_margin, guide_margin_strategy)
+    rows = _masked_direction_truth(logits, labels, ids[0], ids[1], scores, *args)
+    parts = [rows]
+    if symmetric:
+        inverse = torch.argsort(labels)
+        scores_t = None if scores is None else scores.T
+        parts.append(_masked_direction_truth(logits.T, inverse, ids[1], ids[0], scores_t, *args))
+    if reduction == "none":
+        return sum(parts) / len(parts)
+    kept = [torch.where(torch.isnan(p), 0.0, p) for p in parts]
+    total = sum(p.sum() for p in kept) / len(parts)
+    if reduction == "sum":
+        return total
+    count = sum(int((~torch.isnan(p)).sum()) for p in parts) / len(parts)
+    return total / max(count, 1)

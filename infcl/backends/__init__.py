@@ -6,6 +6,10 @@
 - "triton":    fused Triton kernels, CUDA tensors (or CPU tensors under TRITON_INTERPRET=1).
 "auto" picks triton for CUDA tensors when importable, the native kernel for CPU tensors when it is
 built, and the torch tiles otherwise. ``INFCL_BACKEND=<name>`` overrides "auto" (never an explicit name).
+
+The mask options of ``cal_inf_loss`` (ids, ``multi_positive``, ``guide``; :mod:`infcl.masks`) run on
+:data:`MASK_BACKENDS` only for now: "auto" (and its override) then falls back to the torch tiles, and an
+explicit other name raises a ValueError.
 """
 
 import importlib
@@ -17,6 +21,8 @@ from .base import BlockBackend
 from .torch_tiles import TORCH_TILES
 
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
+MASK_BACKENDS = ("torch", "reference")  # the backends that form ids / guide masks in their tiles
+MASK_OPTIONS = "q_ids/k_ids, multi_positive and guide"
 ENV_VAR = "INFCL_BACKEND"
 
 # Optional backends live in their own modules, each exposing ``BACKEND`` and ``unavailable_reason(device)``
@@ -39,16 +45,26 @@ def unavailable_reason(name: str, device: torch.device):
     return why if module is None else module.unavailable_reason(device)
 
 
-def resolve_backend(backend, device: torch.device) -> str:
-    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name."""
+def resolve_backend(backend, device: torch.device, masked: bool = False) -> str:
+    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name.
+
+    ``masked``: the call uses mask options, which only :data:`MASK_BACKENDS` support.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if masked and backend not in ("auto",) + MASK_BACKENDS:
+        raise ValueError(
+            f"{MASK_OPTIONS} are not yet supported by backend {backend!r}; the backends that support them "
+            f"are {MASK_BACKENDS} (backend='auto' picks 'torch')"
+        )
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
             if env not in BACKENDS:
                 raise ValueError(f"environment variable {ENV_VAR} must be one of {BACKENDS}, got {env!r}")
             backend = env
+    if masked and backend not in MASK_BACKENDS:
+        return "torch"  # "auto" (or INFCL_BACKEND naming a backend without masks): the torch tiles
     if backend == "auto":
         preferred = {"cuda": "triton", "cpu": "cpu"}.get(device.type)
         if preferred is not None and unavailable_reason(preferred, device) is None:

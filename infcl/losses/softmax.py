@@ -20,6 +20,7 @@ import torch
 
 from ..backends.base import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, empty_stats, lse_merge
+from ..stats import HAS_POS, HIT, POS_LOGIT
 
 POS = 2  # row of the positive logit in a forward partial
 
@@ -92,3 +93,18 @@ def backward_rows(stats: Tensor, grad: Tensor) -> Tensor:
 def split(rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """The per-row and per-column losses of a forward result."""
     return row_losses(rows), (None if cols is None else row_losses(cols))
+
+
+def _info(stats: Tensor) -> Tensor:
+    """``[3, n]`` per-row info (:mod:`infcl.stats`) of a plain forward result: the positive is the row's
+    top-1 when it equals the max (it is one of the values the max was taken over)."""
+    info = stats.new_empty(3, stats.shape[1])
+    info[HIT] = (stats[POS] >= stats[MAX]).to(stats.dtype)
+    info[POS_LOGIT] = stats[POS]
+    info[HAS_POS] = 1
+    return info
+
+
+def infos(rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The per-row (and per-column) infos of a forward result."""
+    return _info(rows), (None if cols is None else _info(cols))

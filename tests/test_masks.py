@@ -1,0 +1,179 @@
+"""Issue 23: false-negative ids, multiple positives and guide masks, against a float64 truth built row by row.
+
+The truth (support.masked_loss_truth) builds each row's positives and exclusions as Python sets, so it
+shares nothing with the reference backend's or the tiles' masks.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import TOLERANCE, assert_close_verbose, grads_of_inputs, masked_loss_truth
+
+from infcl import cal_inf_loss
+
+MASK_BACKENDS = ("reference",)
+MODES = (None, "mean", "sum")
+SCALE = 7.0  # CLIP-like logits in [-7, 7] on unit features
+# (name, kwargs builder): ids drawn from few classes (many duplicates), from a guide, or both.
+N_CLASSES = 5
+
+
+def _inputs(bq, bk, d=6, dtype=torch.float32, seed=0, classes=N_CLASSES, guide_dim=4, labels="perm"):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(bq, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(bk, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    q_ids = torch.randint(0, classes, (bq,), generator=gen)
+    k_ids = torch.randint(0, classes, (bk,), generator=gen)
+    if bq == bk:
+        k_ids[:bq] = q_ids  # paired data: each row's own column shares its id
+    gq = torch.randn(bq, guide_dim, generator=gen, dtype=torch.float64).to(dtype)
+    gk = torch.randn(bk, guide_dim, generator=gen, dtype=torch.float64).to(dtype)
+    lab = torch.randperm(bq, generator=gen) if labels == "perm" else torch.randint(0, bk, (bq,), generator=gen)
+    if labels == "perm" and bq == bk:
+        k_ids = k_ids.clone()
+        k_ids[lab] = q_ids  # the labelled column shares the row's id (as in real paired data)
+    return q, k, lab, q_ids, k_ids, (gq, gk)
+
+
+def _options(kind, mode, q_ids, k_ids, guide, strategy="absolute"):
+    opts = {"multi_positive": mode}
+    if kind in ("ids", "both") or mode is not None:
+        opts.update(q_ids=q_ids, k_ids=k_ids)
+    if kind in ("guide", "both"):
+        opts.update(guide=guide, guide_margin=0.3 if strategy == "absolute" else 0.2, guide_margin_strategy=strategy)
+    return opts
+
+
+def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=None, what=""):
+    scale = torch.tensor(SCALE, dtype=torch.float64)
+    truth = grads_of_inputs(
+        lambda a, b, s: masked_loss_truth(a, b, labels, s, symmetric=symmetric, reduction=reduction, **opts),
+        (q.double(), k.double(), scale), upstream,
+    )
+    got = grads_of_inputs(
+        lambda a, b, s: cal_inf_loss(
+            a, b, labels, s, symmetric=symmetric, reduction=reduction, backend=backend, **opts
+        ),
+        (q, k, scale.to(dtype)), upstream,
+    )
+    atol, rtol = TOLERANCE[dtype]
+    for name, g, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
+        assert_close_verbose(g, t, atol, rtol, f"{what} {name}")
+    return got, truth
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ("ids", "guide", "both"))
+@pytest.mark.parametrize("symmetric", (False, True))
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+def test_matches_truth(backend, mode, kind, symmetric, dtype):
+    if kind == "guide" and mode is not None:
+        kind = "both"  # multi_positive needs ids
+    q, k, labels, q_ids, k_ids, guide = _inputs(23, 23, dtype=dtype)
+    opts = _options(kind, mode, q_ids, k_ids, guide)
+    upstream = torch.linspace(-0.5, 1.5, 23, dtype=torch.float64)
+    for reduction in ("mean", "sum", "none"):
+        _check(backend, q, k, labels, opts, symmetric, reduction, dtype,
+               upstream if reduction == "none" else None, f"{backend} {kind} {mode} sym={symmetric} {reduction}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("strategy", ("absolute", "relative"))
+def test_hard_negative_columns_and_margin_strategies(backend, mode, strategy):
+    q, k, labels, q_ids, k_ids, guide = _inputs(13, 31, dtype=torch.float64, labels="random", seed=3)
+    opts = _options("both", mode, q_ids, k_ids, guide, strategy)
+    _check(backend, q, k, labels, opts, False, "mean", torch.float64, what=f"{backend} {mode} {strategy}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_rows_without_positive(backend, symmetric):
+    # Ids from 7 classes on 9 rows: some rows (and columns) have no partner; their losses are NaN under
+    # "none" and are left out of "sum" and of "mean"'s count.
+    q, k, labels, _, _, _ = _inputs(9, 9, dtype=torch.float64, seed=5)
+    q_ids = torch.tensor([0, 0, 1, 2, 3, 3, 4, 5, 6])
+    k_ids = torch.tensor([0, 1, 1, 2, 9, 3, 4, 7, 8])
+    for mode in ("mean", "sum"):
+        opts = {"q_ids": q_ids, "k_ids": k_ids, "multi_positive": mode}
+        none = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", backend=backend, **opts)
+        want = masked_loss_truth(q, k, labels, SCALE, symmetric=symmetric, reduction="none", **opts)
+        assert torch.isnan(none).any() and not torch.isnan(none).all()
+        assert_close_verbose(none, want, 1e-10, 1e-10, f"{mode} none")
+        for reduction in ("mean", "sum"):
+            _check(backend, q, k, labels, opts, symmetric, reduction, torch.float64, what=f"{mode} {reduction}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_all_ids_equal(backend, symmetric):
+    q, k, labels, _, _, _ = _inputs(11, 11, dtype=torch.float64, seed=7)
+    same = torch.zeros(11, dtype=torch.int64)
+    # One positive per row and every other column a false negative: each row's softmax is its positive alone.
+    alone = cal_inf_loss(
+        q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same, backend=backend
+    )
+    assert_close_verbose(alone, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "None: loss 0")
+    # "sum": the positives are every column, so lse - lse = 0; "mean": lse - mean of the row.
+    summed = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same,
+                          multi_positive="sum", backend=backend)
+    assert_close_verbose(summed, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "sum: loss 0")
+    for mode in MODES:
+        _check(backend, q, k, labels, {"q_ids": same, "k_ids": same, "multi_positive": mode}, symmetric, "mean",
+               torch.float64, what=f"all equal {mode}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+def test_distinct_ids_equal_plain_loss(backend, symmetric, dtype):
+    q, k, labels, _, _, _ = _inputs(37, 37, dtype=dtype, seed=11)
+    ids = torch.randperm(37) * 3
+    k_ids = torch.empty_like(ids)
+    k_ids[labels] = ids  # each row's labelled column carries its id, every other column another one
+    atol, rtol = TOLERANCE[dtype]
+    for mode in MODES:
+        for reduction in ("mean", "none"):
+            masked = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction=reduction, q_ids=ids,
+                                  k_ids=k_ids, multi_positive=mode, backend=backend)
+            plain = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction=reduction, backend=backend)
+            if backend == "reference":
+                assert_close_verbose(masked, plain, atol, rtol, f"{mode} {reduction}")
+            else:
+                assert torch.equal(masked, plain), f"{mode} {reduction}: not bit for bit"
+
+
+# --- input validation ----------------------------------------------------------------------------------
+
+BAD_INPUTS = (
+    ({"q_ids": torch.arange(5), "k_ids": torch.arange(6)}, ValueError, r"q_ids must have shape \[6\]"),
+    ({"q_ids": torch.arange(6), "k_ids": torch.arange(6)[None]}, ValueError, r"k_ids must have shape \[6\]"),
+    ({"q_ids": torch.arange(6.0), "k_ids": torch.arange(6)}, TypeError, "q_ids must be an integer tensor"),
+    ({"q_ids": torch.arange(6), "k_ids": torch.ones(6, dtype=torch.bool)}, TypeError, "k_ids must be an integer"),
+    ({"q_ids": [0] * 6, "k_ids": torch.arange(6)}, TypeError, "q_ids must be None or an integer tensor"),
+    ({"q_ids": torch.arange(6, device="meta"), "k_ids": torch.arange(6)}, ValueError, "q_ids must be on q's device"),
+    ({"q_ids": torch.arange(6)}, ValueError, "q_ids was given without k_ids"),
+    ({"multi_positive": "mean"}, ValueError, "multi_positive='mean' needs q_ids and k_ids"),
+    ({"q_ids": torch.arange(6), "k_ids": torch.arange(6), "multi_positive": "max"}, ValueError,
+     "multi_positive must be one of"),
+    ({"guide": (torch.randn(5, 3), torch.randn(6, 3))}, ValueError, "guide.0. must have one row per row of q"),
+    ({"guide": (torch.randn(6, 3), torch.randn(7, 3))}, ValueError, "guide.1. must have one row per row of k"),
+    ({"guide": (torch.randn(6, 3), torch.randn(6, 4))}, ValueError, "same non-zero width"),
+    ({"guide": torch.randn(6, 3)}, TypeError, "guide must be None or a pair"),
+    ({"guide": (torch.randn(6, 3), torch.randn(6, 3), torch.randn(6, 3))}, TypeError, "guide must be None or a pair"),
+    ({"guide": (torch.randn(6), torch.randn(6, 3))}, ValueError, "guide.0. must be 2-d"),
+    ({"guide": (torch.randn(6, 3), torch.arange(18).view(6, 3))}, TypeError, "guide.1. must be a floating-point"),
+    ({"guide": (torch.randn(6, 3), torch.randn(6, 3, dtype=torch.float64))}, TypeError, "same dtype"),
+    ({"guide_margin_strategy": "percent"}, ValueError, "guide_margin_strategy must be one of"),
+    ({"guide_margin": "0.1"}, TypeError, "guide_margin must be a real number"),
+    ({"guide_margin": float("nan")}, ValueError, "guide_margin must be finite"),
+    ({"return_stats": 1}, TypeError, "return_stats must be a bool"),
+)
+
+
+@pytest.mark.parametrize("kwargs,kind,match", BAD_INPUTS, ids=[b[2][:30] for b in BAD_INPUTS])
+def test_bad_input_raises_named_error(kwargs, kind, match):
+    q, k = torch.randn(6, 4), torch.randn(6, 4)
+    with pytest.raises(kind, match=match):
+        cal_inf_loss(q, k, **kwargs)
