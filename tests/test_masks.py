@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from support import TOLERANCE, assert_close_verbose, grads_of_inputs, masked_loss_truth
 
 from infcl import cal_inf_loss
+from infcl.backends.torch_tiles import TORCH_TILES
 
-MASK_BACKENDS = ("reference",)
+# "torch-tiny": the torch tiles shrunk so that every block spans many tiles (masks cut across tile edges).
+MASK_BACKENDS = ("reference", "torch", "torch-tiny")
+TINY_TILES = (4, 7)
 MODES = (None, "mean", "sum")
 SCALE = 7.0  # CLIP-like logits in [-7, 7] on unit features
 # (name, kwargs builder): ids drawn from few classes (many duplicates), from a guide, or both.
@@ -44,16 +47,30 @@ def _options(kind, mode, q_ids, k_ids, guide, strategy="absolute"):
     return opts
 
 
+def _use(backend):
+    """The backend name to pass, with the torch tiles shrunk for "torch-tiny" (restored after each test)."""
+    if backend == "torch-tiny":
+        TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
+        return "torch"
+    return backend
+
+
+@pytest.fixture(autouse=True)
+def _restore_tiles():
+    saved = TORCH_TILES.tile_q, TORCH_TILES.tile_k
+    yield
+    TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
+
+
 def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=None, what=""):
     scale = torch.tensor(SCALE, dtype=torch.float64)
     truth = grads_of_inputs(
         lambda a, b, s: masked_loss_truth(a, b, labels, s, symmetric=symmetric, reduction=reduction, **opts),
         (q.double(), k.double(), scale), upstream,
     )
+    name = _use(backend)
     got = grads_of_inputs(
-        lambda a, b, s: cal_inf_loss(
-            a, b, labels, s, symmetric=symmetric, reduction=reduction, backend=backend, **opts
-        ),
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=symmetric, reduction=reduction, backend=name, **opts),
         (q, k, scale.to(dtype)), upstream,
     )
     atol, rtol = TOLERANCE[dtype]
@@ -66,7 +83,7 @@ def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=No
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ("ids", "guide", "both"))
 @pytest.mark.parametrize("symmetric", (False, True))
-@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16, torch.float16))
 def test_matches_truth(backend, mode, kind, symmetric, dtype):
     if kind == "guide" and mode is not None:
         kind = "both"  # multi_positive needs ids
@@ -93,11 +110,12 @@ def test_rows_without_positive(backend, symmetric):
     # Ids from 7 classes on 9 rows: some rows (and columns) have no partner; their losses are NaN under
     # "none" and are left out of "sum" and of "mean"'s count.
     q, k, labels, _, _, _ = _inputs(9, 9, dtype=torch.float64, seed=5)
+    name = _use(backend)
     q_ids = torch.tensor([0, 0, 1, 2, 3, 3, 4, 5, 6])
     k_ids = torch.tensor([0, 1, 1, 2, 9, 3, 4, 7, 8])
     for mode in ("mean", "sum"):
         opts = {"q_ids": q_ids, "k_ids": k_ids, "multi_positive": mode}
-        none = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", backend=backend, **opts)
+        none = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", backend=name, **opts)
         want = masked_loss_truth(q, k, labels, SCALE, symmetric=symmetric, reduction="none", **opts)
         assert torch.isnan(none).any() and not torch.isnan(none).all()
         assert_close_verbose(none, want, 1e-10, 1e-10, f"{mode} none")
@@ -109,15 +127,16 @@ def test_rows_without_positive(backend, symmetric):
 @pytest.mark.parametrize("symmetric", (False, True))
 def test_all_ids_equal(backend, symmetric):
     q, k, labels, _, _, _ = _inputs(11, 11, dtype=torch.float64, seed=7)
+    name = _use(backend)
     same = torch.zeros(11, dtype=torch.int64)
     # One positive per row and every other column a false negative: each row's softmax is its positive alone.
     alone = cal_inf_loss(
-        q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same, backend=backend
+        q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same, backend=name
     )
     assert_close_verbose(alone, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "None: loss 0")
     # "sum": the positives are every column, so lse - lse = 0; "mean": lse - mean of the row.
     summed = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same,
-                          multi_positive="sum", backend=backend)
+                          multi_positive="sum", backend=name)
     assert_close_verbose(summed, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "sum: loss 0")
     for mode in MODES:
         _check(backend, q, k, labels, {"q_ids": same, "k_ids": same, "multi_positive": mode}, symmetric, "mean",
@@ -128,20 +147,30 @@ def test_all_ids_equal(backend, symmetric):
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
 def test_distinct_ids_equal_plain_loss(backend, symmetric, dtype):
+    # Ids that never repeat exclude nothing and make each row's labelled column its only positive: the
+    # tiles must then give the plain loss and its gradients bit for bit (the reference: to round-off).
     q, k, labels, _, _, _ = _inputs(37, 37, dtype=dtype, seed=11)
     ids = torch.randperm(37) * 3
     k_ids = torch.empty_like(ids)
     k_ids[labels] = ids  # each row's labelled column carries its id, every other column another one
+    scale = torch.tensor(SCALE, dtype=dtype)
+    upstream = torch.linspace(-0.5, 1.5, 37, dtype=torch.float64)
     atol, rtol = TOLERANCE[dtype]
+    name = _use(backend)
     for mode in MODES:
-        for reduction in ("mean", "none"):
-            masked = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction=reduction, q_ids=ids,
-                                  k_ids=k_ids, multi_positive=mode, backend=backend)
-            plain = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction=reduction, backend=backend)
-            if backend == "reference":
-                assert_close_verbose(masked, plain, atol, rtol, f"{mode} {reduction}")
-            else:
-                assert torch.equal(masked, plain), f"{mode} {reduction}: not bit for bit"
+        for reduction in ("mean", "sum", "none"):
+            up = upstream if reduction == "none" else None
+            common = {"symmetric": symmetric, "reduction": reduction, "backend": name}
+            masks = {"q_ids": ids, "k_ids": k_ids, "multi_positive": mode}
+            masked = grads_of_inputs(
+                lambda a, b, s, c=common, m=masks: cal_inf_loss(a, b, labels, s, **c, **m), (q, k, scale), up
+            )
+            plain = grads_of_inputs(lambda a, b, s, c=common: cal_inf_loss(a, b, labels, s, **c), (q, k, scale), up)
+            for what, m, p in zip(("loss", "dq", "dk", "dscale"), masked, plain):
+                if backend == "reference":
+                    assert_close_verbose(m, p, atol, rtol, f"{mode} {reduction} {what}")
+                else:
+                    assert torch.equal(m, p), f"{mode} {reduction} {what}: not bit for bit"
 
 
 # --- input validation ----------------------------------------------------------------------------------

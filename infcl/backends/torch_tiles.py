@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..lse import MAX, REL, empty_stats, lse_merge, tile_stats
+from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
 from .base import Block, Tensor, accum_dtype
 
 # CPU tile sizes, measured with `python -m bench.tile_sizes` (B=4096, D=512, fp32, symmetric fwd+bwd, 2
@@ -113,6 +114,86 @@ def _replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor)
     return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
 
 
+def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(positive, excluded, column-excluded) [ni, nj] bool masks of one tile (see infcl.masks); the column
+    direction's exclusions differ from the rows' only by the guide thresholds (None unless ``want_cols``)."""
+    same = None
+    if block.q_ids is not None:
+        same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
+    if block.multi_positive is None:
+        inside, idx = _positives(block.pos, tile)
+        positive = torch.zeros(idx.shape[0], tile.kj.shape[0], dtype=torch.bool, device=idx.device)
+        positive.scatter_(1, idx, inside[:, None])
+    else:
+        positive = same
+    negative = ~positive
+    excluded = same & negative if same is not None else torch.zeros_like(positive)
+    col_excluded = excluded if want_cols else None
+    if block.guide_q is not None:
+        scores = block.guide_q[tile.rows] @ block.guide_k[tile.cols].T
+        if want_cols:
+            col_excluded = excluded | ((scores > block.col_threshold[None, tile.cols]) & negative)
+        excluded = excluded | ((scores > block.row_threshold[tile.rows, None]) & negative)
+    return positive, excluded, col_excluded
+
+
+def _masked_partials(acc: Tensor, s: Tensor, positive: Tensor, excluded: Tensor, kept: Tensor, dim: int, kind: str):
+    """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
+
+    ``kept``: a tile buffer for s with the excluded entries at -inf; with nothing excluded it is s itself,
+    so the stats are the plain loss's bit for bit.
+    """
+    neg_inf = float("-inf")
+    kept.copy_(s).masked_fill_(excluded, neg_inf)
+    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim=dim))
+    kept.copy_(s).masked_fill_(~positive, neg_inf)
+    if kind == "sum":
+        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim=dim))
+    else:
+        torch.maximum(acc[POS_MAX], torch.amax(kept, dim=dim), out=acc[POS_MAX])
+    acc[POS_SUM] += torch.where(positive, s, 0).sum(dim=dim)
+    acc[POS_COUNT] += positive.sum(dim=dim)
+
+
+class _Positives(NamedTuple):
+    """The backward's view of each row's (or column's) positives, broadcast to the tile."""
+
+    count: Optional[Tensor]  # |P|, None and "mean"
+    stats: Optional[Tensor]  # [2, ...] global (max, rel) of the positives' logits, "sum"
+
+
+def _row_positives(block: Block, tile: _Tile) -> _Positives:
+    if block.multi_positive == "sum":
+        return _Positives(None, block.row_pos_stats[:, tile.rows, None])
+    return _Positives(block.row_pos_count[tile.rows, None], None)
+
+
+def _col_positives(block: Block, tile: _Tile) -> _Positives:
+    if block.multi_positive == "sum":
+        return _Positives(None, block.col_pos_stats[:, None, tile.cols])
+    return _Positives(block.col_pos_count[None, tile.cols], None)
+
+
+def _masked_probabilities(
+    out: Tensor, s: Tensor, positive: Tensor, excluded: Tensor, stats: Tensor, g: Tensor, pos: _Positives
+) -> Tensor:
+    """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them, Y on the positives
+    1/c ("mean") or exp((s - pm) - pr) ("sum"); ``stats``, ``g`` and ``pos`` are broadcast to the tile.
+
+    A positive's entry is never a difference of two rounded probabilities: p - 1/c = expm1(x + log c) / c
+    (c = 1: expm1(x), the plain loss's form, bit for bit) and p - y = y * expm1(d) with d = (pm - m) + (pr - r),
+    the log of the positives' share of the softmax (c = 1: d = x, y = 1).
+    """
+    x = torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
+    if pos.stats is None:
+        at_positives = torch.expm1(x + pos.count.log()).div_(pos.count)
+    else:
+        share = (pos.stats[MAX] - stats[MAX]) + (pos.stats[REL] - stats[REL])
+        at_positives = torch.sub(s, pos.stats[MAX]).sub_(pos.stats[REL]).exp_().mul_(torch.expm1(share))
+    x.exp_().masked_fill_(excluded, 0.0)
+    return torch.where(positive, at_positives, x, out=out).mul_(g)
+
+
 class TorchTilesBackend:
     name = "torch"
 
@@ -126,6 +207,8 @@ class TorchTilesBackend:
         return self.tile_q or tq, self.tile_k or tk
 
     def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if block.masked:
+            return self._masked_forward_block(block, want_cols)
         walk = _Walk(block, self.tiles(block.q.device))
         bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
         rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
@@ -143,6 +226,8 @@ class TorchTilesBackend:
         return rows, cols
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if block.masked:
+            return self._masked_backward_block(block, dq, dk)
         walk = _Walk(block, self.tiles(block.q.device))
         scale, both = block.scale, block.symmetric
         dscale = walk.zeros(2)
@@ -157,6 +242,49 @@ class TorchTilesBackend:
             if both:
                 col_stats, g_j = block.col_stats[:, None, tile.cols], block.g_col[None, tile.cols]
                 pc = _probabilities(tile.view(col_buf), s, col_stats, g_j, inside, idx)
+                dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
+                ds.add_(pc)
+            dq[tile.rows].addcmul_(ds @ tile.kj, scale)
+            dk[tile.cols].addcmul_(ds.T @ tile.qi, scale)
+        return dscale
+
+    # --- the softmax loss with masks (infcl.masks; contract: infcl.backends.base) ---------------------
+    # GEMMs per block: as above, plus one guide GEMM (width D') per tile in each pass when a guide is given.
+
+    def _masked_forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        walk = _Walk(block, self.tiles(block.q.device))
+        kind = "sum" if block.multi_positive == "sum" else "mean"
+        rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
+        cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if want_cols else None
+        buf, kept_buf = walk.buffers(2)
+        for tile in walk:
+            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
+            s.mul_(block.scale)  # the same tile as the plain forward's, bit for bit
+            positive, excluded, col_excluded = _tile_masks(block, tile, want_cols)
+            _masked_partials(rows[:, tile.rows], s, positive, excluded, tile.view(kept_buf), 1, kind)
+            if want_cols:
+                _masked_partials(cols[:, tile.cols], s, positive, col_excluded, tile.view(kept_buf), 0, kind)
+        return rows, cols
+
+    def _masked_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        walk = _Walk(block, self.tiles(block.q.device))
+        scale, both = block.scale, block.symmetric
+        dscale = walk.zeros(2)
+        raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if both else 3) + ([] if both else [None])
+        for tile in walk:
+            raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
+            s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
+            positive, excluded, col_excluded = _tile_masks(block, tile, both)
+            ds = _masked_probabilities(
+                tile.view(ds_buf), s, positive, excluded, block.row_stats[:, tile.rows, None],
+                block.g_row[tile.rows, None], _row_positives(block, tile),
+            )
+            dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
+            if both:
+                pc = _masked_probabilities(
+                    tile.view(col_buf), s, positive, col_excluded, block.col_stats[:, None, tile.cols],
+                    block.g_col[None, tile.cols], _col_positives(block, tile),
+                )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)
             dq[tile.rows].addcmul_(ds @ tile.kj, scale)
