@@ -195,15 +195,12 @@ def _masked_direction_truth(logits, labels, ids, other_ids, scores, multi_positi
     return torch.stack(losses)
 
 
-def masked_loss_truth(
-    q, k, labels=None, scale=1.0, *, symmetric=False, reduction="mean", q_ids=None, k_ids=None,
-    multi_positive=None, guide=None, guide_margin=0.0, guide_margin_strategy="absolute",
+def masked_truth_directions(
+    q, k, labels=None, scale=1.0, *, symmetric=False, q_ids=None, k_ids=None, multi_positive=None, guide=None,
+    guide_margin=0.0, guide_margin_strategy="absolute",
 ):
-    """The loss of issue 23's definition in float64 (differentiable in q, k and a tensor scale).
-
-    Rows (and, symmetric, columns) without a positive: NaN under "none", left out of "sum" and of
-    "mean"'s count; symmetric "mean" is the mean over the rows and columns that have a positive.
-    """
+    """Issue 23's row losses [Bq] and, symmetric, column losses [Bk] (else None) in float64, differentiable
+    in q, k and a tensor scale; NaN where a row (column) has no positive."""
     q, k = q.double(), k.double()
     scale = scale.double() if torch.is_tensor(scale) else scale
     logits = scale * q @ k.T
@@ -212,11 +209,16 @@ def masked_loss_truth(
     ids = (None, None) if q_ids is None else (q_ids.cpu(), k_ids.cpu())
     args = (multi_positive, guide_margin, guide_margin_strategy)
     rows = _masked_direction_truth(logits, labels, ids[0], ids[1], scores, *args)
-    parts = [rows]
-    if symmetric:
-        inverse = torch.argsort(labels)
-        scores_t = None if scores is None else scores.T
-        parts.append(_masked_direction_truth(logits.T, inverse, ids[1], ids[0], scores_t, *args))
+    if not symmetric:
+        return rows, None
+    scores_t = None if scores is None else scores.T
+    return rows, _masked_direction_truth(logits.T, torch.argsort(labels), ids[1], ids[0], scores_t, *args)
+
+
+def reduce_masked_truth(rows, cols, reduction):
+    """Rows (and columns) without a positive (NaN): NaN under "none", left out of "sum" and of "mean"'s
+    count; symmetric "mean" is the mean over the rows and columns that have a positive."""
+    parts = [rows] if cols is None else [rows, cols]
     if reduction == "none":
         return sum(parts) / len(parts)
     kept = [torch.where(torch.isnan(p), 0.0, p) for p in parts]
@@ -225,3 +227,10 @@ def masked_loss_truth(
         return total
     count = sum(int((~torch.isnan(p)).sum()) for p in parts) / len(parts)
     return total / max(count, 1)
+
+
+def masked_loss_truth(q, k, labels=None, scale=1.0, *, symmetric=False, reduction="mean", **options):
+    """The loss of issue 23's definition in float64 (differentiable in q, k and a tensor scale); ``options``:
+    q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy as ``cal_inf_loss`` takes them."""
+    rows, cols = masked_truth_directions(q, k, labels, scale, symmetric=symmetric, **options)
+    return reduce_masked_truth(rows, cols, reduction)
