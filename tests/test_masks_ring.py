@@ -7,7 +7,6 @@ returns its local loss, q_r.grad and k_r.grad are d(sum_s L_s)/d(rank r's copy),
 """
 
 import pytest
-import torch
 
 import masks_ring_worker as worker
 from distributed import launch, results_by_ring
