@@ -1,10 +1,12 @@
 """The tiled pure-PyTorch backend: runs anywhere torch runs (CPU, CUDA, MPS), no compiler needed.
 
-Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward keeps running row (and column) stats
-merged with :func:`infcl.lse.lse_merge` and reads each row's positive logit off the tile that holds
-it; the backward recomputes each tile with the same operations (so S is bit-identical), forms
-dS = g * (P - Y) in the accumulation dtype — the positive's entry as ``g * expm1(x)``, which keeps its
-digits when P is close to 1 — and accumulates dq, dk and the scale gradient as a sum of per-entry
+Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward takes each tile's stats with
+:func:`infcl.lse.tile_stats` (the maximum's own exp(0) = 1 left out of ``rest`` by position, r = log1p(rest),
+so a confident row's r ~ 1e-20 keeps its digits), merges them into running row (and column) stats with
+:func:`infcl.lse.lse_merge`, and reads each row's positive logit off the tile that holds it; the backward
+recomputes each tile with the same operations (so S is bit-identical), forms dS = g * (P - Y) in the
+accumulation dtype — the positive's entry as ``g * expm1(x)`` = -g * rest / (1 + rest) for x = -r, never
+a difference with 1 — and accumulates dq, dk and the scale gradient as a sum of per-entry
 terms. Extra memory: the float32 (float64) copies of q and k plus a few tiles,
 O((Bq + Bk) * D + tile_q * tile_k), never O(Bq * Bk). No host synchronization: the scale stays a
 tensor and the positives are gathered with index arithmetic, never ``nonzero``.
@@ -142,22 +144,24 @@ def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> Tuple[Tensor, Opt
 
 
 def _masked_partials(
-    acc: Tensor, s: Tensor, positive: Tensor, excluded: Optional[Tensor], kept: Tensor, dim: int, kind: str
+    acc: Tensor, s: Tensor, positive: Tensor, excluded: Optional[Tensor], kept: Tensor, scratch: Tensor, dim: int,
+    kind: str,
 ) -> None:
     """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
 
     ``kept``: a tile buffer for s with the excluded entries at -inf; with nothing excluded it is s itself,
     so the stats are the plain loss's bit for bit. Then the same buffer holds the positives' logits.
+    ``scratch``: a tile buffer for :func:`infcl.lse.tile_stats`.
     """
     neg_inf = float("-inf")
     kept.copy_(s)
     if excluded is not None:
         kept.masked_fill_(excluded, neg_inf)
-    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim=dim))
+    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim, scratch))
     negative = ~positive
     kept.copy_(s).masked_fill_(negative, neg_inf)
     if kind == "sum":
-        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim=dim))
+        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim, scratch))
     else:
         torch.maximum(acc[POS_MAX], torch.amax(kept, dim=dim), out=acc[POS_MAX])
     acc[POS_SUM] += kept.masked_fill_(negative, 0.0).sum(dim=dim)
@@ -224,13 +228,13 @@ class TorchTilesBackend:
         bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
         rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
         cols = empty_stats(bk, acc, dev) if want_cols else None
-        (buf,) = walk.buffers(1)
+        buf, scratch = walk.buffers(2)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the backward repeats exactly these two operations
-            lse_merge(rows[:2, tile.rows], tile_stats(s, dim=1))
+            lse_merge(rows[:2, tile.rows], tile_stats(s, 1, tile.view(scratch)))
             if want_cols:
-                lse_merge(cols[:, tile.cols], tile_stats(s, dim=0))
+                lse_merge(cols[:, tile.cols], tile_stats(s, 0, tile.view(scratch)))
             inside, idx = _positives(block.pos, tile)
             pos_row = rows[2, tile.rows]
             torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
@@ -267,14 +271,15 @@ class TorchTilesBackend:
         kind = "sum" if block.multi_positive == "sum" else "mean"
         rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
         cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if want_cols else None
-        buf, kept_buf = walk.buffers(2)
+        buf, kept_buf, scratch = walk.buffers(3)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the same tile as the plain forward's, bit for bit
             positive, excluded, col_excluded = _tile_masks(block, tile, want_cols)
-            _masked_partials(rows[:, tile.rows], s, positive, excluded, tile.view(kept_buf), 1, kind)
+            kept, spare = tile.view(kept_buf), tile.view(scratch)
+            _masked_partials(rows[:, tile.rows], s, positive, excluded, kept, spare, 1, kind)
             if want_cols:
-                _masked_partials(cols[:, tile.cols], s, positive, col_excluded, tile.view(kept_buf), 0, kind)
+                _masked_partials(cols[:, tile.cols], s, positive, col_excluded, kept, spare, 0, kind)
         return rows, cols
 
     def _masked_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:

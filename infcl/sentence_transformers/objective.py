@@ -30,7 +30,7 @@ has no mask; ``hardness_mode`` with ``hardness_strength > 0``, which adds a per-
 logits; any ``similarity_fct`` other than cosine or dot product.
 """
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,27 @@ def check_supported(loss, group=None) -> None:
         )
     if group is not None and not loss.gather_across_devices:
         raise ValueError("group is the process group to gather across: it needs gather_across_devices=True")
+
+
+# The arguments of sentence-transformers' MultipleNegativesRankingLoss that define the objective: what the
+# other classes' constructors hand on to it.
+OBJECTIVE_ARGUMENTS = (
+    "scale",
+    "similarity_fct",
+    "gather_across_devices",
+    "directions",
+    "partition_mode",
+    "hardness_mode",
+    "hardness_strength",
+)
+# What the deprecated symmetric classes fix: both directions, one log-sum-exp each.
+SYMMETRIC_SETTINGS = {"directions": (QUERY_TO_DOC, DOC_TO_QUERY), "partition_mode": "per_direction"}
+
+
+def objective_arguments(arguments: Mapping[str, Any]) -> Dict[str, Any]:
+    """The :data:`OBJECTIVE_ARGUMENTS` among ``arguments`` (a constructor's ``locals()``), to hand on by
+    keyword: one forwarding for every class, whatever subset of the objective its signature mirrors."""
+    return {name: arguments[name] for name in OBJECTIVE_ARGUMENTS if name in arguments}
 
 
 # ---- process groups --------------------------------------------------------------------------
