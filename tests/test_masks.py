@@ -223,8 +223,8 @@ def test_stats_of_the_plain_loss(backend, symmetric):
     scale = 3.0
     loss, stats = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend=_use(backend), return_stats=True)
     assert isinstance(stats, InfLossStats)
-    assert_close_verbose(loss, cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend="reference"), 1e-10, 1e-10,
-                         "loss with stats")
+    reference = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend="reference")
+    assert_close_verbose(loss, reference, 1e-10, 1e-10, "loss with stats")
     logits = scale * q @ k.T
     want = [(logits.argmax(1) == labels).double().mean(), logits.gather(1, labels[:, None]).mean()]
     if symmetric:
