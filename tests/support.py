@@ -273,9 +273,21 @@ def _masked_direction_truth(logits, labels, ids, other_ids, scores, multi_positi
             losses.append(logits.new_tensor(float("nan")))
             continue
         kept = [j for j in range(m) if j not in excluded]
-        lse = torch.logsumexp(logits[i, kept], dim=0)
         pos = logits[i, sorted(positives)]
-        losses.append(lse - (torch.logsumexp(pos, dim=0) if multi_positive == "sum" else pos.mean()))
+        # lse(kept) - (the positives' term) without cancellation, so that a confident row's ~1e-12 loss
+        # keeps its digits: relative to the positives' lse ("sum") or to the largest positive, log1p of
+        # the rest (positives are never excluded, so they are among the kept columns).
+        # (A lone positive adds no shift term at all: its +1 and -1 would meet in the gradient of S_pos
+        # beside the tiny -tail / (1 + tail) and round it.)
+        if multi_positive == "sum":
+            rest = [j for j in kept if j not in positives]
+            ref, shift = torch.logsumexp(pos, dim=0), None
+        else:
+            top = max(positives, key=lambda j: float(logits[i, j].detach()))
+            rest = [j for j in kept if j != top]
+            ref, shift = logits[i, top], (logits[i, top] - pos.mean()) if len(positives) > 1 else None
+        tail = torch.exp(logits[i, rest] - ref).sum()  # 0, in the graph, when nothing is left
+        losses.append(torch.log1p(tail) if shift is None else torch.log1p(tail) + shift)
     return torch.stack(losses)
 
 

@@ -7,7 +7,7 @@ shares nothing with the reference backend's or the tiles' masks.
 import pytest
 import torch
 import torch.nn.functional as F
-from support import TOLERANCE, assert_close_verbose, grads_of_inputs, masked_loss_truth
+from support import TOLERANCE, assert_close_verbose, assert_normwise, grads_of_inputs, masked_loss_truth
 
 from infcl import InfCLIPLoss, cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
@@ -19,6 +19,9 @@ MASK_BACKENDS = ("reference", "torch", "torch-tiny")
 TINY_TILES = (4, 7)
 MODES = (None, "mean", "sum")
 SCALE = 7.0  # CLIP-like logits in [-7, 7] on unit features
+CONFIDENT_SCALE = 40.0  # gaps of tens of logits between a positive and the rest
+# Normwise relative error bounds of the confident batch: a few float32 round-offs; float64 likewise.
+CONFIDENT_BOUND = {torch.float32: 1e-5, torch.float64: 1e-12}
 # (name, kwargs builder): ids drawn from few classes (many duplicates), from a guide, or both.
 N_CLASSES = 5
 
@@ -309,3 +312,33 @@ def test_clip_loss_module_takes_the_mask_options():
     assert torch.equal(plain(q, k, SCALE, q_ids=torch.arange(12), k_ids=torch.arange(12)), plain(q, k, SCALE)), (
         "distinct ids: the plain loss bit for bit"
     )
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("classes", ("few", "distinct"))  # "distinct": one positive per row in every mode
+def test_confident_batch(backend, mode, dtype, classes):
+    # Each row's labelled column is the row itself and every other column is at cosine < ~0.5 in D=64:
+    # gaps of 20+ logits, so 1 - p at a lone positive is ~1e-9, below float32's spacing near 1. The tiles
+    # form it with expm1; the gradients must keep their relative (normwise) precision.
+    if backend == "reference":
+        pytest.skip("the reference is the vanilla math (lse - S, p - 1): not held to round-off here")
+    q, k, labels, q_ids, k_ids, guide = _inputs(17, 17, d=64, dtype=torch.float64, seed=19)
+    k[labels] = q
+    if classes == "distinct":
+        q_ids, k_ids = torch.arange(17), torch.argsort(labels)
+    opts = _options("both", mode, q_ids, k_ids, guide)
+    scale = torch.tensor(CONFIDENT_SCALE, dtype=torch.float64)
+    name = _use(backend)
+    for symmetric in (False, True):
+        truth = grads_of_inputs(
+            lambda a, b, s_, sym=symmetric: masked_loss_truth(a, b, labels, s_, symmetric=sym, reduction="sum", **opts),
+            (q, k, scale),
+        )
+        got = grads_of_inputs(
+            lambda a, b, s_, sym=symmetric: cal_inf_loss(a, b, labels, s_, symmetric=sym, reduction="sum", backend=name,
+                                                         **opts),
+            (q.to(dtype), k.to(dtype), scale.to(dtype)),
+        )
+        assert_normwise(got, truth, CONFIDENT_BOUND[dtype], f"confident {mode} sym={symmetric}")
