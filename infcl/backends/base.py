@@ -37,12 +37,14 @@ in the guide's accumulation dtype) with each row's (and, symmetric, column's) th
 G = guide_q @ guide_k.T above the threshold) and not P; the column direction's E uses the column
 thresholds. The forward's outputs are then ``[6, n]`` for rows and columns alike (rows of
 :mod:`infcl.masks`): the stats over the columns not in E, the positives' max (and, for "sum", their
-log-sum relative to it), the sum of the positives' logits and their count. The backward reads each
-row's positive count (``row_pos_count``; None and "mean") or the positives' global stats
-(``row_pos_stats``; "sum") and forms, with P_row = exp((S - m) - r) off E and 0 on E,
-    Y = 1 / |P(i)| on P ("mean"): the entry p - 1/c as expm1(x + log c) / c (c = 1: expm1(x), as above)
+log-sum relative to it), the sum of the positives' logits and their count. The backward forms, with
+P_row = exp((S - m) - r) off E and 0 on E, and the positives' global count (``row_pos_count``, "mean")
+or stats (``row_pos_stats``, "sum"):
+    Y = the one-hot of ``pos`` (multi_positive None): as above, the positive's entry g * expm1(x)
+    Y = 1 / |P(i)| on P ("mean"): the entry p - 1/c as expm1(x + log c) / c
     Y = softmax of S over P(i) ("sum"): the entry p - y as y * expm1(d), d = lse(P(i)) - lse_i <= 0
-and dq, dk, dscale as above.
+and dq, dk, dscale as above. With ids that never repeat (nothing excluded, one positive per row) every
+one of these is the plain loss bit for bit.
 
 Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
 positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks but plain sums:
@@ -90,7 +92,7 @@ class Block:
     row_threshold: Optional[Tensor] = None  # [Bq]: G[i, j] above it excludes column j from row i
     col_threshold: Optional[Tensor] = None  # [Bk]: G[i, j] above it excludes row i from column j (symmetric)
     multi_positive: Optional[str] = None  # None (positive: pos) | "mean" | "sum" (positives: same id)
-    row_pos_count: Optional[Tensor] = None  # [Bq] |P(i)|, global (masked backward, None and "mean")
+    row_pos_count: Optional[Tensor] = None  # [Bq] |P(i)|, global (masked backward, "mean")
     row_pos_stats: Optional[Tensor] = None  # [2, Bq] global stats of the row's positives (masked backward, "sum")
     col_pos_count: Optional[Tensor] = None  # [Bk] the same per column (symmetric)
     col_pos_stats: Optional[Tensor] = None  # [2, Bk]
