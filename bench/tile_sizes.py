@@ -37,7 +37,7 @@ def tiles_step(q, k, scale, backend: TorchTilesBackend) -> Step:
     plan = LossPlan(backend=backend, symmetric=True, layout=single_layout(q.shape[0], k.shape[0]))
 
     def loss_fn(q, k, scale):
-        rows, cols = InfLossFunction.apply(q, k, scale, labels, plan)
+        rows, cols, _, _ = InfLossFunction.apply(q, k, scale, labels, plan)  # (and the per-row infos)
         return ((rows + cols) / 2).mean()
 
     return loss_step(loss_fn, q, k, scale, MODE)

@@ -1,13 +1,25 @@
 """The public entry point: ``cal_inf_loss`` (and ``cal_inf_loss_reference``, the same call on the
 materializing reference)."""
 
+from typing import Optional
+
 import torch
 
 from .backends import block_backend, resolve_backend
-from .checks import check_features, check_head_dim, check_reduction, global_labels, local_labels, make_scale
+from .checks import (
+    check_features,
+    check_head_dim,
+    check_reduction,
+    global_labels,
+    local_labels,
+    make_masks,
+    make_scale,
+)
 from .function import InfLossFunction, LossPlan
-from .reference import reference_losses
+from .masks import MaskOptions
+from .reference import masked_reference_losses, reference_losses
 from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
+from .stats import HAS_POS, loss_stats, reduce_masked
 
 
 def cal_inf_loss(
@@ -19,9 +31,16 @@ def cal_inf_loss(
     *,
     symmetric: bool = False,
     reduction: str = "mean",
+    q_ids=None,
+    k_ids=None,
+    multi_positive=None,
+    guide=None,
+    guide_margin=0.0,
+    guide_margin_strategy: str = "absolute",
     group=None,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_stats: bool = False,
+):
     """Contrastive (InfoNCE / CLIP) loss over S = scale * q @ k.T, exact, without materializing S.
 
     Args:
@@ -37,17 +56,35 @@ def cal_inf_loss(
         symmetric: return (q->k + k->q) / 2, the CLIP loss, in one fused pass. Needs Bq == Bk and,
             with labels, a permutation (the k->q direction uses its inverse).
         reduction: "mean" | "sum" | "none" (per row; for symmetric, per pair (row_i + column_i) / 2).
+            With ``multi_positive``, a row (or column) without a positive has no loss: NaN under "none",
+            left out of "sum" and out of "mean"'s count (the mean over the rows and columns that have
+            one; 0 if none has).
+        q_ids, k_ids: [Bq] and [Bk] integer ids (the same item, or the same class), both or neither, on
+            the features' device; under a ring each rank passes its local ones. A column with the row's
+            id that is not its positive is a false negative: left out of the row's softmax.
+        multi_positive: None (one positive per row: ``labels``), "mean" or "sum": every column with the
+            row's id is a positive, and the row loss is the mean over them of lse - S[i, p] ("mean",
+            SupCon's L_out) or lse - logsumexp of the positives ("sum", MIL-NCE). Needs the ids.
+        guide: None or (guide_q [Bq, D'], guide_k [Bk, D']): another model's features (no gradient; any
+            width and float dtype) scoring G = guide_q @ guide_k.T. A column that is not a positive and
+            scores G[i, j] > G[i, labels[i]] - guide_margin ("absolute") or > G[i, labels[i]] *
+            (1 - guide_margin) ("relative", ``guide_margin_strategy``) is left out (GISTEmbedLoss's rule).
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
             its local shard and gets the loss of its local rows against the global batch.
         backend: "auto" | "torch" | "cpu" | "triton" | "reference" (see :mod:`infcl.backends`);
-            the environment variable INFCL_BACKEND overrides "auto".
+            the environment variable INFCL_BACKEND overrides "auto". The ids, ``multi_positive`` and
+            ``guide`` run on "torch" and "reference" ("auto" picks "torch" for them).
+        return_stats: also return an :class:`infcl.stats.InfLossStats` (top-1 accuracy and mean positive
+            logit per direction), read off the loss's own statistics.
 
     Returns:
         The loss: a 0-d tensor, or [Bq] for reduction="none". It is float32 for float32, bfloat16 and
-        float16 inputs (the accumulation dtype) and float64 for float64 inputs.
+        float16 inputs (the accumulation dtype) and float64 for float64 inputs. With return_stats,
+        ``(loss, stats)``.
 
     Math: row loss_i = logsumexp_j S[i, j] - S[i, labels_i]; column loss_j = logsumexp_i S[i, j] - S[inv_j, j].
+    The mask options change which columns are positives and which are left out: see :mod:`infcl.masks`.
     """
     ring = ring_group(group)
     with rejected_everywhere(ring):
@@ -56,18 +93,35 @@ def cal_inf_loss(
         check_head_dim(head_dim)
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
-        name = resolve_backend(backend, q.device)
+        if not isinstance(return_stats, bool):
+            raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+        masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
+        name = resolve_backend(backend, q.device, masked=masks is not None)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
-    layout = call_layout(ring, q, k, labels_t)
+    layout = call_layout(ring, q, k, labels_t, masks)
     labels_t = global_labels(labels_t, q, layout, symmetric)
 
-    if name == "reference":
+    row_info = col_info = None
+    if name == "reference" and masks is None:
         row_loss, col_loss = reference_losses(q, k, scale_t, labels_t, symmetric, layout)
+        if return_stats:
+            with torch.no_grad():
+                (_, row_info), (_, col_info) = masked_reference_losses(q, k, scale_t, labels_t, symmetric, layout, None)
+    elif name == "reference":
+        (row_loss, row_info), (col_loss, col_info) = masked_reference_losses(
+            q, k, scale_t, labels_t, symmetric, layout, masks
+        )
     else:
-        plan = LossPlan(backend=block_backend(name), symmetric=symmetric, layout=layout)
-        row_loss, col_loss = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
-    return reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
+        plan = LossPlan(backend=block_backend(name), symmetric=symmetric, layout=layout, masks=masks)
+        row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
+        col_info = col_info if symmetric else None
+    if masks is None:
+        loss = reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
+    else:
+        col_valid = col_info[HAS_POS] > 0 if symmetric else None
+        loss = reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
+    return (loss, loss_stats(row_info, col_info)) if return_stats else loss
 
 
 def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -76,11 +130,11 @@ def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) ->
     return cal_inf_loss(q, k, *args, backend="reference", **kwargs)
 
 
-def call_layout(ring, q: torch.Tensor, k: torch.Tensor, labels) -> RingLayout:
-    """This call's ring layout: a single process, or every rank's sizes exchanged over ``ring``."""
+def call_layout(ring, q: torch.Tensor, k: torch.Tensor, labels, masks: Optional[MaskOptions] = None) -> RingLayout:
+    """This call's ring layout: a single process, or every rank's sizes (and mask options) exchanged over ``ring``."""
     if ring is None:
         return single_layout(q.shape[0], k.shape[0], labels)
-    return exchange_layout(q, k, ring, labels)
+    return exchange_layout(q, k, ring, labels, masks)
 
 
 def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .masks import MARGIN_STRATEGIES, MULTI_POSITIVE, MaskOptions
 from .ring.layout import RingLayout
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -148,3 +149,74 @@ def _check_permutation(labels: torch.Tensor, layout: RingLayout) -> None:
     expected = torch.arange(every.shape[0], device=every.device)
     if not torch.equal(torch.sort(every).values, expected):
         raise ValueError("symmetric=True needs labels that are a permutation of the column indices (each column once)")
+
+
+def _ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
+    """``ids``: None or an integer tensor [rows] on the features' device; returned as int64."""
+    if ids is None:
+        return None
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be None or an integer tensor, got {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {ids.dtype}")
+    if ids.dim() != 1 or ids.shape[0] != rows:
+        raise ValueError(
+            f"{name} must have shape [{rows}] (one id per row of {feats_name} {_shape(feats)}), got {_shape(ids)}"
+        )
+    if ids.device != feats.device:
+        raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {ids.device}")
+    return ids.to(torch.int64)
+
+
+def _guide(guide, q: torch.Tensor, k: torch.Tensor):
+    """``guide``: None or a pair (gq [Bq, D'], gk [Bk, D']) of floating tensors of one dtype, on q's device."""
+    if guide is None:
+        return None, None
+    if not isinstance(guide, (tuple, list)) or len(guide) != 2:
+        raise TypeError(f"guide must be None or a pair (guide_q, guide_k) of 2-d tensors, got {type(guide).__name__}")
+    gq, gk = guide
+    for name, t, feats, feats_name in (("guide[0]", gq, q, "q"), ("guide[1]", gk, k, "k")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-d [rows, guide dim], got shape {_shape(t)}")
+        if t.shape[0] != feats.shape[0]:
+            raise ValueError(
+                f"{name} must have one row per row of {feats_name}: {feats_name} {_shape(feats)}, {name} {_shape(t)}"
+            )
+        if t.device != feats.device:
+            raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {t.device}")
+    if gq.shape[1] != gk.shape[1] or gq.shape[1] == 0:
+        raise ValueError(f"guide[0] and guide[1] must have the same non-zero width: {_shape(gq)}, {_shape(gk)}")
+    if gq.dtype != gk.dtype:
+        raise TypeError(f"guide[0] and guide[1] must have the same dtype: {gq.dtype}, {gk.dtype}")
+    return gq.detach(), gk.detach()
+
+
+def make_masks(
+    q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy
+) -> Optional[MaskOptions]:
+    """The call's mask options (:mod:`infcl.masks`) checked, or None when none is used (the plain loss)."""
+    if multi_positive not in MULTI_POSITIVE:
+        raise ValueError(f"multi_positive must be one of {MULTI_POSITIVE}, got {multi_positive!r}")
+    if guide_margin_strategy not in MARGIN_STRATEGIES:
+        raise ValueError(f"guide_margin_strategy must be one of {MARGIN_STRATEGIES}, got {guide_margin_strategy!r}")
+    if isinstance(guide_margin, (bool, np.bool_)) or not isinstance(guide_margin, numbers.Real):
+        raise TypeError(f"guide_margin must be a real number, got {type(guide_margin).__name__}")
+    if not np.isfinite(float(guide_margin)):
+        raise ValueError(f"guide_margin must be finite, got {guide_margin}")
+    qi = _ids(q_ids, "q_ids", q.shape[0], q, "q")
+    ki = _ids(k_ids, "k_ids", k.shape[0], k, "k")
+    if (qi is None) != (ki is None):
+        given, missing = ("q_ids", "k_ids") if ki is None else ("k_ids", "q_ids")
+        raise ValueError(f"{given} was given without {missing}: ids compare a row's id with a column's, pass both")
+    if multi_positive is not None and qi is None:
+        raise ValueError(
+            f"multi_positive={multi_positive!r} needs q_ids and k_ids (positives are the columns with the row's id)"
+        )
+    gq, gk = _guide(guide, q, k)
+    if qi is None and gq is None:
+        return None
+    return MaskOptions(qi, ki, multi_positive, gq, gk, float(guide_margin), guide_margin_strategy)

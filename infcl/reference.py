@@ -7,12 +7,16 @@ O(Bq * Bk) memory. Under a ring it all-gathers the features with gradient (as op
 ``gather_with_grad=True`` does), so it also checks the ring's gradient convention.
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .backends.base import accum_dtype
+from .masks import MaskOptions, guide_dtype, guide_threshold
 from .ring.layout import RingLayout
+from .stats import HAS_POS, HIT, POS_LOGIT
 
 
 class _GatherRows(torch.autograd.Function):
@@ -54,6 +58,73 @@ def reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout):
     off = layout.k_offsets[layout.rank]
     col_loss = F.cross_entropy(s * ka @ q_all.T, inverse[off : off + k.shape[0]], reduction="none")
     return row_loss, col_loss
+
+
+def _gather_plain(x: torch.Tensor, layout: RingLayout, sizes) -> torch.Tensor:
+    """All-gather rows that carry no gradient (ids, labels, guide features)."""
+    return x if layout.world == 1 else _GatherRows.apply(x.detach(), layout, sizes)
+
+
+def masked_reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout, masks: Optional[MaskOptions]):
+    """Per-row (and per-column) losses and ``[3, n]`` infos (:mod:`infcl.stats`) of this rank, on
+    materialized logits, for any mask options (:mod:`infcl.masks`; None: the plain loss's positives).
+
+    Losses are NaN for rows without a positive. Under a ring the features are gathered with gradient,
+    the ids, labels and guide features without.
+    """
+    acc = accum_dtype(q.dtype)
+    qa, ka, s = q.to(acc), k.to(acc), scale.to(acc)
+    masks = masks or MaskOptions(None, None, None, None, None, 0.0, "absolute")
+    k_all = _gather(ka, layout, layout.k_sizes)
+    k_ids_all = None if masks.k_ids is None else _gather_plain(masks.k_ids, layout, layout.k_sizes)
+    gk_all = None if masks.guide_k is None else _gather_plain(masks.guide_k, layout, layout.k_sizes)
+    rows = _masked_direction(s * qa @ k_all.T, labels, masks.q_ids, k_ids_all, masks.guide_q, gk_all, masks)
+    if not symmetric:
+        return rows, (None, None)
+    q_all = _gather(qa, layout, layout.q_sizes)
+    labels_all = _gather_plain(labels, layout, layout.q_sizes)
+    q_ids_all = None if masks.q_ids is None else _gather_plain(masks.q_ids, layout, layout.q_sizes)
+    gq_all = None if masks.guide_q is None else _gather_plain(masks.guide_q, layout, layout.q_sizes)
+    off = layout.k_offsets[layout.rank]
+    col_labels = torch.argsort(labels_all)[off : off + k.shape[0]]  # the row whose positive is each column
+    cols = _masked_direction(s * ka @ q_all.T, col_labels, masks.k_ids, q_ids_all, masks.guide_k, gq_all, masks)
+    return rows, cols
+
+
+def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks: MaskOptions):
+    """(loss [n], info [3, n]) of one direction: rows of ``logits`` [n, m] against its m columns."""
+    n, m = logits.shape
+    neg_inf = float("-inf")
+    one_hot = torch.zeros(n, m, dtype=torch.bool, device=logits.device).scatter_(1, labels[:, None], True)
+    same = None if ids is None else ids[:, None] == other_ids[None, :]
+    positive = one_hot if masks.multi_positive is None else same
+    excluded = torch.zeros_like(positive) if same is None else same.clone()
+    if guide is not None:
+        gdt = guide_dtype(guide)
+        scores = guide.to(gdt) @ other_guide.to(gdt).T
+        threshold = guide_threshold(scores.gather(1, labels[:, None]), masks.margin, masks.strategy)
+        excluded |= scores > threshold
+    excluded &= ~positive
+    valid = positive.any(dim=1)
+    # Rows without a positive have no loss; keep their arithmetic finite so that no NaN reaches a gradient.
+    safe_excluded = excluded & valid[:, None]
+    safe_positive = positive | ~valid[:, None]
+    lse = torch.logsumexp(logits.masked_fill(safe_excluded, neg_inf), dim=1)
+    count = safe_positive.sum(dim=1)
+    pos_mean = torch.where(safe_positive, logits, 0).sum(dim=1) / count
+    if masks.multi_positive == "sum":
+        pos_term = torch.logsumexp(logits.masked_fill(~safe_positive, neg_inf), dim=1)
+    else:
+        pos_term = pos_mean
+    loss = torch.where(valid, lse - pos_term, float("nan"))
+    with torch.no_grad():
+        best = logits.masked_fill(excluded, neg_inf).amax(dim=1)
+        best_positive = logits.masked_fill(~positive, neg_inf).amax(dim=1)
+        info = logits.new_empty(3, n)
+        info[HIT] = torch.where(valid, (best_positive >= best).to(logits.dtype), float("nan"))
+        info[POS_LOGIT] = torch.where(valid, pos_mean, float("nan"))
+        info[HAS_POS] = valid.to(logits.dtype)
+    return loss, info
 
 
 def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout):

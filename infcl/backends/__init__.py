@@ -8,6 +8,10 @@
 built, and the torch tiles otherwise; where a CUDA device cannot take the Triton kernels (triton missing,
 a ROCm GPU, an architecture with no compiled configs) it warns once, naming why.
 ``INFCL_BACKEND=<name>`` overrides "auto" (never an explicit name).
+
+The mask options of ``cal_inf_loss`` (ids, ``multi_positive``, ``guide``; :mod:`infcl.masks`) run on
+:data:`MASK_BACKENDS` only for now: "auto" (and its override) then falls back to the torch tiles, and an
+explicit other name raises a ValueError.
 """
 
 import importlib
@@ -20,6 +24,8 @@ from .base import BlockBackend
 from .torch_tiles import TORCH_TILES
 
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
+MASK_BACKENDS = ("torch", "reference")  # the backends that form ids / guide masks in their tiles
+MASK_OPTIONS = "q_ids/k_ids, multi_positive and guide"
 ENV_VAR = "INFCL_BACKEND"
 
 # Optional backends live in their own modules, each exposing ``BACKEND`` and ``unavailable_reason(device)``
@@ -65,16 +71,26 @@ def _constant_for_compile(fn):
 
 
 @_constant_for_compile
-def resolve_backend(backend, device: torch.device) -> str:
-    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name."""
+def resolve_backend(backend, device: torch.device, masked: bool = False) -> str:
+    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name.
+
+    ``masked``: the call uses mask options, which only :data:`MASK_BACKENDS` support.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if masked and backend not in ("auto",) + MASK_BACKENDS:
+        raise ValueError(
+            f"{MASK_OPTIONS} are not yet supported by backend {backend!r}; the backends that support them "
+            f"are {MASK_BACKENDS} (backend='auto' picks 'torch')"
+        )
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
             if env not in BACKENDS:
                 raise ValueError(f"environment variable {ENV_VAR} must be one of {BACKENDS}, got {env!r}")
             backend = env
+    if masked and backend not in MASK_BACKENDS:
+        return "torch"  # "auto" (or INFCL_BACKEND naming a backend without masks): the torch tiles
     if backend == "auto":
         preferred = {"cuda": "triton", "cpu": "cpu"}.get(device.type)
         if preferred is None:

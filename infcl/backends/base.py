@@ -29,6 +29,23 @@ The scale gradient is a sum of per-entry terms (never a difference of two large 
 direction so the ring can credit each rank's replica of the scale with the derivative of its own loss
 (open_clip's convention). The backward must recompute S bit-identically to its forward.
 
+Masks (:mod:`infcl.masks`; ``Block.masked``) — the block also carries the ids of its rows and columns
+(``q_ids`` [Bq], ``k_ids`` [Bk], int64), the guide features (``guide_q`` [Bq, D'], ``guide_k`` [Bk, D'],
+in the guide's accumulation dtype) with each row's (and, symmetric, column's) threshold, and
+``multi_positive``. Inside each tile, never beyond it: the positives P (the one-hot of ``pos`` when
+``multi_positive`` is None, else ``q_ids[i] == k_ids[j]``) and the exclusions E = (same id or guide score
+G = guide_q @ guide_k.T above the threshold) and not P; the column direction's E uses the column
+thresholds. The forward's outputs are then ``[6, n]`` for rows and columns alike (rows of
+:mod:`infcl.masks`): the stats over the columns not in E, the positives' max (and, for "sum", their
+log-sum relative to it), the sum of the positives' logits and their count. The backward forms, with
+P_row = exp((S - m) - r) off E and 0 on E, and the positives' global count (``row_pos_count``, "mean")
+or stats (``row_pos_stats``, "sum"):
+    Y = the one-hot of ``pos`` (multi_positive None): as above, the positive's entry g * expm1(x)
+    Y = 1 / |P(i)| on P ("mean"): the entry p - 1/c as expm1(x + log c) / c
+    Y = softmax of S over P(i) ("sum"): the entry p - y as y * expm1(d), d = lse(P(i)) - lse_i <= 0
+and dq, dk, dscale as above. With ids that never repeat (nothing excluded, one positive per row) every
+one of these is the plain loss bit for bit.
+
 Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
 positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks but plain sums:
 
@@ -67,10 +84,26 @@ class Block:
     col_stats: Optional[Tensor] = None  # [2, Bk] global stats of each column (symmetric backward)
     g_col: Optional[Tensor] = None  # [Bk] upstream gradient of each column's loss (symmetric backward)
     bias: Optional[Tensor] = None  # 0-d like scale: the sigmoid loss's logit bias (None for softmax)
+    # Masks (softmax loss; see the module docstring), all None for the plain loss.
+    q_ids: Optional[Tensor] = None  # [Bq] int64 ids of the rows
+    k_ids: Optional[Tensor] = None  # [Bk] int64 ids of the block's columns
+    guide_q: Optional[Tensor] = None  # [Bq, D'] guide features of the rows (guide accumulation dtype)
+    guide_k: Optional[Tensor] = None  # [Bk, D'] guide features of the block's columns
+    row_threshold: Optional[Tensor] = None  # [Bq]: G[i, j] above it excludes column j from row i
+    col_threshold: Optional[Tensor] = None  # [Bk]: G[i, j] above it excludes row i from column j (symmetric)
+    multi_positive: Optional[str] = None  # None (positive: pos) | "mean" | "sum" (positives: same id)
+    row_pos_count: Optional[Tensor] = None  # [Bq] |P(i)|, global (masked backward, "mean")
+    row_pos_stats: Optional[Tensor] = None  # [2, Bq] global stats of the row's positives (masked backward, "sum")
+    col_pos_count: Optional[Tensor] = None  # [Bk] the same per column (symmetric)
+    col_pos_stats: Optional[Tensor] = None  # [2, Bk]
 
     @property
     def symmetric(self) -> bool:
         return self.col_stats is not None
+
+    @property
+    def masked(self) -> bool:
+        return self.q_ids is not None or self.guide_q is not None
 
 
 class BlockBackend(Protocol):

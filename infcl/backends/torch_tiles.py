@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..lse import MAX, REL, empty_stats, lse_merge, tile_stats
+from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
 from .base import Block, Tensor, accum_dtype
 
 # CPU tile sizes, measured with `python -m bench.tile_sizes` (B=4096, D=512, fp32, symmetric fwd+bwd, 2
@@ -115,6 +116,148 @@ def _replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor)
     return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
 
 
+class _TileMasks(NamedTuple):
+    """One tile's positives and exclusions (see infcl.masks), [ni, nj] bool where a tile is needed.
+
+    With one positive per row (``multi_positive`` None) the positives are ``inside`` / ``idx`` as for the
+    plain loss (:func:`_positives`) and ``positive`` is None: they are read and replaced by index, as the
+    plain tiles do. ``excluded`` / ``col_excluded`` are None where nothing is excluded (or no column
+    direction is wanted); the column direction differs from the rows' only by the guide thresholds.
+    """
+
+    positive: Optional[Tensor]
+    inside: Optional[Tensor]
+    idx: Optional[Tensor]
+    excluded: Optional[Tensor]
+    col_excluded: Optional[Tensor]
+
+
+def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> _TileMasks:
+    """Form one tile's masks, in place where possible: the guide scores and a few bool tiles are all the
+    extra memory, and the scores die with this call."""
+    same = None
+    if block.q_ids is not None:
+        same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
+    if block.multi_positive is None:
+        positive, (inside, idx) = None, _positives(block.pos, tile)
+        negative = None  # the positive entries are taken out of the exclusions by index, below
+    else:
+        positive, same, inside, idx = same, None, None, None  # every same-id column is a positive
+        negative = ~positive
+    excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
+    col_excluded = excluded if want_cols else None
+    if block.guide_q is not None:
+        scores = block.guide_q[tile.rows] @ block.guide_k[tile.cols].T
+        if want_cols:
+            col_above = torch.gt(scores, block.col_threshold[None, tile.cols])
+            col_excluded = col_above if excluded is None else col_above.logical_or_(excluded)
+        above = torch.gt(scores, block.row_threshold[tile.rows, None])
+        excluded = above if excluded is None else above.logical_or_(excluded)
+    for mask in {id(m): m for m in (excluded, col_excluded) if m is not None}.values():
+        if negative is not None:
+            mask.logical_and_(negative)
+        else:  # a row's positive is never excluded
+            mask.scatter_(1, idx, mask.gather(1, idx).logical_and_(~inside[:, None]))
+    return _TileMasks(positive, inside, idx, excluded, col_excluded)
+
+
+def _masked_partials(
+    acc: Tensor, s: Tensor, masks: _TileMasks, excluded: Optional[Tensor], kept: Tensor, scratch: Tensor, dim: int,
+    kind: str,
+) -> None:
+    """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
+
+    ``kept``: a tile buffer for s with the excluded entries at -inf; with nothing excluded it is s itself,
+    so the stats are the plain loss's bit for bit. ``scratch``: a tile buffer for :func:`infcl.lse.tile_stats`.
+    """
+    neg_inf = float("-inf")
+    kept.copy_(s)
+    if excluded is not None:
+        kept.masked_fill_(excluded, neg_inf)
+    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim, scratch))
+    if masks.positive is None:
+        _single_positive_partials(acc, s, masks.inside, masks.idx, dim)
+        return
+    negative = ~masks.positive
+    kept.copy_(s).masked_fill_(negative, neg_inf)  # the positives' logits
+    if kind == "sum":
+        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim, scratch))
+    else:
+        torch.maximum(acc[POS_MAX], torch.amax(kept, dim=dim), out=acc[POS_MAX])
+    acc[POS_SUM] += kept.masked_fill_(negative, 0.0).sum(dim=dim)
+    acc[POS_COUNT] += masks.positive.sum(dim=dim)
+
+
+def _single_positive_partials(acc: Tensor, s: Tensor, inside: Tensor, idx: Tensor, dim: int) -> None:
+    """The positives' partials when each row has one (``pos``), read off the tile by index: per row, or
+    per column (``dim`` 0; labels are then a permutation, so a column has at most one such row)."""
+    value = s.gather(1, idx).squeeze(1)
+    top = torch.where(inside, value, float("-inf"))
+    value = torch.where(inside, value, 0.0)
+    count = inside.to(s.dtype)
+    if dim == 1:
+        torch.maximum(acc[POS_MAX], top, out=acc[POS_MAX])
+        acc[POS_SUM] += value
+        acc[POS_COUNT] += count
+        return
+    cols = idx.squeeze(1)
+    acc[POS_MAX].scatter_reduce_(0, cols, top, reduce="amax")
+    acc[POS_SUM].scatter_add_(0, cols, value)  # one real term per column, the rest exact zeros
+    acc[POS_COUNT].scatter_add_(0, cols, count)
+
+
+class _Positives(NamedTuple):
+    """The backward's view of each row's (or column's) positives, broadcast to the tile."""
+
+    count: Optional[Tensor]  # |P|, "mean"
+    stats: Optional[Tensor]  # [2, ...] global (max, rel) of the positives' logits, "sum"
+
+
+def _row_positives(block: Block, tile: _Tile) -> _Positives:
+    if block.multi_positive == "sum":
+        return _Positives(None, block.row_pos_stats[:, tile.rows, None])
+    return _Positives(block.row_pos_count[tile.rows, None], None)
+
+
+def _col_positives(block: Block, tile: _Tile) -> _Positives:
+    if block.multi_positive == "sum":
+        return _Positives(None, block.col_pos_stats[:, None, tile.cols])
+    return _Positives(block.col_pos_count[None, tile.cols], None)
+
+
+def _masked_probabilities(
+    out: Tensor, s: Tensor, masks: _TileMasks, excluded: Optional[Tensor], stats: Tensor, g: Tensor,
+    pos: Optional[_Positives],
+) -> Tensor:
+    """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them; ``stats``,
+    ``g`` and ``pos`` are broadcast to the tile. Y: the one-hot of the row's positive (``pos`` None, as
+    :func:`_probabilities`, bit for bit when nothing is excluded), or on the positives 1/c ("mean") or
+    exp((s - pm) - pr) ("sum").
+
+    A positive's entry is never a difference of two rounded probabilities: p - 1 = expm1(x), p - 1/c =
+    expm1(x + log c) / c and p - y = y * expm1(d) with d = (pm - m) + (pr - r), the log of the positives'
+    share of the softmax.
+    """
+    x = torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
+    if masks.positive is None:
+        x_pos = x.gather(1, masks.idx)
+        x.exp_()
+        if excluded is not None:
+            x.masked_fill_(excluded, 0.0)
+        x.mul_(g)
+        g_pos = g.expand_as(x).gather(1, masks.idx)
+        return _replace_positives(x, masks.inside, masks.idx, g_pos * torch.expm1(x_pos))
+    if pos.stats is None:
+        at_positives = torch.add(x, pos.count.log()).expm1_().div_(pos.count)
+    else:
+        share = (pos.stats[MAX] - stats[MAX]) + (pos.stats[REL] - stats[REL])
+        at_positives = torch.sub(s, pos.stats[MAX]).sub_(pos.stats[REL]).exp_().mul_(torch.expm1(share))
+    x.exp_()
+    if excluded is not None:
+        x.masked_fill_(excluded, 0.0)
+    return torch.where(masks.positive, at_positives, x, out=out).mul_(g)
+
+
 class TorchTilesBackend:
     name = "torch"
 
@@ -128,6 +271,8 @@ class TorchTilesBackend:
         return self.tile_q or tq, self.tile_k or tk
 
     def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if block.masked:
+            return self._masked_forward_block(block, want_cols)
         walk = _Walk(block, self.tiles(block.q.device))
         bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
         rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
@@ -145,6 +290,8 @@ class TorchTilesBackend:
         return rows, cols
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if block.masked:
+            return self._masked_backward_block(block, dq, dk)
         walk = _Walk(block, self.tiles(block.q.device))
         scale, both = block.scale, block.symmetric
         dscale = walk.zeros(2)
@@ -159,6 +306,51 @@ class TorchTilesBackend:
             if both:
                 col_stats, g_j = block.col_stats[:, None, tile.cols], block.g_col[None, tile.cols]
                 pc = _probabilities(tile.view(col_buf), s, col_stats, g_j, inside, idx)
+                dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
+                ds.add_(pc)
+            dq[tile.rows].addcmul_(ds @ tile.kj, scale)
+            dk[tile.cols].addcmul_(ds.T @ tile.qi, scale)
+        return dscale
+
+    # --- the softmax loss with masks (infcl.masks; contract: infcl.backends.base) ---------------------
+    # GEMMs per block: as above, plus one guide GEMM (width D') per tile in each pass when a guide is given.
+
+    def _masked_forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        walk = _Walk(block, self.tiles(block.q.device))
+        kind = "sum" if block.multi_positive == "sum" else "mean"
+        rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
+        cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if want_cols else None
+        buf, kept_buf, scratch = walk.buffers(3)
+        for tile in walk:
+            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
+            s.mul_(block.scale)  # the same tile as the plain forward's, bit for bit
+            masks = _tile_masks(block, tile, want_cols)
+            kept, spare = tile.view(kept_buf), tile.view(scratch)
+            _masked_partials(rows[:, tile.rows], s, masks, masks.excluded, kept, spare, 1, kind)
+            if want_cols:
+                _masked_partials(cols[:, tile.cols], s, masks, masks.col_excluded, kept, spare, 0, kind)
+        return rows, cols
+
+    def _masked_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        walk = _Walk(block, self.tiles(block.q.device))
+        scale, both = block.scale, block.symmetric
+        dscale = walk.zeros(2)
+        raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if both else 3) + ([] if both else [None])
+        for tile in walk:
+            raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
+            s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
+            masks = _tile_masks(block, tile, both)
+            single = block.multi_positive is None
+            ds = _masked_probabilities(
+                tile.view(ds_buf), s, masks, masks.excluded, block.row_stats[:, tile.rows, None],
+                block.g_row[tile.rows, None], None if single else _row_positives(block, tile),
+            )
+            dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
+            if both:
+                pc = _masked_probabilities(
+                    tile.view(col_buf), s, masks, masks.col_excluded, block.col_stats[:, None, tile.cols],
+                    block.g_col[None, tile.cols], None if single else _col_positives(block, tile),
+                )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)
             dq[tile.rows].addcmul_(ds @ tile.kj, scale)

@@ -23,6 +23,7 @@ class SigmoidRing:
 
     col_rows = 0
     n_params = len(PARAMS)
+    k_side = ()  # nothing travels with k but k
 
     def __init__(self, bias: Tensor):
         self.bias = bias
@@ -33,13 +34,13 @@ class SigmoidRing:
     # Row losses are sums over the global columns; there are no column partials (col_rows = 0).
     merge_rows = merge_cols = staticmethod(Tensor.add_)
 
-    def forward_step(self, backend: SigmoidBlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor):
+    def forward_step(self, backend: SigmoidBlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, k_side=()):
         rows = backend.sigmoid_forward_block(Block(q=q, k=k, scale=scale, pos=pos, bias=self.bias))
         return rows[None], None
 
     def backward_step(
         self, backend: SigmoidBlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor,
-        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor,
+        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor, k_side=(),
     ) -> Tensor:
         block = Block(q=q, k=k, scale=scale, pos=pos, g_row=rows[0], bias=self.bias)
         own = backend.sigmoid_backward_block(block, dq, dk)

@@ -32,10 +32,14 @@ class RingLoss(Protocol):
     Backward: ``ahead`` (``[A, Bk]`` per block, e.g. column stats and upstream gradients) travels with
     k; each block returns ``[2, n_params]`` parameter gradients: row 0 for this rank's own loss, row 1
     credited to the block's owner (it travels home with dk).
+    Both passes: ``k_side`` are this rank's tensors with one row per k row (ids, guide features, column
+    thresholds; empty for the plain losses) that travel with k, in the same exchange; each step gets the
+    held block's as ``k_side``.
     """
 
     col_rows: int
     n_params: int
+    k_side: Tuple[Tensor, ...]
 
     def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         ...
@@ -46,14 +50,19 @@ class RingLoss(Protocol):
     def merge_cols(self, acc: Tensor, part: Tensor) -> None:
         ...
 
-    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor):
+    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, k_side=()):
         ...
 
     def backward_step(
         self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor,
-        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor,
+        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor, k_side=(),
     ) -> Tensor:
         ...
+
+
+def _row_shapes(tensors, n: int) -> list:
+    """The shapes of ``tensors`` (rows on dim 0) for a block of ``n`` rows."""
+    return [(n, *t.shape[1:]) for t in tensors]
 
 
 def block_positions(labels: Tensor, offset: int, size: int) -> Tensor:
@@ -140,15 +149,17 @@ def ring_forward(
     dev, dim = q.device, q.shape[1]
     rows = loss.init_rows(q.shape[0], acc, dev)
     k_comm, col_comm = _comms(layout, "k-forward", "columns")
-    blocks = _Leading(layout, k_comm, "forward", [k], lambda n: [(n, dim)])
+    k_side = tuple(loss.k_side)
+    blocks = _Leading(layout, k_comm, "forward", [k, *k_side], lambda n: [(n, dim)] + _row_shapes(k_side, n))
     columns = None
     if loss.col_rows:
         columns = _Trailing(layout, col_comm, lambda n: (loss.col_rows, n), loss.merge_cols, "forward", "column partials")
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)
-        (k_cur,) = blocks.current
-        row_part, col_part = loss.forward_step(backend, q, k_cur, scale, block_positions(labels, offset, size))
+        k_cur, *side_cur = blocks.current
+        pos = block_positions(labels, offset, size)
+        row_part, col_part = loss.forward_step(backend, q, k_cur, scale, pos, tuple(side_cur))
         loss.merge_rows(rows, row_part)
         if columns is not None:
             columns.pass_on(step, col_part)
@@ -180,20 +191,22 @@ def ring_backward(
     dq = torch.zeros(q.shape[0], dim, dtype=acc, device=dev)
     own = torch.zeros(n_params, dtype=acc, device=dev)
     k_comm, acc_comm = _comms(layout, "k-backward", "dk")
-    travelling = [k] if ahead is None else [k, ahead]
-    shapes = lambda n: [(n, dim)] + ([] if ahead is None else [(ahead.shape[0], n)])  # noqa: E731
+    k_side = tuple(loss.k_side)
+    travelling = ([k] if ahead is None else [k, ahead]) + list(k_side)
+    shapes = lambda n: [(n, dim)] + ([] if ahead is None else [(ahead.shape[0], n)]) + _row_shapes(k_side, n)  # noqa: E731
     blocks = _Leading(layout, k_comm, "backward", travelling, shapes)
+    n_lead = len(travelling) - len(k_side)
     # [size * D + n_params] per block: its dk partial sum and its column-credited parameter gradients.
     grads = _Trailing(layout, acc_comm, lambda n: (n * dim + n_params,), Tensor.add_, "backward", "dk")
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)
-        k_cur = blocks.current[0]
+        k_cur, side_cur = blocks.current[0], tuple(blocks.current[n_lead:])
         ahead_cur = blocks.current[1] if ahead is not None else None
         packed = torch.zeros(size * dim + n_params, dtype=acc, device=dev)
         dk_part = packed[:-n_params].view(size, dim)
         pos = block_positions(labels, offset, size)
-        dparams = loss.backward_step(backend, q, k_cur, scale, pos, rows, ahead_cur, dq, dk_part)
+        dparams = loss.backward_step(backend, q, k_cur, scale, pos, rows, ahead_cur, dq, dk_part, side_cur)
         own += dparams[0]
         packed[-n_params:] = dparams[1]
         grads.pass_on(step, packed)

@@ -104,7 +104,7 @@ def _announce_rejection(group) -> None:
     # on q itself, so q's device is not used.
     on_gpu = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    row = torch.tensor([0, 0, 0, _REJECTED, 0, -1], dtype=torch.int64, device=device)
+    row = torch.tensor([0, 0, 0, _REJECTED, 0, -1, 0, 0], dtype=torch.int64, device=device)
     try:
         _gather_rows(row, group, dist.get_rank(group), dist.get_world_size(group))
     except RingError:
@@ -124,13 +124,31 @@ def _gather_rows(mine: torch.Tensor, group, rank: int, world: int) -> list:
     return torch.stack(every).cpu().tolist()
 
 
-def exchange_layout(q: torch.Tensor, k: torch.Tensor, group, labels: Optional[torch.Tensor] = None) -> RingLayout:
-    """All-gather (Bq, Bk, D, dtype, label range) from every rank; raise the same ValueError on every rank on mismatch."""
+def _options_code(masks) -> Tuple[int, int]:
+    """(code, guide width) of a call's mask options (:class:`infcl.masks.MaskOptions`, or None): every
+    rank must pass the same kinds, since the ids and guide features travel with k through the ring."""
+    if masks is None:
+        return 0, 0
+    modes, strategies = (None, "mean", "sum"), ("absolute", "relative")
+    code = 1 + 2 * int(masks.has_ids) + 4 * modes.index(masks.multi_positive) + 16 * strategies.index(masks.strategy)
+    if not masks.has_guide:
+        return code, 0
+    return code + 32 * (1 + _DTYPE_CODES.index(masks.guide_q.dtype)), masks.guide_q.shape[1]
+
+
+def exchange_layout(
+    q: torch.Tensor, k: torch.Tensor, group, labels: Optional[torch.Tensor] = None, masks=None
+) -> RingLayout:
+    """All-gather (Bq, Bk, D, dtype, label range, mask options) from every rank; raise the same ValueError
+    on every rank on mismatch."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
     lo, hi = _label_range(labels) or (0, -1)  # an empty range marks the default labels
-    mine = torch.tensor([q.shape[0], k.shape[0], q.shape[1], code, lo, hi], dtype=torch.int64, device=q.device)
+    options, guide_dim = _options_code(masks)
+    mine = torch.tensor(
+        [q.shape[0], k.shape[0], q.shape[1], code, lo, hi, options, guide_dim], dtype=torch.int64, device=q.device
+    )
     table = _gather_rows(mine, group, rank, world)
     rejected = [r for r, row in enumerate(table) if row[3] == _REJECTED]
     if rejected:
@@ -147,6 +165,12 @@ def exchange_layout(q: torch.Tensor, k: torch.Tensor, group, labels: Optional[to
             for r, row in enumerate(table)
         )
         raise ValueError(f"q and k must have the same feature dimension and dtype on every rank; got {described}")
+    if len({(row[6], row[7]) for row in table}) > 1:
+        raise ValueError(
+            "q_ids/k_ids, multi_positive, guide (width and dtype) and guide_margin_strategy must be passed alike on "
+            "every rank; got (options code, guide width) "
+            + ", ".join(f"rank {r}: ({row[6]}, {row[7]})" for r, row in enumerate(table))
+        )
     return RingLayout(
         rank=rank,
         world=world,

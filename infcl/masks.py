@@ -1,0 +1,96 @@
+"""Which columns are a row's positives and which are left out of its softmax: ids, multiple positives, a guide.
+
+For row i and global column j, with ``same(i, j) = q_ids[i] == k_ids[j]`` (the same item, or the same class):
+
+- Positives P(i): ``{labels[i]}`` when ``multi_positive`` is None (the diagonal when labels are None),
+  else ``{j : same(i, j)}``.
+- Excluded E(i), left out of the softmax denominator: ``{j not in P(i) : same(i, j)}`` (the false
+  negatives) and, with a guide (gq, gk) and G = gq @ gk.T (another model's scores, no gradient),
+  ``{j not in P(i) : G[i, j] > t_i}`` with the threshold t_i = G[i, labels[i]] - margin ("absolute") or
+  G[i, labels[i]] * (1 - margin) ("relative"): sentence-transformers' GISTEmbedLoss rule.
+- Row loss, with lse_i over the columns not in E(i): ``None``: lse_i - S[i, labels[i]]; ``"mean"``:
+  the mean over p in P(i) of lse_i - S[i, p] (SupCon's L_out); ``"sum"``: lse_i - logsumexp_{p in P(i)}
+  S[i, p] (MIL-NCE). A row with no positive (possible under "mean"/"sum") has no loss: it is NaN under
+  reduction="none" and left out of the "mean" reduction's count.
+- Symmetric: the same with q and k (their ids, gq and gk) exchanged; column j's threshold uses the row
+  whose label is j (labels are a permutation).
+
+Everything here is O(B): ids and guide features travel with their rows, and every backend that supports
+these options forms P and E inside its tiles (``Block`` fields, :mod:`infcl.backends.base`).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .lse import MAX, REL, empty_stats, lse_merge
+
+Tensor = torch.Tensor
+
+MULTI_POSITIVE = (None, "mean", "sum")
+# Rows of a masked forward result ([6, n], rows and columns alike): the stats over the columns not
+# excluded (MAX, REL of infcl.lse), the positives' max and log-sum relative to it (only "sum" fills
+# POS_REL), the sum of the positives' logits and their number.
+POS_MAX, POS_REL, POS_SUM, POS_COUNT = 2, 3, 4, 5
+MASKED_ROWS = 6
+MARGIN_STRATEGIES = ("absolute", "relative")
+
+
+@dataclass(frozen=True)
+class MaskOptions:
+    """One call's mask options, validated (:func:`infcl.checks.make_masks`); None fields are unused."""
+
+    q_ids: Optional[Tensor]  # [Bq] int64 on q's device
+    k_ids: Optional[Tensor]  # [Bk] int64 on k's device
+    multi_positive: Optional[str]  # None | "mean" | "sum"
+    guide_q: Optional[Tensor]  # [Bq, D'] detached, any float dtype (both guide tensors share it)
+    guide_k: Optional[Tensor]  # [Bk, D']
+    margin: float
+    strategy: str  # "absolute" | "relative"
+
+    @property
+    def has_guide(self) -> bool:
+        return self.guide_q is not None
+
+    @property
+    def has_ids(self) -> bool:
+        return self.q_ids is not None
+
+    @property
+    def loss_kind(self) -> str:
+        """"sum" (lse of the positives) or "mean" (mean of the positives' logits; one positive is its own mean)."""
+        return "sum" if self.multi_positive == "sum" else "mean"
+
+
+def guide_threshold(positive_score: Tensor, margin: float, strategy: str) -> Tensor:
+    """t = G[i, labels[i]] - margin ("absolute") or G[i, labels[i]] * (1 - margin) ("relative")."""
+    if strategy == "absolute":
+        return positive_score - margin
+    return positive_score * (1.0 - margin)
+
+
+def guide_dtype(guide: Tensor) -> torch.dtype:
+    """Guide scores are computed in float64 for float64 guides, in float32 otherwise (like the logits)."""
+    return torch.float64 if guide.dtype == torch.float64 else torch.float32
+
+
+def empty_masked(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[6, n]`` masked forward partials of n empty sets (the identity of :func:`merge_masked`)."""
+    sums = torch.zeros(2, n, dtype=dtype, device=device)
+    return torch.cat((empty_stats(n, dtype, device), empty_stats(n, dtype, device), sums))
+
+
+def merge_masked(acc: Tensor, part: Tensor, loss_kind: str) -> Tensor:
+    """Merge masked forward partials over disjoint column sets into ``acc`` in place; return ``acc``.
+
+    The stats merge with :func:`infcl.lse.lse_merge`; the positives' stats too for "sum", while "mean"
+    keeps only their max (the top-1 check); sums and counts add.
+    """
+    lse_merge(acc[MAX : REL + 1], part[MAX : REL + 1])
+    if loss_kind == "sum":
+        lse_merge(acc[POS_MAX : POS_REL + 1], part[POS_MAX : POS_REL + 1])
+    else:
+        torch.maximum(acc[POS_MAX], part[POS_MAX], out=acc[POS_MAX])
+    acc[POS_SUM :] += part[POS_SUM :]
+    return acc

@@ -1,0 +1,344 @@
+"""Issue 23: false-negative ids, multiple positives and guide masks, against a float64 truth built row by row.
+
+The truth (support.masked_loss_truth) builds each row's positives and exclusions as Python sets, so it
+shares nothing with the reference backend's or the tiles' masks.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import TOLERANCE, assert_close_verbose, assert_normwise, grads_of_inputs, masked_loss_truth
+
+from infcl import InfCLIPLoss, cal_inf_loss
+from infcl.backends import resolve_backend, unavailable_reason
+from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.stats import InfLossStats
+
+# "torch-tiny": the torch tiles shrunk so that every block spans many tiles (masks cut across tile edges).
+MASK_BACKENDS = ("reference", "torch", "torch-tiny")
+TINY_TILES = (4, 7)
+MODES = (None, "mean", "sum")
+SCALE = 7.0  # CLIP-like logits in [-7, 7] on unit features
+CONFIDENT_SCALE = 40.0  # gaps of tens of logits between a positive and the rest
+# Normwise relative error bounds of the confident batch: a few float32 round-offs; float64 likewise.
+CONFIDENT_BOUND = {torch.float32: 1e-5, torch.float64: 1e-12}
+# (name, kwargs builder): ids drawn from few classes (many duplicates), from a guide, or both.
+N_CLASSES = 5
+
+
+def _inputs(bq, bk, d=6, dtype=torch.float32, seed=0, classes=N_CLASSES, guide_dim=4, labels="perm"):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(bq, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(bk, d, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+    q_ids = torch.randint(0, classes, (bq,), generator=gen)
+    k_ids = torch.randint(0, classes, (bk,), generator=gen)
+    if bq == bk:
+        k_ids[:bq] = q_ids  # paired data: each row's own column shares its id
+    gq = torch.randn(bq, guide_dim, generator=gen, dtype=torch.float64).to(dtype)
+    gk = torch.randn(bk, guide_dim, generator=gen, dtype=torch.float64).to(dtype)
+    lab = torch.randperm(bq, generator=gen) if labels == "perm" else torch.randint(0, bk, (bq,), generator=gen)
+    if labels == "perm" and bq == bk:
+        k_ids = k_ids.clone()
+        k_ids[lab] = q_ids  # the labelled column shares the row's id (as in real paired data)
+    return q, k, lab, q_ids, k_ids, (gq, gk)
+
+
+def _options(kind, mode, q_ids, k_ids, guide, strategy="absolute"):
+    opts = {"multi_positive": mode}
+    if kind in ("ids", "both") or mode is not None:
+        opts.update(q_ids=q_ids, k_ids=k_ids)
+    if kind in ("guide", "both"):
+        opts.update(guide=guide, guide_margin=0.3 if strategy == "absolute" else 0.2, guide_margin_strategy=strategy)
+    return opts
+
+
+def _use(backend):
+    """The backend name to pass, with the torch tiles shrunk for "torch-tiny" (restored after each test)."""
+    if backend == "torch-tiny":
+        TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
+        return "torch"
+    return backend
+
+
+@pytest.fixture(autouse=True)
+def _restore_tiles():
+    saved = TORCH_TILES.tile_q, TORCH_TILES.tile_k
+    yield
+    TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
+
+
+def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=None, what=""):
+    scale = torch.tensor(SCALE, dtype=torch.float64)
+    truth = grads_of_inputs(
+        lambda a, b, s: masked_loss_truth(a, b, labels, s, symmetric=symmetric, reduction=reduction, **opts),
+        (q.double(), k.double(), scale), upstream,
+    )
+    name = _use(backend)
+    got = grads_of_inputs(
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=symmetric, reduction=reduction, backend=name, **opts),
+        (q, k, scale.to(dtype)), upstream,
+    )
+    atol, rtol = TOLERANCE[dtype]
+    for name, g, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
+        assert_close_verbose(g, t, atol, rtol, f"{what} {name}")
+    return got, truth
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ("ids", "guide", "both"))
+@pytest.mark.parametrize("symmetric", (False, True))
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16, torch.float16))
+def test_matches_truth(backend, mode, kind, symmetric, dtype):
+    if kind == "guide" and mode is not None:
+        kind = "both"  # multi_positive needs ids
+    q, k, labels, q_ids, k_ids, guide = _inputs(23, 23, dtype=dtype)
+    opts = _options(kind, mode, q_ids, k_ids, guide)
+    upstream = torch.linspace(-0.5, 1.5, 23, dtype=torch.float64)
+    for reduction in ("mean", "sum", "none"):
+        _check(backend, q, k, labels, opts, symmetric, reduction, dtype,
+               upstream if reduction == "none" else None, f"{backend} {kind} {mode} sym={symmetric} {reduction}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("strategy", ("absolute", "relative"))
+def test_hard_negative_columns_and_margin_strategies(backend, mode, strategy):
+    q, k, labels, q_ids, k_ids, guide = _inputs(13, 31, dtype=torch.float64, labels="random", seed=3)
+    opts = _options("both", mode, q_ids, k_ids, guide, strategy)
+    _check(backend, q, k, labels, opts, False, "mean", torch.float64, what=f"{backend} {mode} {strategy}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_rows_without_positive(backend, symmetric):
+    # Ids from 7 classes on 9 rows: some rows (and columns) have no partner; their losses are NaN under
+    # "none" and are left out of "sum" and of "mean"'s count.
+    q, k, labels, _, _, _ = _inputs(9, 9, dtype=torch.float64, seed=5)
+    name = _use(backend)
+    q_ids = torch.tensor([0, 0, 1, 2, 3, 3, 4, 5, 6])
+    k_ids = torch.tensor([0, 1, 1, 2, 9, 3, 4, 7, 8])
+    for mode in ("mean", "sum"):
+        opts = {"q_ids": q_ids, "k_ids": k_ids, "multi_positive": mode}
+        none = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", backend=name, **opts)
+        want = masked_loss_truth(q, k, labels, SCALE, symmetric=symmetric, reduction="none", **opts)
+        assert torch.isnan(none).any() and not torch.isnan(none).all()
+        assert_close_verbose(none, want, 1e-10, 1e-10, f"{mode} none")
+        for reduction in ("mean", "sum"):
+            _check(backend, q, k, labels, opts, symmetric, reduction, torch.float64, what=f"{mode} {reduction}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_all_ids_equal(backend, symmetric):
+    q, k, labels, _, _, _ = _inputs(11, 11, dtype=torch.float64, seed=7)
+    name = _use(backend)
+    same = torch.zeros(11, dtype=torch.int64)
+    # One positive per row and every other column a false negative: each row's softmax is its positive alone.
+    alone = cal_inf_loss(
+        q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same, backend=name
+    )
+    assert_close_verbose(alone, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "None: loss 0")
+    # "sum": the positives are every column, so lse - lse = 0; "mean": lse - mean of the row.
+    summed = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same,
+                          multi_positive="sum", backend=name)
+    assert_close_verbose(summed, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "sum: loss 0")
+    for mode in MODES:
+        _check(backend, q, k, labels, {"q_ids": same, "k_ids": same, "multi_positive": mode}, symmetric, "mean",
+               torch.float64, what=f"all equal {mode}")
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+def test_distinct_ids_equal_plain_loss(backend, symmetric, dtype):
+    # Ids that never repeat exclude nothing and make each row's labelled column its only positive: the
+    # tiles must then give the plain loss and its gradients bit for bit (the reference: to round-off).
+    q, k, labels, _, _, _ = _inputs(37, 37, dtype=dtype, seed=11)
+    ids = torch.randperm(37) * 3
+    k_ids = torch.empty_like(ids)
+    k_ids[labels] = ids  # each row's labelled column carries its id, every other column another one
+    scale = torch.tensor(SCALE, dtype=dtype)
+    upstream = torch.linspace(-0.5, 1.5, 37, dtype=torch.float64)
+    atol, rtol = TOLERANCE[dtype]
+    name = _use(backend)
+    for mode in MODES:
+        for reduction in ("mean", "sum", "none"):
+            up = upstream if reduction == "none" else None
+            common = {"symmetric": symmetric, "reduction": reduction, "backend": name}
+            masks = {"q_ids": ids, "k_ids": k_ids, "multi_positive": mode}
+            masked = grads_of_inputs(
+                lambda a, b, s, c=common, m=masks: cal_inf_loss(a, b, labels, s, **c, **m), (q, k, scale), up
+            )
+            plain = grads_of_inputs(lambda a, b, s, c=common: cal_inf_loss(a, b, labels, s, **c), (q, k, scale), up)
+            for what, m, p in zip(("loss", "dq", "dk", "dscale"), masked, plain):
+                if backend == "reference":
+                    assert_close_verbose(m, p, atol, rtol, f"{mode} {reduction} {what}")
+                else:
+                    assert torch.equal(m, p), f"{mode} {reduction} {what}: not bit for bit"
+
+
+# --- input validation ----------------------------------------------------------------------------------
+
+BAD_INPUTS = (
+    ({"q_ids": torch.arange(5), "k_ids": torch.arange(6)}, ValueError, r"q_ids must have shape \[6\]"),
+    ({"q_ids": torch.arange(6), "k_ids": torch.arange(6)[None]}, ValueError, r"k_ids must have shape \[6\]"),
+    ({"q_ids": torch.arange(6.0), "k_ids": torch.arange(6)}, TypeError, "q_ids must be an integer tensor"),
+    ({"q_ids": torch.arange(6), "k_ids": torch.ones(6, dtype=torch.bool)}, TypeError, "k_ids must be an integer"),
+    ({"q_ids": [0] * 6, "k_ids": torch.arange(6)}, TypeError, "q_ids must be None or an integer tensor"),
+    ({"q_ids": torch.arange(6, device="meta"), "k_ids": torch.arange(6)}, ValueError, "q_ids must be on q's device"),
+    ({"q_ids": torch.arange(6)}, ValueError, "q_ids was given without k_ids"),
+    ({"multi_positive": "mean"}, ValueError, "multi_positive='mean' needs q_ids and k_ids"),
+    ({"q_ids": torch.arange(6), "k_ids": torch.arange(6), "multi_positive": "max"}, ValueError,
+     "multi_positive must be one of"),
+    ({"guide": (torch.randn(5, 3), torch.randn(6, 3))}, ValueError, "guide.0. must have one row per row of q"),
+    ({"guide": (torch.randn(6, 3), torch.randn(7, 3))}, ValueError, "guide.1. must have one row per row of k"),
+    ({"guide": (torch.randn(6, 3), torch.randn(6, 4))}, ValueError, "same non-zero width"),
+    ({"guide": torch.randn(6, 3)}, TypeError, "guide must be None or a pair"),
+    ({"guide": (torch.randn(6, 3), torch.randn(6, 3), torch.randn(6, 3))}, TypeError, "guide must be None or a pair"),
+    ({"guide": (torch.randn(6), torch.randn(6, 3))}, ValueError, "guide.0. must be 2-d"),
+    ({"guide": (torch.randn(6, 3), torch.arange(18).view(6, 3))}, TypeError, "guide.1. must be a floating-point"),
+    ({"guide": (torch.randn(6, 3), torch.randn(6, 3, dtype=torch.float64))}, TypeError, "same dtype"),
+    ({"guide_margin_strategy": "percent"}, ValueError, "guide_margin_strategy must be one of"),
+    ({"guide_margin": "0.1"}, TypeError, "guide_margin must be a real number"),
+    ({"guide_margin": float("nan")}, ValueError, "guide_margin must be finite"),
+    ({"return_stats": 1}, TypeError, "return_stats must be a bool"),
+)
+
+
+@pytest.mark.parametrize("kwargs,kind,match", BAD_INPUTS, ids=[b[2][:30] for b in BAD_INPUTS])
+def test_bad_input_raises_named_error(kwargs, kind, match):
+    q, k = torch.randn(6, 4), torch.randn(6, 4)
+    with pytest.raises(kind, match=match):
+        cal_inf_loss(q, k, **kwargs)
+
+
+# --- return_stats ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ("reference", "torch", "torch-tiny", "cpu"))
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_stats_of_the_plain_loss(backend, symmetric):
+    if backend == "cpu" and unavailable_reason("cpu", torch.device("cpu")) is not None:
+        pytest.skip("the native kernel is not built here")
+    q, k, labels, _, _, _ = _inputs(29, 29, dtype=torch.float64, seed=13)
+    k[labels] = F.normalize(q + 0.6 * k[labels], dim=-1)  # positives that often, not always, win
+    scale = 3.0
+    loss, stats = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend=_use(backend), return_stats=True)
+    assert isinstance(stats, InfLossStats)
+    reference = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend="reference")
+    assert_close_verbose(loss, reference, 1e-10, 1e-10, "loss with stats")
+    logits = scale * q @ k.T
+    want = [(logits.argmax(1) == labels).double().mean(), logits.gather(1, labels[:, None]).mean()]
+    if symmetric:
+        inverse = torch.argsort(labels)
+        want += [(logits.T.argmax(1) == inverse).double().mean(), logits.T.gather(1, inverse[:, None]).mean()]
+    assert 0 < float(want[0]) < 1, "the batch must have hits and misses for the accuracy to mean anything"
+    assert sum(t is not None for t in stats) == len(want)
+    for i, (got, expected) in enumerate(zip(stats, want)):
+        assert not got.requires_grad
+        assert_close_verbose(got, expected, 1e-12, 1e-12, f"stats[{i}] ({stats._fields[i]})")
+
+
+def _masked_stats_truth(q, k, labels, scale, q_ids, k_ids, mode, guide, margin):
+    """(accuracy, positive logit) of the rows, from the row-by-row sets of the masked definition."""
+    logits = scale * q.double() @ k.double().T
+    scores = guide[0].double() @ guide[1].double().T
+    hits, means = [], []
+    for i in range(q.shape[0]):
+        same = {j for j in range(k.shape[0]) if q_ids[i] == k_ids[j]}
+        positives = {int(labels[i])} if mode is None else same
+        if not positives:
+            continue
+        threshold = scores[i, labels[i]] - margin
+        kept = [j for j in range(k.shape[0]) if j in positives or (j not in same and scores[i, j] <= threshold)]
+        best = max(kept, key=lambda j: float(logits[i, j]))
+        hits.append(float(best in positives))
+        means.append(float(logits[i, sorted(positives)].mean()))
+    return torch.tensor(hits, dtype=torch.float64).mean(), torch.tensor(means, dtype=torch.float64).mean()
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_stats_with_masks(backend, mode):
+    q, k, labels, q_ids, k_ids, guide = _inputs(31, 31, dtype=torch.float64, seed=17)
+    k[labels] = F.normalize(q + 0.6 * k[labels], dim=-1)  # positives that often, not always, win
+    opts = _options("both", mode, q_ids, k_ids, guide)
+    _, stats = cal_inf_loss(q, k, labels, 3.0, backend=_use(backend), return_stats=True, **opts)
+    accuracy, positive_logit = _masked_stats_truth(q, k, labels, 3.0, q_ids, k_ids, mode, guide, opts["guide_margin"])
+    assert 0 < float(accuracy) < 1, "the batch must have hits and misses for the accuracy to mean anything"
+    assert stats.k2q_accuracy is None and stats.k2q_positive_logit is None
+    assert_close_verbose(stats.q2k_accuracy, accuracy, 1e-12, 1e-12, "accuracy")
+    assert_close_verbose(stats.q2k_positive_logit, positive_logit, 1e-12, 1e-12, "positive logit")
+
+
+# --- backend selection: the native and Triton kernels do not take the mask options yet -----------------
+
+
+@pytest.mark.parametrize("backend", ("cpu", "triton"))
+@pytest.mark.parametrize("option", ("ids", "multi_positive", "guide"))
+def test_kernel_backends_refuse_mask_options(backend, option):
+    q, k, labels, q_ids, k_ids, guide = _inputs(6, 6)
+    opts = {"ids": {"q_ids": q_ids, "k_ids": k_ids},
+            "multi_positive": {"q_ids": q_ids, "k_ids": k_ids, "multi_positive": "sum"},
+            "guide": {"guide": guide}}[option]
+    with pytest.raises(ValueError, match=f"not yet supported by backend '{backend}'.*'torch', 'reference'"):
+        cal_inf_loss(q, k, labels, backend=backend, **opts)
+
+
+@pytest.mark.parametrize("env", (None, "cpu", "triton", "torch", "reference"))
+def test_auto_picks_a_backend_with_masks(monkeypatch, env):
+    if env is None:
+        monkeypatch.delenv("INFCL_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("INFCL_BACKEND", env)
+    want = "reference" if env == "reference" else "torch"
+    assert resolve_backend("auto", torch.device("cpu"), masked=True) == want
+    q, k, labels, q_ids, k_ids, guide = _inputs(8, 8, dtype=torch.float64)
+    got = cal_inf_loss(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
+    truth = masked_loss_truth(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
+    assert_close_verbose(got, truth, 1e-10, 1e-10, f"INFCL_BACKEND={env}")
+
+
+def test_clip_loss_module_takes_the_mask_options():
+    q, k, labels, q_ids, k_ids, guide = _inputs(12, 12, dtype=torch.float64, labels="random")
+    k_ids = q_ids  # paired images and texts share their ids
+    module = InfCLIPLoss(multi_positive="sum", guide_margin=0.2, guide_margin_strategy="relative")
+    got = module(q, k, torch.tensor(SCALE, dtype=torch.float64), q_ids=q_ids, k_ids=k_ids, guide=guide)
+    want = masked_loss_truth(q, k, None, SCALE, symmetric=True, q_ids=q_ids, k_ids=k_ids, multi_positive="sum",
+                             guide=guide, guide_margin=0.2, guide_margin_strategy="relative")
+    assert_close_verbose(got, want, 1e-10, 1e-10, "InfCLIPLoss with masks")
+    plain = InfCLIPLoss(backend="torch")
+    assert torch.equal(plain(q, k, SCALE, q_ids=torch.arange(12), k_ids=torch.arange(12)), plain(q, k, SCALE)), (
+        "distinct ids: the plain loss bit for bit"
+    )
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("classes", ("few", "distinct"))  # "distinct": one positive per row in every mode
+def test_confident_batch(backend, mode, dtype, classes):
+    # Each row's labelled column is the row itself and every other column is at cosine < ~0.5 in D=64:
+    # gaps of 20+ logits, so 1 - p at a lone positive is ~1e-9, below float32's spacing near 1. The tiles
+    # form it with expm1; the gradients must keep their relative (normwise) precision.
+    if backend == "reference":
+        pytest.skip("the reference is the vanilla math (lse - S, p - 1): not held to round-off here")
+    q, k, labels, q_ids, k_ids, guide = _inputs(17, 17, d=64, dtype=torch.float64, seed=19)
+    k[labels] = q
+    if classes == "distinct":
+        q_ids, k_ids = torch.arange(17), torch.argsort(labels)
+    opts = _options("both", mode, q_ids, k_ids, guide)
+    scale = torch.tensor(CONFIDENT_SCALE, dtype=torch.float64)
+    name = _use(backend)
+    for symmetric in (False, True):
+        truth = grads_of_inputs(
+            lambda a, b, s_, sym=symmetric: masked_loss_truth(a, b, labels, s_, symmetric=sym, reduction="sum", **opts),
+            (q, k, scale),
+        )
+        got = grads_of_inputs(
+            lambda a, b, s_, sym=symmetric: cal_inf_loss(a, b, labels, s_, symmetric=sym, reduction="sum", backend=name,
+                                                         **opts),
+            (q.to(dtype), k.to(dtype), scale.to(dtype)),
+        )
+        assert_normwise(got, truth, CONFIDENT_BOUND[dtype], f"confident {mode} sym={symmetric}")
