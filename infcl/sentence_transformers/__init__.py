@@ -24,6 +24,7 @@ if _MAJOR < 6:
     )
 
 from .cached import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss  # noqa: E402
+from .gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402
 from .losses import MultipleNegativesRankingLoss, MultipleNegativesSymmetricRankingLoss  # noqa: E402
 
 __all__ = [
@@ -31,4 +32,6 @@ __all__ = [
     "CachedMultipleNegativesRankingLoss",
     "MultipleNegativesSymmetricRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
+    "GISTEmbedLoss",
+    "CachedGISTEmbedLoss",
 ]

@@ -81,6 +81,8 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
             similarity=similarity_kind(self.similarity_fct),
             directions=self.directions,
             partition_mode=self.partition_mode,
+            hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength,
             group=loss_group(self.gather_across_devices, self.group),
             backend=self.backend,
         )
