@@ -19,18 +19,22 @@
 // never negative. (3) Nothing depends on the sign of the upstream gradient: negating g negates every
 // output bit for bit.
 //
-// Parallel layout: the Bq rows are cut into `lanes` contiguous row ranges (one per thread). Each lane
-// walks its rows in TILE_Q x TILE_K tiles of S, key tiles outer and row tiles inner, so one key tile
-// serves all the lane's row tiles (float32 packs it once for MKL: see ReusedB); every product is a
-// single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or at::mm_out / addmm_ for
-// float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16). Row results belong to one lane;
-// column results (the column stats partials in the forward, dk in the backward) are kept per lane and
-// merged in lane order at the end. Partition and merge order depend only on the shapes and the thread
-// count, never on scheduling, so results are bit-identical run to run.
+// Parallel layout: S is cut into a grid of row tiles (RowTiles: fixed by Bq alone) times TILE_K key
+// columns; every product is a single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or
+// at::mm_out / addmm_ for float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16), by a route
+// fixed by the tile's shape (ReusedB), so S is the same bits whatever the thread count of either pass.
+// The forward takes one key tile at a time, its row tiles shared among the threads (each thread packs
+// the key tile once for MKL), each row tile updating its rows' running stats and writing its own column
+// partial, merged in row-tile order: the forward's outputs do not depend on the thread count at all.
+// The backward cuts the row tiles into `lanes` contiguous ranges (one per thread), each walking key
+// tiles outer; dq rows belong to one lane, dk is kept per lane and merged in lane order at the end, so
+// dk and dscale depend on the backward's own thread count (never on scheduling): bit-identical run to
+// run, and to a run whose forward had another thread count.
 //
-// Extra memory: the tile buffers, MKL's packed copy of the current key tile per lane (float32; ~1.25x
-// its data resident), O(lanes * Bk) column partials and (lanes - 1) dk partials of [Bk, D] (plus
-// float32 copies of q and k for float16 inputs) -- never O(Bq * Bk).
+// Extra memory: the tile buffers, MKL's packed copy of the current key tile per thread (float32; ~1.25x
+// its data resident), column partials of one key tile per row tile (O(Bq / TILE_Q * TILE_K)) and
+// (lanes - 1) dk partials of [Bk, D] (plus float32 copies of q and k for float16 inputs) -- never
+// O(Bq * Bk).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -66,9 +70,11 @@ constexpr float SHARED_REF_SPAN = 40.0f;
 // exp(x_col) = exp(x_row) * exp(L_row - L_col) with |L_row - L_col| <= 2 * LSE_REF_SPAN, so what is lost
 // stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a column's total probability 1).
 constexpr double LSE_REF_SPAN = 20.0;
-// A lane gets at least this many rows: below it, splitting the rows over threads costs more in
-// small, inefficient GEMMs than it gains.
-constexpr int64_t MIN_ROWS_PER_LANE = 32;
+// Row tiles of a small block (see RowTiles): at least MIN_ROW_TILES of them, so that up to that many
+// threads get work, each a multiple of ROW_TILE_ALIGN rows and never fewer: thinner products run far
+// below BLAS's rate and cost more than the parallelism gains.
+constexpr int64_t MIN_ROW_TILES = 8;
+constexpr int64_t ROW_TILE_ALIGN = 32;
 
 // ---------------------------------------------------------------------------------------------
 // Vectorizable exp. std::exp does not auto-vectorize without -ffast-math (which would also break
@@ -147,7 +153,7 @@ inline uint16_t to_bf16_bits(float f) {
 // Tried and dropped (2026-11-22, B=8192, D=512, 2 cores), so nobody retries them blind:
 // - MKL's packed-operand sgemm with every k panel packed up front: cblas_sgemm_pack_get_size asks
 //   ~7.9 MB plus the panel's data for every panel, so ~140 MB at B=8192 and over 1 GB at B=65536.
-//   (ReusedB packs one key tile per lane at a time instead, in an uninitialized buffer.)
+//   (ReusedB packs one key tile per thread at a time instead, in an uninitialized buffer.)
 // - oneDNN's float32 brgemm ukernel (at::native::cpublas::brgemm): 60-94 GFLOP/s on these tiles.
 // - oneDNN's bf16 AMX brgemm ukernel (at::native::cpublas::brgemm). It needs arch_prctl(ARCH_REQ_XCOMP_PERM)
 //   and a tile release after each group of calls, because MKL's bf16 GEMM shares the AMX state (SIGILL
@@ -211,7 +217,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
                          static_cast<int>(ldc));
 }
 
-// Makes MKL run single-threaded in this lane for the guard's lifetime. torch.set_num_threads() turns
+// Makes MKL run single-threaded on this thread for the guard's lifetime. torch.set_num_threads() turns
 // MKL's dynamic thread adjustment off, and MKL then partitions a product called from inside a
 // parallel region for the full thread count, run by one thread: 7% slower forward (B=8192, D=512).
 class SingleThreadedBlas {
@@ -231,20 +237,22 @@ bool has_sgemm_pack() {
   return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr && cblas_sgemm_compute != nullptr;
 }
 
-// The B operand of C[m, n] = A[m, kk] @ op(B) + beta * C when one k tile serves all of a lane's row
+// The B operand of C[m, n] = A[m, kk] @ op(B) + beta * C when one k tile serves all of a thread's row
 // tiles: set() once per k tile, then product() per row tile. For float32 with MKL, op(B) is packed
 // once into MKL's internal layout (with alpha folded in), so the row-tile products skip repacking it,
 // which is most of what separates a 256-row tile product from MKL's big-GEMM rate. The packed panel
-// is sized for m = TILE_Q rows; a shorter (ragged) row tile, and every other dtype, uses gemm(). It is
-// only packed when at least two full row tiles share it (lane_rows >= 2 m): one product gains nothing.
+// is sized for m rows (the full row tile of RowTiles); a shorter (ragged) row tile, and every other
+// dtype, uses gemm(). Which of the two routes a tile takes depends on the shapes alone, never on how
+// the rows are shared among threads: the routes may round differently, and the backward must
+// recompute the forward's S bit for bit whatever the thread count in either pass.
 // The buffer is left uninitialized: MKL reserves ~8 MB beyond the panel's data that it does not
 // write, so those pages are never touched and never become resident.
 template <typename A, typename Bt, typename C>
 class ReusedB {
  public:
-  ReusedB(int64_t lane_rows, bool tb, int64_t m, int64_t n_max, int64_t k_max) : tb_(tb), m_(m) {
+  ReusedB(bool tb, int64_t m, int64_t n_max, int64_t k_max) : tb_(tb), m_(m) {
     if constexpr (std::is_same<Bt, float>::value) {
-      if (lane_rows >= 2 * m && has_sgemm_pack()) {
+      if (has_sgemm_pack()) {
         capacity_ = cblas_sgemm_pack_get_size(kCblasBMatrix, static_cast<int>(m), static_cast<int>(n_max),
                                               static_cast<int>(k_max));
         packed_.reset(new float[(capacity_ + sizeof(float) - 1) / sizeof(float)]);
@@ -326,12 +334,28 @@ inline void store_ds(at::BFloat16* ds, int64_t c, float v) {
   std::memcpy(ds + c, &bits, sizeof bits);
 }
 
-// Rows [begin, end) of lane `lane` out of `lanes` equal contiguous ranges of n rows.
-inline int64_t lane_start(int64_t n, int64_t lanes, int64_t lane) { return n * lane / lanes; }
+// The row tiles of a block: a grid fixed by Bq alone, never by the thread count, so that the forward
+// and the backward multiply the same tiles by the same route (ReusedB) whatever torch.get_num_threads()
+// is in each pass. Tiles are TILE_Q rows, or for a small block ceil(Bq / MIN_ROW_TILES) rounded up to
+// ROW_TILE_ALIGN; only the last may be shorter.
+struct RowTiles {
+  int64_t rows, size, count;
+  explicit RowTiles(int64_t bq)
+      : rows(bq),
+        size(std::clamp<int64_t>((bq + MIN_ROW_TILES * ROW_TILE_ALIGN - 1) / (MIN_ROW_TILES * ROW_TILE_ALIGN) *
+                                     ROW_TILE_ALIGN,
+                                 ROW_TILE_ALIGN, TILE_Q)),
+        count((bq + size - 1) / size) {}
+  int64_t begin(int64_t t) const { return t * size; }
+  int64_t height(int64_t t) const { return std::min(size, rows - t * size); }
+};
 
-int64_t lane_count(int64_t rows) {
-  const int64_t by_size = std::max<int64_t>(1, rows / MIN_ROWS_PER_LANE);
-  return std::min<int64_t>(at::get_num_threads(), by_size);
+// The backward's lanes: contiguous ranges of row tiles, one per thread (each lane's dk partial is merged
+// in lane order). First tile of lane `lane` of `lanes`:
+inline int64_t lane_start(int64_t tiles, int64_t lanes, int64_t lane) { return tiles * lane / lanes; }
+
+int64_t lane_count(const RowTiles& tiles) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles.count));
 }
 
 // The tile's column of row i's positive, or -1 when it lies outside columns [j0, j0 + nj).
@@ -350,7 +374,7 @@ template <typename In>
 class RawTiles {
  public:
   using Acc = typename Types<In>::acc;
-  RawTiles(int64_t lane_rows, int64_t tk, int64_t d) : d_(d), k_t_(lane_rows, /*tb=*/true, TILE_Q, tk, d) {}
+  RawTiles(int64_t m, int64_t tk, int64_t d) : d_(d), k_t_(/*tb=*/true, m, tk, d) {}
   void set_keys(const In* k_rows, int64_t nj) { k_t_.set(k_rows, d_, nj, d_, Acc(1)); }
   void product(const In* q_rows, int64_t ni, Acc* raw, int64_t nj) const {
     k_t_.product(ni, q_rows, d_, Acc(0), raw, nj);
@@ -515,48 +539,42 @@ inline Acc log_rel(Acc m, double top, double rest) {
   return static_cast<Acc>(std::log1p((top - 1.0) + rest));
 }
 
-// One lane's forward: running row stats over all k tiles, running column stats over the lane's rows.
+// One thread's forward work: row tiles against the current key tile, each updating its rows' running
+// stats and writing its own column partial (merge_column_partials combines them in row-tile order).
 template <typename In>
-class ForwardLane {
+class ForwardWorker {
  public:
   using Acc = typename Types<In>::acc;
 
-  ForwardLane(const In* q, const In* k, int64_t bq, int64_t bk, int64_t d, int64_t lanes, Acc sc, const int64_t* pos)
-      : q_(q), k_(k), bk_(bk), d_(d), sc_(sc), pos_(pos), tk_(std::min(TILE_K, bk)), raw_(bq / lanes, tk_, d),
-        s_(TILE_Q * tk_), tile_row_max_(TILE_Q), tile_col_max_(tk_), col_top_(tk_), col_rest_(tk_) {}
+  ForwardWorker(const In* q, const In* k, int64_t bk, int64_t d, const RowTiles& tiles, Acc sc, const int64_t* pos)
+      : q_(q), k_(k), d_(d), sc_(sc), pos_(pos), tiles_(tiles), raw_(tiles.size, std::min(TILE_K, bk), d),
+        s_(tiles.size * std::min(TILE_K, bk)), tile_row_max_(tiles.size), tile_col_max_(TILE_K), col_top_(TILE_K),
+        col_rest_(TILE_K) {}
 
-  // Rows [r_begin, r_end); cols: this lane's column partials (max == nullptr: rows only). Writes
-  // rows[0..2] of its rows into out ([3, bq], row-major).
-  void run(int64_t r_begin, int64_t r_end, const Running<Acc>& cols, Acc* out, int64_t bq) {
-    const int64_t n = r_end - r_begin;
-    rows_.reset(n);
-    for (int64_t j0 = 0; j0 < bk_; j0 += tk_) {
-      const int64_t nj = std::min(tk_, bk_ - j0);
-      raw_.set_keys(k_ + j0 * d_, nj);
-      for (int64_t i0 = r_begin; i0 < r_end; i0 += TILE_Q) {
-        tile(i0, std::min(TILE_Q, r_end - i0), rows_.at(i0 - r_begin), j0, nj, cols, out + 2 * bq);
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      out[r_begin + t] = rows_.max[t];
-      out[bq + r_begin + t] = log_rel(rows_.max[t], rows_.top[t], rows_.rest[t]);
-    }
+  // Packs key tile [j0, j0 + nj) for this thread's products, unless it holds it already.
+  void set_keys(int64_t j0, int64_t nj) {
+    if (j0 == j0_) return;
+    raw_.set_keys(k_ + j0 * d_, nj);
+    j0_ = j0;
   }
 
- private:
-  void tile(int64_t i0, int64_t ni, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& lane_cols,
+  // Row tile t against key tile [j0, j0 + nj): rows = the running stats of its rows; cols = its column
+  // partial over this key tile (nj entries, overwritten; max == nullptr: rows only); positives: [bq].
+  void tile(int64_t t, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& cols,
             Acc* positives) {
+    const int64_t i0 = tiles_.begin(t), ni = tiles_.height(t);
     Acc* s = s_.data();
     raw_.product(q_ + i0 * d_, ni, s, nj);
     scale_with_maxima(s, ni, nj, sc_, tile_row_max_.data(), tile_col_max_.data());
     take_positives(s, ni, nj, pos_, i0, j0, positives);
     raise_maxima(rows, tile_row_max_.data(), ni);
-    if (!lane_cols.max) {
+    if (!cols.max) {
       add_row_terms(s, ni, nj, rows);
       return;
     }
-    const Running<Acc> cols = lane_cols.offset(j0);
-    raise_maxima(cols, tile_col_max_.data(), nj);
+    std::copy(tile_col_max_.data(), tile_col_max_.data() + nj, cols.max);
+    std::fill(cols.top, cols.top + nj, 0.0);
+    std::fill(cols.rest, cols.rest + nj, 0.0);
     const Acc ref = kOneExp<In> ? shared_reference(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
     if (kOneExp<In> && !std::isnan(ref)) {
       add_row_col_terms<true>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
@@ -565,60 +583,90 @@ class ForwardLane {
     }
   }
 
+ private:
   const In* q_;
   const In* k_;
-  int64_t bk_, d_;
+  int64_t d_;
   Acc sc_;
   const int64_t* pos_;
-  int64_t tk_;
+  RowTiles tiles_;
+  int64_t j0_ = -1;
   RawTiles<In> raw_;
   std::vector<Acc> s_, tile_row_max_, tile_col_max_, col_top_, col_rest_;
-  RunningStore<Acc> rows_;
 };
 
-// Column stats from the lanes' partials, merged in lane order: M = max_p m_p; the lanes at M add their
-// top and rest, the others' top + rest joins rest, times exp(m_p - M).
+// Merges the row tiles' column partials over one key tile (parts: [count, stride], nj used) into the
+// columns' running stats, in row-tile order whichever thread made each: M = the largest max; a side at
+// M adds its top and rest, any other its top + rest times exp(m - M).
 template <typename Acc>
-void merge_column_partials(RunningStore<Acc>& parts, int64_t lanes, int64_t bk, Acc* out) {
-  at::parallel_for(0, bk, 1024, [&](int64_t c0, int64_t c1) {
+void merge_column_partials(RunningStore<Acc>& parts, int64_t count, int64_t stride, const Running<Acc>& run,
+                           int64_t nj) {
+  at::parallel_for(0, nj, 1024, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      Acc m = -std::numeric_limits<Acc>::infinity();
-      for (int64_t p = 0; p < lanes; ++p) m = nan_max(m, parts.max[p * bk + c]);
+      Acc m = run.max[c];
+      for (int64_t p = 0; p < count; ++p) m = nan_max(m, parts.max[p * stride + c]);
       double top = 0.0, rest = 0.0;
-      for (int64_t p = 0; p < lanes; ++p) {
-        const int64_t t = p * bk + c;
-        if (parts.max[t] == m) {
-          top += parts.top[t];
-          rest += parts.rest[t];
+      const auto add = [&](Acc part_max, double part_top, double part_rest) {
+        if (part_max == m) {
+          top += part_top;
+          rest += part_rest;
         } else {
-          rest += (parts.top[t] + parts.rest[t]) * rescale_factor(parts.max[t], m);
+          rest += (part_top + part_rest) * rescale_factor(part_max, m);
         }
-      }
-      out[c] = m;
-      out[bk + c] = log_rel(m, top, rest);
+      };
+      add(run.max[c], run.top[c], run.rest[c]);
+      for (int64_t p = 0; p < count; ++p) add(parts.max[p * stride + c], parts.top[p * stride + c], parts.rest[p * stride + c]);
+      run.max[c] = m;
+      run.top[c] = top;
+      run.rest[c] = rest;
     }
   });
 }
 
+// (m, r) rows of a [2 (or 3), n] output from n running stats.
+template <typename Acc>
+void write_stats(RunningStore<Acc>& run, int64_t n, Acc* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    out[t] = run.max[t];
+    out[n + t] = log_rel(run.max[t], run.top[t], run.rest[t]);
+  }
+}
+
+// Key tiles outer, all threads on the row tiles of one key tile at a time: every result (row stats, the
+// positives, the column stats merged in row-tile order) is independent of the thread count.
 template <typename In>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool want_cols,
                   at::Tensor& rows, at::Tensor& cols) {
   using Acc = typename Types<In>::acc;
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
-  const int64_t lanes = lane_count(bq);
-  RunningStore<Acc> col_parts;  // per lane, [lanes, bk]
-  col_parts.reset(want_cols ? lanes * bk : 0);
+  const RowTiles tiles(bq);
+  const int64_t tk = std::min(TILE_K, bk);
+  RunningStore<Acc> row_run, col_run, col_parts;  // col_parts: [tiles.count, tk], one key tile at a time
+  row_run.reset(bq);
+  col_run.reset(want_cols ? bk : 0);
+  col_parts.reset(want_cols ? tiles.count * tk : 0);
   rows.zero_();  // rows[2] stays 0 where the positive lies in another block
-  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
-    const SingleThreadedBlas one_thread;
-    ForwardLane<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, lanes, static_cast<Acc>(scale),
-                         pos.data_ptr<int64_t>());
-    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      const Running<Acc> lane_cols = want_cols ? col_parts.at(lane * bk) : Running<Acc>{nullptr, nullptr, nullptr};
-      work.run(lane_start(bq, lanes, lane), lane_start(bq, lanes, lane + 1), lane_cols, rows.data_ptr<Acc>(), bq);
-    }
-  });
-  if (want_cols) merge_column_partials(col_parts, lanes, bk, cols.data_ptr<Acc>());
+  Acc* out = rows.data_ptr<Acc>();
+  std::vector<std::unique_ptr<ForwardWorker<In>>> workers(at::get_num_threads());
+  for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+    const int64_t nj = std::min(tk, bk - j0);
+    at::parallel_for(0, tiles.count, 1, [&](int64_t t_begin, int64_t t_end) {
+      const SingleThreadedBlas one_thread;
+      auto& work = workers[at::get_thread_num()];
+      if (!work) {
+        work = std::make_unique<ForwardWorker<In>>(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles,
+                                                   static_cast<Acc>(scale), pos.data_ptr<int64_t>());
+      }
+      work->set_keys(j0, nj);
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        const Running<Acc> part = want_cols ? col_parts.at(t * tk) : Running<Acc>{nullptr, nullptr, nullptr};
+        work->tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
+      }
+    });
+    if (want_cols) merge_column_partials(col_parts, tiles.count, tk, col_run.at(j0), nj);
+  }
+  write_stats(row_run, bq, out);
+  if (want_cols) write_stats(col_run, bk, cols.data_ptr<Acc>());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -745,7 +793,8 @@ class BackwardLane {
   struct Args {
     const In* q;
     const In* k;
-    int64_t bq, bk, d, lanes;
+    int64_t bq, bk, d;
+    RowTiles tiles;
     Acc scale;
     const int64_t* pos;
     const Acc* row_stats;  // [2, bq]
@@ -756,20 +805,19 @@ class BackwardLane {
   };
 
   explicit BackwardLane(const Args& a)
-      : a_(a), tk_(std::min(TILE_K, a.bk)), raw_tiles_(a.bq / a.lanes, tk_, a.d),
-        k_tile_(a.bq / a.lanes, /*tb=*/false, TILE_Q, a.d, tk_), raw_(TILE_Q * tk_), s_(TILE_Q * tk_),
-        ds_buf_(std::is_same<DS, Acc>::value ? 0 : TILE_Q * tk_), shared_(tk_) {}
+      : a_(a), tk_(std::min(TILE_K, a.bk)), raw_tiles_(a.tiles.size, tk_, a.d),
+        k_tile_(/*tb=*/false, a.tiles.size, a.d, tk_), raw_(a.tiles.size * tk_), s_(a.tiles.size * tk_),
+        ds_buf_(std::is_same<DS, Acc>::value ? 0 : a.tiles.size * tk_), shared_(tk_) {}
 
-  // Rows [r_begin, r_end), accumulating into dk ([bk, d]); returns (row part, column part) of dscale.
-  std::pair<double, double> run(int64_t r_begin, int64_t r_end, Acc* dk) {
+  // Row tiles [t_begin, t_end), accumulating into dk ([bk, d]); returns (row part, column part) of dscale.
+  std::pair<double, double> run(int64_t t_begin, int64_t t_end, Acc* dk) {
     double lane_row = 0.0, lane_col = 0.0;
     for (int64_t j0 = 0; j0 < a_.bk; j0 += tk_) {
       const int64_t nj = std::min(tk_, a_.bk - j0);
       raw_tiles_.set_keys(a_.k + j0 * a_.d, nj);
       k_tile_.set(a_.k + j0 * a_.d, a_.d, a_.d, nj, a_.scale);  // scale * k_j, for dq_i += dS @ k_j
-      for (int64_t i0 = r_begin; i0 < r_end; i0 += TILE_Q) {
-        const int64_t ni = std::min(TILE_Q, r_end - i0);
-        const auto parts = tile(i0, ni, j0, nj, dk);
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        const auto parts = tile(a_.tiles.begin(t), a_.tiles.height(t), j0, nj, dk);
         lane_row += parts.first;
         lane_col += parts.second;
       }
@@ -831,8 +879,9 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
   using Acc = typename Types<In>::acc;
   const bool both = col_stats.defined();
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
-  const int64_t lanes = lane_count(bq);
-  const typename BackwardLane<In>::Args args{q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, lanes,
+  const RowTiles tiles(bq);
+  const int64_t lanes = lane_count(tiles);
+  const typename BackwardLane<In>::Args args{q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, tiles,
                                              static_cast<Acc>(scale), pos.data_ptr<int64_t>(),
                                              row_stats.data_ptr<Acc>(), g_row.data_ptr<Acc>(),
                                              both ? col_stats.data_ptr<Acc>() : nullptr,
@@ -845,7 +894,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
     BackwardLane<In> work(args);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
-      parts[lane] = work.run(lane_start(bq, lanes, lane), lane_start(bq, lanes, lane + 1), dkp);
+      parts[lane] = work.run(lane_start(tiles.count, lanes, lane), lane_start(tiles.count, lanes, lane + 1), dkp);
     }
   });
   for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);

@@ -10,11 +10,10 @@ native CPU kernel ahead of time.
 
 from importlib import metadata
 
-from .api import cal_inf_loss
+from .api import cal_inf_loss, cal_inf_loss_reference
 from .backends import BACKENDS
 from .gradcache import GradCache, RandContext, split_vlm_inputs
 from .modules import InfCLIPLoss, InfSigLipLoss
-from .reference import cal_inf_loss_reference
 from .siglip import cal_siglip_loss
 
 try:

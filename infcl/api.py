@@ -1,4 +1,5 @@
-"""The public entry point: ``cal_inf_loss``."""
+"""The public entry point: ``cal_inf_loss`` (and ``cal_inf_loss_reference``, the same call on the
+materializing reference)."""
 
 from typing import Optional
 
@@ -121,6 +122,12 @@ def cal_inf_loss(
         col_valid = col_info[HAS_POS] > 0 if symmetric else None
         loss = reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
     return (loss, loss_stats(row_info, col_info)) if return_stats else loss
+
+
+def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """:func:`cal_inf_loss` with ``backend="reference"``: the same arguments (but ``backend``) and validation,
+    computed on materialized logits (:mod:`infcl.reference`, O(Bq * Bk) memory), for tests and A/B checks."""
+    return cal_inf_loss(q, k, *args, backend="reference", **kwargs)
 
 
 def call_layout(ring, q: torch.Tensor, k: torch.Tensor, labels, masks: Optional[MaskOptions] = None) -> RingLayout:

@@ -17,8 +17,15 @@ SIGLIP_DIST_IMPLS = (None, "bidir", "shift", "reduce", "gather")
 class InfCLIPLoss(nn.Module):
     """Drop-in for open_clip's ``ClipLoss``: the symmetric CLIP loss, without the B x B logits.
 
-    ``InfCLIPLoss()(image_features, text_features, logit_scale, output_dict=False)`` where
-    ``logit_scale`` is the already-exponentiated scale (as open_clip's models return it).
+    ``InfCLIPLoss()(image_features, text_features, logit_scale, logit_bias=None, output_dict=False)``
+    where ``logit_scale`` is the already-exponentiated scale (as open_clip's models return it), so that
+    open_clip's training code can pass ``**model_out``.
+
+    ``logit_bias`` (a scalar tensor or None), as in open_clip's ``ClipLoss``: the logits become
+    ``logit_scale * image @ text.T + logit_bias``. A bias shared by every logit cancels in each row's
+    and column's softmax, so the loss and the feature and scale gradients are those without it, and the
+    bias gets its exact gradient, zero. It stays in the autograd graph (its ``.grad`` is a zero tensor,
+    as with open_clip, not None) and a NaN or infinite bias makes the loss NaN, as it does upstream.
 
     Under torch.distributed each rank passes its local features and gets its local loss, with
     gradients equal to open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)``. The
@@ -45,11 +52,34 @@ class InfCLIPLoss(nn.Module):
         self.group = group
         self.backend = backend
 
-    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, output_dict: bool = False):
+    def forward(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale,
+        logit_bias: Optional[torch.Tensor] = None,
+        output_dict: bool = False,
+    ):
         loss = cal_inf_loss(
             image_features, text_features, scale=logit_scale, symmetric=True, group=self.group, backend=self.backend
         )
+        if logit_bias is not None:
+            loss = loss + _cancelled_bias(logit_bias, loss)
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+def _cancelled_bias(logit_bias, loss: torch.Tensor) -> torch.Tensor:
+    """The softmax loss's exact dependence on a logit bias shared by every entry: none. Returned as a
+    0-d term (0 for a finite bias, NaN otherwise) that keeps ``logit_bias`` in the graph with gradient 0."""
+    if not torch.is_tensor(logit_bias):
+        logit_bias = torch.as_tensor(logit_bias)
+    if logit_bias.numel() != 1:
+        raise ValueError(
+            f"logit_bias must be a scalar (one element, shared by every logit), got shape {tuple(logit_bias.shape)}"
+        )
+    if not (logit_bias.is_floating_point()):
+        raise TypeError(f"logit_bias must be a floating-point tensor, got {logit_bias.dtype}")
+    return (logit_bias.reshape(()) * 0).to(device=loss.device, dtype=loss.dtype)
 
 
 class InfSigLipLoss(nn.Module):
@@ -75,6 +105,9 @@ class InfSigLipLoss(nn.Module):
     - ``dist_impl``: one of open_clip's ``None``, "bidir", "shift", "reduce", "gather" (anything else
       raises ValueError) and otherwise ignored: all four give the same loss and gradients, and infcl
       always uses its own ring, which passes text blocks to rank + 1 while it computes the current one.
+    - ``chunk_size`` (newer open_clip releases: how many logits to compute at a time): accepted and
+      checked (None or a positive int), and otherwise unneeded: infcl's tiles never hold the B x B logits,
+      whatever the chunk.
     """
 
     def __init__(
@@ -83,6 +116,7 @@ class InfSigLipLoss(nn.Module):
         rank: int = 0,
         world_size: int = 1,
         dist_impl: Optional[str] = None,
+        chunk_size: Optional[int] = None,
         *,
         group=None,
         backend: str = "auto",
@@ -90,6 +124,10 @@ class InfSigLipLoss(nn.Module):
         super().__init__()
         if dist_impl not in SIGLIP_DIST_IMPLS:
             raise ValueError(f"dist_impl must be one of {SIGLIP_DIST_IMPLS}, got {dist_impl!r}")
+        positive_int = isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1
+        if chunk_size is not None and not positive_int:
+            raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+        self.chunk_size = chunk_size
         self.rank, self.world_size = rank, world_size
         self.group = group
         self.backend = backend
@@ -106,7 +144,9 @@ class InfSigLipLoss(nn.Module):
                 + ("" if ring is not None else " (torch.distributed is not initialized, or the group has one rank)")
             )
 
-    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, logit_bias, output_dict: bool = False):
+    def forward(
+        self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, logit_bias, output_dict: bool = False
+    ):
         self._check_ring()
         loss = cal_siglip_loss(
             image_features, text_features, logit_scale, logit_bias, group=self.group, backend=self.backend

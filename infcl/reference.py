@@ -136,11 +136,3 @@ def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout):
     signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
     return -F.logsigmoid(signs * logits).sum(dim=1)
 
-
-def cal_inf_loss_reference(q, k, labels=None, scale=None, head_dim=None, *, symmetric=False, reduction="mean", group=None):
-    """``cal_inf_loss`` with backend="reference": same signature, same validation, materialized logits."""
-    from .api import cal_inf_loss
-
-    return cal_inf_loss(
-        q, k, labels, scale, head_dim, symmetric=symmetric, reduction=reduction, group=group, backend="reference"
-    )

@@ -23,6 +23,12 @@ DTYPE_TOLERANCES = (
     (torch.float16, 1e-3, 5e-3),
 )
 TOLERANCE = {dtype: (atol, rtol) for dtype, atol, rtol in DTYPE_TOLERANCES}
+# Confident rows: the positive beats every negative of its row by this many logits, so 1 - P_pos ~
+# exp(-margin) is 1e-11 .. 1e-24 (see margin_features).
+MARGINS = (25.0, 55.0)
+# Normwise error bounds against exact_softmax_truth: float32 keeps ~|S| * eps (|S| <= 100) relative to each
+# term; float64 the same with its own eps.
+EXACT_NORMWISE = {torch.float32: 1e-4, torch.float64: 1e-9}
 
 
 def features_and_labels(bq, bk, d, label_kind, dtype, seed=0):
@@ -234,3 +240,81 @@ def masked_loss_truth(q, k, labels=None, scale=1.0, *, symmetric=False, reductio
     q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy as ``cal_inf_loss`` takes them."""
     rows, cols = masked_truth_directions(q, k, labels, scale, symmetric=symmetric, **options)
     return reduce_masked_truth(rows, cols, reduction)
+
+
+def _exact_direction(s: torch.Tensor, labels: torch.Tensor):
+    """Row losses and g-free dS = P - Y of one direction of the softmax loss, without cancellation.
+
+    Relative to the positive logit (d_j = s_j - s_pos) and to c = max(0, max_j d_j):
+    rest = sum_{j != pos} exp(d_j - c), loss = log1p(rest) when c = 0 (the positive is the maximum),
+    else c + log(exp(-c) + rest); P_j = exp(d_j - c) / (exp(-c) + rest) off the positive and
+    1 - P_pos = rest / (exp(-c) + rest). Nothing is ever formed as 1 + tiny or 1 - p, so a confident
+    row's loss (~1e-20) and its gradient keep float64's relative precision.
+    """
+    n = s.shape[0]
+    onehot = torch.zeros_like(s, dtype=torch.bool)
+    onehot[torch.arange(n), labels] = True
+    d = s - s[onehot][:, None]
+    c = d.masked_fill(onehot, float("-inf")).amax(dim=1, keepdim=True).clamp(min=0.0)
+    e = torch.exp(d - c).masked_fill(onehot, 0.0)
+    rest = e.sum(dim=1, keepdim=True)
+    top = torch.exp(-c)  # the positive's own term, exactly 1 where it is the maximum
+    loss = torch.where(c == 0, torch.log1p(rest), c + torch.log(top + rest))[:, 0]
+    ds = torch.where(onehot, -rest / (top + rest), e / (top + rest))
+    return loss, ds
+
+
+def exact_softmax_truth(q, k, scale, labels=None, symmetric=False):
+    """(row losses, dq, dk, dscale) of ``cal_inf_loss(..., reduction="none")`` under an upstream gradient of
+    ones, in float64 and free of cancellation (see :func:`_exact_direction`): exact to float64 round-off
+    even where 1 - P_pos is 1e-24, where the materialized float64 loss rounds log(1 + rest) and P to 1.
+
+    q [Bq, D], k [Bk, D], scale a number or 0-d tensor; labels [Bq] (None: the diagonal), a permutation
+    for ``symmetric``, whose loss i is (row_i + column_i) / 2, column i's positive being row labels^-1[i].
+    """
+    q, k = q.detach().double().cpu(), k.detach().double().cpu()
+    scale = torch.as_tensor(scale, dtype=torch.float64).detach().cpu()
+    labels = torch.arange(q.shape[0]) if labels is None else labels.cpu()
+    raw = q @ k.T
+    s = scale * raw
+    loss, ds = _exact_direction(s, labels)
+    if symmetric:
+        col_loss, col_ds = _exact_direction(s.T, torch.argsort(labels))
+        loss, ds = (loss + col_loss) / 2, (ds + col_ds.T) / 2
+    return loss, scale * ds @ k, scale * ds.T @ q, (ds * raw).sum()
+
+
+def margin_features(b, d, scale, symmetric, seed):
+    """(q, k, labels) in float64 where every row's positive logit beats the row's largest negative by a
+    margin in MARGINS (and, symmetric, every column's likewise).
+
+    Row i's positive k[labels[i]] is a noisy copy of u_i, q_i = u_i times a factor (a margin is linear in
+    it). One-directional: a factor per row, its margin drawn uniformly from MARGINS. Symmetric: one
+    factor for all rows, so that the columns stay confident too (per-row factors would lift some rows'
+    negatives above other columns' positives), the largest row or column margin MARGINS[1] and the
+    smallest about 35.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randperm(b, generator=gen)
+    u = F.normalize(torch.randn(b, d, generator=gen, dtype=torch.float64), dim=1)
+    k = torch.empty_like(u)
+    k[labels] = F.normalize(u + 0.1 * torch.randn(b, d, generator=gen, dtype=torch.float64) / d**0.5, dim=1)
+    s = scale * u @ k.T
+    onehot = torch.zeros_like(s, dtype=torch.bool)
+    onehot[torch.arange(b), labels] = True
+    negatives = s.masked_fill(onehot, float("-inf"))
+    rows = s[onehot] - negatives.amax(dim=1)
+    if symmetric:
+        cols = s.T[onehot.T] - negatives.amax(dim=0)
+        factor = MARGINS[1] / torch.cat((rows, cols)).max()
+    else:
+        factor = (MARGINS[0] + (MARGINS[1] - MARGINS[0]) * torch.rand(b, generator=gen, dtype=torch.float64)) / rows
+        factor = factor[:, None]
+    return u * factor, k, labels
+
+
+def assert_normwise(got, truth, bound, what="", names=("loss", "dq", "dk", "dscale")):
+    """||got - truth|| <= bound * ||truth|| (Frobenius) for each output."""
+    for name, a, t in zip(names, got, truth):
+        err = float((a.detach().double().cpu() - t).norm() / t.norm())
+        assert err <= bound, f"{what} {name}: normwise error {err:.3g} > {bound:g}"

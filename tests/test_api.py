@@ -1,6 +1,8 @@
 """The public surface: Inf-CL call-compatibility, backend selection, InfCLIPLoss, the reference."""
 
-import pytest
+import ast
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -88,7 +90,8 @@ def test_clip_loss_dropin_matches_open_clip_formula():
 
 
 def test_output_dtype_is_accumulation_dtype():
-    for dtype, want in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+    expected = ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float64, torch.float64))
+    for dtype, want in expected:
         q, k = _features(dtype=dtype)
         assert cal_inf_loss(q, k).dtype == want
 
@@ -99,9 +102,94 @@ def test_reductions_relate():
     for symmetric in (False, True):
         none = cal_inf_loss(q, k, labels, symmetric=symmetric, reduction="none")
         assert none.shape == (40,)
-        assert_close_verbose(cal_inf_loss(q, k, labels, symmetric=symmetric, reduction="sum"), none.sum(), 1e-5, 1e-6, "sum")
+        summed = cal_inf_loss(q, k, labels, symmetric=symmetric, reduction="sum")
+        assert_close_verbose(summed, none.sum(), 1e-5, 1e-6, "sum")
         assert_close_verbose(cal_inf_loss(q, k, labels, symmetric=symmetric), none.mean(), 1e-6, 1e-6, "mean")
 
 
 def test_exports():
     assert {"cal_inf_loss", "InfCLIPLoss", "cal_inf_loss_reference"} <= set(infcl.__all__)
+
+
+# ---- the import graph ------------------------------------------------------------------------------
+
+PACKAGE = Path(infcl.__file__).resolve().parent
+
+
+def _module_names():
+    """{dotted module name: path} for every module of the package (a package is its __init__.py)."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("infcl",) + path.relative_to(PACKAGE).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _imports(name, path, modules):
+    """The package's modules that ``name`` imports anywhere in its text (function-level imports included)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if node.module and target in modules:  # `from . import x` imports x, not the package again
+                found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in modules)
+    return found - {name}
+
+
+def _cycles(graph):
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    modules = _module_names()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert graph["infcl.api"] >= {"infcl.reference"}, "the import graph parser misses relative imports"
+    assert _cycles(graph) == []
+
+
+# What the reference must not share with what it checks: the API and the tiled path behind it.
+TILED_PATH = ("infcl.api", "infcl.function", "infcl.losses", "infcl.ring.driver", "infcl.ring.comm", "infcl.kernels")
+TILED_BACKENDS = ("infcl.backends.torch_tiles", "infcl.backends.native", "infcl.backends.triton_backend")
+
+
+def test_reference_imports_nothing_of_the_tiled_path():
+    """The reference is an independent A/B check: it may share the dtype policy and the ring layout, not the
+    API, the autograd Functions, the losses' block steps, the ring loop, the tiles or the kernels."""
+    modules = _module_names()
+    imported = _imports("infcl.reference", modules["infcl.reference"], modules)
+    assert "infcl.ring.layout" in imported, "the import graph parser misses the reference's imports"
+    shared = {m for m in imported if m.startswith(TILED_PATH) or m.startswith(TILED_BACKENDS)}
+    assert not shared, shared

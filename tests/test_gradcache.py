@@ -450,6 +450,70 @@ def test_model_device_rng_is_replayed(monkeypatch):
     assert not torch.allclose(inputs_only[0], ref[0], atol=1e-3), "the device RNG must matter in this test"
 
 
+class DeviceBatch:
+    """A model input type GradCache cannot look into: CPU features plus a tensor on the device the model
+    draws its dropout on (meta, standing in for a GPU as above)."""
+
+    def __init__(self, x, home):
+        self.x, self.home = x, home
+
+
+def split_device_batch(batch, size):
+    if not isinstance(batch, DeviceBatch):
+        return split_inputs(batch, size)
+    return [DeviceBatch(x, batch.home) for x in batch.x.split(size)]
+
+
+class InputDeviceDropoutTower(nn.Module):
+    """Draws its dropout mask from the RNG of the device its input names, which only the input knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(FEAT, EMBED)
+
+    def forward(self, batch):
+        generator = getattr(torch, batch.home.device.type).generator
+        keep = torch.rand(batch.x.shape[0], EMBED, generator=generator) >= DROPOUT
+        return self.net(batch.x) * keep / (1 - DROPOUT)
+
+
+class DeviceBatchGradCache(GradCache):
+    """luyug's documented extension point: say which tensors a custom input type holds."""
+
+    def get_input_tensors(self, model_input):
+        if isinstance(model_input, DeviceBatch):
+            return [model_input.x, model_input.home]
+        return super().get_input_tensors(model_input)
+
+
+def test_overridden_get_input_tensors_names_the_rngs_to_replay(monkeypatch):
+    fake = _FakeDeviceRNG()
+    monkeypatch.setattr(torch, "meta", fake, raising=False)
+    torch.manual_seed(10)
+    models, loss_fn = [InputDeviceDropoutTower(), TensorTower()], ClipLoss()
+    batches = [DeviceBatch(make_input("tensor"), torch.empty(0, device="meta")), make_input("tensor")]
+    params = distinct_params(*models, loss_fn)
+
+    fake.generator.manual_seed(SEED)
+    torch.manual_seed(SEED)
+    reps = [
+        torch.cat([models[0](c) for c in split_device_batch(batches[0], CHUNKS[0])]),
+        torch.cat([models[1](c) for c in batches[1].split(CHUNKS[1])]),
+    ]
+    loss_fn(*reps).backward()
+    ref = take_grads(params)
+
+    def step(cls):
+        fake.generator.manual_seed(SEED)
+        torch.manual_seed(SEED)
+        cls(models, list(CHUNKS), loss_fn, split_input_fn=split_device_batch).cache_step(*batches)
+        return take_grads(params)
+
+    assert_grads_close(step(DeviceBatchGradCache), ref)
+    # The default sees no tensor in a DeviceBatch: the device RNG is not replayed and the masks differ.
+    assert not torch.allclose(step(GradCache)[0], ref[0], atol=1e-3), "the device RNG must matter in this test"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU stand-in is the test above)")
 def test_model_that_moves_cpu_inputs_to_cuda_replays_cuda_dropout():
     class CudaTower(TensorTower):

@@ -22,12 +22,16 @@ from infcl.backends.base import Block, accum_dtype
 from infcl.backends.torch_tiles import TORCH_TILES
 from support import (
     DTYPE_TOLERANCES,
+    EXACT_NORMWISE,
     ODD_BATCHES,
     ODD_DIMS,
     TOLERANCE,
     assert_close_verbose,
     assert_no_worse,
+    assert_normwise,
+    exact_softmax_truth,
     grads_of,
+    margin_features,
     vanilla_loss,
 )
 
@@ -317,7 +321,8 @@ def test_backward_recomputes_the_forwards_logits_bit_for_bit(dtype, symmetric, t
     """Each positive beats its row and column by ~40000 at |S| ~ 1e5 (an ulp of S is ~0.01), so the loss
     is exactly 0 and the exact gradient is 0 to every digit: P = exp((S - m) - r) with r = 0, and at
     the positive expm1(S - m) = 0 only if the backward's S equals the forward's max bit for bit."""
-    q = 30.0 * F.normalize(torch.randn(600, 48, generator=torch.Generator().manual_seed(5), dtype=torch.float64), dim=-1)
+    gen = torch.Generator().manual_seed(5)
+    q = 30.0 * F.normalize(torch.randn(600, 48, generator=gen, dtype=torch.float64), dim=-1)
     q = q.to(dtype)
     with _threads(threads):
         loss, dq, dk, dscale = grads_of(
@@ -417,6 +422,35 @@ def test_thread_counts_match_vanilla(threads):
                      q.double(), k.double(), scale.double(), torch.tensor(0.7))
     for name, a, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
         assert_close_verbose(a, t, *TOLERANCE[torch.float32], f"{name} threads={threads}")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
+def test_thread_count_may_change_between_forward_and_backward(dtype, symmetric):
+    """Forward with 2 threads, backward with 1 or 3 (a trainer's data loader or callback may change
+    torch.set_num_threads in between): the forward's outputs are the same for every thread count, the
+    backward recomputes S bit for bit whatever its own, so the result equals the run that used the
+    backward's thread count throughout, bit for bit, and stays exact on confident rows (1 - P_pos ~ 1e-11
+    .. 1e-24, which a backward S off by one ulp would break). B = 1100: several row tiles, one ragged."""
+    q, k, labels = margin_features(1100, 64, 100.0, symmetric, seed=7)
+    q, k, scale = q.to(dtype), k.to(dtype), torch.tensor(100.0, dtype=dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, scale)]
+
+    def loss_of(q_, k_, s_):
+        return cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction="none", backend="cpu")
+
+    with _threads(2):
+        forward_2 = loss_of(*leaves)
+    truth = exact_softmax_truth(q, k, scale, labels, symmetric)
+    for threads in (1, 3):
+        with _threads(threads):
+            same = grads_of(loss_of, q, k, scale)
+            mixed = (forward_2.detach(), *torch.autograd.grad(forward_2, leaves, torch.ones_like(forward_2),
+                                                               retain_graph=True))
+        for name, a, b in zip(("loss", "dq", "dk", "dscale"), mixed, same):
+            assert torch.equal(a, b), f"{name}: forward on 2 threads, backward on {threads} != {threads} throughout"
+        assert_normwise(mixed, truth, EXACT_NORMWISE[dtype], f"backward on {threads} threads")
 
 
 @needs_native

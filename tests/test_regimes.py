@@ -16,7 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from infcl import cal_inf_loss
-from support import grads_of, interpreting_triton, tiled_backends, vanilla_loss
+from support import (
+    EXACT_NORMWISE,
+    assert_normwise,
+    exact_softmax_truth,
+    grads_of,
+    interpreting_triton,
+    margin_features,
+    tiled_backends,
+    vanilla_loss,
+)
 
 FACTOR = 2.0
 ULPS = 4
@@ -112,7 +121,9 @@ def _check_no_worse(ours, vanilla, truth, dtype, terms, names=("row losses", "dq
 
 
 def _ours(backend, labels, symmetric, reduction="none"):
-    return lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction=reduction, backend=backend)
+    return lambda q_, k_, s_: cal_inf_loss(
+        q_, k_, labels, s_, symmetric=symmetric, reduction=reduction, backend=backend
+    )
 
 
 def _vanilla(labels, symmetric, reduction="none"):
@@ -131,6 +142,24 @@ def test_no_worse_than_vanilla_in_that_dtype(backend, dtype, regime):
     vanilla = grads_of(_vanilla(labels, symmetric), q, k, scale.to(dtype), w)
     truth = grads_of(_vanilla(labels, symmetric), q.double(), k.double(), scale, w)
     _check_no_worse(ours, vanilla, truth, dtype, _term_sizes(q, k, scale, w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
+@pytest.mark.parametrize("scale", (60.0, 100.0))
+def test_confident_rows_are_exact(backend, dtype, symmetric, scale):
+    """Rows with 1 - P_pos ~ 1e-11 .. 1e-24 (B=256, D=64), against the cancellation-free float64 truth:
+    r = log1p(rest) and 1 - P_pos = rest / (1 + rest) must keep their digits in every backend, where
+    the vanilla loss (even in float64) rounds 1 + rest to 1 and loses the whole gradient."""
+    q, k, labels = margin_features(256, 64, scale, symmetric, seed=int(scale) + symmetric)
+    q, k = q.to(dtype), k.to(dtype)
+    scale_t = torch.tensor(scale, dtype=dtype)
+    ours = grads_of(_ours(backend, labels, symmetric), q, k, scale_t)
+    truth = exact_softmax_truth(q, k, scale_t, labels, symmetric)
+    lo, hi = float(truth[0].min()), float(truth[0].max())
+    assert 1e-25 < lo < 1e-22 and 1e-17 < hi < 1e-10, f"losses {lo:.3g} .. {hi:.3g}: not the confident regime"
+    assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

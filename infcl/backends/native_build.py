@@ -27,6 +27,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .base import accum_dtype
+
 EXTENSION_PREFIX = "infcl_cpu"
 DISABLE_VAR = "INFCL_NATIVE"  # INFCL_NATIVE=0 turns the native backend off
 VERBOSE_VAR = "INFCL_VERBOSE_BUILD"  # INFCL_VERBOSE_BUILD=1 shows the compiler's command lines and output
@@ -173,7 +175,8 @@ def _build_and_load() -> None:
 
 @functools.lru_cache(maxsize=None)
 def load_error() -> Optional[str]:
-    """None once the extension is loaded (built first if needed); else why it could not be.
+    """None once the extension is loaded (built first if needed) and its ops' fake impls are registered
+    (:func:`register_fakes`); else why it could not be.
 
     Computed once per process. A failed build or load warns once (``backend="auto"`` then falls back to the
     torch tiles); INFCL_NATIVE=0 is a choice, not a failure, and does not warn.
@@ -185,10 +188,47 @@ def load_error() -> Optional[str]:
         _build_and_load()
     except Exception as err:  # any build or load failure means: fall back, and say why
         reason = f"the native CPU kernel could not be built or loaded ({type(err).__name__}: {err})"
-        warnings.warn(f"infcl: {reason}; backend 'auto' uses the pure-PyTorch tiles instead", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"infcl: {reason}; backend 'auto' uses the pure-PyTorch tiles instead", RuntimeWarning, stacklevel=2
+        )
         return reason
-    from .native import _register_fakes  # the ops' own module; imported here, as it imports this one
-
-    _register_fakes()
+    register_fakes()
     return None
+
+
+# ---- the ops' fake (shape-only) impls ------------------------------------------------------------
+# The C++ library defines the ops' schemas (TORCH_LIBRARY in csrc/); torch.compile and FakeTensor need a
+# Python impl that gives only the output shapes and dtypes. torch refuses a fake for an op that is not
+# defined yet, so these are registered right after the library loads, by :func:`load_error`.
+
+
+def _forward_fake(q, k, scale, pos, want_cols):
+    acc = accum_dtype(q.dtype)
+    return q.new_empty(3, q.shape[0], dtype=acc), q.new_empty(2, k.shape[0] if want_cols else 0, dtype=acc)
+
+
+def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk):
+    return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
+def _sigmoid_forward_fake(q, k, pos, scale, bias):
+    return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
+
+
+def _sigmoid_backward_fake(q, k, pos, scale, bias, g_row, dq, dk):
+    return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
+FAKES = {
+    "infcl::forward_block": _forward_fake,  # csrc/infcl_cpu.cpp
+    "infcl::backward_block": _backward_fake,
+    "infcl::sigmoid_forward_block": _sigmoid_forward_fake,  # csrc/infcl_siglip.cpp
+    "infcl::sigmoid_backward_block": _sigmoid_backward_fake,
+}
+
+
+def register_fakes() -> None:
+    """Register :data:`FAKES` for the loaded library's ops (registering again replaces them)."""
+    for op, fake in FAKES.items():
+        torch.library.register_fake(op, fake)
 

@@ -1,10 +1,12 @@
 """The tiled pure-PyTorch backend: runs anywhere torch runs (CPU, CUDA, MPS), no compiler needed.
 
-Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward keeps running row (and column) stats
-merged with :func:`infcl.lse.lse_merge` and reads each row's positive logit off the tile that holds
-it; the backward recomputes each tile with the same operations (so S is bit-identical), forms
-dS = g * (P - Y) in the accumulation dtype — the positive's entry as ``g * expm1(x)``, which keeps its
-digits when P is close to 1 — and accumulates dq, dk and the scale gradient as a sum of per-entry
+Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward takes each tile's stats with
+:func:`infcl.lse.tile_stats` (the maximum's own exp(0) = 1 left out of ``rest`` by position, r = log1p(rest),
+so a confident row's r ~ 1e-20 keeps its digits), merges them into running row (and column) stats with
+:func:`infcl.lse.lse_merge`, and reads each row's positive logit off the tile that holds it; the backward
+recomputes each tile with the same operations (so S is bit-identical), forms dS = g * (P - Y) in the
+accumulation dtype — the positive's entry as ``g * expm1(x)`` = -g * rest / (1 + rest) for x = -r, never
+a difference with 1 — and accumulates dq, dk and the scale gradient as a sum of per-entry
 terms. Extra memory: the float32 (float64) copies of q and k plus a few tiles,
 O((Bq + Bk) * D + tile_q * tile_k), never O(Bq * Bk). No host synchronization: the scale stays a
 tensor and the positives are gathered with index arithmetic, never ``nonzero``.
@@ -213,13 +215,13 @@ class TorchTilesBackend:
         bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
         rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
         cols = empty_stats(bk, acc, dev) if want_cols else None
-        (buf,) = walk.buffers(1)
+        buf, scratch = walk.buffers(2)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the backward repeats exactly these two operations
-            lse_merge(rows[:2, tile.rows], tile_stats(s, dim=1))
+            lse_merge(rows[:2, tile.rows], tile_stats(s, 1, tile.view(scratch)))
             if want_cols:
-                lse_merge(cols[:, tile.cols], tile_stats(s, dim=0))
+                lse_merge(cols[:, tile.cols], tile_stats(s, 0, tile.view(scratch)))
             inside, idx = _positives(block.pos, tile)
             pos_row = rows[2, tile.rows]
             torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)

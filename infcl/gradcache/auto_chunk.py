@@ -12,7 +12,7 @@ fraction of the free memory.
 """
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -30,9 +30,16 @@ PROBE_ROWS = 8
 CUDA_FREE_FRACTION = 0.5
 
 
-def saved_activation_bytes(model: nn.Module, chunk: Any, model_call: Callable[[nn.Module, Any], Any]) -> int:
-    """Bytes autograd saves for backward in ``model_call(model, chunk)``, parameters and inputs excluded."""
-    resident = [*model.parameters(), *input_tensors(chunk)]
+def saved_activation_bytes(
+    model: nn.Module,
+    chunk: Any,
+    model_call: Callable[[nn.Module, Any], Any],
+    tensors: Callable[[Any], List[torch.Tensor]] = input_tensors,
+) -> int:
+    """Bytes autograd saves for backward in ``model_call(model, chunk)``, parameters and the input's
+    ``tensors(chunk)`` excluded."""
+    inputs = tensors(chunk)
+    resident = [*model.parameters(), *inputs]
     skip = {(t.device, t.untyped_storage().data_ptr()) for t in resident}
     seen = set()
     total = 0
@@ -46,7 +53,7 @@ def saved_activation_bytes(model: nn.Module, chunk: Any, model_call: Callable[[n
             total += storage.nbytes()
         return t
 
-    with RandContext(*input_tensors(chunk), devices=module_devices(model)), torch.enable_grad():
+    with RandContext(*inputs, devices=module_devices(model)), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model_call(model, chunk)
     del out
@@ -70,8 +77,12 @@ def auto_chunk_size(
     model_call: Callable[[nn.Module, Any], Any],
     budget: Optional[int],
     what: str,
+    tensors: Callable[[Any], List[torch.Tensor]] = input_tensors,
 ) -> int:
-    """The largest chunk (in samples) of ``model_input`` whose saved activations fit ``budget`` bytes."""
+    """The largest chunk (in samples) of ``model_input`` whose saved activations fit ``budget`` bytes.
+
+    ``split``, ``model_call`` and ``tensors`` are GradCache's hooks (``split_inputs``, ``model_call``,
+    ``get_input_tensors``), so that a subclass's overrides hold for the probes too."""
     try:
         total = batch_size_of(model_input)
     except ValueError:  # e.g. Qwen-VL pixel_values: count samples the way the split function does
@@ -82,10 +93,10 @@ def auto_chunk_size(
     small, large = split(model_input, rows)[0], split(model_input, 2 * rows)[0]
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     if budget is None:
-        devices = input_tensors(small)
+        devices = tensors(small)
         budget = default_budget(devices[0].device if devices else None)
-    small_bytes = saved_activation_bytes(inner, small, model_call)
-    per_sample = max(0, saved_activation_bytes(inner, large, model_call) - small_bytes) / rows
+    small_bytes = saved_activation_bytes(inner, small, model_call, tensors)
+    per_sample = max(0, saved_activation_bytes(inner, large, model_call, tensors) - small_bytes) / rows
     fixed = max(0.0, small_bytes - per_sample * rows)
     chunk = total if per_sample == 0 else max(1, min(total, int((budget - fixed) // per_sample)))
     logger.debug(

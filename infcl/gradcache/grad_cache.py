@@ -18,7 +18,7 @@ the whole batch, as if one big forward/backward had run the same chunks in the s
 """
 
 from contextlib import nullcontext
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -83,8 +83,6 @@ class GradCache:
         self.loss_fn = loss_fn
         self.split_input_fn = split_input_fn
         self.get_rep_fn = get_rep_fn
-        self.fp16 = fp16
-        self.scaler = scaler
         self.precision = Precision(fp16, bf16, scaler)
         self.memory_budget = memory_budget
         self.rep_field = rep_field
@@ -110,10 +108,14 @@ class GradCache:
         return list(split(model_input, chunk_size))
 
     def get_input_tensors(self, model_input: Any) -> List[torch.Tensor]:
+        """The tensors of one model input (chunk): their devices name the RNGs each chunk's
+        :class:`RandContext` records, and the first one's device type picks the autocast device. Override
+        it for an input type the default (:func:`infcl.gradcache.inputs.input_tensors`: tensors, lists,
+        tuples and mappings, nested) cannot look into."""
         return input_tensors(model_input)
 
     def model_call(self, model: nn.Module, model_input: Any) -> Any:
-        tensors = input_tensors(model_input)
+        tensors = self.get_input_tensors(model_input)
         device_type = tensors[0].device.type if tensors else _param_device_type(model)
         with self.precision.forward_context(device_type):
             return call_model(model, model_input)
@@ -131,15 +133,19 @@ class GradCache:
 
     def forward_no_grad(self, model: nn.Module, model_inputs: List[Any]) -> Tuple[torch.Tensor, List[RandContext]]:
         """Phase 1 for one model: (reps of all chunks concatenated on dim 0, one RandContext per chunk)."""
-        chunk_reps, rnd_states = self._forward_no_grad_chunks(model, model_inputs)
+        chunk_reps, rnd_states = self.forward_no_grad_chunks(model, model_inputs)
         return torch.cat(chunk_reps, dim=0), rnd_states
 
-    def _forward_no_grad_chunks(self, model, model_inputs) -> Tuple[List[torch.Tensor], List[RandContext]]:
+    def forward_no_grad_chunks(
+        self, model: nn.Module, model_inputs: Iterable[Any]
+    ) -> Tuple[List[torch.Tensor], List[RandContext]]:
+        """Phase 1 for one model, chunk by chunk: ([reps of each chunk], one RandContext per chunk), for a
+        caller that keeps the chunks apart (sentence-transformers' per-mini-batch embeddings)."""
         chunk_reps, rnd_states = [], []
         devices = module_devices(model)  # a model may move CPU inputs to its GPU: replay that RNG too
         with torch.no_grad():
             for chunk in model_inputs:
-                rnd_states.append(RandContext(*input_tensors(chunk), devices=devices))
+                rnd_states.append(RandContext(*self.get_input_tensors(chunk), devices=devices))
                 chunk_reps.append(self.get_reps(self.model_call(model, chunk)).detach())
         return chunk_reps, rnd_states
 
@@ -219,7 +225,7 @@ class GradCache:
 
         all_reps, all_rows, all_states = [], [], []
         for model, chunks in zip(self.models, chunked):
-            chunk_reps, states = self._forward_no_grad_chunks(model, chunks)
+            chunk_reps, states = self.forward_no_grad_chunks(model, chunks)
             all_reps.append(torch.cat(chunk_reps, dim=0))
             all_rows.append([r.shape[0] for r in chunk_reps])
             all_states.append(states)
@@ -238,7 +244,9 @@ class GradCache:
         if self.chunk_sizes != AUTO:
             return self.chunk_sizes
         return [
-            auto_chunk_size(model, x, self.split_inputs, self.model_call, self.memory_budget, f"models[{i}]")
+            auto_chunk_size(
+                model, x, self.split_inputs, self.model_call, self.memory_budget, f"models[{i}]", self.get_input_tensors
+            )
             for i, (model, x) in enumerate(zip(self.models, model_inputs))
         ]
 

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from ..gradcache import GradCache, RandContext
 from ..gradcache.sync import sync_kind
-from .losses import SYMMETRIC_DIRECTIONS, MultipleNegativesRankingLoss, warn_deprecated
+from .losses import MultipleNegativesRankingLoss, warn_deprecated
+from .objective import SYMMETRIC_SETTINGS, objective_arguments
 
 
 class SentenceTransformerGradCache(GradCache):
@@ -80,48 +81,31 @@ class CachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankin
         group=None,
         backend: str = "auto",
     ) -> None:
+        objective = objective_arguments(locals())
         super().__init__(
             model,
-            scale=scale,
-            similarity_fct=similarity_fct,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
-            gather_across_devices=gather_across_devices,
-            directions=directions,
-            partition_mode=partition_mode,
             show_progress_bar=show_progress_bar,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
+            **objective,
         )
         # As in sentence-transformers, the wrapped loss owns (and checks) the hyperparameters; the
         # properties and attribute delegation of the parent class now reach infcl's loss.
-        self.loss = MultipleNegativesRankingLoss(
-            model,
-            scale=scale,
-            similarity_fct=similarity_fct,
-            gather_across_devices=gather_across_devices,
-            directions=directions,
-            partition_mode=partition_mode,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-            group=group,
-            backend=backend,
-        )
+        self.loss = MultipleNegativesRankingLoss(model, **objective, group=group, backend=backend)
 
     def calculate_loss(self, reps: List[List[Tensor]], labels: Any = None, *, with_backward: bool = False) -> Tensor:
         """The loss of the whole batch from per-column lists of mini-batch embeddings; with
         ``with_backward`` it is back-propagated to them and returned detached (their ``.grad`` is the
         cache). Labels are unused."""
-        loss = self.loss.compute_loss_from_embeddings([torch.cat(column) for column in reps], labels)
+        loss = self.loss.compute_loss_from_embeddings([_concatenated(column) for column in reps], labels)
         if with_backward:
             loss.backward()
             loss = loss.detach()
         return loss
 
-    def _mini_batches(self, features: dict):
+    def _mini_batches(self, features: dict) -> List[dict]:
         ranges = _minibatch_ranges(features, self.mini_batch_size, self.mini_batch_num_tokens)
-        chunks = [_create_minibatch(features, begin, end) for begin, end in ranges]
-        return chunks, [end - begin for begin, end in ranges]
+        return [_create_minibatch(features, begin, end) for begin, end in ranges]
 
     def _progress(self, mini_batches: list):
         return tqdm.tqdm(mini_batches, desc="Embed mini-batches", disable=not self.show_progress_bar)
@@ -136,11 +120,13 @@ class CachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankin
 
         grad_cache = SentenceTransformerGradCache(self.model, len(features), self.mini_batch_size, whole_batch_loss)
         # Boundaries first: modules may edit the features in place while embedding.
-        mini_batches, rows = zip(*(self._mini_batches(f) for f in features))
+        mini_batches = [self._mini_batches(f) for f in features]
         reps, random_states = [], []
-        for column, column_rows in zip(mini_batches, rows):
-            embeddings, states = grad_cache.forward_no_grad(self.model, self._progress(column))
-            reps.append([e.detach().requires_grad_(grad_enabled) for e in embeddings.split(column_rows)])
+        for column in mini_batches:
+            # Kept per mini-batch (calculate_loss's contract): the loss concatenates each column once, and
+            # autograd splits its gradient back into the per-mini-batch cache.
+            embeddings, states = grad_cache.forward_no_grad_chunks(self.model, self._progress(column))
+            reps.append([e.requires_grad_(grad_enabled) for e in embeddings])
             random_states.append(states)
         if not grad_enabled:
             return self.calculate_loss(reps, labels)
@@ -180,6 +166,11 @@ class CachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankin
             )
 
 
+def _concatenated(mini_batches: Sequence[Tensor]) -> Tensor:
+    """A column's embeddings, [sum of rows, D], from its mini-batches (no copy for a single one)."""
+    return mini_batches[0] if len(mini_batches) == 1 else torch.cat(mini_batches)
+
+
 class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRankingLoss):
     """sentence-transformers' ``CachedMultipleNegativesSymmetricRankingLoss`` (deprecated there, as
     here): :class:`CachedMultipleNegativesRankingLoss` with ``directions=("query_to_doc",
@@ -201,14 +192,11 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
         warn_deprecated(type(self).__name__, "CachedMultipleNegativesRankingLoss")
         super().__init__(
             model,
-            scale=scale,
-            similarity_fct=similarity_fct,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
-            gather_across_devices=gather_across_devices,
-            directions=SYMMETRIC_DIRECTIONS,
-            partition_mode="per_direction",
             show_progress_bar=show_progress_bar,
+            **objective_arguments(locals()),
+            **SYMMETRIC_SETTINGS,
             group=group,
             backend=backend,
         )

@@ -11,9 +11,14 @@ from sentence_transformers.sentence_transformer import losses as st_losses
 from sentence_transformers.util import cos_sim
 from torch import Tensor
 
-from .objective import check_supported, loss_group, ranking_loss, similarity_kind
-
-SYMMETRIC_DIRECTIONS = ("query_to_doc", "doc_to_query")
+from .objective import (
+    SYMMETRIC_SETTINGS,
+    check_supported,
+    loss_group,
+    objective_arguments,
+    ranking_loss,
+    similarity_kind,
+)
 
 
 class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
@@ -55,16 +60,7 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
         group=None,
         backend: str = "auto",
     ) -> None:
-        super().__init__(
-            model,
-            scale=scale,
-            similarity_fct=similarity_fct,
-            gather_across_devices=gather_across_devices,
-            directions=directions,
-            partition_mode=partition_mode,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-        )
+        super().__init__(model, **objective_arguments(locals()))
         check_supported(self, group)
         self.group = group
         self.backend = backend
@@ -114,13 +110,4 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
         backend: str = "auto",
     ) -> None:
         warn_deprecated(type(self).__name__, "MultipleNegativesRankingLoss")
-        super().__init__(
-            model,
-            scale=scale,
-            similarity_fct=similarity_fct,
-            gather_across_devices=gather_across_devices,
-            directions=SYMMETRIC_DIRECTIONS,
-            partition_mode="per_direction",
-            group=group,
-            backend=backend,
-        )
+        super().__init__(model, **objective_arguments(locals()), **SYMMETRIC_SETTINGS, group=group, backend=backend)

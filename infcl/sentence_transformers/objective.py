@@ -59,7 +59,7 @@ other ranks' anchor columns are excluded by extra guide dimensions (rank one-hot
 against the other ranks' aa columns).
 """
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,6 +109,27 @@ def check_supported(loss, group=None) -> None:
 def check_group(gather_across_devices: bool, group) -> None:
     if group is not None and not gather_across_devices:
         raise ValueError("group is the process group to gather across: it needs gather_across_devices=True")
+
+
+# The arguments of sentence-transformers' MultipleNegativesRankingLoss that define the objective: what the
+# other classes' constructors hand on to it.
+OBJECTIVE_ARGUMENTS = (
+    "scale",
+    "similarity_fct",
+    "gather_across_devices",
+    "directions",
+    "partition_mode",
+    "hardness_mode",
+    "hardness_strength",
+)
+# What the deprecated symmetric classes fix: both directions, one log-sum-exp each.
+SYMMETRIC_SETTINGS = {"directions": (QUERY_TO_DOC, DOC_TO_QUERY), "partition_mode": "per_direction"}
+
+
+def objective_arguments(arguments: Mapping[str, Any]) -> Dict[str, Any]:
+    """The :data:`OBJECTIVE_ARGUMENTS` among ``arguments`` (a constructor's ``locals()``), to hand on by
+    keyword: one forwarding for every class, whatever subset of the objective its signature mirrors."""
+    return {name: arguments[name] for name in OBJECTIVE_ARGUMENTS if name in arguments}
 
 
 # ---- process groups --------------------------------------------------------------------------

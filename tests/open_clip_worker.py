@@ -1,0 +1,65 @@
+"""One rank of the open_clip ClipLoss drop-in test, started by tests/test_open_clip.py through tests/distributed.py.
+
+``python -m open_clip_worker BACKEND...`` (3 processes) runs, on rings of 1 and 3 ranks, open_clip's real
+``ClipLoss(local_loss=True, gather_with_grad=True, rank, world_size)`` (loaded by file) and
+``InfCLIPLoss`` with every backend on the same shards, with and without ``logit_bias``, and writes each
+loss and the gradients of image, text, logit_scale and logit_bias.
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench import open_clip_loss
+from distributed import run_on_rings
+from infcl import InfCLIPLoss
+
+MAIN_WORLD = 3
+# open_clip gathers over the default group, so a ring of W must be global ranks 0..W-1.
+RINGS = {1: (0,), 3: (0, 1, 2)}
+PAIRS_PER_RANK = 24
+DIM = 40
+LOGIT_SCALE = 1 / 0.07  # open_clip's initial exp(logit_scale)
+LOGIT_BIAS = -10.0  # SigLIP-initialised models carry such a bias
+
+
+def _shard(world: int, rank: int):
+    """This rank's rows of a global batch of unit float32 features."""
+    gen = torch.Generator().manual_seed(11 + world)
+    n = world * PAIRS_PER_RANK
+    image, text = (F.normalize(torch.randn(n, DIM, generator=gen), dim=-1) for _ in range(2))
+    rows = slice(rank * PAIRS_PER_RANK, (rank + 1) * PAIRS_PER_RANK)
+    return image[rows], text[rows]
+
+
+def _step(loss_fn, world, rank, with_bias):
+    image, text = (x.clone().requires_grad_() for x in _shard(world, rank))
+    scale = torch.tensor(LOGIT_SCALE, requires_grad=True)
+    leaves = {"image": image, "text": text, "scale": scale}
+    kwargs = {}
+    if with_bias:
+        leaves["bias"] = kwargs["logit_bias"] = torch.tensor(LOGIT_BIAS, requires_grad=True)
+    out = loss_fn(image, text, scale, output_dict=True, **kwargs)
+    loss = out["contrastive_loss"]
+    loss.backward()
+    return {"loss": loss.detach(), "keys": sorted(out), **{k: v.grad.clone() for k, v in leaves.items()}}
+
+
+def scenarios(rank, world, group, backends):
+    module = open_clip_loss.load()
+    if module is None:
+        return None
+    losses = {"open_clip": module.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)}
+    for backend in backends:
+        losses[backend] = InfCLIPLoss(group=group, backend=backend)
+    return {
+        (name, with_bias): _step(loss_fn, world, rank, with_bias)
+        for name, loss_fn in losses.items()
+        for with_bias in (False, True)
+    }
+
+
+if __name__ == "__main__":
+    backends = sys.argv[1:]
+    run_on_rings(MAIN_WORLD, RINGS, lambda rank, world, group: scenarios(rank, world, group, backends))
