@@ -68,6 +68,7 @@ from sentence_transformers import util
 from sentence_transformers.util.similarity import SimilarityFunction
 
 from ..api import cal_inf_loss
+from ..backends import MASK_BACKENDS
 
 QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = "query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
@@ -236,6 +237,12 @@ class _Keys:
         return torch.cat(self.feats), torch.cat(self.ids)
 
 
+def _masked_backend(backend: str) -> str:
+    """The backend of a call with ids or a guide: the user's where it forms masks, else "auto" (the
+    torch tiles), so that choosing e.g. backend="cpu" for the plain options does not fail the others."""
+    return backend if backend in MASK_BACKENDS else "auto"
+
+
 def _effective_hardness(hardness_mode, hardness_strength: float, negatives: int):
     """The hardness mode that changes the loss (None when it has no effect: no mode, no strength, or
     hard_negatives without negatives)."""
@@ -350,7 +357,7 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
         options = dict(guide=(guide_on, torch.cat(keys.guides)), guide_margin=COPY_GUIDE_MARGIN)
     reduction = "none" if own_negatives_apart else "mean"
     row_loss = cal_inf_loss(rows, key_feats, labels, scale, reduction=reduction, q_ids=owner, k_ids=k_ids,
-                            group=group, backend=backend, **options)
+                            group=group, backend=_masked_backend(backend), **options)
     if not own_negatives_apart:
         return row_loss
     # The row's own hard negatives, left out of the tiles by id: merged here, O(B * negatives).
@@ -435,5 +442,5 @@ def gist_loss(
     labels = torch.arange(b, device=a.device) + first_row * len(blocks)  # the ap block leads every rank's keys
     return cal_inf_loss(
         rows, keys, labels, 1.0 / temperature, guide=(guide_rows, guide_keys), guide_margin=margin,
-        guide_margin_strategy="absolute", group=group, backend=backend,
+        guide_margin_strategy="absolute", group=group, backend=_masked_backend(backend),
     )
