@@ -50,77 +50,22 @@
 #include <type_traits>
 #include <vector>
 
+#include "common.h"
+
 namespace infcl {
 namespace {
 
-// Tile of S: 256 query rows x 512 key columns of float32 = 512 KiB, which with its q and k panels
-// stays inside one core's 2 MiB L2 on the machines we measured, while every product still has a
-// reduction dimension (D, TILE_K or TILE_Q) long enough for BLAS to run at its full rate. Measured
-// at B=8192, D=512 on 2 cores (AMX Xeon, noisy VM): 512x512, 256x1024, 512x1024, 1024x1024 and
-// 1024x2048 were no faster in float32 (all within the +-15% run-to-run noise) and 5-30% slower in
-// bfloat16, whose small-tile MKL GEMMs are ~2x below its big-GEMM rate at every size tried.
-constexpr int64_t TILE_Q = 256;
-constexpr int64_t TILE_K = 512;
+// Tile sizes, the row-tile grid, the lanes, the BLAS thread guard and the vectorized exp (fast_exp) are
+// common.h's, shared with infcl_siglip.cpp.
+
 // Span (in natural-log units) within which one tile's row and column maxima must lie for the forward's
 // one-exp path (kOneExp): exp(+-SPAN) and their products stay normal floats with room to spare, and a
 // term that underflows there is below exp(EXP_LO + SPAN) = e^-47 of its row's or column's largest term.
 constexpr float SHARED_REF_SPAN = 40.0f;
-// The backward's version, on the log-sum-exps L = m + r of a tile's rows and columns: a flushed
-// exp(x_row) hides
-// exp(x_col) = exp(x_row) * exp(L_row - L_col) with |L_row - L_col| <= 2 * LSE_REF_SPAN, so what is lost
-// stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a column's total probability 1).
+// The backward's version, on the log-sum-exps L = m + r of a tile's rows and columns: a flushed exp(x_row)
+// hides exp(x_col) = exp(x_row) * exp(L_row - L_col) with |L_row - L_col| <= 2 * LSE_REF_SPAN, so what is
+// lost stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47 (of a column's total probability 1).
 constexpr double LSE_REF_SPAN = 20.0;
-// Row tiles of a small block (see RowTiles): at least MIN_ROW_TILES of them, so that up to that many
-// threads get work, each a multiple of ROW_TILE_ALIGN rows and never fewer: thinner products run far
-// below BLAS's rate and cost more than the parallelism gains.
-constexpr int64_t MIN_ROW_TILES = 8;
-constexpr int64_t ROW_TILE_ALIGN = 32;
-
-// ---------------------------------------------------------------------------------------------
-// Vectorizable exp. std::exp does not auto-vectorize without -ffast-math (which would also break
-// NaN propagation), so this is the Cephes expf algorithm written branch-free: n = round(x / ln2),
-// r = x - n ln2 (two-constant Cody-Waite), exp(r) by a degree-7 minimax polynomial, times 2^n.
-// Max error about 1 ulp on the range we use (x <= 0 up to rounding). NaN in gives NaN out; results
-// below FLT_MIN flush to 0 (their contribution to any sum here is below float32 resolution).
-constexpr float LOG2E = 1.44269504088896341f;    // 1 / ln(2)
-constexpr float LN2_HI = 0.693359375f;           // ln(2) split: hi part exact in 9 bits ...
-constexpr float LN2_LO = -2.12194440e-4f;        // ... lo = ln(2) - hi
-constexpr float EXP_HI = 88.7228391f;            // log(FLT_MAX): above it exp overflows to inf
-constexpr float EXP_LO = -87.3365448f;           // log(FLT_MIN): below it we return 0
-constexpr float ROUND_MAGIC = 12582912.0f;       // 1.5 * 2^23: adding it rounds to an integer
-
-inline float pow2_int(int32_t n) {
-  // 2^n for n in [-126, 127] by building the exponent field directly.
-  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float exp_f32(float x) {
-  float xc = x >= EXP_LO ? x : EXP_LO;  // NaN compares false and is clamped here; restored below
-  xc = xc <= EXP_HI ? xc : EXP_HI;
-  const float n = (xc * LOG2E + ROUND_MAGIC) - ROUND_MAGIC;
-  float r = xc - n * LN2_HI;
-  r = r - n * LN2_LO;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.0f;
-  // n can reach 128 at the top of the range: apply 2^n as two in-range factors.
-  const int32_t ni = static_cast<int32_t>(n);
-  const int32_t n1 = ni >> 1;
-  float y = p * pow2_int(n1) * pow2_int(ni - n1);
-  y = x < EXP_LO ? 0.0f : y;
-  y = x > EXP_HI ? std::numeric_limits<float>::infinity() : y;
-  return x != x ? x : y;
-}
-
-inline float fast_exp(float x) { return exp_f32(x); }
-inline double fast_exp(double x) { return std::exp(x); }  // float64 is the exact path, not the fast one
 
 template <typename T>
 inline T nan_max(T a, T b) {
@@ -150,7 +95,7 @@ inline uint16_t to_bf16_bits(float f) {
 // bfloat16 needs an fp32 output that at::mm cannot give on CPU, so it calls MKL's
 // cblas_gemm_bf16bf16f32 when the torch build exports it (weak symbol: absent -> float32 path).
 //
-// Tried and dropped (2026-11-22, B=8192, D=512, 2 cores), so nobody retries them blind:
+// Tried and dropped (B=8192, D=512, 2 cores), so nobody retries them blind:
 // - MKL's packed-operand sgemm with every k panel packed up front: cblas_sgemm_pack_get_size asks
 //   ~7.9 MB plus the panel's data for every panel, so ~140 MB at B=8192 and over 1 GB at B=65536.
 //   (ReusedB packs one key tile per thread at a time instead, in an uninitialized buffer.)
@@ -159,10 +104,10 @@ inline uint16_t to_bf16_bits(float f) {
 //   and a tile release after each group of calls, because MKL's bf16 GEMM shares the AMX state (SIGILL
 //   otherwise); B must be VNNI-packed in blocks of <= 64 columns, in multiples of 16.
 //   - S products only: 530-540 GFLOP/s against 375-385 for MKL's bf16 GEMM on S alone, but no
-//     reliable end-to-end gain in interleaved runs (branch exp/bf16-brgemm).
-//   - All three products, every packed operand reused (k tile per lane, q rows per call, dS per tile;
-//     branch exp/bf16-brgemm-all): the same speed as MKL, 1.01-1.04x its time in 2 x 16 paired runs in one
-//     process at B=8192.
+//     reliable end-to-end gain in interleaved runs.
+//   - All three products, every packed operand reused (k tile per lane, q rows per call, dS per tile):
+//     the same speed as MKL, 1.01-1.04x its time in 2 x 16 paired runs in one process at B=8192.
+//   (Neither experiment was kept in the repository.)
 // - at::mm bf16 x bf16 -> bf16 (oneDNN) for the S tiles: ~550 GFLOP/s, ~5% faster end to end, but it
 //   rounds every S entry to bf16; not worth that.
 // bf16 tile products here are bound by AMX throughput, which this VM's two vCPUs appear to share: one
@@ -174,8 +119,6 @@ enum { kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112 };
 void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
                             const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
                             int ldc) __attribute__((weak));
-// MKL's thread count for BLAS calls made by the calling thread (0: back to the global setting).
-int MKL_Set_Num_Threads_Local(int nthreads) __attribute__((weak));
 // MKL's packed-operand sgemm: op(B) packed once, then multiplied by many A tiles.
 enum { kCblasPacked = 151, kCblasBMatrix = 162 };
 size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
@@ -216,22 +159,6 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
                          reinterpret_cast<const uint16_t*>(b), static_cast<int>(ldb), beta, c,
                          static_cast<int>(ldc));
 }
-
-// Makes MKL run single-threaded on this thread for the guard's lifetime. torch.set_num_threads() turns
-// MKL's dynamic thread adjustment off, and MKL then partitions a product called from inside a
-// parallel region for the full thread count, run by one thread: 7% slower forward (B=8192, D=512).
-class SingleThreadedBlas {
- public:
-  SingleThreadedBlas() : previous_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
-  ~SingleThreadedBlas() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous_);
-  }
-  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
-  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
-
- private:
-  int previous_;
-};
 
 bool has_sgemm_pack() {
   return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr && cblas_sgemm_compute != nullptr;
@@ -332,30 +259,6 @@ inline void store_ds(Acc* ds, int64_t c, Acc v) {
 inline void store_ds(at::BFloat16* ds, int64_t c, float v) {
   const uint16_t bits = to_bf16_bits(v);
   std::memcpy(ds + c, &bits, sizeof bits);
-}
-
-// The row tiles of a block: a grid fixed by Bq alone, never by the thread count, so that the forward
-// and the backward multiply the same tiles by the same route (ReusedB) whatever torch.get_num_threads()
-// is in each pass. Tiles are TILE_Q rows, or for a small block ceil(Bq / MIN_ROW_TILES) rounded up to
-// ROW_TILE_ALIGN; only the last may be shorter.
-struct RowTiles {
-  int64_t rows, size, count;
-  explicit RowTiles(int64_t bq)
-      : rows(bq),
-        size(std::clamp<int64_t>((bq + MIN_ROW_TILES * ROW_TILE_ALIGN - 1) / (MIN_ROW_TILES * ROW_TILE_ALIGN) *
-                                     ROW_TILE_ALIGN,
-                                 ROW_TILE_ALIGN, TILE_Q)),
-        count((bq + size - 1) / size) {}
-  int64_t begin(int64_t t) const { return t * size; }
-  int64_t height(int64_t t) const { return std::min(size, rows - t * size); }
-};
-
-// The backward's lanes: contiguous ranges of row tiles, one per thread (each lane's dk partial is merged
-// in lane order). First tile of lane `lane` of `lanes`:
-inline int64_t lane_start(int64_t tiles, int64_t lanes, int64_t lane) { return tiles * lane / lanes; }
-
-int64_t lane_count(const RowTiles& tiles) {
-  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles.count));
 }
 
 // The tile's column of row i's positive, or -1 when it lies outside columns [j0, j0 + nj).
@@ -615,7 +518,10 @@ void merge_column_partials(RunningStore<Acc>& parts, int64_t count, int64_t stri
         }
       };
       add(run.max[c], run.top[c], run.rest[c]);
-      for (int64_t p = 0; p < count; ++p) add(parts.max[p * stride + c], parts.top[p * stride + c], parts.rest[p * stride + c]);
+      for (int64_t p = 0; p < count; ++p) {
+        const int64_t at = p * stride + c;
+        add(parts.max[at], parts.top[at], parts.rest[at]);
+      }
       run.max[c] = m;
       run.top[c] = top;
       run.rest[c] = rest;
@@ -894,7 +800,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
     BackwardLane<In> work(args);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
-      parts[lane] = work.run(lane_start(tiles.count, lanes, lane), lane_start(tiles.count, lanes, lane + 1), dkp);
+      parts[lane] = work.run(lane_start(tiles, lanes, lane), lane_start(tiles, lanes, lane + 1), dkp);
     }
   });
   for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
@@ -1002,8 +908,6 @@ at::Tensor backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double
   return dscale.to(acc);
 }
 
-bool bf16_gemm_available() { return has_bf16_gemm(); }
-
 }  // namespace
 
 TORCH_LIBRARY(infcl, m) {
@@ -1011,7 +915,6 @@ TORCH_LIBRARY(infcl, m) {
   m.def(
       "backward_block(Tensor q, Tensor k, float scale, Tensor pos, Tensor row_stats, Tensor g_row, "
       "Tensor? col_stats, Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
-  m.def("bf16_gemm_available() -> bool", &bf16_gemm_available);
 }
 
 TORCH_LIBRARY_IMPL(infcl, CPU, m) {

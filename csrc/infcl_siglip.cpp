@@ -9,20 +9,20 @@
 //
 // GEMMs per block, each 2 * Bq * Bk * D flops: forward 1 (raw = q @ k.T), backward 3 (raw again, dq, dk).
 //
-// Parallel layout (the idea of csrc/infcl_cpu.cpp, not its code): the Bq rows are cut into `lanes`
-// contiguous ranges, one per thread. A lane walks its rows in TILE_Q x TILE_K tiles, key tiles outer, so
-// one key tile serves all of the lane's row tiles while it is in cache; every product is one
-// single-threaded ATen call (MKL sgemm / dgemm) on a tile. Rows belong to one lane. The forward has no
-// column results at all; in the backward each lane keeps its own dk (lane 0 writes the caller's) and its
-// own parameter sums, merged in lane order at the end. So results depend only on the shapes and the
-// thread count: bit-identical run to run.
+// Parallel layout (common.h's): the Bq rows are cut into row tiles (RowTiles: fixed by Bq alone) and the
+// tiles into `lanes` contiguous ranges, one per thread. A lane walks its tiles against TILE_K key columns,
+// key tiles outer, so one key tile serves all of the lane's row tiles while it is in cache; every product
+// is one single-threaded ATen call (MKL sgemm / dgemm) on a tile. Rows belong to one tile, so the
+// forward's row losses do not depend on the thread count; in the backward each lane keeps its own dk
+// (lane 0 writes the caller's) and its own parameter sums, merged in lane order at the end, so those
+// depend on the thread count, never on scheduling: bit-identical run to run.
 //
 // Per entry, one exp: with e = exp(-|t|) in (0, 1],
 //   softplus(t) = max(t, 0) + log1p(e)        sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e)
 // Neither overflows for any t (no log(sigmoid(x)), which is log(0) = -inf at x = -1e4 in float32), and
-// log1p keeps a tiny loss term's relative precision. float32 uses the branch-free polynomials below, which
-// the compiler vectorizes; float64 uses libm. The positive's column is handled apart from the vectorized
-// runs of negatives on either side of it.
+// log1p keeps a tiny loss term's relative precision. float32 uses common.h's exp and the branch-free
+// log1p below, which the compiler vectorizes; float64 uses libm. The positive's column is handled apart
+// from the vectorized runs of negatives on either side of it.
 //
 // dtypes: float32 and float64 natively; bfloat16 and float16 on float32 copies of q and k (exact). Tried
 // and dropped: MKL's bf16 x bf16 -> fp32 GEMM (cblas_gemm_bf16bf16f32, which csrc/infcl_cpu.cpp uses on
@@ -43,64 +43,14 @@
 #include <cstring>
 #include <vector>
 
-extern "C" {
-// MKL's per-thread BLAS thread count (weak: absent when torch's BLAS is not MKL). Returns the old value.
-int MKL_Set_Num_Threads_Local(int nthreads) __attribute__((weak));
-}
+#include "common.h"
 
 namespace infcl {
 namespace siglip {
 namespace {
 
-// 256 x 512 float32 logits = 512 KiB: one tile per lane stays in a core's L2 (1 MiB on the AMD EPYC
-// this was measured on, 2 MiB on Sapphire Rapids), while every product keeps a long reduction
-// dimension (D, TILE_K or TILE_Q) for BLAS. The softmax kernel's measured choice; not re-tuned here.
-constexpr int64_t TILE_Q = 256;
-constexpr int64_t TILE_K = 512;
-// A lane gets at least this many rows: thinner lanes cost more in small, slow products than they gain.
-constexpr int64_t MIN_ROWS_PER_LANE = 32;
-
-// ---------------------------------------------------------------------------------------------------
-// float32 elementwise math, branch-free so `#pragma omp simd` loops vectorize (std::exp and std::log1p
-// do not without -ffast-math, which would also drop NaN propagation).
-
-constexpr float LOG2_E = 1.44269504088896341f;       // 1 / ln(2)
-constexpr float LN2_HI = 0.693145751953125f;         // ln(2) to 16 bits: n * LN2_HI is exact for |n| < 2^8
-constexpr float LN2_LO = 1.42860682030941723212e-6f; // ln(2) - LN2_HI
-// exp(x) below this (~ log of 1.6e-38, just above FLT_MIN) is returned as exp(EXP_FLOOR): such a loss
-// term or probability is below float32's resolution next to any sum it joins that is not itself
-// denormal. (Returning 0 there would be a select GCC turns into a branch around the polynomial, and
-// then, under -ftrapping-math, it no longer vectorizes the loop: 8x slower.)
-constexpr float EXP_FLOOR = -87.0f;
-// 1.5 * 2^23: adding it to a float y (|y| < 2^22) rounds y to the nearest integer n and leaves n in
-// the low mantissa bits. Under -ftrapping-math (GCC's default) neither std::floor / nearbyint nor a
-// float -> int conversion vectorizes; this rounding and bit read do.
-constexpr float INT_IN_MANTISSA = 12582912.0f;
-
-// e^x for x <= 0 (the loss only needs exp(-|t|)). e^x = 2^n * e^r with n = round(x / ln 2) and
-// r = x - n ln 2 in [-ln2/2, ln2/2], exact thanks to the two-part ln 2; e^r by its Taylor polynomial to
-// r^7 (truncation < 6e-9 relative); 2^n in [2^-125, 1] written into the exponent field. Branch-free:
-// std::max keeps a NaN x (it is not less than the floor), and NaN runs through the arithmetic.
-inline float exp_nonpositive(float x) {
-  const float xc = std::max(x, EXP_FLOOR);
-  const float shifted = xc * LOG2_E + INT_IN_MANTISSA;
-  const float n = shifted - INT_IN_MANTISSA;
-  const float r = (xc - n * LN2_HI) - n * LN2_LO;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  uint32_t bits;
-  std::memcpy(&bits, &shifted, sizeof bits);
-  bits = (bits + 127u) << 23;  // the biased exponent n + 127; the shift drops INT_IN_MANTISSA's own bits
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
+// Tile sizes, the row-tile grid, the lanes, the BLAS thread guard and the vectorized exp (fast_exp) are
+// common.h's, shared with infcl_cpu.cpp (whose measured tile choice is not re-tuned for this loss).
 
 // log(1 + u) for u in [0, 1] as 2 atanh(s), s = u / (2 + u) in [0, 1/3]: an odd series in s whose terms
 // shrink at least 9x each (truncated after s^15: < 2e-9 relative). s is formed without cancellation, so
@@ -120,18 +70,17 @@ inline float log1p_unit(float u) {
 }
 
 // float64 is the exact path: libm.
-inline double exp_nonpositive(double x) { return std::exp(x); }
 inline double log1p_unit(double u) { return std::log1p(u); }
 
 // The per-entry loss softplus(t) = -log sigmoid(-t) and its derivative sigmoid(t), stable for every t.
 template <typename T>
 inline T softplus(T t) {
-  return std::max(t, T(0)) + log1p_unit(exp_nonpositive(-std::abs(t)));
+  return std::max(t, T(0)) + log1p_unit(fast_exp(-std::abs(t)));
 }
 
 template <typename T>
 inline T sigmoid(T t) {
-  const T e = exp_nonpositive(-std::abs(t));
+  const T e = fast_exp(-std::abs(t));
   return (t >= T(0) ? T(1) : e) / (T(1) + e);
 }
 
@@ -195,38 +144,22 @@ at::Tensor tile(const T* data, int64_t rows, int64_t cols) {
   return at::from_blob(const_cast<T*>(data), {rows, cols}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
 }
 
-// In a lane each product must run on this thread alone. torch.set_num_threads() turns MKL's own
-// adjustment inside parallel regions off, and MKL would then split a tile product for every thread and
-// run all the pieces on this one.
-struct OneBlasThread {
-  int saved = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
-  ~OneBlasThread() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(saved);
-  }
-};
-
-int64_t lane_count(int64_t rows) {
-  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / MIN_ROWS_PER_LANE));
-}
-
-// First row of lane `lane` of `lanes` equal contiguous ranges of n rows.
-int64_t lane_begin(int64_t n, int64_t lanes, int64_t lane) { return n * lane / lanes; }
-
-// Calls visit(lane, i0, ni, j0, nj, raw) for every tile of every lane of this thread, key tiles outer,
-// after raw [ni, nj] = q[i0 : i0 + ni] @ k[j0 : j0 + nj].T has been computed into the lane's buffer.
+// Calls visit(lane, i0, ni, j0, nj, raw) for every tile of every lane of this thread (RowTiles, lanes:
+// common.h), key tiles outer, after raw [ni, nj] = q[i0 : i0 + ni] @ k[j0 : j0 + nj].T has been computed
+// into the lane's buffer.
 template <typename T, typename Visit>
-void for_each_tile(const T* q, const T* k, int64_t bq, int64_t bk, int64_t d, int64_t lanes, Visit visit) {
+void for_each_tile(const T* q, const T* k, int64_t bk, int64_t d, const RowTiles& tiles, int64_t lanes,
+                   Visit visit) {
   at::parallel_for(0, lanes, 1, [&](int64_t first, int64_t last) {
-    const OneBlasThread one_thread;
+    const SingleThreadedBlas one_thread;
     const int64_t tk = std::min(TILE_K, bk);
-    std::vector<T> buf(std::min(TILE_Q, bq) * tk);
+    std::vector<T> buf(tiles.size * tk);
     for (int64_t lane = first; lane < last; ++lane) {
-      const int64_t r0 = lane_begin(bq, lanes, lane), r1 = lane_begin(bq, lanes, lane + 1);
       for (int64_t j0 = 0; j0 < bk; j0 += tk) {
         const int64_t nj = std::min(tk, bk - j0);
         const at::Tensor k_tile = tile(k + j0 * d, nj, d);
-        for (int64_t i0 = r0; i0 < r1; i0 += TILE_Q) {
-          const int64_t ni = std::min(TILE_Q, r1 - i0);
+        for (int64_t t = lane_start(tiles, lanes, lane); t < lane_start(tiles, lanes, lane + 1); ++t) {
+          const int64_t i0 = tiles.begin(t), ni = tiles.height(t);
           at::Tensor raw = tile(buf.data(), ni, nj);
           at::mm_out(raw, tile(q + i0 * d, ni, d), k_tile.t());
           visit(lane, i0, ni, j0, nj, buf.data());
@@ -243,7 +176,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const int64_t* pos, 
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
   // Row sums in double: a row adds Bk positive terms, tile by tile.
   std::vector<double> sums(bq, 0.0);
-  for_each_tile<T>(q.data_ptr<T>(), k.data_ptr<T>(), bq, bk, d, lane_count(bq),
+  const RowTiles tiles(bq);
+  for_each_tile<T>(q.data_ptr<T>(), k.data_ptr<T>(), bk, d, tiles, lane_count(tiles),
                    [&](int64_t, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const T* raw) {
                      for (int64_t r = 0; r < ni; ++r) {
                        sums[i0 + r] += row_loss(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias);
@@ -258,12 +192,13 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, const int64_t* pos,
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
-  const int64_t lanes = lane_count(bq);
+  const RowTiles tiles(bq);
+  const int64_t lanes = lane_count(tiles);
   // Lane 0 accumulates into the caller's dk, every other lane into its own partial.
   at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
   at::Tensor lane_params = at::zeros({lanes, 2}, at::kDouble);  // (dscale, dbias) per lane
   double* per_lane = lane_params.data_ptr<double>();
-  for_each_tile<T>(qp, kp, bq, bk, d, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, T* raw) {
+  for_each_tile<T>(qp, kp, bk, d, tiles, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, T* raw) {
     T dscale = 0, dbias = 0;
     for (int64_t r = 0; r < ni; ++r) {
       row_grad(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias, g[i0 + r], dscale, dbias);

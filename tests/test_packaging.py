@@ -131,6 +131,8 @@ def test_wheel_and_sdist_carry_the_native_sources(tmp_path):
 
     cpp = sorted(p.name for p in (REPO / "csrc").glob(native_build.SOURCE_GLOB))
     assert cpp, "no C++ sources in csrc/"
+    # The headers the sources include ship beside them (csrc/common.h).
+    cpp += sorted(p.name for pattern in native_build.HEADER_GLOBS for p in (REPO / "csrc").glob(pattern))
     (wheel,) = dist.glob("infcl-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
