@@ -175,73 +175,6 @@ def siglip_truth(q, k, scale, bias, labels=None, reduction="mean"):
     return {"mean": rows.mean, "sum": rows.sum, "none": lambda: rows}[reduction]()
 
 
-# --- the mask options (issue 23): an independent float64 truth, row by row with Python sets ---------------
-
-
-def _masked_direction_truth(logits, labels, ids, other_ids, scores, multi_positive, margin, strategy):
-    """Row losses of one direction (NaN where a row has no positive), from sets built entry by entry."""
-    n, m = logits.shape
-    losses = []
-    for i in range(n):
-        label = int(labels[i])
-        same = set() if ids is None else {j for j in range(m) if int(ids[i]) == int(other_ids[j])}
-        positives = {label} if multi_positive is None else same
-        excluded = same - positives
-        if scores is not None:
-            pos_score = float(scores[i, label])
-            threshold = pos_score - margin if strategy == "absolute" else pos_score * (1 - margin)
-            excluded |= {j for j in range(m) if float(scores[i, j]) > threshold} - positives
-        if not positives:
-            losses.append(logits.new_tensor(float("nan")))
-            continue
-        kept = [j for j in range(m) if j not in excluded]
-        lse = torch.logsumexp(logits[i, kept], dim=0)
-        pos = logits[i, sorted(positives)]
-        losses.append(lse - (torch.logsumexp(pos, dim=0) if multi_positive == "sum" else pos.mean()))
-    return torch.stack(losses)
-
-
-def masked_truth_directions(
-    q, k, labels=None, scale=1.0, *, symmetric=False, q_ids=None, k_ids=None, multi_positive=None, guide=None,
-    guide_margin=0.0, guide_margin_strategy="absolute",
-):
-    """Issue 23's row losses [Bq] and, symmetric, column losses [Bk] (else None) in float64, differentiable
-    in q, k and a tensor scale; NaN where a row (column) has no positive."""
-    q, k = q.double(), k.double()
-    scale = scale.double() if torch.is_tensor(scale) else scale
-    logits = scale * q @ k.T
-    labels = torch.arange(q.shape[0]) if labels is None else labels.cpu()
-    scores = None if guide is None else guide[0].double() @ guide[1].double().T
-    ids = (None, None) if q_ids is None else (q_ids.cpu(), k_ids.cpu())
-    args = (multi_positive, guide_margin, guide_margin_strategy)
-    rows = _masked_direction_truth(logits, labels, ids[0], ids[1], scores, *args)
-    if not symmetric:
-        return rows, None
-    scores_t = None if scores is None else scores.T
-    return rows, _masked_direction_truth(logits.T, torch.argsort(labels), ids[1], ids[0], scores_t, *args)
-
-
-def reduce_masked_truth(rows, cols, reduction):
-    """Rows (and columns) without a positive (NaN): NaN under "none", left out of "sum" and of "mean"'s
-    count; symmetric "mean" is the mean over the rows and columns that have a positive."""
-    parts = [rows] if cols is None else [rows, cols]
-    if reduction == "none":
-        return sum(parts) / len(parts)
-    kept = [torch.where(torch.isnan(p), 0.0, p) for p in parts]
-    total = sum(p.sum() for p in kept) / len(parts)
-    if reduction == "sum":
-        return total
-    count = sum(int((~torch.isnan(p)).sum()) for p in parts) / len(parts)
-    return total / max(count, 1)
-
-
-def masked_loss_truth(q, k, labels=None, scale=1.0, *, symmetric=False, reduction="mean", **options):
-    """The loss of issue 23's definition in float64 (differentiable in q, k and a tensor scale); ``options``:
-    q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy as ``cal_inf_loss`` takes them."""
-    rows, cols = masked_truth_directions(q, k, labels, scale, symmetric=symmetric, **options)
-    return reduce_masked_truth(rows, cols, reduction)
-
-
 def _exact_direction(s: torch.Tensor, labels: torch.Tensor):
     """Row losses and g-free dS = P - Y of one direction of the softmax loss, without cancellation.
 
@@ -318,3 +251,70 @@ def assert_normwise(got, truth, bound, what="", names=("loss", "dq", "dk", "dsca
     for name, a, t in zip(names, got, truth):
         err = float((a.detach().double().cpu() - t).norm() / t.norm())
         assert err <= bound, f"{what} {name}: normwise error {err:.3g} > {bound:g}"
+
+
+# --- the mask options (issue 23): an independent float64 truth, row by row with Python sets ---------------
+
+
+def _masked_direction_truth(logits, labels, ids, other_ids, scores, multi_positive, margin, strategy):
+    """Row losses of one direction (NaN where a row has no positive), from sets built entry by entry."""
+    n, m = logits.shape
+    losses = []
+    for i in range(n):
+        label = int(labels[i])
+        same = set() if ids is None else {j for j in range(m) if int(ids[i]) == int(other_ids[j])}
+        positives = {label} if multi_positive is None else same
+        excluded = same - positives
+        if scores is not None:
+            pos_score = float(scores[i, label])
+            threshold = pos_score - margin if strategy == "absolute" else pos_score * (1 - margin)
+            excluded |= {j for j in range(m) if float(scores[i, j]) > threshold} - positives
+        if not positives:
+            losses.append(logits.new_tensor(float("nan")))
+            continue
+        kept = [j for j in range(m) if j not in excluded]
+        lse = torch.logsumexp(logits[i, kept], dim=0)
+        pos = logits[i, sorted(positives)]
+        losses.append(lse - (torch.logsumexp(pos, dim=0) if multi_positive == "sum" else pos.mean()))
+    return torch.stack(losses)
+
+
+def masked_truth_directions(
+    q, k, labels=None, scale=1.0, *, symmetric=False, q_ids=None, k_ids=None, multi_positive=None, guide=None,
+    guide_margin=0.0, guide_margin_strategy="absolute",
+):
+    """Issue 23's row losses [Bq] and, symmetric, column losses [Bk] (else None) in float64, differentiable
+    in q, k and a tensor scale; NaN where a row (column) has no positive."""
+    q, k = q.double(), k.double()
+    scale = scale.double() if torch.is_tensor(scale) else scale
+    logits = scale * q @ k.T
+    labels = torch.arange(q.shape[0]) if labels is None else labels.cpu()
+    scores = None if guide is None else guide[0].double() @ guide[1].double().T
+    ids = (None, None) if q_ids is None else (q_ids.cpu(), k_ids.cpu())
+    args = (multi_positive, guide_margin, guide_margin_strategy)
+    rows = _masked_direction_truth(logits, labels, ids[0], ids[1], scores, *args)
+    if not symmetric:
+        return rows, None
+    scores_t = None if scores is None else scores.T
+    return rows, _masked_direction_truth(logits.T, torch.argsort(labels), ids[1], ids[0], scores_t, *args)
+
+
+def reduce_masked_truth(rows, cols, reduction):
+    """Rows (and columns) without a positive (NaN): NaN under "none", left out of "sum" and of "mean"'s
+    count; symmetric "mean" is the mean over the rows and columns that have a positive."""
+    parts = [rows] if cols is None else [rows, cols]
+    if reduction == "none":
+        return sum(parts) / len(parts)
+    kept = [torch.where(torch.isnan(p), 0.0, p) for p in parts]
+    total = sum(p.sum() for p in kept) / len(parts)
+    if reduction == "sum":
+        return total
+    count = sum(int((~torch.isnan(p)).sum()) for p in parts) / len(parts)
+    return total / max(count, 1)
+
+
+def masked_loss_truth(q, k, labels=None, scale=1.0, *, symmetric=False, reduction="mean", **options):
+    """The loss of issue 23's definition in float64 (differentiable in q, k and a tensor scale); ``options``:
+    q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy as ``cal_inf_loss`` takes them."""
+    rows, cols = masked_truth_directions(q, k, labels, scale, symmetric=symmetric, **options)
+    return reduce_masked_truth(rows, cols, reduction)

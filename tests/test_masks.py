@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from support import TOLERANCE, assert_close_verbose, grads_of_inputs, masked_loss_truth
 
 from infcl import cal_inf_loss
+from infcl.backends import resolve_backend, unavailable_reason
 from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.stats import InfLossStats
 
 # "torch-tiny": the torch tiles shrunk so that every block spans many tiles (masks cut across tile edges).
 MASK_BACKENDS = ("reference", "torch", "torch-tiny")
@@ -206,3 +208,90 @@ def test_bad_input_raises_named_error(kwargs, kind, match):
     q, k = torch.randn(6, 4), torch.randn(6, 4)
     with pytest.raises(kind, match=match):
         cal_inf_loss(q, k, **kwargs)
+
+
+# --- return_stats ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ("reference", "torch", "torch-tiny", "cpu"))
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_stats_of_the_plain_loss(backend, symmetric):
+    if backend == "cpu" and unavailable_reason("cpu", torch.device("cpu")) is not None:
+        pytest.skip("the native kernel is not built here")
+    q, k, labels, _, _, _ = _inputs(29, 29, dtype=torch.float64, seed=13)
+    k[labels] = F.normalize(q + 0.6 * k[labels], dim=-1)  # positives that often, not always, win
+    scale = 3.0
+    loss, stats = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend=_use(backend), return_stats=True)
+    assert isinstance(stats, InfLossStats)
+    assert_close_verbose(loss, cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend="reference"), 1e-10, 1e-10,
+                         "loss with stats")
+    logits = scale * q @ k.T
+    want = [(logits.argmax(1) == labels).double().mean(), logits.gather(1, labels[:, None]).mean()]
+    if symmetric:
+        inverse = torch.argsort(labels)
+        want += [(logits.T.argmax(1) == inverse).double().mean(), logits.T.gather(1, inverse[:, None]).mean()]
+    assert 0 < float(want[0]) < 1, "the batch must have hits and misses for the accuracy to mean anything"
+    assert sum(t is not None for t in stats) == len(want)
+    for i, (got, expected) in enumerate(zip(stats, want)):
+        assert not got.requires_grad
+        assert_close_verbose(got, expected, 1e-12, 1e-12, f"stats[{i}] ({stats._fields[i]})")
+
+
+def _masked_stats_truth(q, k, labels, scale, q_ids, k_ids, mode, guide, margin):
+    """(accuracy, positive logit) of the rows, from the row-by-row sets of the masked definition."""
+    logits = scale * q.double() @ k.double().T
+    scores = guide[0].double() @ guide[1].double().T
+    hits, means = [], []
+    for i in range(q.shape[0]):
+        same = {j for j in range(k.shape[0]) if q_ids[i] == k_ids[j]}
+        positives = {int(labels[i])} if mode is None else same
+        if not positives:
+            continue
+        threshold = scores[i, labels[i]] - margin
+        kept = [j for j in range(k.shape[0]) if j in positives or (j not in same and scores[i, j] <= threshold)]
+        best = max(kept, key=lambda j: float(logits[i, j]))
+        hits.append(float(best in positives))
+        means.append(float(logits[i, sorted(positives)].mean()))
+    return torch.tensor(hits, dtype=torch.float64).mean(), torch.tensor(means, dtype=torch.float64).mean()
+
+
+@pytest.mark.parametrize("backend", MASK_BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_stats_with_masks(backend, mode):
+    q, k, labels, q_ids, k_ids, guide = _inputs(31, 31, dtype=torch.float64, seed=17)
+    k[labels] = F.normalize(q + 0.6 * k[labels], dim=-1)  # positives that often, not always, win
+    opts = _options("both", mode, q_ids, k_ids, guide)
+    _, stats = cal_inf_loss(q, k, labels, 3.0, backend=_use(backend), return_stats=True, **opts)
+    accuracy, positive_logit = _masked_stats_truth(q, k, labels, 3.0, q_ids, k_ids, mode, guide, opts["guide_margin"])
+    assert 0 < float(accuracy) < 1, "the batch must have hits and misses for the accuracy to mean anything"
+    assert stats.k2q_accuracy is None and stats.k2q_positive_logit is None
+    assert_close_verbose(stats.q2k_accuracy, accuracy, 1e-12, 1e-12, "accuracy")
+    assert_close_verbose(stats.q2k_positive_logit, positive_logit, 1e-12, 1e-12, "positive logit")
+
+
+# --- backend selection: the native and Triton kernels do not take the mask options yet -----------------
+
+
+@pytest.mark.parametrize("backend", ("cpu", "triton"))
+@pytest.mark.parametrize("option", ("ids", "multi_positive", "guide"))
+def test_kernel_backends_refuse_mask_options(backend, option):
+    q, k, labels, q_ids, k_ids, guide = _inputs(6, 6)
+    opts = {"ids": {"q_ids": q_ids, "k_ids": k_ids},
+            "multi_positive": {"q_ids": q_ids, "k_ids": k_ids, "multi_positive": "sum"},
+            "guide": {"guide": guide}}[option]
+    with pytest.raises(ValueError, match=f"not yet supported by backend '{backend}'.*'torch', 'reference'"):
+        cal_inf_loss(q, k, labels, backend=backend, **opts)
+
+
+@pytest.mark.parametrize("env", (None, "cpu", "triton", "torch", "reference"))
+def test_auto_picks_a_backend_with_masks(monkeypatch, env):
+    if env is None:
+        monkeypatch.delenv("INFCL_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("INFCL_BACKEND", env)
+    want = "reference" if env == "reference" else "torch"
+    assert resolve_backend("auto", torch.device("cpu"), masked=True) == want
+    q, k, labels, q_ids, k_ids, guide = _inputs(8, 8, dtype=torch.float64)
+    got = cal_inf_loss(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
+    truth = masked_loss_truth(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
+    assert_close_verbose(got, truth, 1e-10, 1e-10, f"INFCL_BACKEND={env}")

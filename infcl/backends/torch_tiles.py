@@ -116,9 +116,11 @@ def _replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor)
     return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
 
 
-def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(positive, excluded, column-excluded) [ni, nj] bool masks of one tile (see infcl.masks); the column
-    direction's exclusions differ from the rows' only by the guide thresholds (None unless ``want_cols``)."""
+def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(positive, excluded, column-excluded) [ni, nj] bool masks of one tile (see infcl.masks); None where
+    nothing is excluded (or the column direction is not wanted). The column direction's exclusions differ
+    from the rows' only by the guide thresholds. Formed in place where possible: the guide scores and
+    these few bool tiles are all the extra memory, and the scores die with this call."""
     same = None
     if block.q_ids is not None:
         same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
@@ -127,33 +129,42 @@ def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> Tuple[Tensor, Ten
         positive = torch.zeros(idx.shape[0], tile.kj.shape[0], dtype=torch.bool, device=idx.device)
         positive.scatter_(1, idx, inside[:, None])
     else:
-        positive = same
+        positive, same = same, None  # every column with the row's id is a positive: ids exclude nothing
     negative = ~positive
-    excluded = same & negative if same is not None else torch.zeros_like(positive)
+    excluded = None if same is None else same.logical_and_(negative)  # the false negatives
     col_excluded = excluded if want_cols else None
     if block.guide_q is not None:
         scores = block.guide_q[tile.rows] @ block.guide_k[tile.cols].T
         if want_cols:
-            col_excluded = excluded | ((scores > block.col_threshold[None, tile.cols]) & negative)
-        excluded = excluded | ((scores > block.row_threshold[tile.rows, None]) & negative)
+            col_above = torch.gt(scores, block.col_threshold[None, tile.cols]).logical_and_(negative)
+            col_excluded = col_above if excluded is None else col_above.logical_or_(excluded)
+        above = torch.gt(scores, block.row_threshold[tile.rows, None]).logical_and_(negative)
+        excluded = above if excluded is None else above.logical_or_(excluded)
     return positive, excluded, col_excluded
 
 
-def _masked_partials(acc: Tensor, s: Tensor, positive: Tensor, excluded: Tensor, kept: Tensor, dim: int, kind: str):
+def _masked_partials(
+    acc: Tensor, s: Tensor, positive: Tensor, excluded: Optional[Tensor], kept: Tensor, scratch: Tensor, dim: int,
+    kind: str,
+) -> None:
     """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
 
     ``kept``: a tile buffer for s with the excluded entries at -inf; with nothing excluded it is s itself,
-    so the stats are the plain loss's bit for bit.
+    so the stats are the plain loss's bit for bit. Then the same buffer holds the positives' logits.
+    ``scratch``: a tile buffer for :func:`infcl.lse.tile_stats`.
     """
     neg_inf = float("-inf")
-    kept.copy_(s).masked_fill_(excluded, neg_inf)
-    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim=dim))
-    kept.copy_(s).masked_fill_(~positive, neg_inf)
+    kept.copy_(s)
+    if excluded is not None:
+        kept.masked_fill_(excluded, neg_inf)
+    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim, scratch))
+    negative = ~positive
+    kept.copy_(s).masked_fill_(negative, neg_inf)
     if kind == "sum":
-        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim=dim))
+        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim, scratch))
     else:
         torch.maximum(acc[POS_MAX], torch.amax(kept, dim=dim), out=acc[POS_MAX])
-    acc[POS_SUM] += torch.where(positive, s, 0).sum(dim=dim)
+    acc[POS_SUM] += kept.masked_fill_(negative, 0.0).sum(dim=dim)
     acc[POS_COUNT] += positive.sum(dim=dim)
 
 
@@ -177,7 +188,7 @@ def _col_positives(block: Block, tile: _Tile) -> _Positives:
 
 
 def _masked_probabilities(
-    out: Tensor, s: Tensor, positive: Tensor, excluded: Tensor, stats: Tensor, g: Tensor, pos: _Positives
+    out: Tensor, s: Tensor, positive: Tensor, excluded: Optional[Tensor], stats: Tensor, g: Tensor, pos: _Positives
 ) -> Tensor:
     """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them, Y on the positives
     1/c ("mean") or exp((s - pm) - pr) ("sum"); ``stats``, ``g`` and ``pos`` are broadcast to the tile.
@@ -188,11 +199,13 @@ def _masked_probabilities(
     """
     x = torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
     if pos.stats is None:
-        at_positives = torch.expm1(x + pos.count.log()).div_(pos.count)
+        at_positives = torch.add(x, pos.count.log()).expm1_().div_(pos.count)
     else:
         share = (pos.stats[MAX] - stats[MAX]) + (pos.stats[REL] - stats[REL])
         at_positives = torch.sub(s, pos.stats[MAX]).sub_(pos.stats[REL]).exp_().mul_(torch.expm1(share))
-    x.exp_().masked_fill_(excluded, 0.0)
+    x.exp_()
+    if excluded is not None:
+        x.masked_fill_(excluded, 0.0)
     return torch.where(positive, at_positives, x, out=out).mul_(g)
 
 
@@ -258,14 +271,15 @@ class TorchTilesBackend:
         kind = "sum" if block.multi_positive == "sum" else "mean"
         rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
         cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if want_cols else None
-        buf, kept_buf = walk.buffers(2)
+        buf, kept_buf, scratch = walk.buffers(3)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the same tile as the plain forward's, bit for bit
             positive, excluded, col_excluded = _tile_masks(block, tile, want_cols)
-            _masked_partials(rows[:, tile.rows], s, positive, excluded, tile.view(kept_buf), 1, kind)
+            kept, spare = tile.view(kept_buf), tile.view(scratch)
+            _masked_partials(rows[:, tile.rows], s, positive, excluded, kept, spare, 1, kind)
             if want_cols:
-                _masked_partials(cols[:, tile.cols], s, positive, col_excluded, tile.view(kept_buf), 0, kind)
+                _masked_partials(cols[:, tile.cols], s, positive, col_excluded, kept, spare, 0, kind)
         return rows, cols
 
     def _masked_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:

@@ -120,6 +120,9 @@ def infos(rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor
 
 # --- the mask options (infcl.masks) ------------------------------------------------------------------
 
+# Rows per step of GuideScores: bounds its gathered labelled-column features (and their products) to a few
+# chunk x D' temporaries instead of two more copies of the guide.
+GUIDE_CHUNK = 1024
 GRAD = 2  # row of the upstream gradient in backward rows (plain [3, n] and masked [6, n] alike)
 B_POS_MAX, B_POS_REL, B_POS_COUNT = 3, 4, 5  # the positives' rows in masked backward rows
 
@@ -151,8 +154,11 @@ class GuideScores:
     merge_rows = merge_cols = staticmethod(Tensor.add_)
 
     def forward_step(self, backend, guide_q: Tensor, guide_k: Tensor, scale, pos: Tensor, k_side=()):
-        picked = guide_k[pos.clamp(min=0)]  # [Bq, D']: the labelled column's features where pos >= 0
-        score = torch.where(pos >= 0, (guide_q * picked).sum(dim=1), 0)
+        score = guide_q.new_zeros(guide_q.shape[0])
+        for i0 in range(0, guide_q.shape[0], GUIDE_CHUNK):
+            rows = slice(i0, i0 + GUIDE_CHUNK)
+            picked = guide_k[pos[rows].clamp(min=0)]  # [chunk, D']: the labelled columns' features
+            score[rows] = torch.where(pos[rows] >= 0, (guide_q[rows] * picked).sum(dim=1), 0)
         cols = _scatter_to_columns(score, pos, guide_k.shape[0])[None] if self.symmetric else None
         return score[None], cols
 
