@@ -205,36 +205,37 @@ def _segments(parts: Sequence[Optional[torch.Tensor]], widths: Sequence[int]) ->
 
 
 class _Keys:
-    """The key columns of one padded call, block by block, with their ids and (optional) guide rows.
+    """The key columns of one padded call: blocks of B columns each (B: this rank's rows), with their ids
+    and a per-block guide value (module docstring).
 
-    Ids: ``owner`` (the global index of the query a column belongs to) excludes the row's own entries;
-    ``unique`` (a negative id no row has) keeps every entry.
+    Ids: the owner (the global index of the query a column belongs to) excludes the row's own entries;
+    a unique negative id (no row has one) keeps every entry.
     """
 
-    def __init__(self, rows: int, owner: torch.Tensor, first_key: int):
-        self.rows, self.owner, self.first_key = rows, owner, first_key
-        self.feats: List[torch.Tensor] = []
-        self.ids: List[torch.Tensor] = []
-        self.guides: List[Optional[torch.Tensor]] = []
+    def __init__(self, owner: torch.Tensor):
+        self.owner = owner  # [B] global row indices of this rank
+        self.blocks: List[torch.Tensor] = []
+        self.own_excluded: List[bool] = []
+        self.guide_values: List[float] = []
 
-    @property
-    def count(self) -> int:
-        return sum(f.shape[0] for f in self.feats)
+    def add(self, feats: torch.Tensor, own_excluded: bool, guide_value: float = 0.0) -> int:
+        """Append a block of B columns; return its first local column."""
+        self.blocks.append(feats)
+        self.own_excluded.append(own_excluded)
+        self.guide_values.append(guide_value)
+        return (len(self.blocks) - 1) * self.owner.shape[0]
 
-    def add(self, feats: torch.Tensor, own_excluded: bool, guide: Optional[torch.Tensor] = None) -> int:
-        """Append a block; return its first local column."""
-        start = self.count
-        if own_excluded:
-            ids = self.owner
-        else:  # -(1 + global key index): unique across the ring, never a row's (non-negative) id
-            ids = -(1 + self.first_key + start + torch.arange(feats.shape[0], device=feats.device))
-        self.feats.append(feats)
-        self.ids.append(ids)
-        self.guides.append(guide)
-        return start
+    def first_key(self, first_row: int) -> int:
+        """This rank's first global key column: every rank holds the same blocks of its own B rows."""
+        return first_row * len(self.blocks)
 
-    def cat(self):
-        return torch.cat(self.feats), torch.cat(self.ids)
+    def build(self, first_row: int):
+        """(keys [blocks * B, width], k_ids [blocks * B], guide [blocks * B, 1])."""
+        b = self.owner.shape[0]
+        unique = -(1 + self.first_key(first_row) + torch.arange(b * len(self.blocks), device=self.owner.device))
+        ids = [self.owner if own else unique[i * b : (i + 1) * b] for i, own in enumerate(self.own_excluded)]
+        guide = torch.cat([self.blocks[0].new_full((b, 1), value) for value in self.guide_values])
+        return torch.cat(self.blocks), torch.cat(ids), guide
 
 
 def _masked_backend(backend: str) -> str:
@@ -330,33 +331,28 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
 
     rows = _segments([q, positives if wide else None, q.detach() if penalize_in_batch else None], widths)
     first_row = _rows_before(b, group, q.device)
-    owner = torch.arange(first_row, first_row + b, device=q.device)
-    blocks = 1 + len(negatives) + int(penalize_in_batch) + int(QUERY_TO_QUERY in terms)
-    blocks += int(DOC_TO_QUERY in terms) + len(docs) * int(DOC_TO_DOC in terms)
-    keys = _Keys(b, owner, first_key=first_row * blocks)  # every rank has the same blocks
-    guide_on, guide_off = q.new_ones(b, 1), q.new_zeros(b, 1)
-    if penalize_in_batch:
-        label_block = keys.add(left(positives), own_excluded=False, guide=guide_on)
-        keys.add(penalized(positives), own_excluded=True, guide=guide_off)
+    keys = _Keys(torch.arange(first_row, first_row + b, device=q.device))
+    if penalize_in_batch:  # the unpenalized positives hold the labels; the guide keeps each for its own row
+        label_block = keys.add(left(positives), own_excluded=False, guide_value=1.0)
+        keys.add(penalized(positives), own_excluded=True)
     else:
-        label_block = keys.add(left(positives), own_excluded=True, guide=guide_off)
+        label_block = keys.add(left(positives), own_excluded=True)
     for negative in negatives:
-        keys.add(penalized(negative) if penalize_in_batch else left(negative), own_excluded=own_negatives_apart,
-                 guide=guide_off)
+        keys.add(penalized(negative) if penalize_in_batch else left(negative), own_excluded=own_negatives_apart)
     if QUERY_TO_QUERY in terms:
-        keys.add(left(q), own_excluded=True, guide=guide_off)
+        keys.add(left(q), own_excluded=True)
     if DOC_TO_QUERY in terms:
-        keys.add(right(q), own_excluded=False, guide=guide_off)
+        keys.add(right(q), own_excluded=False)
     if DOC_TO_DOC in terms:
         for doc in docs:
-            keys.add(right(doc), own_excluded=True, guide=guide_off)
-    key_feats, k_ids = keys.cat()
-    labels = owner - first_row + first_row * blocks + label_block
+            keys.add(right(doc), own_excluded=True)
+    key_feats, k_ids, key_guide = keys.build(first_row)
+    labels = keys.first_key(first_row) + label_block + torch.arange(b, device=q.device)
     options = {}
     if penalize_in_batch:
-        options = dict(guide=(guide_on, torch.cat(keys.guides)), guide_margin=COPY_GUIDE_MARGIN)
+        options = dict(guide=(q.new_ones(b, 1), key_guide), guide_margin=COPY_GUIDE_MARGIN)
     reduction = "none" if own_negatives_apart else "mean"
-    row_loss = cal_inf_loss(rows, key_feats, labels, scale, reduction=reduction, q_ids=owner, k_ids=k_ids,
+    row_loss = cal_inf_loss(rows, key_feats, labels, scale, reduction=reduction, q_ids=keys.owner, k_ids=k_ids,
                             group=group, backend=_masked_backend(backend), **options)
     if not own_negatives_apart:
         return row_loss
