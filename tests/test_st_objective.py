@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("sentence_transformers")
 
@@ -144,3 +145,53 @@ def test_gist(model, negatives, margin, contrast):
         return loss_and_grads(lambda e: loss.calculate_loss([[x] for x in e], [[x] for x in guides]), inputs)
 
     assert_same(run(infcl_losses), run(st_losses), what=f"GIST {kwargs}")
+
+
+# ---- memory: nothing B x B ---------------------------------------------------------------------------
+
+MEMORY_BATCH = 100
+MEMORY_DIM = 2  # small, so that every O(B * D) tensor (keys of every block, padded) stays below B * B elements
+MEMORY_TILES = (32, 64)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def largest_tensor(fn, inputs):
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    with LargestTensor() as probe:
+        fn(leaves).backward()
+    return probe.numel
+
+
+@pytest.mark.parametrize("loss", ["gte-in-batch-hardness", "gist"])
+def test_no_tensor_has_batch_squared_elements(model, loss):
+    TORCH_TILES.tile_q, TORCH_TILES.tile_k = MEMORY_TILES
+    gen = torch.Generator().manual_seed(50)
+    inputs = [torch.randn(MEMORY_BATCH, MEMORY_DIM, generator=gen) for _ in range(5)]  # 3 negative columns
+    guides = [torch.randn(MEMORY_BATCH, MEMORY_DIM, generator=gen) for _ in range(5)]
+    if loss == "gist":
+        def run(module):
+            objective = gist(module, model, margin=0.1)
+            objective.mini_batch_size = MEMORY_BATCH
+            return lambda e: objective.calculate_loss([[x] for x in e], [[x] for x in guides])
+    else:
+        def run(module):
+            objective = mnrl(module, model, directions=DIRECTION_SETS[-1], hardness_mode="in_batch_negatives",
+                             hardness_strength=9.0)
+            return lambda e: objective.compute_loss_from_embeddings(e, None)
+    square = MEMORY_BATCH * MEMORY_BATCH
+    assert largest_tensor(run(st_losses), inputs) >= square, "the probe must see sentence-transformers' B x N block"
+    assert largest_tensor(run(infcl_losses), inputs) < square
