@@ -170,6 +170,18 @@ def test_gist_matches_sentence_transformers(model, guide, name, columns, margin,
             contrast_anchors=anchors, contrast_positives=positives)
 
 
+@pytest.mark.parametrize("name", GIST_CLASSES)
+def test_matryoshka_wraps_gist(model, guide, name):
+    """MatryoshkaLoss truncates the embeddings GIST's loss gets (the cached one through calculate_loss)."""
+    features = batch(model, BATCH, 3, seed=4)
+    results = [
+        loss_and_grads(st_losses.MatryoshkaLoss(model, make(module, name, model, guide=guide, margin=0.01), [16, 8, 4]),
+                       model, features)
+        for module in (infcl_losses, st_losses)
+    ]
+    assert_same(*results, what=f"MatryoshkaLoss({name})")
+
+
 def test_cached_gist_two_negatives_num_tokens_and_retokenized_guide(model):
     """The cached loss takes any number of negatives and mini-batches by token count; a guide with a
     shorter max_seq_length makes both losses decode and re-tokenize for the guide."""
