@@ -24,7 +24,9 @@ term above and the call's single softmax is the joint partition. The entries lef
 ``cal_inf_loss``'s id exclusions (O(B), inside the tiles): q_ids = owner (the global row index),
 k_ids = owner(j) for the columns whose own entries must go (query_to_query, doc_to_doc), a unique
 negative id for the columns that must stay (doc_to_query, whose own entry p_i·q_i is a term). Only
-directions that read p_i widen the rows; the rest stay D wide (the plain loss, no ids, every backend).
+directions that read p_i widen the rows. Without query_to_query, doc_to_doc and hardness no id is
+needed: query_to_doc alone is cal_inf_loss(q, cat(docs), labels), and with doc_to_query the same
+padded rows against [docs | 0] and [0 | q] (the plain loss, every backend).
 
 **Hardness** (logit s * sim + alpha * stop_grad(sim)) without a new kernel:
 
@@ -40,14 +42,15 @@ directions that read p_i widen the rows; the rest stay D wide (the plain loss, n
   loss_i = logaddexp(lse_tiles_i, logsumexp_k own_ik) - pos_i, with lse_tiles_i = the call's row loss
   (reduction "none") + pos_i.
 
-Cost: the row (and key) width is D for query_to_doc (+ doc_to_query without ids: the plain path),
-2D with query_to_query / doc_to_doc / doc_to_query, + D for in-batch hardness; the key count is
-B * (documents + queries of the extra directions), + B unpenalized positives for in-batch hardness.
-Memory stays O(B * D): nothing B x B is built.
+Cost: the row (and key) width is D, 2D when a direction reads p_i (doc_to_query, doc_to_doc), + D
+for in-batch hardness; the keys are blocks of B columns: one per document column (query_to_doc), one
+for query_to_query, one for doc_to_query, one per document column for doc_to_doc, one of unpenalized
+positives for in-batch hardness. The calls with ids or a guide run on the torch tiles. Memory stays
+O(B * D): nothing B x B is built.
 
-per_direction (only query_to_doc and doc_to_query, as upstream allows):
-(the query_to_doc loss above, hardness included) + cal_inf_loss(p, q)) / 2; for pairs without
-hardness, ``cal_inf_loss(q, p, symmetric=True)``.
+per_direction (only query_to_doc and doc_to_query, as upstream allows): (the query_to_doc loss above,
+hardness included, + cal_inf_loss(p, q)) / 2; for pairs without hardness, ``cal_inf_loss(q, p,
+symmetric=True)``.
 
 **GISTEmbedLoss** (anchors a_i, positives p_i, negatives n_j, guide features g*, temperature t; all
 cosine; only the candidates are gathered across devices, the anchors are not):
