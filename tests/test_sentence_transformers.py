@@ -142,6 +142,22 @@ def test_hardness_with_dot_product(model):
             hardness_mode="all_negatives", hardness_strength=3.0)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_backend_without_masks_runs_the_masked_calls_on_torch(model, backend):
+    """backend= names what the plain calls run on; the calls with ids or a guide, which that backend cannot
+    run, go to the torch tiles instead of raising."""
+    from infcl.backends import unavailable_reason
+
+    why = unavailable_reason(backend, torch.device("cpu"))
+    if why is not None:
+        pytest.skip(why)
+    features = batch(model, BATCH, 3, seed=6)
+    kwargs = dict(directions=GTE_DIRECTIONS, hardness_mode="in_batch_negatives", hardness_strength=9.0)
+    theirs = loss_and_grads(make(st_losses, CLASSES[0], model, **kwargs), model, features)
+    ours = loss_and_grads(make(infcl_losses, CLASSES[0], model, backend=backend, **kwargs), model, features)
+    assert_same(ours, theirs, what=f"backend={backend}")
+
+
 # ---- GISTEmbedLoss -------------------------------------------------------------------------------
 
 GIST_CLASSES = ("GISTEmbedLoss", "CachedGISTEmbedLoss")
