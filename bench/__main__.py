@@ -5,6 +5,8 @@ bench/results/default.csv and default.png. ``--preset issue`` is the full run of
 --batch-sizes/--dims/--dtype/--modes/--one-direction replaces that field of the chosen preset's first
 sweep and writes "custom.csv" (or --name). ``--loss siglip`` runs the same sweeps on the sigmoid
 (SigLIP) loss, vanilla being open_clip's SigLipLoss, and prefixes the file names with "siglip-".
+``--ids`` / ``--guide`` add the torch tiles with false-negative ids / a guide ("torch+ids", "torch+guide";
+bench.methods) beside "torch", and the time_vs_plain / memory_vs_plain columns give their cost.
 """
 
 import argparse
@@ -16,7 +18,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .methods import BASELINE, LOSSES, METHODS
+from .methods import BASELINE, LOSSES, METHODS, PLAIN
 from .presets import PRESETS, Sweep, custom_sweep
 from .report import add_ratios, format_table, write_csv, write_plot
 from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
@@ -59,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     direction.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
                            help="the CLIP loss (q->k + k->q) / 2 (the presets' choice)")
     direction.add_argument("--one-direction", dest="symmetric", action="store_false", help="the q->k loss only")
+    p.add_argument("--ids", action="store_true", help="also the torch tiles with false-negative ids (torch+ids)")
+    p.add_argument("--guide", action="store_true", help="also the torch tiles with a guide of width D (torch+guide)")
     p.add_argument("--memory-only", action="store_true", default=None, help="peak memory only, one run each")
     p.add_argument("--repeats", type=int, help=f"timed runs per configuration (median reported; default: the preset's, else {DEFAULT_REPEATS})")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
@@ -77,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.methods or ():
         if name not in METHODS:
             p.error(f"--methods: unknown method {name!r}; choose from {tuple(METHODS)}")
+    if args.loss == "siglip" and (args.ids or args.guide):
+        p.error("--ids / --guide are options of the clip loss")
     if args.loss == "siglip" and args.symmetric is not None:
         p.error("--symmetric / --one-direction choose the direction of the clip loss; the siglip loss has one form")
     return args
@@ -114,6 +120,9 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
                       loss=args.loss, symmetric=sw.symmetric and args.loss == "clip", memory_only=sw.memory_only,
                       accuracy=sw.accuracy and not sw.memory_only)
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
+        if (args.ids or args.guide) and PLAIN not in names:
+            names.append(PLAIN)  # the mask options' cost is taken against the plain tiles of the same run
+        names += [f"{PLAIN}+{option}" for option, asked in (("ids", args.ids), ("guide", args.guide)) if asked]
         for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
             for name, mode in itertools.product(names, sw.modes):
                 job = Job(name, batch, dim, mode=mode, **common)

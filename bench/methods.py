@@ -6,6 +6,9 @@ The contrastive (CLIP) loss, ``--loss clip``:
 - "torch", "cpu", "triton": ``infcl.cal_inf_loss(..., backend=name)``.
 - "inf-cl": Inf-CL's ``inf_cl.cal_inf_loss`` (CUDA only; the symmetric loss is its two directions
   averaged, as Inf-CL's own ClipLoss does).
+- "torch+ids", "torch+guide" (only with ``--ids`` / ``--guide``, never in a preset's default list): the
+  torch tiles with false-negative ids (:data:`IDS_PER_CLASS` rows per id) or a guide of width D (margin
+  :data:`GUIDE_MARGIN`), for the cost of the mask options against "torch" in the same run.
 The sigmoid (SigLIP) loss, ``--loss siglip`` (``symmetric`` is ignored; the bias is SIGLIP_BIAS, a leaf
 that receives a gradient):
 - "vanilla": open_clip's own ``SigLipLoss`` (its loss.py loaded by file), or, without open_clip, the
@@ -38,6 +41,10 @@ INF_CL_HEAD_DIMS = (256, 128, 64, 32, 16)
 LOSSES = ("clip", "siglip")
 # SigLIP's initial logit bias (its paper's b = -10), used with the same scale as the CLIP loss.
 SIGLIP_BIAS = -10.0
+# The mask-option methods: duplicates every few rows (a batch with false negatives), and a guide margin
+# that excludes some but not most columns of random unit guide features.
+IDS_PER_CLASS = 4
+GUIDE_MARGIN = 0.1
 
 
 def make_inputs(batch: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -62,6 +69,31 @@ def vanilla_loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor
     labels = _diagonal(q)
     rows = F.cross_entropy(logits, labels)
     return (rows + F.cross_entropy(logits.T, labels)) / 2 if symmetric else rows
+
+
+_GUIDES = {}  # (B, D, device, dtype) -> guide features, made once outside the timed calls
+
+
+def _mask_options(q: Tensor, option: str) -> dict:
+    """cal_inf_loss keywords of the mask option ("ids" or "guide") for inputs shaped like q."""
+    batch = q.shape[0]
+    if option == "ids":
+        ids = torch.arange(batch, device=q.device) // IDS_PER_CLASS
+        return {"q_ids": ids, "k_ids": ids}
+    key = (batch, q.shape[1], q.device, q.dtype)
+    if key not in _GUIDES:
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        feats = [F.normalize(torch.randn(batch, q.shape[1], generator=gen), dim=-1).to(q.device, q.dtype) for _ in "qk"]
+        _GUIDES.clear()
+        _GUIDES[key] = tuple(feats)
+    return {"guide": _GUIDES[key], "guide_margin": GUIDE_MARGIN}
+
+
+def _masked_loss(backend: str, option: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+    def loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
+        return cal_inf_loss(q, k, scale=scale, symmetric=symmetric, backend=backend, **_mask_options(q, option))
+
+    return loss
 
 
 def _infcl_loss(backend: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
@@ -152,8 +184,10 @@ def _triton_gemms(device, dtype, dim):
 
 
 # (forward, backward) GEMM-equivalents of one direction; the symmetric loss costs the same except for
-# Inf-CL, which runs each direction separately.
+# Inf-CL, which runs each direction separately. A guide of width D adds one product per tile per pass.
 _GEMMS = {
+    "torch+ids": _tiled_gemms,
+    "torch+guide": lambda device, dtype, dim: (2, 4),
     "vanilla": lambda device, dtype, dim: (1, 2),  # logits; dq and dk from the logits' gradient
     "torch": _tiled_gemms,
     "cpu": _tiled_gemms,
@@ -180,6 +214,12 @@ METHODS = {
         _infcl_method("cpu"),
         _infcl_method("triton"),
         Method("inf-cl", inf_cl_loss, _inf_cl_unavailable, tiled=True),
+        *(
+            Method(f"torch+{option}", _masked_loss("torch", option), lambda device, dim: None, tiled=True)
+            for option in ("ids", "guide")
+        ),
     )
 }
 BASELINE = "vanilla"
+PLAIN = "torch"  # the mask-option methods' own baseline
+MASK_METHODS = ("torch+ids", "torch+guide")  # run only when asked for (--ids / --guide)

@@ -4,10 +4,10 @@
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
-from .methods import METHODS
+from .methods import MASK_METHODS, METHODS
 from .worker import MODES
 
-ALL_METHODS = tuple(METHODS)
+ALL_METHODS = tuple(name for name in METHODS if name not in MASK_METHODS)
 TILED_METHODS = tuple(name for name, m in METHODS.items() if m.tiled)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from .gemm import gemm_bound_seconds, gemm_flops
-from .methods import BASELINE
+from .methods import BASELINE, MASK_METHODS, PLAIN
 
 COLUMNS = (
     "method",
@@ -24,6 +24,8 @@ COLUMNS = (
     "peak_extra_mib",
     "time_vs_vanilla",
     "memory_vs_vanilla",
+    "time_vs_plain",
+    "memory_vs_plain",
     "gemm_bound_s",
     "time_vs_gemm_bound",
     "gemm_gflops",
@@ -49,9 +51,16 @@ def _key(row: Dict):
 def add_ratios(rows: List[Dict]) -> None:
     """Fill the ratio columns in place; each row's GEMM bound is from its own ``gemm_gflops``."""
     vanilla = {_key(r): r for r in rows if r["method"] == BASELINE and r["status"] == "ok"}
+    plain = {_key(r): r for r in rows if r["method"] == PLAIN and r["status"] == "ok"}
     for row in rows:
         if row["status"] != "ok":
             continue
+        base = plain.get(_key(row)) if row["method"] in MASK_METHODS else None
+        if base is not None:  # the cost of ids / a guide on the torch tiles, in the same run
+            if base["peak_extra_mib"] > 0:
+                row["memory_vs_plain"] = row["peak_extra_mib"] / base["peak_extra_mib"]
+            if row.get("time_s") is not None and base.get("time_s") is not None:
+                row["time_vs_plain"] = row["time_s"] / base["time_s"]
         base = vanilla.get(_key(row))
         if base is not None:
             if base["peak_extra_mib"] > 0:
@@ -78,6 +87,9 @@ def format_table(rows: List[Dict]) -> str:
     """Measured rows as an aligned table; rows skipped for an unavailable method are summarized below it."""
     heads = ("method", "loss", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
              "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "gemm_fraction", "grad_rel_error", "note")
+    if any(r.get("time_vs_plain") is not None for r in rows):  # --ids / --guide: their cost beside "torch"
+        at = heads.index("time_vs_gemm_bound")
+        heads = heads[:at] + ("time_vs_plain", "memory_vs_plain") + heads[at:]
     shown = [r for r in rows if not (r["status"] == "skipped" and r.get("unavailable"))]
     cells = [heads] + [tuple(_fmt(r.get(h)) for h in heads) for r in shown]
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]

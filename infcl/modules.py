@@ -32,6 +32,10 @@ class InfCLIPLoss(nn.Module):
     open_clip constructor arguments ``local_loss``, ``gather_with_grad``, ``cache_labels``, ``rank``,
     ``world_size`` and ``use_horovod`` are accepted for drop-in use and ignored: rank and world come
     from ``group``, and the loss is always local with exact gathered gradients.
+
+    The mask options of :func:`infcl.cal_inf_loss` (:mod:`infcl.masks`): ``multi_positive``,
+    ``guide_margin`` and ``guide_margin_strategy`` are set here; the per-batch ``q_ids`` / ``k_ids`` (one id
+    per image / text) and ``guide`` (guide features of the images and texts) are passed to ``forward``.
     """
 
     def __init__(
@@ -45,12 +49,18 @@ class InfCLIPLoss(nn.Module):
         *,
         group=None,
         backend: str = "auto",
+        multi_positive: Optional[str] = None,
+        guide_margin: float = 0.0,
+        guide_margin_strategy: str = "absolute",
     ):
         super().__init__()
         if use_horovod:
             raise ValueError("InfCLIPLoss runs its ring over torch.distributed; use_horovod=True is not supported")
         self.group = group
         self.backend = backend
+        self.multi_positive = multi_positive
+        self.guide_margin = guide_margin
+        self.guide_margin_strategy = guide_margin_strategy
 
     def forward(
         self,
@@ -59,9 +69,15 @@ class InfCLIPLoss(nn.Module):
         logit_scale,
         logit_bias: Optional[torch.Tensor] = None,
         output_dict: bool = False,
+        *,
+        q_ids: Optional[torch.Tensor] = None,
+        k_ids: Optional[torch.Tensor] = None,
+        guide=None,
     ):
         loss = cal_inf_loss(
-            image_features, text_features, scale=logit_scale, symmetric=True, group=self.group, backend=self.backend
+            image_features, text_features, scale=logit_scale, symmetric=True, group=self.group, backend=self.backend,
+            q_ids=q_ids, k_ids=k_ids, multi_positive=self.multi_positive, guide=guide, guide_margin=self.guide_margin,
+            guide_margin_strategy=self.guide_margin_strategy,
         )
         if logit_bias is not None:
             loss = loss + _cancelled_bias(logit_bias, loss)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from support import TOLERANCE, assert_close_verbose, grads_of_inputs, masked_loss_truth
 
-from infcl import cal_inf_loss
+from infcl import InfCLIPLoss, cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
 from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.stats import InfLossStats
@@ -223,8 +223,8 @@ def test_stats_of_the_plain_loss(backend, symmetric):
     scale = 3.0
     loss, stats = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend=_use(backend), return_stats=True)
     assert isinstance(stats, InfLossStats)
-    assert_close_verbose(loss, cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend="reference"), 1e-10, 1e-10,
-                         "loss with stats")
+    reference = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, backend="reference")
+    assert_close_verbose(loss, reference, 1e-10, 1e-10, "loss with stats")
     logits = scale * q @ k.T
     want = [(logits.argmax(1) == labels).double().mean(), logits.gather(1, labels[:, None]).mean()]
     if symmetric:
@@ -295,3 +295,17 @@ def test_auto_picks_a_backend_with_masks(monkeypatch, env):
     got = cal_inf_loss(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
     truth = masked_loss_truth(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
     assert_close_verbose(got, truth, 1e-10, 1e-10, f"INFCL_BACKEND={env}")
+
+
+def test_clip_loss_module_takes_the_mask_options():
+    q, k, labels, q_ids, k_ids, guide = _inputs(12, 12, dtype=torch.float64, labels="random")
+    k_ids = q_ids  # paired images and texts share their ids
+    module = InfCLIPLoss(multi_positive="sum", guide_margin=0.2, guide_margin_strategy="relative")
+    got = module(q, k, torch.tensor(SCALE, dtype=torch.float64), q_ids=q_ids, k_ids=k_ids, guide=guide)
+    want = masked_loss_truth(q, k, None, SCALE, symmetric=True, q_ids=q_ids, k_ids=k_ids, multi_positive="sum",
+                             guide=guide, guide_margin=0.2, guide_margin_strategy="relative")
+    assert_close_verbose(got, want, 1e-10, 1e-10, "InfCLIPLoss with masks")
+    plain = InfCLIPLoss(backend="torch")
+    assert torch.equal(plain(q, k, SCALE, q_ids=torch.arange(12), k_ids=torch.arange(12)), plain(q, k, SCALE)), (
+        "distinct ids: the plain loss bit for bit"
+    )

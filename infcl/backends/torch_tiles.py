@@ -116,62 +116,100 @@ def _replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor)
     return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
 
 
-def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """(positive, excluded, column-excluded) [ni, nj] bool masks of one tile (see infcl.masks); None where
-    nothing is excluded (or the column direction is not wanted). The column direction's exclusions differ
-    from the rows' only by the guide thresholds. Formed in place where possible: the guide scores and
-    these few bool tiles are all the extra memory, and the scores die with this call."""
+class _TileMasks(NamedTuple):
+    """One tile's positives and exclusions (see infcl.masks), [ni, nj] bool where a tile is needed.
+
+    With one positive per row (``multi_positive`` None) the positives are ``inside`` / ``idx`` as for the
+    plain loss (:func:`_positives`) and ``positive`` is None: they are read and replaced by index, as the
+    plain tiles do. ``excluded`` / ``col_excluded`` are None where nothing is excluded (or no column
+    direction is wanted); the column direction differs from the rows' only by the guide thresholds.
+    """
+
+    positive: Optional[Tensor]
+    inside: Optional[Tensor]
+    idx: Optional[Tensor]
+    excluded: Optional[Tensor]
+    col_excluded: Optional[Tensor]
+
+
+def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> _TileMasks:
+    """Form one tile's masks, in place where possible: the guide scores and a few bool tiles are all the
+    extra memory, and the scores die with this call."""
     same = None
     if block.q_ids is not None:
         same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
     if block.multi_positive is None:
-        inside, idx = _positives(block.pos, tile)
-        positive = torch.zeros(idx.shape[0], tile.kj.shape[0], dtype=torch.bool, device=idx.device)
-        positive.scatter_(1, idx, inside[:, None])
+        positive, (inside, idx) = None, _positives(block.pos, tile)
+        negative = None  # the positive entries are taken out of the exclusions by index, below
     else:
-        positive, same = same, None  # every column with the row's id is a positive: ids exclude nothing
-    negative = ~positive
-    excluded = None if same is None else same.logical_and_(negative)  # the false negatives
+        positive, same, inside, idx = same, None, None, None  # every same-id column is a positive
+        negative = ~positive
+    excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
     col_excluded = excluded if want_cols else None
     if block.guide_q is not None:
         scores = block.guide_q[tile.rows] @ block.guide_k[tile.cols].T
         if want_cols:
-            col_above = torch.gt(scores, block.col_threshold[None, tile.cols]).logical_and_(negative)
+            col_above = torch.gt(scores, block.col_threshold[None, tile.cols])
             col_excluded = col_above if excluded is None else col_above.logical_or_(excluded)
-        above = torch.gt(scores, block.row_threshold[tile.rows, None]).logical_and_(negative)
+        above = torch.gt(scores, block.row_threshold[tile.rows, None])
         excluded = above if excluded is None else above.logical_or_(excluded)
-    return positive, excluded, col_excluded
+    for mask in {id(m): m for m in (excluded, col_excluded) if m is not None}.values():
+        if negative is not None:
+            mask.logical_and_(negative)
+        else:  # a row's positive is never excluded
+            mask.scatter_(1, idx, mask.gather(1, idx).logical_and_(~inside[:, None]))
+    return _TileMasks(positive, inside, idx, excluded, col_excluded)
 
 
 def _masked_partials(
-    acc: Tensor, s: Tensor, positive: Tensor, excluded: Optional[Tensor], kept: Tensor, scratch: Tensor, dim: int,
+    acc: Tensor, s: Tensor, masks: _TileMasks, excluded: Optional[Tensor], kept: Tensor, scratch: Tensor, dim: int,
     kind: str,
 ) -> None:
     """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
 
     ``kept``: a tile buffer for s with the excluded entries at -inf; with nothing excluded it is s itself,
-    so the stats are the plain loss's bit for bit. Then the same buffer holds the positives' logits.
-    ``scratch``: a tile buffer for :func:`infcl.lse.tile_stats`.
+    so the stats are the plain loss's bit for bit. ``scratch``: a tile buffer for :func:`infcl.lse.tile_stats`.
     """
     neg_inf = float("-inf")
     kept.copy_(s)
     if excluded is not None:
         kept.masked_fill_(excluded, neg_inf)
     lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim, scratch))
-    negative = ~positive
-    kept.copy_(s).masked_fill_(negative, neg_inf)
+    if masks.positive is None:
+        _single_positive_partials(acc, s, masks.inside, masks.idx, dim)
+        return
+    negative = ~masks.positive
+    kept.copy_(s).masked_fill_(negative, neg_inf)  # the positives' logits
     if kind == "sum":
         lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim, scratch))
     else:
         torch.maximum(acc[POS_MAX], torch.amax(kept, dim=dim), out=acc[POS_MAX])
     acc[POS_SUM] += kept.masked_fill_(negative, 0.0).sum(dim=dim)
-    acc[POS_COUNT] += positive.sum(dim=dim)
+    acc[POS_COUNT] += masks.positive.sum(dim=dim)
+
+
+def _single_positive_partials(acc: Tensor, s: Tensor, inside: Tensor, idx: Tensor, dim: int) -> None:
+    """The positives' partials when each row has one (``pos``), read off the tile by index: per row, or
+    per column (``dim`` 0; labels are then a permutation, so a column has at most one such row)."""
+    value = s.gather(1, idx).squeeze(1)
+    top = torch.where(inside, value, float("-inf"))
+    value = torch.where(inside, value, 0.0)
+    count = inside.to(s.dtype)
+    if dim == 1:
+        torch.maximum(acc[POS_MAX], top, out=acc[POS_MAX])
+        acc[POS_SUM] += value
+        acc[POS_COUNT] += count
+        return
+    cols = idx.squeeze(1)
+    acc[POS_MAX].scatter_reduce_(0, cols, top, reduce="amax")
+    acc[POS_SUM].scatter_add_(0, cols, value)  # one real term per column, the rest exact zeros
+    acc[POS_COUNT].scatter_add_(0, cols, count)
 
 
 class _Positives(NamedTuple):
     """The backward's view of each row's (or column's) positives, broadcast to the tile."""
 
-    count: Optional[Tensor]  # |P|, None and "mean"
+    count: Optional[Tensor]  # |P|, "mean"
     stats: Optional[Tensor]  # [2, ...] global (max, rel) of the positives' logits, "sum"
 
 
@@ -188,16 +226,27 @@ def _col_positives(block: Block, tile: _Tile) -> _Positives:
 
 
 def _masked_probabilities(
-    out: Tensor, s: Tensor, positive: Tensor, excluded: Optional[Tensor], stats: Tensor, g: Tensor, pos: _Positives
+    out: Tensor, s: Tensor, masks: _TileMasks, excluded: Optional[Tensor], stats: Tensor, g: Tensor,
+    pos: Optional[_Positives],
 ) -> Tensor:
-    """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them, Y on the positives
-    1/c ("mean") or exp((s - pm) - pr) ("sum"); ``stats``, ``g`` and ``pos`` are broadcast to the tile.
+    """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them; ``stats``,
+    ``g`` and ``pos`` are broadcast to the tile. Y: the one-hot of the row's positive (``pos`` None, as
+    :func:`_probabilities`, bit for bit when nothing is excluded), or on the positives 1/c ("mean") or
+    exp((s - pm) - pr) ("sum").
 
-    A positive's entry is never a difference of two rounded probabilities: p - 1/c = expm1(x + log c) / c
-    (c = 1: expm1(x), the plain loss's form, bit for bit) and p - y = y * expm1(d) with d = (pm - m) + (pr - r),
-    the log of the positives' share of the softmax (c = 1: d = x, y = 1).
+    A positive's entry is never a difference of two rounded probabilities: p - 1 = expm1(x), p - 1/c =
+    expm1(x + log c) / c and p - y = y * expm1(d) with d = (pm - m) + (pr - r), the log of the positives'
+    share of the softmax.
     """
     x = torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
+    if masks.positive is None:
+        x_pos = x.gather(1, masks.idx)
+        x.exp_()
+        if excluded is not None:
+            x.masked_fill_(excluded, 0.0)
+        x.mul_(g)
+        g_pos = g.expand_as(x).gather(1, masks.idx)
+        return _replace_positives(x, masks.inside, masks.idx, g_pos * torch.expm1(x_pos))
     if pos.stats is None:
         at_positives = torch.add(x, pos.count.log()).expm1_().div_(pos.count)
     else:
@@ -206,7 +255,7 @@ def _masked_probabilities(
     x.exp_()
     if excluded is not None:
         x.masked_fill_(excluded, 0.0)
-    return torch.where(positive, at_positives, x, out=out).mul_(g)
+    return torch.where(masks.positive, at_positives, x, out=out).mul_(g)
 
 
 class TorchTilesBackend:
@@ -275,11 +324,11 @@ class TorchTilesBackend:
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the same tile as the plain forward's, bit for bit
-            positive, excluded, col_excluded = _tile_masks(block, tile, want_cols)
+            masks = _tile_masks(block, tile, want_cols)
             kept, spare = tile.view(kept_buf), tile.view(scratch)
-            _masked_partials(rows[:, tile.rows], s, positive, excluded, kept, spare, 1, kind)
+            _masked_partials(rows[:, tile.rows], s, masks, masks.excluded, kept, spare, 1, kind)
             if want_cols:
-                _masked_partials(cols[:, tile.cols], s, positive, col_excluded, kept, spare, 0, kind)
+                _masked_partials(cols[:, tile.cols], s, masks, masks.col_excluded, kept, spare, 0, kind)
         return rows, cols
 
     def _masked_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
@@ -290,16 +339,17 @@ class TorchTilesBackend:
         for tile in walk:
             raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
             s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
-            positive, excluded, col_excluded = _tile_masks(block, tile, both)
+            masks = _tile_masks(block, tile, both)
+            single = block.multi_positive is None
             ds = _masked_probabilities(
-                tile.view(ds_buf), s, positive, excluded, block.row_stats[:, tile.rows, None],
-                block.g_row[tile.rows, None], _row_positives(block, tile),
+                tile.view(ds_buf), s, masks, masks.excluded, block.row_stats[:, tile.rows, None],
+                block.g_row[tile.rows, None], None if single else _row_positives(block, tile),
             )
             dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
             if both:
                 pc = _masked_probabilities(
-                    tile.view(col_buf), s, positive, col_excluded, block.col_stats[:, None, tile.cols],
-                    block.g_col[None, tile.cols], _col_positives(block, tile),
+                    tile.view(col_buf), s, masks, masks.col_excluded, block.col_stats[:, None, tile.cols],
+                    block.g_col[None, tile.cols], None if single else _col_positives(block, tile),
                 )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)
