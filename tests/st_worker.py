@@ -64,6 +64,7 @@ CASES = {
 }
 UNEVEN_BATCHES = (5, 3)  # per rank
 UNEVEN_COLUMNS = 4
+UNEVEN_PADDED = {"directions": GTE, "hardness_mode": "all_negatives", "hardness_strength": 3.0}
 
 
 def _make(module, name, model, kwargs, ddp, guide=None):
@@ -104,6 +105,12 @@ def main():
     theirs = _make(st_losses, "MultipleNegativesRankingLoss", model, {"gather_across_devices": False}, None)
     with torch.no_grad():
         results["uneven"] = (ours(features(model, texts[rank]), None), theirs(features(model, whole), None))
+    # The same with the ids and the copy guide of the padded call (global ids from uneven row offsets).
+    ours = _make(infcl_losses, "MultipleNegativesRankingLoss", model, UNEVEN_PADDED, None)
+    theirs = _make(st_losses, "MultipleNegativesRankingLoss", model, dict(UNEVEN_PADDED, gather_across_devices=False),
+                   None)
+    with torch.no_grad():
+        results["uneven-padded"] = (ours(features(model, texts[rank]), None), theirs(features(model, whole), None))
 
     ddp = None
     for case, (name, kwargs, columns, wrap) in CASES.items():  # the DDP cases last: DDP hooks the parameters
