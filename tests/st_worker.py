@@ -15,6 +15,9 @@ from distributed import finish, init_worker
 from st_models import batch, features, loss_and_grads, sentences, tiny_model
 
 RANK_BATCH = 5
+GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+GUIDE = "guide"  # stands for the guide model (built in main)
+GUIDE_SEED = 7
 # name -> (class name, constructor arguments, columns, wrap the model in DDP)
 CASES = {
     "mnrl-pairs-cos": ("MultipleNegativesRankingLoss", {}, 2, False),
@@ -29,16 +32,47 @@ CASES = {
         4,
         False,
     ),
+    # Issue 24: same-type directions and hardness (ids and a guide mask travelling with the keys), GIST
+    # (the guide mask; the anchor-anchor columns stay each rank's own).
+    "mnrl-gte-inbatch-1neg": (
+        "MultipleNegativesRankingLoss",
+        {"directions": GTE, "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},
+        3,
+        False,
+    ),
+    "cached-gte-hard-2neg": (
+        "CachedMultipleNegativesRankingLoss",
+        {"mini_batch_size": 2, "directions": GTE, "hardness_mode": "hard_negatives", "hardness_strength": 5.0},
+        4,
+        False,
+    ),
+    "mnrl-perdir-all-1neg": (
+        "MultipleNegativesRankingLoss",
+        {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction",
+         "hardness_mode": "all_negatives", "hardness_strength": 3.0},
+        3,
+        False,
+    ),
+    "gist-1neg": ("GISTEmbedLoss", {"guide": GUIDE, "margin": 0.01}, 3, False),
+    "cached-gist-relative-pairs": (
+        "CachedGISTEmbedLoss",
+        {"guide": GUIDE, "mini_batch_size": 2, "margin_strategy": "relative", "margin": 0.01},
+        2,
+        False,
+    ),
     "cached-ddp-1neg": ("CachedMultipleNegativesRankingLoss", {"mini_batch_size": 2}, 3, True),
 }
 UNEVEN_BATCHES = (5, 3)  # per rank
 UNEVEN_COLUMNS = 4
+UNEVEN_PADDED = {"directions": GTE, "hardness_mode": "all_negatives", "hardness_strength": 3.0}
 
 
-def _make(module, name, model, kwargs, ddp):
+def _make(module, name, model, kwargs, ddp, guide=None):
     from sentence_transformers import util
 
     kwargs = dict(kwargs)
+    if kwargs.get("guide") == GUIDE:
+        kwargs["guide"] = guide
     kwargs.setdefault("gather_across_devices", True)
     if "similarity_fct" in kwargs:
         kwargs["similarity_fct"] = getattr(util, kwargs["similarity_fct"])
@@ -60,6 +94,8 @@ def main():
 
     model = tiny_model()  # before the process group: under one, transformers saves files on rank 0 only
     model.eval()
+    guide = tiny_model(seed=GUIDE_SEED)
+    guide.eval()
     rank, world = init_worker()
     results = {}
     # Uneven shards: every rank can rebuild every rank's sentences, so each computes the whole batch's loss.
@@ -69,6 +105,12 @@ def main():
     theirs = _make(st_losses, "MultipleNegativesRankingLoss", model, {"gather_across_devices": False}, None)
     with torch.no_grad():
         results["uneven"] = (ours(features(model, texts[rank]), None), theirs(features(model, whole), None))
+    # The same with the ids and the copy guide of the padded call (global ids from uneven row offsets).
+    ours = _make(infcl_losses, "MultipleNegativesRankingLoss", model, UNEVEN_PADDED, None)
+    theirs = _make(st_losses, "MultipleNegativesRankingLoss", model, dict(UNEVEN_PADDED, gather_across_devices=False),
+                   None)
+    with torch.no_grad():
+        results["uneven-padded"] = (ours(features(model, texts[rank]), None), theirs(features(model, whole), None))
 
     ddp = None
     for case, (name, kwargs, columns, wrap) in CASES.items():  # the DDP cases last: DDP hooks the parameters
@@ -76,7 +118,7 @@ def main():
             ddp = DistributedDataParallel(model, find_unused_parameters=True)  # BERT's pooler is unused
         feats = batch(model, RANK_BATCH, columns, seed=10 + rank)
         results[case] = tuple(
-            loss_and_grads(_make(module, name, model, kwargs, ddp if wrap else None), model, feats)
+            loss_and_grads(_make(module, name, model, kwargs, ddp if wrap else None, guide), model, feats)
             for module in (st_losses, infcl_losses)
         )
     finish(results)

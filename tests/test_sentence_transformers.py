@@ -110,6 +110,119 @@ def test_both_directions(model, name, columns, partition_mode):
     compare(model, name, COLUMNS[columns], directions=("doc_to_query", "query_to_doc"), partition_mode=partition_mode)
 
 
+GTE_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+# hardness_mode -> the strength the papers use (sentence-transformers' docstring); 0 for none.
+HARDNESS = {None: 0.0, "in_batch_negatives": 9.0, "hard_negatives": 5.0, "all_negatives": 3.0}
+
+
+@pytest.mark.parametrize("hardness_mode", HARDNESS)
+@pytest.mark.parametrize(
+    "directions", [GTE_DIRECTIONS, ("query_to_doc", "query_to_query"), ("query_to_doc", "doc_to_doc")],
+    ids=["gte", "q2d+q2q", "q2d+d2d"],
+)
+@pytest.mark.parametrize("columns", ["pairs", "two-negatives"])
+@pytest.mark.parametrize("name", CLASSES[:2])
+def test_same_type_directions_and_hardness(model, name, columns, directions, hardness_mode):
+    """query_to_query / doc_to_doc (their self and own-document entries left out) and every hardness
+    mode, one joint softmax; every direction subset and option on random embeddings: tests/test_st_objective.py."""
+    compare(model, name, COLUMNS[columns], directions=directions, hardness_mode=hardness_mode,
+            hardness_strength=HARDNESS[hardness_mode])
+
+
+@pytest.mark.parametrize("hardness_mode", list(HARDNESS)[1:])
+@pytest.mark.parametrize("columns", ["pairs", "two-negatives"])
+@pytest.mark.parametrize("name", CLASSES[:2])
+def test_hardness_per_direction(model, name, columns, hardness_mode):
+    compare(model, name, COLUMNS[columns], directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
+            hardness_mode=hardness_mode, hardness_strength=HARDNESS[hardness_mode])
+
+
+def test_hardness_with_dot_product(model):
+    compare(model, CLASSES[1], 4, similarity_fct=util.dot_score, scale=1.0, directions=GTE_DIRECTIONS,
+            hardness_mode="all_negatives", hardness_strength=3.0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_backend_without_masks_runs_the_masked_calls_on_torch(model, backend):
+    """backend= names what the plain calls run on; the calls with ids or a guide, which that backend cannot
+    run, go to the torch tiles instead of raising."""
+    from infcl.backends import unavailable_reason
+
+    why = unavailable_reason(backend, torch.device("cpu"))
+    if why is not None:
+        pytest.skip(why)
+    features = batch(model, BATCH, 3, seed=6)
+    kwargs = dict(directions=GTE_DIRECTIONS, hardness_mode="in_batch_negatives", hardness_strength=9.0)
+    theirs = loss_and_grads(make(st_losses, CLASSES[0], model, **kwargs), model, features)
+    ours = loss_and_grads(make(infcl_losses, CLASSES[0], model, backend=backend, **kwargs), model, features)
+    assert_same(ours, theirs, what=f"backend={backend}")
+
+
+# ---- GISTEmbedLoss -------------------------------------------------------------------------------
+
+GIST_CLASSES = ("GISTEmbedLoss", "CachedGISTEmbedLoss")
+# The tiny guide's similarities lie in ~[0.75, 0.99]: these margins leave out some in-batch candidates, not all.
+GIST_MARGINS = {"absolute-0": ("absolute", 0.0), "absolute-0.02": ("absolute", 0.02),
+                "relative-0.02": ("relative", 0.02), "relative-neg": ("relative", -0.01)}
+GIST_CONTRAST = {"both": (True, True), "anchors": (True, False), "positives": (False, True), "neither": (False, False)}
+
+
+@pytest.fixture(scope="module")
+def guide():
+    """A guide that differs from the model (another random init)."""
+    guide = tiny_model(seed=7)
+    guide.eval()
+    return guide
+
+
+@pytest.mark.parametrize("contrast", GIST_CONTRAST)
+@pytest.mark.parametrize("margin", GIST_MARGINS)
+@pytest.mark.parametrize("columns", ["pairs", "triplets"])
+@pytest.mark.parametrize("name", GIST_CLASSES)
+def test_gist_matches_sentence_transformers(model, guide, name, columns, margin, contrast):
+    strategy, value = GIST_MARGINS[margin]
+    anchors, positives = GIST_CONTRAST[contrast]
+    compare(model, name, COLUMNS[columns], guide=guide, margin_strategy=strategy, margin=value,
+            contrast_anchors=anchors, contrast_positives=positives)
+
+
+@pytest.mark.parametrize("name", GIST_CLASSES)
+def test_matryoshka_wraps_gist(model, guide, name):
+    """MatryoshkaLoss truncates the embeddings GIST's loss gets (the cached one through calculate_loss)."""
+    features = batch(model, BATCH, 3, seed=4)
+    results = [
+        loss_and_grads(st_losses.MatryoshkaLoss(model, make(module, name, model, guide=guide, margin=0.01), [16, 8, 4]),
+                       model, features)
+        for module in (infcl_losses, st_losses)
+    ]
+    assert_same(*results, what=f"MatryoshkaLoss({name})")
+
+
+def test_cached_gist_two_negatives_num_tokens_and_retokenized_guide(model):
+    """The cached loss takes any number of negatives and mini-batches by token count; a guide with a
+    shorter max_seq_length makes both losses decode and re-tokenize for the guide."""
+    guide = tiny_model(seed=8)
+    guide.eval()
+    guide.max_seq_length = 6
+    assert make(st_losses, GIST_CLASSES[1], model, guide=guide).must_retokenize
+    compare(model, GIST_CLASSES[1], 4, guide=guide, margin=0.01, mini_batch_num_tokens=20)
+    compare(model, GIST_CLASSES[0], 3, guide=guide, margin_strategy="relative", margin=0.01, temperature=0.05)
+
+
+@pytest.mark.parametrize("name", GIST_CLASSES)
+def test_gist_dropout_draws_the_same_masks(model, guide, name):
+    features = batch(model, BATCH, 3, seed=2)
+    model.train()
+    try:
+        runs = []
+        for module in (st_losses, infcl_losses):
+            torch.manual_seed(SEED)
+            runs.append(loss_and_grads(make(module, name, model, guide=guide, margin=0.01), model, features))
+    finally:
+        model.eval()
+    assert_same(runs[1], runs[0], what=f"{name} with dropout")
+
+
 def test_mini_batch_num_tokens_model_similarity_and_progress_bar(model, capsys):
     """Mini-batches packed by token count, model.similarity resolved to the model's function, and the
     progress bar over the embedding mini-batches (both passes)."""
@@ -157,7 +270,7 @@ def test_matryoshka_wraps_the_cached_loss(model):
 # ---- the same interface ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("name", CLASSES + GIST_CLASSES)
 def test_same_constructor_config_and_citation(model, name):
     # __init__'s: sentence-transformers' @deprecated wraps the symmetric classes' __new__ in (*args, **kwargs).
     ours_params = inspect.signature(getattr(infcl_losses, name).__init__).parameters
@@ -166,26 +279,30 @@ def test_same_constructor_config_and_citation(model, name):
     assert shared == [(p.name, p.default, p.kind) for p in theirs_params.values()]
     extra_kinds = [p.kind for p in ours_params.values() if p.name in ("group", "backend")]
     assert extra_kinds == [inspect.Parameter.KEYWORD_ONLY] * 2
-    ours, theirs = make(infcl_losses, name, model), make(st_losses, name, model)
-    parent = "CachedMultipleNegativesRankingLoss" if "Cached" in name else "MultipleNegativesRankingLoss"
+    kwargs = {"guide": model} if "GIST" in name else {}
+    ours, theirs = make(infcl_losses, name, model, **kwargs), make(st_losses, name, model, **kwargs)
+    parents = {"Cached": "CachedMultipleNegativesRankingLoss", "": "MultipleNegativesRankingLoss"}
+    parent = name if "GIST" in name else parents["Cached" if "Cached" in name else ""]
     assert isinstance(ours, getattr(st_losses, parent))
     assert ours.get_config_dict() == theirs.get_config_dict()
-    assert ours.citation == theirs.citation
+    assert getattr(ours, "citation", None) == getattr(theirs, "citation", None)  # CachedGISTEmbedLoss has none
 
 
 def test_unsupported_options_raise(model):
     name = CLASSES[1]
     with pytest.raises(ValueError, match=r"manhattan_sim is not supported.*cos_sim, util\.dot_score"):
         make(infcl_losses, name, model, similarity_fct=util.manhattan_sim)
-    for directions in (("query_to_doc", "query_to_query"), ("query_to_doc", "doc_to_doc")):
-        with pytest.raises(ValueError, match=r"directions \['(query_to_query|doc_to_doc)'\] are not supported"):
-            make(infcl_losses, name, model, directions=directions)
-    with pytest.raises(ValueError, match="hardness_mode='in_batch_negatives' with hardness_strength=9"):
-        make(infcl_losses, name, model, hardness_mode="in_batch_negatives", hardness_strength=9.0)
     with pytest.raises(ValueError, match="needs gather_across_devices=True"):
         make(infcl_losses, name, model, group=object())
-    with pytest.raises(ValueError, match="'query_to_doc' direction is required"):  # sentence-transformers' own check
+    with pytest.raises(ValueError, match="needs gather_across_devices=True"):
+        make(infcl_losses, "GISTEmbedLoss", model, guide=model, group=object())
+    # sentence-transformers' own checks stay theirs.
+    with pytest.raises(ValueError, match="'query_to_doc' direction is required"):
         make(infcl_losses, name, model, directions=("doc_to_query",))
+    with pytest.raises(ValueError, match="partition_mode='per_direction' requires every direction"):
+        make(infcl_losses, name, model, directions=("query_to_doc", "query_to_query"), partition_mode="per_direction")
+    with pytest.raises(ValueError, match="margin_strategy must be 'absolute' or 'relative'"):
+        make(infcl_losses, "CachedGISTEmbedLoss", model, guide=model, margin_strategy="ratio")
 
     loss = make(infcl_losses, name, model)
     loss.similarity_fct = util.euclidean_sim  # delegated to the wrapped loss, checked when the loss runs
@@ -214,8 +331,9 @@ def test_two_gloo_ranks_match_gather_across_devices():
             theirs, ours = outcome.results[case]
             assert_same(ours, theirs, what=f"rank {outcome.rank} {case}")
     # Uneven shards: the batch-size-weighted mean of the ranks' losses is the whole batch's loss.
-    ours = sum(size * o.results["uneven"][0] for size, o in zip(UNEVEN_BATCHES, outcomes)) / sum(UNEVEN_BATCHES)
-    assert_close_verbose(ours, outcomes[0].results["uneven"][1], 0.0, REL_TOL, what="uneven shards")
+    for case in ("uneven", "uneven-padded"):
+        ours = sum(size * o.results[case][0] for size, o in zip(UNEVEN_BATCHES, outcomes)) / sum(UNEVEN_BATCHES)
+        assert_close_verbose(ours, outcomes[0].results[case][1], 0.0, REL_TOL, what=f"{case} shards")
 
 
 # ---- SentenceTransformerTrainer -----------------------------------------------------------------

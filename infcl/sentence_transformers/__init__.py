@@ -6,11 +6,12 @@
     loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=64)   # same arguments
     trainer = SentenceTransformerTrainer(model=model, train_dataset=dataset, loss=loss)
 
-The four classes take sentence-transformers 6.x's constructor arguments (plus keyword-only
-``group`` and ``backend``) and give the same loss and parameter gradients; the loss itself is
-``cal_inf_loss`` (never a B x B similarity matrix), ``gather_across_devices`` runs over infcl's ring
-(no rank holds gathered embeddings), and the cached losses run infcl's GradCache phases. What is
-supported, and how it maps: :mod:`infcl.sentence_transformers.objective`. Importing this module
+The six classes ((Cached)MultipleNegatives(Symmetric)RankingLoss, (Cached)GISTEmbedLoss) take
+sentence-transformers 6.x's constructor arguments, every option included (plus keyword-only ``group``
+and ``backend``), and give the same loss and parameter gradients; the loss itself is ``cal_inf_loss``
+(never a B x B similarity matrix), ``gather_across_devices`` runs over infcl's ring (no rank holds
+gathered embeddings), and the cached ranking losses run infcl's GradCache phases. How each option
+maps onto ``cal_inf_loss``: :mod:`infcl.sentence_transformers.objective`. Importing this module
 imports sentence-transformers (6.x); ``import infcl`` does not.
 """
 
@@ -24,6 +25,7 @@ if _MAJOR < 6:
     )
 
 from .cached import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss  # noqa: E402
+from .gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402
 from .losses import MultipleNegativesRankingLoss, MultipleNegativesSymmetricRankingLoss  # noqa: E402
 
 __all__ = [
@@ -31,4 +33,6 @@ __all__ = [
     "CachedMultipleNegativesRankingLoss",
     "MultipleNegativesSymmetricRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
+    "GISTEmbedLoss",
+    "CachedGISTEmbedLoss",
 ]

@@ -30,15 +30,14 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
     infcl's ring instead, and each rank gets exactly sentence-transformers' per-rank loss and
     gradients (the gradient of every rank's loss with respect to its own embeddings).
 
-    Supported: (anchor, positive) pairs and (anchor, positive, negative_1, ..., negative_n) tuples;
-    ``similarity_fct`` ``util.cos_sim``, ``util.dot_score`` or ``model.similarity`` resolving to
-    either; any ``scale``; ``directions`` ``("query_to_doc",)`` (joint and per_direction are then
-    the same) and ``("query_to_doc", "doc_to_query")`` with ``partition_mode`` ``"per_direction"``
-    (the symmetric loss; with hard negatives, which only the query_to_doc term sees) or
-    ``"joint"`` (one softmax over both directions' terms); ``hardness_mode`` only with
-    ``hardness_strength=0`` (no effect, as in sentence-transformers). ``query_to_query``,
-    ``doc_to_doc``, active hardness weighting and any other similarity raise ValueError, here or
-    when the loss runs if the attribute is changed later. See :mod:`infcl.sentence_transformers.objective`.
+    Every option of sentence-transformers 6.2's class: (anchor, positive) pairs and (anchor,
+    positive, negative_1, ..., negative_n) tuples; ``similarity_fct`` ``util.cos_sim``,
+    ``util.dot_score`` or ``model.similarity`` resolving to either (any other raises ValueError, here
+    or when the loss runs if the attribute is changed later); any ``scale``; ``directions`` in any
+    combination with ``partition_mode`` ``"joint"`` or ``"per_direction"`` (where sentence-transformers
+    allows it); ``hardness_mode`` / ``hardness_strength``. How each maps onto one ``cal_inf_loss``
+    call (padded features, id and guide masks formed in the tiles):
+    :mod:`infcl.sentence_transformers.objective`.
 
     Extra keyword-only arguments:
         group: the process group to gather across (default: the world); only with
@@ -77,6 +76,8 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
             similarity=similarity_kind(self.similarity_fct),
             directions=self.directions,
             partition_mode=self.partition_mode,
+            hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength,
             group=loss_group(self.gather_across_devices, self.group),
             backend=self.backend,
         )
