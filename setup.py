@@ -19,7 +19,10 @@ SENTENCE_TRANSFORMERS_TRAIN = "sentence-transformers[train]>=5"
 setup(
     name="infcl",
     version="0.1.0",
-    description="Exact contrastive (InfoNCE / CLIP) losses with memory linear in the batch: tiled kernels and a ring over ranks",
+    description=(
+        "Exact contrastive (InfoNCE / CLIP) losses with memory linear in the batch: "
+        "tiled kernels and a ring over ranks"
+    ),
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["infcl", "infcl.*"]) + [CSRC_PACKAGE],
@@ -35,6 +38,7 @@ setup(
         "open_clip": ["open-clip-torch"],
         "dev": [
             "pytest>=7",
+            "ruff>=0.6",
             "hypothesis>=6",
             "pytest-benchmark>=4",
             "matplotlib>=3.5",

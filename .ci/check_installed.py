@@ -68,7 +68,9 @@ def check_loss_against_vanilla() -> None:
     truth.backward()
     atol, rtol = TOLERANCE
     for name, got, want in (("loss", ours, truth), ("dq", q32.grad, q64.grad), ("dk", k32.grad, k64.grad)):
-        torch.testing.assert_close(got.double(), want.detach(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got.double(), want.detach(), atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}"
+        )
     print(f"native loss {ours.item():.6f} = vanilla float64 {truth.item():.6f}; gradients match")
 
 

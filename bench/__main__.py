@@ -48,30 +48,47 @@ def _usable_cores() -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="embedded sweep(s) to run")
-    p.add_argument("--loss", choices=LOSSES, default="clip",
-                   help="clip: the contrastive loss (cal_inf_loss); siglip: the sigmoid loss (cal_siglip_loss)")
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="clip",
+        help="clip: the contrastive loss (cal_inf_loss); siglip: the sigmoid loss (cal_siglip_loss)",
+    )
     p.add_argument("--batch-sizes", type=_ints, help="e.g. 2048,4096")
     p.add_argument("--dims", type=_ints, help="feature sizes D, e.g. 256,512")
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--modes", type=_names, help=f"subset of {','.join(MODES)}")
     p.add_argument("--methods", type=_names, help=f"subset of {','.join(METHODS)} (default: all)")
     direction = p.add_mutually_exclusive_group()
-    direction.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
-                           help="the CLIP loss (q->k + k->q) / 2 (the presets' choice)")
+    direction.add_argument(
+        "--symmetric",
+        dest="symmetric",
+        action="store_true",
+        default=None,
+        help="the CLIP loss (q->k + k->q) / 2 (the presets' choice)",
+    )
     direction.add_argument("--one-direction", dest="symmetric", action="store_false", help="the q->k loss only")
     p.add_argument("--ids", action="store_true", help="also the torch tiles with false-negative ids (torch+ids)")
     p.add_argument("--guide", action="store_true", help="also the torch tiles with a guide of width D (torch+guide)")
     p.add_argument("--memory-only", action="store_true", default=None, help="peak memory only, one run each")
-    p.add_argument("--repeats", type=int, help=f"timed runs per configuration (median reported; default: the preset's, else {DEFAULT_REPEATS})")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help=f"timed runs per configuration (median reported; default: the preset's, else {DEFAULT_REPEATS})",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=_usable_cores(), help="CPU threads per worker (default: all cores)")
-    p.add_argument("--max-vanilla-gb", type=float,
-                   help=f"skip vanilla where its estimated logits memory exceeds this (default: "
-                        f"{VANILLA_MEMORY_SHARE:g} x the device's memory)")
+    p.add_argument(
+        "--max-vanilla-gb",
+        type=float,
+        help=f"skip vanilla where its estimated logits memory exceeds this (default: "
+        f"{VANILLA_MEMORY_SHARE:g} x the device's memory)",
+    )
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per configuration")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/results/)")
     p.add_argument("--name", help="output file stem (default: the preset name, or 'custom')")
@@ -90,8 +107,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _sweeps(args) -> Tuple[str, Tuple[Sweep, ...]]:
-    overrides = dict(batch_sizes=args.batch_sizes, dims=args.dims, dtype=args.dtype, modes=args.modes,
-                     symmetric=args.symmetric, memory_only=args.memory_only)
+    overrides = dict(
+        batch_sizes=args.batch_sizes,
+        dims=args.dims,
+        dtype=args.dtype,
+        modes=args.modes,
+        symmetric=args.symmetric,
+        memory_only=args.memory_only,
+    )
     sweeps = PRESETS[args.preset]
     prefix = "" if args.loss == "clip" else f"{args.loss}-"
     if any(v is not None for v in overrides.values()):
@@ -117,9 +140,17 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
     jobs, decided = [], []
     for sw in sweeps:
         repeats = 1 if sw.memory_only else (args.repeats or sw.repeats or DEFAULT_REPEATS)
-        common = dict(dtype=sw.dtype, device=args.device, threads=args.threads, warmup=args.warmup, repeats=repeats,
-                      loss=args.loss, symmetric=sw.symmetric and args.loss == "clip", memory_only=sw.memory_only,
-                      accuracy=sw.accuracy and not sw.memory_only)
+        common = dict(
+            dtype=sw.dtype,
+            device=args.device,
+            threads=args.threads,
+            warmup=args.warmup,
+            repeats=repeats,
+            loss=args.loss,
+            symmetric=sw.symmetric and args.loss == "clip",
+            memory_only=sw.memory_only,
+            accuracy=sw.accuracy and not sw.memory_only,
+        )
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
         if (args.ids or args.guide) and PLAIN not in names:
             names.append(PLAIN)  # the mask options' cost is taken against the plain tiles of the same run
@@ -132,14 +163,30 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
                 if unavailable is None and too_big is None:
                     jobs.append(job)
                 else:
-                    decided.append({**row_of(job), "status": "skipped", "note": unavailable or too_big,
-                                    "unavailable": unavailable is not None})
+                    decided.append(
+                        {
+                            **row_of(job),
+                            "status": "skipped",
+                            "note": unavailable or too_big,
+                            "unavailable": unavailable is not None,
+                        }
+                    )
     return jobs, decided
 
 
 def row_of(job: Job) -> Dict:
-    return dict(method=job.method, loss=job.loss, device=job.device, dtype=job.dtype, batch=job.batch, dim=job.dim,
-                symmetric=job.symmetric, mode=job.mode, repeats=job.repeats, threads=job.threads)
+    return dict(
+        method=job.method,
+        loss=job.loss,
+        device=job.device,
+        dtype=job.dtype,
+        batch=job.batch,
+        dim=job.dim,
+        symmetric=job.symmetric,
+        mode=job.mode,
+        repeats=job.repeats,
+        threads=job.threads,
+    )
 
 
 def _progress(total: int):
@@ -177,10 +224,14 @@ def main(argv=None) -> int:
     name, sweeps = _sweeps(args)
     set_worker_threads(args.threads)
     jobs, decided = plan(args, sweeps)
-    print(f"bench: {len(jobs)} configurations on {args.device} with {args.threads} thread(s) -> {args.out}/{name}.*",
-          file=sys.stderr)
+    print(
+        f"bench: {len(jobs)} configurations on {args.device} with {args.threads} thread(s) -> {args.out}/{name}.*",
+        file=sys.stderr,
+    )
     rows = run(jobs, args.timeout) + decided
-    rows.sort(key=lambda r: (r["dtype"], r["dim"], r["batch"], MODES.index(r["mode"]), list(METHODS).index(r["method"])))
+    rows.sort(
+        key=lambda r: (r["dtype"], r["dim"], r["batch"], MODES.index(r["mode"]), list(METHODS).index(r["method"]))
+    )
     add_ratios(rows)
     machine = device_name(args.device)
     for row in rows:

@@ -2,7 +2,8 @@
 
 A step is a pair of callables: ``prepare()`` (untimed: e.g. the forward before a timed backward) and
 ``measured()`` (the timed phase). Time: median over ``repeats`` runs after ``warmup`` runs, with
-``torch.cuda.synchronize`` around each run and CUDA events timing it on CUDA. Peak extra memory: the high-water mark while
+``torch.cuda.synchronize`` around each run and CUDA events timing it on CUDA.
+Peak extra memory: the high-water mark while
 ``measured`` runs minus the memory held before ``prepare`` (so the forward's saved tensors count in
 a backward's figure); on CUDA from ``torch.cuda.max_memory_allocated``, on CPU from the process's
 resident-set high-water mark (``resource.getrusage(...).ru_maxrss``), read in a fresh process per

@@ -73,7 +73,9 @@ def add_ratios(rows: List[Dict]) -> None:
             row["gemm_bound_s"] = gemm_bound_seconds(row["batch"], row["dim"], row["mode"], rate * 1e9)
             row["time_vs_gemm_bound"] = row["time_s"] / row["gemm_bound_s"]
             if row.get("gemm_equivalents"):  # the method's own products per second, / the matmul rate
-                row["gemm_fraction"] = row["gemm_equivalents"] * gemm_flops(row["batch"], row["dim"]) / row["time_s"] / (rate * 1e9)
+                row["gemm_fraction"] = (
+                    row["gemm_equivalents"] * gemm_flops(row["batch"], row["dim"]) / row["time_s"] / (rate * 1e9)
+                )
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -87,8 +89,24 @@ def _fmt(value, digits: int = 3) -> str:
 def format_table(rows: List[Dict], title: str = "") -> str:
     """Measured rows as an aligned table under ``title`` (which names the machine); rows skipped for an
     unavailable method are summarized below it."""
-    heads = ("method", "loss", "dtype", "batch", "dim", "symmetric", "mode", "status", "time_s", "peak_extra_mib",
-             "time_vs_vanilla", "memory_vs_vanilla", "time_vs_gemm_bound", "gemm_fraction", "grad_rel_error", "note")
+    heads = (
+        "method",
+        "loss",
+        "dtype",
+        "batch",
+        "dim",
+        "symmetric",
+        "mode",
+        "status",
+        "time_s",
+        "peak_extra_mib",
+        "time_vs_vanilla",
+        "memory_vs_vanilla",
+        "time_vs_gemm_bound",
+        "gemm_fraction",
+        "grad_rel_error",
+        "note",
+    )
     if any(r.get("time_vs_plain") is not None for r in rows):  # --ids / --guide: their cost beside "torch"
         at = heads.index("time_vs_gemm_bound")
         heads = heads[:at] + ("time_vs_plain", "memory_vs_plain") + heads[at:]

@@ -61,11 +61,16 @@ def main():
     model = DistributedDataParallel(TwoTower())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     shared = torch.Generator().manual_seed(1)  # the data distribution: the same on every rank
-    mix_image, mix_text = torch.randn(LATENT, IMAGE_IN, generator=shared), torch.randn(LATENT, TEXT_IN, generator=shared)
+    mix_image, mix_text = (
+        torch.randn(LATENT, IMAGE_IN, generator=shared),
+        torch.randn(LATENT, TEXT_IN, generator=shared),
+    )
     local = torch.Generator().manual_seed(1000 + rank)  # each rank draws its own samples
 
     if rank == 0:
-        print(f"{world} ranks x {args.batch} pairs = global batch {world * args.batch}; symmetric CLIP loss on the ring")
+        print(
+            f"{world} ranks x {args.batch} pairs = global batch {world * args.batch}; symmetric CLIP loss on the ring"
+        )
     first = None
     for step in range(args.steps):
         image, text = synthetic_pairs(args.batch, local, mix_image, mix_text)

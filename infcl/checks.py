@@ -27,7 +27,9 @@ def check_features(q, k, names=("q", "k")) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor (float32, bfloat16, float16, float64), got {t.dtype}")
+            raise TypeError(
+                f"{name} must be a floating-point tensor (float32, bfloat16, float16, float64), got {t.dtype}"
+            )
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-d [batch, dim], got shape {_shape(t)}")
         if t.shape[0] == 0:
@@ -117,7 +119,8 @@ def global_labels(
             raise ValueError(f"symmetric=True needs as many q rows as k rows{where}: q [{bq}, {dim}], k [{bk}, {dim}]")
         if bounds is None and bq != bk:
             raise ValueError(
-                f"labels=None means the diagonal, which needs Bq == Bk{where}; got {nq} [{bq}, {dim}], {nk} [{bk}, {dim}] "
+                f"labels=None means the diagonal, which needs Bq == Bk{where}; "
+                f"got {nq} [{bq}, {dim}], {nk} [{bk}, {dim}] "
                 f"(pass labels to use the extra {nk} rows as hard negatives)"
             )
         if bounds is not None and (bounds[0] < 0 or bounds[1] >= layout.total_k):
@@ -195,9 +198,7 @@ def _guide(guide, q: torch.Tensor, k: torch.Tensor):
     return gq.detach(), gk.detach()
 
 
-def make_masks(
-    q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy
-) -> Optional[MaskOptions]:
+def make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy) -> Optional[MaskOptions]:
     """The call's mask options (:mod:`infcl.masks`) checked, or None when none is used (the plain loss)."""
     if multi_positive not in MULTI_POSITIVE:
         raise ValueError(f"multi_positive must be one of {MULTI_POSITIVE}, got {multi_positive!r}")

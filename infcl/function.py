@@ -91,7 +91,9 @@ class InfLossFunction(torch.autograd.Function):
         q, k, scale_t, labels, row_stats, *rest = ctx.saved_tensors
         ahead = backward_rows(rest[0], g_col) if plan.symmetric else None
         rows = backward_rows(row_stats, g_row)
-        dq, dk, dparams = ring_backward(q, k, scale_t, labels, SoftmaxRing(plan.symmetric), plan.backend, plan.layout, rows, ahead)
+        dq, dk, dparams = ring_backward(
+            q, k, scale_t, labels, SoftmaxRing(plan.symmetric), plan.backend, plan.layout, rows, ahead
+        )
         scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
 
@@ -160,6 +162,8 @@ class SigmoidLossFunction(torch.autograd.Function):
         q, k, scale_t, bias_t, labels = ctx.saved_tensors
         # The upstream gradient of a mean is an expanded (stride 0) vector: an O(B) copy makes it plain.
         rows = g_row.to(scale_t.dtype).contiguous()[None]
-        dq, dk, dparams = ring_backward(q, k, scale_t, labels, SigmoidRing(bias_t), plan.backend, plan.layout, rows, None)
+        dq, dk, dparams = ring_backward(
+            q, k, scale_t, labels, SigmoidRing(bias_t), plan.backend, plan.layout, rows, None
+        )
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None

@@ -75,8 +75,17 @@ class InfCLIPLoss(nn.Module):
         guide=None,
     ):
         loss = cal_inf_loss(
-            image_features, text_features, scale=logit_scale, symmetric=True, group=self.group, backend=self.backend,
-            q_ids=q_ids, k_ids=k_ids, multi_positive=self.multi_positive, guide=guide, guide_margin=self.guide_margin,
+            image_features,
+            text_features,
+            scale=logit_scale,
+            symmetric=True,
+            group=self.group,
+            backend=self.backend,
+            q_ids=q_ids,
+            k_ids=k_ids,
+            multi_positive=self.multi_positive,
+            guide=guide,
+            guide_margin=self.guide_margin,
             guide_margin_strategy=self.guide_margin_strategy,
         )
         if logit_bias is not None:
@@ -161,7 +170,12 @@ class InfSigLipLoss(nn.Module):
             )
 
     def forward(
-        self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, logit_bias, output_dict: bool = False
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale,
+        logit_bias,
+        output_dict: bool = False,
     ):
         self._check_ring()
         loss = cal_siglip_loss(

@@ -160,8 +160,12 @@ def run_on_rings(world: int, rings: Dict[int, Tuple[int, ...]], scenarios: Calla
     rank, joined = init_worker()
     assert joined == world, (joined, world)
     # new_group is collective: every process creates every group, in the same order.
-    groups = {size: (None if len(members) == world else dist.new_group(list(members))) for size, members in rings.items()}
-    finish({size: scenarios(members.index(rank), size, groups[size]) for size, members in rings.items() if rank in members})
+    groups = {
+        size: (None if len(members) == world else dist.new_group(list(members))) for size, members in rings.items()
+    }
+    finish(
+        {size: scenarios(members.index(rank), size, groups[size]) for size, members in rings.items() if rank in members}
+    )
 
 
 def finish(results: dict, barrier: bool = True) -> None:

@@ -163,7 +163,7 @@ def _truth(case: RingCase, local_losses, values: Tuple[float, ...]) -> Truth:
         return [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in values]
 
     def total(losses):
-        return sum((u * l).sum() for u, l in zip(g.upstream, losses))
+        return sum((u * loss).sum() for u, loss in zip(g.upstream, losses))
 
     replicas = [params() for _ in range(case.world)]
     losses = local_losses(case, q, k, g.labels, replicas)
@@ -172,7 +172,7 @@ def _truth(case: RingCase, local_losses, values: Tuple[float, ...]) -> Truth:
     dparams_full = torch.autograd.grad(total(local_losses(case, g.q, g.k, g.labels, [shared] * case.world)), shared)
     n_params = len(values)
     return Truth(
-        loss=[l.detach() for l in losses],
+        loss=[loss.detach() for loss in losses],
         dq=[dq[o : o + n] for o, n in zip(case.q_offsets, case.q_sizes)],
         dk=[dk[o : o + n] for o, n in zip(case.k_offsets, case.k_sizes)],
         dparams=[torch.stack(dparams[r * n_params : (r + 1) * n_params]) for r in range(case.world)],

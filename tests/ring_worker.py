@@ -105,7 +105,14 @@ def run_overlap(rank, world, group):
             q_leaf, k_leaf, q, k, labels, upstream = ring_cases.local_inputs(case, rank)
             _LoggingComm.events = []
             loss = cal_inf_loss(
-                q, k, labels, ring_cases.SCALE, symmetric=case.symmetric, reduction=case.reduction, group=group, backend="torch"
+                q,
+                k,
+                labels,
+                ring_cases.SCALE,
+                symmetric=case.symmetric,
+                reduction=case.reduction,
+                group=group,
+                backend="torch",
             )
             forward = list(_LoggingComm.events)
             _LoggingComm.events = []

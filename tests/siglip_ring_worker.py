@@ -55,7 +55,9 @@ def run_open_clip(rank, world, group, backends):
     module = open_clip_loss.load()
     if module is None:
         return None
-    losses = {f"open_clip-{impl}": module.SigLipLoss(rank=rank, world_size=world, dist_impl=impl) for impl in OPEN_CLIP_IMPLS}
+    losses = {
+        f"open_clip-{impl}": module.SigLipLoss(rank=rank, world_size=world, dist_impl=impl) for impl in OPEN_CLIP_IMPLS
+    }
     for backend in backends:
         losses[f"infcl-{backend}"] = InfSigLipLoss(rank=rank, world_size=world, group=group, backend=backend)
     out = {}
@@ -63,7 +65,9 @@ def run_open_clip(rank, world, group, backends):
         image, text = (x.clone().requires_grad_() for x in _features(world, rank))
         scale = torch.tensor(ring_cases.SCALE, requires_grad=True)
         bias = torch.tensor(ring_cases.BIAS, requires_grad=True)
-        out[name] = _grads(loss_fn(image, text, scale, bias), {"image": image, "text": text, "scale": scale, "bias": bias})
+        out[name] = _grads(
+            loss_fn(image, text, scale, bias), {"image": image, "text": text, "scale": scale, "bias": bias}
+        )
     return out
 
 

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from bench import open_clip_loss
-
 from infcl.backends import unavailable_reason
 
 # Deliberately odd sizes: none is a multiple of a tile; 1 and D=1 are the degenerate ends.

@@ -86,7 +86,9 @@ def check_all(got, want, atol, rtol, scale_aware):
 
 
 # Every reduction on the small cases; the large ones run "none" (per-item values and gradients).
-CASES_BY_REDUCTION = [(*case, r) for case in CASES for r in (REDUCTIONS if case[0] * case[1] <= 300 * 300 else ("none",))]
+CASES_BY_REDUCTION = [
+    (*case, r) for case in CASES for r in (REDUCTIONS if case[0] * case[1] <= 300 * 300 else ("none",))
+]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS, indirect=True)

@@ -7,12 +7,12 @@ shares nothing with the reference backend's or the tiles' masks.
 import pytest
 import torch
 import torch.nn.functional as F
-from support import TOLERANCE, assert_close_verbose, assert_normwise, grads_of_inputs, masked_loss_truth
 
 from infcl import InfCLIPLoss, cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
 from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.stats import InfLossStats
+from support import TOLERANCE, assert_close_verbose, assert_normwise, grads_of_inputs, masked_loss_truth
 
 # "torch-tiny": the torch tiles shrunk so that every block spans many tiles (masks cut across tile edges).
 MASK_BACKENDS = ("reference", "torch", "torch-tiny")

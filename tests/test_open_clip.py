@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from distributed import launch, results_by_ring
+from infcl import InfCLIPLoss, InfSigLipLoss
 from open_clip_worker import MAIN_WORLD, RINGS
 from support import TOLERANCE, assert_close_verbose, open_clip_loss_module, tiled_backends
-from infcl import InfCLIPLoss, InfSigLipLoss
 
 BACKENDS = ("reference",) + tuple(tiled_backends())
 FP32 = TOLERANCE[torch.float32]

@@ -45,5 +45,7 @@ def test_random_problems_match_vanilla(problem, backend, monkeypatch):
     def truth(q_, k_, s_):
         return vanilla_loss(q_, k_, labels, s_, symmetric, reduction)
 
-    for name, g, w in zip(("loss", "dq", "dk", "dscale"), grads_of(ours, q, k, scale, upstream), grads_of(truth, q, k, scale, upstream)):
+    for name, g, w in zip(
+        ("loss", "dq", "dk", "dscale"), grads_of(ours, q, k, scale, upstream), grads_of(truth, q, k, scale, upstream)
+    ):
         assert_close_verbose(g, w, 1e-9, 1e-9, name)

@@ -30,6 +30,7 @@ FAIL_PG_TIMEOUT_S = 5.0
 FAIL_DEADLINE_S = 150.0  # bounds the survivors' start-up too; a passing run takes seconds
 FP32 = TOLERANCE[torch.float32]
 
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """``spawned(world)`` -> the results of the ring of ``world`` ranks, one dict per group rank."""
@@ -184,7 +185,9 @@ def test_dead_or_hung_rank_raises_ring_error_on_the_others(tmp_path, scenario, w
     )
     for r in survivors:
         o = outcomes[r]
-        assert o.returncode == 0 and o.results is not None, f"rank {r} did not report (a silent hang?)\n{describe(outcomes)}"
+        assert o.returncode == 0 and o.results is not None, (
+            f"rank {r} did not report (a silent hang?)\n{describe(outcomes)}"
+        )
         err = o.results["error"]
         assert err is not None and err[0] == "RingError", f"rank {r}: {err}\n{describe(outcomes)}"
         assert re.search(step, err[1]), f"rank {r}: error does not name the ring step: {err[1]}"

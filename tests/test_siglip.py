@@ -80,11 +80,13 @@ def run(backend, image, text, labels, scale, bias, reduction, upstream):
     the truth and the magnitudes of its terms (support.siglip_magnitudes) in float64."""
     ours = grads_of_inputs(
         lambda i, t, s, b: cal_siglip_loss(i, t, s, b, labels, reduction=reduction, backend=backend),
-        (image, text, scale, bias), upstream,
+        (image, text, scale, bias),
+        upstream,
     )
     truth = grads_of_inputs(
         lambda i, t, s, b: siglip_truth(i, t, s, b, labels, reduction),
-        (image.double(), text.double(), scale.double(), bias.double()), upstream,
+        (image.double(), text.double(), scale.double(), bias.double()),
+        upstream,
     )
     return ours, truth, siglip_magnitudes(image, text, scale, bias, labels, reduction, upstream)
 
@@ -98,7 +100,12 @@ def assert_all_close(ours, truth, magnitudes, dtype, what):
 # Every case in float64 and float32, the reduction cycling so that each backend sees every (dtype,
 # reduction) pair: the reductions only scale the upstream gradient, the cases are what differs.
 EXACT = [
-    pytest.param(case, dtype, REDUCTIONS[(i + j) % 3], id=f"{case[0]}x{case[1]}x{case[2]}-{case[3]}-{dtype}-{REDUCTIONS[(i + j) % 3]}")
+    pytest.param(
+        case,
+        dtype,
+        REDUCTIONS[(i + j) % 3],
+        id=f"{case[0]}x{case[1]}x{case[2]}-{case[3]}-{dtype}-{REDUCTIONS[(i + j) % 3]}",
+    )
     for i, case in enumerate(CASES)
     for j, dtype in enumerate((torch.float64, torch.float32))
 ]
@@ -196,7 +203,9 @@ def test_matches_open_clip_siglip_loss(backend_name):
     image, text, _ = make_inputs(64, 64, 32, "diag", torch.float32, seed=5)
     scale, bias = torch.tensor(10.0), torch.tensor(-10.0)
     theirs = grads_of_inputs(siglip, (image, text, scale, bias))
-    ours = grads_of_inputs(lambda i, t, s, b: cal_siglip_loss(i, t, s, b, backend=backend_name), (image, text, scale, bias))
+    ours = grads_of_inputs(
+        lambda i, t, s, b: cal_siglip_loss(i, t, s, b, backend=backend_name), (image, text, scale, bias)
+    )
     module = grads_of_inputs(
         lambda i, t, s, b: InfSigLipLoss(backend=backend_name)(i, t, s, b, output_dict=True)["contrastive_loss"],
         (image, text, scale, bias),
@@ -212,7 +221,9 @@ def test_module_accepts_open_clip_arguments():
         InfSigLipLoss(cache_labels=True, rank=0, world_size=1, dist_impl=dist_impl)(image, text, 10.0, -10.0)
     with pytest.raises(ValueError, match=r"dist_impl must be one of .*got 'ring'"):
         InfSigLipLoss(dist_impl="ring")
-    with pytest.raises(ValueError, match=r"rank=1, world_size=2\) does not match the process group: this process is rank 0 of 1"):
+    with pytest.raises(
+        ValueError, match=r"rank=1, world_size=2\) does not match the process group: this process is rank 0 of 1"
+    ):
         InfSigLipLoss(rank=1, world_size=2)(image, text, 10.0, -10.0)
 
 
@@ -230,7 +241,11 @@ TEXT = torch.randn(6, 4)
         (dict(text=torch.randn(6, 5)), ValueError, r"same feature dimension: image \[6, 4\], text \[6, 5\]"),
         (dict(text=TEXT.double()), TypeError, r"same dtype: image torch.float32, text torch.float64"),
         (dict(text=torch.randn(9, 4)), ValueError, r"labels=None means the diagonal.*image \[6, 4\], text \[9, 4\]"),
-        (dict(labels=torch.zeros(5, dtype=torch.long)), ValueError, r"labels must have shape \[Bq\] = \[6\], got \[5\]"),
+        (
+            dict(labels=torch.zeros(5, dtype=torch.long)),
+            ValueError,
+            r"labels must have shape \[Bq\] = \[6\], got \[5\]",
+        ),
         (dict(labels=torch.zeros(6)), TypeError, r"labels must be an integer tensor, got torch.float32"),
         (dict(labels=torch.tensor([0, 1, 2, 3, 4, 6])), ValueError, r"labels must be column indices in \[0, 6\)"),
         (dict(reduction="avg"), ValueError, r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'"),
@@ -267,7 +282,10 @@ def test_native_is_bit_identical_run_to_run():
     """Lanes of rows, dk and parameter sums merged in lane order: no result depends on scheduling."""
     image, text, labels = make_inputs(700, 1100, 64, "random", torch.float32)
     runs = [
-        grads_of_inputs(lambda *a: cal_siglip_loss(*a, labels, backend="cpu"), (image, text, *param_tensors(10.0, -10.0, torch.float32)))
+        grads_of_inputs(
+            lambda *a: cal_siglip_loss(*a, labels, backend="cpu"),
+            (image, text, *param_tensors(10.0, -10.0, torch.float32)),
+        )
         for _ in range(2)
     ]
     for name, a, b in zip(GRAD_NAMES, *runs):

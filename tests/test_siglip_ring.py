@@ -16,10 +16,10 @@ import torch
 
 import ring_cases
 from distributed import launch, results_by_ring
-from siglip_ring_worker import MAIN_WORLD, OPEN_CLIP_IMPLS, RINGS
-from ring_worker import TINY_SUFFIX
-from support import TOLERANCE, assert_close_verbose, interpreting_triton, siglip_magnitudes, tiled_backends
 from infcl.backends import unavailable_reason
+from ring_worker import TINY_SUFFIX
+from siglip_ring_worker import MAIN_WORLD, OPEN_CLIP_IMPLS, RINGS
+from support import TOLERANCE, assert_close_verbose, interpreting_triton, siglip_magnitudes, tiled_backends
 
 WORLDS = tuple(RINGS)
 # Under the interpreter the Triton kernels run on CPU tensors; the ring's blocks are tiny, so they are cheap.
@@ -37,8 +37,12 @@ DEADLINE_S = 170.0
 def spawned(tmp_path_factory):
     """``spawned(world)`` -> the results of the ring of ``world`` ranks, one dict per group rank."""
     outcomes = launch(
-        MAIN_WORLD, "siglip_ring_worker", str(tmp_path_factory.mktemp("siglip-ring")), list(BACKENDS),
-        pg_timeout_s=PG_TIMEOUT_S, deadline_s=DEADLINE_S,
+        MAIN_WORLD,
+        "siglip_ring_worker",
+        str(tmp_path_factory.mktemp("siglip-ring")),
+        list(BACKENDS),
+        pg_timeout_s=PG_TIMEOUT_S,
+        deadline_s=DEADLINE_S,
     )
     return results_by_ring(outcomes, RINGS)
 
@@ -51,9 +55,11 @@ def _magnitudes(case):
     parts = []
     for r, (qo, nq) in enumerate(zip(case.q_offsets, case.q_sizes)):
         rows = slice(qo, qo + nq)
-        parts.append(siglip_magnitudes(
-            g.q[rows], g.k, ring_cases.SCALE, ring_cases.BIAS, g.labels[rows], case.reduction, g.upstream[r]
-        ))
+        parts.append(
+            siglip_magnitudes(
+                g.q[rows], g.k, ring_cases.SCALE, ring_cases.BIAS, g.labels[rows], case.reduction, g.upstream[r]
+            )
+        )
     dk = sum(p[2] for p in parts)
     return [
         {"loss": p[0], "dq": p[1], "dk": dk[ko : ko + nk], "dparams": torch.stack(p[3:])}
@@ -80,12 +86,15 @@ def test_ring_matches_single_process(spawned, world, name, backend):
     # Summed over ranks, the per-replica parameter gradients are the full derivative of sum_s L_s.
     total = sum(res["cases"][(name, backend)]["dparams"].double() for res in ranks)
     size = sum(s["dparams"] for s in _magnitudes(case))
-    assert_close_verbose(total, truth.dparams_full, atol, rtol, f"{name} {backend} world={world} sum of dparams", magnitude=size)
+    assert_close_verbose(
+        total, truth.dparams_full, atol, rtol, f"{name} {backend} world={world} sum of dparams", magnitude=size
+    )
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_equals_open_clip_siglip_loss(spawned, world):
-    """Per rank: loss and the gradients of image, text, scale and bias equal open_clip's SigLipLoss(rank, world_size)."""
+    """Per rank: loss and the gradients of image, text, scale and bias equal open_clip's
+    SigLipLoss(rank, world_size)."""
     for r, results in enumerate(spawned(world)):
         runs = results["open_clip"]
         if runs is None:

@@ -9,10 +9,12 @@ process compiles every kernel variant for an sm_90 GPU (no GPU needed), which ca
 interpreter forgives (non-constexpr globals, dtype mismatches in the IR).
 """
 
-
 import pytest
 import torch
 import torch.nn.functional as F
+
+from infcl import cal_siglip_loss
+from infcl.backends import unavailable_reason
 from support import (
     TOLERANCE,
     assert_close_verbose,
@@ -22,9 +24,6 @@ from support import (
     siglip_magnitudes,
     siglip_truth,
 )
-
-from infcl import cal_siglip_loss
-from infcl.backends import unavailable_reason
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -60,7 +59,8 @@ def _compare(image, text, labels, params, reduction="mean", upstream=None):
     """(ours, truth, magnitudes) of (loss, dimage, dtext, dscale, dbias)."""
     ours = grads_of_inputs(
         lambda i, t, s, b: cal_siglip_loss(i, t, s, b, labels, reduction=reduction, backend="triton"),
-        (image, text, *params), upstream,
+        (image, text, *params),
+        upstream,
     )
     as64 = [x.double() for x in (image, text, *params)]
     truth = grads_of_inputs(lambda i, t, s, b: siglip_truth(i, t, s, b, labels, reduction), as64, upstream)
@@ -92,7 +92,9 @@ def test_float32_matches_truth(dim):
 def test_negative_and_per_row_upstream_gradients(reduction):
     image, text, labels, params = _inputs(70, 70, 40, torch.float64)
     gen = torch.Generator().manual_seed(2)
-    upstream = torch.rand(70, generator=gen, dtype=torch.float64) * 2 - 1.5 if reduction == "none" else torch.tensor(-2.5)
+    upstream = (
+        torch.rand(70, generator=gen, dtype=torch.float64) * 2 - 1.5 if reduction == "none" else torch.tensor(-2.5)
+    )
     _assert_exact(*_compare(image, text, labels, params, reduction, upstream.to(DEVICE)), torch.float64, reduction)
 
 
@@ -131,7 +133,10 @@ def test_logits_up_to_1e4_are_stable():
 def test_deterministic():
     """No atomics: the same inputs give bit-identical results."""
     image, text, labels, params = _inputs(130, 130, 72, torch.float32)
-    first, second = (grads_of_inputs(lambda *a: cal_siglip_loss(*a, labels, backend="triton"), (image, text, *params)) for _ in range(2))
+    first, second = (
+        grads_of_inputs(lambda *a: cal_siglip_loss(*a, labels, backend="triton"), (image, text, *params))
+        for _ in range(2)
+    )
     for name, a, b in zip(GRAD_NAMES, first, second):
         assert torch.equal(a, b), name
 

@@ -72,7 +72,10 @@ def _labels(bq, bk, symmetric, seed=1):
 def _ours(q, k, scale, labels=None, symmetric=False, reduction="mean", upstream=None):
     return grads_of(
         lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction=reduction, backend="triton"),
-        q, k, scale, upstream,
+        q,
+        k,
+        scale,
+        upstream,
     )
 
 
@@ -80,7 +83,10 @@ def _compare(q, k, scale, labels=None, symmetric=False, reduction="mean", upstre
     """Our (loss, dq, dk, dscale) in q's dtype and the float64 vanilla truth on the same values."""
     truth = grads_of(
         lambda q_, k_, s_: vanilla_loss(q_, k_, labels, s_, symmetric, reduction),
-        q.double(), k.double(), scale.double(), upstream,
+        q.double(),
+        k.double(),
+        scale.double(),
+        upstream,
     )
     return _ours(q, k, scale, labels, symmetric, reduction, upstream), truth
 
@@ -230,8 +236,11 @@ def test_careful_reference_equals_vanilla():
     upstream = torch.randn(40, generator=torch.Generator().manual_seed(18), dtype=torch.float64).to(DEVICE)
     for symmetric in (False, True):
         careful = careful_float64(q, k, scale, labels, symmetric, "none", upstream)
-        vanilla = grads_of(lambda q_, k_, s_: vanilla_loss(q_, k_, labels, s_, symmetric, "none"), q, k, scale, upstream)
+        vanilla = grads_of(
+            lambda q_, k_, s_, sym=symmetric: vanilla_loss(q_, k_, labels, s_, sym, "none"), q, k, scale, upstream
+        )
         _assert_exact(careful, vanilla, torch.float64, f"careful reference symmetric={symmetric}")
+
 
 # Output rounding: a gradient returned in a low-precision dtype is at least half an ulp off.
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-9, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
@@ -254,15 +263,22 @@ def _confident(bq, dim, margin_scale, dtype, seed):
     """Positives far above the negatives: k_i is q_i plus a little noise, logits scale * cos."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(bq, dim, generator=gen, dtype=torch.float64), dim=1)
-    k = torch.nn.functional.normalize(q + 0.3 * torch.randn(bq, dim, generator=gen, dtype=torch.float64) / dim**0.5, dim=1)
+    k = torch.nn.functional.normalize(
+        q + 0.3 * torch.randn(bq, dim, generator=gen, dtype=torch.float64) / dim**0.5, dim=1
+    )
     scale = torch.tensor(margin_scale, dtype=torch.float64, device=DEVICE)
     return q.to(device=DEVICE, dtype=dtype), k.to(device=DEVICE, dtype=dtype), scale
 
 
 @pytest.mark.parametrize(
     "dtype,scale,symmetric",
-    ((torch.float32, 100.0, True), (torch.float32, 30.0, False), (torch.bfloat16, 60.0, True),
-     (torch.float16, 30.0, True), (torch.bfloat16, 30.0, False)),
+    (
+        (torch.float32, 100.0, True),
+        (torch.float32, 30.0, False),
+        (torch.bfloat16, 60.0, True),
+        (torch.float16, 30.0, True),
+        (torch.bfloat16, 30.0, False),
+    ),
 )
 def test_confident_batches_no_worse_than_torch(dtype, scale, symmetric):
     """Confident rows: 1 - p of order 1e-5 .. 1e-30. The gradient at the positive is formed as g * expm1(x)
@@ -379,8 +395,11 @@ def _random_block(bq, bk, dim, symmetric, seed, dtype=torch.float64, strided=Fal
         return torch.randn(*shape, generator=gen, dtype=acc).to(DEVICE)
 
     backward = dataclasses.replace(
-        forward, row_stats=rows[:2], g_row=rand(bq),
-        col_stats=cols if symmetric else None, g_col=rand(bk) if symmetric else None,
+        forward,
+        row_stats=rows[:2],
+        g_row=rand(bq),
+        col_stats=cols if symmetric else None,
+        g_col=rand(bk) if symmetric else None,
     )
     return forward, backward, rand(bq, dim), rand(dim, bk).T  # a strided dk accumulator
 
@@ -435,7 +454,8 @@ def test_custom_ops_pass_opcheck():
     forward, backward, dq, dk = _random_block(20, 24, 16, True, seed=30)
     tiling = GPU_LIKE.to_ints()
     torch.library.opcheck(
-        torch.ops.infcl.triton_forward_block.default, (forward.q, forward.k, forward.scale, forward.pos, True, "ieee", tiling)
+        torch.ops.infcl.triton_forward_block.default,
+        (forward.q, forward.k, forward.scale, forward.pos, True, "ieee", tiling),
     )
     b = backward
     torch.library.opcheck(
@@ -468,8 +488,10 @@ def test_autotune_restores_every_buffer_a_trial_writes():
     """INFCL_AUTOTUNE=1 benchmarks configs on the real buffers: each trial must start from the same state."""
     from infcl.kernels import softmax_backward, softmax_forward
 
-    forward, dq, dk = (f() for f in (softmax_forward._forward_autotuned, softmax_backward._dq_autotuned,
-                                      softmax_backward._dk_autotuned))
+    forward, dq, dk = (
+        f()
+        for f in (softmax_forward._forward_autotuned, softmax_backward._dq_autotuned, softmax_backward._dk_autotuned)
+    )
     assert set(forward.restore_value) == {"rows_ptr", "cols_ptr"}
     assert set(dq.restore_value) == {"out_ptr"} and set(dq.reset_to_zero) == {"dscale_ptr"}
     assert set(dk.restore_value) == {"out_ptr"}

@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 
 import pytest
+
 import triton_compile
 
 triton = pytest.importorskip("triton")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 import triton_compile
 
 triton = pytest.importorskip("triton")

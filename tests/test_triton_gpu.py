@@ -40,13 +40,17 @@ def _inputs(batch, dim, dtype, seed=0):
 
 
 def _ours(q, k, scale, symmetric, labels=None):
-    return grads_of(lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, backend="triton"), q, k, scale)
+    return grads_of(
+        lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, backend="triton"), q, k, scale
+    )
 
 
 def _truth(q, k, scale, symmetric, labels=None):
     return grads_of(
         lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, backend="torch"),
-        q.double(), k.double(), scale.double(),
+        q.double(),
+        k.double(),
+        scale.double(),
     )
 
 

@@ -63,8 +63,17 @@ class TritonBackend:
         if self._on_torch_tiles(block):
             return TORCH_TILES.backward_block(block, dq, dk)
         return backward_block(
-            block.q, block.k, block.scale, block.pos, block.row_stats, block.g_row, block.col_stats, block.g_col,
-            dq, dk, *self._options(),
+            block.q,
+            block.k,
+            block.scale,
+            block.pos,
+            block.row_stats,
+            block.g_row,
+            block.col_stats,
+            block.g_col,
+            dq,
+            dk,
+            *self._options(),
         )
 
     # --- the sigmoid (SigLIP) loss: infcl/kernels/sigmoid.py (contract: infcl.backends.base) -----
@@ -79,7 +88,15 @@ class TritonBackend:
         if self._on_torch_tiles(block):
             return TORCH_TILES.sigmoid_backward_block(block, dq, dk)
         return sigmoid_backward_block(
-            block.q, block.k, block.scale, block.pos, block.bias, block.g_row, dq, dk, *self._options(),
+            block.q,
+            block.k,
+            block.scale,
+            block.pos,
+            block.bias,
+            block.g_row,
+            dq,
+            dk,
+            *self._options(),
         )
 
 
@@ -109,7 +126,10 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
                 "backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before infcl's Triton kernels are "
                 "imported; it was set later, so the kernels were built for a GPU"
             )
-        return "backend 'triton' runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1 (Triton's interpreter)"
+        return (
+            "backend 'triton' runs on CUDA tensors, or on CPU tensors only under TRITON_INTERPRET=1 "
+            "(Triton's interpreter)"
+        )
     if device.type == "cuda" and facts is None:
         return f"backend 'triton' found no GPU driver for Triton: {type(driver_error).__name__}: {driver_error}"
     return _wrong_device(device)

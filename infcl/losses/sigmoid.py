@@ -19,7 +19,8 @@ PARAMS = ("scale", "bias")  # order of the loss parameters in a block's gradient
 
 
 class SigmoidRing:
-    """:class:`infcl.ring.driver.RingLoss` for the sigmoid loss with this call's ``bias`` (0-d, on the features' device)."""
+    """:class:`infcl.ring.driver.RingLoss` for the sigmoid loss with this call's ``bias`` (0-d, on the features'
+    device)."""
 
     col_rows = 0
     n_params = len(PARAMS)
@@ -39,8 +40,17 @@ class SigmoidRing:
         return rows[None], None
 
     def backward_step(
-        self, backend: SigmoidBlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor,
-        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor, k_side=(),
+        self,
+        backend: SigmoidBlockBackend,
+        q: Tensor,
+        k: Tensor,
+        scale: Tensor,
+        pos: Tensor,
+        rows: Tensor,
+        ahead: Optional[Tensor],
+        dq: Tensor,
+        dk: Tensor,
+        k_side=(),
     ) -> Tensor:
         block = Block(q=q, k=k, scale=scale, pos=pos, g_row=rows[0], bias=self.bias)
         own = backend.sigmoid_backward_block(block, dq, dk)

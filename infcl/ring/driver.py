@@ -41,23 +41,27 @@ class RingLoss(Protocol):
     n_params: int
     k_side: Tuple[Tensor, ...]
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        ...
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor: ...
 
-    def merge_rows(self, acc: Tensor, part: Tensor) -> None:
-        ...
+    def merge_rows(self, acc: Tensor, part: Tensor) -> None: ...
 
-    def merge_cols(self, acc: Tensor, part: Tensor) -> None:
-        ...
+    def merge_cols(self, acc: Tensor, part: Tensor) -> None: ...
 
-    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, k_side=()):
-        ...
+    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, k_side=()): ...
 
     def backward_step(
-        self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor,
-        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor, k_side=(),
-    ) -> Tensor:
-        ...
+        self,
+        backend: BlockBackend,
+        q: Tensor,
+        k: Tensor,
+        scale: Tensor,
+        pos: Tensor,
+        rows: Tensor,
+        ahead: Optional[Tensor],
+        dq: Tensor,
+        dk: Tensor,
+        k_side=(),
+    ) -> Tensor: ...
 
 
 def _row_shapes(tensors, n: int) -> list:
@@ -153,7 +157,9 @@ def ring_forward(
     blocks = _Leading(layout, k_comm, "forward", [k, *k_side], lambda n: [(n, dim)] + _row_shapes(k_side, n))
     columns = None
     if loss.col_rows:
-        columns = _Trailing(layout, col_comm, lambda n: (loss.col_rows, n), loss.merge_cols, "forward", "column partials")
+        columns = _Trailing(
+            layout, col_comm, lambda n: (loss.col_rows, n), loss.merge_cols, "forward", "column partials"
+        )
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)
