@@ -15,6 +15,7 @@ from .backends import BACKENDS
 from .gradcache import GradCache, RandContext, split_vlm_inputs
 from .modules import InfCLIPLoss, InfSigLipLoss
 from .siglip import cal_siglip_loss
+from .stats import InfLossStats
 
 try:
     __version__ = metadata.version("infcl")  # the installed distribution's (setup.py's) version
@@ -24,6 +25,7 @@ except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH that wa
 __all__ = [
     "cal_inf_loss",
     "cal_inf_loss_reference",
+    "InfLossStats",
     "InfCLIPLoss",
     "cal_siglip_loss",
     "InfSigLipLoss",
