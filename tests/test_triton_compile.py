@@ -14,8 +14,8 @@ no floating-point atomic in the PTX (the backward is atomic-free by design).
 The matrix (``triton_compile.variants``): sm_90 and sm_80 x fp32 (ieee, tf32) / bf16 / fp16 / fp64 x
 D = 1, the largest one-chunk D (e.g. 123 for bf16), 768 and 1000 (with the loss direction and ragged
 / block-multiple batches spread over them) x forward / backward with the default configs; every
-autotune config at D = 1000; and sm_86's small-memory defaults on the two heaviest shapes. Results are cached in pytest's cache, keyed
-by the kernel sources and the Triton version; ``pytest -s`` prints the table, which is also written to
+autotune config at D = 1000; and sm_86's small-memory defaults on the two heaviest shapes. Results are
+cached in pytest's cache, keyed by the kernel sources and the Triton version; ``pytest -s`` prints the table, which is also written to
 ``.pytest_cache/d/infcl-triton-compile/report.txt``.
 """
 
@@ -60,7 +60,9 @@ def _format(rows) -> str:
         for r in rows
     ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
-    lines = ["  ".join(c[i].ljust(widths[i]) if i < 2 else c[i].rjust(widths[i]) for i in range(len(heads))) for c in cells]
+    lines = [
+        "  ".join(c[i].ljust(widths[i]) if i < 2 else c[i].rjust(widths[i]) for i in range(len(heads))) for c in cells
+    ]
     return "\n".join(lines)
 
 

@@ -159,7 +159,9 @@ def _dq_kernel(
         )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if SYMMETRIC:
-            m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
+            m_c, r_c, g_c = _load_stats(
+                col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N
+            )
         else:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
@@ -254,7 +256,10 @@ def _dk_kernel(
 # a thread, the most that leaves room for the S and dS tiles without spilling at uneven D.
 DQ_CONFIGS = {
     # sm_90 (and sm_100, the same shared memory): 3 stages of the S chunks fit the registers and 64 KiB.
-    **{(arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, block_out=256) for arch in (90, 100)},
+    **{
+        (arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, block_out=256)
+        for arch in (90, 100)
+    },
     # sm_80 and the 99 KiB families: ptxas 12's allocator needs the third stage's registers back.
     **{(arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256)
        for arch in (80, 86, 120)},
@@ -306,7 +311,9 @@ _MIN_BLOCK_M = min(c.block_m for tiles in DQ_AUTOTUNE_CONFIGS.values() for c in 
 _KEY = ["D", "SYMMETRIC", "PRECISION", "BUCKET"]
 # Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
 # per-program scale-gradient slots are zeroed before each trial.
-_dq_autotuned = lazy_autotune(_dq_kernel, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"])
+_dq_autotuned = lazy_autotune(
+    _dq_kernel, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"]
+)
 _dk_autotuned = lazy_autotune(_dk_kernel, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
 
 
