@@ -15,8 +15,8 @@ The matrix (``triton_compile.variants``): sm_90 and sm_80 x fp32 (ieee, tf32) / 
 D = 1, the largest one-chunk D (e.g. 123 for bf16), 768 and 1000 (with the loss direction and ragged
 / block-multiple batches spread over them) x forward / backward with the default configs; every
 autotune config at D = 1000; and sm_86's small-memory defaults on the two heaviest shapes. Results are
-cached in pytest's cache, keyed by the kernel sources and the Triton version; ``pytest -s`` prints the table, which is also written to
-``.pytest_cache/d/infcl-triton-compile/report.txt``.
+cached in pytest's cache, keyed by the kernel sources and the Triton version; ``pytest -s`` prints the
+table, which is also written to ``.pytest_cache/d/infcl-triton-compile/report.txt``.
 """
 
 import concurrent.futures
