@@ -3,6 +3,7 @@
 ``assert`` is never used for user input; these checks run before any compute.
 """
 
+import math
 import numbers
 from typing import Optional
 
@@ -206,7 +207,7 @@ def make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_ma
         raise ValueError(f"guide_margin_strategy must be one of {MARGIN_STRATEGIES}, got {guide_margin_strategy!r}")
     if isinstance(guide_margin, (bool, np.bool_)) or not isinstance(guide_margin, numbers.Real):
         raise TypeError(f"guide_margin must be a real number, got {type(guide_margin).__name__}")
-    if not np.isfinite(float(guide_margin)):
+    if not math.isfinite(guide_margin):  # math, not numpy: torch.compile traces it without a graph break
         raise ValueError(f"guide_margin must be finite, got {guide_margin}")
     qi = _ids(q_ids, "q_ids", q.shape[0], q, "q")
     ki = _ids(k_ids, "k_ids", k.shape[0], k, "k")

@@ -16,6 +16,7 @@ explicit other name raises a ValueError.
 
 import importlib
 import os
+import sys
 import warnings
 
 import torch
@@ -65,9 +66,16 @@ def _warn_once(message: str) -> None:
 
 def _constant_for_compile(fn):
     """torch.compile runs ``fn`` while tracing and keeps its result as a constant (no graph break on the
-    imports, driver queries and warnings inside); eager calls are unchanged."""
-    mark = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
-    return mark(fn) if mark is not None else fn
+    imports, driver queries and warnings inside); eager calls are unchanged.
+
+    ``torch.compiler.assume_constant_result`` only sets ``fn._dynamo_marked_constant`` (torch 2.4 to 2.13),
+    but calling it imports torch._dynamo, which imports triton and costs about a second: importing infcl
+    must load neither. So the mark is set directly unless dynamo is already loaded.
+    """
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 @_constant_for_compile
