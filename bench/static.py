@@ -18,8 +18,9 @@ What is read from the compiled artefacts (counted, not run):
   most MUFU.EX2 outside its own inner loops; a loop nested in it runs over feature chunks, counted
   ``cdiv(D, BLOCK_D) - 1`` times (the first chunk is peeled) or ``cdiv(D, BLOCK_D)`` times if it stores to
   global memory (the sigmoid backward's per-chunk gradient). Per entry = warp instructions per tile x 32
-  lanes x warps / (BLOCK_M x BLOCK_N): lane instructions per S entry. Approximate: the software pipeliner's
-  prologue and epilogue and the branches not taken are counted as in the static listing.
+  lanes x warps / (BLOCK_M x BLOCK_N): lane instructions per S entry, per D slice of dq / dk (``slices``:
+  each slice recomputes S, so an S entry costs ``instr_per_entry_all_slices`` in all). Approximate: the
+  software pipeliner's prologue and epilogue and the branches not taken are counted as in the listing.
 
 What is modelled (not read from the code):
 
@@ -262,6 +263,11 @@ def report_target(arch: int, dtype: str, precision: str, dim: int = DIM, batches
                 key = (entry, name)
                 if key not in rows:
                     rows[key] = _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
+                    # dq / dk: grid axis 1 is the D slices, each recomputing S (the same at every B)
+                    slices = launch["grid"][1] if name in ("dq", "dk") else 1
+                    rows[key]["slices"] = slices
+                    per_entry = rows[key]["instr_per_entry"]
+                    rows[key]["instr_per_entry_all_slices"] = per_entry * slices if per_entry is not None else None
                 programs = math.prod(launch["grid"])
                 row = rows[key]
                 row[f"programs@{batch}"] = programs
@@ -325,14 +331,15 @@ def _fmt(value, digits=1) -> str:
 
 
 def format_table(rows: List[Dict], batches=BATCHES) -> str:
-    heads = ["target", "dtype", "kernel", "config", "warps", "mma (sass, or ptx)", "instr/entry", "mufu/entry",
-             "shfl/entry", "regs", "spill", "smem KiB", "CTAs/SM", *[f"waves B={b}" for b in batches],
+    heads = ["target", "dtype", "kernel", "config", "warps", "mma (sass, or ptx)", "instr/entry", "slices",
+             "mufu/entry", "shfl/entry", "regs", "spill", "smem KiB", "CTAs/SM", *[f"waves B={b}" for b in batches],
              "flop/byte"]
     cells = [heads]
     for r in rows:
         mma = r["mma_sass"] if r["mma_sass"] != "n/a" else r["mma_ptx"]
         cells.append([r["target"], r["dtype"], r["kernel"], r["config"], str(r["warps"]), mma,
-                      _fmt(r["instr_per_entry"]), _fmt(r["mufu_per_entry"], 2), _fmt(r["shfl_per_entry"], 2),
+                      _fmt(r["instr_per_entry"]), str(r["slices"]), _fmt(r["mufu_per_entry"], 2),
+                      _fmt(r["shfl_per_entry"], 2),
                       str(r["regs"]), str(r["spill_bytes"]), f"{r['smem'] / 1024:.0f}",
                       f"{r['ctas_per_sm']} ({r['cta_limiter']})",
                       *[_fmt(r.get(f"waves@{b}"), 2) for b in batches], _fmt(r["flop_per_byte"])])
