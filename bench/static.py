@@ -33,6 +33,9 @@ What is modelled (not read from the code):
   (D <= resident_d). Per-row vectors (stats, positives) are left out; the sigmoid backward's per-chunk
   fp32 read-modify-write of the gradient is in.
 
+``--dims`` and ``--tile KERNEL=MxN[:warps[:stages[:block_out]]]`` (repeatable) report other feature dims
+and candidate configs, e.g. ``--targets 90 --dims 512,1000 --tile dq=64x64 --tile dk=64x64 --name try``.
+
 Writes a table (stdout) and bench/results/static.csv. Figures are reported, not asserted; the structural
 checks (no mma.sync where every product's M >= 64 on sm_90, no spills, shared memory within the limit)
 are tests/test_static_report.py.
@@ -40,12 +43,13 @@ are tests/test_static_report.py.
 
 import argparse
 import concurrent.futures
+import contextlib
 import csv
 import math
 import multiprocessing
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -241,10 +245,63 @@ def _config(kernel: str, c: Dict) -> str:
     return out
 
 
+# Kernels whose default config ``--tile`` can replace ("siglip": both sigmoid kernels share one tiling).
+TILE_KERNELS = ("forward", "dq", "dk", "siglip")
+
+
+def parse_tile(spec: str) -> Tuple[str, Tuple[int, ...]]:
+    """``KERNEL=MxN[:warps[:stages[:block_out]]]`` -> (kernel, TileConfig fields), e.g. ``dk=64x64:8:3:256``."""
+    kernel, _, config = spec.partition("=")
+    match = re.fullmatch(r"(\d+)x(\d+)((?::\d+){0,3})", config)
+    if kernel not in TILE_KERNELS or not match:
+        raise ValueError(f"--tile must be KERNEL=MxN[:warps[:stages[:block_out]]] with KERNEL in {TILE_KERNELS}, "
+                         f"got {spec!r}")
+    rest = [int(x) for x in match.group(3).split(":")[1:]]
+    return kernel, (int(match.group(1)), int(match.group(2)), *rest)
+
+
+@contextlib.contextmanager
+def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple[int, ...]]):
+    """The default configs of ``arch`` and the dtype's operand class replaced by ``tiles`` (parse_tile's
+    values; unnamed fields keep the default's), restored on exit (workers run several jobs)."""
+    import torch
+
+    from infcl.kernels import sigmoid, softmax_backward, softmax_forward
+    from infcl.kernels.configs import TileConfig, operand_class
+
+    klass = operand_class(getattr(torch, dtype), precision)
+    tables = {"forward": softmax_forward.DEFAULT_CONFIGS, "dq": softmax_backward.DQ_CONFIGS,
+              "dk": softmax_backward.DK_CONFIGS}
+    saved = {name: table[arch, klass] for name, table in tables.items()}
+    saved_siglip = sigmoid.DEFAULT_TILINGS[klass]
+    names = [f.name for f in fields(TileConfig)]
+
+    def config(default, values):
+        return replace(default, **dict(zip(names, values)))
+
+    try:
+        for name, values in tiles.items():
+            if name == "siglip":
+                cfg = config(saved_siglip.forward, values)
+                sigmoid.DEFAULT_TILINGS[klass] = replace(saved_siglip, forward=cfg, dq=cfg, dk=cfg)
+            else:
+                tables[name][arch, klass] = config(saved[name], values)
+        yield
+    finally:
+        for name, table in tables.items():
+            table[arch, klass] = saved[name]
+        sigmoid.DEFAULT_TILINGS[klass] = saved_siglip
+
+
 def report_target(arch: int, dtype: str, precision: str, dim: int = DIM, batches=BATCHES,
-                  entries=ENTRIES) -> List[Dict]:
-    """Compile both losses' calls for ``arch`` at each batch of ``batches``; one row per kernel. Runs in a
-    worker process (:func:`triton_compile.init_worker`)."""
+                  entries=ENTRIES, tiles: Optional[Dict[str, Tuple[int, ...]]] = None) -> List[Dict]:
+    """Compile both losses' calls for ``arch`` at each batch of ``batches`` (with ``tiles`` in place of the
+    default configs); one row per kernel. Runs in a worker process (:func:`triton_compile.init_worker`)."""
+    with tile_overrides(arch, dtype, precision, tiles or {}):
+        return _report_target(arch, dtype, precision, dim, batches, entries)
+
+
+def _report_target(arch, dtype, precision, dim, batches, entries) -> List[Dict]:
     import torch
 
     rows: Dict[Tuple[str, str], Dict] = {}
@@ -308,15 +365,15 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
     }
 
 
-def run(targets=TARGETS, dtypes=(BF16,), dim: int = DIM, batches=BATCHES, entries=ENTRIES,
-        workers: int = WORKERS) -> List[Dict]:
+def run(targets=TARGETS, dtypes=(BF16,), dims=(DIM,), batches=BATCHES, entries=ENTRIES, workers: int = WORKERS,
+        tiles: Optional[Dict[str, Tuple[int, ...]]] = None) -> List[Dict]:
     """Every (target, dtype) of the report in spawned workers (which import infcl with TRITON_INTERPRET=0);
     targets whose ptxas the wheel lacks are skipped."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, context, initializer=triton_compile.init_worker) as pool:
         known = [arch for arch in targets if pool.submit(triton_compile.ptxas_knows, arch).result()]
-        jobs = [pool.submit(report_target, arch, dtype, precision, dim, batches, entries)
-                for arch in known for dtype, precision in dtypes]
+        jobs = [pool.submit(report_target, arch, dtype, precision, dim, batches, entries, tiles)
+                for arch in known for dtype, precision in dtypes for dim in dims]
         return [row for job in jobs for row in job.result()]
 
 
@@ -360,7 +417,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="compute capabilities, e.g. 90,80")
     parser.add_argument("--tf32", action="store_true", help="also fp32 inputs with tf32 products")
-    parser.add_argument("--dim", type=int, default=DIM)
+    parser.add_argument("--dims", default=str(DIM), help="feature dims, e.g. 512,1000 (1000: ragged chunks)")
+    parser.add_argument("--tile", action="append", default=[], metavar="KERNEL=MxN[:warps[:stages[:out]]]",
+                        help=f"replace a default config ({', '.join(TILE_KERNELS)}) on every target; repeatable")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--name", default="static", help="CSV file name (without .csv)")
     args = parser.parse_args(argv)
@@ -368,7 +427,12 @@ def main(argv=None) -> None:
     unknown = [t for t in targets if t not in LIMITS]
     if unknown:
         parser.error(f"--targets: no SM limits for {unknown}; known: {sorted(LIMITS)}")
-    rows = run(targets, (BF16, TF32) if args.tf32 else (BF16,), args.dim)
+    try:
+        tiles = dict(parse_tile(spec) for spec in args.tile)
+    except ValueError as err:
+        parser.error(str(err))
+    dims = tuple(int(d) for d in args.dims.replace(",", " ").split())
+    rows = run(targets, (BF16, TF32) if args.tf32 else (BF16,), dims, tiles=tiles)
     print(format_table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.csv"

@@ -93,3 +93,11 @@ def test_mma_kinds_reads_ptx_and_sass():
 ])
 def test_occupancy(regs, warps, smem, expected):
     assert static.occupancy(regs, warps, smem, 90) == expected
+
+
+def test_parse_tile():
+    assert static.parse_tile("dk=64x64:8:3:256") == ("dk", (64, 64, 8, 3, 256))
+    assert static.parse_tile("siglip=128x32") == ("siglip", (128, 32))
+    for bad in ("dk=64", "attention=64x64", "dq=64x64:8:3:256:1"):
+        with pytest.raises(ValueError, match="--tile"):
+            static.parse_tile(bad)
