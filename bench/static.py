@@ -188,7 +188,7 @@ def tile_loop_counts(listing: str, dialect: Dialect, n_chunks: int) -> Optional[
         return sum(w for i, w in weight.items() if pattern is None or pattern.search(instrs[i]))
 
     return {"static": tile[1] - tile[0] + 1, "instr": weighted(), "mufu": weighted(dialect.mufu),
-            "shfl": weighted(dialect.shfl)}
+            "ex2": weighted(dialect.ex2), "shfl": weighted(dialect.shfl)}
 
 
 def mma_kinds(ptx: str, sass: Optional[str]) -> Dict[str, str]:
@@ -358,6 +358,7 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
         "instr_per_tile": loop["instr"] if loop else None,
         "instr_per_entry": loop["instr"] * per_entry if loop else None,
         "mufu_per_entry": loop["mufu"] * per_entry if loop else None,
+        "ex2_per_entry": loop["ex2"] * per_entry if loop else None,
         "shfl_per_entry": loop["shfl"] * per_entry if loop else None,
         "regs": usage["regs"], "spill_bytes": usage["spill_bytes"], "smem": usage["smem"],
         "smem_limit": usage["smem_limit"], "ctas_per_sm": ctas, "cta_limiter": limiter,

@@ -72,7 +72,7 @@ LBB1:
 def test_tile_loop_counts_weights_the_chunk_loop():
     # Tile loop: 1 HGMMA + [inner: 3 instructions] x (4 - 1) trips + 2 MUFU + 1 SHFL + 1 BRA.
     counts = static.tile_loop_counts(LISTING, static.SASS, n_chunks=4)
-    assert counts == {"static": 8, "instr": 1 + 3 * 3 + 4, "mufu": 2, "shfl": 1}
+    assert counts == {"static": 8, "instr": 1 + 3 * 3 + 4, "mufu": 2, "ex2": 2, "shfl": 1}
     assert static.tile_loop_counts(LISTING.replace("MUFU.EX2", "FMUL"), static.SASS, 4) is None
 
 
