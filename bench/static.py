@@ -36,9 +36,9 @@ What is modelled (not read from the code):
 ``--dims`` and ``--tile KERNEL=MxN[:warps[:stages[:block_out]]]`` (repeatable) report other feature dims
 and candidate configs, e.g. ``--targets 90 --dims 512,1000 --tile dq=64x64 --tile dk=64x64 --name try``.
 
-Writes a table (stdout) and bench/results/static.csv. Figures are reported, not asserted; the structural
-checks (no mma.sync where every product's M >= 64 on sm_90, no spills, shared memory within the limit)
-are tests/test_static_report.py.
+Writes a table (stdout), bench/results/static.csv and static.png (``--no-plot``: no plot). Figures are
+reported, not asserted; the structural checks (no mma.sync where every product's M >= 64 on sm_90, no
+spills, shared memory within the limit) are tests/test_static_report.py.
 """
 
 import argparse
@@ -414,6 +414,40 @@ def write_csv(rows: List[Dict], path: Path) -> None:
             writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
+# The plot's panels: (CSV column, axis label).
+PLOT_PANELS = (("instr_per_entry_all_slices", "lane instructions per S entry (all D slices)"),
+               ("mufu_per_entry", "MUFU per S entry (per D slice in dq/dk)"),
+               ("flop_per_byte", "modelled L2 flop/byte"))
+
+
+def write_plot(rows: List[Dict], path: Path) -> None:
+    """One panel per :data:`PLOT_PANELS` figure: a bar per kernel, grouped by (target, dtype, D)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["target"], r["dtype"], r["D"]) for r in rows))
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    width = 0.8 / len(kernels)
+    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(6 * len(PLOT_PANELS), 4.5))
+    for ax, (column, label) in zip(axes, PLOT_PANELS):
+        for j, kernel in enumerate(kernels):
+            values = {(r["target"], r["dtype"], r["D"]): r[column] for r in rows if r["kernel"] == kernel}
+            xs = [i + j * width for i, g in enumerate(groups) if values.get(g) is not None]
+            ys = [values[g] for g in groups if values.get(g) is not None]
+            ax.bar(xs, ys, width, label=kernel)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+        ax.set_xticklabels([f"{t} {d}\nD={dim}" for t, d, dim in groups], fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("infcl Triton kernels, static report (compile-only; counted and modelled, not timed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="compute capabilities, e.g. 90,80")
@@ -422,7 +456,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tile", action="append", default=[], metavar="KERNEL=MxN[:warps[:stages[:out]]]",
                         help=f"replace a default config ({', '.join(TILE_KERNELS)}) on every target; repeatable")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--name", default="static", help="CSV file name (without .csv)")
+    parser.add_argument("--name", default="static", help="CSV / plot file name (without .csv / .png)")
+    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     targets = tuple(int(t) for t in args.targets.replace(",", " ").split())
     unknown = [t for t in targets if t not in LIMITS]
@@ -439,6 +474,9 @@ def main(argv=None) -> None:
     path = args.out / f"{args.name}.csv"
     write_csv(rows, path)
     print(f"wrote {path}")
+    if not args.no_plot:
+        write_plot(rows, path.with_suffix(".png"))
+        print(f"wrote {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
