@@ -62,12 +62,13 @@ class CompileOnlyDriver:
     not there: the target, a device, a stream, the device's properties, a benchmarker, and the torch
     device its tensors live on (CPU: the tensors are never read)."""
 
-    def __init__(self, arch: int, bench=None):
+    def __init__(self, arch: int, bench=None, sms: int = STAND_IN_SMS):
         from triton.backends.compiler import GPUTarget
 
         self.target = GPUTarget("cuda", arch, 32)
         self.arch = arch
         self.bench = bench
+        self.sms = sms
         self.utils = self  # driver.utils.get_device_properties
 
     def get_current_target(self):
@@ -85,7 +86,7 @@ class CompileOnlyDriver:
         return torch.device("cpu")
 
     def get_device_properties(self, device):
-        return {"multiprocessor_count": STAND_IN_SMS, "max_shared_mem": SMEM_LIMITS[self.arch], "warpSize": 32}
+        return {"multiprocessor_count": self.sms, "max_shared_mem": SMEM_LIMITS[self.arch], "warpSize": 32}
 
     def get_benchmarker(self):
         return self.bench
@@ -351,10 +352,12 @@ def ptxas_knows(arch: int) -> bool:
 
 
 class _Recorder:
-    """JITFunction.run replaced by a compile: each launch's compiled kernel with Triton's ptxas log."""
+    """JITFunction.run replaced by a compile: each launch's compiled kernel with Triton's ptxas log, and
+    (in ``launches``, same order) its grid and scalar arguments (bench/static.py reads the block sizes)."""
 
     def __init__(self):
         self.compiled = []
+        self.launches = []
 
     def install(self):
         from triton.runtime.jit import JITFunction
@@ -366,6 +369,8 @@ class _Recorder:
             with _ptxas_logs() as logs:
                 kernel = real_run(fn, *args, grid=grid, warmup=True, **kwargs)
             recorder.compiled.append((fn, kernel, logs[-1] if logs else None))
+            scalars = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))}
+            recorder.launches.append({"grid": tuple(grid(kwargs)) if callable(grid) else tuple(grid), **scalars})
             return kernel
 
         JITFunction.run = run
@@ -436,15 +441,16 @@ def call_loss(call: Call, q, k, labels, scale, bias):
 
 
 @contextlib.contextmanager
-def compile_only(arch: int):
-    """Triton's active driver is the stand-in for sm_``arch`` and every launch compiles instead of running."""
+def compile_only(arch: int, sms: int = STAND_IN_SMS):
+    """Triton's active driver is the stand-in for sm_``arch`` (``sms`` SMs, which the split plans read) and
+    every launch compiles instead of running."""
     global _RECORDER
     from triton.runtime import driver
 
     if _RECORDER is None:
         _RECORDER = _Recorder()
         _RECORDER.install()
-    driver.set_active(CompileOnlyDriver(arch, bench=_bench))
+    driver.set_active(CompileOnlyDriver(arch, bench=_bench, sms=sms))
     # Left active afterwards: Triton's reset_active would build the real driver, which fails without a GPU.
     yield _RECORDER.compiled, len(_RECORDER.compiled)
 

@@ -1,0 +1,483 @@
+"""``python -m bench.static``: a static performance report of the Triton kernels, compiled for GPU targets
+on a machine without a GPU.
+
+For each target (sm_90, sm_80, sm_100 where the wheel's ptxas knows it) and operand type, the public calls
+``cal_inf_loss(symmetric=True)`` and ``cal_siglip_loss`` with ``backend="triton"`` run forward and
+backward compile-only (``tests/triton_compile.py``: a stand-in driver names the target, every launch
+compiles instead of running), at D = 512 and B = 16384 and 65536, so the kernels, their default configs and
+their launch grids are exactly what the API launches. One row per (target, dtype, kernel): softmax
+``forward``, ``dq``, ``dk``; ``siglip_forward``, ``siglip_backward``.
+
+What is read from the compiled artefacts (counted, not run):
+
+- ``mma``: the MMA instructions in the PTX (``wgmma`` / ``tcgen05`` / ``mma.sync``, with their shapes) and
+  in the SASS (``HGMMA`` / ``UTC*MMA`` / ``HMMA``), each with its static count in the kernel.
+- ``regs``, ``spill``: ptxas -v (the wheel's ptxas, Triton's flags); ``smem``: Triton's metadata.
+- ``instr/entry``, ``mufu/entry``, ``shfl/entry``: instructions per S entry, counted in the SASS (the PTX
+  where cuobjdump cannot disassemble the cubin). The tile loop is the loop (a backward branch) holding the
+  most MUFU.EX2 outside its own inner loops; a loop nested in it runs over feature chunks, counted
+  ``cdiv(D, BLOCK_D) - 1`` times (the first chunk is peeled) or ``cdiv(D, BLOCK_D)`` times if it stores to
+  global memory (the sigmoid backward's per-chunk gradient). Per entry = warp instructions per tile x 32
+  lanes x warps / (BLOCK_M x BLOCK_N): lane instructions per S entry, per D slice of dq / dk (``slices``:
+  each slice recomputes S, so an S entry costs ``instr_per_entry_all_slices`` in all). Approximate: the
+  software pipeliner's prologue and epilogue and the branches not taken are counted as in the listing.
+
+What is modelled (not read from the code):
+
+- ``CTAs/SM``: from registers (65536 per SM, allocated per warp in units of 256), shared memory (per SM,
+  plus 1 KiB reserved per CTA), warps (64 per SM) and 32 CTAs per SM: the smallest of the four, named.
+- ``waves``: the launch grid the launcher planned (on a stand-in device with the target's SM count) over
+  SMs x CTAs/SM, for B = 16384 and 65536.
+- ``flop/byte``: the tile loop's flops (S, and the dq/dk product) over the operand bytes it loads per
+  tile, assuming nothing outlives a tile in L1 or shared memory except an operand held in registers
+  (D <= resident_d). Per-row vectors (stats, positives) are left out; the sigmoid backward's per-chunk
+  fp32 read-modify-write of the gradient is in.
+
+``--dims`` and ``--tile KERNEL=MxN[:warps[:stages[:block_out]]]`` (repeatable) report other feature dims
+and candidate configs, e.g. ``--targets 90 --dims 512,1000 --tile dq=64x64 --tile dk=64x64 --name try``.
+
+Writes a table (stdout), bench/results/static.csv and static.png (``--no-plot``: no plot). Figures are
+reported, not asserted; the structural checks (no mma.sync where every product's M >= 64 on sm_90, no
+spills, shared memory within the limit) are tests/test_static_report.py.
+"""
+
+import argparse
+import concurrent.futures
+import contextlib
+import csv
+import math
+import multiprocessing
+import re
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+import triton_compile  # noqa: E402  (the compile-only driver, shared with the API compile check)
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+TARGETS = (90, 80, 100)
+DIM = 512
+BATCHES = (16384, 65536)
+# (dtype, precision): bf16 always; fp32 with tf32 products on request (--tf32).
+BF16, TF32 = ("bfloat16", "ieee"), ("float32", "tf32")
+ENTRIES = ("cal_inf_loss", "cal_siglip_loss")
+WORKERS = 2
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """Per-SM resources of one target (the CUDA occupancy calculator's figures for the flagship part)."""
+
+    sms: int  # SMs of the flagship part: A100 108, H100 SXM 132, B200 148
+    smem: int  # shared memory per SM usable by CTAs, bytes
+    regs: int = 65536
+    warps: int = 64
+    ctas: int = 32
+    reg_unit: int = 256  # registers are allocated per warp in units of this many
+    smem_reserved: int = 1024  # per CTA, taken by the system from sm_80 on
+
+
+LIMITS = {80: SMLimits(108, 164 * 1024), 90: SMLimits(132, 228 * 1024), 100: SMLimits(148, 228 * 1024)}
+
+
+def occupancy(regs: int, warps: int, smem: int, arch: int) -> Tuple[int, str]:
+    """(CTAs per SM, the resource that limits it) for a kernel of ``regs`` registers per thread, ``warps``
+    warps and ``smem`` bytes of shared memory."""
+    lim = LIMITS[arch]
+    regs_per_warp = math.ceil(regs * 32 / lim.reg_unit) * lim.reg_unit
+    by = {
+        "regs": (lim.regs // regs_per_warp) // warps,
+        "smem": lim.smem // (smem + lim.smem_reserved),
+        "warps": lim.warps // warps,
+        "ctas": lim.ctas,
+    }
+    limiter = min(by, key=by.get)
+    return by[limiter], limiter
+
+
+# ---- reading the compiled code ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dialect:
+    """How to read one listing: its labels, branches, and the instructions counted."""
+
+    label: "re.Pattern"  # a line that defines a label (group 1: its name)
+    branch: "re.Pattern"  # a branch instruction (group 1: the target label)
+    mufu: "re.Pattern"
+    ex2: "re.Pattern"
+    shfl: "re.Pattern"
+    store: "re.Pattern"  # a store to global memory
+    skip: "re.Pattern"  # lines that are not instructions
+
+
+SASS = Dialect(
+    label=re.compile(r"^(LBB\d+):$"),
+    branch=re.compile(r"\bBRA\s+(LBB\d+)"),
+    mufu=re.compile(r"\bMUFU\."),
+    ex2=re.compile(r"\bMUFU\.EX2\b"),
+    shfl=re.compile(r"\bSHFL\."),
+    store=re.compile(r"\b(STG|RED|ATOM)\."),
+    skip=re.compile(r"^(Function:|\s*$)"),
+)
+PTX = Dialect(
+    label=re.compile(r"^(\$L__\w+):"),
+    branch=re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);"),
+    mufu=re.compile(r"\b(ex2|lg2|rcp|rsqrt|sqrt|sin|cos|tanh)\.approx"),
+    ex2=re.compile(r"\bex2\.approx"),
+    shfl=re.compile(r"\bshfl\.sync"),
+    store=re.compile(r"\b(st|red|atom)\.global"),
+    skip=re.compile(r"^\s*($|//|\.|\{|\}|\)|\(|@?\$L__|[A-Za-z_.]+:$)"),
+)
+# MMA instructions and their shapes, in PTX and in SASS.
+PTX_MMA_KIND = re.compile(r"\b(wgmma\.mma_async\S*|tcgen05\.mma\S*|mma\.sync\S*)")
+SASS_MMA = re.compile(r"\b(HGMMA\.\w+|UTC\w*MMA\S*|HMMA\.\w+|DMMA\.\w+)")
+
+
+def _instructions(listing: str, dialect: Dialect) -> Tuple[List[str], Dict[str, int]]:
+    """(instruction lines, label -> index of the next instruction)."""
+    instrs, labels = [], {}
+    for line in listing.splitlines():
+        match = dialect.label.match(line.strip())
+        if match:
+            labels[match.group(1)] = len(instrs)
+        elif not dialect.skip.match(line):
+            instrs.append(line.strip())
+    return instrs, labels
+
+
+def tile_loop_counts(listing: str, dialect: Dialect, n_chunks: int) -> Optional[Dict[str, float]]:
+    """Warp instructions, MUFU and shuffles one pass of the tile loop issues (inner feature-chunk loops
+    counted ``n_chunks - 1`` times, or ``n_chunks`` if they store to global memory), and the loop's static
+    size; None when no loop holds an exponential."""
+    instrs, labels = _instructions(listing, dialect)
+    loops = []  # (start, end inclusive) of every backward branch
+    for i, line in enumerate(instrs):
+        match = dialect.branch.search(line)
+        if match and match.group(1) in labels and labels[match.group(1)] <= i:
+            loops.append((labels[match.group(1)], i))
+
+    def inner(loop):
+        return [o for o in loops if o != loop and loop[0] <= o[0] and o[1] <= loop[1]]
+
+    def direct(loop):
+        covered = {i for o in inner(loop) for i in range(o[0], o[1] + 1)}
+        return [i for i in range(loop[0], loop[1] + 1) if i not in covered]
+
+    def count(lines, pattern):
+        return sum(1 for i in lines if pattern.search(instrs[i]))
+
+    scored = [(count(direct(loop), dialect.ex2), -(loop[1] - loop[0]), loop) for loop in loops]
+    scored = [s for s in scored if s[0] > 0]
+    if not scored:
+        return None
+    tile = max(scored)[2]
+    # Each index weighted by how many times it runs per tile: 1, times the trips of the innermost
+    # nested loop around it (nested loops in the tile loop are feature-chunk loops, one level deep).
+    weight = {i: 1.0 for i in range(tile[0], tile[1] + 1)}
+    for loop in inner(tile):
+        body = range(loop[0], loop[1] + 1)
+        trips = n_chunks if count(body, dialect.store) else n_chunks - 1
+        for i in body:
+            weight[i] = max(trips, 0)
+
+    def weighted(pattern=None):
+        return sum(w for i, w in weight.items() if pattern is None or pattern.search(instrs[i]))
+
+    return {"static": tile[1] - tile[0] + 1, "instr": weighted(), "mufu": weighted(dialect.mufu),
+            "ex2": weighted(dialect.ex2), "shfl": weighted(dialect.shfl)}
+
+
+def mma_kinds(ptx: str, sass: Optional[str]) -> Dict[str, str]:
+    """{"mma_ptx": "wgmma.m64n64k16:12 ...", "mma_sass": "HGMMA.64x64x16:12 ...", "mma_sync": count in the PTX,
+    "wgmma": count of wgmma/tcgen05 in the PTX}."""
+    def tally(names):
+        out: Dict[str, int] = {}
+        for name in names:
+            out[name] = out.get(name, 0) + 1
+        return " ".join(f"{k}:{v}" for k, v in sorted(out.items()))
+
+    ptx_names = []
+    for match in PTX_MMA_KIND.finditer(ptx):
+        parts = match.group(1).split(".")
+        shape = next((p for p in parts if re.fullmatch(r"m\d+n\d+k\d+", p)), "")
+        head = "wgmma" if parts[0] == "wgmma" else ".".join(parts[:2])
+        ptx_names.append(f"{head}.{shape}" if shape else head)
+    sass_names = [m.group(1).rstrip(";,") for m in SASS_MMA.finditer(sass)] if sass else []
+    return {
+        "mma_ptx": tally(ptx_names),
+        "mma_sass": tally(sass_names) if sass is not None else "n/a",
+        "mma_sync": sum(1 for n in ptx_names if n.startswith("mma.sync")),
+        "async_mma": sum(1 for n in ptx_names if n.startswith(("wgmma", "tcgen05"))),
+    }
+
+
+def modelled_bytes_flops(kernel: str, c: Dict, dim: int, elt: int) -> Tuple[float, float]:
+    """(operand bytes loaded, flops) per tile of ``kernel`` with block sizes ``c`` (the launch's constexprs)."""
+    bm, bn, bd = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_D"]
+    one_chunk = dim <= bd
+    s_flops = 2.0 * bm * bn * dim
+    if kernel in ("forward", "siglip_forward"):
+        # symmetric / one-chunk forward: q held in registers only when D is one chunk
+        return elt * dim * (bn + (0 if one_chunk else bm)), s_flops
+    if kernel in ("dq", "dk"):
+        width = c.get("BLOCK_OUT", dim)
+        owned, other = (bm, bn) if kernel == "dq" else (bn, bm)
+        s_bytes = elt * dim * (other + (0 if one_chunk else owned))
+        product_bytes = 0 if one_chunk else elt * other * width  # the product's slice of the other side
+        return s_bytes + product_bytes, s_flops + 2.0 * bm * bn * min(width, dim)
+    if kernel == "siglip_backward":
+        s_bytes = elt * dim * (bn + (0 if one_chunk else bm))
+        product_bytes = 0 if one_chunk else elt * bn * dim + 2 * 4 * bm * dim  # other tile + fp32 RMW of grad
+        return s_bytes + product_bytes, 2 * s_flops
+    raise ValueError(f"no traffic model for kernel {kernel!r}")
+
+
+# ---- one target ------------------------------------------------------------------------------------
+
+def _config(kernel: str, c: Dict) -> str:
+    out = f"{c['BLOCK_M']}x{c['BLOCK_N']} d{c['BLOCK_D']}"
+    if "BLOCK_OUT" in c and kernel in ("dq", "dk"):
+        out += f" out{c['BLOCK_OUT']}"
+    return out
+
+
+# Kernels whose default config ``--tile`` can replace ("siglip": both sigmoid kernels share one tiling).
+TILE_KERNELS = ("forward", "dq", "dk", "siglip")
+
+
+def parse_tile(spec: str) -> Tuple[str, Tuple[int, ...]]:
+    """``KERNEL=MxN[:warps[:stages[:block_out]]]`` -> (kernel, TileConfig fields), e.g. ``dk=64x64:8:3:256``."""
+    kernel, _, config = spec.partition("=")
+    match = re.fullmatch(r"(\d+)x(\d+)((?::\d+){0,3})", config)
+    if kernel not in TILE_KERNELS or not match:
+        raise ValueError(f"--tile must be KERNEL=MxN[:warps[:stages[:block_out]]] with KERNEL in {TILE_KERNELS}, "
+                         f"got {spec!r}")
+    rest = [int(x) for x in match.group(3).split(":")[1:]]
+    return kernel, (int(match.group(1)), int(match.group(2)), *rest)
+
+
+@contextlib.contextmanager
+def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple[int, ...]]):
+    """The default configs of ``arch`` and the dtype's operand class replaced by ``tiles`` (parse_tile's
+    values; unnamed fields keep the default's), restored on exit (workers run several jobs)."""
+    import torch
+
+    from infcl.kernels import sigmoid, softmax_backward, softmax_forward
+    from infcl.kernels.configs import TileConfig, operand_class
+
+    klass = operand_class(getattr(torch, dtype), precision)
+    tables = {"forward": softmax_forward.DEFAULT_CONFIGS, "dq": softmax_backward.DQ_CONFIGS,
+              "dk": softmax_backward.DK_CONFIGS}
+    saved = {name: table[arch, klass] for name, table in tables.items()}
+    saved_siglip = sigmoid.DEFAULT_TILINGS[klass]
+    names = [f.name for f in fields(TileConfig)]
+
+    def config(default, values):
+        return replace(default, **dict(zip(names, values)))
+
+    try:
+        for name, values in tiles.items():
+            if name == "siglip":
+                cfg = config(saved_siglip.forward, values)
+                sigmoid.DEFAULT_TILINGS[klass] = replace(saved_siglip, forward=cfg, dq=cfg, dk=cfg)
+            else:
+                tables[name][arch, klass] = config(saved[name], values)
+        yield
+    finally:
+        for name, table in tables.items():
+            table[arch, klass] = saved[name]
+        sigmoid.DEFAULT_TILINGS[klass] = saved_siglip
+
+
+def report_target(arch: int, dtype: str, precision: str, dim: int = DIM, batches=BATCHES,
+                  entries=ENTRIES, tiles: Optional[Dict[str, Tuple[int, ...]]] = None) -> List[Dict]:
+    """Compile both losses' calls for ``arch`` at each batch of ``batches`` (with ``tiles`` in place of the
+    default configs); one row per kernel. Runs in a worker process (:func:`triton_compile.init_worker`)."""
+    with tile_overrides(arch, dtype, precision, tiles or {}):
+        return _report_target(arch, dtype, precision, dim, batches, entries)
+
+
+def _report_target(arch, dtype, precision, dim, batches, entries) -> List[Dict]:
+    import torch
+
+    rows: Dict[Tuple[str, str], Dict] = {}
+    elt = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    for batch in batches:
+        for entry in entries:
+            call = triton_compile.Call(arch, entry, dtype, precision, dim, batch, batch,
+                                       symmetric=entry == "cal_inf_loss")
+            torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+            with triton_compile.compile_only(arch, sms=LIMITS[arch].sms) as (compiled, start):
+                q, k, labels = triton_compile._inputs(call)
+                triton_compile.call_loss(call, q, k, labels, *triton_compile._params()).backward()
+                launches = list(zip(compiled[start:], triton_compile._RECORDER.launches[start:]))
+            for (fn, kernel, log), launch in launches:
+                name = triton_compile._kernel_name(fn)
+                key = (entry, name)
+                if key not in rows:
+                    rows[key] = _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
+                    # dq / dk: grid axis 1 is the D slices, each recomputing S (the same at every B)
+                    slices = launch["grid"][1] if name in ("dq", "dk") else 1
+                    rows[key]["slices"] = slices
+                    per_entry = rows[key]["instr_per_entry"]
+                    rows[key]["instr_per_entry_all_slices"] = per_entry * slices if per_entry is not None else None
+                programs = math.prod(launch["grid"])
+                row = rows[key]
+                row[f"programs@{batch}"] = programs
+                row[f"waves@{batch}"] = programs / (LIMITS[arch].sms * max(row["ctas_per_sm"], 1))
+    return list(rows.values())
+
+
+def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt) -> Dict:
+    usage = triton_compile._resources(fn, kernel, log, arch)
+    ptx = kernel.asm["ptx"]
+    try:
+        sass = kernel.asm["sass"]
+    except Exception:  # a cuobjdump that does not know the target: count the PTX
+        sass = None
+    n_chunks = math.ceil(dim / launch["BLOCK_D"])
+    loop = tile_loop_counts(sass, SASS, n_chunks) if sass else tile_loop_counts(ptx, PTX, n_chunks)
+    warps = kernel.metadata.num_warps
+    entries = launch["BLOCK_M"] * launch["BLOCK_N"]
+    per_entry = 32 * warps / entries
+    ctas, limiter = occupancy(usage["regs"], warps, usage["smem"], arch)
+    nbytes, flops = modelled_bytes_flops(name, launch, dim, elt)
+    label = {"bfloat16": "bf16", "float16": "fp16", "float32": f"fp32-{precision}"}.get(dtype, dtype)
+    # The products' M (the MMA's row count): S and dq have BLOCK_M rows, dk's product has BLOCK_N.
+    product_m = min(launch["BLOCK_M"], launch["BLOCK_N"]) if name == "dk" else launch["BLOCK_M"]
+    return {
+        "target": f"sm_{arch}", "dtype": label, "D": dim, "kernel": name, "config": _config(name, launch),
+        "warps": warps, "stages": kernel.metadata.num_stages, "min_mma_m": product_m,
+        **mma_kinds(ptx, sass),
+        "listing": "sass" if sass else "ptx",
+        "loop_static": loop["static"] if loop else None,
+        "instr_per_tile": loop["instr"] if loop else None,
+        "instr_per_entry": loop["instr"] * per_entry if loop else None,
+        "mufu_per_entry": loop["mufu"] * per_entry if loop else None,
+        "ex2_per_entry": loop["ex2"] * per_entry if loop else None,
+        "shfl_per_entry": loop["shfl"] * per_entry if loop else None,
+        "regs": usage["regs"], "spill_bytes": usage["spill_bytes"], "smem": usage["smem"],
+        "smem_limit": usage["smem_limit"], "ctas_per_sm": ctas, "cta_limiter": limiter,
+        "tile_bytes": nbytes, "flop_per_byte": flops / nbytes if nbytes else math.inf,
+    }
+
+
+def run(targets=TARGETS, dtypes=(BF16,), dims=(DIM,), batches=BATCHES, entries=ENTRIES, workers: int = WORKERS,
+        tiles: Optional[Dict[str, Tuple[int, ...]]] = None) -> List[Dict]:
+    """Every (target, dtype) of the report in spawned workers (which import infcl with TRITON_INTERPRET=0);
+    targets whose ptxas the wheel lacks are skipped."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, context, initializer=triton_compile.init_worker) as pool:
+        known = [arch for arch in targets if pool.submit(triton_compile.ptxas_knows, arch).result()]
+        jobs = [pool.submit(report_target, arch, dtype, precision, dim, batches, entries, tiles)
+                for arch in known for dtype, precision in dtypes for dim in dims]
+        return [row for job in jobs for row in job.result()]
+
+
+# ---- output ----------------------------------------------------------------------------------------
+
+def _fmt(value, digits=1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(rows: List[Dict], batches=BATCHES) -> str:
+    heads = ["target", "dtype", "kernel", "config", "warps", "mma (sass, or ptx)", "instr/entry", "slices",
+             "mufu/entry", "shfl/entry", "regs", "spill", "smem KiB", "CTAs/SM", *[f"waves B={b}" for b in batches],
+             "flop/byte"]
+    cells = [heads]
+    for r in rows:
+        mma = r["mma_sass"] if r["mma_sass"] != "n/a" else r["mma_ptx"]
+        cells.append([r["target"], r["dtype"], r["kernel"], r["config"], str(r["warps"]), mma,
+                      _fmt(r["instr_per_entry"]), str(r["slices"]), _fmt(r["mufu_per_entry"], 2),
+                      _fmt(r["shfl_per_entry"], 2),
+                      str(r["regs"]), str(r["spill_bytes"]), f"{r['smem'] / 1024:.0f}",
+                      f"{r['ctas_per_sm']} ({r['cta_limiter']})",
+                      *[_fmt(r.get(f"waves@{b}"), 2) for b in batches], _fmt(r["flop_per_byte"])])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
+    return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(heads))).rstrip() for c in cells)
+
+
+def write_csv(rows: List[Dict], path: Path) -> None:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+# The plot's panels: (CSV column, axis label).
+PLOT_PANELS = (("instr_per_entry_all_slices", "lane instructions per S entry (all D slices)"),
+               ("mufu_per_entry", "MUFU per S entry (per D slice in dq/dk)"),
+               ("flop_per_byte", "modelled L2 flop/byte"))
+
+
+def write_plot(rows: List[Dict], path: Path) -> None:
+    """One panel per :data:`PLOT_PANELS` figure: a bar per kernel, grouped by (target, dtype, D)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["target"], r["dtype"], r["D"]) for r in rows))
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    width = 0.8 / len(kernels)
+    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(6 * len(PLOT_PANELS), 4.5))
+    for ax, (column, label) in zip(axes, PLOT_PANELS):
+        for j, kernel in enumerate(kernels):
+            values = {(r["target"], r["dtype"], r["D"]): r[column] for r in rows if r["kernel"] == kernel}
+            xs = [i + j * width for i, g in enumerate(groups) if values.get(g) is not None]
+            ys = [values[g] for g in groups if values.get(g) is not None]
+            ax.bar(xs, ys, width, label=kernel)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+        ax.set_xticklabels([f"{t} {d}\nD={dim}" for t, d, dim in groups], fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("infcl Triton kernels, static report (compile-only; counted and modelled, not timed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="compute capabilities, e.g. 90,80")
+    parser.add_argument("--tf32", action="store_true", help="also fp32 inputs with tf32 products")
+    parser.add_argument("--dims", default=str(DIM), help="feature dims, e.g. 512,1000 (1000: ragged chunks)")
+    parser.add_argument("--tile", action="append", default=[], metavar="KERNEL=MxN[:warps[:stages[:out]]]",
+                        help=f"replace a default config ({', '.join(TILE_KERNELS)}) on every target; repeatable")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--name", default="static", help="CSV / plot file name (without .csv / .png)")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    targets = tuple(int(t) for t in args.targets.replace(",", " ").split())
+    unknown = [t for t in targets if t not in LIMITS]
+    if unknown:
+        parser.error(f"--targets: no SM limits for {unknown}; known: {sorted(LIMITS)}")
+    try:
+        tiles = dict(parse_tile(spec) for spec in args.tile)
+    except ValueError as err:
+        parser.error(str(err))
+    dims = tuple(int(d) for d in args.dims.replace(",", " ").split())
+    rows = run(targets, (BF16, TF32) if args.tf32 else (BF16,), dims, tiles=tiles)
+    print(format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.name}.csv"
+    write_csv(rows, path)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        write_plot(rows, path.with_suffix(".png"))
+        print(f"wrote {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
