@@ -49,7 +49,9 @@ class Variant:
     origin: str  # "default" or "autotune #i"
 
     def label(self) -> str:
-        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[self.dtype]
+        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[
+            self.dtype
+        ]
         sym = "sym" if self.symmetric else "one"
         return f"sm_{self.arch} {self.phase} {dtype} D={self.dim} B={self.batch} {sym} {self.origin}"
 
@@ -187,8 +189,18 @@ def _ptxas_report(ptx: str, arch: int, arch_name: str) -> Dict[str, int]:
         with open(src, "w") as f:
             f.write(ptx)
         log = subprocess.run(
-            [ptxas, *_ptxas_flags(ptxas), "-v", f"--gpu-name={arch_name}", src, "-o", os.path.join(tmp, "kernel.cubin")],
-            check=True, capture_output=True, text=True,
+            [
+                ptxas,
+                *_ptxas_flags(ptxas),
+                "-v",
+                f"--gpu-name={arch_name}",
+                src,
+                "-o",
+                os.path.join(tmp, "kernel.cubin"),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         ).stderr
     return _parse_ptxas(log)
 
@@ -216,23 +228,35 @@ def compile_variant(variant: Variant) -> List[Dict]:
         stats, grads = torch.zeros(2, n, dtype=acc), torch.ones(n, dtype=acc)
         cols = (stats, grads) if variant.symmetric else (None, None)
         softmax_backward.softmax_backward(
-            q, k, scale, pos, stats, grads, *cols, torch.zeros(n, dim, dtype=acc), torch.zeros(n, dim, dtype=acc),
-            tiling, variant.precision, wrap=compiler,
+            q,
+            k,
+            scale,
+            pos,
+            stats,
+            grads,
+            *cols,
+            torch.zeros(n, dim, dtype=acc),
+            torch.zeros(n, dim, dtype=acc),
+            tiling,
+            variant.precision,
+            wrap=compiler,
         )
     rows = []
     for kernel, compiled, log in compiler.compiled:
         ptx = compiled.asm["ptx"]
         arch_name = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
         usage = _parse_ptxas(log) if log else _ptxas_report(ptx, variant.arch, arch_name)
-        rows.append({
-            "variant": variant.label(),
-            "kernel": _kernel_name(kernel),
-            "num_warps": compiled.metadata.num_warps,
-            "smem": compiled.metadata.shared,
-            "smem_limit": SMEM_LIMITS[variant.arch],
-            "float_atomics": sorted(set(m.group(0) for m in FLOAT_ATOMIC.finditer(ptx))),
-            **usage,
-        })
+        rows.append(
+            {
+                "variant": variant.label(),
+                "kernel": _kernel_name(kernel),
+                "num_warps": compiled.metadata.num_warps,
+                "smem": compiled.metadata.shared,
+                "smem_limit": SMEM_LIMITS[variant.arch],
+                "float_atomics": sorted(set(m.group(0) for m in FLOAT_ATOMIC.finditer(ptx))),
+                **usage,
+            }
+        )
     return rows
 
 
@@ -273,7 +297,9 @@ def variants() -> List[Variant]:
     def add(arch, dtype, precision, cases, tiling, origin, phases=("forward", "backward")):
         for phase in phases:
             for dim, symmetric, batch in cases:
-                out.append(Variant(phase, arch, dtype, precision, dim, batch, symmetric, tuple(tiling.to_ints()), origin))
+                out.append(
+                    Variant(phase, arch, dtype, precision, dim, batch, symmetric, tuple(tiling.to_ints()), origin)
+                )
 
     for arch in FULL_TARGETS + (SMALL_TARGET,):
         for dtype, precision in DTYPES:
@@ -294,7 +320,9 @@ def variants() -> List[Variant]:
             for i, cfg in enumerate(softmax_forward.AUTOTUNE_CONFIGS[key]):
                 if cfg != default.forward:
                     add(arch, dtype, precision, ragged, replace(default, forward=cfg), f"autotune #{i}", ("forward",))
-            pairs = itertools.zip_longest(softmax_backward.DQ_AUTOTUNE_CONFIGS[key], softmax_backward.DK_AUTOTUNE_CONFIGS[key])
+            pairs = itertools.zip_longest(
+                softmax_backward.DQ_AUTOTUNE_CONFIGS[key], softmax_backward.DK_AUTOTUNE_CONFIGS[key]
+            )
             for i, (dq, dk) in enumerate(pairs):
                 dq, dk = dq or default.dq, dk or default.dk  # the lists may differ in length
                 if (dq, dk) != (default.dq, default.dk):
@@ -335,9 +363,12 @@ class Call:
     autotune: bool = False
 
     def label(self) -> str:
-        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[self.dtype]
-        extra = "".join([" sym" if self.symmetric else "", " labels" if self.labels else "",
-                         " autotune" if self.autotune else ""])
+        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[
+            self.dtype
+        ]
+        extra = "".join(
+            [" sym" if self.symmetric else "", " labels" if self.labels else "", " autotune" if self.autotune else ""]
+        )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
 
 
@@ -475,8 +506,11 @@ def run_call(call: Call) -> Dict:
     except Exception as err:  # reported per call: one failure must not hide the others
         import traceback
 
-        return {"call": call.label(), "error": f"{type(err).__name__}: {str(err)[-1500:]}\n"
-                                              f"{''.join(traceback.format_exc().splitlines(True)[-6:])}"}
+        return {
+            "call": call.label(),
+            "error": f"{type(err).__name__}: {str(err)[-1500:]}\n"
+            f"{''.join(traceback.format_exc().splitlines(True)[-6:])}",
+        }
     return {"call": call.label(), "kernels": rows}
 
 
@@ -505,6 +539,7 @@ def api_calls(full: bool) -> List[Call]:
         if not ptxas_knows(arch):
             continue
         for dtype, precision in dtypes:
+
             def add(entry, dims, sizes, arch=arch, dtype=dtype, precision=precision, **kw):
                 out.extend(Call(arch, entry, dtype, precision, dim, *sizes, **kw) for dim in dims)
 
@@ -558,8 +593,9 @@ def compile_training_step(arch: int, entry: str) -> Dict:
         with compile_only(arch) as (compiled, start):
             q, k, labels = _inputs(call)
             scale, bias = _params()
-            step = torch.compile(lambda q, k: call_loss(call, q, k, labels, scale, bias), backend=counter,
-                                 fullgraph=True)
+            step = torch.compile(
+                lambda q, k: call_loss(call, q, k, labels, scale, bias), backend=counter, fullgraph=True
+            )
             step(q, k).backward()
             kernels = sorted({_kernel_name(fn) for fn, _, _ in compiled[start:]})
     except Exception as err:

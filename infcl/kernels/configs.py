@@ -337,7 +337,8 @@ def lazy_autotune(kernel, by_key: Dict[Tuple[int, str], List[TileConfig]], key: 
     @functools.lru_cache(maxsize=None)
     def build():
         configs, prune = autotune_space(by_key)
-        return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, **buffers)(kernel)
+        prune_by = {"early_config_prune": prune}
+        return triton.autotune(configs=configs, key=key, prune_configs_by=prune_by, **buffers)(kernel)
 
     return build
 
