@@ -548,13 +548,18 @@ def api_calls(full: bool) -> List[Call]:
                 add("cal_siglip_loss", API_DIMS, ragged)
                 add("cal_inf_loss", API_DIMS, wide, labels=True)
                 add("cal_siglip_loss", (1000,), wide, labels=True)
-                add("cal_inf_loss", (256,), even, symmetric=True)
+                add("cal_inf_loss", API_DIMS, even, symmetric=True)
+                add("cal_siglip_loss", API_DIMS, even)
                 add("InfCLIPLoss", (768,), even)
                 add("InfSigLipLoss", (768,), even)
                 add("cal_inf_loss", (1000,), ragged, autotune=True)
                 add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             elif arch == 90:
                 add("cal_inf_loss", (40, 1000), ragged, symmetric=True)
+                # Block-multiple batches compile the unmasked (EVEN_M/N) loads: fewer registers go to
+                # masks, more to the pipeline, so a ragged D spills there first.
+                add("cal_inf_loss", (1000,), even, symmetric=True)
+                add("cal_siglip_loss", (512, 1000), even)
                 add("cal_siglip_loss", (40, 1000), ragged)
                 add("cal_inf_loss", (1,), wide, labels=True)
                 add("InfCLIPLoss", (256,), even)
@@ -563,6 +568,8 @@ def api_calls(full: bool) -> List[Call]:
             else:
                 add("cal_inf_loss", (40, 1000), ragged, symmetric=True)
                 add("cal_siglip_loss", (1000,), ragged)
+                add("cal_inf_loss", (1000,), even, symmetric=True)
+                add("cal_siglip_loss", (512, 1000), even)
                 if dtype == "bfloat16":
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
     return out

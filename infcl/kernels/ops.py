@@ -40,20 +40,25 @@ from .configs import (
 
 Tensor = torch.Tensor
 
-def default_tiling(device: torch.device, dtype: torch.dtype, precision: str) -> Tiling:
-    """The default configs of the softmax kernels for inputs of ``dtype`` on the active target's
-    architecture family (the interpreter's big tiles under TRITON_INTERPRET=1)."""
+def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim: Optional[int] = None) -> Tiling:
+    """The default configs of the softmax kernels for inputs of ``dtype`` (and feature width ``dim``, when
+    known) on the active target's architecture family (the interpreter's big tiles under TRITON_INTERPRET=1)."""
     if INTERPRETED:
         return INTERPRETER_TILING
-    return arch_tiling(target_family(), dtype, precision)
+    return arch_tiling(target_family(), dtype, precision, dim)
 
 
-def arch_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
-    """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`)."""
+def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None) -> Tiling:
+    """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`);
+    a ``dim`` that is not a whole number of feature chunks takes the forward's ragged-D config where the
+    family has one (:data:`softmax_forward.RAGGED_D_CONFIGS`)."""
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
+    forward = softmax_forward.DEFAULT_CONFIGS[arch, klass]
+    if dim is not None and dim > chunk_d and dim % chunk_d:
+        forward = softmax_forward.RAGGED_D_CONFIGS.get((arch, klass), forward)
     return Tiling(
-        forward=softmax_forward.DEFAULT_CONFIGS[arch, klass],
+        forward=forward,
         dq=softmax_backward.DQ_CONFIGS[arch, klass],
         dk=softmax_backward.DK_CONFIGS[arch, klass],
         resident_d=resident_d,
@@ -65,7 +70,7 @@ def _tiling(tiling: List[int], q: Tensor, precision: str) -> Tuple[Tiling, bool]
     """(the Tiling to use, whether to autotune)."""
     if tiling:
         return Tiling.from_ints(tiling), False
-    return default_tiling(q.device, q.dtype, precision), autotuning()
+    return default_tiling(q.device, q.dtype, precision, q.shape[1]), autotuning()
 
 
 def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, want_cols: bool, precision: str,

@@ -51,7 +51,11 @@ from .tiles import MIN_DOT, load_tile, score_tile, tile_dot
 # fp64) hold operand fragments in registers, so small tiles over 16-feature chunks with maxnreg 255, as
 # the softmax kernels (ptxas 12 otherwise caps them at 128 registers on sm_80 and spills).
 DEFAULT_TILINGS = {
-    "mma": Tiling(*(TileConfig(block_m=64, block_n=64, num_warps=8),) * 3, resident_d=32, chunk_d=32),
+    # maxnreg 255: ptxas 12 caps the backward at 128 registers on sm_80/86 and spills 12 B at D = 512 on
+    # block-multiple batches; uncapped it takes 154, no spill (sm_90 unchanged).
+    "mma": Tiling(
+        *(TileConfig(block_m=64, block_n=64, num_warps=8, max_registers=255),) * 3, resident_d=32, chunk_d=32
+    ),
     "tf32": Tiling(*(TileConfig(block_m=64, block_n=32, num_warps=8),) * 3, resident_d=32, chunk_d=32),
     "ieee": Tiling(*(TileConfig(block_m=32, block_n=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(block_m=32, block_n=16, max_registers=255),) * 3, resident_d=16, chunk_d=16),

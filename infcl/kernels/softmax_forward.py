@@ -144,6 +144,13 @@ DEFAULT_CONFIGS = {
     **{(arch, klass): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=255)
        for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
 }
+# Where D is not a whole number of feature chunks, the last chunk's masked loads and the column stats of
+# the symmetric loss need more registers: on sm_90 (Triton 3.9) the 128 x 64 bf16/fp16 tile spills 224 B
+# there on block-multiple batches and 128 x 32 spills 20 B on ragged ones; 64 x 64 on 8 warps fits both
+# (248-253 registers, no spill; bench.static compares them).
+RAGGED_D_CONFIGS = {
+    (90, "mma"): TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=3),
+}
 
 
 def _keep(key, config: TileConfig) -> bool:
