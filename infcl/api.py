@@ -68,7 +68,8 @@ def cal_inf_loss(
         guide: None or (guide_q [Bq, D'], guide_k [Bk, D']): another model's features (no gradient; any
             width and float dtype) scoring G = guide_q @ guide_k.T. A column that is not a positive and
             scores G[i, j] > G[i, labels[i]] - guide_margin ("absolute") or > G[i, labels[i]] *
-            (1 - guide_margin) ("relative", ``guide_margin_strategy``) is left out (GISTEmbedLoss's rule).
+            (1 - guide_margin) ("relative", ``guide_margin_strategy``) is left out (GISTEmbedLoss's rule;
+            its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
             its local shard and gets the loss of its local rows against the global batch.

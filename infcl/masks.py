@@ -7,7 +7,9 @@ For row i and global column j, with ``same(i, j) = q_ids[i] == k_ids[j]`` (the s
 - Excluded E(i), left out of the softmax denominator: ``{j not in P(i) : same(i, j)}`` (the false
   negatives) and, with a guide (gq, gk) and G = gq @ gk.T (another model's scores, no gradient),
   ``{j not in P(i) : G[i, j] > t_i}`` with the threshold t_i = G[i, labels[i]] - margin ("absolute") or
-  G[i, labels[i]] * (1 - margin) ("relative"): sentence-transformers' GISTEmbedLoss rule.
+  G[i, labels[i]] * (1 - margin) ("relative"): sentence-transformers' GISTEmbedLoss rule (GIST's relative
+  form is G - |G| * margin, the same where G[i, labels[i]] >= 0; infcl.sentence_transformers' GIST classes
+  get it exactly as the "absolute" rule on guide rows divided by |G[i, labels[i]]|).
 - Row loss, with lse_i over the columns not in E(i): ``None``: lse_i - S[i, labels[i]]; ``"mean"``:
   the mean over p in P(i) of lse_i - S[i, p] (SupCon's L_out); ``"sum"``: lse_i - logsumexp_{p in P(i)}
   S[i, p] (MIL-NCE). A row with no positive (possible under "mean"/"sum") has no loss: it is NaN under

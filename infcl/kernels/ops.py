@@ -50,8 +50,8 @@ def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim
 
 def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None) -> Tiling:
     """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`);
-    a ``dim`` that is not a whole number of feature chunks takes the forward's ragged-D config where the
-    family has one (:data:`softmax_forward.RAGGED_D_CONFIGS`)."""
+    a ``dim`` wider than one feature chunk and not a whole number of them takes the forward's ragged-D
+    config where the family has one (:data:`softmax_forward.RAGGED_D_CONFIGS`)."""
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
     forward = softmax_forward.DEFAULT_CONFIGS[arch, klass]
