@@ -50,16 +50,19 @@ def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim
 
 def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None) -> Tiling:
     """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`);
-    a ``dim`` wider than one feature chunk and not a whole number of them takes the forward's ragged-D
-    config where the family has one (:data:`softmax_forward.RAGGED_D_CONFIGS`)."""
+    a ``dim`` wider than one feature chunk and not a whole number of them takes the forward's and the dq
+    kernel's ragged-D configs where the family has them (:data:`softmax_forward.RAGGED_D_CONFIGS`,
+    :data:`softmax_backward.RAGGED_D_DQ_CONFIGS`)."""
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
     forward = softmax_forward.DEFAULT_CONFIGS[arch, klass]
+    dq = softmax_backward.DQ_CONFIGS[arch, klass]
     if dim is not None and dim > chunk_d and dim % chunk_d:
         forward = softmax_forward.RAGGED_D_CONFIGS.get((arch, klass), forward)
+        dq = softmax_backward.RAGGED_D_DQ_CONFIGS.get((arch, klass), dq)
     return Tiling(
         forward=forward,
-        dq=softmax_backward.DQ_CONFIGS[arch, klass],
+        dq=dq,
         dk=softmax_backward.DK_CONFIGS[arch, klass],
         resident_d=resident_d,
         chunk_d=chunk_d,

@@ -35,10 +35,12 @@ from .configs import (
     COMPILE_OPTIONS,
     INTERPRETED,
     INTERPRETER_TILING,
+    TRITON_VERSION,
     TileConfig,
     Tiling,
     launch_options,
     operand_class,
+    target_family,
 )
 from .tiles import MIN_DOT, load_tile, score_tile, tile_dot
 
@@ -60,14 +62,26 @@ DEFAULT_TILINGS = {
     "ieee": Tiling(*(TileConfig(block_m=32, block_n=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(block_m=32, block_n=16, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
+# Triton 3.2 aborts compiling the 64-row bf16/fp16 tile for sm_90 / sm_100 (an assertion in its linear-layout
+# lowering of a 64-row wgmma accumulator split over two warp groups, as the softmax dq kernel): there the same
+# 8 warps take 128 rows, one warp group per 64. (On sm_80 / sm_86 that tile spills under Triton 3.2: they keep
+# the default.)
+WGMMA_TRITON_32_TILING = Tiling(
+    *(TileConfig(block_m=128, block_n=64, num_warps=8, max_registers=255),) * 3, resident_d=32, chunk_d=32
+)
 
 
 def _pick(tiling, dtype, precision):
     """The caller's tiling, else the interpreter's big tiles under TRITON_INTERPRET=1, else the default of
-    the operand class."""
+    the operand class (on sm_90 / sm_100 under Triton 3.2, :data:`WGMMA_TRITON_32_TILING` for bf16/fp16)."""
     if tiling is not None:
         return tiling
-    return INTERPRETER_TILING if INTERPRETED else DEFAULT_TILINGS[operand_class(dtype, precision)]
+    if INTERPRETED:
+        return INTERPRETER_TILING
+    klass = operand_class(dtype, precision)
+    if klass == "mma" and TRITON_VERSION < (3, 3) and target_family() in (90, 100):
+        return WGMMA_TRITON_32_TILING
+    return DEFAULT_TILINGS[klass]
 
 
 @triton.jit

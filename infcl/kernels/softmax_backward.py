@@ -261,7 +261,7 @@ DQ_CONFIGS = {
         for arch in (90, 100)
     },
     # sm_80 and the 99 KiB families: ptxas 12's allocator needs the third stage's registers back.
-    **{(arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256)
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256, max_registers=255)
        for arch in (80, 86, 120)},
     # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not.
     **{(arch, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128)
@@ -279,14 +279,26 @@ DQ_CONFIGS = {
 DK_CONFIGS = {
     **DQ_CONFIGS,
     # sm_80 and the 99 KiB families: fp16's dS normalization tips 32 owned rows into spills at ragged D; 16 fit.
-    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256)
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256, max_registers=255)
        for arch in (80, 86, 120)},
+    # sm_120's tf32 dk tile at D = 40 with labels: ptxas 13 caps it below its need unless told 255.
+    (120, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128, max_registers=255),
+}
+# Where D is not a whole number of feature chunks (ops.arch_tiling), the last chunk's masked loads need
+# registers the dq accumulator holds: on sm_86 (ptxas 13) the fp16 dq kernel spills 8 B at maxnreg 255
+# with a 256-wide slice; a 128-wide one fits (222 registers). Whole-chunk D keeps the wider slice.
+RAGGED_D_DQ_CONFIGS = {
+    (86, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128, max_registers=255),
 }
 if TRITON_VERSION < (3, 3):
     # Triton 3.2 aborts compiling the sm_90 dq kernel above (an assertion in its LLVM lowering of the
     # 64-row wgmma accumulator split over two warp groups): there it takes 128 rows on the same 8 warps
-    # (one warp group per 64 rows) and a 128-wide slice, so the accumulator still fits.
-    DQ_CONFIGS.update({(arch, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=128)
+    # (one warp group per 64 rows). Triton 3.2 also needs more registers than 3.9 for the same tiles: at
+    # ragged D a 128-wide dq slice spills 560-700 B and the 256-wide dk slice 120 B, so the slices narrow to
+    # 64 (dq) and 128 (dk). Even-batch bf16/fp16 dq at ragged D still spills 176-240 B there.
+    DQ_CONFIGS.update({(arch, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=64)
+                       for arch in (90, 100) for k in ("mma", "tf32")})
+    DK_CONFIGS.update({(arch, k): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128)
                        for arch in (90, 100) for k in ("mma", "tf32")})
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss

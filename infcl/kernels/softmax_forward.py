@@ -126,18 +126,18 @@ DEFAULT_CONFIGS = {
     # sm_90: 128-row tiles over two warp groups (wgmma, M = 64 each); 3 stages of q/k chunks (<= 96 KiB).
     (90, "mma"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     # sm_100 (tcgen05) and sm_120: ptxas 13 spills 128- and 64 x 32 tiles at ragged D; 64 x 16 fit.
-    (100, "mma"): TileConfig(block_m=64, block_n=16, num_warps=4, num_stages=2),
+    (100, "mma"): TileConfig(block_m=64, block_n=16, num_warps=4, num_stages=2, max_registers=255),
     # sm_80: 128 rows on mma.sync; ptxas 12 spills the 64-column tile at ragged D, 32 columns fit.
     (80, "mma"): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
     # sm_86/87/89 (<= 99 KiB of shared memory; ptxas spills 128-row tiles at ragged D): 64 x 32.
-    (86, "mma"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    (86, "mma"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, max_registers=255),
     (120, "mma"): TileConfig(block_m=64, block_n=16, num_warps=4, num_stages=2),
     # tf32: fp32 operands in 32-feature chunks; on sm_90 a third stage pushes registers into spills.
     (90, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     # sm_100: the 128 x 64 tf32 tile spills at ragged D (ptxas 13); 64 x 32 fits.
     (100, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
     (80, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    (86, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    (86, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, max_registers=255),
     (120, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
     # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM.
