@@ -1,9 +1,11 @@
 // What the native kernels (infcl_cpu.cpp: the softmax loss; infcl_siglip.cpp: the sigmoid loss) share:
-// the tile sizes, the row-tile grid and its split over threads, the one BLAS thread guard, and the one
-// vectorizable exp. One copy of each, so both losses tile, parallelize and round the same way.
+// the tile sizes, the row-tile grid and its split over threads, the one BLAS thread guard, the tile GEMMs,
+// and the one vectorizable exp. One copy of each, so both losses tile, parallelize, multiply and round the
+// same way.
 
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,6 +17,10 @@ extern "C" {
 // MKL's thread count for BLAS calls made by the calling thread (0: back to the global setting); weak:
 // absent when torch's BLAS is not MKL. Returns the previous value.
 int MKL_Set_Num_Threads_Local(int nthreads) __attribute__((weak));
+// MKL's bf16 x bf16 -> fp32 GEMM, CBLAS LP64 signature; weak: absent when torch's BLAS is not MKL.
+void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                            const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                            int ldc) __attribute__((weak));
 }
 
 namespace infcl {
@@ -80,6 +86,55 @@ class SingleThreadedBlas {
  private:
   int previous_;
 };
+
+// ---------------------------------------------------------------------------------------------
+// GEMM on row-major 2-D tiles: C[M,N] = alpha * op(A) @ op(B) + beta * C, op = transpose or not.
+// float32 / float64 go through ATen (at::mm_out / addmm_, i.e. MKL or whatever BLAS torch uses);
+// bfloat16 needs an fp32 output that at::mm cannot give on CPU, so it calls MKL's
+// cblas_gemm_bf16bf16f32 when the torch build exports it (weak symbol: absent -> float32 path).
+
+// MKL's CBLAS enums.
+enum { kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112 };
+
+inline bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
+
+template <typename T>
+at::Tensor view2d(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+  // A (rows x cols) row-major view with leading dimension ld, transposed if asked.
+  auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  at::Tensor t = at::from_blob(const_cast<T*>(data), {rows, cols}, {ld, 1}, opts);
+  return trans ? t.t() : t;
+}
+
+template <typename T>
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  at::Tensor av = ta ? view2d(a, k, m, lda, true) : view2d(a, m, k, lda, false);
+  at::Tensor bv = tb ? view2d(b, n, k, ldb, true) : view2d(b, k, n, ldb, false);
+  at::Tensor cv = view2d(c, m, n, ldc, false);
+  if (beta == T(0) && alpha == T(1)) {
+    at::mm_out(cv, av, bv);
+  } else {
+    cv.addmm_(av, bv, beta, alpha);
+  }
+}
+
+inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a,
+                 int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_gemm_bf16bf16f32(kCblasRowMajor, ta ? kCblasTrans : kCblasNoTrans, tb ? kCblasTrans : kCblasNoTrans,
+                         static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha,
+                         reinterpret_cast<const uint16_t*>(a), static_cast<int>(lda),
+                         reinterpret_cast<const uint16_t*>(b), static_cast<int>(ldb), beta, c,
+                         static_cast<int>(ldc));
+}
+
+// float -> bfloat16 bits, round to nearest even, written so it vectorizes; NaN stays NaN.
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+}
 
 // ---------------------------------------------------------------------------------------------
 // exp.
