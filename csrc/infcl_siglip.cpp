@@ -2,9 +2,9 @@
 // in infcl/backends/base.py, fused so that each logit tile comes from one BLAS call and is consumed while
 // it is still in cache.
 //
-//   sigmoid_forward_block(q [Bq,D], k [Bk,D], pos [Bq], scale, bias) -> rows [Bq]
+//   sigmoid_forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], bias) -> rows [Bq]
 //       rows[i] = sum_j softplus(t_ij),  t_ij = -z_ij * (scale * q_i.k_j + bias),  z = +1 at column pos[i], else -1
-//   sigmoid_backward_block(q, k, pos, scale, bias, g_row [Bq], dq!, dk!) -> (dscale, dbias) [2]
+//   sigmoid_backward_block(q, k, scale, pos, bias, g_row [Bq], dq!, dk!) -> (dscale, dbias) [2]
 //       dL_ij = -z_ij * g_i * sigmoid(t_ij);  dq += scale * dL @ k;  dk += scale * dL.T @ q
 //
 // GEMMs per block, each 2 * Bq * Bk * D flops: forward 1 (raw = q @ k.T), backward 3 (raw again, dq, dk).
@@ -365,8 +365,8 @@ at::Tensor with_row_length(const at::Tensor& t, int64_t ld) {
 // The row length bf16 operands get on `route`: brgemm multiplies over an even depth.
 int64_t bf16_row_length(Bf16Gemm route, int64_t d) { return route == Bf16Gemm::Brgemm ? round_up_even(d) : d; }
 
-at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& pos_in,
-                                 double scale, double bias) {
+at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                 const at::Tensor& pos_in, double bias) {
   check_inputs(q_in, k_in, pos_in);
   const auto acc = acc_type(q_in);
   const at::Tensor pos = prepared(pos_in, at::kLong);
@@ -400,8 +400,8 @@ at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in,
   return rows;
 }
 
-at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& pos_in,
-                                  double scale, double bias, const at::Tensor& g_row, at::Tensor& dq,
+at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                  const at::Tensor& pos_in, double bias, const at::Tensor& g_row, at::Tensor& dq,
                                   at::Tensor& dk) {
   check_inputs(q_in, k_in, pos_in);
   const auto acc = acc_type(q_in);
@@ -459,9 +459,10 @@ at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
 
 // The namespace `infcl` is defined by csrc/infcl_cpu.cpp's TORCH_LIBRARY; this file adds its ops to it.
 TORCH_LIBRARY_FRAGMENT(infcl, m) {
-  m.def("sigmoid_forward_block(Tensor q, Tensor k, Tensor pos, float scale, float bias) -> Tensor");
+  // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias.
+  m.def("sigmoid_forward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias) -> Tensor");
   m.def(
-      "sigmoid_backward_block(Tensor q, Tensor k, Tensor pos, float scale, float bias, Tensor g_row, "
+      "sigmoid_backward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias, Tensor g_row, "
       "Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
 }
 

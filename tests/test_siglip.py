@@ -276,8 +276,8 @@ def test_native_ops_pass_opcheck():
     """Schema (in-place dq / dk declared), fake impls and the real kernels agree."""
     image, text, _ = make_inputs(40, 50, 8, "diag", torch.float32)
     pos = torch.randint(-1, 50, (40,))
-    torch.library.opcheck(torch.ops.infcl.sigmoid_forward_block.default, (image, text, pos, 10.0, -10.0))
-    args = (image, text, pos, 10.0, -10.0, torch.rand(40), torch.zeros(40, 8), torch.zeros(50, 8))
+    torch.library.opcheck(torch.ops.infcl.sigmoid_forward_block.default, (image, text, 10.0, pos, -10.0))
+    args = (image, text, 10.0, pos, -10.0, torch.rand(40), torch.zeros(40, 8), torch.zeros(50, 8))
     torch.library.opcheck(torch.ops.infcl.sigmoid_backward_block.default, args)
 
 
@@ -309,7 +309,7 @@ def force_bf16_route(monkeypatch, route):
     monkeypatch.setenv("INFCL_BF16_GEMM", route)
     image, text, _ = make_inputs(2, 2, 2, "diag", torch.bfloat16)
     try:
-        torch.ops.infcl.sigmoid_forward_block(image, text, torch.arange(2), 1.0, 0.0)
+        torch.ops.infcl.sigmoid_forward_block(image, text, 1.0, torch.arange(2), 0.0)
     except RuntimeError as error:
         if f"INFCL_BF16_GEMM={route}:" not in str(error):
             raise
