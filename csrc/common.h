@@ -164,10 +164,12 @@ inline bool cpu_has(const char* capability) {
 }
 
 // Whether this torch's brgemm takes VNNI bf16 here: probed once on a 2 x 16 x 2 product (it throws where
-// the oneDNN microkernel is not built in or is limited below AVX-512, e.g. by ONEDNN_MAX_CPU_ISA).
+// the oneDNN microkernel is not built in or is limited below AVX-512, e.g. by ONEDNN_MAX_CPU_ISA). Never
+// on AMX CPUs: there oneDNN runs it on the AMX tiles, whose state the caller would have to request and
+// release around MKL's own AMX use (infcl_cpu.cpp's notes), and MKL's route is as fast.
 inline bool brgemm_bf16_works() {
   static const bool works = [] {
-    if (!cpu_has("avx512_bf16")) return false;
+    if (!cpu_has("avx512_bf16") || cpu_has("amx_bf16") || cpu_has("amx_tile")) return false;
     try {
       const at::BFloat16 a[4] = {1.0f, 2.0f, 3.0f, 4.0f};  // A [2, 2]
       at::BFloat16 b[2 * 16 * 2];                            // B [2, 16] in pairs: B[0, n] = 1, B[1, n] = n
@@ -195,7 +197,8 @@ inline Bf16Gemm bf16_gemm_route() {
     return Bf16Gemm::Mkl;
   }
   if (forced == "brgemm") {
-    TORCH_CHECK(brgemm_bf16_works(), "INFCL_BF16_GEMM=brgemm: needs AVX512-BF16 and oneDNN's brgemm microkernel");
+    TORCH_CHECK(brgemm_bf16_works(),
+                "INFCL_BF16_GEMM=brgemm: needs AVX512-BF16 without AMX, oneDNN on, and its brgemm microkernel");
     return Bf16Gemm::Brgemm;
   }
   if (forced == "float32") return Bf16Gemm::None;
