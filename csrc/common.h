@@ -8,7 +8,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -17,6 +16,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 extern "C" {
 // MKL's thread count for BLAS calls made by the calling thread (0: back to the global setting); weak:
@@ -157,10 +160,40 @@ inline uint16_t to_bf16_bits(float f) {
 // route it cannot take is an error); unset or "auto" picks as above.
 enum class Bf16Gemm { Mkl, Brgemm, None };
 
-inline bool cpu_has(const char* capability) {
-  static const auto caps = at::cpu::get_cpu_capabilities();
-  const auto it = caps.find(capability);
-  return it != caps.end() && it->second.isBool() && it->second.toBool();
+// The x86 features the routes depend on, from CPUID (leaf 7: Intel SDM vol. 2A; torch's own detection API
+// has changed across the versions infcl supports), AVX-512 only where the OS saves its state (XCR0).
+struct CpuFeatures {
+  bool avx512_bf16 = false;
+  bool amx = false;  // AMX-TILE or AMX-BF16
+};
+
+constexpr unsigned CPUID_OSXSAVE = 1u << 27;         // leaf 1, ECX: XGETBV usable
+constexpr unsigned CPUID_AVX512F = 1u << 16;         // leaf 7 subleaf 0, EBX
+constexpr unsigned CPUID_AMX_BF16 = 1u << 22;        // leaf 7 subleaf 0, EDX
+constexpr unsigned CPUID_AMX_TILE = 1u << 24;        // leaf 7 subleaf 0, EDX
+constexpr unsigned CPUID_AVX512_BF16 = 1u << 5;      // leaf 7 subleaf 1, EAX
+constexpr unsigned XCR0_AVX512_STATE = 0xE6u;        // XMM, YMM, opmask, ZMM_Hi256, Hi16_ZMM state enabled
+
+inline CpuFeatures cpu_features() {
+  CpuFeatures f;
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & CPUID_OSXSAVE)) return f;
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  const bool os_avx512 = (xcr0_lo & XCR0_AVX512_STATE) == XCR0_AVX512_STATE;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const unsigned max_subleaf = a;
+  const bool avx512f = os_avx512 && (b & CPUID_AVX512F);
+  f.amx = (d & (CPUID_AMX_BF16 | CPUID_AMX_TILE)) != 0;
+  if (max_subleaf >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = avx512f && (a & CPUID_AVX512_BF16);
+#endif
+  return f;
+}
+
+inline const CpuFeatures& this_cpu() {
+  static const CpuFeatures features = cpu_features();
+  return features;
 }
 
 // Whether this torch's brgemm takes VNNI bf16 here: probed once on a 2 x 16 x 2 product (it throws where
@@ -168,8 +201,9 @@ inline bool cpu_has(const char* capability) {
 // on AMX CPUs: there oneDNN runs it on the AMX tiles, whose state the caller would have to request and
 // release around MKL's own AMX use (infcl_cpu.cpp's notes), and MKL's route is as fast.
 inline bool brgemm_bf16_works() {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  if (!this_cpu().avx512_bf16 || this_cpu().amx || !at::globalContext().userEnabledMkldnn()) return false;
   static const bool works = [] {
-    if (!cpu_has("avx512_bf16") || cpu_has("amx_bf16") || cpu_has("amx_tile")) return false;
     try {
       const at::BFloat16 a[4] = {1.0f, 2.0f, 3.0f, 4.0f};  // A [2, 2]
       at::BFloat16 b[2 * 16 * 2];                            // B [2, 16] in pairs: B[0, n] = 1, B[1, n] = n
@@ -184,7 +218,10 @@ inline bool brgemm_bf16_works() {
       return false;
     }
   }();
-  return works && at::globalContext().userEnabledMkldnn();
+  return works;
+#else
+  return false;  // this torch's CPUBlas has no bf16 brgemm
+#endif
 }
 
 inline bool mkl_bf16_available() { return has_bf16_gemm(); }
@@ -203,7 +240,7 @@ inline Bf16Gemm bf16_gemm_route() {
   }
   if (forced == "float32") return Bf16Gemm::None;
   TORCH_CHECK(forced == "auto", "INFCL_BF16_GEMM must be auto, mkl, brgemm or float32, got '", forced, "'");
-  if (cpu_has("amx_bf16") && mkl_bf16_available()) return Bf16Gemm::Mkl;
+  if (this_cpu().amx && mkl_bf16_available()) return Bf16Gemm::Mkl;
   if (brgemm_bf16_works()) return Bf16Gemm::Brgemm;
   return Bf16Gemm::None;
 }
@@ -240,8 +277,12 @@ inline void pack_transposed_pairs(const at::BFloat16* a, int64_t ld, int64_t n, 
 // k even: pad with a zero column), B in VNNI pairs (rows of ldb words).
 inline void brgemm_bf16(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda, const uint32_t* b,
                         int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, reinterpret_cast<const at::BFloat16*>(b), c,
                               /*is_vnni=*/true);
+#else
+  TORCH_CHECK(false, "infcl: brgemm_bf16 called where brgemm_bf16_works() is false");
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
