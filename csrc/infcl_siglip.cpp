@@ -144,7 +144,7 @@ void row_grad(T* raw, int64_t nj, int64_t p, T scale, T bias, T g, T& dscale, T&
 //   scores(i0, ni) -> raw [ni, nj] = q[i0 : i0 + ni] @ k[j0 : j0 + nj].T, in the lane's buffer (Acc);
 //   gradients(i0, ni, dk), raw now holding dL:  dq[i0 : i0 + ni] += scale * dL @ k[j0 : j0 + nj],
 //     dk[j0 : j0 + nj] += scale * dL.T @ q[i0 : i0 + ni], dk being the lane's accumulator: [Bk, D], or
-//     [D, Bk] (dk.T) for a products type whose transposed_dk() says so.
+//     [D, Bk] (dk.T) on the brgemm route (backward_impl's transposed_dk).
 
 // The block as the products read it.
 template <typename In, typename Acc>
@@ -164,7 +164,6 @@ class AtenProducts {
  public:
   using Acc = T;
   AtenProducts(const Operands<T, T>& o, int64_t rows, int64_t tk) : o_(o), raw_(rows * tk) {}
-  bool transposed_dk() const { return false; }
   void set_keys(int64_t j0, int64_t nj) { j0_ = j0, nj_ = nj; }
   T* scores(int64_t i0, int64_t ni) {
     gemm(false, true, ni, nj_, o_.d, T(1), o_.q + i0 * o_.ld, o_.ld, o_.k + j0_ * o_.ld, o_.ld, T(0), raw_.data(),
@@ -200,7 +199,6 @@ class Bf16Products {
       : brgemm_(route == Bf16Gemm::Brgemm), o_(o), raw_(rows * tk), ds_(backward ? rows * round_up_even(tk) : 0),
         ds_pairs_(brgemm_ && backward ? round_up_even(rows) / 2 * tk : 0), k_t_pairs_(brgemm_ ? o.ld / 2 * tk : 0),
         k_pairs_(brgemm_ && backward ? round_up_even(tk) / 2 * o.d : 0) {}
-  bool transposed_dk() const { return brgemm_; }
 
   void set_keys(int64_t j0, int64_t nj) {
     j0_ = j0, nj_ = nj;
@@ -290,8 +288,8 @@ void forward_impl(int64_t bq, int64_t bk, const int64_t* pos, Acc scale, Acc bia
   for (int64_t i = 0; i < bq; ++i) out[i] = static_cast<Acc>(sums[i]);
 }
 
-// dq (contiguous, accumulated), dk (contiguous, accumulated), dparams = (dscale, dbias); make(tk, lanes)
-// builds a lane's products.
+// dq (contiguous, accumulated: the products hold it), dk (contiguous, accumulated), dparams = (dscale,
+// dbias); make(tk) builds a lane's products, which take dk transposed when transposed_dk.
 template <typename Acc, typename Make>
 void backward_impl(int64_t bq, int64_t bk, int64_t d, const int64_t* pos, Acc scale, Acc bias, const Acc* g,
                    bool transposed_dk, Make make, at::Tensor& dk, at::Tensor& dparams) {
