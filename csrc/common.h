@@ -1,20 +1,34 @@
 // What the native kernels (infcl_cpu.cpp: the softmax loss; infcl_siglip.cpp: the sigmoid loss) share:
-// the tile sizes, the row-tile grid and its split over threads, the one BLAS thread guard, and the one
-// vectorizable exp. One copy of each, so both losses tile, parallelize and round the same way.
+// the tile sizes, the row-tile grid and its split over threads, the one BLAS thread guard, the tile GEMMs
+// and the bfloat16 GEMM routes, and the one vectorizable exp. One copy of each, so both losses tile,
+// parallelize, multiply and round the same way.
 
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 extern "C" {
 // MKL's thread count for BLAS calls made by the calling thread (0: back to the global setting); weak:
 // absent when torch's BLAS is not MKL. Returns the previous value.
 int MKL_Set_Num_Threads_Local(int nthreads) __attribute__((weak));
+// MKL's bf16 x bf16 -> fp32 GEMM, CBLAS LP64 signature; weak: absent when torch's BLAS is not MKL.
+void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                            const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                            int ldc) __attribute__((weak));
 }
 
 namespace infcl {
@@ -80,6 +94,196 @@ class SingleThreadedBlas {
  private:
   int previous_;
 };
+
+// ---------------------------------------------------------------------------------------------
+// GEMM on row-major 2-D tiles: C[M,N] = alpha * op(A) @ op(B) + beta * C, op = transpose or not.
+// float32 / float64 go through ATen (at::mm_out / addmm_, i.e. MKL or whatever BLAS torch uses);
+// bfloat16 needs an fp32 output that at::mm cannot give on CPU, so it calls MKL's
+// cblas_gemm_bf16bf16f32 when the torch build exports it (weak symbol: absent -> float32 path).
+
+// MKL's CBLAS enums.
+enum { kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112 };
+
+inline bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
+
+template <typename T>
+at::Tensor view2d(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+  // A (rows x cols) row-major view with leading dimension ld, transposed if asked.
+  auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  at::Tensor t = at::from_blob(const_cast<T*>(data), {rows, cols}, {ld, 1}, opts);
+  return trans ? t.t() : t;
+}
+
+template <typename T>
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  at::Tensor av = ta ? view2d(a, k, m, lda, true) : view2d(a, m, k, lda, false);
+  at::Tensor bv = tb ? view2d(b, n, k, ldb, true) : view2d(b, k, n, ldb, false);
+  at::Tensor cv = view2d(c, m, n, ldc, false);
+  if (beta == T(0) && alpha == T(1)) {
+    at::mm_out(cv, av, bv);
+  } else {
+    cv.addmm_(av, bv, beta, alpha);
+  }
+}
+
+inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a,
+                 int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_gemm_bf16bf16f32(kCblasRowMajor, ta ? kCblasTrans : kCblasNoTrans, tb ? kCblasTrans : kCblasNoTrans,
+                         static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha,
+                         reinterpret_cast<const uint16_t*>(a), static_cast<int>(lda),
+                         reinterpret_cast<const uint16_t*>(b), static_cast<int>(ldb), beta, c,
+                         static_cast<int>(ldc));
+}
+
+// float -> bfloat16 bits, round to nearest even, written so it vectorizes; NaN stays NaN.
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// ---------------------------------------------------------------------------------------------
+// bfloat16 x bfloat16 -> float32 tile products: which route a CPU takes.
+//
+// - Mkl: MKL's cblas_gemm_bf16bf16f32 (gemm() above), where the CPU has AMX-BF16: MKL runs it on the
+//   AMX tiles (oneDNN's AMX brgemm was no faster there end to end, and shares the AMX state with MKL:
+//   see infcl_cpu.cpp's notes).
+// - Brgemm: oneDNN's bf16 batch-reduce GEMM microkernel (at::native::cpublas::brgemm, vdpbf16ps), where
+//   the CPU has AVX512-BF16 but no AMX. MKL's bf16 GEMM runs there at its sgemm rate; 256 x 512 x 512
+//   tile products on one thread of an AMD EPYC family 25 model 17: MKL bf16 ~60 GFLOP/s, MKL sgemm 60-70,
+//   brgemm 160-170. Its B operand is taken in VNNI pairs (pack_row_pairs, pack_transposed_pairs).
+// - None: neither (AVX2 only, AVX-512 without BF16, MKL's bf16 GEMM absent, oneDNN turned off): the
+//   kernel computes on float32 copies of its inputs, which are exact.
+// INFCL_BF16_GEMM = mkl | brgemm | float32 forces a route (the tests run every route the CPU can take; a
+// route it cannot take is an error); unset or "auto" picks as above.
+enum class Bf16Gemm { Mkl, Brgemm, None };
+
+// The x86 features the routes depend on, from CPUID (leaf 7: Intel SDM vol. 2A; torch's own detection API
+// has changed across the versions infcl supports), AVX-512 only where the OS saves its state (XCR0).
+struct CpuFeatures {
+  bool avx512_bf16 = false;
+  bool amx = false;  // AMX-TILE or AMX-BF16
+};
+
+constexpr unsigned CPUID_OSXSAVE = 1u << 27;         // leaf 1, ECX: XGETBV usable
+constexpr unsigned CPUID_AVX512F = 1u << 16;         // leaf 7 subleaf 0, EBX
+constexpr unsigned CPUID_AMX_BF16 = 1u << 22;        // leaf 7 subleaf 0, EDX
+constexpr unsigned CPUID_AMX_TILE = 1u << 24;        // leaf 7 subleaf 0, EDX
+constexpr unsigned CPUID_AVX512_BF16 = 1u << 5;      // leaf 7 subleaf 1, EAX
+constexpr unsigned XCR0_AVX512_STATE = 0xE6u;        // XMM, YMM, opmask, ZMM_Hi256, Hi16_ZMM state enabled
+
+inline CpuFeatures cpu_features() {
+  CpuFeatures f;
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & CPUID_OSXSAVE)) return f;
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  const bool os_avx512 = (xcr0_lo & XCR0_AVX512_STATE) == XCR0_AVX512_STATE;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const unsigned max_subleaf = a;
+  const bool avx512f = os_avx512 && (b & CPUID_AVX512F);
+  f.amx = (d & (CPUID_AMX_BF16 | CPUID_AMX_TILE)) != 0;
+  if (max_subleaf >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = avx512f && (a & CPUID_AVX512_BF16);
+#endif
+  return f;
+}
+
+inline const CpuFeatures& this_cpu() {
+  static const CpuFeatures features = cpu_features();
+  return features;
+}
+
+// Whether this torch's brgemm takes VNNI bf16 here: probed once on a 2 x 16 x 2 product (it throws where
+// the oneDNN microkernel is not built in or is limited below AVX-512, e.g. by ONEDNN_MAX_CPU_ISA). Never
+// on AMX CPUs: there oneDNN runs it on the AMX tiles, whose state the caller would have to request and
+// release around MKL's own AMX use (infcl_cpu.cpp's notes), and MKL's route is as fast.
+inline bool brgemm_bf16_works() {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  if (!this_cpu().avx512_bf16 || this_cpu().amx || !at::globalContext().userEnabledMkldnn()) return false;
+  static const bool works = [] {
+    try {
+      const at::BFloat16 a[4] = {1.0f, 2.0f, 3.0f, 4.0f};  // A [2, 2]
+      at::BFloat16 b[2 * 16 * 2];                            // B [2, 16] in pairs: B[0, n] = 1, B[1, n] = n
+      for (int n = 0; n < 16; ++n) b[2 * n] = 1.0f, b[2 * n + 1] = static_cast<float>(n);
+      float c[2 * 16];
+      at::native::cpublas::brgemm(2, 16, 2, 2, 16, 16, false, a, b, c, /*is_vnni=*/true);
+      for (int n = 0; n < 16; ++n) {
+        if (c[n] != 1.0f + 2.0f * n || c[16 + n] != 3.0f + 4.0f * n) return false;
+      }
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works;
+#else
+  return false;  // this torch's CPUBlas has no bf16 brgemm
+#endif
+}
+
+inline bool mkl_bf16_available() { return has_bf16_gemm(); }
+
+inline Bf16Gemm bf16_gemm_route() {
+  const char* env = std::getenv("INFCL_BF16_GEMM");
+  const std::string forced = env ? env : "auto";
+  if (forced == "mkl") {
+    TORCH_CHECK(mkl_bf16_available(), "INFCL_BF16_GEMM=mkl: this torch's BLAS has no cblas_gemm_bf16bf16f32");
+    return Bf16Gemm::Mkl;
+  }
+  if (forced == "brgemm") {
+    TORCH_CHECK(brgemm_bf16_works(),
+                "INFCL_BF16_GEMM=brgemm: needs AVX512-BF16 without AMX, oneDNN on, and its brgemm microkernel");
+    return Bf16Gemm::Brgemm;
+  }
+  if (forced == "float32") return Bf16Gemm::None;
+  TORCH_CHECK(forced == "auto", "INFCL_BF16_GEMM must be auto, mkl, brgemm or float32, got '", forced, "'");
+  if (this_cpu().amx && mkl_bf16_available()) return Bf16Gemm::Mkl;
+  if (brgemm_bf16_works()) return Bf16Gemm::Brgemm;
+  return Bf16Gemm::None;
+}
+
+// VNNI pairs, the layout of brgemm's B operand: B [K, N] as ceil(K / 2) rows of N 32-bit words, word
+// (p, n) holding B[2p, n] in its low half and B[2p + 1, n] in its high half (0 past the last row).
+// From B row-major (rows of ld elements): rows 2p and 2p + 1 interleaved.
+inline void pack_row_pairs(const at::BFloat16* b, int64_t ld, int64_t k, int64_t n, uint32_t* out) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(b);
+  for (int64_t p = 0; p < (k + 1) / 2; ++p) {
+    const uint16_t* lo = bits + 2 * p * ld;
+    const uint16_t* hi = 2 * p + 1 < k ? lo + ld : nullptr;
+    uint32_t* o = out + p * n;
+    if (hi) {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[c] = uint32_t(lo[c]) | (uint32_t(hi[c]) << 16);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[c] = lo[c];
+    }
+  }
+}
+
+// From B = A.T, A row-major [N, K] (rows of ld elements, K even): word (p, n) is
+// A's 32-bit word at (n, 2p), a transpose of 32-bit words.
+inline void pack_transposed_pairs(const at::BFloat16* a, int64_t ld, int64_t n, int64_t k, uint32_t* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const at::BFloat16* row = a + r * ld;
+    for (int64_t p = 0; p < k / 2; ++p) std::memcpy(out + p * n + r, row + 2 * p, sizeof(uint32_t));
+  }
+}
+
+// C [m, n] = A [m, k] @ B (+ C when accumulate) in float32; A row-major bfloat16 (rows of lda elements,
+// k even: pad with a zero column), B in VNNI pairs (rows of ldb words).
+inline void brgemm_bf16(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda, const uint32_t* b,
+                        int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, reinterpret_cast<const at::BFloat16*>(b), c,
+                              /*is_vnni=*/true);
+#else
+  TORCH_CHECK(false, "infcl: brgemm_bf16 called where brgemm_bf16_works() is false");
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // exp.

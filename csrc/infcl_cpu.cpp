@@ -81,19 +81,9 @@ inline double rescale_factor(T old_max, T new_max) {
   return old_max == new_max ? 1.0 : std::exp(static_cast<double>(old_max) - static_cast<double>(new_max));
 }
 
-// float -> bfloat16 bits, round to nearest even, written so it vectorizes; NaN stays NaN.
-inline uint16_t to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return f != f ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
-}
-
 // ---------------------------------------------------------------------------------------------
-// GEMM on row-major 2-D tiles: C[M,N] = alpha * op(A) @ op(B) + beta * C, op = transpose or not.
-// float32 / float64 go through ATen (at::mm_out / addmm_, i.e. MKL or whatever BLAS torch uses);
-// bfloat16 needs an fp32 output that at::mm cannot give on CPU, so it calls MKL's
-// cblas_gemm_bf16bf16f32 when the torch build exports it (weak symbol: absent -> float32 path).
+// GEMM on row-major 2-D tiles: common.h's gemm() (ATen for float32 / float64, MKL's
+// cblas_gemm_bf16bf16f32 for bfloat16), plus MKL's packed sgemm for a reused key tile (ReusedB).
 //
 // Tried and dropped (B=8192, D=512, 2 cores), so nobody retries them blind:
 // - MKL's packed-operand sgemm with every k panel packed up front: cblas_sgemm_pack_get_size asks
@@ -114,11 +104,6 @@ inline uint16_t to_bf16_bits(float f) {
 // big bf16 GEMM ran at 240-1070 GFLOP/s on 1 thread and 500-1900 on 2 in the same hour.
 
 extern "C" {
-// MKL's CBLAS enums and LP64 signature.
-enum { kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112 };
-void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
-                            const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
-                            int ldc) __attribute__((weak));
 // MKL's packed-operand sgemm: op(B) packed once, then multiplied by many A tiles.
 enum { kCblasPacked = 151, kCblasBMatrix = 162 };
 size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
@@ -126,38 +111,6 @@ void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k
                       int ld, float* dest) __attribute__((weak));
 void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
                          const float* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
-}
-
-bool has_bf16_gemm() { return cblas_gemm_bf16bf16f32 != nullptr; }
-
-template <typename T>
-at::Tensor view2d(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
-  // A (rows x cols) row-major view with leading dimension ld, transposed if asked.
-  auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
-  at::Tensor t = at::from_blob(const_cast<T*>(data), {rows, cols}, {ld, 1}, opts);
-  return trans ? t.t() : t;
-}
-
-template <typename T>
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
-          int64_t ldb, T beta, T* c, int64_t ldc) {
-  at::Tensor av = ta ? view2d(a, k, m, lda, true) : view2d(a, m, k, lda, false);
-  at::Tensor bv = tb ? view2d(b, n, k, ldb, true) : view2d(b, k, n, ldb, false);
-  at::Tensor cv = view2d(c, m, n, ldc, false);
-  if (beta == T(0) && alpha == T(1)) {
-    at::mm_out(cv, av, bv);
-  } else {
-    cv.addmm_(av, bv, beta, alpha);
-  }
-}
-
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a, int64_t lda,
-          const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  cblas_gemm_bf16bf16f32(kCblasRowMajor, ta ? kCblasTrans : kCblasNoTrans, tb ? kCblasTrans : kCblasNoTrans,
-                         static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha,
-                         reinterpret_cast<const uint16_t*>(a), static_cast<int>(lda),
-                         reinterpret_cast<const uint16_t*>(b), static_cast<int>(ldb), beta, c,
-                         static_cast<int>(ldc));
 }
 
 bool has_sgemm_pack() {

@@ -2,9 +2,9 @@
 // in infcl/backends/base.py, fused so that each logit tile comes from one BLAS call and is consumed while
 // it is still in cache.
 //
-//   sigmoid_forward_block(q [Bq,D], k [Bk,D], pos [Bq], scale, bias) -> rows [Bq]
+//   sigmoid_forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], bias) -> rows [Bq]
 //       rows[i] = sum_j softplus(t_ij),  t_ij = -z_ij * (scale * q_i.k_j + bias),  z = +1 at column pos[i], else -1
-//   sigmoid_backward_block(q, k, pos, scale, bias, g_row [Bq], dq!, dk!) -> (dscale, dbias) [2]
+//   sigmoid_backward_block(q, k, scale, pos, bias, g_row [Bq], dq!, dk!) -> (dscale, dbias) [2]
 //       dL_ij = -z_ij * g_i * sigmoid(t_ij);  dq += scale * dL @ k;  dk += scale * dL.T @ q
 //
 // GEMMs per block, each 2 * Bq * Bk * D flops: forward 1 (raw = q @ k.T), backward 3 (raw again, dq, dk).
@@ -12,10 +12,11 @@
 // Parallel layout (common.h's): the Bq rows are cut into row tiles (RowTiles: fixed by Bq alone) and the
 // tiles into `lanes` contiguous ranges, one per thread. A lane walks its tiles against TILE_K key columns,
 // key tiles outer, so one key tile serves all of the lane's row tiles while it is in cache; every product
-// is one single-threaded ATen call (MKL sgemm / dgemm) on a tile. Rows belong to one tile, so the
-// forward's row losses do not depend on the thread count; in the backward each lane keeps its own dk
-// (lane 0 writes the caller's) and its own parameter sums, merged in lane order at the end, so those
-// depend on the thread count, never on scheduling: bit-identical run to run.
+// is one single-threaded call on a tile (Products below). Rows belong to one tile, so the forward's row
+// losses do not depend on the thread count; in the backward each lane keeps its own dk (lane 0 writes the
+// caller's, except on the brgemm route, which keeps every lane's dk transposed) and its own parameter
+// sums, merged in lane order at the end, so those depend on the thread count, never on scheduling:
+// bit-identical run to run.
 //
 // Per entry, one exp: with e = exp(-|t|) in (0, 1],
 //   softplus(t) = max(t, 0) + log1p(e)        sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e)
@@ -24,14 +25,17 @@
 // log1p below, which the compiler vectorizes; float64 uses libm. The positive's column is handled apart
 // from the vectorized runs of negatives on either side of it.
 //
-// dtypes: float32 and float64 natively; bfloat16 and float16 on float32 copies of q and k (exact). Tried
-// and dropped: MKL's bf16 x bf16 -> fp32 GEMM (cblas_gemm_bf16bf16f32, which csrc/infcl_cpu.cpp uses on
-// AMX machines) for all three products. Correct, but on the AMD EPYC this was measured on (avx512_bf16,
-// no AMX) it runs 256 x 512 x 512 tile products at the sgemm rate (43 vs 40 GFLOP/s on one thread,
-// interleaved), so it gains nothing here; oneDNN's bf16 matmul, which the vanilla loss gets through
-// at::mm (~4x that rate), has no float32 output on CPU in ATen.
-// Extra memory: one tile per lane, (lanes - 1) dk partials of [Bk, D], the float32 copies for 16-bit
-// inputs -- never O(Bq * Bk).
+// dtypes: float32 and float64 natively (ATen's sgemm / dgemm). bfloat16 by common.h's bf16 GEMM route:
+// bf16 x bf16 -> float32 products (MKL's on AMX CPUs, oneDNN's brgemm on AVX512-BF16 ones), the logits
+// and everything after them in float32, dL handed to the dq / dk products rounded to bfloat16 (as torch's
+// bfloat16 backward has it); on CPUs with neither (AVX2 only), float32 copies of q and k (exact), as for
+// float16 everywhere. Forward + backward at B = 4096 and 8192, D = 512, on 2 cores of an AMD EPYC family
+// 25 model 17 (avx512_bf16, no AMX): the float32 copies took 1.35-1.5x the time of open_clip's vanilla
+// bfloat16 loss, the brgemm route (tile products ~2.5x MKL's sgemm rate there) 0.6-0.75x; what remains
+// is ~90% the four GEMMs, ~5% the softplus / sigmoid pass, ~2% the bf16 rounding and packing.
+// Extra memory: one tile (plus its bf16 dS and packed key tile) per lane, (lanes - 1) dk partials of
+// [Bk, D] (brgemm: lanes partials of [D, Bk] and a bf16 q.T), the float32 copies for 16-bit inputs on
+// the float32 route -- never O(Bq * Bk).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -137,32 +141,131 @@ void row_grad(T* raw, int64_t nj, int64_t p, T scale, T bias, T g, T& dscale, T&
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Tile products through ATen on row-major tiles (leading dimension = the row length).
+// Tile products. A lane owns one Products object: set_keys(j0, nj) once per key tile, then per row tile
+//   scores(i0, ni) -> raw [ni, nj] = q[i0 : i0 + ni] @ k[j0 : j0 + nj].T, in the lane's buffer (Acc);
+//   gradients(i0, ni, dk), raw now holding dL:  dq[i0 : i0 + ni] += scale * dL @ k[j0 : j0 + nj],
+//     dk[j0 : j0 + nj] += scale * dL.T @ q[i0 : i0 + ni], dk being the lane's accumulator: [Bk, D], or
+//     [D, Bk] (dk.T) on the brgemm route (backward_impl's transposed_dk).
 
+// The block as the products read it.
+template <typename In, typename Acc>
+struct Operands {
+  const In* q;  // [bq, ld] row-major, ld >= d (columns past d are 0)
+  const In* k;  // [bk, ld]
+  int64_t bk, d, ld;
+  Acc scale;
+  Acc* dq;          // [bq, d], backward only
+  const In* q_t;    // brgemm backward only: q.T as [d, ld_t], 0 past column bq
+  int64_t ld_t;
+};
+
+// float32 / float64 (and float32 copies of 16-bit inputs): common.h's gemm(), i.e. ATen's mm / addmm.
 template <typename T>
-at::Tensor tile(const T* data, int64_t rows, int64_t cols) {
-  return at::from_blob(const_cast<T*>(data), {rows, cols}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
-}
+class AtenProducts {
+ public:
+  using Acc = T;
+  AtenProducts(const Operands<T, T>& o, int64_t rows, int64_t tk) : o_(o), raw_(rows * tk) {}
+  void set_keys(int64_t j0, int64_t nj) { j0_ = j0, nj_ = nj; }
+  T* scores(int64_t i0, int64_t ni) {
+    gemm(false, true, ni, nj_, o_.d, T(1), o_.q + i0 * o_.ld, o_.ld, o_.k + j0_ * o_.ld, o_.ld, T(0), raw_.data(),
+         nj_);
+    return raw_.data();
+  }
+  void gradients(int64_t i0, int64_t ni, T* dk) {
+    const T* dl = raw_.data();
+    gemm(false, false, ni, o_.d, nj_, o_.scale, dl, nj_, o_.k + j0_ * o_.ld, o_.ld, T(1), o_.dq + i0 * o_.d, o_.d);
+    gemm(true, false, nj_, o_.d, ni, o_.scale, dl, nj_, o_.q + i0 * o_.ld, o_.ld, T(1), dk + j0_ * o_.d, o_.d);
+  }
 
-// Calls visit(lane, i0, ni, j0, nj, raw) for every tile of every lane of this thread (RowTiles, lanes:
-// common.h), key tiles outer, after raw [ni, nj] = q[i0 : i0 + ni] @ k[j0 : j0 + nj].T has been computed
-// into the lane's buffer.
-template <typename T, typename Visit>
-void for_each_tile(const T* q, const T* k, int64_t bk, int64_t d, const RowTiles& tiles, int64_t lanes,
-                   Visit visit) {
+ private:
+  Operands<T, T> o_;
+  std::vector<T> raw_;
+  int64_t j0_ = 0, nj_ = 0;
+};
+
+inline int64_t round_up_even(int64_t n) { return n + (n & 1); }
+
+// bfloat16 inputs, float32 results, by common.h's route (Mkl or Brgemm). dL is handed to the gradient
+// products as bfloat16, scale folded in: dS = bf16(scale * dL), round to nearest even, as torch's own
+// bfloat16 backward has it (sign-symmetric; the parameter sums take dL in float32 before that).
+// Brgemm reads its B operands in VNNI pairs: the key tile transposed (k_j.T, for the scores), the key
+// tile's row pairs (k_j, for dq) and dS's row pairs (for dk.T = q_i.T @ dS, whose A is q.T: dk is kept
+// transposed, so that no operand needs a transpose per tile). Its products run over an even depth: the
+// inputs carry a zero column when D is odd, q.T a zero column when Bq is odd, dS a zero column when the
+// tile's nj is odd and a zero row (in the pairs) when its ni is.
+class Bf16Products {
+ public:
+  using Acc = float;
+  Bf16Products(Bf16Gemm route, const Operands<at::BFloat16, float>& o, int64_t rows, int64_t tk, bool backward)
+      : brgemm_(route == Bf16Gemm::Brgemm), o_(o), raw_(rows * tk), ds_(backward ? rows * round_up_even(tk) : 0),
+        ds_pairs_(brgemm_ && backward ? round_up_even(rows) / 2 * tk : 0), k_t_pairs_(brgemm_ ? o.ld / 2 * tk : 0),
+        k_pairs_(brgemm_ && backward ? round_up_even(tk) / 2 * o.d : 0) {}
+
+  void set_keys(int64_t j0, int64_t nj) {
+    j0_ = j0, nj_ = nj;
+    if (!brgemm_) return;
+    const at::BFloat16* k_j = o_.k + j0 * o_.ld;
+    pack_transposed_pairs(k_j, o_.ld, nj, o_.ld, k_t_pairs_.data());
+    if (!k_pairs_.empty()) pack_row_pairs(k_j, o_.ld, nj, o_.d, k_pairs_.data());
+  }
+
+  float* scores(int64_t i0, int64_t ni) {
+    float* raw = raw_.data();
+    if (brgemm_) {
+      brgemm_bf16(ni, nj_, o_.ld, o_.q + i0 * o_.ld, o_.ld, k_t_pairs_.data(), nj_, false, raw, nj_);
+    } else {
+      gemm(false, true, ni, nj_, o_.d, 1.0f, o_.q + i0 * o_.ld, o_.ld, o_.k + j0_ * o_.ld, o_.ld, 0.0f, raw, nj_);
+    }
+    return raw;
+  }
+
+  void gradients(int64_t i0, int64_t ni, float* dk) {
+    const int64_t ld_ds = round_up_even(nj_);
+    for (int64_t r = 0; r < ni; ++r) {
+      const float* dl = raw_.data() + r * nj_;
+      uint16_t* out = ds_.data() + r * ld_ds;
+      const float sc = o_.scale;
+#pragma omp simd
+      for (int64_t c = 0; c < nj_; ++c) out[c] = to_bf16_bits(sc * dl[c]);
+      if (ld_ds != nj_) out[nj_] = 0;
+    }
+    const at::BFloat16* ds = reinterpret_cast<const at::BFloat16*>(ds_.data());
+    float* dq = o_.dq + i0 * o_.d;
+    if (brgemm_) {
+      brgemm_bf16(ni, o_.d, ld_ds, ds, ld_ds, k_pairs_.data(), o_.d, true, dq, o_.d);
+      pack_row_pairs(ds, ld_ds, ni, nj_, ds_pairs_.data());
+      brgemm_bf16(o_.d, nj_, round_up_even(ni), o_.q_t + i0, o_.ld_t, ds_pairs_.data(), nj_, true, dk + j0_, o_.bk);
+    } else {
+      gemm(false, false, ni, o_.d, nj_, 1.0f, ds, ld_ds, o_.k + j0_ * o_.ld, o_.ld, 1.0f, dq, o_.d);
+      gemm(true, false, nj_, o_.d, ni, 1.0f, ds, ld_ds, o_.q + i0 * o_.ld, o_.ld, 1.0f, dk + j0_ * o_.d, o_.d);
+    }
+  }
+
+ private:
+  bool brgemm_;
+  Operands<at::BFloat16, float> o_;
+  std::vector<float> raw_;
+  std::vector<uint16_t> ds_;
+  std::vector<uint32_t> ds_pairs_, k_t_pairs_, k_pairs_;
+  int64_t j0_ = 0, nj_ = 0;
+};
+
+// Calls visit(products, lane, i0, ni, j0, nj, raw) for every tile of every lane of this thread (RowTiles,
+// lanes: common.h), key tiles outer, raw [ni, nj] = q[i0 : i0 + ni] @ k[j0 : j0 + nj].T. make(tk) builds
+// a lane's products for key tiles of tk columns.
+template <typename Make, typename Visit>
+void for_each_tile(int64_t bk, const RowTiles& tiles, int64_t lanes, Make make, Visit visit) {
   at::parallel_for(0, lanes, 1, [&](int64_t first, int64_t last) {
     const SingleThreadedBlas one_thread;
     const int64_t tk = std::min(TILE_K, bk);
-    std::vector<T> buf(tiles.size * tk);
+    auto products = make(tk);
     for (int64_t lane = first; lane < last; ++lane) {
       for (int64_t j0 = 0; j0 < bk; j0 += tk) {
         const int64_t nj = std::min(tk, bk - j0);
-        const at::Tensor k_tile = tile(k + j0 * d, nj, d);
+        products.set_keys(j0, nj);
         for (int64_t t = lane_start(tiles, lanes, lane); t < lane_start(tiles, lanes, lane + 1); ++t) {
           const int64_t i0 = tiles.begin(t), ni = tiles.height(t);
-          at::Tensor raw = tile(buf.data(), ni, nj);
-          at::mm_out(raw, tile(q + i0 * d, ni, d), k_tile.t());
-          visit(lane, i0, ni, j0, nj, buf.data());
+          visit(products, lane, i0, ni, j0, nj, products.scores(i0, ni));
         }
       }
     }
@@ -171,53 +274,64 @@ void for_each_tile(const T* q, const T* k, int64_t bk, int64_t d, const RowTiles
 
 // ---------------------------------------------------------------------------------------------------
 
-template <typename T>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, const int64_t* pos, T scale, T bias, T* out) {
-  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
+// rows[i] = sum_j softplus(t_ij); make(tk) builds a lane's products.
+template <typename Acc, typename Make>
+void forward_impl(int64_t bq, int64_t bk, const int64_t* pos, Acc scale, Acc bias, Make make, Acc* out) {
   // Row sums in double: a row adds Bk positive terms, tile by tile.
   std::vector<double> sums(bq, 0.0);
   const RowTiles tiles(bq);
-  for_each_tile<T>(q.data_ptr<T>(), k.data_ptr<T>(), bk, d, tiles, lane_count(tiles),
-                   [&](int64_t, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const T* raw) {
-                     for (int64_t r = 0; r < ni; ++r) {
-                       sums[i0 + r] += row_loss(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias);
-                     }
-                   });
-  for (int64_t i = 0; i < bq; ++i) out[i] = static_cast<T>(sums[i]);
+  for_each_tile(bk, tiles, lane_count(tiles), make,
+                [&](auto&, int64_t, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const Acc* raw) {
+                  for (int64_t r = 0; r < ni; ++r) {
+                    sums[i0 + r] += row_loss(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias);
+                  }
+                });
+  for (int64_t i = 0; i < bq; ++i) out[i] = static_cast<Acc>(sums[i]);
 }
 
-template <typename T>
-void backward_impl(const at::Tensor& q, const at::Tensor& k, const int64_t* pos, T scale, T bias, const T* g,
-                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dparams) {
-  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
+// dq (contiguous, accumulated: the products hold it), dk (contiguous, accumulated), dparams = (dscale,
+// dbias); make(tk) builds a lane's products, which take dk transposed when transposed_dk.
+template <typename Acc, typename Make>
+void backward_impl(int64_t bq, int64_t bk, int64_t d, const int64_t* pos, Acc scale, Acc bias, const Acc* g,
+                   bool transposed_dk, Make make, at::Tensor& dk, at::Tensor& dparams) {
   const RowTiles tiles(bq);
   const int64_t lanes = lane_count(tiles);
-  // Lane 0 accumulates into the caller's dk, every other lane into its own partial.
-  at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
+  // The lanes' dk accumulators: lane 0 the caller's dk and every other lane its own [Bk, D] partial; or,
+  // transposed, every lane its own [D, Bk].
+  const int64_t own = transposed_dk ? lanes : lanes - 1;
+  at::Tensor parts;
+  if (own > 0) parts = transposed_dk ? at::zeros({own, d, bk}, dk.options()) : at::zeros({own, bk, d}, dk.options());
+  Acc* dk_base = dk.data_ptr<Acc>();
+  Acc* parts_base = own > 0 ? parts.data_ptr<Acc>() : nullptr;
+  auto lane_dk = [&](int64_t lane) {
+    if (transposed_dk) return parts_base + lane * d * bk;
+    return lane == 0 ? dk_base : parts_base + (lane - 1) * bk * d;
+  };
   at::Tensor lane_params = at::zeros({lanes, 2}, at::kDouble);  // (dscale, dbias) per lane
   double* per_lane = lane_params.data_ptr<double>();
-  for_each_tile<T>(qp, kp, bk, d, tiles, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, T* raw) {
-    T dscale = 0, dbias = 0;
-    for (int64_t r = 0; r < ni; ++r) {
-      row_grad(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias, g[i0 + r], dscale, dbias);
-    }
-    per_lane[2 * lane] += dscale;
-    per_lane[2 * lane + 1] += dbias;
-    const at::Tensor ds = tile(raw, ni, nj);
-    dq.narrow(0, i0, ni).addmm_(ds, tile(kp + j0 * d, nj, d), 1, scale);
-    at::Tensor dk_lane = lane == 0 ? dk : dk_parts[lane - 1];
-    dk_lane.narrow(0, j0, nj).addmm_(ds.t(), tile(qp + i0 * d, ni, d), 1, scale);
-  });
+  for_each_tile(bk, tiles, lanes, make,
+                [&](auto& products, int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, Acc* raw) {
+                  Acc dscale = 0, dbias = 0;
+                  for (int64_t r = 0; r < ni; ++r) {
+                    row_grad(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias, g[i0 + r], dscale, dbias);
+                  }
+                  per_lane[2 * lane] += dscale;
+                  per_lane[2 * lane + 1] += dbias;
+                  products.gradients(i0, ni, lane_dk(lane));
+                });
   // Merged in lane order, whichever thread ran which lane.
-  for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
+  if (transposed_dk) {
+    for (int64_t p = 1; p < lanes; ++p) parts[0].add_(parts[p]);
+    dk.add_(parts[0].t());
+  } else {
+    for (int64_t p = 0; p < own; ++p) dk.add_(parts[p]);
+  }
   dparams.copy_(lane_params.sum(0));
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Op entry points: check, bring the inputs into the layout the kernels read (contiguous; 16-bit floats as
-// float32), dispatch on dtype.
+// Op entry points: check, bring the inputs into the layout the kernels read (contiguous; bfloat16 as is
+// on a bf16 GEMM route, else as float32 like float16), dispatch on dtype.
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& pos) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "infcl native sigmoid: q and k must be CPU tensors");
@@ -233,23 +347,61 @@ at::ScalarType acc_type(const at::Tensor& q) { return q.scalar_type() == at::kDo
 
 at::Tensor prepared(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
-at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& pos_in,
-                                 double scale, double bias) {
+// The bf16 GEMM route for these inputs (common.h), or None: compute on float32 copies.
+Bf16Gemm bf16_route(const at::Tensor& q) {
+  if (q.scalar_type() != at::kBFloat16 || q.size(1) == 0) return Bf16Gemm::None;
+  return bf16_gemm_route();
+}
+
+// t [b, d] as a contiguous [b, ld] (ld >= d), zero past column d.
+at::Tensor with_row_length(const at::Tensor& t, int64_t ld) {
+  if (t.size(1) == ld) return t.contiguous();
+  at::Tensor out = at::zeros({t.size(0), ld}, t.options());
+  out.narrow(1, 0, t.size(1)).copy_(t);
+  return out;
+}
+
+// The row length bf16 operands get on `route`: brgemm multiplies over an even depth.
+int64_t bf16_row_length(Bf16Gemm route, int64_t d) { return route == Bf16Gemm::Brgemm ? round_up_even(d) : d; }
+
+at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                 const at::Tensor& pos_in, double bias) {
   check_inputs(q_in, k_in, pos_in);
   const auto acc = acc_type(q_in);
-  const at::Tensor q = prepared(q_in, acc), k = prepared(k_in, acc), pos = prepared(pos_in, at::kLong);
-  at::Tensor rows = at::empty({q.size(0)}, q.options());
+  const at::Tensor pos = prepared(pos_in, at::kLong);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t bq = q_in.size(0), bk = k_in.size(0), d = q_in.size(1);
+  at::Tensor rows = at::empty({bq}, q_in.options().dtype(acc));
+  const Bf16Gemm route = bf16_route(q_in);
+  if (route != Bf16Gemm::None) {
+    const int64_t ld = bf16_row_length(route, d);
+    const at::Tensor q = with_row_length(q_in, ld), k = with_row_length(k_in, ld);
+    const Operands<at::BFloat16, float> o{q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), bk, d, ld,
+                                          static_cast<float>(scale), nullptr, nullptr, 0};
+    forward_impl<float>(bq, bk, pp, static_cast<float>(scale), static_cast<float>(bias),
+                        [&](int64_t tk) { return Bf16Products(route, o, RowTiles(bq).size, tk, false); },
+                        rows.data_ptr<float>());
+    return rows;
+  }
+  const at::Tensor q = prepared(q_in, acc), k = prepared(k_in, acc);
   if (acc == at::kDouble) {
-    forward_impl<double>(q, k, pos.data_ptr<int64_t>(), scale, bias, rows.data_ptr<double>());
+    const Operands<double, double> o{q.data_ptr<double>(), k.data_ptr<double>(), bk, d, d, scale, nullptr, nullptr, 0};
+    forward_impl<double>(bq, bk, pp, scale, bias,
+                         [&](int64_t tk) { return AtenProducts<double>(o, RowTiles(bq).size, tk); },
+                         rows.data_ptr<double>());
   } else {
-    forward_impl<float>(q, k, pos.data_ptr<int64_t>(), static_cast<float>(scale), static_cast<float>(bias),
+    const Operands<float, float> o{q.data_ptr<float>(), k.data_ptr<float>(), bk, d, d, static_cast<float>(scale),
+                                   nullptr, nullptr, 0};
+    forward_impl<float>(bq, bk, pp, static_cast<float>(scale), static_cast<float>(bias),
+                        [&](int64_t tk) { return AtenProducts<float>(o, RowTiles(bq).size, tk); },
                         rows.data_ptr<float>());
   }
   return rows;
 }
 
-at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& pos_in,
-                                  double scale, double bias, const at::Tensor& g_row, at::Tensor& dq, at::Tensor& dk) {
+at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                  const at::Tensor& pos_in, double bias, const at::Tensor& g_row, at::Tensor& dq,
+                                  at::Tensor& dk) {
   check_inputs(q_in, k_in, pos_in);
   const auto acc = acc_type(q_in);
   TORCH_CHECK(g_row.dim() == 1 && g_row.size(0) == q_in.size(0), "infcl native sigmoid: g_row must be [",
@@ -257,17 +409,44 @@ at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
   TORCH_CHECK(dq.scalar_type() == acc && dk.scalar_type() == acc, "infcl native sigmoid: dq and dk must be ", acc);
   TORCH_CHECK(dq.sizes() == q_in.sizes() && dk.sizes() == k_in.sizes(), "infcl native sigmoid: dq ", dq.sizes(),
               " / dk ", dk.sizes(), " must match q ", q_in.sizes(), " / k ", k_in.sizes());
-  const at::Tensor q = prepared(q_in, acc), k = prepared(k_in, acc), pos = prepared(pos_in, at::kLong);
+  const at::Tensor pos = prepared(pos_in, at::kLong);
+  const int64_t* pp = pos.data_ptr<int64_t>();
   const at::Tensor g = prepared(g_row, acc);
+  const int64_t bq = q_in.size(0), bk = k_in.size(0), d = q_in.size(1);
   // Accumulate into contiguous buffers; copy back only when the caller's dq / dk are strided.
   at::Tensor dq_c = dq.is_contiguous() ? dq : dq.contiguous();
   at::Tensor dk_c = dk.is_contiguous() ? dk : dk.contiguous();
   at::Tensor dparams = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
-  if (acc == at::kDouble) {
-    backward_impl<double>(q, k, pos.data_ptr<int64_t>(), scale, bias, g.data_ptr<double>(), dq_c, dk_c, dparams);
+  const Bf16Gemm route = bf16_route(q_in);
+  if (route != Bf16Gemm::None) {
+    const int64_t ld = bf16_row_length(route, d);
+    const at::Tensor q = with_row_length(q_in, ld), k = with_row_length(k_in, ld);
+    at::Tensor q_t;  // brgemm: q.T [d, even(bq)], zero past column bq
+    if (route == Bf16Gemm::Brgemm) {
+      q_t = at::zeros({d, round_up_even(bq)}, q_in.options());
+      q_t.narrow(1, 0, bq).copy_(q_in.t());
+    }
+    const Operands<at::BFloat16, float> o{q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), bk, d, ld,
+                                          static_cast<float>(scale), dq_c.data_ptr<float>(),
+                                          q_t.defined() ? q_t.data_ptr<at::BFloat16>() : nullptr,
+                                          q_t.defined() ? q_t.size(1) : 0};
+    backward_impl<float>(bq, bk, d, pp, static_cast<float>(scale), static_cast<float>(bias), g.data_ptr<float>(),
+                         route == Bf16Gemm::Brgemm,
+                         [&](int64_t tk) { return Bf16Products(route, o, RowTiles(bq).size, tk, true); }, dk_c,
+                         dparams);
+  } else if (acc == at::kDouble) {
+    const at::Tensor q = prepared(q_in, acc), k = prepared(k_in, acc);
+    const Operands<double, double> o{q.data_ptr<double>(), k.data_ptr<double>(), bk, d, d, scale,
+                                     dq_c.data_ptr<double>(), nullptr, 0};
+    backward_impl<double>(bq, bk, d, pp, scale, bias, g.data_ptr<double>(), false,
+                          [&](int64_t tk) { return AtenProducts<double>(o, RowTiles(bq).size, tk); }, dk_c, dparams);
   } else {
-    backward_impl<float>(q, k, pos.data_ptr<int64_t>(), static_cast<float>(scale), static_cast<float>(bias),
-                         g.data_ptr<float>(), dq_c, dk_c, dparams);
+    const at::Tensor q = prepared(q_in, acc), k = prepared(k_in, acc);
+    const Operands<float, float> o{q.data_ptr<float>(), k.data_ptr<float>(), bk, d, d, static_cast<float>(scale),
+                                   dq_c.data_ptr<float>(), nullptr, 0};
+    backward_impl<float>(bq, bk, d, pp, static_cast<float>(scale), static_cast<float>(bias), g.data_ptr<float>(),
+                         false, [&](int64_t tk) { return AtenProducts<float>(o, RowTiles(bq).size, tk); }, dk_c,
+                         dparams);
   }
   if (!dq.is_same(dq_c)) dq.copy_(dq_c);
   if (!dk.is_same(dk_c)) dk.copy_(dk_c);
@@ -279,9 +458,10 @@ at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
 
 // The namespace `infcl` is defined by csrc/infcl_cpu.cpp's TORCH_LIBRARY; this file adds its ops to it.
 TORCH_LIBRARY_FRAGMENT(infcl, m) {
-  m.def("sigmoid_forward_block(Tensor q, Tensor k, Tensor pos, float scale, float bias) -> Tensor");
+  // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias.
+  m.def("sigmoid_forward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias) -> Tensor");
   m.def(
-      "sigmoid_backward_block(Tensor q, Tensor k, Tensor pos, float scale, float bias, Tensor g_row, "
+      "sigmoid_backward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias, Tensor g_row, "
       "Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
 }
 

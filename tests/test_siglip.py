@@ -130,6 +130,10 @@ LOW_PRECISION_CASES = ((65, 65, 40, "diag"), (33, 257, 1000, "random"), (257, 25
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}" for c in LOW_PRECISION_CASES])
 def test_low_precision_no_worse_than_torch(backend_name, case, dtype):
+    check_low_precision(backend_name, case, dtype)
+
+
+def check_low_precision(backend_name, case, dtype):
     bq, bk, d, label_kind = case
     image, text, labels = make_inputs(bq, bk, d, label_kind, dtype)
     scale, bias = param_tensors(10.0, -10.0, dtype)
@@ -272,21 +276,67 @@ def test_native_ops_pass_opcheck():
     """Schema (in-place dq / dk declared), fake impls and the real kernels agree."""
     image, text, _ = make_inputs(40, 50, 8, "diag", torch.float32)
     pos = torch.randint(-1, 50, (40,))
-    torch.library.opcheck(torch.ops.infcl.sigmoid_forward_block.default, (image, text, pos, 10.0, -10.0))
-    args = (image, text, pos, 10.0, -10.0, torch.rand(40), torch.zeros(40, 8), torch.zeros(50, 8))
+    torch.library.opcheck(torch.ops.infcl.sigmoid_forward_block.default, (image, text, 10.0, pos, -10.0))
+    args = (image, text, 10.0, pos, -10.0, torch.rand(40), torch.zeros(40, 8), torch.zeros(50, 8))
     torch.library.opcheck(torch.ops.infcl.sigmoid_backward_block.default, args)
 
 
 @needs_native
-def test_native_is_bit_identical_run_to_run():
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_native_is_bit_identical_run_to_run(dtype):
     """Lanes of rows, dk and parameter sums merged in lane order: no result depends on scheduling."""
-    image, text, labels = make_inputs(700, 1100, 64, "random", torch.float32)
+    image, text, labels = make_inputs(700, 1100, 64, "random", dtype)
     runs = [
         grads_of_inputs(
             lambda *a: cal_siglip_loss(*a, labels, backend="cpu"),
-            (image, text, *param_tensors(10.0, -10.0, torch.float32)),
+            (image, text, *param_tensors(10.0, -10.0, dtype)),
         )
         for _ in range(2)
     ]
     for name, a, b in zip(GRAD_NAMES, *runs):
         assert torch.equal(a, b), name
+
+
+# The bfloat16 GEMM routes of csrc/common.h (INFCL_BF16_GEMM forces one; "auto" picks by CPU): every one
+# this CPU can take, on the low-precision cases plus one that crosses key tiles with odd D, an odd last
+# row tile (37 rows) and an odd last key tile (5 columns), where brgemm's even-depth padding matters.
+BF16_ROUTES = ("mkl", "brgemm", "float32")
+ROUTE_CASES = (*LOW_PRECISION_CASES, (517, 1029, 63, "random"))
+
+
+def force_bf16_route(monkeypatch, route):
+    """Force `route`, or skip where the kernel says this CPU / torch build cannot take it."""
+    monkeypatch.setenv("INFCL_BF16_GEMM", route)
+    image, text, _ = make_inputs(2, 2, 2, "diag", torch.bfloat16)
+    try:
+        torch.ops.infcl.sigmoid_forward_block(image, text, 1.0, torch.arange(2), 0.0)
+    except RuntimeError as error:
+        if f"INFCL_BF16_GEMM={route}:" not in str(error):
+            raise
+        pytest.skip(str(error).splitlines()[0])
+
+
+@needs_native
+@pytest.mark.parametrize("route", BF16_ROUTES)
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}" for c in ROUTE_CASES])
+def test_native_bf16_routes_no_worse_than_torch(monkeypatch, route, case):
+    force_bf16_route(monkeypatch, route)
+    check_low_precision("cpu", case, torch.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize("route", BF16_ROUTES)
+def test_native_bf16_routes_nan_in_nan_out(monkeypatch, route):
+    force_bf16_route(monkeypatch, route)
+    image, text, _ = make_inputs(9, 9, 5, "diag", torch.bfloat16)
+    image[3, 2] = float("nan")
+    rows = cal_siglip_loss(image, text, 10.0, -10.0, reduction="none", backend="cpu")
+    assert torch.isnan(rows[3]) and torch.isfinite(torch.cat((rows[:3], rows[4:]))).all()
+
+
+@needs_native
+def test_native_bf16_route_override_is_checked(monkeypatch):
+    monkeypatch.setenv("INFCL_BF16_GEMM", "amx")
+    image, text, _ = make_inputs(2, 2, 2, "diag", torch.bfloat16)
+    with pytest.raises(RuntimeError, match="INFCL_BF16_GEMM must be auto, mkl, brgemm or float32, got 'amx'"):
+        cal_siglip_loss(image, text, 10.0, -10.0, backend="cpu")

@@ -47,11 +47,11 @@ class NativeBackend:
     # --- the sigmoid (SigLIP) loss: csrc/infcl_siglip.cpp (contract: infcl.backends.base) ------------
 
     def sigmoid_forward_block(self, block: Block) -> Tensor:
-        return torch.ops.infcl.sigmoid_forward_block(block.q, block.k, block.pos, float(block.scale), float(block.bias))
+        return torch.ops.infcl.sigmoid_forward_block(block.q, block.k, float(block.scale), block.pos, float(block.bias))
 
     def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         return torch.ops.infcl.sigmoid_backward_block(
-            block.q, block.k, block.pos, float(block.scale), float(block.bias), block.g_row, dq, dk
+            block.q, block.k, float(block.scale), block.pos, float(block.bias), block.g_row, dq, dk
         )
 
 

@@ -211,11 +211,11 @@ def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk)
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
-def _sigmoid_forward_fake(q, k, pos, scale, bias):
+def _sigmoid_forward_fake(q, k, scale, pos, bias):
     return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
 
 
-def _sigmoid_backward_fake(q, k, pos, scale, bias, g_row, dq, dk):
+def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
