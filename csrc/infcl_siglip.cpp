@@ -29,10 +29,8 @@
 // bf16 x bf16 -> float32 products (MKL's on AMX CPUs, oneDNN's brgemm on AVX512-BF16 ones), the logits
 // and everything after them in float32, dL handed to the dq / dk products rounded to bfloat16 (as torch's
 // bfloat16 backward has it); on CPUs with neither (AVX2 only), float32 copies of q and k (exact), as for
-// float16 everywhere. Forward + backward at B = 4096 and 8192, D = 512, on 2 cores of an AMD EPYC family
-// 25 model 17 (avx512_bf16, no AMX): the float32 copies took 1.35-1.5x the time of open_clip's vanilla
-// bfloat16 loss, the brgemm route (tile products ~2.5x MKL's sgemm rate there) 0.6-0.75x; what remains
-// is ~90% the four GEMMs, ~5% the softplus / sigmoid pass, ~2% the bf16 rounding and packing.
+// float16 everywhere. MKL's bf16 GEMM runs at its sgemm rate on CPUs without AMX, which is why AVX512-BF16
+// CPUs take oneDNN's brgemm; the measured ratios are in docs/benchmarks.md.
 // Extra memory: one tile (plus its bf16 dS and packed key tile) per lane, (lanes - 1) dk partials of
 // [Bk, D] (brgemm: lanes partials of [D, Bk] and a bf16 q.T), the float32 copies for 16-bit inputs on
 // the float32 route -- never O(Bq * Bk).
