@@ -26,14 +26,15 @@ from typing import Optional
 
 import torch
 
-from .lse import MAX, REL, empty_stats, lse_merge
+from .lse import empty_stats
 
 Tensor = torch.Tensor
 
 MULTI_POSITIVE = (None, "mean", "sum")
-# Rows of a masked forward result ([6, n], rows and columns alike): the stats over the columns not
-# excluded (MAX, REL of infcl.lse), the positives' max and log-sum relative to it (only "sum" fills
-# POS_REL), the sum of the positives' logits and their number.
+# Rows of a backend's masked forward result ([6, n], rows and columns alike; the loss layer reads it as
+# infcl.losses.softmax.MaskedPartials): the stats over the columns not excluded (MAX, REL of infcl.lse),
+# the positives' max and log-sum relative to it (only "sum" fills POS_REL), the sum of the positives'
+# logits and their number.
 POS_MAX, POS_REL, POS_SUM, POS_COUNT = 2, 3, 4, 5
 MASKED_ROWS = 6
 MARGIN_STRATEGIES = ("absolute", "relative")
@@ -78,21 +79,7 @@ def guide_dtype(guide: Tensor) -> torch.dtype:
 
 
 def empty_masked(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[6, n]`` masked forward partials of n empty sets (the identity of :func:`merge_masked`)."""
+    """``[6, n]`` masked forward partials of n empty sets (the identity of their merge,
+    :meth:`infcl.losses.softmax.MaskedPartials.merge_`)."""
     sums = torch.zeros(2, n, dtype=dtype, device=device)
     return torch.cat((empty_stats(n, dtype, device), empty_stats(n, dtype, device), sums))
-
-
-def merge_masked(acc: Tensor, part: Tensor, loss_kind: str) -> Tensor:
-    """Merge masked forward partials over disjoint column sets into ``acc`` in place; return ``acc``.
-
-    The stats merge with :func:`infcl.lse.lse_merge`; the positives' stats too for "sum", while "mean"
-    keeps only their max (the top-1 check); sums and counts add.
-    """
-    lse_merge(acc[MAX : REL + 1], part[MAX : REL + 1])
-    if loss_kind == "sum":
-        lse_merge(acc[POS_MAX : POS_REL + 1], part[POS_MAX : POS_REL + 1])
-    else:
-        torch.maximum(acc[POS_MAX], part[POS_MAX], out=acc[POS_MAX])
-    acc[POS_SUM :] += part[POS_SUM :]
-    return acc
