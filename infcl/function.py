@@ -2,8 +2,9 @@
 
 :class:`InfLossFunction` (softmax): forward runs the ring driver with the softmax loss's block steps and
 returns per-row (and, for the symmetric loss, per-column) losses ``(max - positive) + rel``; it saves
-only q, k, the labels and the ``[2, n]`` log-sum-exp stats. Backward hands the upstream per-row /
-per-column gradients to the driver, which recomputes the tiles.
+only q, k, the labels and the ``[2, n]`` log-sum-exp stats (with mask options, the whole
+:class:`~infcl.losses.softmax.MaskedPartials`). Backward hands the named upstream inputs (stats and upstream
+gradients, per row and per column) to the driver, which recomputes the tiles.
 
 :class:`SigmoidLossFunction` (SigLIP): the same driver with the sigmoid loss's block steps; it saves
 only q, k, the labels, the scale and the bias (the backward needs no forward statistics).
