@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..backends.base import Block, SigmoidBlockBackend, Tensor
-from ..ring.driver import ParamGrads
+from ..ring.driver import ParamGrads, SummedParts
 
 PARAMS = ("scale", "bias")  # order of the loss parameters in a block's gradient
 
@@ -33,23 +33,17 @@ class SigmoidUpstream(NamedTuple):
     grad: Tensor
 
 
-class SigmoidRing:
+class SigmoidRing(SummedParts):
     """:class:`infcl.ring.driver.RingLoss` for the sigmoid loss with this call's ``bias`` (0-d, on the features'
     device)."""
 
-    symmetric = False  # no column partials: row losses are sums over the global columns
+    parts = SigmoidPartials  # row losses are sums over the global columns
+    symmetric = False  # no column partials
     n_params = len(PARAMS)
     k_side = ()  # nothing travels with k but k
 
     def __init__(self, bias: Tensor):
         self.bias = bias
-
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SigmoidPartials:
-        return SigmoidPartials(torch.zeros(n, dtype=dtype, device=device))
-
-    @staticmethod
-    def merge(acc: SigmoidPartials, part: SigmoidPartials) -> None:
-        acc.loss.add_(part.loss)
 
     def forward_step(self, backend: SigmoidBlockBackend, block: Block, k_side=()):
         return SigmoidPartials(backend.sigmoid_forward_block(replace(block, bias=self.bias))), None

@@ -33,7 +33,7 @@ import torch
 from ..backends.base import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, empty_stats, lse_merge
 from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
-from ..ring.driver import ParamGrads
+from ..ring.driver import ParamGrads, SummedParts
 from ..stats import row_info
 
 POS = 2  # row of the positive logit in the backend's packed [3, Bq] forward rows (infcl.backends.base)
@@ -173,7 +173,7 @@ class GuideScore(NamedTuple):
     score: Tensor
 
 
-class GuideScores:
+class GuideScores(SummedParts):
     """:class:`infcl.ring.driver.RingLoss` (forward only) for the guide score of each row's labelled
     column, G[i, labels[i]] = guide_q[i] . guide_k[labels[i]], and, symmetric, of each column's labelled
     row (the same number: labels are a permutation), run on the one ring loop with the guide features as
@@ -187,18 +187,12 @@ class GuideScores:
     column itself is a positive, never excluded.
     """
 
+    parts = GuideScore
     n_params = 0
     k_side = ()
 
     def __init__(self, symmetric: bool):
         self.symmetric = symmetric
-
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> GuideScore:
-        return GuideScore(torch.zeros(n, dtype=dtype, device=device))
-
-    @staticmethod
-    def merge(acc: GuideScore, part: GuideScore) -> None:
-        acc.score.add_(part.score)
 
     def forward_step(self, backend, block: Block, k_side=()):
         """``block``: the guide features as q and k (no scale)."""

@@ -66,6 +66,24 @@ class RingLoss(Protocol):
     ) -> ParamGrads: ...
 
 
+def add_parts(acc: Parts, part: Parts) -> None:
+    """Add ``part`` into ``acc`` field by field, in place: the merge of partials that are plain sums."""
+    for total, term in zip(acc, part):
+        total.add_(term)
+
+
+class SummedParts:
+    """A base for a :class:`RingLoss` whose partials are plain sums of one NamedTuple type (``parts``, its
+    fields ``[n]`` each): zeros to start, merged by :func:`add_parts`."""
+
+    parts: type
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Parts:
+        return self.parts(*(torch.zeros(n, dtype=dtype, device=device) for _ in self.parts._fields))
+
+    merge = staticmethod(add_parts)
+
+
 def _resized(parts: Parts, n: int) -> Parts:
     """Uninitialized :data:`Parts` like ``parts`` for ``n`` rows (their last dim)."""
     return type(parts)(*(t.new_empty(*t.shape[:-1], n) for t in parts))
@@ -209,11 +227,6 @@ def _resized_grads(grads: _BlockGrads, n: int) -> _BlockGrads:
     return _BlockGrads(grads.dk.new_empty(n, grads.dk.shape[1]), torch.empty_like(grads.params))
 
 
-def _add(acc: _BlockGrads, part: _BlockGrads) -> None:
-    for a, b in zip(acc, part):
-        a.add_(b)
-
-
 def ring_backward(
     q: Tensor,
     k: Tensor,
@@ -238,7 +251,7 @@ def ring_backward(
     own = torch.zeros(loss.n_params, dtype=acc, device=dev)
     k_comm, acc_comm = _comms(layout, "k-backward", "dk")
     blocks = _Leading(layout, k_comm, "backward", _KBlock(k, cols, tuple(loss.k_side)))
-    grads = _Trailing(layout, acc_comm, _resized_grads, _add, "backward", "dk")
+    grads = _Trailing(layout, acc_comm, _resized_grads, add_parts, "backward", "dk")
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)
