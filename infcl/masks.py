@@ -22,11 +22,11 @@ these options forms P and E inside its tiles (``Block`` fields, :mod:`infcl.back
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from .lse import empty_stats
+from .lse import MAX, REL, empty_stats, lse_merge
 
 Tensor = torch.Tensor
 
@@ -79,7 +79,36 @@ def guide_dtype(guide: Tensor) -> torch.dtype:
 
 
 def empty_masked(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[6, n]`` masked forward partials of n empty sets (the identity of their merge,
-    :meth:`infcl.losses.softmax.MaskedPartials.merge_`)."""
+    """``[6, n]`` masked forward partials of n empty sets (the identity of :func:`merge_masked`)."""
     sums = torch.zeros(2, n, dtype=dtype, device=device)
     return torch.cat((empty_stats(n, dtype, device), empty_stats(n, dtype, device), sums))
+
+
+def masked_fields(packed: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Views (stats [2, n], the positives' stats [2, n], their logits' sum [n], their count [n]) of a packed
+    ``[6, n]`` masked forward result: the fields of :class:`infcl.losses.softmax.MaskedPartials`."""
+    return packed[MAX : REL + 1], packed[POS_MAX : POS_REL + 1], packed[POS_SUM], packed[POS_COUNT]
+
+
+def merge_masked_fields(acc, part, loss_kind: str) -> None:
+    """Merge masked forward partials over disjoint column sets, given as their fields (:func:`masked_fields`
+    or a ``MaskedPartials``), into ``acc`` in place.
+
+    The stats merge with :func:`infcl.lse.lse_merge`; the positives' stats too for "sum", while "mean"
+    keeps only their max (the top-1 check); sums and counts add.
+    """
+    (stats, pos_stats, pos_sum, pos_count), (p_stats, p_pos_stats, p_pos_sum, p_pos_count) = acc, part
+    lse_merge(stats, p_stats)
+    if loss_kind == "sum":
+        lse_merge(pos_stats, p_pos_stats)
+    else:
+        torch.maximum(pos_stats[MAX], p_pos_stats[MAX], out=pos_stats[MAX])
+    pos_sum.add_(p_pos_sum)
+    pos_count.add_(p_pos_count)
+
+
+def merge_masked(acc: Tensor, part: Tensor, loss_kind: str) -> Tensor:
+    """:func:`merge_masked_fields` on packed ``[6, n]`` results (a backend merging its split partials);
+    returns ``acc``."""
+    merge_masked_fields(masked_fields(acc), masked_fields(part), loss_kind)
+    return acc

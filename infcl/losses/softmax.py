@@ -32,7 +32,7 @@ import torch
 
 from ..backends.base import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, empty_stats, lse_merge
-from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
+from ..masks import empty_masked, masked_fields, merge_masked_fields
 from ..ring.driver import ParamGrads, SummedParts
 from ..stats import row_info
 
@@ -232,7 +232,7 @@ class MaskedPartials(NamedTuple):
     @classmethod
     def unpack(cls, rows: Tensor) -> "MaskedPartials":
         """Views of a backend's packed ``[6, n]`` masked forward rows (layout: :mod:`infcl.masks`)."""
-        return cls(rows[MAX : REL + 1], rows[POS_MAX : POS_REL + 1], rows[POS_SUM], rows[POS_COUNT])
+        return cls(*masked_fields(rows))
 
     @classmethod
     def empty(cls, n: int, dtype: torch.dtype, device: torch.device) -> "MaskedPartials":
@@ -240,16 +240,8 @@ class MaskedPartials(NamedTuple):
         return cls.unpack(empty_masked(n, dtype, device))
 
     def merge_(self, part: "MaskedPartials", kind: str) -> None:
-        """Merge partials over a disjoint set of columns in place: the stats with :func:`infcl.lse.lse_merge`,
-        the positives' stats too for "sum", while "mean" keeps only their max (the top-1 check); sums and
-        counts add."""
-        lse_merge(self.stats, part.stats)
-        if kind == "sum":
-            lse_merge(self.pos_stats, part.pos_stats)
-        else:
-            torch.maximum(self.pos_stats[MAX], part.pos_stats[MAX], out=self.pos_stats[MAX])
-        self.pos_sum.add_(part.pos_sum)
-        self.pos_count.add_(part.pos_count)
+        """Merge partials over a disjoint set of columns in place (:func:`infcl.masks.merge_masked_fields`)."""
+        merge_masked_fields(self, part, kind)
 
     def losses(self, kind: str) -> Tensor:
         """Row losses: (m - mean of the positives) + r ("mean", and one positive) or (m - pm) + (r - pr)
