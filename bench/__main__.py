@@ -13,6 +13,7 @@ import argparse
 import itertools
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -21,9 +22,11 @@ import torch
 from .machine import device_name
 from .methods import BASELINE, LOSSES, METHODS, PLAIN
 from .presets import PRESETS, Sweep, custom_sweep
-from .report import add_ratios, format_table, write_csv, write_plot
+from .report import COLUMNS, add_ratios, format_table, write_csv, write_plot
 from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
 
+# The options that replace a field of the preset's first sweep (bench.presets.Sweep) when given.
+SWEEP_OPTIONS = ("batch_sizes", "dims", "dtype", "modes", "symmetric", "memory_only")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # The vanilla loss holds about this many [B, B] buffers at its fwd+bwd peak (logits, two
 # log-softmax outputs, their gradients): measured ~1.4 GB at B=8192 and ~5.1 GB at B=16384 in fp32.
@@ -107,14 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _sweeps(args) -> Tuple[str, Tuple[Sweep, ...]]:
-    overrides = dict(
-        batch_sizes=args.batch_sizes,
-        dims=args.dims,
-        dtype=args.dtype,
-        modes=args.modes,
-        symmetric=args.symmetric,
-        memory_only=args.memory_only,
-    )
+    overrides = {name: getattr(args, name) for name in SWEEP_OPTIONS}
     sweeps = PRESETS[args.preset]
     prefix = "" if args.loss == "clip" else f"{args.loss}-"
     if any(v is not None for v in overrides.values()):
@@ -175,18 +171,8 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
 
 
 def row_of(job: Job) -> Dict:
-    return dict(
-        method=job.method,
-        loss=job.loss,
-        device=job.device,
-        dtype=job.dtype,
-        batch=job.batch,
-        dim=job.dim,
-        symmetric=job.symmetric,
-        mode=job.mode,
-        repeats=job.repeats,
-        threads=job.threads,
-    )
+    """The job's fields that are result columns (bench.report.COLUMNS)."""
+    return {name: value for name, value in asdict(job).items() if name in COLUMNS}
 
 
 def _progress(total: int):

@@ -39,6 +39,14 @@ COLUMNS = (
 )
 
 
+# Columns the CSV keeps and the printed table leaves out: where it ran, spreads, and the raw rates behind
+# the ratios it shows.
+CSV_ONLY = (
+    "device", "device_name", "time_min_s", "repeats", "gemm_bound_s", "gemm_gflops", "gemm_equivalents",
+    "loss_rel_error", "threads",
+)
+# Shown in the table only when some row has them (the mask options' cost against the plain tiles).
+PLAIN_RATIOS = ("time_vs_plain", "memory_vs_plain")
 # Characters of a note shown in the printed table (the CSV keeps it whole).
 NOTE_WIDTH = 70
 # Significant digits of the floats in the CSV.
@@ -89,27 +97,8 @@ def _fmt(value, digits: int = 3) -> str:
 def format_table(rows: List[Dict], title: str = "") -> str:
     """Measured rows as an aligned table under ``title`` (which names the machine); rows skipped for an
     unavailable method are summarized below it."""
-    heads = (
-        "method",
-        "loss",
-        "dtype",
-        "batch",
-        "dim",
-        "symmetric",
-        "mode",
-        "status",
-        "time_s",
-        "peak_extra_mib",
-        "time_vs_vanilla",
-        "memory_vs_vanilla",
-        "time_vs_gemm_bound",
-        "gemm_fraction",
-        "grad_rel_error",
-        "note",
-    )
-    if any(r.get("time_vs_plain") is not None for r in rows):  # --ids / --guide: their cost beside "torch"
-        at = heads.index("time_vs_gemm_bound")
-        heads = heads[:at] + ("time_vs_plain", "memory_vs_plain") + heads[at:]
+    with_plain = any(r.get("time_vs_plain") is not None for r in rows)  # --ids / --guide: cost beside "torch"
+    heads = tuple(c for c in COLUMNS if c not in CSV_ONLY and (with_plain or c not in PLAIN_RATIOS))
     shown = [r for r in rows if not (r["status"] == "skipped" and r.get("unavailable"))]
     cells = [heads] + [tuple(_fmt(r.get(h)) for h in heads) for r in shown]
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]

@@ -97,15 +97,23 @@ def local_labels(labels, q: torch.Tensor) -> Optional[torch.Tensor]:
     the ring layout exchange, so that a problem on one rank raises on every rank instead of hanging.
     """
     bq = q.shape[0]
-    if labels is None:
+    if _integer_rows(labels, "labels", bq, f"[Bq] = [{bq}]") is None:
         return None
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be None or an integer tensor, got {type(labels).__name__}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if labels.dim() != 1 or labels.shape[0] != bq:
-        raise ValueError(f"labels must have shape [Bq] = [{bq}], got {_shape(labels)}")
     return labels.to(device=q.device, dtype=torch.int64)
+
+
+def _integer_rows(value, name: str, rows: int, shape: str) -> Optional[torch.Tensor]:
+    """``value`` if it is None or an integer tensor of shape [rows] (``shape`` says so in the message), else
+    a TypeError / ValueError naming ``name``."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be None or an integer tensor, got {type(value).__name__}")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
+    if value.dim() != 1 or value.shape[0] != rows:
+        raise ValueError(f"{name} must have shape {shape}, got {_shape(value)}")
+    return value
 
 
 def global_labels(
@@ -157,16 +165,8 @@ def _check_permutation(labels: torch.Tensor, layout: RingLayout) -> None:
 
 def _ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
     """``ids``: None or an integer tensor [rows] on the features' device; returned as int64."""
-    if ids is None:
+    if _integer_rows(ids, name, rows, f"[{rows}] (one id per row of {feats_name} {_shape(feats)})") is None:
         return None
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name} must be None or an integer tensor, got {type(ids).__name__}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {ids.dtype}")
-    if ids.dim() != 1 or ids.shape[0] != rows:
-        raise ValueError(
-            f"{name} must have shape [{rows}] (one id per row of {feats_name} {_shape(feats)}), got {_shape(ids)}"
-        )
     if ids.device != feats.device:
         raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {ids.device}")
     return ids.to(torch.int64)

@@ -2,8 +2,9 @@
 
 :class:`InfLossFunction` (softmax): forward runs the ring driver with the softmax loss's block steps and
 returns per-row (and, for the symmetric loss, per-column) losses ``(max - positive) + rel``; it saves
-only q, k, the labels and the ``[2, n]`` log-sum-exp stats. Backward hands the upstream per-row /
-per-column gradients to the driver, which recomputes the tiles.
+only q, k, the labels and the ``[2, n]`` log-sum-exp stats (with mask options, the whole
+:class:`~infcl.losses.softmax.MaskedPartials`). Backward hands the named upstream inputs (stats and upstream
+gradients, per row and per column) to the driver, which recomputes the tiles.
 
 :class:`SigmoidLossFunction` (SigLIP): the same driver with the sigmoid loss's block steps; it saves
 only q, k, the labels, the scale and the bias (the backward needs no forward statistics).
@@ -16,18 +17,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backends.base import BlockBackend, accum_dtype
-from .losses.sigmoid import SigmoidRing
-from .losses.softmax import (
-    GuideScores,
-    MaskedSoftmaxRing,
-    SoftmaxRing,
-    backward_rows,
-    infos,
-    masked_backward_rows,
-    masked_info,
-    masked_losses,
-    split,
-)
+from .losses.sigmoid import SigmoidRing, SigmoidUpstream
+from .losses.softmax import GuideScores, MaskedSoftmaxRing, SoftmaxRing
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout
@@ -65,19 +56,17 @@ class InfLossFunction(torch.autograd.Function):
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
         """(row losses [Bq], column losses [Bk] or empty, row info [3, Bq], column info [3, Bk] or empty):
         the infos (:mod:`infcl.stats`) carry no gradient."""
-        if plan.masks is not None:
-            return _masked_forward(ctx, q, k, scale, labels, plan)
-        ring = SoftmaxRing(plan.symmetric)
+        ring = _softmax_ring(q, k, labels, plan)
         scale_t = device_scale(scale, q)
         rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
-        row_loss, col_loss = split(rows, cols)
-        row_info, col_info = infos(rows, cols)
+        row_loss, row_info, saved = ring.losses(rows), rows.info(), ring.saved(rows)
         if plan.symmetric:
-            ctx.save_for_backward(q, k, scale_t, labels, rows[:2], cols[:2])
+            col_loss, col_info = ring.losses(cols), cols.info()
+            saved += ring.saved(cols)
         else:
             col_loss, col_info = row_loss.new_empty(0), row_info.new_empty(3, 0)
-            ctx.save_for_backward(q, k, scale_t, labels, rows[:2])
-        ctx.plan = plan
+        ctx.save_for_backward(q, k, scale_t, labels, *saved)
+        ctx.plan, ctx.ring, ctx.n_saved = plan, ring, len(ring.saved(rows))
         ctx.scale_meta = _param_meta(scale)
         ctx.mark_non_differentiable(labels, row_info, col_info)
         return row_loss, col_loss, row_info, col_info
@@ -86,61 +75,32 @@ class InfLossFunction(torch.autograd.Function):
     @once_differentiable  # the backward is itself a tiled loop: no double backward
     def backward(ctx, g_row, g_col, _g_row_info, _g_col_info):
         plan: LossPlan = ctx.plan
-        if plan.masks is not None:
-            return _masked_backward(ctx, g_row, g_col)
-        q, k, scale_t, labels, row_stats, *rest = ctx.saved_tensors
-        ahead = backward_rows(rest[0], g_col) if plan.symmetric else None
-        rows = backward_rows(row_stats, g_row)
-        dq, dk, dparams = ring_backward(
-            q, k, scale_t, labels, SoftmaxRing(plan.symmetric), plan.backend, plan.layout, rows, ahead
-        )
+        q, k, scale_t, labels, *saved = ctx.saved_tensors
+        rows = ctx.ring.upstream(saved[: ctx.n_saved], g_row)
+        cols = ctx.ring.upstream(saved[ctx.n_saved :], g_col) if plan.symmetric else None
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ctx.ring, plan.backend, plan.layout, rows, cols)
         scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
 
 
-def _mask_ring(q, k, labels, plan: LossPlan) -> MaskedSoftmaxRing:
-    """The masked loss's ring steps, with the guide thresholds found first (:class:`GuideScores`)."""
+def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxRing:
+    """The softmax loss's ring steps: plain, or with the mask options (the guide thresholds found first,
+    :class:`GuideScores`)."""
     masks = plan.masks
+    if masks is None:
+        return SoftmaxRing(plan.symmetric)
     guide_q = guide_k = row_threshold = col_threshold = None
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
         guide_q, guide_k = masks.guide_q.to(gdt), masks.guide_k.to(gdt)
         scores = GuideScores(plan.symmetric)
         rows, cols = ring_forward(guide_q, guide_k, None, labels, scores, plan.backend, plan.layout)
-        row_threshold = guide_threshold(rows[0], masks.margin, masks.strategy)
+        row_threshold = guide_threshold(rows.score, masks.margin, masks.strategy)
         if plan.symmetric:
-            col_threshold = guide_threshold(cols[0], masks.margin, masks.strategy)
+            col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy)
     return MaskedSoftmaxRing(
         plan.symmetric, masks.multi_positive, masks.q_ids, masks.k_ids, guide_q, guide_k, row_threshold, col_threshold
     )
-
-
-def _masked_forward(ctx, q, k, scale, labels, plan: LossPlan):
-    ring = _mask_ring(q, k, labels, plan)
-    scale_t = device_scale(scale, q)
-    rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
-    row_loss, row_info = masked_losses(rows, ring.kind), masked_info(rows)
-    if plan.symmetric:
-        col_loss, col_info = masked_losses(cols, ring.kind), masked_info(cols)
-        ctx.save_for_backward(q, k, scale_t, labels, rows, cols)
-    else:
-        col_loss, col_info = row_loss.new_empty(0), row_info.new_empty(3, 0)
-        ctx.save_for_backward(q, k, scale_t, labels, rows)
-    ctx.plan, ctx.ring = plan, ring
-    ctx.scale_meta = _param_meta(scale)
-    ctx.mark_non_differentiable(labels, row_info, col_info)
-    return row_loss, col_loss, row_info, col_info
-
-
-def _masked_backward(ctx, g_row, g_col):
-    plan: LossPlan = ctx.plan
-    q, k, scale_t, labels, rows, *rest = ctx.saved_tensors
-    ahead = masked_backward_rows(rest[0], g_col) if plan.symmetric else None
-    dq, dk, dparams = ring_backward(
-        q, k, scale_t, labels, ctx.ring, plan.backend, plan.layout, masked_backward_rows(rows, g_row), ahead
-    )
-    scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
-    return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
 
 
 class SigmoidLossFunction(torch.autograd.Function):
@@ -153,7 +113,7 @@ class SigmoidLossFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, scale_t, bias_t, labels)
         ctx.plan = plan
         ctx.param_meta = (_param_meta(scale), _param_meta(bias))
-        return rows[0]
+        return rows.loss
 
     @staticmethod
     @once_differentiable  # the backward is itself a tiled loop: no double backward
@@ -161,9 +121,8 @@ class SigmoidLossFunction(torch.autograd.Function):
         plan: LossPlan = ctx.plan
         q, k, scale_t, bias_t, labels = ctx.saved_tensors
         # The upstream gradient of a mean is an expanded (stride 0) vector: an O(B) copy makes it plain.
-        rows = g_row.to(scale_t.dtype).contiguous()[None]
-        dq, dk, dparams = ring_backward(
-            q, k, scale_t, labels, SigmoidRing(bias_t), plan.backend, plan.layout, rows, None
-        )
+        rows = SigmoidUpstream(g_row.to(scale_t.dtype).contiguous())
+        ring = SigmoidRing(bias_t)
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, None)
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None

@@ -22,7 +22,7 @@ these options forms P and E inside its tiles (``Block`` fields, :mod:`infcl.back
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -31,9 +31,10 @@ from .lse import MAX, REL, empty_stats, lse_merge
 Tensor = torch.Tensor
 
 MULTI_POSITIVE = (None, "mean", "sum")
-# Rows of a masked forward result ([6, n], rows and columns alike): the stats over the columns not
-# excluded (MAX, REL of infcl.lse), the positives' max and log-sum relative to it (only "sum" fills
-# POS_REL), the sum of the positives' logits and their number.
+# Rows of a backend's masked forward result ([6, n], rows and columns alike; the loss layer reads it as
+# infcl.losses.softmax.MaskedPartials): the stats over the columns not excluded (MAX, REL of infcl.lse),
+# the positives' max and log-sum relative to it (only "sum" fills POS_REL), the sum of the positives'
+# logits and their number.
 POS_MAX, POS_REL, POS_SUM, POS_COUNT = 2, 3, 4, 5
 MASKED_ROWS = 6
 MARGIN_STRATEGIES = ("absolute", "relative")
@@ -83,16 +84,31 @@ def empty_masked(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.cat((empty_stats(n, dtype, device), empty_stats(n, dtype, device), sums))
 
 
-def merge_masked(acc: Tensor, part: Tensor, loss_kind: str) -> Tensor:
-    """Merge masked forward partials over disjoint column sets into ``acc`` in place; return ``acc``.
+def masked_fields(packed: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Views (stats [2, n], the positives' stats [2, n], their logits' sum [n], their count [n]) of a packed
+    ``[6, n]`` masked forward result: the fields of :class:`infcl.losses.softmax.MaskedPartials`."""
+    return packed[MAX : REL + 1], packed[POS_MAX : POS_REL + 1], packed[POS_SUM], packed[POS_COUNT]
+
+
+def merge_masked_fields(acc, part, loss_kind: str) -> None:
+    """Merge masked forward partials over disjoint column sets, given as their fields (:func:`masked_fields`
+    or a ``MaskedPartials``), into ``acc`` in place.
 
     The stats merge with :func:`infcl.lse.lse_merge`; the positives' stats too for "sum", while "mean"
     keeps only their max (the top-1 check); sums and counts add.
     """
-    lse_merge(acc[MAX : REL + 1], part[MAX : REL + 1])
+    (stats, pos_stats, pos_sum, pos_count), (p_stats, p_pos_stats, p_pos_sum, p_pos_count) = acc, part
+    lse_merge(stats, p_stats)
     if loss_kind == "sum":
-        lse_merge(acc[POS_MAX : POS_REL + 1], part[POS_MAX : POS_REL + 1])
+        lse_merge(pos_stats, p_pos_stats)
     else:
-        torch.maximum(acc[POS_MAX], part[POS_MAX], out=acc[POS_MAX])
-    acc[POS_SUM :] += part[POS_SUM :]
+        torch.maximum(pos_stats[MAX], p_pos_stats[MAX], out=pos_stats[MAX])
+    pos_sum.add_(p_pos_sum)
+    pos_count.add_(p_pos_count)
+
+
+def merge_masked(acc: Tensor, part: Tensor, loss_kind: str) -> Tensor:
+    """:func:`merge_masked_fields` on packed ``[6, n]`` results (a backend merging its split partials);
+    returns ``acc``."""
+    merge_masked_fields(masked_fields(acc), masked_fields(part), loss_kind)
     return acc

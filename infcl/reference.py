@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .backends.base import accum_dtype
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .ring.layout import RingLayout
-from .stats import HAS_POS, HIT, POS_LOGIT
+from .stats import row_info
 
 
 class _GatherRows(torch.autograd.Function):
@@ -120,10 +120,8 @@ def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks:
     with torch.no_grad():
         best = logits.masked_fill(excluded, neg_inf).amax(dim=1)
         best_positive = logits.masked_fill(~positive, neg_inf).amax(dim=1)
-        info = logits.new_empty(3, n)
-        info[HIT] = torch.where(valid, (best_positive >= best).to(logits.dtype), float("nan"))
-        info[POS_LOGIT] = torch.where(valid, pos_mean, float("nan"))
-        info[HAS_POS] = valid.to(logits.dtype)
+        hit = torch.where(valid, (best_positive >= best).to(logits.dtype), float("nan"))
+        info = row_info(hit, torch.where(valid, pos_mean, float("nan")), valid)
     return loss, info
 
 

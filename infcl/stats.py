@@ -25,6 +25,13 @@ class InfLossStats(NamedTuple):
     k2q_positive_logit: Optional[Tensor] = None
 
 
+def row_info(hit: Tensor, positive_logit: Tensor, has_positive: Tensor) -> Tensor:
+    """``[3, n]`` per-row info, rows in the order :data:`HIT`, :data:`POS_LOGIT`, :data:`HAS_POS` (each ``[n]``;
+    bools become 0/1 in ``positive_logit``'s dtype)."""
+    dtype = positive_logit.dtype
+    return torch.stack((hit.to(dtype), positive_logit, has_positive.to(dtype)))
+
+
 def _mean_over_valid(values: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid, values, 0).sum() / valid.sum()
 

@@ -113,6 +113,18 @@ def assert_close_verbose(actual, expected, atol, rtol, what="", magnitude=None):
         )
 
 
+
+def assert_ring_matches(ranks, key, truth, atol, rtol, what):
+    """Every rank's loss, dq, dk and own dscale of the run ``key`` (``results["cases"][key]`` per rank)
+    against the float64 ``truth`` (tests/ring_cases.py's Truth), and the dscale summed over ranks against
+    the full derivative of the sum of every rank's loss."""
+    for r, results in enumerate(ranks):
+        got = results["cases"][key]
+        for name, want in (("loss", truth.loss), ("dq", truth.dq), ("dk", truth.dk), ("dscale", truth.dscale)):
+            assert_close_verbose(got[name], want[r], atol, rtol, f"{what} rank={r} {name}")
+    total = sum(results["cases"][key]["dscale"].double() for results in ranks)
+    assert_close_verbose(total, truth.dscale_full, atol, rtol, f"{what} sum of dscale")
+
 def assert_no_worse(ours, torch_lowp, truth, atol, rtol, what=""):
     """Low precision: |ours - truth| <= |torch_in_dtype - truth| + (atol + rtol*|truth|), elementwise."""
     ours, torch_lowp, truth = (t.detach().to(torch.float64).cpu() for t in (ours, torch_lowp, truth))

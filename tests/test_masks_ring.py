@@ -11,7 +11,7 @@ import pytest
 import masks_ring_worker as worker
 from distributed import launch, results_by_ring
 from ring_worker import TINY_SUFFIX
-from support import TOLERANCE, assert_close_verbose
+from support import TOLERANCE, assert_close_verbose, assert_ring_matches
 
 BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX)
 CASE_NAMES = tuple(c.name for c in worker.mask_cases(2))
@@ -39,16 +39,7 @@ def test_masked_ring_matches_single_process(spawned, world, name, backend):
     case = _case(world, name)
     truth = worker.truth(case)
     atol, rtol = TOLERANCE[case.dtype]
-    ranks = spawned(world)
-    for r, results in enumerate(ranks):
-        got = results["cases"][(name, backend)]
-        what = f"{name} {backend} world={world} rank={r}"
-        assert_close_verbose(got["loss"], truth.loss[r], atol, rtol, f"{what} loss")
-        assert_close_verbose(got["dq"], truth.dq[r], atol, rtol, f"{what} dq")
-        assert_close_verbose(got["dk"], truth.dk[r], atol, rtol, f"{what} dk")
-        assert_close_verbose(got["dscale"], truth.dscale[r], atol, rtol, f"{what} dscale (own loss)")
-    total = sum(results["cases"][(name, backend)]["dscale"].double() for results in ranks)
-    assert_close_verbose(total, truth.dscale_full, atol, rtol, f"{name} {backend} world={world} sum of dscale")
+    assert_ring_matches(spawned(world), (name, backend), truth, atol, rtol, f"{name} {backend} world={world}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS[1:])

@@ -84,12 +84,22 @@ def _upstream(n, seed=2):
     return w
 
 
-def _skip_unsupported(backend, regime, dtype):
+def _supported_inputs(backend, regime, dtype):
+    """:func:`_inputs`, or a skip where the backend or the dtype cannot take the regime."""
     bq, bk = REGIMES[regime][:2]
     if backend == "triton" and bq * bk > 300 * 300:
         pytest.skip("interpreted Triton: the smaller regimes only")
     if dtype == torch.float16 and REGIMES[regime][5] == "unnormalized:30":
         pytest.skip("|S| ~ 1e6 overflows float16 in the vanilla loss itself: no reference error to compare with")
+    return _inputs(regime, dtype)
+
+
+def _each_regime(regimes):
+    """Parametrize a test over every backend, every dtype and ``regimes``."""
+    backend = pytest.mark.parametrize("backend", BACKENDS)
+    dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    regime = pytest.mark.parametrize("regime", regimes)
+    return lambda test: backend(dtype(regime(test)))
 
 
 def _max_err(got, truth):
@@ -130,12 +140,9 @@ def _vanilla(labels, symmetric, reduction="none"):
     return lambda q_, k_, s_: vanilla_loss(q_, k_, labels, s_, symmetric, reduction)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("regime", REGIMES)
+@_each_regime(REGIMES)
 def test_no_worse_than_vanilla_in_that_dtype(backend, dtype, regime):
-    _skip_unsupported(backend, regime, dtype)
-    q, k, labels, scale, symmetric = _inputs(regime, dtype)
+    q, k, labels, scale, symmetric = _supported_inputs(backend, regime, dtype)
     w = _upstream(q.shape[0])
     scale_in = scale.to(torch.float64 if dtype == torch.float64 else torch.float32)
     ours = grads_of(_ours(backend, labels, symmetric), q, k, scale_in, w)
@@ -162,13 +169,10 @@ def test_confident_rows_are_exact(backend, dtype, symmetric, scale):
     assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("regime", ("confident-100", "confident-100-hard-negatives", "unnormalized"))
+@_each_regime(("confident-100", "confident-100-hard-negatives", "unnormalized"))
 def test_upstream_sign_never_changes_the_path(backend, dtype, regime):
     """grad(-w) == -grad(w) bit for bit: no value takes a different path for a negated upstream gradient."""
-    _skip_unsupported(backend, regime, dtype)
-    q, k, labels, scale, symmetric = _inputs(regime, dtype)
+    q, k, labels, scale, symmetric = _supported_inputs(backend, regime, dtype)
     w = _upstream(q.shape[0])
     fn = _ours(backend, labels, symmetric)
     plus = grads_of(fn, q, k, scale.float(), w)
@@ -177,12 +181,9 @@ def test_upstream_sign_never_changes_the_path(backend, dtype, regime):
         assert torch.equal(a, -b), f"{name}: grad(-w) differs from -grad(w) by up to {float((a + b).abs().max()):.3g}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("regime", ("confident-100", "confident-100-hard-negatives", "unnormalized-huge"))
+@_each_regime(("confident-100", "confident-100-hard-negatives", "unnormalized-huge"))
 def test_row_losses_never_negative(backend, dtype, regime):
-    _skip_unsupported(backend, regime, dtype)
-    q, k, labels, scale, symmetric = _inputs(regime, dtype)
+    q, k, labels, scale, symmetric = _supported_inputs(backend, regime, dtype)
     losses = cal_inf_loss(q, k, labels, scale, symmetric=symmetric, reduction="none", backend=backend)
     assert bool((losses >= 0).all()), f"min row loss {float(losses.min()):.3g}"
 

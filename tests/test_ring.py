@@ -17,7 +17,7 @@ import torch
 import ring_cases
 from distributed import describe, launch, results_by_ring
 from ring_worker import FAILING_RANK, MAIN_WORLD, OVERLAP_CASES, RINGS, TINY_SUFFIX
-from support import TOLERANCE, assert_close_verbose, tiled_backends
+from support import TOLERANCE, assert_close_verbose, assert_ring_matches, tiled_backends
 
 WORLDS = tuple(RINGS)
 BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX) + tuple(b for b in tiled_backends() if b != "torch")
@@ -58,16 +58,10 @@ def test_ring_matches_single_process(spawned, world, name, backend):
     atol, rtol = TOLERANCE[case.dtype]
     ranks = spawned(world)
     for r, results in enumerate(ranks):
-        got = results["cases"][(name, backend)]
-        what = f"{name} {backend} world={world} rank={r}"
-        assert got["loss_dtype"] == case.dtype, f"{what}: loss dtype {got['loss_dtype']}"
-        assert_close_verbose(got["loss"], truth.loss[r], atol, rtol, f"{what} loss")
-        assert_close_verbose(got["dq"], truth.dq[r], atol, rtol, f"{what} dq")
-        assert_close_verbose(got["dk"], truth.dk[r], atol, rtol, f"{what} dk")
-        assert_close_verbose(got["dscale"], truth.dscale[r], atol, rtol, f"{what} dscale (own loss)")
-    # Summed over ranks, the per-replica scale gradients are the full derivative of sum_s L_s.
-    total = sum(results["cases"][(name, backend)]["dscale"].double() for results in ranks)
-    assert_close_verbose(total, truth.dscale_full, atol, rtol, f"{name} {backend} world={world} sum of dscale")
+        dtype = results["cases"][(name, backend)]["loss_dtype"]
+        assert dtype == case.dtype, f"{name} {backend} world={world} rank={r}: loss dtype {dtype}"
+    # Each rank's dscale is that of its own loss; summed over ranks, the full derivative of sum_s L_s.
+    assert_ring_matches(ranks, (name, backend), truth, atol, rtol, f"{name} {backend} world={world}")
 
 
 def _indices(events, kind, stream=None):

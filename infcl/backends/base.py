@@ -13,10 +13,10 @@ recomputes a dot product with different rounding.
 
 Softmax (InfoNCE / CLIP) loss — stats are ``[2, n]`` (max, log-sum relative to it; see :mod:`infcl.lse`):
 
-``forward_block(block, want_cols) -> (rows [3, Bq], cols [2, Bk] or None)``
+``forward_block(block, symmetric) -> (rows [3, Bq], cols [2, Bk] or None)``
     rows[0:2] = stats of each row of S over this block's columns
     rows[2]   = S[i, pos[i]] where pos[i] >= 0, else 0 (the positive logit, from the same tile)
-    cols      = stats of each column over the local rows (only when ``want_cols``: symmetric loss)
+    cols      = stats of each column over the local rows (only for the ``symmetric`` loss)
 
 ``backward_block(block, dq, dk) -> dscale [2]`` with the *global* stats and upstream gradients in the
 block (``row_stats``, ``g_row`` and, symmetric, ``col_stats``, ``g_col``); Y is the one-hot of ``pos``:
@@ -109,7 +109,7 @@ class Block:
 class BlockBackend(Protocol):
     name: str
 
-    def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         ...
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:

@@ -91,19 +91,6 @@ def _positives(pos: Tensor, tile: _Tile) -> Tuple[Tensor, Tensor]:
     return inside, p.clamp(0, nj - 1)[:, None]
 
 
-def _probabilities(out: Tensor, s: Tensor, stats: Tensor, g: Tensor, inside: Tensor, idx: Tensor) -> Tensor:
-    """out = g * (exp((s - m) - r) - Y) for a tile, Y the one-hot of the positives at ``idx`` where ``inside``.
-
-    ``stats`` and ``g`` are already broadcast to the tile (rows: [n, 1]; columns: [1, n]); the positive's
-    entry is g * expm1(x), not g * exp(x) - g, so a confident row's 1 - p keeps its digits.
-    """
-    torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
-    x_pos = out.gather(1, idx)
-    out.exp_().mul_(g)
-    g_pos = g.expand_as(out).gather(1, idx)
-    return _replace_positives(out, inside, idx, g_pos * torch.expm1(x_pos))
-
-
 def _margins(out: Tensor, raw: Tensor, block: Block, inside: Tensor, idx: Tensor) -> Tensor:
     """out = -z * (scale * raw + bias): the sigmoid loss's logits, their sign flipped at the positives,
     so that each entry's loss is softplus(out) and its derivative by the logit is -z * sigmoid(out)."""
@@ -132,7 +119,7 @@ class _TileMasks(NamedTuple):
     col_excluded: Optional[Tensor]
 
 
-def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> _TileMasks:
+def _tile_masks(block: Block, tile: _Tile, symmetric: bool) -> _TileMasks:
     """Form one tile's masks, in place where possible: the guide scores and a few bool tiles are all the
     extra memory, and the scores die with this call."""
     same = None
@@ -145,10 +132,10 @@ def _tile_masks(block: Block, tile: _Tile, want_cols: bool) -> _TileMasks:
         positive, same, inside, idx = same, None, None, None  # every same-id column is a positive
         negative = ~positive
     excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
-    col_excluded = excluded if want_cols else None
+    col_excluded = excluded if symmetric else None
     if block.guide_q is not None:
         scores = block.guide_q[tile.rows] @ block.guide_k[tile.cols].T
-        if want_cols:
+        if symmetric:
             col_above = torch.gt(scores, block.col_threshold[None, tile.cols])
             col_excluded = col_above if excluded is None else col_above.logical_or_(excluded)
         above = torch.gt(scores, block.row_threshold[tile.rows, None])
@@ -225,14 +212,14 @@ def _col_positives(block: Block, tile: _Tile) -> _Positives:
     return _Positives(block.col_pos_count[None, tile.cols], None)
 
 
-def _masked_probabilities(
+def _probabilities(
     out: Tensor, s: Tensor, masks: _TileMasks, excluded: Optional[Tensor], stats: Tensor, g: Tensor,
     pos: Optional[_Positives],
 ) -> Tensor:
     """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them; ``stats``,
-    ``g`` and ``pos`` are broadcast to the tile. Y: the one-hot of the row's positive (``pos`` None, as
-    :func:`_probabilities`, bit for bit when nothing is excluded), or on the positives 1/c ("mean") or
-    exp((s - pm) - pr) ("sum").
+    ``g`` and ``pos`` are broadcast to the tile (rows: [n, 1]; columns: [1, n]). Y: the one-hot of the row's
+    positive (``pos`` None; without exclusions these are the plain loss's operations), or on the positives
+    1/c ("mean") or exp((s - pm) - pr) ("sum").
 
     A positive's entry is never a difference of two rounded probabilities: p - 1 = expm1(x), p - 1/c =
     expm1(x + log c) / c and p - y = y * expm1(d) with d = (pm - m) + (pr - r), the log of the positives'
@@ -270,19 +257,19 @@ class TorchTilesBackend:
         tq, tk = CPU_TILES if device.type == "cpu" else GPU_TILES
         return self.tile_q or tq, self.tile_k or tk
 
-    def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         if block.masked:
-            return self._masked_forward_block(block, want_cols)
+            return self._masked_forward_block(block, symmetric)
         walk = _Walk(block, self.tiles(block.q.device))
         bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
         rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
-        cols = empty_stats(bk, acc, dev) if want_cols else None
+        cols = empty_stats(bk, acc, dev) if symmetric else None
         buf, scratch = walk.buffers(2)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the backward repeats exactly these two operations
             lse_merge(rows[:2, tile.rows], tile_stats(s, 1, tile.view(scratch)))
-            if want_cols:
+            if symmetric:
                 lse_merge(cols[:, tile.cols], tile_stats(s, 0, tile.view(scratch)))
             inside, idx = _positives(block.pos, tile)
             pos_row = rows[2, tile.rows]
@@ -290,22 +277,27 @@ class TorchTilesBackend:
         return rows, cols
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
-        if block.masked:
-            return self._masked_backward_block(block, dq, dk)
+        """The plain and the masked loss alike: without masks a tile's positives are its one-hots (by index)
+        and nothing is excluded, so :func:`_probabilities` does exactly the plain loss's operations."""
         walk = _Walk(block, self.tiles(block.q.device))
-        scale, both = block.scale, block.symmetric
+        scale, symmetric = block.scale, block.symmetric
+        single = block.multi_positive is None
         dscale = walk.zeros(2)
-        raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if both else 3) + ([] if both else [None])
+        raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if symmetric else 3) + ([] if symmetric else [None])
         for tile in walk:
             raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
             s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
-            inside, idx = _positives(block.pos, tile)
-            row_stats, g_i = block.row_stats[:, tile.rows, None], block.g_row[tile.rows, None]
-            ds = _probabilities(tile.view(ds_buf), s, row_stats, g_i, inside, idx)
+            masks = _tile_masks(block, tile, symmetric)
+            ds = _probabilities(
+                tile.view(ds_buf), s, masks, masks.excluded, block.row_stats[:, tile.rows, None],
+                block.g_row[tile.rows, None], None if single else _row_positives(block, tile),
+            )
             dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
-            if both:
-                col_stats, g_j = block.col_stats[:, None, tile.cols], block.g_col[None, tile.cols]
-                pc = _probabilities(tile.view(col_buf), s, col_stats, g_j, inside, idx)
+            if symmetric:
+                pc = _probabilities(
+                    tile.view(col_buf), s, masks, masks.col_excluded, block.col_stats[:, None, tile.cols],
+                    block.g_col[None, tile.cols], None if single else _col_positives(block, tile),
+                )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)
             dq[tile.rows].addcmul_(ds @ tile.kj, scale)
@@ -315,47 +307,21 @@ class TorchTilesBackend:
     # --- the softmax loss with masks (infcl.masks; contract: infcl.backends.base) ---------------------
     # GEMMs per block: as above, plus one guide GEMM (width D') per tile in each pass when a guide is given.
 
-    def _masked_forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def _masked_forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         walk = _Walk(block, self.tiles(block.q.device))
         kind = "sum" if block.multi_positive == "sum" else "mean"
         rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
-        cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if want_cols else None
+        cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if symmetric else None
         buf, kept_buf, scratch = walk.buffers(3)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the same tile as the plain forward's, bit for bit
-            masks = _tile_masks(block, tile, want_cols)
+            masks = _tile_masks(block, tile, symmetric)
             kept, spare = tile.view(kept_buf), tile.view(scratch)
             _masked_partials(rows[:, tile.rows], s, masks, masks.excluded, kept, spare, 1, kind)
-            if want_cols:
+            if symmetric:
                 _masked_partials(cols[:, tile.cols], s, masks, masks.col_excluded, kept, spare, 0, kind)
         return rows, cols
-
-    def _masked_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
-        walk = _Walk(block, self.tiles(block.q.device))
-        scale, both = block.scale, block.symmetric
-        dscale = walk.zeros(2)
-        raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if both else 3) + ([] if both else [None])
-        for tile in walk:
-            raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
-            s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
-            masks = _tile_masks(block, tile, both)
-            single = block.multi_positive is None
-            ds = _masked_probabilities(
-                tile.view(ds_buf), s, masks, masks.excluded, block.row_stats[:, tile.rows, None],
-                block.g_row[tile.rows, None], None if single else _row_positives(block, tile),
-            )
-            dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
-            if both:
-                pc = _masked_probabilities(
-                    tile.view(col_buf), s, masks, masks.col_excluded, block.col_stats[:, None, tile.cols],
-                    block.g_col[None, tile.cols], None if single else _col_positives(block, tile),
-                )
-                dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
-                ds.add_(pc)
-            dq[tile.rows].addcmul_(ds @ tile.kj, scale)
-            dk[tile.cols].addcmul_(ds.T @ tile.qi, scale)
-        return dscale
 
     # --- the sigmoid (SigLIP) loss (contract: infcl.backends.base) ------------------------------------
     # GEMMs per block: forward 1 (the logits), backward 3 (the logits again, dq, dk).

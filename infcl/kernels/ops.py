@@ -99,13 +99,13 @@ def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tenso
 def _sigmoid_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str,
                      tiling: List[int]) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_forward(q, k, pos, scale, bias, precision or None, chosen, wrap=_WRAP)
+    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=_WRAP)
 
 
 def _sigmoid_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, g_row: Tensor, dq: Tensor,
                       dk: Tensor, precision: str, tiling: List[int]) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision or None, chosen, wrap=_WRAP)
+    return sigmoid.siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=_WRAP)
 
 
 def _accum(q: Tensor) -> torch.dtype:

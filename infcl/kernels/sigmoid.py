@@ -217,13 +217,14 @@ def _params(scale: torch.Tensor, bias: torch.Tensor, acc: torch.dtype) -> torch.
     return torch.stack((scale, bias)).to(acc)
 
 
-def siglip_forward(q, k, pos, scale, bias, precision=None, tiling: Tiling = None, wrap=lambda kernel: kernel):
+def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel):
     """Row losses [Bq] (accumulation dtype): sum_j softplus(-z_ij * (scale * q_i.k_j + bias)).
 
-    q [Bq, D], k [Bk, D] (any strides, one dtype), pos [Bq] int64: each row's positive column in k, -1
-    for none; scale and bias 0-d tensors on q's device. ``precision`` picks tl.dot's input precision for
-    float32 ("ieee", "tf32"; None follows torch.backends.cuda.matmul.allow_tf32); ``tiling`` overrides
-    :data:`DEFAULT_TILINGS` (the interpreter's big tiles under TRITON_INTERPRET=1); ``wrap`` wraps the
+    q [Bq, D], k [Bk, D] (any strides, one dtype), scale a 0-d tensor on q's device, pos [Bq] int64: each
+    row's positive column in k, -1 for none; bias a 0-d tensor like scale (the argument order of every block
+    operation: q, k, scale, pos, then the loss's own). ``tiling`` overrides :data:`DEFAULT_TILINGS` (the
+    interpreter's big tiles under TRITON_INTERPRET=1); ``precision`` picks tl.dot's input precision for
+    float32 ("ieee", "tf32"; None follows torch.backends.cuda.matmul.allow_tf32); ``wrap`` wraps the
     kernel before its launch (``torch.library.wrap_triton`` inside a triton_op).
     """
     opts = launch_options(q.dtype, precision)
@@ -242,7 +243,7 @@ def siglip_forward(q, k, pos, scale, bias, precision=None, tiling: Tiling = None
     return out
 
 
-def siglip_backward(q, k, pos, scale, bias, g_row, dq, dk, precision=None, tiling: Tiling = None,
+def siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, tiling: Tiling = None, precision=None,
                     wrap=lambda kernel: kernel) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in

@@ -1,62 +1,106 @@
-"""The softmax (InfoNCE / CLIP) loss's per-block steps in the ring loop.
+"""The softmax (InfoNCE / CLIP) loss's per-block steps in the ring loop, on named per-row tensors.
 
-Forward rows are ``[3, Bq]``: the row stats (max, log-sum relative to it; :mod:`infcl.lse`) and the
-positive logit, which only the block holding a row's positive sets (the others add 0). For the
-symmetric loss each block also yields ``[3, Bk]`` column partials — the column stats over this rank's
-rows and the column's positive logit, scattered from the rows whose positive lies in the block (the
-same tile value, not a second dot product) — that travel home to the block's owner.
+Every phase moves its own named tuple of ``[n]`` / ``[2, n]`` tensors (one field per meaning, items on
+the last dim; stats are (max, log-sum relative to it), :mod:`infcl.lse`), never a packed tensor whose
+rows change meaning between phases:
 
-Backward: the rows carry ``[3, Bq]`` (max, rel, upstream gradient); for the symmetric loss the same
-per column travels ahead with k. The one loss parameter is the scale: each block returns its row part
-(this rank's loss) and its column part (credited to the block's owner).
+- forward, :class:`SoftmaxPartials` (stats, positive): a row's stats over the columns seen so far and
+  its positive logit, which only the block holding the positive sets (the others add 0). The backend's
+  packed ``[3, Bq]`` rows are unpacked into it where they are received (:meth:`SoftmaxPartials.unpack`).
+  For the symmetric loss each block also yields column partials of the same kind — the column stats over
+  this rank's rows and the column's positive logit, scattered from the rows whose positive lies in the
+  block (the same tile value, not a second dot product) — that travel home to the block's owner.
+- backward, :class:`SoftmaxUpstream` (stats, grad): a row's global stats and the upstream gradient of its
+  loss; for the symmetric loss the same per column travels with k. The one loss parameter is the scale:
+  each block returns its row part (this rank's loss) and its column part (credited to the block's owner).
 
 Losses: row_i = (m_i - pos_i) + r_i, which is never negative (pos_i is one of the tile values the
 max was taken over, and r_i >= 0).
 
-With mask options (:mod:`infcl.masks`), :class:`MaskedSoftmaxRing`: forward partials are ``[6, n]`` for
-rows and columns alike (the tiles find each column's positives themselves, so nothing is scattered),
-the ids, guide features and column thresholds travel with k (``k_side``), and the backward rows and
-``ahead`` are ``[6, n]``: (max, rel, upstream gradient, positives' max, positives' rel, positive count).
-The guide thresholds come first, from :class:`GuideScores` on the same ring loop (see there).
+With mask options (:mod:`infcl.masks`), :class:`MaskedSoftmaxRing`: the forward moves
+:class:`MaskedPartials` (stats, the positives' stats, their logits' sum and their count) for rows and
+columns alike (the tiles find each column's positives themselves, so nothing is scattered), the ids, guide
+features and column thresholds travel with k (``k_side``), and the backward moves :class:`MaskedUpstream`
+(stats, grad, the positives' global stats and count). The guide thresholds come first, from
+:class:`GuideScores` on the same ring loop (see there).
 """
 
-from typing import Optional, Tuple
+from dataclasses import replace
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from ..backends.base import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, empty_stats, lse_merge
-from ..masks import MASKED_ROWS, POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked, merge_masked
-from ..stats import HAS_POS, HIT, POS_LOGIT
+from ..masks import empty_masked, masked_fields, merge_masked_fields
+from ..ring.driver import ParamGrads, SummedParts
+from ..stats import row_info
 
-POS = 2  # row of the positive logit in a forward partial
-
-
-def _merge(acc: Tensor, part: Tensor) -> None:
-    lse_merge(acc[:2], part[:2])
-    acc[POS] += part[POS]
+POS = 2  # row of the positive logit in the backend's packed [3, Bq] forward rows (infcl.backends.base)
 
 
-def _scatter_to_columns(row_pos: Tensor, pos: Tensor, size: int) -> Tensor:
-    """col[c] = row_pos[i] for the row i whose positive is column c of this block (0 for none).
+def _scatter_to_columns(row_values: Tensor, pos: Tensor, size: int) -> Tensor:
+    """col[c] = row_values[i] for the row i whose positive is column c of this block (0 for none).
 
     Rows whose positive is elsewhere go to a spare slot past the end, so the scatter needs no mask
     (labels are a permutation under the symmetric loss: each column gets at most one row).
     """
-    out = row_pos.new_zeros(size + 1)
-    out.scatter_(0, torch.where(pos >= 0, pos, size), row_pos)
+    out = row_values.new_zeros(size + 1)
+    out.scatter_(0, torch.where(pos >= 0, pos, size), row_values)
     return out[:size]
 
 
-def row_losses(stats: Tensor) -> Tensor:
-    """(m - pos) + r from a ``[3, n]`` forward result, NaN wherever the log-sum-exp is not finite.
+def _nan_unless(keep: Tensor, loss: Tensor) -> Tensor:
+    return torch.where(keep, loss, float("nan"))
 
-    An infinite log-sum-exp means an infinite logit in that row (or column); F.cross_entropy turns
-    every such row into NaN, and so do we: never a silent inf or finite number from non-finite features.
-    """
-    m, rel = stats[MAX], stats[REL]
-    finite = torch.isfinite(m) & torch.isfinite(rel)
-    return torch.where(finite, (m - stats[POS]) + rel, float("nan"))
+
+def _finite(stats: Tensor) -> Tensor:
+    """Whether a log-sum-exp is finite: an infinite one means an infinite logit in that row (or column);
+    F.cross_entropy turns every such row into NaN, and so do we: never a silent inf or finite number from
+    non-finite features."""
+    return torch.isfinite(stats[MAX]) & torch.isfinite(stats[REL])
+
+
+class SoftmaxUpstream(NamedTuple):
+    """What the backward needs per row (or column): the global stats and the upstream gradient."""
+
+    stats: Tensor  # [2, n] global (max, rel)
+    grad: Tensor  # [n] upstream gradient of each row's loss
+
+    def block_fields(self, side: str) -> dict:
+        """The :class:`Block` fields of one direction (``side``: "row" or "col")."""
+        return {f"{side}_stats": self.stats, f"g_{side}": self.grad}
+
+
+class SoftmaxPartials(NamedTuple):
+    """The plain softmax loss's forward partials of ``n`` rows (or columns) over a set of columns (rows)."""
+
+    stats: Tensor  # [2, n] (max, rel) of the logits
+    positive: Tensor  # [n] the positive logit where the set holds it, else 0
+
+    @classmethod
+    def empty(cls, n: int, dtype: torch.dtype, device: torch.device) -> "SoftmaxPartials":
+        """Partials over no columns: the identity of :meth:`merge_`."""
+        return cls(empty_stats(n, dtype, device), torch.zeros(n, dtype=dtype, device=device))
+
+    @classmethod
+    def unpack(cls, rows: Tensor) -> "SoftmaxPartials":
+        """Views of a backend's packed ``[3, n]`` forward rows (stats, then the positive logit)."""
+        return cls(rows[MAX : REL + 1], rows[POS])
+
+    def merge_(self, part: "SoftmaxPartials") -> None:
+        """Merge partials over a disjoint set of columns in place."""
+        lse_merge(self.stats, part.stats)
+        self.positive.add_(part.positive)
+
+    def losses(self) -> Tensor:
+        """(m - pos) + r per row, NaN wherever the log-sum-exp is not finite."""
+        return _nan_unless(_finite(self.stats), (self.stats[MAX] - self.positive) + self.stats[REL])
+
+    def info(self) -> Tensor:
+        """``[3, n]`` per-row info (:mod:`infcl.stats`): the positive is the row's top-1 when it equals the
+        max (it is one of the values the max was taken over)."""
+        return row_info(self.positive >= self.stats[MAX], self.positive, torch.ones_like(self.positive))
 
 
 class SoftmaxRing:
@@ -67,55 +111,52 @@ class SoftmaxRing:
 
     def __init__(self, symmetric: bool):
         self.symmetric = symmetric
-        self.col_rows = 3 if symmetric else 0
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.cat((empty_stats(n, dtype, device), torch.zeros(1, n, dtype=dtype, device=device)))
+    def _block(self, block: Block, k_side, **fields) -> Block:
+        """The held block with this loss's fields (and, masked, its k-side tensors) added."""
+        return replace(block, **fields)
 
-    merge_rows = staticmethod(_merge)
-    merge_cols = staticmethod(_merge)
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SoftmaxPartials:
+        return SoftmaxPartials.empty(n, dtype, device)
 
-    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, k_side=()):
-        rows, col_stats = backend.forward_block(Block(q=q, k=k, scale=scale, pos=pos), self.symmetric)
+    @staticmethod
+    def merge(acc: SoftmaxPartials, part: SoftmaxPartials) -> None:
+        acc.merge_(part)
+
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        rows, col_stats = backend.forward_block(block, self.symmetric)
+        rows = SoftmaxPartials.unpack(rows)
         if not self.symmetric:
             return rows, None
-        cols = torch.cat((col_stats, _scatter_to_columns(rows[POS], pos, k.shape[0])[None]))
-        return rows, cols
+        return rows, SoftmaxPartials(col_stats, _scatter_to_columns(rows.positive, block.pos, block.k.shape[0]))
+
+    def _fields(self, upstream: SoftmaxUpstream, side: str) -> dict:
+        return upstream.block_fields(side)
 
     def backward_step(
-        self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor,
-        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor, k_side=(),
-    ) -> Tensor:
-        block = Block(
-            q=q, k=k, scale=scale, pos=pos, row_stats=rows[:2], g_row=rows[2],
-            col_stats=None if ahead is None else ahead[:2], g_col=None if ahead is None else ahead[2],
-        )
-        return backend.backward_block(block, dq, dk).view(2, 1)
+        self, backend: BlockBackend, block: Block, rows: SoftmaxUpstream, cols: Optional[SoftmaxUpstream],
+        dq: Tensor, dk: Tensor, k_side=(),
+    ) -> ParamGrads:
+        fields = self._fields(rows, "row")
+        if cols is not None:
+            fields.update(self._fields(cols, "col"))
+        dscale = backend.backward_block(self._block(block, k_side, **fields), dq, dk)
+        return ParamGrads(own=dscale[:1], owner=dscale[1:])  # the rows' term, the columns' term
 
+    # What the autograd Function calls with a forward result (infcl.function).
 
-def backward_rows(stats: Tensor, grad: Tensor) -> Tensor:
-    """``[3, n]`` (max, rel, upstream gradient) for the backward from a forward result and its gradient."""
-    return torch.cat((stats[:2], grad.to(stats.dtype)[None]))
+    def losses(self, part: SoftmaxPartials) -> Tensor:
+        return part.losses()
 
+    def saved(self, part: SoftmaxPartials) -> Tuple[Tensor, ...]:
+        """What the backward keeps of a forward result: the stats."""
+        return (part.stats,)
 
-def split(rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-    """The per-row and per-column losses of a forward result."""
-    return row_losses(rows), (None if cols is None else row_losses(cols))
-
-
-def _info(stats: Tensor) -> Tensor:
-    """``[3, n]`` per-row info (:mod:`infcl.stats`) of a plain forward result: the positive is the row's
-    top-1 when it equals the max (it is one of the values the max was taken over)."""
-    info = stats.new_empty(3, stats.shape[1])
-    info[HIT] = (stats[POS] >= stats[MAX]).to(stats.dtype)
-    info[POS_LOGIT] = stats[POS]
-    info[HAS_POS] = 1
-    return info
-
-
-def infos(rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-    """The per-row (and per-column) infos of a forward result."""
-    return _info(rows), (None if cols is None else _info(cols))
+    def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> SoftmaxUpstream:
+        """The backward's inputs from :meth:`saved` and the upstream gradient (an O(n) copy makes a mean's
+        expanded, stride-0 gradient plain)."""
+        (stats,) = saved
+        return SoftmaxUpstream(stats.contiguous(), grad.to(stats.dtype).contiguous())
 
 
 # --- the mask options (infcl.masks) ------------------------------------------------------------------
@@ -123,11 +164,16 @@ def infos(rows: Tensor, cols: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor
 # Rows per step of GuideScores: bounds its gathered labelled-column features (and their products) to a few
 # chunk x D' temporaries instead of two more copies of the guide.
 GUIDE_CHUNK = 1024
-GRAD = 2  # row of the upstream gradient in backward rows (plain [3, n] and masked [6, n] alike)
-B_POS_MAX, B_POS_REL, B_POS_COUNT = 3, 4, 5  # the positives' rows in masked backward rows
 
 
-class GuideScores:
+class GuideScore(NamedTuple):
+    """GuideScores' forward partial: ``[n]`` the guide score of each row's labelled column (0 where the
+    block does not hold it)."""
+
+    score: Tensor
+
+
+class GuideScores(SummedParts):
     """:class:`infcl.ring.driver.RingLoss` (forward only) for the guide score of each row's labelled
     column, G[i, labels[i]] = guide_q[i] . guide_k[labels[i]], and, symmetric, of each column's labelled
     row (the same number: labels are a permutation), run on the one ring loop with the guide features as
@@ -141,37 +187,99 @@ class GuideScores:
     column itself is a positive, never excluded.
     """
 
+    parts = GuideScore
     n_params = 0
     k_side = ()
 
     def __init__(self, symmetric: bool):
         self.symmetric = symmetric
-        self.col_rows = 1 if symmetric else 0
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.zeros(1, n, dtype=dtype, device=device)
-
-    merge_rows = merge_cols = staticmethod(Tensor.add_)
-
-    def forward_step(self, backend, guide_q: Tensor, guide_k: Tensor, scale, pos: Tensor, k_side=()):
+    def forward_step(self, backend, block: Block, k_side=()):
+        """``block``: the guide features as q and k (no scale)."""
+        guide_q, guide_k, pos = block.q, block.k, block.pos
         score = guide_q.new_zeros(guide_q.shape[0])
         for i0 in range(0, guide_q.shape[0], GUIDE_CHUNK):
             rows = slice(i0, i0 + GUIDE_CHUNK)
             picked = guide_k[pos[rows].clamp(min=0)]  # [chunk, D']: the labelled columns' features
             score[rows] = torch.where(pos[rows] >= 0, (guide_q[rows] * picked).sum(dim=1), 0)
-        cols = _scatter_to_columns(score, pos, guide_k.shape[0])[None] if self.symmetric else None
-        return score[None], cols
+        cols = GuideScore(_scatter_to_columns(score, pos, guide_k.shape[0])) if self.symmetric else None
+        return GuideScore(score), cols
 
 
-class MaskedSoftmaxRing:
+class MaskedUpstream(NamedTuple):
+    """What the masked backward needs per row (or column); a row without a positive carries harmless
+    values (:meth:`MaskedPartials.upstream`)."""
+
+    stats: Tensor  # [2, n] global (max, rel) over the columns not excluded
+    grad: Tensor  # [n] upstream gradient of each row's loss
+    pos_stats: Tensor  # [2, n] global (max, rel) of the positives' logits (read for "sum")
+    pos_count: Tensor  # [n] the number of positives (read for "mean")
+
+    def block_fields(self, side: str, kind: str) -> dict:
+        """The :class:`Block` fields of one direction (``side``: "row" or "col") for the loss ``kind``."""
+        positives = {f"{side}_pos_stats": self.pos_stats} if kind == "sum" else {f"{side}_pos_count": self.pos_count}
+        return {f"{side}_stats": self.stats, f"g_{side}": self.grad, **positives}
+
+
+class MaskedPartials(NamedTuple):
+    """The masked softmax loss's forward partials of ``n`` rows (or columns), over a set of columns (rows)."""
+
+    stats: Tensor  # [2, n] (max, rel) over the columns not excluded
+    pos_stats: Tensor  # [2, n] the positives' max and ("sum" only) their log-sum relative to it
+    pos_sum: Tensor  # [n] the sum of the positives' logits
+    pos_count: Tensor  # [n] their number
+
+    @classmethod
+    def unpack(cls, rows: Tensor) -> "MaskedPartials":
+        """Views of a backend's packed ``[6, n]`` masked forward rows (layout: :mod:`infcl.masks`)."""
+        return cls(*masked_fields(rows))
+
+    @classmethod
+    def empty(cls, n: int, dtype: torch.dtype, device: torch.device) -> "MaskedPartials":
+        """Partials over no columns: the identity of :meth:`merge_`."""
+        return cls.unpack(empty_masked(n, dtype, device))
+
+    def merge_(self, part: "MaskedPartials", kind: str) -> None:
+        """Merge partials over a disjoint set of columns in place (:func:`infcl.masks.merge_masked_fields`)."""
+        merge_masked_fields(self, part, kind)
+
+    def losses(self, kind: str) -> Tensor:
+        """Row losses: (m - mean of the positives) + r ("mean", and one positive) or (m - pm) + (r - pr)
+        ("sum"); NaN for rows without a positive or with a non-finite lse."""
+        (m, rel), (pos_max, pos_rel), count = self.stats, self.pos_stats, self.pos_count
+        if kind == "sum":
+            loss = (m - pos_max) + (rel - pos_rel)
+        else:
+            loss = (m - self.pos_sum / count) + rel
+        return _nan_unless(_finite(self.stats) & (count > 0), loss)
+
+    def info(self) -> Tensor:
+        """``[3, n]`` per-row info (:mod:`infcl.stats`); NaN for rows without a positive."""
+        valid = self.pos_count > 0
+        hit = _nan_unless(valid, (self.pos_stats[MAX] >= self.stats[MAX]).to(self.pos_sum.dtype))
+        return row_info(hit, _nan_unless(valid, self.pos_sum / self.pos_count), valid)
+
+    def upstream(self, grad: Tensor) -> MaskedUpstream:
+        """The backward's inputs from a global forward result and its upstream gradient.
+
+        A row without a positive has no loss: its gradient is 0 and its stats are made harmless (m = +inf,
+        so every P = exp(S - m - r) is 0, and one phantom positive) so that no NaN reaches the tiles.
+        """
+        valid = self.pos_count > 0
+        (m, rel), (pos_max, pos_rel) = self.stats, self.pos_stats
+        stats = torch.stack((torch.where(valid, m, float("inf")), torch.where(valid, rel, 0)))
+        pos_rel = torch.where(valid & (pos_rel > float("-inf")), pos_rel, 0)
+        pos_stats = torch.stack((torch.where(valid, pos_max, 0), pos_rel))
+        grad = torch.where(valid, grad.to(m.dtype), 0)
+        return MaskedUpstream(stats, grad, pos_stats, torch.where(valid, self.pos_count, 1))
+
+
+class MaskedSoftmaxRing(SoftmaxRing):
     """:class:`infcl.ring.driver.RingLoss` for the softmax loss with mask options; the rows' ids, guide
     features and thresholds stay here, the columns' travel with k (``k_side``)."""
 
-    n_params = 1
-
     def __init__(self, symmetric: bool, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold):
-        self.symmetric = symmetric
-        self.col_rows = MASKED_ROWS if symmetric else 0
+        super().__init__(symmetric)
         self.multi_positive = multi_positive
         self.kind = "sum" if multi_positive == "sum" else "mean"
         self.rows_side = {"q_ids": q_ids, "guide_q": guide_q, "row_threshold": row_threshold}
@@ -179,73 +287,28 @@ class MaskedSoftmaxRing:
         self.k_side_names = tuple(name for name, t in side.items() if t is not None)
         self.k_side = tuple(side[name] for name in self.k_side_names)
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return empty_masked(n, dtype, device)
-
-    def merge_rows(self, acc: Tensor, part: Tensor) -> None:
-        merge_masked(acc, part, self.kind)
-
-    merge_cols = merge_rows
-
-    def _block(self, k_side, **fields) -> Block:
+    def _block(self, block: Block, k_side, **fields) -> Block:
         columns = dict(zip(self.k_side_names, k_side))
-        return Block(**fields, **self.rows_side, **columns, multi_positive=self.multi_positive)
+        return replace(block, **fields, **self.rows_side, **columns, multi_positive=self.multi_positive)
 
-    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, k_side=()):
-        return backend.forward_block(self._block(k_side, q=q, k=k, scale=scale, pos=pos), self.symmetric)
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> MaskedPartials:
+        return MaskedPartials.empty(n, dtype, device)
 
-    def backward_step(
-        self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor,
-        rows: Tensor, ahead: Optional[Tensor], dq: Tensor, dk: Tensor, k_side=(),
-    ) -> Tensor:
-        fields = dict(q=q, k=k, scale=scale, pos=pos, row_stats=rows[:2], g_row=rows[GRAD])
-        fields.update(_positive_fields(rows, "row", self.kind))
-        if ahead is not None:
-            fields.update(col_stats=ahead[:2], g_col=ahead[GRAD], **_positive_fields(ahead, "col", self.kind))
-        return backend.backward_block(self._block(k_side, **fields), dq, dk).view(2, 1)
+    def merge(self, acc: MaskedPartials, part: MaskedPartials) -> None:
+        acc.merge_(part, self.kind)
 
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        rows, cols = backend.forward_block(self._block(block, k_side), self.symmetric)
+        return MaskedPartials.unpack(rows), (None if cols is None else MaskedPartials.unpack(cols))
 
-def _positive_fields(rows: Tensor, side: str, kind: str) -> dict:
-    if kind == "sum":
-        return {f"{side}_pos_stats": rows[B_POS_MAX : B_POS_REL + 1]}
-    return {f"{side}_pos_count": rows[B_POS_COUNT]}
+    def _fields(self, upstream: MaskedUpstream, side: str) -> dict:
+        return upstream.block_fields(side, self.kind)
 
+    def losses(self, part: MaskedPartials) -> Tensor:
+        return part.losses(self.kind)
 
-def masked_losses(stats: Tensor, kind: str) -> Tensor:
-    """Row losses of a ``[6, n]`` masked forward result: (m - mean of the positives) + r ("mean", and one
-    positive) or (m - pm) + (r - pr) ("sum"); NaN for rows without a positive or with a non-finite lse."""
-    m, rel, count = stats[MAX], stats[REL], stats[POS_COUNT]
-    if kind == "sum":
-        loss = (m - stats[POS_MAX]) + (rel - stats[POS_REL])
-    else:
-        loss = (m - stats[POS_SUM] / count) + rel
-    keep = torch.isfinite(m) & torch.isfinite(rel) & (count > 0)
-    return torch.where(keep, loss, float("nan"))
+    def saved(self, part: MaskedPartials) -> Tuple[Tensor, ...]:
+        return tuple(part)
 
-
-def masked_info(stats: Tensor) -> Tensor:
-    """``[3, n]`` per-row info (:mod:`infcl.stats`) of a masked forward result; NaN for rows without a positive."""
-    count = stats[POS_COUNT]
-    valid = count > 0
-    info = stats.new_empty(3, stats.shape[1])
-    info[HIT] = torch.where(valid, (stats[POS_MAX] >= stats[MAX]).to(stats.dtype), float("nan"))
-    info[POS_LOGIT] = torch.where(valid, stats[POS_SUM] / count, float("nan"))
-    info[HAS_POS] = valid.to(stats.dtype)
-    return info
-
-
-def masked_backward_rows(stats: Tensor, grad: Tensor) -> Tensor:
-    """``[6, n]`` masked backward rows from a forward result and its upstream gradient.
-
-    A row without a positive has no loss: its gradient is 0 and its stats are made harmless (m = +inf,
-    so every P = exp(S - m - r) is 0, and one phantom positive) so that no NaN reaches the tiles.
-    """
-    valid = stats[POS_COUNT] > 0
-    out = torch.empty_like(stats)
-    out[MAX] = torch.where(valid, stats[MAX], float("inf"))
-    out[REL] = torch.where(valid, stats[REL], 0)
-    out[GRAD] = torch.where(valid, grad.to(stats.dtype), 0)
-    out[B_POS_MAX] = torch.where(valid, stats[POS_MAX], 0)
-    out[B_POS_REL] = torch.where(valid & (stats[POS_REL] > float("-inf")), stats[POS_REL], 0)
-    out[B_POS_COUNT] = torch.where(valid, stats[POS_COUNT], 1)
-    return out
+    def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> MaskedUpstream:
+        return MaskedPartials(*saved).upstream(grad)

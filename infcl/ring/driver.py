@@ -15,64 +15,107 @@ No host synchronization happens inside the loop on CUDA: the scale is a device t
 positives are found with ``torch.where``, never ``nonzero`` or ``.item()``.
 """
 
-from typing import Optional, Protocol, Tuple
+from typing import Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
-from ..backends.base import BlockBackend, Tensor, accum_dtype
+from ..backends.base import Block, BlockBackend, Tensor, accum_dtype
 from .comm import RingComm
 from .layout import RingLayout
+
+# A loss's per-row (or per-column) partials or backward inputs: a NamedTuple of tensors, one field per
+# meaning, each with its rows (columns) on the last dim (e.g. stats [2, n], upstream gradient [n]). The
+# driver moves and merges them field by field; it never looks inside.
+Parts = Tuple[Tensor, ...]
+
+
+class ParamGrads(NamedTuple):
+    """A block's loss-parameter gradients ``[n_params]`` each: ``own`` from this rank's rows (its own
+    loss), ``owner`` credited to the block's owner (it travels home with dk)."""
+
+    own: Tensor
+    owner: Tensor
 
 
 class RingLoss(Protocol):
     """What one loss contributes to the ring loop (softmax: :mod:`infcl.losses.softmax`).
 
-    Forward: a ``[R, Bq]`` row accumulator merged block by block, and optionally a ``[C, Bk]`` column
-    partial per block (``col_rows = C``, 0 for none) that travels home to the block's owner.
-    Backward: ``ahead`` (``[A, Bk]`` per block, e.g. column stats and upstream gradients) travels with
-    k; each block returns ``[2, n_params]`` parameter gradients: row 0 for this rank's own loss, row 1
-    credited to the block's owner (it travels home with dk).
-    Both passes: ``k_side`` are this rank's tensors with one row per k row (ids, guide features, column
-    thresholds; empty for the plain losses) that travel with k, in the same exchange; each step gets the
-    held block's as ``k_side``.
+    Forward: a row accumulator (:data:`Parts`, from ``init_rows``) merged block by block and, when
+    ``symmetric``, column partials per block (the same kind of :data:`Parts`) that travel home to the
+    block's owner, merged on the way by the same ``merge``.
+    Backward: ``rows`` (:data:`Parts` per local row: stats, upstream gradients) stay; when ``symmetric``,
+    ``cols`` (per local k row) travel with k; each block returns its :class:`ParamGrads`.
+    Both passes: each step gets the held block as a :class:`Block` with q, k, scale and pos set (the loss
+    adds its own fields with ``dataclasses.replace``), and ``k_side``: the held block's rows of this loss's
+    tensors with one row per k row (ids, guide features, column thresholds; empty for the plain losses),
+    which travel with k in the same exchange.
     """
 
-    col_rows: int
+    symmetric: bool
     n_params: int
     k_side: Tuple[Tensor, ...]
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor: ...
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Parts: ...
 
-    def merge_rows(self, acc: Tensor, part: Tensor) -> None: ...
+    def merge(self, acc: Parts, part: Parts) -> None: ...
 
-    def merge_cols(self, acc: Tensor, part: Tensor) -> None: ...
-
-    def forward_step(self, backend: BlockBackend, q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, k_side=()): ...
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()) -> Tuple[Parts, Optional[Parts]]: ...
 
     def backward_step(
-        self,
-        backend: BlockBackend,
-        q: Tensor,
-        k: Tensor,
-        scale: Tensor,
-        pos: Tensor,
-        rows: Tensor,
-        ahead: Optional[Tensor],
-        dq: Tensor,
-        dk: Tensor,
-        k_side=(),
-    ) -> Tensor: ...
+        self, backend: BlockBackend, block: Block, rows: Parts, cols: Optional[Parts], dq: Tensor, dk: Tensor, k_side=()
+    ) -> ParamGrads: ...
 
 
-def _row_shapes(tensors, n: int) -> list:
-    """The shapes of ``tensors`` (rows on dim 0) for a block of ``n`` rows."""
-    return [(n, *t.shape[1:]) for t in tensors]
+def add_parts(acc: Parts, part: Parts) -> None:
+    """Add ``part`` into ``acc`` field by field, in place: the merge of partials that are plain sums."""
+    for total, term in zip(acc, part):
+        total.add_(term)
+
+
+class SummedParts:
+    """A base for a :class:`RingLoss` whose partials are plain sums of one NamedTuple type (``parts``, its
+    fields ``[n]`` each): zeros to start, merged by :func:`add_parts`."""
+
+    parts: type
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Parts:
+        return self.parts(*(torch.zeros(n, dtype=dtype, device=device) for _ in self.parts._fields))
+
+    merge = staticmethod(add_parts)
+
+
+def _resized(parts: Parts, n: int) -> Parts:
+    """Uninitialized :data:`Parts` like ``parts`` for ``n`` rows (their last dim)."""
+    return type(parts)(*(t.new_empty(*t.shape[:-1], n) for t in parts))
+
+
+def _contiguous(parts: Parts) -> Parts:
+    """P2P buffers must be contiguous (a no-op for the parts that are)."""
+    return type(parts)(*(t.contiguous() for t in parts))
 
 
 def block_positions(labels: Tensor, offset: int, size: int) -> Tensor:
     """[Bq] int64: the column within the block [offset, offset + size) of each row's positive, else -1."""
     inside = (labels >= offset) & (labels < offset + size)
     return torch.where(inside, labels - offset, -1)
+
+
+class _KBlock(NamedTuple):
+    """What travels with a k block: k [n, D], the loss's per-column backward inputs (``cols``, or None)
+    and its ``k_side`` tensors (rows first)."""
+
+    k: Tensor
+    cols: Optional[Parts]
+    side: Tuple[Tensor, ...]
+
+    def tensors(self) -> list:
+        return [self.k, *(() if self.cols is None else self.cols), *self.side]
+
+    def resized(self, n: int) -> "_KBlock":
+        """Uninitialized buffers for a block of ``n`` k rows."""
+        cols = None if self.cols is None else _resized(self.cols, n)
+        side = tuple(t.new_empty(n, *t.shape[1:]) for t in self.side)
+        return _KBlock(self.k.new_empty(n, *self.k.shape[1:]), cols, side)
 
 
 class _Leading:
@@ -82,17 +125,19 @@ class _Leading:
     block *before* the compute on the current one; :meth:`advance` waits and swaps the buffers.
     """
 
-    def __init__(self, layout: RingLayout, comm: Optional[RingComm], phase: str, tensors, shapes_of):
-        self.layout, self.comm, self.phase, self.shapes_of = layout, comm, phase, shapes_of
-        self.current = [t if comm is None else t.contiguous() for t in tensors]
-        self.next = None
+    def __init__(self, layout: RingLayout, comm: Optional[RingComm], phase: str, block: _KBlock):
+        self.layout, self.comm, self.phase = layout, comm, phase
+        if comm is not None:
+            cols = None if block.cols is None else _contiguous(block.cols)
+            block = _KBlock(block.k.contiguous(), cols, tuple(t.contiguous() for t in block.side))
+        self.current: _KBlock = block
+        self.next: Optional[_KBlock] = None
 
     def post(self, step: int) -> None:
         if step + 1 >= self.layout.world:
             return
-        size = self.layout.k_sizes[self.layout.block_at_step(step + 1)]
-        self.next = [t.new_empty(shape) for t, shape in zip(self.current, self.shapes_of(size))]
-        for mine, incoming in zip(self.current, self.next):
+        self.next = self.current.resized(self.layout.k_sizes[self.layout.block_at_step(step + 1)])
+        for mine, incoming in zip(self.current.tensors(), self.next.tensors()):
             self.comm.send_recv(mine, incoming)
         self.comm.commit(f"{self.phase} step {step} (k block of rank {self.layout.block_at_step(step)})")
 
@@ -107,27 +152,30 @@ class _Trailing:
 
     At every step each rank merges its part for the block it holds into what arrived from rank - 1,
     and passes the sum on to rank + 1 while it computes the next block. After W steps the total for a
-    block is back at its owner: :meth:`home`.
+    block is back at its owner: :meth:`home`. A part is a NamedTuple of tensors, sent field by field;
+    ``resized(part, n)`` makes the receive buffers for a block of n k rows.
     """
 
-    def __init__(self, layout: RingLayout, comm: Optional[RingComm], shape_of, merge, phase: str, kind: str):
-        self.layout, self.comm, self.shape_of, self.merge = layout, comm, shape_of, merge
+    def __init__(self, layout: RingLayout, comm: Optional[RingComm], resized: Callable, merge, phase: str, kind: str):
+        self.layout, self.comm, self.resized, self.merge = layout, comm, resized, merge
         self.phase, self.kind = phase, kind  # for error messages: "backward step 1 (dk of rank 2)"
-        self.incoming: Optional[Tensor] = None
+        self.incoming = None
 
-    def pass_on(self, step: int, mine: Tensor) -> None:
+    def pass_on(self, step: int, mine) -> None:
         if step > 0:
             self.comm.wait()
             self.merge(mine, self.incoming)
         if self.comm is None:
             self.incoming = mine
             return
+        mine = _contiguous(mine)
         # After the last step the partials go home: rank + 1 owns the block held last.
-        self.incoming = mine.new_empty(self.shape_of(self.layout.k_sizes[self.layout.block_at_step(step + 1)]))
-        self.comm.send_recv(mine, self.incoming)
+        self.incoming = self.resized(mine, self.layout.k_sizes[self.layout.block_at_step(step + 1)])
+        for sent, received in zip(mine, self.incoming):
+            self.comm.send_recv(sent, received)
         self.comm.commit(f"{self.phase} step {step} ({self.kind} of rank {self.layout.block_at_step(step)})")
 
-    def home(self) -> Tensor:
+    def home(self):
         if self.comm is not None:
             self.comm.wait()
         return self.incoming
@@ -146,31 +194,37 @@ def _block_span(layout: RingLayout, step: int) -> Tuple[int, int]:
 
 def ring_forward(
     q: Tensor, k: Tensor, scale: Tensor, labels: Tensor, loss: RingLoss, backend: BlockBackend, layout: RingLayout
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """Return (rows [R, Bq], cols [C, Bk] or None): this rank's row accumulator over the global
-    columns and, if the loss has column partials, its own k rows' totals over every rank's rows."""
-    acc = accum_dtype(q.dtype)
-    dev, dim = q.device, q.shape[1]
-    rows = loss.init_rows(q.shape[0], acc, dev)
+) -> Tuple[Parts, Optional[Parts]]:
+    """Return (rows, cols or None), the loss's :data:`Parts`: this rank's row accumulator over the global
+    columns and, for a symmetric loss, its own k rows' totals over every rank's rows."""
+    rows = loss.init_rows(q.shape[0], accum_dtype(q.dtype), q.device)
     k_comm, col_comm = _comms(layout, "k-forward", "columns")
-    k_side = tuple(loss.k_side)
-    blocks = _Leading(layout, k_comm, "forward", [k, *k_side], lambda n: [(n, dim)] + _row_shapes(k_side, n))
+    blocks = _Leading(layout, k_comm, "forward", _KBlock(k, None, tuple(loss.k_side)))
     columns = None
-    if loss.col_rows:
-        columns = _Trailing(
-            layout, col_comm, lambda n: (loss.col_rows, n), loss.merge_cols, "forward", "column partials"
-        )
+    if loss.symmetric:
+        columns = _Trailing(layout, col_comm, _resized, loss.merge, "forward", "column partials")
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)
-        k_cur, *side_cur = blocks.current
-        pos = block_positions(labels, offset, size)
-        row_part, col_part = loss.forward_step(backend, q, k_cur, scale, pos, tuple(side_cur))
-        loss.merge_rows(rows, row_part)
+        block = Block(q=q, k=blocks.current.k, scale=scale, pos=block_positions(labels, offset, size))
+        row_part, col_part = loss.forward_step(backend, block, blocks.current.side)
+        loss.merge(rows, row_part)
         if columns is not None:
             columns.pass_on(step, col_part)
         blocks.advance(step)
     return rows, (columns.home() if columns is not None else None)
+
+
+class _BlockGrads(NamedTuple):
+    """What the backward accumulates for a block over every rank: its dk [n, D] and its column-credited
+    parameter gradients [n_params]."""
+
+    dk: Tensor
+    params: Tensor
+
+
+def _resized_grads(grads: _BlockGrads, n: int) -> _BlockGrads:
+    return _BlockGrads(grads.dk.new_empty(n, grads.dk.shape[1]), torch.empty_like(grads.params))
 
 
 def ring_backward(
@@ -181,41 +235,32 @@ def ring_backward(
     loss: RingLoss,
     backend: BlockBackend,
     layout: RingLayout,
-    rows: Tensor,
-    ahead: Optional[Tensor],
+    rows: Parts,
+    cols: Optional[Parts],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Return (dq, dk, dparams [n_params]) in the accumulation dtype.
 
-    ``rows`` [*, Bq] is what the loss's backward step needs per local row (stats, upstream gradient);
-    ``ahead`` [A, Bk] (or None) per local k row, sent around with k. dq and dk hold the gradient of
-    every rank's loss with respect to this rank's q and k; dparams is the derivative of this rank's own
+    ``rows`` (:data:`Parts`) is what the loss's backward step needs per local row (stats, upstream
+    gradient); ``cols`` (or None) the same per local k row, sent around with k. dq and dk hold the gradient
+    of every rank's loss with respect to this rank's q and k; dparams is the derivative of this rank's own
     loss (rows, plus the column-credited parts of its own k block) with respect to the loss parameters.
     """
     acc = accum_dtype(q.dtype)
     dev, dim = q.device, q.shape[1]
-    n_params = loss.n_params
     dq = torch.zeros(q.shape[0], dim, dtype=acc, device=dev)
-    own = torch.zeros(n_params, dtype=acc, device=dev)
+    own = torch.zeros(loss.n_params, dtype=acc, device=dev)
     k_comm, acc_comm = _comms(layout, "k-backward", "dk")
-    k_side = tuple(loss.k_side)
-    travelling = ([k] if ahead is None else [k, ahead]) + list(k_side)
-    shapes = lambda n: [(n, dim)] + ([] if ahead is None else [(ahead.shape[0], n)]) + _row_shapes(k_side, n)  # noqa: E731
-    blocks = _Leading(layout, k_comm, "backward", travelling, shapes)
-    n_lead = len(travelling) - len(k_side)
-    # [size * D + n_params] per block: its dk partial sum and its column-credited parameter gradients.
-    grads = _Trailing(layout, acc_comm, lambda n: (n * dim + n_params,), Tensor.add_, "backward", "dk")
+    blocks = _Leading(layout, k_comm, "backward", _KBlock(k, cols, tuple(loss.k_side)))
+    grads = _Trailing(layout, acc_comm, _resized_grads, add_parts, "backward", "dk")
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)
-        k_cur, side_cur = blocks.current[0], tuple(blocks.current[n_lead:])
-        ahead_cur = blocks.current[1] if ahead is not None else None
-        packed = torch.zeros(size * dim + n_params, dtype=acc, device=dev)
-        dk_part = packed[:-n_params].view(size, dim)
-        pos = block_positions(labels, offset, size)
-        dparams = loss.backward_step(backend, q, k_cur, scale, pos, rows, ahead_cur, dq, dk_part, side_cur)
-        own += dparams[0]
-        packed[-n_params:] = dparams[1]
-        grads.pass_on(step, packed)
+        held = blocks.current
+        dk_part = torch.zeros(size, dim, dtype=acc, device=dev)
+        block = Block(q=q, k=held.k, scale=scale, pos=block_positions(labels, offset, size))
+        dparams = loss.backward_step(backend, block, rows, held.cols, dq, dk_part, held.side)
+        own += dparams.own
+        grads.pass_on(step, _BlockGrads(dk_part, dparams.owner))
         blocks.advance(step)
     home = grads.home()
-    return dq, home[:-n_params].view(k.shape[0], dim), own + home[-n_params:]
+    return dq, home.dk, own + home.params

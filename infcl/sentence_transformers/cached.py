@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ..gradcache import GradCache, RandContext
 from ..gradcache.sync import sync_kind
 from .losses import MultipleNegativesRankingLoss, warn_deprecated
-from .objective import SYMMETRIC_SETTINGS, objective_arguments
+from .objective import SYMMETRIC_SETTINGS, mirrored_arguments, objective_arguments
 
 
 class SentenceTransformerGradCache(GradCache):
@@ -81,16 +81,11 @@ class CachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankin
         group=None,
         backend: str = "auto",
     ) -> None:
-        objective = objective_arguments(locals())
-        super().__init__(
-            model,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            **objective,
-        )
+        arguments = locals()
+        super().__init__(model, **mirrored_arguments(arguments))
         # As in sentence-transformers, the wrapped loss owns (and checks) the hyperparameters; the
         # properties and attribute delegation of the parent class now reach infcl's loss.
+        objective = objective_arguments(arguments)
         self.loss = MultipleNegativesRankingLoss(model, **objective, group=group, backend=backend)
 
     def calculate_loss(self, reps: List[List[Tensor]], labels: Any = None, *, with_backward: bool = False) -> Tensor:
@@ -190,13 +185,4 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
         backend: str = "auto",
     ) -> None:
         warn_deprecated(type(self).__name__, "CachedMultipleNegativesRankingLoss")
-        super().__init__(
-            model,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            **objective_arguments(locals()),
-            **SYMMETRIC_SETTINGS,
-            group=group,
-            backend=backend,
-        )
+        super().__init__(model, **mirrored_arguments(locals()), **SYMMETRIC_SETTINGS, group=group, backend=backend)

@@ -16,7 +16,7 @@ from sentence_transformers.sentence_transformer import losses as st_losses
 from sentence_transformers.util import batch_to_device
 from torch import Tensor
 
-from .objective import check_group, gist_loss, loss_group
+from .objective import gist_loss, keep_options, loss_group, mirrored_arguments
 
 
 def _loss_of(loss, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor]) -> Tensor:
@@ -63,19 +63,8 @@ class GISTEmbedLoss(st_losses.GISTEmbedLoss):
         group=None,
         backend: str = "auto",
     ) -> None:
-        super().__init__(
-            model,
-            guide,
-            temperature=temperature,
-            margin_strategy=margin_strategy,
-            margin=margin,
-            contrast_anchors=contrast_anchors,
-            contrast_positives=contrast_positives,
-            gather_across_devices=gather_across_devices,
-        )
-        check_group(gather_across_devices, group)
-        self.group = group
-        self.backend = backend
+        super().__init__(model, guide, **mirrored_arguments(locals()))
+        keep_options(self, group, backend)
 
     def forward(self, sentence_features: Iterable[dict], labels: Any = None) -> Tensor:
         features = list(sentence_features)
@@ -134,22 +123,8 @@ class CachedGISTEmbedLoss(st_losses.CachedGISTEmbedLoss):
         group=None,
         backend: str = "auto",
     ) -> None:
-        super().__init__(
-            model,
-            guide,
-            temperature=temperature,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            margin_strategy=margin_strategy,
-            margin=margin,
-            contrast_anchors=contrast_anchors,
-            contrast_positives=contrast_positives,
-            gather_across_devices=gather_across_devices,
-        )
-        check_group(gather_across_devices, group)
-        self.group = group
-        self.backend = backend
+        super().__init__(model, guide, **mirrored_arguments(locals()))
+        keep_options(self, group, backend)
 
     def calculate_loss(
         self, reps: List[List[Tensor]], reps_guided: List[List[Tensor]], *, with_backward: bool = False

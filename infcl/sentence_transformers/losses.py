@@ -14,8 +14,9 @@ from torch import Tensor
 from .objective import (
     SYMMETRIC_SETTINGS,
     check_supported,
+    keep_options,
     loss_group,
-    objective_arguments,
+    mirrored_arguments,
     ranking_loss,
     similarity_kind,
 )
@@ -59,10 +60,9 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
         group=None,
         backend: str = "auto",
     ) -> None:
-        super().__init__(model, **objective_arguments(locals()))
+        super().__init__(model, **mirrored_arguments(locals()))
         check_supported(self, group)
-        self.group = group
-        self.backend = backend
+        keep_options(self, group, backend)
 
     def compute_loss_from_embeddings(self, embeddings: Sequence[Tensor], labels: Any = None) -> Tensor:
         """The loss of [anchors, positives, negatives...] embeddings ([B, D] each); labels are unused."""
@@ -109,4 +109,4 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
         backend: str = "auto",
     ) -> None:
         warn_deprecated(type(self).__name__, "MultipleNegativesRankingLoss")
-        super().__init__(model, **objective_arguments(locals()), **SYMMETRIC_SETTINGS, group=group, backend=backend)
+        super().__init__(model, **mirrored_arguments(locals()), **SYMMETRIC_SETTINGS, group=group, backend=backend)

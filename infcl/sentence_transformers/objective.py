@@ -130,6 +130,24 @@ OBJECTIVE_ARGUMENTS = (
 SYMMETRIC_SETTINGS = {"directions": (QUERY_TO_DOC, DOC_TO_QUERY), "partition_mode": "per_direction"}
 
 
+# What a mirrored constructor's ``locals()`` holds beside sentence-transformers' keyword arguments: the
+# instance, the zero-argument super() cell, the positional models, and infcl's keyword-only extras.
+NOT_FORWARDED = ("self", "__class__", "model", "guide", "group", "backend")
+
+
+def mirrored_arguments(arguments: Mapping[str, Any]) -> Dict[str, Any]:
+    """Every sentence-transformers keyword argument among ``arguments`` (a constructor's ``locals()`` whose
+    signature mirrors theirs), to hand on to their constructor by keyword."""
+    return {name: value for name, value in arguments.items() if name not in NOT_FORWARDED}
+
+
+def keep_options(loss, group, backend) -> None:
+    """Check and keep infcl's keyword-only constructor arguments on ``loss`` (after sentence-transformers'
+    constructor, which sets ``gather_across_devices``)."""
+    check_group(loss.gather_across_devices, group)
+    loss.group, loss.backend = group, backend
+
+
 def objective_arguments(arguments: Mapping[str, Any]) -> Dict[str, Any]:
     """The :data:`OBJECTIVE_ARGUMENTS` among ``arguments`` (a constructor's ``locals()``), to hand on by
     keyword: one forwarding for every class, whatever subset of the objective its signature mirrors."""
