@@ -21,7 +21,8 @@
 // same-id columns) and, only for rows that have any, one byte per entry of the exclusions E (same id and
 // not a positive, or a guide score G = guide_q @ guide_k.T above the row's threshold -- the column's, for
 // the column direction -- and not a positive), the guide scores being one extra product per tile in the
-// guide's dtype. The forward's stats skip E (an excluded logit is -inf in the tile) and its rows 2-5 are
+// guide's dtype. The forward's stats skip E (an excluded logit is -inf in the tile, or, where rows and
+// columns exclude differently, skipped by its mask byte) and its rows 2-5 are
 // the positives' max, log-sum relative to it ("sum"), sum and count; the backward's dS is 0 on E and
 // P - Y at the positives with Y = 1 / |P| ("mean") or softmax over P ("sum"), each in an expm1 form
 // (positive_term). The plain ops are untouched by all this (their code paths test one null pointer per
@@ -52,7 +53,7 @@
 // its data resident), O(groups * Bk) column partials (groups <= MAX_COLUMN_GROUPS) and
 // (lanes - 1) dk partials of [Bk, D] (plus float32 copies of q and k for float16 inputs); the masked
 // ops add per thread a tile of mask bytes (two with a guide and the columns), a tile of guide scores and
-// the column direction's kept logits, and O(groups * Bk) partials of the columns' positives -- never
+// the packed guide features of a key tile, and O(groups * Bk) partials of the columns' positives -- never
 // O(Bq * Bk).
 
 #include <ATen/ATen.h>
@@ -288,6 +289,36 @@ inline int64_t positive_in_tile(const int64_t* pos, int64_t i, int64_t j0, int64
 }
 
 // ---------------------------------------------------------------------------------------------
+// Tile phases shared by the forward and the backward.
+
+// raw = q_i @ k_j.T, the tile product, by one route in both passes: the same ReusedB (packing
+// decision, tile shapes, alpha = 1) for the same tiles, so the backward's raw is the forward's bit
+// for bit. set_keys() once per key tile, product() per row tile.
+template <typename In>
+class RawTiles {
+ public:
+  using Acc = typename Types<In>::acc;
+  RawTiles(int64_t m, int64_t tk, int64_t d) : d_(d), k_t_(/*tb=*/true, m, tk, d) {}
+  void set_keys(const In* k_rows, int64_t nj) { k_t_.set(k_rows, d_, nj, d_, Acc(1)); }
+  void product(const In* q_rows, int64_t ni, Acc* raw, int64_t nj) const {
+    k_t_.product(ni, q_rows, d_, Acc(0), raw, nj);
+  }
+
+ private:
+  int64_t d_;
+  ReusedB<In, In, Acc> k_t_;
+};
+
+// S = raw * scale, each product rounded and stored. The forward (with its maxima) and the backward
+// both form S by exactly this one rounded multiply: it is never folded into the GEMM's alpha and never
+// fused into the later S - m, which an FMA would compute from the unrounded product.
+template <typename Acc>
+inline void scale_tile(const Acc* raw, Acc* s, int64_t n, Acc sc) {
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] = raw[t] * sc;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Masks (infcl/masks.py): which entries of a tile are its rows' positives P and which are left out of
 // the rows' (and the columns') softmax, E. Formed per tile from O(B) data, never beyond the tile.
 
@@ -322,18 +353,33 @@ inline int64_t count_equal(const int64_t* ids, int64_t n, int64_t id) {
 // in either direction (any(r)); and only where it is, one byte per entry for the row direction's E and
 // one for the column direction's (the same bytes unless a guide is given with the columns wanted).
 // With a guide, the scores G = guide_q tile @ guide_k tile.T are one extra product per tile, in the
-// guide's dtype; the forward and the backward form them by the same call on the same tiles, so both
-// passes exclude the same entries.
+// guide's dtype, by RawTiles (float32: the key tile's guide features packed once per key tile by
+// set_keys(), as for S), so the forward and the backward form them by the same route on the same tiles
+// and both passes exclude the same entries.
 class TileMasks {
  public:
   TileMasks(const MaskArgs& a, int64_t max_rows, int64_t tk, bool want_cols)
       : a_(a), split_(a.has_guide() && want_cols), excluded_(max_rows * tk),
         col_excluded_(split_ ? max_rows * tk : 0), any_(max_rows), starts_(max_rows + 1),
         scores_f32_(a.has_guide() && !a.guide_f64 ? max_rows * tk : 0),
-        scores_f64_(a.has_guide() && a.guide_f64 ? max_rows * tk : 0) {}
+        scores_f64_(a.has_guide() && a.guide_f64 ? max_rows * tk : 0) {
+    if (a.has_guide() && a.guide_f64) guide_f64_ = std::make_unique<RawTiles<double>>(max_rows, tk, a.guide_dim);
+    if (a.has_guide() && !a.guide_f64) guide_f32_ = std::make_unique<RawTiles<float>>(max_rows, tk, a.guide_dim);
+  }
 
+  // Key tile [j0, j0 + nj): its guide features, for every row tile's scores until the next call.
+  void set_keys(int64_t j0, int64_t nj) {
+    const int64_t at = j0 * a_.guide_dim;
+    if (guide_f64_) guide_f64_->set_keys(static_cast<const double*>(a_.guide_k) + at, nj);
+    if (guide_f32_) guide_f32_->set_keys(static_cast<const float*>(a_.guide_k) + at, nj);
+  }
+
+  // Rows [i0, i0 + ni) against the key tile of the last set_keys() ([j0, j0 + nj)).
   void build(const int64_t* pos, int64_t i0, int64_t ni, int64_t j0, int64_t nj) {
     nj_ = nj;
+    const int64_t at = i0 * a_.guide_dim;
+    if (guide_f64_) guide_f64_->product(static_cast<const double*>(a_.guide_q) + at, ni, scores_f64_.data(), nj);
+    if (guide_f32_) guide_f32_->product(static_cast<const float*>(a_.guide_q) + at, ni, scores_f32_.data(), nj);
     if (a_.guide_f64) {
       build_rows<double>(pos, i0, ni, j0, nj, scores_f64_.data());
     } else {
@@ -355,11 +401,6 @@ class TileMasks {
     const int64_t* kid = a_.k_ids ? a_.k_ids + j0 : nullptr;
     const G* row_thr = static_cast<const G*>(a_.row_threshold);
     const G* col_thr = split_ ? static_cast<const G*>(a_.col_threshold) + j0 : nullptr;
-    if (a_.has_guide()) {
-      const int64_t dg = a_.guide_dim;
-      gemm<G>(false, true, ni, nj, dg, G(1), static_cast<const G*>(a_.guide_q) + i0 * dg, dg,
-              static_cast<const G*>(a_.guide_k) + j0 * dg, dg, G(0), scores, nj);
-    }
     cols_.clear();
     for (int64_t r = 0; r < ni; ++r) {
       const int64_t i = i0 + r;
@@ -427,37 +468,9 @@ class TileMasks {
   std::vector<int64_t> starts_, cols_;
   std::vector<float> scores_f32_;
   std::vector<double> scores_f64_;
+  std::unique_ptr<RawTiles<float>> guide_f32_;
+  std::unique_ptr<RawTiles<double>> guide_f64_;
 };
-
-// ---------------------------------------------------------------------------------------------
-// Tile phases shared by the forward and the backward.
-
-// raw = q_i @ k_j.T, the tile product, by one route in both passes: the same ReusedB (packing
-// decision, tile shapes, alpha = 1) for the same tiles, so the backward's raw is the forward's bit
-// for bit. set_keys() once per key tile, product() per row tile.
-template <typename In>
-class RawTiles {
- public:
-  using Acc = typename Types<In>::acc;
-  RawTiles(int64_t m, int64_t tk, int64_t d) : d_(d), k_t_(/*tb=*/true, m, tk, d) {}
-  void set_keys(const In* k_rows, int64_t nj) { k_t_.set(k_rows, d_, nj, d_, Acc(1)); }
-  void product(const In* q_rows, int64_t ni, Acc* raw, int64_t nj) const {
-    k_t_.product(ni, q_rows, d_, Acc(0), raw, nj);
-  }
-
- private:
-  int64_t d_;
-  ReusedB<In, In, Acc> k_t_;
-};
-
-// S = raw * scale, each product rounded and stored. The forward (with its maxima) and the backward
-// both form S by exactly this one rounded multiply: it is never folded into the GEMM's alpha and never
-// fused into the later S - m, which an FMA would compute from the unrounded product.
-template <typename Acc>
-inline void scale_tile(const Acc* raw, Acc* s, int64_t n, Acc sc) {
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) s[t] = raw[t] * sc;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Forward phases. A row's (or column's) running stats are its max m, the number of entries equal to it
@@ -588,27 +601,25 @@ void add_row_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>&
   }
 }
 
-// Masked forward: S = raw * scale in place (the product scale_with_maxima forms), with the row
-// direction's excluded entries at -inf, and in s_col (when it is another buffer: a guide with the
-// columns wanted) the column direction's; the maxima are over what is kept. A row with nothing excluded
-// keeps S as it is, so with no exclusion at all every later step sees the plain loss's tile bit for bit.
-// An excluded entry adds nothing: exp(-inf) = 0, and while a whole row (column) so far is excluded its
-// max is -inf, its -inf entries count in `top`, and the first finite max rescales them by exp(-inf) = 0.
+// Masked forward: S = raw * scale in place (the product scale_with_maxima forms), and the maxima over
+// the entries each direction keeps. Unless `split` (a guide with the columns wanted: the two directions
+// exclude different entries, add_split_terms reads the mask bytes), the excluded entries are then set
+// to -inf in S, for the plain loss's add_terms: a row with nothing excluded keeps S as it is, so with no
+// exclusion at all every later step sees the plain loss's tile bit for bit. An excluded entry adds
+// nothing: exp(-inf) = 0, and while a whole row (column) so far is excluded its max is -inf, its -inf
+// entries count in `top`, and the first finite max rescales them by exp(-inf) = 0.
 template <bool split, typename Acc>
-void scale_mask_maxima(Acc* s, Acc* s_col, int64_t ni, int64_t nj, Acc sc, const TileMasks& masks, Acc* row_max,
-                       Acc* col_max) {
+void scale_mask_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, const TileMasks& masks, Acc* row_max, Acc* col_max) {
   constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   std::fill(col_max, col_max + nj, neg_inf);
   for (int64_t r = 0; r < ni; ++r) {
     Acc* sr = s + r * nj;
-    Acc* cr = s_col + r * nj;
     Acc m = neg_inf;
     if (!masks.any(r)) {
 #pragma omp simd reduction(max : m)
       for (int64_t c = 0; c < nj; ++c) {
         const Acc v = sr[c] * sc;
         sr[c] = v;
-        if constexpr (split) cr[c] = v;
         m = m > v ? m : v;
         col_max[c] = col_max[c] > v ? col_max[c] : v;
       }
@@ -620,8 +631,7 @@ void scale_mask_maxima(Acc* s, Acc* s_col, int64_t ni, int64_t nj, Acc sc, const
         const Acc v = sr[c] * sc;
         const Acc vr = er[c] ? neg_inf : v;
         const Acc vc = ec[c] ? neg_inf : v;
-        sr[c] = vr;
-        if constexpr (split) cr[c] = vc;
+        sr[c] = split ? v : vr;
         m = m > vr ? m : vr;
         col_max[c] = col_max[c] > vc ? col_max[c] : vc;
       }
@@ -630,21 +640,52 @@ void scale_mask_maxima(Acc* s, Acc* s_col, int64_t ni, int64_t nj, Acc sc, const
   }
 }
 
-// Columns only, two exps' worth: each column's terms against its running max (the masked forward's
-// column direction when a guide makes it differ from the rows'). col_top / col_rest: nj scratch entries.
+// An entry's term like add_term, where `kept`; nothing where the direction excludes it.
 template <typename Acc>
-void add_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& cols, Acc* col_top, Acc* col_rest) {
+inline void add_kept_term(bool kept, Acc s, Acc m, Acc e, Acc& top, Acc& rest) {
+  const bool is_top = kept && s == m;
+  top += is_top ? Acc(1) : Acc(0);
+  rest += (kept && !is_top) ? e : Acc(0);
+}
+
+// add_row_col_terms for a tile whose rows and columns exclude different entries (a guide with the
+// columns wanted): S as it is, each direction's mask bytes deciding which entries it counts; one exp per
+// entry against ref when one_exp, else two. An excluded entry's exp may overflow; it is never added.
+template <bool one_exp, typename Acc>
+void add_split_terms(const Acc* s, int64_t ni, int64_t nj, const TileMasks& masks, const Running<Acc>& rows,
+                     const Running<Acc>& cols, Acc ref, Acc* col_top, Acc* col_rest) {
   std::fill(col_top, col_top + nj, Acc(0));
   std::fill(col_rest, col_rest + nj, Acc(0));
   const Acc* col_max = cols.max;
   for (int64_t r = 0; r < ni; ++r) {
     const Acc* sr = s + r * nj;
-#pragma omp simd
-    for (int64_t c = 0; c < nj; ++c) add_term(sr[c], col_max[c], fast_exp(sr[c] - col_max[c]), col_top[c], col_rest[c]);
+    const uint8_t* er = masks.row_excluded(r);
+    const uint8_t* ec = masks.col_excluded(r);
+    // The bytes are only written for rows with an exclusion: the others read them through a zero mask
+    // (a branch in the loop would keep it from vectorizing).
+    const uint8_t live = masks.any(r) ? 0xFF : 0;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest)
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc v = sr[c];
+      const bool row_kept = (er[c] & live) == 0;
+      const bool col_kept = (ec[c] & live) == 0;
+      if constexpr (one_exp) {
+        const Acc e = fast_exp(v - ref);
+        add_kept_term(row_kept, v, m, e, top, rest);
+        add_kept_term(col_kept, v, col_max[c], e, col_top[c], col_rest[c]);
+      } else {
+        add_kept_term(row_kept, v, m, fast_exp(v - m), top, rest);
+        add_kept_term(col_kept, v, col_max[c], fast_exp(v - col_max[c]), col_top[c], col_rest[c]);
+      }
+    }
+    rows.top[r] += top;
+    rows.rest[r] += one_exp ? rest * rescale_factor(ref, m) : rest;
   }
   for (int64_t c = 0; c < nj; ++c) {
     cols.top[c] += col_top[c];
-    cols.rest[c] += col_rest[c];
+    cols.rest[c] += one_exp ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
   }
 }
 
@@ -720,12 +761,15 @@ class ForwardWorker {
         col_rest_(TILE_K) {
     if (masks) {
       masks_ = std::make_unique<TileMasks>(*masks, tiles.size, std::min(TILE_K, bk), want_cols);
-      if (masks->has_guide() && want_cols) s_col_.resize(s_.size());
+      split_ = masks->has_guide() && want_cols;
     }
   }
 
   // Packs key tile [j0, j0 + nj) for this thread's products.
-  void set_keys(int64_t j0, int64_t nj) { raw_.set_keys(k_ + j0 * d_, nj); }
+  void set_keys(int64_t j0, int64_t nj) {
+    raw_.set_keys(k_ + j0 * d_, nj);
+    if (masks_) masks_->set_keys(j0, nj);
+  }
 
   // Row tile t against key tile [j0, j0 + nj): rows = the running stats of its rows; cols = its group's
   // running column stats of this key tile (max == nullptr: rows only); positives: [bq].
@@ -747,13 +791,13 @@ class ForwardWorker {
     Acc* s = s_.data();
     raw_.product(q_ + i0 * d_, ni, s, nj);
     masks_->build(pos_, i0, ni, j0, nj);
-    const bool split = !s_col_.empty();
+    const bool split = split_ && cols.max;
     if (split) {
-      scale_mask_maxima<true>(s, s_col_.data(), ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
+      scale_mask_maxima<true>(s, ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
     } else {
-      scale_mask_maxima<false>(s, s, ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
+      scale_mask_maxima<false>(s, ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
     }
-    // A positive is never excluded: its logit in s is S itself, in either direction.
+    // A positive is never excluded: its logit in s is S itself.
     const bool lse_wanted = masks_->kind() == Positives::Sum;
     for (int64_t r = 0; r < ni; ++r) {
       for (const int64_t* c = masks_->positives_begin(r); c != masks_->positives_end(r); ++c) {
@@ -767,9 +811,13 @@ class ForwardWorker {
       return;
     }
     raise_maxima(rows, tile_row_max_.data(), ni);
-    add_row_terms(s, ni, nj, rows);
     raise_maxima(cols, tile_col_max_.data(), nj);
-    add_col_terms(s_col_.data(), ni, nj, cols, col_top_.data(), col_rest_.data());
+    const Acc ref = kOneExp<In> ? shared_reference(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
+    if (kOneExp<In> && !std::isnan(ref)) {
+      add_split_terms<true>(s, ni, nj, *masks_, rows, cols, ref, col_top_.data(), col_rest_.data());
+    } else {
+      add_split_terms<false>(s, ni, nj, *masks_, rows, cols, ref, col_top_.data(), col_rest_.data());
+    }
   }
 
  private:
@@ -798,7 +846,7 @@ class ForwardWorker {
   RawTiles<In> raw_;
   std::vector<Acc> s_, tile_row_max_, tile_col_max_, col_top_, col_rest_;
   std::unique_ptr<TileMasks> masks_;
-  std::vector<Acc> s_col_;  // the column direction's kept logits (a guide with the columns wanted)
+  bool split_ = false;  // rows and columns exclude different entries (a guide with the columns wanted)
 };
 
 // The positives' rows of a masked result ([4, n] at out: max, log-sum relative to it ("sum" only, else
@@ -1164,6 +1212,7 @@ class BackwardLane {
     for (int64_t j0 = 0; j0 < a_.bk; j0 += tk_) {
       const int64_t nj = std::min(tk_, a_.bk - j0);
       raw_tiles_.set_keys(a_.k + j0 * a_.d, nj);
+      if (masks_) masks_->set_keys(j0, nj);
       k_tile_.set(a_.k + j0 * a_.d, a_.d, a_.d, nj, a_.scale);  // scale * k_j, for dq_i += dS @ k_j
       for (int64_t t = t_begin; t < t_end; ++t) {
         const auto parts = tile(a_.tiles.begin(t), a_.tiles.height(t), j0, nj, dk);
