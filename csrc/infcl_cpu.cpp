@@ -340,6 +340,12 @@ struct MaskArgs {
   bool has_guide() const { return guide_q != nullptr; }
 };
 
+// The simdlen of the loops that read mask bytes beside values of type T: the lanes of a 512-bit vector
+// of T. Left to itself, GCC sizes such a loop's vectors by its smallest type, the byte, 64 entries at a
+// time, which leaves up to 63 entries of every span to the scalar epilogue (and its scalar exps).
+template <typename T>
+constexpr int kLanes = 64 / sizeof(T);
+
 // How many of ids[0, n) equal id (vectorized: the cheap test that most rows have no duplicate).
 inline int64_t count_equal(const int64_t* ids, int64_t n, int64_t id) {
   int64_t count = 0;
@@ -437,21 +443,14 @@ class TileMasks {
   template <typename G>
   uint8_t guide_row(const G* score, G thr, const G* col_thr, const int64_t* kid, int64_t qid, bool label, int64_t p,
                     int64_t nj, uint8_t* er, uint8_t* ec) {
-    int64_t count = 0;
-    const bool ids = kid != nullptr;
-#pragma omp simd reduction(+ : count)
-    for (int64_t c = 0; c < nj; ++c) {
-      const bool same = ids && kid[c] == qid;
-      const bool negative = label || !same;        // "mean"/"sum": the same-id columns are the positives
-      const bool false_negative = label && same;  // None: the same-id columns besides pos are excluded
-      const uint8_t row = ((score[c] > thr) || false_negative) && negative ? 1 : 0;
-      er[c] = row;
-      count += row;
-      if (col_thr) {
-        const uint8_t col = ((score[c] > col_thr[c]) || false_negative) && negative ? 1 : 0;
-        ec[c] = col;
-        count += col;
-      }
+    // One loop per (ids?, columns?), so that no test in the loop keeps it from vectorizing.
+    int64_t count;
+    if (kid) {
+      count = col_thr ? guide_count<true, true>(score, thr, col_thr, kid, qid, label, nj, er, ec)
+                      : guide_count<true, false>(score, thr, col_thr, kid, qid, label, nj, er, ec);
+    } else {
+      count = col_thr ? guide_count<false, true>(score, thr, col_thr, kid, qid, label, nj, er, ec)
+                      : guide_count<false, false>(score, thr, col_thr, kid, qid, label, nj, er, ec);
     }
     if (p >= 0) {  // None: the row's positive is never excluded
       count -= er[p] + (col_thr ? ec[p] : 0);
@@ -459,6 +458,30 @@ class TileMasks {
       ec[p] = 0;
     }
     return count > 0 ? 1 : 0;
+  }
+
+  template <bool ids, bool cols, typename G>
+  static int64_t guide_count(const G* score, G thr, const G* col_thr, const int64_t* kid, int64_t qid, bool label,
+                             int64_t nj, uint8_t* er, uint8_t* ec) {
+    int64_t count = 0;
+    const uint8_t one_positive = label ? 1 : 0;
+#pragma omp simd reduction(+ : count) simdlen(kLanes<G>)
+    for (int64_t c = 0; c < nj; ++c) {
+      uint8_t same = 0;
+      if constexpr (ids) same = kid[c] == qid ? 1 : 0;
+      // None: the same-id columns besides pos are false negatives; "mean"/"sum": they are the positives.
+      const uint8_t false_negative = same & one_positive;
+      const uint8_t negative = (same ^ 1) | one_positive;
+      const uint8_t row = (static_cast<uint8_t>(score[c] > thr) | false_negative) & negative;
+      er[c] = row;
+      count += row;
+      if constexpr (cols) {
+        const uint8_t col = (static_cast<uint8_t>(score[c] > col_thr[c]) | false_negative) & negative;
+        ec[c] = col;
+        count += col;
+      }
+    }
+    return count;
   }
 
   const MaskArgs& a_;
@@ -626,7 +649,7 @@ void scale_mask_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, const TileMasks& 
     } else {
       const uint8_t* er = masks.row_excluded(r);
       const uint8_t* ec = masks.col_excluded(r);
-#pragma omp simd reduction(max : m)
+#pragma omp simd reduction(max : m) simdlen(kLanes<Acc>)
       for (int64_t c = 0; c < nj; ++c) {
         const Acc v = sr[c] * sc;
         const Acc vr = er[c] ? neg_inf : v;
@@ -651,8 +674,9 @@ inline void add_kept_term(bool kept, Acc s, Acc m, Acc e, Acc& top, Acc& rest) {
 // add_row_col_terms for a tile whose rows and columns exclude different entries (a guide with the
 // columns wanted): S as it is, each direction's mask bytes deciding which entries it counts; one exp per
 // entry against ref when one_exp, else two. An excluded entry's exp may overflow; it is never added.
+// Flattened like ds_masked_row, so that fast_exp is inlined into the vector loop.
 template <bool one_exp, typename Acc>
-void add_split_terms(const Acc* s, int64_t ni, int64_t nj, const TileMasks& masks, const Running<Acc>& rows,
+__attribute__((flatten)) void add_split_terms(const Acc* s, int64_t ni, int64_t nj, const TileMasks& masks, const Running<Acc>& rows,
                      const Running<Acc>& cols, Acc ref, Acc* col_top, Acc* col_rest) {
   std::fill(col_top, col_top + nj, Acc(0));
   std::fill(col_rest, col_rest + nj, Acc(0));
@@ -666,7 +690,7 @@ void add_split_terms(const Acc* s, int64_t ni, int64_t nj, const TileMasks& mask
     const uint8_t live = masks.any(r) ? 0xFF : 0;
     const Acc m = rows.max[r];
     Acc top = 0, rest = 0;
-#pragma omp simd reduction(+ : top, rest)
+#pragma omp simd reduction(+ : top, rest) simdlen(kLanes<Acc>)
     for (int64_t c = 0; c < nj; ++c) {
       const Acc v = sr[c];
       const bool row_kept = (er[c] & live) == 0;
@@ -681,12 +705,31 @@ void add_split_terms(const Acc* s, int64_t ni, int64_t nj, const TileMasks& mask
       }
     }
     rows.top[r] += top;
-    rows.rest[r] += one_exp ? rest * rescale_factor(ref, m) : rest;
+    // A line with nothing kept so far (max -inf) has nothing to rebase (and exp(ref + inf) * 0 is NaN).
+    rows.rest[r] += one_exp && rest != 0 ? rest * rescale_factor(ref, m) : rest;
   }
   for (int64_t c = 0; c < nj; ++c) {
     cols.top[c] += col_top[c];
-    cols.rest[c] += one_exp ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
+    cols.rest[c] += one_exp && col_rest[c] != 0 ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
   }
+}
+
+// shared_reference for add_split_terms: over the tile's rows and columns that keep an entry (an empty
+// line, max -inf, adds nothing), and with the columns' maxima in the top too, since a column may keep an
+// entry above every row's kept maximum.
+template <typename Acc>
+Acc shared_reference_kept(const Acc* tile_row_max, int64_t ni, const Acc* tile_col_max, int64_t nj) {
+  constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  Acc top = neg_inf, low = std::numeric_limits<Acc>::infinity();
+  for (const Acc* line : {tile_row_max, tile_col_max}) {
+    for (int64_t t = 0, n = line == tile_row_max ? ni : nj; t < n; ++t) {
+      if (line[t] == neg_inf) continue;
+      top = nan_max(top, line[t]);
+      low = std::min(low, line[t]);
+    }
+  }
+  const bool usable = std::isfinite(top) && low >= top - SHARED_REF_SPAN;
+  return usable ? top : std::numeric_limits<Acc>::quiet_NaN();
 }
 
 // The positives' running partials of n rows or columns (masked forward): their max, and for "sum" their
@@ -812,7 +855,8 @@ class ForwardWorker {
     }
     raise_maxima(rows, tile_row_max_.data(), ni);
     raise_maxima(cols, tile_col_max_.data(), nj);
-    const Acc ref = kOneExp<In> ? shared_reference(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
+    const Acc ref =
+        kOneExp<In> ? shared_reference_kept(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
     if (kOneExp<In> && !std::isnan(ref)) {
       add_split_terms<true>(s, ni, nj, *masks_, rows, cols, ref, col_top_.data(), col_rest_.data());
     } else {
@@ -1050,7 +1094,7 @@ inline void ds_span_masked(int64_t c0, int64_t c1, const Acc* raw, const Acc* s,
                            Acc row_factor, const ColGrads<Acc>& col, const uint8_t* er, const uint8_t* ec,
                            Acc& acc_row, Acc& acc_col) {
   const Acc m = row.m, rel = row.rel, g = row.g;
-#pragma omp simd reduction(+ : acc_row, acc_col)
+#pragma omp simd reduction(+ : acc_row, acc_col) simdlen(kLanes<Acc>)
   for (int64_t c = c0; c < c1; ++c) {
     const Acc x = raw[c];
     const Acc e = fast_exp((s[c] - m) - rel);
@@ -1102,10 +1146,10 @@ inline Acc positive_term(Positives kind, Acc s, Acc m, Acc rel, const PositiveGr
 }
 
 // One row of a masked tile: the spans between its positives (sorted; masked only if the row has an
-// exclusion) and each positive, in column order, so a row like the plain loss's (one positive, nothing
-// excluded) takes exactly ds_row's steps.
+// exclusion) and each positive, in column order. Flattened: with the plain and the masked rows in one
+// caller, GCC stopped inlining fast_exp into these loops, whose scalar calls then cost ~13% of a pass.
 template <Terms terms, typename Acc, typename DS>
-inline void ds_masked_row(int64_t nj, const TileMasks& masks, int64_t r, const Acc* raw, const Acc* s, DS* ds,
+__attribute__((flatten)) inline void ds_masked_row(int64_t nj, const TileMasks& masks, int64_t r, const Acc* raw, const Acc* s, DS* ds,
                           const RowGrad<Acc>& row, Acc row_factor, const ColGrads<Acc>& col,
                           const PositiveGrads<Acc>& row_pos, const PositiveGrads<Acc>& col_pos, Acc& acc_row,
                           Acc& acc_col) {
