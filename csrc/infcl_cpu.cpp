@@ -364,8 +364,8 @@ inline int64_t count_equal(const int64_t* ids, int64_t n, int64_t id) {
 // and both passes exclude the same entries.
 class TileMasks {
  public:
-  TileMasks(const MaskArgs& a, int64_t max_rows, int64_t tk, bool want_cols)
-      : a_(a), split_(a.has_guide() && want_cols), excluded_(max_rows * tk),
+  TileMasks(const MaskArgs& a, int64_t max_rows, int64_t tk, bool symmetric)
+      : a_(a), split_(a.has_guide() && symmetric), excluded_(max_rows * tk),
         col_excluded_(split_ ? max_rows * tk : 0), any_(max_rows), starts_(max_rows + 1),
         scores_f32_(a.has_guide() && !a.guide_f64 ? max_rows * tk : 0),
         scores_f64_(a.has_guide() && a.guide_f64 ? max_rows * tk : 0) {
@@ -798,13 +798,13 @@ class ForwardWorker {
 
   // masks: null for the plain loss (tile()), else the masked loss's inputs (masked_tile()).
   ForwardWorker(const In* q, const In* k, int64_t bk, int64_t d, const RowTiles& tiles, Acc sc, const int64_t* pos,
-                const MaskArgs* masks = nullptr, bool want_cols = false)
+                const MaskArgs* masks = nullptr, bool symmetric = false)
       : q_(q), k_(k), d_(d), sc_(sc), pos_(pos), tiles_(tiles), raw_(tiles.size, std::min(TILE_K, bk), d),
         s_(tiles.size * std::min(TILE_K, bk)), tile_row_max_(tiles.size), tile_col_max_(TILE_K), col_top_(TILE_K),
         col_rest_(TILE_K) {
     if (masks) {
-      masks_ = std::make_unique<TileMasks>(*masks, tiles.size, std::min(TILE_K, bk), want_cols);
-      split_ = masks->has_guide() && want_cols;
+      masks_ = std::make_unique<TileMasks>(*masks, tiles.size, std::min(TILE_K, bk), symmetric);
+      split_ = masks->has_guide() && symmetric;
     }
   }
 
@@ -958,7 +958,7 @@ inline int64_t group_start(int64_t tiles, int64_t groups, int64_t g) { return ti
 // masks: null for the plain loss (rows [3, bq], cols [2, bk]); else the masked loss's (rows [6, bq],
 // cols [6, bk]: the stats over the entries kept, then the positives' rows, see merge_positive_partials).
 template <typename In>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool want_cols,
+void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
                   const MaskArgs* masks, at::Tensor& rows, at::Tensor& cols) {
   using Acc = typename Types<In>::acc;
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
@@ -967,29 +967,29 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
   const int64_t tk = std::min(TILE_K, bk);
   RunningStore<Acc> row_run, col_parts;  // col_parts: [groups, bk]
   row_run.reset(bq);
-  col_parts.reset(want_cols ? groups * bk : 0);
+  col_parts.reset(symmetric ? groups * bk : 0);
   PositiveStore<Acc> row_pos, col_pos_parts;  // the masked loss's; col_pos_parts: [groups, bk]
   if (masks) {
     row_pos.reset(bq);
-    col_pos_parts.reset(want_cols ? groups * bk : 0);
+    col_pos_parts.reset(symmetric ? groups * bk : 0);
   }
   rows.zero_();  // rows[2] stays 0 where the positive lies in another block
   Acc* out = rows.data_ptr<Acc>();
   at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
     const SingleThreadedBlas one_thread;
     ForwardWorker<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles, static_cast<Acc>(scale),
-                           pos.data_ptr<int64_t>(), masks, want_cols);
+                           pos.data_ptr<int64_t>(), masks, symmetric);
     for (int64_t j0 = 0; j0 < bk; j0 += tk) {
       const int64_t nj = std::min(tk, bk - j0);
       work.set_keys(j0, nj);
       for (int64_t g = g_begin; g < g_end; ++g) {
-        const Running<Acc> part = want_cols ? col_parts.at(g * bk + j0) : Running<Acc>{nullptr, nullptr, nullptr};
+        const Running<Acc> part = symmetric ? col_parts.at(g * bk + j0) : Running<Acc>{nullptr, nullptr, nullptr};
         for (int64_t t = group_start(tiles.count, groups, g); t < group_start(tiles.count, groups, g + 1); ++t) {
           if (!masks) {
             work.tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
             continue;
           }
-          const PositiveRun<Acc> col_pos = want_cols ? PositiveRun<Acc>::at(col_pos_parts, g * bk + j0)
+          const PositiveRun<Acc> col_pos = symmetric ? PositiveRun<Acc>::at(col_pos_parts, g * bk + j0)
                                                      : PositiveRun<Acc>{{nullptr, nullptr, nullptr}, nullptr, nullptr};
           work.masked_tile(t, row_run.at(tiles.begin(t)), j0, nj, part, PositiveRun<Acc>::at(row_pos, tiles.begin(t)),
                            col_pos);
@@ -1001,11 +1001,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
     out[i] = row_run.max[i];
     out[bq + i] = log_rel(row_run.max[i], row_run.top[i], row_run.rest[i]);
   }
-  if (want_cols) merge_column_partials(col_parts, groups, bk, cols.data_ptr<Acc>());
+  if (symmetric) merge_column_partials(col_parts, groups, bk, cols.data_ptr<Acc>());
   if (masks) {
     const bool lse_wanted = masks->positives == Positives::Sum;
     merge_positive_partials(row_pos, 1, bq, lse_wanted, out + 2 * bq);
-    if (want_cols) merge_positive_partials(col_pos_parts, groups, bk, lse_wanted, cols.data_ptr<Acc>() + 2 * bk);
+    if (symmetric) merge_positive_partials(col_pos_parts, groups, bk, lse_wanted, cols.data_ptr<Acc>() + 2 * bk);
   }
 }
 
