@@ -235,6 +235,30 @@ def test_native_across_tiles_matches_reference(shape, mode, kind, classes, dtype
         assert_close_verbose(g, t, atol, rtol, f"{shape} {kind} {mode} {classes} {what}")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_native_masks_do_not_depend_on_the_thread_count(mode):
+    # The native kernel's row tiles, key tiles and GEMM routes (the guide's included) are fixed by the
+    # shapes, so the masked forward, and dq, whose rows each belong to one lane, are the same bits on 1, 2
+    # or 3 threads (dk and the scale gradient sum per-lane partials: exact, not bit-identical).
+    name = _use("cpu")
+    q, k, labels, q_ids, k_ids, guide = _inputs(600, 600, d=16, seed=31, classes=300)
+    opts = _options("both", mode, q_ids, k_ids, guide)
+    outputs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
+            loss = cal_inf_loss(a, b, labels, SCALE, symmetric=True, reduction="sum", backend=name, **opts)
+            loss.backward()
+            outputs.append((loss.detach(), a.grad))
+    finally:
+        torch.set_num_threads(before)
+    for threads, (loss, dq) in zip((2, 3), outputs[1:]):
+        assert torch.equal(loss, outputs[0][0]), f"{threads} threads: loss differs"
+        assert torch.equal(dq, outputs[0][1]), f"{threads} threads: dq differs"
+
+
 # --- input validation ----------------------------------------------------------------------------------
 
 BAD_INPUTS = (
