@@ -2,13 +2,31 @@
 // infcl/backends/base.py), fused so each S tile is produced by one BLAS call and consumed while it is
 // still in cache.
 //
-//   forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], want_cols) -> (rows [3,Bq], cols [2,Bk] or [2,0])
+//   forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], symmetric) -> (rows [3,Bq], cols [2,Bk] or [2,0])
 //   backward_block(q, k, scale, pos, row_stats [2,Bq], g_row [Bq], col_stats? [2,Bk], g_col? [Bk], dq!, dk!)
 //       -> dscale [2] (row part, column part)
+//   masked_forward_block(q, k, scale, pos, symmetric, multi_positive?, q_ids? [Bq], k_ids? [Bk],
+//       guide_q? [Bq,D'], guide_k? [Bk,D'], row_threshold? [Bq], col_threshold? [Bk])
+//       -> (rows [6,Bq], cols [6,Bk] or [6,0])
+//   masked_backward_block(q, k, scale, pos, row_stats, g_row, col_stats?, g_col?, multi_positive?, q_ids?,
+//       k_ids?, guide_q?, guide_k?, row_threshold?, col_threshold?, row_pos_count? [Bq], row_pos_stats? [2,Bq],
+//       col_pos_count? [Bk], col_pos_stats? [2,Bk], dq!, dk!) -> dscale [2]
 //
 // Stats are (running max m, r = log sum exp(S - m)); rows[2] is S at each row's positive column pos[i]
 // (-1: elsewhere; then 0). The backward forms dS = g_row (P_row - Y) + g_col (P_col - Y) in the tile,
 // P = exp((S - m) - r), the positive's entry as g expm1(.), and dscale as sums of per-entry dS * raw.
+//
+// The masked ops are the mask options of infcl/masks.py (ids, multi_positive None / "mean" / "sum", a
+// guide with its thresholds): per tile, TileMasks forms each row's positives (the one-hot of pos, or the
+// same-id columns) and, only for rows that have any, one byte per entry of the exclusions E (same id and
+// not a positive, or a guide score G = guide_q @ guide_k.T above the row's threshold -- the column's, for
+// the column direction -- and not a positive), the guide scores being one extra product per tile in the
+// guide's dtype. The forward's stats skip E (an excluded logit is -inf in the tile, or, where rows and
+// columns exclude differently, skipped by its mask byte) and its rows 2-5 are
+// the positives' max, log-sum relative to it ("sum"), sum and count; the backward's dS is 0 on E and
+// P - Y at the positives with Y = 1 / |P| ("mean") or softmax over P ("sum"), each in an expm1 form
+// (positive_term). The plain ops are untouched by all this (their code paths test one null pointer per
+// tile or row); with ids that never repeat, the masked ops give the plain ops' bits.
 //
 // Exactness rests on three things. (1) S = raw * scale is recomputed bit-identically: both passes take
 // raw = q_i @ k_j.T from the same BLAS route on the same tiles (RawTiles) and round the one product
@@ -33,7 +51,9 @@
 //
 // Extra memory: the tile buffers, MKL's packed copy of the current key tile per thread (float32; ~1.25x
 // its data resident), O(groups * Bk) column partials (groups <= MAX_COLUMN_GROUPS) and
-// (lanes - 1) dk partials of [Bk, D] (plus float32 copies of q and k for float16 inputs) -- never
+// (lanes - 1) dk partials of [Bk, D] (plus float32 copies of q and k for float16 inputs); the masked
+// ops add per thread a tile of mask bytes (two with a guide and the columns), a tile of guide scores and
+// the packed guide features of a key tile, and O(groups * Bk) partials of the columns' positives -- never
 // O(Bq * Bk).
 
 #include <ATen/ATen.h>
@@ -47,6 +67,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -251,6 +272,183 @@ inline void scale_tile(const Acc* raw, Acc* s, int64_t n, Acc sc) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Masks (infcl/masks.py): which entries of a tile are its rows' positives P and which are left out of
+// the rows' (and the columns') softmax, E. Formed per tile from O(B) data, never beyond the tile.
+
+// multi_positive: None (the one-hot of pos), "mean" or "sum" (the same-id columns).
+enum class Positives { Label, Mean, Sum };
+
+// The masked ops' extra inputs, contiguous; null where the option is absent. The guide features and
+// thresholds share one dtype, float or double (guide_f64), independent of q's.
+struct MaskArgs {
+  Positives positives = Positives::Label;
+  const int64_t* q_ids = nullptr;  // [bq]
+  const int64_t* k_ids = nullptr;  // [bk]
+  const void* guide_q = nullptr;   // [bq, guide_dim]
+  const void* guide_k = nullptr;   // [bk, guide_dim]
+  const void* row_threshold = nullptr;  // [bq]: a guide score above it excludes the column from the row
+  const void* col_threshold = nullptr;  // [bk] (symmetric): ... the row from the column
+  int64_t guide_dim = 0;
+  bool guide_f64 = false;
+  bool has_guide() const { return guide_q != nullptr; }
+};
+
+// The simdlen of the loops that read mask bytes beside values of type T: the lanes of a 512-bit vector
+// of T. Left to itself, GCC sizes such a loop's vectors by its smallest type, the byte, 64 entries at a
+// time, which leaves up to 63 entries of every span to the scalar epilogue (and its scalar exps).
+template <typename T>
+constexpr int kLanes = 64 / sizeof(T);
+
+// How many of ids[0, n) equal id (vectorized: the cheap test that most rows have no duplicate).
+inline int64_t count_equal(const int64_t* ids, int64_t n, int64_t id) {
+  int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+  for (int64_t c = 0; c < n; ++c) count += ids[c] == id ? 1 : 0;
+  return count;
+}
+
+// One tile's masks, rebuilt per tile by build() (one thread's buffers). Per row r: the positives, sorted
+// column indices (the one-hot of pos, or the same-id columns); whether any entry of the row is excluded
+// in either direction (any(r)); and only where it is, one byte per entry for the row direction's E and
+// one for the column direction's (the same bytes unless a guide is given with the columns wanted).
+// With a guide, the scores G = guide_q tile @ guide_k tile.T are one extra product per tile, in the
+// guide's dtype, by RawTiles (float32: the key tile's guide features packed once per key tile by
+// set_keys(), as for S), so the forward and the backward form them by the same route on the same tiles
+// and both passes exclude the same entries.
+class TileMasks {
+ public:
+  TileMasks(const MaskArgs& a, int64_t max_rows, int64_t tk, bool symmetric)
+      : a_(a), split_(a.has_guide() && symmetric), excluded_(max_rows * tk),
+        col_excluded_(split_ ? max_rows * tk : 0), any_(max_rows), starts_(max_rows + 1),
+        scores_f32_(a.has_guide() && !a.guide_f64 ? max_rows * tk : 0),
+        scores_f64_(a.has_guide() && a.guide_f64 ? max_rows * tk : 0) {
+    if (a.has_guide() && a.guide_f64) guide_f64_ = std::make_unique<RawTiles<double>>(max_rows, tk, a.guide_dim);
+    if (a.has_guide() && !a.guide_f64) guide_f32_ = std::make_unique<RawTiles<float>>(max_rows, tk, a.guide_dim);
+  }
+
+  // Key tile [j0, j0 + nj): its guide features, for every row tile's scores until the next call.
+  void set_keys(int64_t j0, int64_t nj) {
+    const int64_t at = j0 * a_.guide_dim;
+    if (guide_f64_) guide_f64_->set_keys(static_cast<const double*>(a_.guide_k) + at, nj);
+    if (guide_f32_) guide_f32_->set_keys(static_cast<const float*>(a_.guide_k) + at, nj);
+  }
+
+  // Rows [i0, i0 + ni) against the key tile of the last set_keys() ([j0, j0 + nj)).
+  void build(const int64_t* pos, int64_t i0, int64_t ni, int64_t j0, int64_t nj) {
+    nj_ = nj;
+    const int64_t at = i0 * a_.guide_dim;
+    if (guide_f64_) guide_f64_->product(static_cast<const double*>(a_.guide_q) + at, ni, scores_f64_.data(), nj);
+    if (guide_f32_) guide_f32_->product(static_cast<const float*>(a_.guide_q) + at, ni, scores_f32_.data(), nj);
+    if (a_.guide_f64) {
+      build_rows<double>(pos, i0, ni, j0, nj, scores_f64_.data());
+    } else {
+      build_rows<float>(pos, i0, ni, j0, nj, scores_f32_.data());
+    }
+  }
+
+  bool any(int64_t r) const { return any_[r] != 0; }
+  const uint8_t* row_excluded(int64_t r) const { return excluded_.data() + r * nj_; }
+  const uint8_t* col_excluded(int64_t r) const { return (split_ ? col_excluded_ : excluded_).data() + r * nj_; }
+  const int64_t* positives_begin(int64_t r) const { return cols_.data() + starts_[r]; }
+  const int64_t* positives_end(int64_t r) const { return cols_.data() + starts_[r + 1]; }
+  Positives kind() const { return a_.positives; }
+
+ private:
+  template <typename G>
+  void build_rows(const int64_t* pos, int64_t i0, int64_t ni, int64_t j0, int64_t nj, G* scores) {
+    const bool label = a_.positives == Positives::Label;
+    const int64_t* kid = a_.k_ids ? a_.k_ids + j0 : nullptr;
+    const G* row_thr = static_cast<const G*>(a_.row_threshold);
+    const G* col_thr = split_ ? static_cast<const G*>(a_.col_threshold) + j0 : nullptr;
+    cols_.clear();
+    for (int64_t r = 0; r < ni; ++r) {
+      const int64_t i = i0 + r;
+      starts_[r] = static_cast<int64_t>(cols_.size());
+      const int64_t p = label ? positive_in_tile(pos, i, j0, nj) : -1;
+      const int64_t qid = kid ? a_.q_ids[i] : 0;
+      const int64_t n_same = kid ? count_equal(kid, nj, qid) : 0;
+      if (p >= 0) cols_.push_back(p);
+      if (!label && n_same > 0) {
+        for (int64_t c = 0; c < nj; ++c) {
+          if (kid[c] == qid) cols_.push_back(c);
+        }
+      }
+      uint8_t* er = excluded_.data() + r * nj;
+      uint8_t* ec = split_ ? col_excluded_.data() + r * nj : er;
+      if (a_.has_guide()) {
+        any_[r] = guide_row(scores + r * nj, row_thr[i], col_thr, kid, qid, label, p, nj, er, ec);
+      } else if (label && n_same - (p >= 0 && kid[p] == qid ? 1 : 0) > 0) {
+        // Same id, not the row's positive: the false negatives (ids exclude nothing under "mean"/"sum",
+        // where every same-id column is a positive).
+#pragma omp simd
+        for (int64_t c = 0; c < nj; ++c) er[c] = kid[c] == qid ? 1 : 0;
+        if (p >= 0) er[p] = 0;
+        any_[r] = 1;
+      } else {
+        any_[r] = 0;
+      }
+    }
+    starts_[ni] = static_cast<int64_t>(cols_.size());
+  }
+
+  // One row's exclusions with a guide: G above the row's threshold (the column's, for ec), or the same
+  // id under multi_positive None; never a positive. Returns whether anything is excluded.
+  template <typename G>
+  uint8_t guide_row(const G* score, G thr, const G* col_thr, const int64_t* kid, int64_t qid, bool label, int64_t p,
+                    int64_t nj, uint8_t* er, uint8_t* ec) {
+    // One loop per (ids?, columns?), so that no test in the loop keeps it from vectorizing.
+    int64_t count;
+    if (kid) {
+      count = col_thr ? guide_count<true, true>(score, thr, col_thr, kid, qid, label, nj, er, ec)
+                      : guide_count<true, false>(score, thr, col_thr, kid, qid, label, nj, er, ec);
+    } else {
+      count = col_thr ? guide_count<false, true>(score, thr, col_thr, kid, qid, label, nj, er, ec)
+                      : guide_count<false, false>(score, thr, col_thr, kid, qid, label, nj, er, ec);
+    }
+    if (p >= 0) {  // None: the row's positive is never excluded
+      count -= er[p] + (col_thr ? ec[p] : 0);
+      er[p] = 0;
+      ec[p] = 0;
+    }
+    return count > 0 ? 1 : 0;
+  }
+
+  template <bool ids, bool cols, typename G>
+  static int64_t guide_count(const G* score, G thr, const G* col_thr, const int64_t* kid, int64_t qid, bool label,
+                             int64_t nj, uint8_t* er, uint8_t* ec) {
+    int64_t count = 0;
+    const uint8_t one_positive = label ? 1 : 0;
+#pragma omp simd reduction(+ : count) simdlen(kLanes<G>)
+    for (int64_t c = 0; c < nj; ++c) {
+      uint8_t same = 0;
+      if constexpr (ids) same = kid[c] == qid ? 1 : 0;
+      // None: the same-id columns besides pos are false negatives; "mean"/"sum": they are the positives.
+      const uint8_t false_negative = same & one_positive;
+      const uint8_t negative = (same ^ 1) | one_positive;
+      const uint8_t row = (static_cast<uint8_t>(score[c] > thr) | false_negative) & negative;
+      er[c] = row;
+      count += row;
+      if constexpr (cols) {
+        const uint8_t col = (static_cast<uint8_t>(score[c] > col_thr[c]) | false_negative) & negative;
+        ec[c] = col;
+        count += col;
+      }
+    }
+    return count;
+  }
+
+  const MaskArgs& a_;
+  bool split_;
+  int64_t nj_ = 0;
+  std::vector<uint8_t> excluded_, col_excluded_, any_;
+  std::vector<int64_t> starts_, cols_;
+  std::vector<float> scores_f32_;
+  std::vector<double> scores_f64_;
+  std::unique_ptr<RawTiles<float>> guide_f32_;
+  std::unique_ptr<RawTiles<double>> guide_f64_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Forward phases. A row's (or column's) running stats are its max m, the number of entries equal to it
 // (top), and the sum of exp(S - m) over the others (rest), both in double; at the end
 // r = log(top + rest) = log1p((top - 1) + rest). Keeping the exact 1s out of the sum of the small terms
@@ -379,6 +577,155 @@ void add_row_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>&
   }
 }
 
+// Masked forward: S = raw * scale in place (the product scale_with_maxima forms), and the maxima over
+// the entries each direction keeps. Unless `split` (a guide with the columns wanted: the two directions
+// exclude different entries, add_split_terms reads the mask bytes), the excluded entries are then set
+// to -inf in S, for the plain loss's add_terms: a row with nothing excluded keeps S as it is, so with no
+// exclusion at all every later step sees the plain loss's tile bit for bit. An excluded entry adds
+// nothing: exp(-inf) = 0, and while a whole row (column) so far is excluded its max is -inf, its -inf
+// entries count in `top`, and the first finite max rescales them by exp(-inf) = 0.
+template <bool split, typename Acc>
+void scale_mask_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, const TileMasks& masks, Acc* row_max, Acc* col_max) {
+  constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  std::fill(col_max, col_max + nj, neg_inf);
+  for (int64_t r = 0; r < ni; ++r) {
+    Acc* sr = s + r * nj;
+    Acc m = neg_inf;
+    if (!masks.any(r)) {
+#pragma omp simd reduction(max : m)
+      for (int64_t c = 0; c < nj; ++c) {
+        const Acc v = sr[c] * sc;
+        sr[c] = v;
+        m = m > v ? m : v;
+        col_max[c] = col_max[c] > v ? col_max[c] : v;
+      }
+    } else {
+      const uint8_t* er = masks.row_excluded(r);
+      const uint8_t* ec = masks.col_excluded(r);
+#pragma omp simd reduction(max : m) simdlen(kLanes<Acc>)
+      for (int64_t c = 0; c < nj; ++c) {
+        const Acc v = sr[c] * sc;
+        const Acc vr = er[c] ? neg_inf : v;
+        const Acc vc = ec[c] ? neg_inf : v;
+        sr[c] = split ? v : vr;
+        m = m > vr ? m : vr;
+        col_max[c] = col_max[c] > vc ? col_max[c] : vc;
+      }
+    }
+    row_max[r] = m;
+  }
+}
+
+// An entry's term like add_term, where `kept`; nothing where the direction excludes it.
+template <typename Acc>
+inline void add_kept_term(bool kept, Acc s, Acc m, Acc e, Acc& top, Acc& rest) {
+  const bool is_top = kept && s == m;
+  top += is_top ? Acc(1) : Acc(0);
+  rest += (kept && !is_top) ? e : Acc(0);
+}
+
+// add_row_col_terms for a tile whose rows and columns exclude different entries (a guide with the
+// columns wanted): S as it is, each direction's mask bytes deciding which entries it counts; one exp per
+// entry against ref when one_exp, else two. An excluded entry's exp may overflow; it is never added.
+// Flattened like ds_masked_row, so that fast_exp is inlined into the vector loop.
+template <bool one_exp, typename Acc>
+__attribute__((flatten)) void add_split_terms(const Acc* s, int64_t ni, int64_t nj, const TileMasks& masks, const Running<Acc>& rows,
+                     const Running<Acc>& cols, Acc ref, Acc* col_top, Acc* col_rest) {
+  std::fill(col_top, col_top + nj, Acc(0));
+  std::fill(col_rest, col_rest + nj, Acc(0));
+  const Acc* col_max = cols.max;
+  for (int64_t r = 0; r < ni; ++r) {
+    const Acc* sr = s + r * nj;
+    const uint8_t* er = masks.row_excluded(r);
+    const uint8_t* ec = masks.col_excluded(r);
+    // The bytes are only written for rows with an exclusion: the others read them through a zero mask
+    // (a branch in the loop would keep it from vectorizing).
+    const uint8_t live = masks.any(r) ? 0xFF : 0;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest) simdlen(kLanes<Acc>)
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc v = sr[c];
+      const bool row_kept = (er[c] & live) == 0;
+      const bool col_kept = (ec[c] & live) == 0;
+      if constexpr (one_exp) {
+        const Acc e = fast_exp(v - ref);
+        add_kept_term(row_kept, v, m, e, top, rest);
+        add_kept_term(col_kept, v, col_max[c], e, col_top[c], col_rest[c]);
+      } else {
+        add_kept_term(row_kept, v, m, fast_exp(v - m), top, rest);
+        add_kept_term(col_kept, v, col_max[c], fast_exp(v - col_max[c]), col_top[c], col_rest[c]);
+      }
+    }
+    rows.top[r] += top;
+    // A line with nothing kept so far (max -inf) has nothing to rebase (and exp(ref + inf) * 0 is NaN).
+    rows.rest[r] += one_exp && rest != 0 ? rest * rescale_factor(ref, m) : rest;
+  }
+  for (int64_t c = 0; c < nj; ++c) {
+    cols.top[c] += col_top[c];
+    cols.rest[c] += one_exp && col_rest[c] != 0 ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
+  }
+}
+
+// shared_reference for add_split_terms: over the tile's rows and columns that keep an entry (an empty
+// line, max -inf, adds nothing), and with the columns' maxima in the top too, since a column may keep an
+// entry above every row's kept maximum.
+template <typename Acc>
+Acc shared_reference_kept(const Acc* tile_row_max, int64_t ni, const Acc* tile_col_max, int64_t nj) {
+  constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  Acc top = neg_inf, low = std::numeric_limits<Acc>::infinity();
+  for (const Acc* line : {tile_row_max, tile_col_max}) {
+    for (int64_t t = 0, n = line == tile_row_max ? ni : nj; t < n; ++t) {
+      if (line[t] == neg_inf) continue;
+      top = nan_max(top, line[t]);
+      low = std::min(low, line[t]);
+    }
+  }
+  const bool usable = std::isfinite(top) && low >= top - SHARED_REF_SPAN;
+  return usable ? top : std::numeric_limits<Acc>::quiet_NaN();
+}
+
+// The positives' running partials of n rows or columns (masked forward): their max, and for "sum" their
+// log-sum-exp as Running's (top, rest) about it; the sum of their logits and their count, in double.
+template <typename Acc>
+struct PositiveStore {
+  RunningStore<Acc> lse;
+  std::vector<double> sum, count;
+  void reset(int64_t n) {
+    lse.reset(n);
+    sum.assign(n, 0.0);
+    count.assign(n, 0.0);
+  }
+};
+
+template <typename Acc>
+struct PositiveRun {
+  Running<Acc> lse;
+  double* sum;
+  double* count;
+  static PositiveRun at(PositiveStore<Acc>& store, int64_t t) {
+    return {store.lse.at(t), store.sum.data() + t, store.count.data() + t};
+  }
+  // One positive logit v of line t. "sum": a new max rescales what is there (as raise_maxima), ties with
+  // it count in top, the rest add exp(v - max) in double: positives are few, one exp each.
+  void add(int64_t t, Acc v, bool lse_wanted) const {
+    sum[t] += v;
+    count[t] += 1.0;
+    const Acc m = lse.max[t];
+    if (!lse_wanted) {
+      lse.max[t] = nan_max(m, v);
+    } else if (v > m || v != v) {
+      lse.rest[t] = (lse.top[t] + lse.rest[t]) * rescale_factor(m, v);
+      lse.top[t] = 1.0;
+      lse.max[t] = v;
+    } else if (v == m) {
+      lse.top[t] += 1.0;
+    } else {
+      lse.rest[t] += std::exp(static_cast<double>(v) - static_cast<double>(m));
+    }
+  }
+};
+
 // rows[2] for the tile's rows whose positive lies in it: S itself, the very value the max was taken over.
 template <typename Acc>
 void take_positives(const Acc* s, int64_t ni, int64_t nj, const int64_t* pos, int64_t i0, int64_t j0, Acc* out) {
@@ -402,13 +749,23 @@ class ForwardWorker {
  public:
   using Acc = typename Types<In>::acc;
 
-  ForwardWorker(const In* q, const In* k, int64_t bk, int64_t d, const RowTiles& tiles, Acc sc, const int64_t* pos)
+  // masks: null for the plain loss (tile()), else the masked loss's inputs (masked_tile()).
+  ForwardWorker(const In* q, const In* k, int64_t bk, int64_t d, const RowTiles& tiles, Acc sc, const int64_t* pos,
+                const MaskArgs* masks = nullptr, bool symmetric = false)
       : q_(q), k_(k), d_(d), sc_(sc), pos_(pos), tiles_(tiles), raw_(tiles.size, std::min(TILE_K, bk), d),
         s_(tiles.size * std::min(TILE_K, bk)), tile_row_max_(tiles.size), tile_col_max_(TILE_K), col_top_(TILE_K),
-        col_rest_(TILE_K) {}
+        col_rest_(TILE_K) {
+    if (masks) {
+      masks_ = std::make_unique<TileMasks>(*masks, tiles.size, std::min(TILE_K, bk), symmetric);
+      split_ = masks->has_guide() && symmetric;
+    }
+  }
 
   // Packs key tile [j0, j0 + nj) for this thread's products.
-  void set_keys(int64_t j0, int64_t nj) { raw_.set_keys(k_ + j0 * d_, nj); }
+  void set_keys(int64_t j0, int64_t nj) {
+    raw_.set_keys(k_ + j0 * d_, nj);
+    if (masks_) masks_->set_keys(j0, nj);
+  }
 
   // Row tile t against key tile [j0, j0 + nj): rows = the running stats of its rows; cols = its group's
   // running column stats of this key tile (max == nullptr: rows only); positives: [bq].
@@ -419,6 +776,50 @@ class ForwardWorker {
     raw_.product(q_ + i0 * d_, ni, s, nj);
     scale_with_maxima(s, ni, nj, sc_, tile_row_max_.data(), tile_col_max_.data());
     take_positives(s, ni, nj, pos_, i0, j0, positives);
+    add_terms(s, ni, nj, rows, cols);
+  }
+
+  // The masked loss's tile: as tile(), over the entries not excluded, with the positives' partials of
+  // its rows (row_pos, offset to the row tile) and of its group's columns (col_pos, offset to the key tile).
+  void masked_tile(int64_t t, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& cols,
+                   const PositiveRun<Acc>& row_pos, const PositiveRun<Acc>& col_pos) {
+    const int64_t i0 = tiles_.begin(t), ni = tiles_.height(t);
+    Acc* s = s_.data();
+    raw_.product(q_ + i0 * d_, ni, s, nj);
+    masks_->build(pos_, i0, ni, j0, nj);
+    const bool split = split_ && cols.max;
+    if (split) {
+      scale_mask_maxima<true>(s, ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
+    } else {
+      scale_mask_maxima<false>(s, ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
+    }
+    // A positive is never excluded: its logit in s is S itself.
+    const bool lse_wanted = masks_->kind() == Positives::Sum;
+    for (int64_t r = 0; r < ni; ++r) {
+      for (const int64_t* c = masks_->positives_begin(r); c != masks_->positives_end(r); ++c) {
+        const Acc v = s[r * nj + *c];
+        row_pos.add(r, v, lse_wanted);
+        if (cols.max) col_pos.add(*c, v, lse_wanted);
+      }
+    }
+    if (!split) {
+      add_terms(s, ni, nj, rows, cols);
+      return;
+    }
+    raise_maxima(rows, tile_row_max_.data(), ni);
+    raise_maxima(cols, tile_col_max_.data(), nj);
+    const Acc ref =
+        kOneExp<In> ? shared_reference_kept(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
+    if (kOneExp<In> && !std::isnan(ref)) {
+      add_split_terms<true>(s, ni, nj, *masks_, rows, cols, ref, col_top_.data(), col_rest_.data());
+    } else {
+      add_split_terms<false>(s, ni, nj, *masks_, rows, cols, ref, col_top_.data(), col_rest_.data());
+    }
+  }
+
+ private:
+  // The tile's terms for its rows' running stats (and, cols.max set, its columns'), after its maxima.
+  void add_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows, const Running<Acc>& cols) {
     raise_maxima(rows, tile_row_max_.data(), ni);
     if (!cols.max) {
       add_row_terms(s, ni, nj, rows);
@@ -433,7 +834,6 @@ class ForwardWorker {
     }
   }
 
- private:
   const In* q_;
   const In* k_;
   int64_t d_;
@@ -442,7 +842,38 @@ class ForwardWorker {
   RowTiles tiles_;
   RawTiles<In> raw_;
   std::vector<Acc> s_, tile_row_max_, tile_col_max_, col_top_, col_rest_;
+  std::unique_ptr<TileMasks> masks_;
+  bool split_ = false;  // rows and columns exclude different entries (a guide with the columns wanted)
 };
+
+// The positives' rows of a masked result ([4, n] at out: max, log-sum relative to it ("sum" only, else
+// -inf: the empty set's), sum, count) from `groups` partials ([groups, n], merged in group order like
+// merge_column_partials; rows have one).
+template <typename Acc>
+void merge_positive_partials(PositiveStore<Acc>& parts, int64_t groups, int64_t n, bool lse_wanted, Acc* out) {
+  at::parallel_for(0, n, 1024, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      Acc m = -std::numeric_limits<Acc>::infinity();
+      for (int64_t p = 0; p < groups; ++p) m = nan_max(m, parts.lse.max[p * n + c]);
+      double top = 0.0, rest = 0.0, sum = 0.0, count = 0.0;
+      for (int64_t p = 0; p < groups; ++p) {
+        const int64_t at = p * n + c;
+        sum += parts.sum[at];
+        count += parts.count[at];
+        if (parts.lse.max[at] == m) {
+          top += parts.lse.top[at];
+          rest += parts.lse.rest[at];
+        } else {
+          rest += (parts.lse.top[at] + parts.lse.rest[at]) * rescale_factor(parts.lse.max[at], m);
+        }
+      }
+      out[c] = m;
+      out[n + c] = lse_wanted ? log_rel(m, top, rest) : -std::numeric_limits<Acc>::infinity();
+      out[2 * n + c] = static_cast<Acc>(sum);
+      out[3 * n + c] = static_cast<Acc>(count);
+    }
+  });
+}
 
 // Column stats from the groups' partials ([groups, bk]), merged in group order: M = max_p m_p; the
 // partials at M add their top and rest, the others' top + rest joins rest, times exp(m_p - M).
@@ -477,9 +908,11 @@ constexpr int64_t MAX_COLUMN_GROUPS = 64;
 
 inline int64_t group_start(int64_t tiles, int64_t groups, int64_t g) { return tiles * g / groups; }
 
+// masks: null for the plain loss (rows [3, bq], cols [2, bk]); else the masked loss's (rows [6, bq],
+// cols [6, bk]: the stats over the entries kept, then the positives' rows, see merge_positive_partials).
 template <typename In>
-void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool want_cols,
-                  at::Tensor& rows, at::Tensor& cols) {
+void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
+                  const MaskArgs* masks, at::Tensor& rows, at::Tensor& cols) {
   using Acc = typename Types<In>::acc;
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
   const RowTiles tiles(bq);
@@ -487,20 +920,32 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
   const int64_t tk = std::min(TILE_K, bk);
   RunningStore<Acc> row_run, col_parts;  // col_parts: [groups, bk]
   row_run.reset(bq);
-  col_parts.reset(want_cols ? groups * bk : 0);
+  col_parts.reset(symmetric ? groups * bk : 0);
+  PositiveStore<Acc> row_pos, col_pos_parts;  // the masked loss's; col_pos_parts: [groups, bk]
+  if (masks) {
+    row_pos.reset(bq);
+    col_pos_parts.reset(symmetric ? groups * bk : 0);
+  }
   rows.zero_();  // rows[2] stays 0 where the positive lies in another block
   Acc* out = rows.data_ptr<Acc>();
   at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
     const SingleThreadedBlas one_thread;
     ForwardWorker<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles, static_cast<Acc>(scale),
-                           pos.data_ptr<int64_t>());
+                           pos.data_ptr<int64_t>(), masks, symmetric);
     for (int64_t j0 = 0; j0 < bk; j0 += tk) {
       const int64_t nj = std::min(tk, bk - j0);
       work.set_keys(j0, nj);
       for (int64_t g = g_begin; g < g_end; ++g) {
-        const Running<Acc> part = want_cols ? col_parts.at(g * bk + j0) : Running<Acc>{nullptr, nullptr, nullptr};
+        const Running<Acc> part = symmetric ? col_parts.at(g * bk + j0) : Running<Acc>{nullptr, nullptr, nullptr};
         for (int64_t t = group_start(tiles.count, groups, g); t < group_start(tiles.count, groups, g + 1); ++t) {
-          work.tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
+          if (!masks) {
+            work.tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
+            continue;
+          }
+          const PositiveRun<Acc> col_pos = symmetric ? PositiveRun<Acc>::at(col_pos_parts, g * bk + j0)
+                                                     : PositiveRun<Acc>{{nullptr, nullptr, nullptr}, nullptr, nullptr};
+          work.masked_tile(t, row_run.at(tiles.begin(t)), j0, nj, part, PositiveRun<Acc>::at(row_pos, tiles.begin(t)),
+                           col_pos);
         }
       }
     }
@@ -509,7 +954,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
     out[i] = row_run.max[i];
     out[bq + i] = log_rel(row_run.max[i], row_run.top[i], row_run.rest[i]);
   }
-  if (want_cols) merge_column_partials(col_parts, groups, bk, cols.data_ptr<Acc>());
+  if (symmetric) merge_column_partials(col_parts, groups, bk, cols.data_ptr<Acc>());
+  if (masks) {
+    const bool lse_wanted = masks->positives == Positives::Sum;
+    merge_positive_partials(row_pos, 1, bq, lse_wanted, out + 2 * bq);
+    if (symmetric) merge_positive_partials(col_pos_parts, groups, bk, lse_wanted, cols.data_ptr<Acc>() + 2 * bk);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -589,6 +1039,102 @@ inline void ds_row(int64_t nj, int64_t pos, const Acc* raw, const Acc* s, DS* ds
   ds_span<terms>(pos + 1, nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
 }
 
+// Masked backward: dS over columns [c0, c1) of one row with exclusions (none of them a positive), as
+// ds_span with each direction's term 0 where that direction excludes the entry (er / ec: one byte per
+// column of the tile). The shared path's row exp is taken before the row's mask, as the columns need it.
+template <Terms terms, typename Acc, typename DS>
+inline void ds_span_masked(int64_t c0, int64_t c1, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                           Acc row_factor, const ColGrads<Acc>& col, const uint8_t* er, const uint8_t* ec,
+                           Acc& acc_row, Acc& acc_col) {
+  const Acc m = row.m, rel = row.rel, g = row.g;
+#pragma omp simd reduction(+ : acc_row, acc_col) simdlen(kLanes<Acc>)
+  for (int64_t c = c0; c < c1; ++c) {
+    const Acc x = raw[c];
+    const Acc e = fast_exp((s[c] - m) - rel);
+    const Acc pr = er[c] ? Acc(0) : g * e;
+    Acc v = pr;
+    acc_row += pr * x;
+    if constexpr (terms != Terms::Rows) {
+      Acc pc;
+      if constexpr (terms == Terms::Both) {
+        pc = col.g[c] * fast_exp((s[c] - col.m[c]) - col.rel[c]);
+      } else {
+        pc = (e * row_factor) * col.factor[c];
+      }
+      pc = ec[c] ? Acc(0) : pc;
+      acc_col += pc * x;
+      v += pc;
+    }
+    store_ds(ds, c, v);
+  }
+}
+
+// What a row's (or column's) positives look like to the masked backward: their global count ("mean")
+// or stats ("sum": max, log-sum relative to it), offset to the tile's lines; unused for Label.
+template <typename Acc>
+struct PositiveGrads {
+  const Acc* count = nullptr;
+  const Acc* max = nullptr;
+  const Acc* rel = nullptr;
+  PositiveGrads offset(int64_t t) const {
+    return {count ? count + t : nullptr, max ? max + t : nullptr, rel ? rel + t : nullptr};
+  }
+};
+
+// P - Y at a positive of a line with stats (m, rel), never a difference of two rounded probabilities:
+// Label: expm1(x), x = (S - m) - rel (p - 1); "mean": expm1(x + log c) / c (p - 1/c); "sum": y * expm1(d),
+// y = exp((S - pm) - pr) the positive's share of its positives and d = (pm - m) + (pr - rel) <= 0 the log
+// of their share of the softmax. With one positive (c = 1; pm = S, pr = 0) each is Label's bit for bit.
+template <typename Acc>
+inline Acc positive_term(Positives kind, Acc s, Acc m, Acc rel, const PositiveGrads<Acc>& y, int64_t t) {
+  const Acc x = (s - m) - rel;
+  switch (kind) {
+    case Positives::Mean:
+      return std::expm1(x + std::log(y.count[t])) / y.count[t];
+    case Positives::Sum:
+      return std::exp((s - y.max[t]) - y.rel[t]) * std::expm1((y.max[t] - m) + (y.rel[t] - rel));
+    default:
+      return std::expm1(x);
+  }
+}
+
+// One row of a masked tile: the spans between its positives (sorted; masked only if the row has an
+// exclusion) and each positive, in column order. Flattened: with the plain and the masked rows in one
+// caller, GCC stopped inlining fast_exp into these loops, whose scalar calls then cost ~13% of a pass.
+template <Terms terms, typename Acc, typename DS>
+__attribute__((flatten)) inline void ds_masked_row(int64_t nj, const TileMasks& masks, int64_t r, const Acc* raw, const Acc* s, DS* ds,
+                          const RowGrad<Acc>& row, Acc row_factor, const ColGrads<Acc>& col,
+                          const PositiveGrads<Acc>& row_pos, const PositiveGrads<Acc>& col_pos, Acc& acc_row,
+                          Acc& acc_col) {
+  const bool any = masks.any(r);
+  const uint8_t* er = masks.row_excluded(r);
+  const uint8_t* ec = masks.col_excluded(r);
+  auto span = [&](int64_t c0, int64_t c1) {
+    if (any) {
+      ds_span_masked<terms>(c0, c1, raw, s, ds, row, row_factor, col, er, ec, acc_row, acc_col);
+    } else {
+      ds_span<terms>(c0, c1, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+    }
+  };
+  int64_t next = 0;
+  for (const int64_t* p = masks.positives_begin(r); p != masks.positives_end(r); ++p) {
+    const int64_t c = *p;
+    span(next, c);
+    const Acc x = raw[c];
+    const Acc pr = row.g * positive_term(masks.kind(), s[c], row.m, row.rel, row_pos, r);
+    Acc v = pr;
+    acc_row += pr * x;
+    if constexpr (terms != Terms::Rows) {
+      const Acc pc = col.g[c] * positive_term(masks.kind(), s[c], col.m[c], col.rel[c], col_pos, c);
+      acc_col += pc * x;
+      v += pc;
+    }
+    store_ds(ds, c, v);
+    next = c + 1;
+  }
+  span(next, nj);
+}
+
 // The one-exp shortcut's reference for one tile (kOneExp, symmetric): ref = the largest row
 // log-sum-exp L = m + r of the tile. Usable when every row's L and every column's L lies within
 // LSE_REF_SPAN of it; then exp(x_col) = exp(x_row) * exp(L_row - ref) * exp(ref - L_col), each factor
@@ -645,12 +1191,17 @@ class BackwardLane {
     const Acc* col_stats;  // [2, bk] or nullptr (one direction)
     const Acc* g_col;
     Acc* dq;
+    // The masked loss (null: the plain loss), with the rows' and columns' global positives.
+    const MaskArgs* masks = nullptr;
+    PositiveGrads<Acc> row_pos{}, col_pos{};
   };
 
   explicit BackwardLane(const Args& a)
       : a_(a), tk_(std::min(TILE_K, a.bk)), raw_tiles_(a.tiles.size, tk_, a.d),
         k_tile_(/*tb=*/false, a.tiles.size, a.d, tk_), raw_(a.tiles.size * tk_), s_(a.tiles.size * tk_),
-        ds_buf_(std::is_same<DS, Acc>::value ? 0 : a.tiles.size * tk_), shared_(tk_) {}
+        ds_buf_(std::is_same<DS, Acc>::value ? 0 : a.tiles.size * tk_), shared_(tk_) {
+    if (a.masks) masks_ = std::make_unique<TileMasks>(*a.masks, a.tiles.size, tk_, a.col_stats != nullptr);
+  }
 
   // Row tiles [t_begin, t_end), accumulating into dk ([bk, d]); returns (row part, column part) of dscale.
   std::pair<double, double> run(int64_t t_begin, int64_t t_end, Acc* dk) {
@@ -658,6 +1209,7 @@ class BackwardLane {
     for (int64_t j0 = 0; j0 < a_.bk; j0 += tk_) {
       const int64_t nj = std::min(tk_, a_.bk - j0);
       raw_tiles_.set_keys(a_.k + j0 * a_.d, nj);
+      if (masks_) masks_->set_keys(j0, nj);
       k_tile_.set(a_.k + j0 * a_.d, a_.d, a_.d, nj, a_.scale);  // scale * k_j, for dq_i += dS @ k_j
       for (int64_t t = t_begin; t < t_end; ++t) {
         const auto parts = tile(a_.tiles.begin(t), a_.tiles.height(t), j0, nj, dk);
@@ -681,22 +1233,22 @@ class BackwardLane {
     const bool shared =
         kOneExp<In> && a_.col_stats && shared_.prepare(a_.row_stats + i0, a_.row_stats + a_.bq + i0, ni, col, nj);
     if (shared) col.factor = shared_.col_factors();
+    if (masks_) masks_->build(a_.pos, i0, ni, j0, nj);
     double tile_row = 0.0, tile_col = 0.0;
     for (int64_t r = 0; r < ni; ++r) {
       const int64_t i = i0 + r;
       const RowGrad<Acc> row{a_.row_stats[i], a_.row_stats[a_.bq + i], a_.g_row[i]};
-      const int64_t p = positive_in_tile(a_.pos, i, j0, nj);
       Acc acc_row = 0, acc_col = 0;
       const Acc* raw_r = raw + r * nj;
       const Acc* s_r = s + r * nj;
       DS* ds_r = ds + r * nj;
       if (!a_.col_stats) {
-        ds_row<Terms::Rows>(nj, p, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
+        row_terms<Terms::Rows>(r, i, j0, nj, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
       } else if (shared) {
-        ds_row<Terms::BothShared>(nj, p, raw_r, s_r, ds_r, row, shared_.row_factor(row.m, row.rel), col, acc_row,
-                                  acc_col);
+        row_terms<Terms::BothShared>(r, i, j0, nj, raw_r, s_r, ds_r, row, shared_.row_factor(row.m, row.rel), col,
+                                     acc_row, acc_col);
       } else {
-        ds_row<Terms::Both>(nj, p, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
+        row_terms<Terms::Both>(r, i, j0, nj, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
       }
       tile_row += acc_row;
       tile_col += acc_col;
@@ -706,6 +1258,39 @@ class BackwardLane {
     return {tile_row, tile_col};
   }
 
+  // Row r (global row i) of the tile at key column j0: the plain loss's dS row, or the masked one. A masked
+  // row that is the plain loss's (plain_positive) takes ds_row at the plain loss's own call site, so that
+  // the compiler cannot lay out its reductions differently: distinct ids give the plain loss bit for bit.
+  template <Terms terms>
+  void row_terms(int64_t r, int64_t i, int64_t j0, int64_t nj, const Acc* raw_r, const Acc* s_r, DS* ds_r,
+                 const RowGrad<Acc>& row, Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+    const int64_t p = masks_ ? plain_positive(r, i, j0, s_r) : positive_in_tile(a_.pos, i, j0, nj);
+    if (p == kNotPlain) {
+      ds_masked_row<terms>(nj, *masks_, r, raw_r, s_r, ds_r, row, row_factor, col, a_.row_pos.offset(i - r),
+                           a_.col_pos.offset(j0), acc_row, acc_col);
+      return;
+    }
+    ds_row<terms>(nj, p, raw_r, s_r, ds_r, row, row_factor, col, acc_row, acc_col);
+  }
+
+  // The tile column of masked row r's positive (-1: none in the tile) when the row is the plain loss's:
+  // nothing excluded, at most one positive here, and its P - Y Label's (positive_term: "mean" with one
+  // positive in all, "sum" with pm = S and pr = 0), in the column direction too; else kNotPlain.
+  static constexpr int64_t kNotPlain = -2;
+  int64_t plain_positive(int64_t r, int64_t i, int64_t j0, const Acc* s_r) const {
+    const int64_t* first = masks_->positives_begin(r);
+    const int64_t* last = masks_->positives_end(r);
+    if (masks_->any(r) || last - first > 1) return kNotPlain;
+    if (first == last) return -1;
+    const int64_t c = *first;
+    const bool cols = a_.col_stats != nullptr;
+    auto lone = [&](const PositiveGrads<Acc>& y, int64_t t) {
+      return masks_->kind() == Positives::Mean ? y.count[t] == Acc(1) : (y.max[t] == s_r[c] && y.rel[t] == Acc(0));
+    };
+    if (masks_->kind() == Positives::Label || (lone(a_.row_pos, i) && (!cols || lone(a_.col_pos, j0 + c)))) return c;
+    return kNotPlain;
+  }
+
   Args a_;
   int64_t tk_;
   RawTiles<In> raw_tiles_;
@@ -713,22 +1298,44 @@ class BackwardLane {
   std::vector<Acc> raw_, s_;
   std::vector<DS> ds_buf_;
   SharedRef<Acc> shared_;
+  std::unique_ptr<TileMasks> masks_;
 };
 
+// The masked backward's positives of one side, from the contiguous accumulation-dtype tensors given
+// (a count for Label / "mean", stats [2, n] for "sum"; undefined where not needed).
+template <typename Acc>
+PositiveGrads<Acc> positive_grads(const at::Tensor& count, const at::Tensor& stats) {
+  PositiveGrads<Acc> out;
+  if (count.defined()) out.count = count.data_ptr<Acc>();
+  if (stats.defined()) {
+    out.max = stats.data_ptr<Acc>();
+    out.rel = out.max + stats.size(1);
+  }
+  return out;
+}
+
+// masks: null for the plain loss; else the masked loss's inputs, with each side's positives
+// (row_pos_* [bq], col_pos_* [bk]: see positive_grads).
 template <typename In>
 void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
                    const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
-                   const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale) {
+                   const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale,
+                   const MaskArgs* masks = nullptr, const at::Tensor& row_pos_count = {},
+                   const at::Tensor& row_pos_stats = {}, const at::Tensor& col_pos_count = {},
+                   const at::Tensor& col_pos_stats = {}) {
   using Acc = typename Types<In>::acc;
   const bool both = col_stats.defined();
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
   const RowTiles tiles(bq);
   const int64_t lanes = lane_count(tiles);
-  const typename BackwardLane<In>::Args args{q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, tiles,
-                                             static_cast<Acc>(scale), pos.data_ptr<int64_t>(),
-                                             row_stats.data_ptr<Acc>(), g_row.data_ptr<Acc>(),
-                                             both ? col_stats.data_ptr<Acc>() : nullptr,
-                                             both ? g_col.data_ptr<Acc>() : nullptr, dq.data_ptr<Acc>()};
+  typename BackwardLane<In>::Args args{q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, tiles,
+                                       static_cast<Acc>(scale), pos.data_ptr<int64_t>(),
+                                       row_stats.data_ptr<Acc>(), g_row.data_ptr<Acc>(),
+                                       both ? col_stats.data_ptr<Acc>() : nullptr,
+                                       both ? g_col.data_ptr<Acc>() : nullptr, dq.data_ptr<Acc>()};
+  args.masks = masks;
+  args.row_pos = positive_grads<Acc>(row_pos_count, row_pos_stats);
+  args.col_pos = positive_grads<Acc>(col_pos_count, col_pos_stats);
   // Lane 0 accumulates straight into dk; every other lane into its own [Bk, D] partial.
   at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
   std::vector<std::pair<double, double>> parts(lanes);
@@ -794,27 +1401,135 @@ at::Tensor stats_arg(const at::Tensor& t, std::vector<int64_t> shape, at::Scalar
   return t.to(acc).contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
-                                                 const at::Tensor& pos_in, bool want_cols) {
+// Rows of the masked ops' forward results (infcl.masks: MASKED_ROWS): the stats over the entries kept (2),
+// then the positives' max, log-sum relative to it, sum and count.
+constexpr int64_t MASKED_ROWS = 6;
+
+// The masked ops' extra inputs, checked and made contiguous; `args` points into the tensors held here.
+struct MaskInputs {
+  at::Tensor q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold;
+  MaskArgs args;
+};
+
+Positives positives_of(const std::optional<c10::string_view>& multi_positive) {
+  if (!multi_positive.has_value()) return Positives::Label;
+  if (*multi_positive == "mean") return Positives::Mean;
+  if (*multi_positive == "sum") return Positives::Sum;
+  TORCH_CHECK(false, "infcl native: multi_positive must be None, 'mean' or 'sum', got '", std::string(*multi_positive),
+              "'");
+}
+
+at::Tensor ids_arg(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == n && t.scalar_type() == at::kLong, "infcl native: ",
+              name, " must be a CPU int64 tensor of shape [", n, "], got ", t.scalar_type(), " ", t.sizes());
+  return t.contiguous();
+}
+
+// symmetric: the column direction is wanted, so a guide needs the columns' thresholds too.
+std::unique_ptr<MaskInputs> mask_inputs(int64_t bq, int64_t bk, bool symmetric,
+                                        const std::optional<c10::string_view>& multi_positive,
+                                        const std::optional<at::Tensor>& q_ids, const std::optional<at::Tensor>& k_ids,
+                                        const std::optional<at::Tensor>& guide_q,
+                                        const std::optional<at::Tensor>& guide_k,
+                                        const std::optional<at::Tensor>& row_threshold,
+                                        const std::optional<at::Tensor>& col_threshold) {
+  auto m = std::make_unique<MaskInputs>();
+  m->args.positives = positives_of(multi_positive);
+  TORCH_CHECK(q_ids.has_value() == k_ids.has_value(), "infcl native: q_ids and k_ids go together");
+  TORCH_CHECK(m->args.positives == Positives::Label || q_ids.has_value(),
+              "infcl native: multi_positive needs q_ids and k_ids");
+  if (q_ids.has_value()) {
+    m->q_ids = ids_arg(*q_ids, bq, "q_ids");
+    m->k_ids = ids_arg(*k_ids, bk, "k_ids");
+    m->args.q_ids = m->q_ids.data_ptr<int64_t>();
+    m->args.k_ids = m->k_ids.data_ptr<int64_t>();
+  }
+  TORCH_CHECK(guide_q.has_value() == guide_k.has_value(), "infcl native: guide_q and guide_k go together");
+  if (!guide_q.has_value()) return m;
+  const auto gt = guide_q->scalar_type();
+  TORCH_CHECK((gt == at::kFloat || gt == at::kDouble) && guide_k->scalar_type() == gt,
+              "infcl native: guide_q and guide_k must be both float32 or both float64, got ", gt, " and ",
+              guide_k->scalar_type());
+  TORCH_CHECK(guide_q->device().is_cpu() && guide_k->device().is_cpu() && guide_q->dim() == 2 &&
+                  guide_k->dim() == 2 && guide_q->size(0) == bq && guide_k->size(0) == bk &&
+                  guide_q->size(1) == guide_k->size(1),
+              "infcl native: guide_q ", guide_q->sizes(), " and guide_k ", guide_k->sizes(), " must be CPU [", bq,
+              ", D'] and [", bk, ", D']");
+  TORCH_CHECK(row_threshold.has_value(), "infcl native: a guide needs row_threshold");
+  TORCH_CHECK(!symmetric || col_threshold.has_value(), "infcl native: a symmetric guide needs col_threshold");
+  m->guide_q = guide_q->contiguous();
+  m->guide_k = guide_k->contiguous();
+  // The thresholds are compared in the guide's dtype, as the scores are formed.
+  m->row_threshold = stats_arg(*row_threshold, {bq}, gt, "row_threshold");
+  if (symmetric) m->col_threshold = stats_arg(*col_threshold, {bk}, gt, "col_threshold");
+  m->args.guide_q = m->guide_q.data_ptr();
+  m->args.guide_k = m->guide_k.data_ptr();
+  m->args.row_threshold = m->row_threshold.data_ptr();
+  m->args.col_threshold = symmetric ? m->col_threshold.data_ptr() : nullptr;
+  m->args.guide_dim = m->guide_q.size(1);
+  m->args.guide_f64 = gt == at::kDouble;
+  return m;
+}
+
+// Both forward ops: the plain loss (masks null) or the masked one.
+std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                               const at::Tensor& pos_in, bool symmetric, const MaskArgs* masks) {
   check_features(q_in, k_in);
   const auto acc = acc_type(q_in.scalar_type());
   at::Tensor q = prepared(q_in), k = prepared(k_in);
   at::Tensor pos = positions(pos_in, q.size(0), k.size(0));
-  at::Tensor rows = at::empty({3, q.size(0)}, q_in.options().dtype(acc));
-  at::Tensor cols = at::empty({2, want_cols ? k.size(0) : 0}, q_in.options().dtype(acc));
+  at::Tensor rows = at::empty({masks ? MASKED_ROWS : 3, q.size(0)}, q_in.options().dtype(acc));
+  at::Tensor cols = at::empty({masks ? MASKED_ROWS : 2, symmetric ? k.size(0) : 0}, q_in.options().dtype(acc));
   switch (q.scalar_type()) {
-    case at::kFloat: forward_impl<float>(q, k, scale, pos, want_cols, rows, cols); break;
-    case at::kDouble: forward_impl<double>(q, k, scale, pos, want_cols, rows, cols); break;
-    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, pos, want_cols, rows, cols); break;
+    case at::kFloat: forward_impl<float>(q, k, scale, pos, symmetric, masks, rows, cols); break;
+    case at::kDouble: forward_impl<double>(q, k, scale, pos, symmetric, masks, rows, cols); break;
+    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, pos, symmetric, masks, rows, cols); break;
     default: TORCH_CHECK(false, "infcl native: unreachable dtype");
   }
   return {rows, cols};
 }
 
-at::Tensor backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale, const at::Tensor& pos_in,
-                          const at::Tensor& row_stats, const at::Tensor& g_row,
-                          const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
-                          at::Tensor& dq, at::Tensor& dk) {
+std::tuple<at::Tensor, at::Tensor> forward_block(const at::Tensor& q, const at::Tensor& k, double scale,
+                                                 const at::Tensor& pos, bool symmetric) {
+  return run_forward(q, k, scale, pos, symmetric, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> masked_forward_block(
+    const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
+    const std::optional<c10::string_view> multi_positive, const std::optional<at::Tensor>& q_ids,
+    const std::optional<at::Tensor>& k_ids, const std::optional<at::Tensor>& guide_q,
+    const std::optional<at::Tensor>& guide_k, const std::optional<at::Tensor>& row_threshold,
+    const std::optional<at::Tensor>& col_threshold) {
+  const auto masks = mask_inputs(q.size(0), k.size(0), symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k,
+                                 row_threshold, col_threshold);
+  return run_forward(q, k, scale, pos, symmetric, &masks->args);
+}
+
+// The masked backward's positives of one side: the global count for "mean" ([n]), the stats for "sum" ([2, n]).
+struct PositiveInputs {
+  at::Tensor count, stats;
+};
+
+PositiveInputs positive_inputs(Positives kind, const std::optional<at::Tensor>& count,
+                               const std::optional<at::Tensor>& stats, int64_t n, at::ScalarType acc,
+                               const char* count_name, const char* stats_name) {
+  PositiveInputs out;
+  if (kind == Positives::Mean) {
+    TORCH_CHECK(count.has_value(), "infcl native: multi_positive='mean' needs ", count_name);
+    out.count = stats_arg(*count, {n}, acc, count_name);
+  } else if (kind == Positives::Sum) {
+    TORCH_CHECK(stats.has_value(), "infcl native: multi_positive='sum' needs ", stats_name);
+    out.stats = stats_arg(*stats, {2, n}, acc, stats_name);
+  }
+  return out;
+}
+
+// Both backward ops: the plain loss (masks null) or the masked one (with each side's positives).
+at::Tensor run_backward(const at::Tensor& q_in, const at::Tensor& k_in, double scale, const at::Tensor& pos_in,
+                        const at::Tensor& row_stats, const at::Tensor& g_row,
+                        const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
+                        at::Tensor& dq, at::Tensor& dk, const MaskArgs* masks, const PositiveInputs& row_pos,
+                        const PositiveInputs& col_pos) {
   check_features(q_in, k_in);
   const auto acc = acc_type(q_in.scalar_type());
   const int64_t bq = q_in.size(0), bk = k_in.size(0);
@@ -835,9 +1550,13 @@ at::Tensor backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double
   at::Tensor dk_c = dk.is_contiguous() ? dk : dk.contiguous();
   at::Tensor dscale = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
   switch (q.scalar_type()) {
-    case at::kFloat: backward_impl<float>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale); break;
-    case at::kDouble: backward_impl<double>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale); break;
-    case at::kBFloat16: backward_impl<at::BFloat16>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale); break;
+#define INFCL_BACKWARD(T)                                                                                           \
+  backward_impl<T>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale, masks, row_pos.count, row_pos.stats, \
+                   col_pos.count, col_pos.stats)
+    case at::kFloat: INFCL_BACKWARD(float); break;
+    case at::kDouble: INFCL_BACKWARD(double); break;
+    case at::kBFloat16: INFCL_BACKWARD(at::BFloat16); break;
+#undef INFCL_BACKWARD
     default: TORCH_CHECK(false, "infcl native: unreachable dtype");
   }
   if (!dq.is_same(dq_c)) dq.copy_(dq_c);
@@ -845,18 +1564,59 @@ at::Tensor backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double
   return dscale.to(acc);
 }
 
+at::Tensor backward_block(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
+                          const at::Tensor& row_stats, const at::Tensor& g_row,
+                          const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
+                          at::Tensor& dq, at::Tensor& dk) {
+  return run_backward(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, nullptr, {}, {});
+}
+
+at::Tensor masked_backward_block(
+    const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, const at::Tensor& row_stats,
+    const at::Tensor& g_row, const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
+    const std::optional<c10::string_view> multi_positive, const std::optional<at::Tensor>& q_ids,
+    const std::optional<at::Tensor>& k_ids, const std::optional<at::Tensor>& guide_q,
+    const std::optional<at::Tensor>& guide_k, const std::optional<at::Tensor>& row_threshold,
+    const std::optional<at::Tensor>& col_threshold, const std::optional<at::Tensor>& row_pos_count,
+    const std::optional<at::Tensor>& row_pos_stats, const std::optional<at::Tensor>& col_pos_count,
+    const std::optional<at::Tensor>& col_pos_stats, at::Tensor& dq, at::Tensor& dk) {
+  const bool symmetric = col_stats.has_value();
+  const int64_t bq = q.size(0), bk = k.size(0);
+  const auto masks = mask_inputs(bq, bk, symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold,
+                                 col_threshold);
+  const auto acc = acc_type(q.scalar_type());
+  const auto kind = masks->args.positives;
+  const PositiveInputs row_pos =
+      positive_inputs(kind, row_pos_count, row_pos_stats, bq, acc, "row_pos_count", "row_pos_stats");
+  const PositiveInputs col_pos = symmetric ? positive_inputs(kind, col_pos_count, col_pos_stats, bk, acc,
+                                                             "col_pos_count", "col_pos_stats")
+                                           : PositiveInputs{};
+  return run_backward(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, &masks->args, row_pos, col_pos);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(infcl, m) {
-  m.def("forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool want_cols) -> (Tensor, Tensor)");
+  m.def("forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool symmetric) -> (Tensor, Tensor)");
   m.def(
       "backward_block(Tensor q, Tensor k, float scale, Tensor pos, Tensor row_stats, Tensor g_row, "
       "Tensor? col_stats, Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
+  m.def(
+      "masked_forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool symmetric, str? multi_positive, "
+      "Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, Tensor? guide_k, Tensor? row_threshold, "
+      "Tensor? col_threshold) -> (Tensor, Tensor)");
+  m.def(
+      "masked_backward_block(Tensor q, Tensor k, float scale, Tensor pos, Tensor row_stats, Tensor g_row, "
+      "Tensor? col_stats, Tensor? g_col, str? multi_positive, Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, "
+      "Tensor? guide_k, Tensor? row_threshold, Tensor? col_threshold, Tensor? row_pos_count, "
+      "Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infcl, CPU, m) {
   m.impl("forward_block", &forward_block);
   m.impl("backward_block", &backward_block);
+  m.impl("masked_forward_block", &masked_forward_block);
+  m.impl("masked_backward_block", &masked_backward_block);
 }
 
 }  // namespace infcl

@@ -11,9 +11,10 @@ import pytest
 import masks_ring_worker as worker
 from distributed import launch, results_by_ring
 from ring_worker import TINY_SUFFIX
-from support import TOLERANCE, assert_close_verbose, assert_ring_matches
+from support import TOLERANCE, assert_close_verbose, assert_ring_matches, tiled_backends
 
-BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX)
+# The reference, the torch tiles (also shrunk, so masks cut across tile edges) and the native kernel where built.
+BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX) + tuple(b for b in tiled_backends() if b != "torch")
 CASE_NAMES = tuple(c.name for c in worker.mask_cases(2))
 PG_TIMEOUT_S = 60.0
 DEADLINE_S = 300.0  # generous: only there so that a hang fails instead of blocking the suite

@@ -1,7 +1,9 @@
 """The native CPU backend: the fused C++ block kernel (the repository's ``csrc/``).
 
-The kernel registers the custom ops ``torch.ops.infcl.forward_block`` and ``torch.ops.infcl.backward_block``
-(and the sigmoid loss's ``sigmoid_forward_block`` / ``sigmoid_backward_block``); the loader registers their
+The kernel registers the custom ops ``torch.ops.infcl.forward_block`` and ``torch.ops.infcl.backward_block``, their
+masked twins ``masked_forward_block`` / ``masked_backward_block`` (the mask options of :mod:`infcl.masks`: the
+plain ops stay as they were, so a loss without masks pays nothing for them), and the sigmoid loss's
+``sigmoid_forward_block`` / ``sigmoid_backward_block``; the loader registers their
 fake impls, so that ``torch.compile`` can trace them, right after the library loads. It is compiled
 just-in-time on first use, or ahead of time by ``python -m infcl build``, and cached per machine and version of the
 sources: :mod:`infcl.backends.native_build` finds the sources (shipped inside the package), builds, caches and
@@ -34,11 +36,24 @@ class NativeBackend:
 
     name = "cpu"
 
-    def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(want_cols))
-        return rows, (cols if want_cols else None)
+    def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if block.masked:
+            rows, cols = torch.ops.infcl.masked_forward_block(
+                block.q, block.k, float(block.scale), block.pos, bool(symmetric), block.multi_positive,
+                block.q_ids, block.k_ids, block.guide_q, block.guide_k, block.row_threshold, block.col_threshold,
+            )
+        else:
+            rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(symmetric))
+        return rows, (cols if symmetric else None)
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if block.masked:
+            return torch.ops.infcl.masked_backward_block(
+                block.q, block.k, float(block.scale), block.pos, block.row_stats, block.g_row,
+                block.col_stats, block.g_col, block.multi_positive, block.q_ids, block.k_ids,
+                block.guide_q, block.guide_k, block.row_threshold, block.col_threshold,
+                block.row_pos_count, block.row_pos_stats, block.col_pos_count, block.col_pos_stats, dq, dk,
+            )
         return torch.ops.infcl.backward_block(
             block.q, block.k, float(block.scale), block.pos, block.row_stats, block.g_row,
             block.col_stats, block.g_col, dq, dk,

@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..masks import MASKED_ROWS
 from .base import accum_dtype
 
 EXTENSION_PREFIX = "infcl_cpu"
@@ -202,12 +203,25 @@ def load_error() -> Optional[str]:
 # defined yet, so these are registered right after the library loads, by :func:`load_error`.
 
 
-def _forward_fake(q, k, scale, pos, want_cols):
+def _forward_fake(q, k, scale, pos, symmetric):
     acc = accum_dtype(q.dtype)
-    return q.new_empty(3, q.shape[0], dtype=acc), q.new_empty(2, k.shape[0] if want_cols else 0, dtype=acc)
+    return q.new_empty(3, q.shape[0], dtype=acc), q.new_empty(2, k.shape[0] if symmetric else 0, dtype=acc)
 
 
 def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk):
+    return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
+def _masked_forward_fake(q, k, scale, pos, symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold,
+                         col_threshold):
+    acc = accum_dtype(q.dtype)
+    rows = q.new_empty(MASKED_ROWS, q.shape[0], dtype=acc)
+    return rows, q.new_empty(MASKED_ROWS, k.shape[0] if symmetric else 0, dtype=acc)
+
+
+def _masked_backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, multi_positive, q_ids, k_ids, guide_q,
+                          guide_k, row_threshold, col_threshold, row_pos_count, row_pos_stats, col_pos_count,
+                          col_pos_stats, dq, dk):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
@@ -222,6 +236,8 @@ def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk):
 FAKES = {
     "infcl::forward_block": _forward_fake,  # csrc/infcl_cpu.cpp
     "infcl::backward_block": _backward_fake,
+    "infcl::masked_forward_block": _masked_forward_fake,
+    "infcl::masked_backward_block": _masked_backward_fake,
     "infcl::sigmoid_forward_block": _sigmoid_forward_fake,  # csrc/infcl_siglip.cpp
     "infcl::sigmoid_backward_block": _sigmoid_backward_fake,
 }
