@@ -260,8 +260,9 @@ class _Keys:
 
 
 def _masked_backend(backend: str) -> str:
-    """The backend of a call with ids or a guide: the user's where it forms masks, else "auto" (the
-    torch tiles), so that choosing e.g. backend="cpu" for the plain options does not fail the others."""
+    """The backend of a call with ids or a guide: the user's where it forms masks, else "auto" (which picks
+    a backend that does: :func:`infcl.backends.resolve_backend`), so that a backend chosen for the plain
+    options never fails the others."""
     return backend if backend in MASK_BACKENDS else "auto"
 
 
