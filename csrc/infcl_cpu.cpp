@@ -685,32 +685,40 @@ Acc shared_reference_kept(const Acc* tile_row_max, int64_t ni, const Acc* tile_c
   return usable ? top : std::numeric_limits<Acc>::quiet_NaN();
 }
 
-// The positives' running partials of n rows or columns (masked forward): their max, and for "sum" their
-// log-sum-exp as Running's (top, rest) about it; the sum of their logits and their count, in double.
+// The positives' running partials of n rows or columns (masked forward): their max, and for "sum" only
+// their log-sum-exp as Running's (top, rest) about it; the sum of their logits (double) and their count.
+// The symmetric forward keeps one per column group and column ([groups, bk]), so every byte counts: 16 per
+// entry ("mean" / one positive) or 32 ("sum"), beside the column stats' 20.
 template <typename Acc>
 struct PositiveStore {
-  RunningStore<Acc> lse;
-  std::vector<double> sum, count;
-  void reset(int64_t n) {
-    lse.reset(n);
+  RunningStore<Acc> lse;  // top and rest empty unless "sum"
+  std::vector<double> sum;
+  std::vector<int32_t> count;  // a group's rows: far below 2^31
+  void reset(int64_t n, bool lse_wanted) {
+    lse.max.assign(n, -std::numeric_limits<Acc>::infinity());
+    lse.top.assign(lse_wanted ? n : 0, 0.0);
+    lse.rest.assign(lse_wanted ? n : 0, 0.0);
     sum.assign(n, 0.0);
-    count.assign(n, 0.0);
+    count.assign(n, 0);
   }
 };
 
 template <typename Acc>
 struct PositiveRun {
-  Running<Acc> lse;
+  Running<Acc> lse;  // top, rest: null unless "sum"
   double* sum;
-  double* count;
+  int32_t* count;
   static PositiveRun at(PositiveStore<Acc>& store, int64_t t) {
-    return {store.lse.at(t), store.sum.data() + t, store.count.data() + t};
+    const bool lse_wanted = !store.lse.top.empty();
+    return {{store.lse.max.data() + t, lse_wanted ? store.lse.top.data() + t : nullptr,
+             lse_wanted ? store.lse.rest.data() + t : nullptr},
+            store.sum.data() + t, store.count.data() + t};
   }
   // One positive logit v of line t. "sum": a new max rescales what is there (as raise_maxima), ties with
   // it count in top, the rest add exp(v - max) in double: positives are few, one exp each.
   void add(int64_t t, Acc v, bool lse_wanted) const {
     sum[t] += v;
-    count[t] += 1.0;
+    count[t] += 1;
     const Acc m = lse.max[t];
     if (!lse_wanted) {
       lse.max[t] = nan_max(m, v);
@@ -860,6 +868,7 @@ void merge_positive_partials(PositiveStore<Acc>& parts, int64_t groups, int64_t 
         const int64_t at = p * n + c;
         sum += parts.sum[at];
         count += parts.count[at];
+        if (!lse_wanted) continue;
         if (parts.lse.max[at] == m) {
           top += parts.lse.top[at];
           rest += parts.lse.rest[at];
@@ -923,8 +932,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
   col_parts.reset(symmetric ? groups * bk : 0);
   PositiveStore<Acc> row_pos, col_pos_parts;  // the masked loss's; col_pos_parts: [groups, bk]
   if (masks) {
-    row_pos.reset(bq);
-    col_pos_parts.reset(symmetric ? groups * bk : 0);
+    const bool lse_wanted = masks->positives == Positives::Sum;
+    row_pos.reset(bq, lse_wanted);
+    col_pos_parts.reset(symmetric ? groups * bk : 0, lse_wanted);
   }
   rows.zero_();  // rows[2] stays 0 where the positive lies in another block
   Acc* out = rows.data_ptr<Acc>();
