@@ -2,7 +2,8 @@
 
 Each measurement runs in a fresh subprocess (as tests/test_memory.py): the inputs, ids and guide features
 are allocated first, the resident set's high-water mark is reset to the current resident set, and it is
-read after one forward + backward of the symmetric loss on the torch tiles. Nothing here is timed.
+read after one forward + backward of the symmetric loss on the torch tiles or the native kernel. Nothing
+here is timed.
 """
 
 import json
@@ -10,10 +11,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from infcl.backends.native import unavailable_reason
+
 _MEASURE = r"""
 import json, sys, torch
 from infcl import cal_inf_loss
-b, d, masked = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+b, d, masked, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
 torch.manual_seed(0)
 q = torch.randn(b, d, requires_grad=True)
 k = torch.randn(b, d, requires_grad=True)
@@ -24,7 +30,7 @@ guide = (torch.randn(b, d), torch.randn(b, d))
 def loss_fn(n):
     opts = dict(q_ids=ids[:n], k_ids=ids[:n], multi_positive="mean", guide=(guide[0][:n], guide[1][:n]),
                 guide_margin=0.1) if masked else {}
-    return cal_inf_loss(q[:n], k[:n], scale=scale, symmetric=True, backend="torch", **opts)
+    return cal_inf_loss(q[:n], k[:n], scale=scale, symmetric=True, backend=backend, **opts)
 
 loss_fn(64).backward()  # warm up thread pools and allocators on a small problem
 q.grad = k.grad = scale.grad = None
@@ -55,18 +61,21 @@ DIM = 32
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
-def _peak_extra_bytes(masked: bool) -> int:
+def _peak_extra_bytes(masked: bool, backend: str) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="2", **MALLOC_ENV)
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(BATCH), str(DIM), "1" if masked else "0"],
+        [sys.executable, "-c", _MEASURE, str(BATCH), str(DIM), "1" if masked else "0", backend],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]
 
 
-def test_ids_and_guide_stay_within_twice_the_plain_memory():
-    plain, masked = _peak_extra_bytes(False), _peak_extra_bytes(True)
+@pytest.mark.parametrize("backend", ("torch", "cpu"))
+def test_ids_and_guide_stay_within_twice_the_plain_memory(backend):
+    if backend == "cpu" and unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(f"native kernel unavailable: {unavailable_reason(torch.device('cpu'))}")
+    plain, masked = _peak_extra_bytes(False, backend), _peak_extra_bytes(True, backend)
     # A single B x B bool mask (1 byte an entry) would already cost this much; the masks travel as O(B) ids.
     one_bool_mask = BATCH * BATCH
     assert masked < one_bool_mask, (plain, masked)
