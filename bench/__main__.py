@@ -5,8 +5,9 @@ bench/results/default.csv and default.png. ``--preset issue`` is the full run of
 --batch-sizes/--dims/--dtype/--modes/--one-direction replaces that field of the chosen preset's first
 sweep and writes "custom.csv" (or --name). ``--loss siglip`` runs the same sweeps on the sigmoid
 (SigLIP) loss, vanilla being open_clip's SigLipLoss, and prefixes the file names with "siglip-".
-``--ids`` / ``--guide`` add the torch tiles with false-negative ids / a guide ("torch+ids", "torch+guide";
-bench.methods) beside "torch", and the time_vs_plain / memory_vs_plain columns give their cost.
+``--ids`` / ``--guide`` add each listed mask-capable backend (torch, cpu) with false-negative ids / a guide
+("torch+ids", "cpu+guide", ...; bench.methods) beside the plain backend, and the time_vs_plain /
+memory_vs_plain columns give their cost.
 """
 
 import argparse
@@ -20,7 +21,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .machine import device_name
-from .methods import BASELINE, LOSSES, METHODS, PLAIN
+from .methods import BASELINE, LOSSES, MASKED_BACKENDS, METHODS, PLAIN
 from .presets import PRESETS, Sweep, custom_sweep
 from .report import COLUMNS, add_ratios, format_table, write_csv, write_plot
 from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
@@ -75,8 +76,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the CLIP loss (q->k + k->q) / 2 (the presets' choice)",
     )
     direction.add_argument("--one-direction", dest="symmetric", action="store_false", help="the q->k loss only")
-    p.add_argument("--ids", action="store_true", help="also the torch tiles with false-negative ids (torch+ids)")
-    p.add_argument("--guide", action="store_true", help="also the torch tiles with a guide of width D (torch+guide)")
+    p.add_argument(
+        "--ids", action="store_true",
+        help="also each listed mask-capable backend with false-negative ids (torch+ids, cpu+ids)",
+    )
+    p.add_argument(
+        "--guide", action="store_true",
+        help="also each listed mask-capable backend with a guide of width D (torch+guide, cpu+guide)",
+    )
     p.add_argument("--memory-only", action="store_true", default=None, help="peak memory only, one run each")
     p.add_argument(
         "--repeats",
@@ -148,9 +155,10 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
             accuracy=sw.accuracy and not sw.memory_only,
         )
         names = [m for m in sw.methods if args.methods is None or m in args.methods]
-        if (args.ids or args.guide) and PLAIN not in names:
-            names.append(PLAIN)  # the mask options' cost is taken against the plain tiles of the same run
-        names += [f"{PLAIN}+{option}" for option, asked in (("ids", args.ids), ("guide", args.guide)) if asked]
+        if (args.ids or args.guide) and not set(names) & set(MASKED_BACKENDS):
+            names.append(PLAIN)  # the mask options' cost is taken against the plain backend of the same run
+        options = [option for option, asked in (("ids", args.ids), ("guide", args.guide)) if asked]
+        names += [f"{plain}+{option}" for plain in names if plain in MASKED_BACKENDS for option in options]
         for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
             for name, mode in itertools.product(names, sw.modes):
                 job = Job(name, batch, dim, mode=mode, **common)

@@ -6,9 +6,10 @@ The contrastive (CLIP) loss, ``--loss clip``:
 - "torch", "cpu", "triton": ``infcl.cal_inf_loss(..., backend=name)``.
 - "inf-cl": Inf-CL's ``inf_cl.cal_inf_loss`` (CUDA only; the symmetric loss is its two directions
   averaged, as Inf-CL's own ClipLoss does).
-- "torch+ids", "torch+guide" (only with ``--ids`` / ``--guide``, never in a preset's default list): the
-  torch tiles with false-negative ids (:data:`IDS_PER_CLASS` rows per id) or a guide of width D (margin
-  :data:`GUIDE_MARGIN`), for the cost of the mask options against "torch" in the same run.
+- "<backend>+ids", "<backend>+guide" for each backend of :data:`MASKED_BACKENDS` (only with ``--ids`` /
+  ``--guide``, never in a preset's default list): that backend with false-negative ids
+  (:data:`IDS_PER_CLASS` rows per id) or a guide of width D (margin :data:`GUIDE_MARGIN`), for the cost of
+  the mask options against the plain backend in the same run (:func:`plain_of`).
 The sigmoid (SigLIP) loss, ``--loss siglip`` (``symmetric`` is ignored; the bias is SIGLIP_BIAS, a leaf
 that receives a gradient):
 - "vanilla": open_clip's own ``SigLipLoss`` (its loss.py loaded by file), or, without open_clip, the
@@ -186,8 +187,8 @@ def _triton_gemms(device, dtype, dim):
 # (forward, backward) GEMM-equivalents of one direction; the symmetric loss costs the same except for
 # Inf-CL, which runs each direction separately. A guide of width D adds one product per tile per pass.
 _GEMMS = {
-    "torch+ids": _tiled_gemms,
-    "torch+guide": lambda device, dtype, dim: (2, 4),
+    **{f"{backend}+ids": _tiled_gemms for backend in ("torch", "cpu")},
+    **{f"{backend}+guide": lambda device, dtype, dim: (2, 4) for backend in ("torch", "cpu")},
     "vanilla": lambda device, dtype, dim: (1, 2),  # logits; dq and dk from the logits' gradient
     "torch": _tiled_gemms,
     "cpu": _tiled_gemms,
@@ -215,11 +216,19 @@ METHODS = {
         _infcl_method("triton"),
         Method("inf-cl", inf_cl_loss, _inf_cl_unavailable, tiled=True),
         *(
-            Method(f"torch+{option}", _masked_loss("torch", option), lambda device, dim: None, tiled=True)
+            Method(f"{backend}+{option}", _masked_loss(backend, option),
+                   lambda device, dim, backend=backend: unavailable_reason(backend, device), tiled=True)
+            for backend in ("torch", "cpu")
             for option in ("ids", "guide")
         ),
     )
 }
 BASELINE = "vanilla"
-PLAIN = "torch"  # the mask-option methods' own baseline
-MASK_METHODS = ("torch+ids", "torch+guide")  # run only when asked for (--ids / --guide)
+MASKED_BACKENDS = ("torch", "cpu")  # the backends with "+ids" / "+guide" methods
+PLAIN = "torch"  # the plain backend the mask options run on when the method list names none of them
+MASK_METHODS = tuple(f"{b}+{option}" for b in MASKED_BACKENDS for option in ("ids", "guide"))  # --ids / --guide
+
+
+def plain_of(name: str) -> str:
+    """The plain method a mask-option method's cost is taken against ("cpu+ids" -> "cpu")."""
+    return name.split("+")[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from .gemm import gemm_bound_seconds, gemm_flops
-from .methods import BASELINE, MASK_METHODS, PLAIN
+from .methods import BASELINE, MASK_METHODS, MASKED_BACKENDS, plain_of
 
 COLUMNS = (
     "method",
@@ -60,12 +60,12 @@ def _key(row: Dict):
 def add_ratios(rows: List[Dict]) -> None:
     """Fill the ratio columns in place; each row's GEMM bound is from its own ``gemm_gflops``."""
     vanilla = {_key(r): r for r in rows if r["method"] == BASELINE and r["status"] == "ok"}
-    plain = {_key(r): r for r in rows if r["method"] == PLAIN and r["status"] == "ok"}
+    plain = {(_key(r), r["method"]): r for r in rows if r["method"] in MASKED_BACKENDS and r["status"] == "ok"}
     for row in rows:
         if row["status"] != "ok":
             continue
-        base = plain.get(_key(row)) if row["method"] in MASK_METHODS else None
-        if base is not None:  # the cost of ids / a guide on the torch tiles, in the same run
+        base = plain.get((_key(row), plain_of(row["method"]))) if row["method"] in MASK_METHODS else None
+        if base is not None:  # the cost of ids / a guide on the same backend, in the same run
             if base["peak_extra_mib"] > 0:
                 row["memory_vs_plain"] = row["peak_extra_mib"] / base["peak_extra_mib"]
             if row.get("time_s") is not None and base.get("time_s") is not None:

@@ -23,3 +23,26 @@ def test_bench_ids_and_guide_rows(tmp_path, monkeypatch, capsys):
         # memory_vs_plain is empty where the plain run's extra memory rounds to 0 MiB (tiny B)
         assert rows[name]["memory_vs_plain"] == "" or float(rows[name]["memory_vs_plain"]) > 0
     assert rows["torch"]["time_vs_plain"] == "" and rows["vanilla"]["time_vs_plain"] == ""
+
+
+def test_bench_ids_on_the_native_kernel_against_its_own_plain_run(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from infcl.backends.native import unavailable_reason
+
+    if unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(f"native kernel unavailable: {unavailable_reason(torch.device('cpu'))}")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(var, "1")
+    argv = ["--batch-sizes", "64", "--dims", "8", "--repeats", "1", "--methods", "cpu", "--modes", "forward+backward",
+            "--ids", "--threads", "1", "--out", str(tmp_path), "--name", "native-masks"]
+    assert main(argv) == 0
+    with open(tmp_path / "native-masks.csv", newline="") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    # The native kernel is its own baseline: no torch run joins.
+    assert set(rows) == {"cpu", "cpu+ids"}
+    assert rows["cpu+ids"]["status"] == "ok", rows["cpu+ids"]
+    ratio = float(rows["cpu+ids"]["time_vs_plain"])
+    # Against the cpu row's own time (up to the CSV's rounding), not the torch tiles'.
+    assert ratio == pytest.approx(float(rows["cpu+ids"]["time_s"]) / float(rows["cpu"]["time_s"]), rel=1e-3)
