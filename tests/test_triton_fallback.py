@@ -69,6 +69,20 @@ def test_supported_target_picks_triton_silently(target):
     assert resolve_backend("triton", CUDA) == "triton"
 
 
+def test_masked_calls_pick_triton_where_it_runs(target):
+    """The mask options (ids, multi_positive, guide) run on the Triton kernels: "auto" picks them on a
+    supported target, and falls back like the plain loss (one warning) where they cannot run."""
+    target(SUPPORTED)
+    assert resolve_backend("auto", CUDA, masked=True) == "triton"
+    assert resolve_backend("triton", CUDA, masked=True) == "triton"
+    facts, why = CASES["turing"]
+    target(facts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_backend("auto", CUDA, masked=True) == "torch"
+    assert len(caught) == 1 and why in str(caught[0].message)
+
+
 def test_no_triton_falls_back_with_its_import_error(target, monkeypatch):
     monkeypatch.setattr(triton_backend, "_IMPORT_ERROR", ImportError("No module named 'triton'"))
     name, messages = _resolve("auto")

@@ -10,8 +10,9 @@ a ROCm GPU, an architecture with no compiled configs) it warns once, naming why.
 ``INFCL_BACKEND=<name>`` overrides "auto" (never an explicit name).
 
 The mask options of ``cal_inf_loss`` (ids, ``multi_positive``, ``guide``; :mod:`infcl.masks`) run on
-:data:`MASK_BACKENDS` only for now: "auto" (and its override) then falls back to the torch tiles, and an
-explicit other name raises a ValueError.
+:data:`MASK_BACKENDS` only for now: "auto" then picks its usual backend where that one is among them (the
+Triton kernels for CUDA tensors) and the torch tiles otherwise, an INFCL_BACKEND naming another one falls
+back to the torch tiles, and an explicit other name raises a ValueError.
 """
 
 import importlib
@@ -25,7 +26,7 @@ from .base import BlockBackend
 from .torch_tiles import TORCH_TILES
 
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
-MASK_BACKENDS = ("torch", "reference")  # the backends that form ids / guide masks in their tiles
+MASK_BACKENDS = ("torch", "reference", "triton")  # the backends that form ids / guide masks in their tiles
 MASK_OPTIONS = "q_ids/k_ids, multi_positive and guide"
 ENV_VAR = "INFCL_BACKEND"
 
@@ -89,7 +90,7 @@ def resolve_backend(backend, device: torch.device, masked: bool = False) -> str:
     if masked and backend not in ("auto",) + MASK_BACKENDS:
         raise ValueError(
             f"{MASK_OPTIONS} are not yet supported by backend {backend!r}; the backends that support them "
-            f"are {MASK_BACKENDS} (backend='auto' picks 'torch')"
+            f"are {MASK_BACKENDS} (backend='auto' picks one of them)"
         )
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
@@ -97,11 +98,11 @@ def resolve_backend(backend, device: torch.device, masked: bool = False) -> str:
             if env not in BACKENDS:
                 raise ValueError(f"environment variable {ENV_VAR} must be one of {BACKENDS}, got {env!r}")
             backend = env
-    if masked and backend not in MASK_BACKENDS:
-        return "torch"  # "auto" (or INFCL_BACKEND naming a backend without masks): the torch tiles
+    if masked and backend not in ("auto",) + MASK_BACKENDS:
+        return "torch"  # INFCL_BACKEND naming a backend without masks: the torch tiles
     if backend == "auto":
         preferred = {"cuda": "triton", "cpu": "cpu"}.get(device.type)
-        if preferred is None:
+        if preferred is None or (masked and preferred not in MASK_BACKENDS):
             return "torch"
         why = unavailable_reason(preferred, device)
         if why is None:

@@ -183,6 +183,64 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
     }
 
 
+# ---- the mask options (infcl.masks) ----------------------------------------------------------------
+
+# POSITIVES, the kernels' positives kind: one per row (``pos``; multi_positive None), or every column
+# with the row's id, "mean" or "sum" (see tiles.ONE_POSITIVE).
+POSITIVES = {None: 0, "mean": 1, "sum": 2}
+
+
+@dataclass(frozen=True)
+class MaskInputs:
+    """One block's mask inputs for the softmax kernels (the :class:`infcl.backends.base.Block` fields of the
+    same names), None where unused: ids [Bq] / [Bk] int64, guide features [Bq, D'] / [Bk, D'] in the guide's
+    accumulation dtype (float32, or float64) and the thresholds [Bq] / [Bk] in that dtype."""
+
+    q_ids: Optional[torch.Tensor] = None
+    k_ids: Optional[torch.Tensor] = None
+    guide_q: Optional[torch.Tensor] = None
+    guide_k: Optional[torch.Tensor] = None
+    row_threshold: Optional[torch.Tensor] = None
+    col_threshold: Optional[torch.Tensor] = None  # symmetric only
+    multi_positive: Optional[str] = None
+
+    @property
+    def masked(self) -> bool:
+        return self.q_ids is not None or self.guide_q is not None
+
+    def kernel_args(self, precision: Optional[str]) -> dict:
+        """The kernels' mask arguments by keyword: the pointers (None where absent), the guide width and
+        strides, and the constexprs HAS_IDS, HAS_GUIDE, POSITIVES and the guide GEMM's BLOCK_G, EVEN_G,
+        GUIDE_ACC and GUIDE_PRECISION. With no masks every flag is False and nothing is read.
+
+        The guide GEMM takes float32 guides at the call's float32 precision (tf32 where torch's matmuls
+        allow it, as the torch tiles' ``@`` would) and float64 guides in float64; its feature chunk is
+        the operand class's (:data:`FEATURE_CHUNKS`), a function of D' and the dtype alone, so the forward
+        and both backward kernels sum each guide score over the same chunks (the same exclusions).
+        """
+        gq, gk = self.guide_q, self.guide_k
+        has_guide = gq is not None
+        dim = gq.shape[1] if has_guide else 0
+        if has_guide and gq.dtype == torch.float64:
+            guide_acc, guide_precision = tl.float64, "ieee"
+        else:
+            guide_acc = tl.float32
+            guide_precision = launch_options(torch.float32, precision)["PRECISION"]
+        klass = operand_class(torch.float64 if guide_acc == tl.float64 else torch.float32, guide_precision)
+        block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[klass][1])
+        return dict(
+            q_ids_ptr=self.q_ids, k_ids_ptr=self.k_ids, gq_ptr=gq, gk_ptr=gk, row_thr_ptr=self.row_threshold,
+            col_thr_ptr=self.col_threshold, DG=dim,
+            stride_gq0=gq.stride(0) if has_guide else 0, stride_gq1=gq.stride(1) if has_guide else 0,
+            stride_gk0=gk.stride(0) if has_guide else 0, stride_gk1=gk.stride(1) if has_guide else 0,
+            HAS_IDS=self.q_ids is not None, HAS_GUIDE=has_guide, POSITIVES=POSITIVES[self.multi_positive],
+            BLOCK_G=block_g, EVEN_G=dim % block_g == 0, GUIDE_ACC=guide_acc, GUIDE_PRECISION=guide_precision,
+        )
+
+
+NO_MASKS = MaskInputs()
+
+
 # Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the
 # elementwise math); the one product that must not be contracted, S = raw * scale, is an explicit
 # mul.rn (tiles.scale_scores). Saying so explicitly also keeps Triton 3.9 from warning about its default.
