@@ -75,7 +75,8 @@ def cal_inf_loss(
             its local shard and gets the loss of its local rows against the global batch.
         backend: "auto" | "torch" | "cpu" | "triton" | "reference" (see :mod:`infcl.backends`);
             the environment variable INFCL_BACKEND overrides "auto". The ids, ``multi_positive`` and
-            ``guide`` run on "torch" and "reference" ("auto" picks "torch" for them).
+            ``guide`` run on "torch", "triton" and "reference" ("auto" picks "triton" for them on CUDA
+            tensors, "torch" otherwise).
         return_stats: also return an :class:`infcl.stats.InfLossStats` (top-1 accuracy and mean positive
             logit per direction), read off the loss's own statistics.
 

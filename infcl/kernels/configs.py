@@ -190,6 +190,26 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
 POSITIVES = {None: 0, "mean": 1, "sum": 2}
 
 
+def guide_precision(dtype: torch.dtype, precision: Optional[str], guide_float64: bool) -> str:
+    """tl.dot's input precision for the guide scores G = guide_q @ guide_k.T (float32 guides, float32
+    sums), next to features of ``dtype`` at ``precision``: "tf32" where the features' products run on
+    tensor cores (bfloat16 / float16, or float32 at tf32), "ieee" (FMA) where they do not (float32
+    "ieee", the interpreter), float64 guides in float64.
+
+    tf32 keeps 10 mantissa bits: a guide that was bfloat16 or float16 features (as a guide model's
+    usually are) is multiplied exactly, its scores those of float32 products; a float32 guide's features
+    are rounded to 10 bits, which moves a score by ~1e-3 of |G| and can flip only exclusions that close
+    to their threshold. An FMA guide GEMM would cost ~16 times a bfloat16 one and the registers of the
+    features' own tiles.
+    """
+    if guide_float64:
+        return "ieee"
+    features = launch_options(dtype, precision)["PRECISION"]
+    if INTERPRETED or (dtype == torch.float32 and features == "ieee"):
+        return "ieee"
+    return features if dtype == torch.float32 else "tf32"
+
+
 @dataclass(frozen=True)
 class MaskInputs:
     """One block's mask inputs for the softmax kernels (the :class:`infcl.backends.base.Block` fields of the
@@ -208,25 +228,24 @@ class MaskInputs:
     def masked(self) -> bool:
         return self.q_ids is not None or self.guide_q is not None
 
-    def kernel_args(self, precision: Optional[str]) -> dict:
-        """The kernels' mask arguments by keyword: the pointers (None where absent), the guide width and
-        strides, and the constexprs HAS_IDS, HAS_GUIDE, POSITIVES and the guide GEMM's BLOCK_G, EVEN_G,
-        GUIDE_ACC and GUIDE_PRECISION. With no masks every flag is False and nothing is read.
+    def kernel_args(self, dtype: torch.dtype, precision: Optional[str]) -> dict:
+        """The kernels' mask arguments by keyword for features of ``dtype`` at ``precision``: the pointers
+        (None where absent), the guide width and strides, and the constexprs HAS_IDS, HAS_GUIDE, POSITIVES
+        and the guide GEMM's BLOCK_G, EVEN_G, GUIDE_ACC and GUIDE_PRECISION. With no masks every flag is
+        False and nothing is read.
 
-        The guide GEMM takes float32 guides at the call's float32 precision (tf32 where torch's matmuls
-        allow it, as the torch tiles' ``@`` would) and float64 guides in float64; its feature chunk is
-        the operand class's (:data:`FEATURE_CHUNKS`), a function of D' and the dtype alone, so the forward
-        and both backward kernels sum each guide score over the same chunks (the same exclusions).
+        The guide GEMM (:func:`guide_precision`) runs on the tensor cores wherever the features' products
+        do, and its feature chunk is its operand class's (:data:`FEATURE_CHUNKS`): a function of D' and
+        the dtypes alone, so the forward and both backward kernels sum each guide score over the same
+        chunks and find the same exclusions.
         """
         gq, gk = self.guide_q, self.guide_k
         has_guide = gq is not None
         dim = gq.shape[1] if has_guide else 0
-        if has_guide and gq.dtype == torch.float64:
-            guide_acc, guide_precision = tl.float64, "ieee"
-        else:
-            guide_acc = tl.float32
-            guide_precision = launch_options(torch.float32, precision)["PRECISION"]
-        klass = operand_class(torch.float64 if guide_acc == tl.float64 else torch.float32, guide_precision)
+        guide_float64 = has_guide and gq.dtype == torch.float64
+        guide_acc = tl.float64 if guide_float64 else tl.float32
+        precision = guide_precision(dtype, precision, guide_float64)
+        klass = operand_class(torch.float64 if guide_float64 else torch.float32, precision)
         block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[klass][1])
         return dict(
             q_ids_ptr=self.q_ids, k_ids_ptr=self.k_ids, gq_ptr=gq, gk_ptr=gk, row_thr_ptr=self.row_threshold,
@@ -234,7 +253,7 @@ class MaskInputs:
             stride_gq0=gq.stride(0) if has_guide else 0, stride_gq1=gq.stride(1) if has_guide else 0,
             stride_gk0=gk.stride(0) if has_guide else 0, stride_gk1=gk.stride(1) if has_guide else 0,
             HAS_IDS=self.q_ids is not None, HAS_GUIDE=has_guide, POSITIVES=POSITIVES[self.multi_positive],
-            BLOCK_G=block_g, EVEN_G=dim % block_g == 0, GUIDE_ACC=guide_acc, GUIDE_PRECISION=guide_precision,
+            BLOCK_G=block_g, EVEN_G=dim % block_g == 0, GUIDE_ACC=guide_acc, GUIDE_PRECISION=precision,
         )
 
 

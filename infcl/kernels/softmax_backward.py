@@ -374,6 +374,14 @@ if TRITON_VERSION < (3, 3):
     # (one warp group per 64 rows) and a 128-wide slice, so the accumulator still fits.
     DQ_CONFIGS.update({(arch, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=128)
                        for arch in (90, 100) for k in ("mma", "tf32")})
+# With mask options, as softmax_forward.MASKED_CONFIGS: smaller tiles and slices that compile without spills.
+MASKED_DQ_CONFIGS = {
+    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=128)
+       for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
+    **{(arch, klass): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
+}
+MASKED_DK_CONFIGS = dict(MASKED_DQ_CONFIGS)
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
@@ -394,7 +402,7 @@ DQ_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] f
 DK_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] for key, cfg in DK_CONFIGS.items()}
 # The smallest BLOCK_M any config uses: the dq kernel's scale-gradient buffer has a slot per program.
 _MIN_BLOCK_M = min(c.block_m for tiles in DQ_AUTOTUNE_CONFIGS.values() for c in tiles)
-_KEY = ["D", "SYMMETRIC", "PRECISION", "HAS_IDS", "HAS_GUIDE", "POSITIVES", "BUCKET"]
+_KEY = ["D", "SYMMETRIC", "PRECISION", "BUCKET"]
 # Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
 # per-program scale-gradient slots are zeroed before each trial.
 _dq_autotuned = lazy_autotune(
@@ -473,7 +481,7 @@ def softmax_backward(
         stride_rs0=row_stats.stride(0), stride_rs1=row_stats.stride(1), stride_gr=g_row.stride(0),
         stride_cs0=col_stats.stride(0) if symmetric else 0, stride_cs1=col_stats.stride(1) if symmetric else 0,
         stride_gc=g_col.stride(0) if symmetric else 0, SYMMETRIC=symmetric, NORMALIZE=normalize, BLOCK_D=block_d,
-        **feature_chunks(dim, block_d), **opts, **masks.kernel_args(precision),
+        **feature_chunks(dim, block_d), **opts, **masks.kernel_args(q.dtype, precision),
         **_positive_args("row_pos_ptr", "stride_rp0", "stride_rp1", row_positives),
         **_positive_args("col_pos_ptr", "stride_cp0", "stride_cp1", col_positives),
         **COMPILE_OPTIONS,

@@ -224,6 +224,21 @@ RAGGED_D_CONFIGS = {
     (90, "mma"): TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=3),
 }
 
+# With mask options (ids, a guide) each tile also holds the positives and exclusions, the guide scores and
+# their GEMM's pipeline, and the symmetric loss merges six column partials instead of two: the plain
+# tiles spill there. Masked calls take these (and, in all three kernels, one feature chunk as the most
+# held in registers: ops.arch_tiling), sized to compile without spills (checked by
+# tests/test_triton_api_compile.py), not tuned on a GPU; the autotuner does not search them.
+MASKED_CONFIGS = {
+    # Tensor cores: 64-row tiles (as the backward's: the same MMA instruction) of 16 columns, one stage (a
+    # second spills on sm_90 at ragged D).
+    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1)
+       for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
+    # FMA products: the plain 32 x 32 tiles, halved in columns.
+    **{(arch, klass): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, max_registers=255)
+       for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
+}
+
 
 def _keep(key, config: TileConfig) -> bool:
     """Search points that compile without spills at ragged D (tests/test_triton_api_compile.py): on sm_90,
@@ -250,8 +265,7 @@ AUTOTUNE_CONFIGS = {key: [c for c in neighbours(config) if _keep(key, c)] for ke
 # Every buffer a trial writes: the row partials are overwritten whole, the column partials are
 # read-merged-written from the host's empty stats, so both are restored between trials.
 _forward_autotuned = lazy_autotune(
-    _forward_kernel, AUTOTUNE_CONFIGS,
-    key=["D", "SYMMETRIC", "PRECISION", "HAS_IDS", "HAS_GUIDE", "POSITIVES", "BUCKET"],
+    _forward_kernel, AUTOTUNE_CONFIGS, key=["D", "SYMMETRIC", "PRECISION", "BUCKET"],
     restore_value=["rows_ptr", "cols_ptr"],
 )
 
@@ -327,8 +341,8 @@ def softmax_forward(
         stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
         stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
         stride_cols_stat=cols.stride(0) if want_cols else 0, stride_cols_group=cols.stride(1) if want_cols else 0,
-        SYMMETRIC=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, **masks.kernel_args(precision),
-        **COMPILE_OPTIONS,
+        SYMMETRIC=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts,
+        **masks.kernel_args(q.dtype, precision), **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)
     if autotune:

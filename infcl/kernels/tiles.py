@@ -317,16 +317,20 @@ def load_ids(ids_ptr, idx, n, HAS_IDS: tl.constexpr, MASK: tl.constexpr):
     """The ids of rows (columns) ``idx`` (0 past n: the positives are masked to the real ones), or a
     placeholder without ids."""
     if HAS_IDS:
-        return load_vector(ids_ptr, idx, n, 1, 0, MASK)
-    return idx  # unused
+        ids = load_vector(ids_ptr, idx, n, 1, 0, MASK)
+    else:
+        ids = idx  # unused
+    return ids
 
 
 @triton.jit
 def load_thresholds(thr_ptr, idx, n, HAS_GUIDE: tl.constexpr, MASK: tl.constexpr):
     """The guide thresholds of rows (columns) ``idx``, or a placeholder without a guide."""
     if HAS_GUIDE:
-        return load_vector(thr_ptr, idx, n, 1, 0.0, MASK)
-    return idx  # unused
+        thresholds = load_vector(thr_ptr, idx, n, 1, 0.0, MASK)
+    else:
+        thresholds = idx  # unused
+    return thresholds
 
 
 @triton.jit
