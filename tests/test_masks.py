@@ -420,3 +420,48 @@ def test_confident_batch(backend, mode, dtype, classes):
             (q.to(dtype), k.to(dtype), scale.to(dtype)),
         )
         assert_normwise(got, truth, CONFIDENT_BOUND[dtype], f"confident {mode} sym={symmetric}")
+
+
+# --- the Triton kernels' custom ops ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not TRITON or not hasattr(torch.library, "opcheck"), reason="interpreted Triton, torch >= 2.4")
+def test_triton_masked_ops_pass_opcheck():
+    """The masked custom ops' schemas, fake impls and mutation declarations hold (torch.library.opcheck)."""
+    gen = torch.Generator().manual_seed(41)
+    bq, bk, d = 20, 24, 16
+    q, k = torch.randn(bq, d, generator=gen), torch.randn(bk, d, generator=gen)
+    scale, pos = torch.tensor(SCALE), torch.arange(bq)
+    q_ids, k_ids = torch.randint(0, 4, (bq,), generator=gen), torch.randint(0, 4, (bk,), generator=gen)
+    gq, gk = torch.randn(bq, 5, generator=gen), torch.randn(bk, 5, generator=gen)
+    row_thr, col_thr = torch.randn(bq, generator=gen), torch.randn(bk, generator=gen)
+    tiling = _triton_tiny().to_ints()
+    masks = (q_ids, k_ids, gq, gk, row_thr, col_thr, "sum")
+    torch.library.opcheck(torch.ops.infcl.triton_masked_forward_block.default,
+                          (q, k, scale, pos, True, *masks, "ieee", tiling))
+    stats = torch.stack((torch.full((bq,), 3.0), torch.full((bq,), 0.5)))
+    col_stats = torch.stack((torch.full((bk,), 3.0), torch.full((bk,), 0.5)))
+    grads = (torch.randn(bq, generator=gen), torch.randn(bk, generator=gen))
+    torch.library.opcheck(
+        torch.ops.infcl.triton_masked_backward_block.default,
+        (q, k, scale, pos, stats, grads[0], col_stats, grads[1], stats, col_stats, *masks, torch.zeros(bq, d),
+         torch.zeros(bk, d), "ieee", tiling),
+    )
+
+
+@pytest.mark.skipif(not TRITON, reason="interpreted Triton")
+def test_triton_masked_loss_under_torch_compile():
+    """torch.compile traces the masked custom ops (fake impls) and gives the eager result bit for bit (as
+    tests/test_triton.py's plain-loss check; fullgraph tracing is the compile gate's, on a GPU target)."""
+    q, k, labels, q_ids, k_ids, guide = _inputs(23, 23, dtype=torch.float32, seed=43)
+    opts = _options("both", "mean", q_ids, k_ids, guide)
+    _use("triton")
+
+    def loss(a, b, s):
+        return cal_inf_loss(a, b, labels, s, symmetric=True, backend="triton", **opts)
+
+    scale = torch.tensor(SCALE)
+    eager = grads_of_inputs(loss, (q, k, scale))
+    compiled = grads_of_inputs(torch.compile(loss, backend="aot_eager"), (q, k, scale))
+    for name, a, b in zip(("loss", "dq", "dk", "dscale"), compiled, eager):
+        assert torch.equal(a, b), name

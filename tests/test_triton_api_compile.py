@@ -133,7 +133,7 @@ def _float64_dot():
     return FLOAT64_DOT
 
 
-@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss"])
+@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss", "cal_inf_loss masked"])
 def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     """torch.compile(fullgraph=True) of a step calling the loss with backend="triton" traces (AOTAutograd,
     an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
@@ -142,7 +142,9 @@ def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     from infcl.kernels.ops import TRITON_OP
 
     with _pool() as pool:
-        out = pool.submit(triton_compile.compile_training_step, 90, entry).result()
+        masks = ("both", "sum") if entry.endswith(" masked") else ("", "")  # ids and a guide, "sum"
+        entry = entry.split()[0]
+        out = pool.submit(triton_compile.compile_training_step, 90, entry, *masks).result()
     assert "error" not in out, out.get("error")
     assert out["frames"] == 1
     forward_graph, backward_graph = out["graphs"]

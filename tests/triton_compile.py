@@ -21,7 +21,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 # Largest shared memory a block may use (opt-in dynamic shared memory), bytes.
 SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
@@ -482,13 +482,14 @@ def mask_options(call: Call) -> Dict:
     return opts
 
 
-def call_loss(call: Call, q, k, labels, scale, bias):
-    """The public call ``call`` names, on q and k: the loss (a 0-d tensor)."""
+def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = None):
+    """The public call ``call`` names, on q and k: the loss (a 0-d tensor). ``masks``: cal_inf_loss's mask
+    keywords (default :func:`mask_options`)."""
     import infcl
 
     if call.entry == "cal_inf_loss":
-        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend="triton",
-                                  **mask_options(call))
+        masks = mask_options(call) if masks is None else masks
+        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend="triton", **masks)
     if call.entry == "cal_siglip_loss":
         return infcl.cal_siglip_loss(q, k, scale, bias, labels, backend="triton")
     if call.entry == "InfCLIPLoss":
@@ -639,11 +640,11 @@ def masked_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call
     return [Call(arch, "cal_inf_loss", dtype, precision, dim, *sizes, **kw) for dim, sizes, kw in cases]
 
 
-def compile_training_step(arch: int, entry: str) -> Dict:
-    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, or cal_siglip_loss)
-    with backend="triton", through AOTAutograd with an eager backend (Inductor needs a real GPU), run
-    forward and backward compile-only. {"graphs": the AOT forward and backward graphs' code, "frames":
-    frames compiled} or {"error"}."""
+def compile_training_step(arch: int, entry: str, masks: str = "", multi_positive: str = "") -> Dict:
+    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, with ``masks`` and
+    ``multi_positive`` as :class:`Call`'s, or cal_siglip_loss) with backend="triton", through AOTAutograd
+    with an eager backend (Inductor needs a real GPU), run forward and backward compile-only. {"graphs":
+    the AOT forward and backward graphs' code, "frames": frames compiled} or {"error"}."""
     import torch
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -657,15 +658,17 @@ def compile_training_step(arch: int, entry: str) -> Dict:
 
     os.environ["INFCL_AUTOTUNE"] = "0"
     torch.backends.cuda.matmul.allow_tf32 = False
-    call = Call(arch, entry, "bfloat16", "ieee", 64, RAGGED_BATCH, RAGGED_BATCH, symmetric=entry == "cal_inf_loss")
+    call = Call(arch, entry, "bfloat16", "ieee", 64, RAGGED_BATCH, RAGGED_BATCH, symmetric=entry == "cal_inf_loss",
+                masks=masks, multi_positive=multi_positive)
     counter = CompileCounterWithBackend(aot_autograd(fw_compiler=keep, bw_compiler=keep))
     try:
         torch._dynamo.reset()
         with compile_only(arch) as (compiled, start):
             q, k, labels = _inputs(call)
             scale, bias = _params()
+            masks = mask_options(call)  # built outside: a torch.Generator cannot be created in a traced region
             step = torch.compile(
-                lambda q, k: call_loss(call, q, k, labels, scale, bias), backend=counter, fullgraph=True
+                lambda q, k: call_loss(call, q, k, labels, scale, bias, masks), backend=counter, fullgraph=True
             )
             step(q, k).backward()
             kernels = sorted({_kernel_name(fn) for fn, _, _ in compiled[start:]})
