@@ -378,10 +378,14 @@ if TRITON_VERSION < (3, 3):
 MASKED_DQ_CONFIGS = {
     **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=128)
        for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
-    **{(arch, klass): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
-       for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
+    **{(arch, "ieee"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in ARCH_FAMILIES},
+    **{(arch, "fp64"): TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in ARCH_FAMILIES},
 }
 MASKED_DK_CONFIGS = dict(MASKED_DQ_CONFIGS)
+# sm_80 (ptxas 12): float16's dS normalization spills the dq kernel at ragged D; one stage, 64-wide slices fit.
+MASKED_DQ_CONFIGS[80, "mma"] = TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=64)
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
