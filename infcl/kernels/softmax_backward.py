@@ -25,6 +25,10 @@ first divided by the largest |g| that can reach it, max(|g_row[i]|, max|g_col|) 
 max(|g_col[j]|, max|g_row|)), and the product multiplied back in float32, so that entries of order
 g * p (1e-9 for a mean over 65536 rows) do not flush to zero in float16's range.
 
+With mask options (as in the forward: HAS_IDS, HAS_GUIDE, POSITIVES) the kernels form each tile's positives
+and exclusions the same way and dS with :func:`infcl.kernels.tiles.masked_softmax_grad`: P is 0 on the
+exclusions and Y is the one-hot of ``pos``, 1/|P| on the positives ("mean") or their softmax ("sum").
+
 GEMM count per call, for D up to one slice (BLOCK_OUT, 256 by default; D <= 128 is one chunk): 4 —
 S in each kernel, dq, dk — whether the loss is one-directional or symmetric. A wider D runs
 ceil(D / BLOCK_OUT) slices, each recomputing S: 2 * slices + 2. With the forward's 1: 5 for either

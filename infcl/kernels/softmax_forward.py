@@ -16,6 +16,13 @@ memory is O(MAX_SPLITS * Bq + MAX_GROUPS * Bk), never O(Bq * Bk).
 GEMM count: 1 GEMM-equivalent (2*Bq*Bk*D flops) per call, symmetric or not: the column stats come
 from the same tiles as the row stats (the tile's column max and a second exp per entry).
 
+With mask options (:mod:`infcl.masks`; the constexprs HAS_IDS, HAS_GUIDE and POSITIVES, set by the launcher
+from which inputs are given, all False for the plain loss, which then compiles to exactly the code above),
+each tile also forms its positives and exclusions (:func:`infcl.kernels.tiles.block_masks`: the ids, and one
+guide GEMM over D' when a guide is given) and the partials are the ``[6, n]`` rows of :mod:`infcl.masks`,
+for rows and (symmetric) columns alike: the stats over the columns not excluded, the positives' max (and,
+"sum", their rest), the sum of their logits and their count.
+
 Inputs: q [Bq, D], k [Bk, D] of one dtype among float32/bfloat16/float16/float64, any strides; scale a
 0-d tensor in the accumulation dtype (float32, float64 for float64), read in the kernel (no host
 sync); pos [Bq] int64, the column of each row's positive in this block or -1. NaN in a row gives NaN

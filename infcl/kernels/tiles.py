@@ -25,6 +25,11 @@ entry is ``g * expm1(x)``, from Kahan's ``(u - 1) * x / log(u)`` (:func:`expm1`)
 has no libdevice, and the trick only needs exp and an accurate log (tl.log is libdevice's logf on
 NVIDIA GPUs; tl.exp is ex2.approx, whose error the trick absorbs).
 
+**Masks** (:mod:`infcl.masks`; the end of this module): each tile's positives and exclusions from the ids
+of its rows and columns and, with a guide, the guide scores of one more product over D'; the masked
+stats treat an all-excluded line as the empty set, and the masked dS keeps every positive's entry a
+single expm1.
+
 Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (set by
 ``triton.heuristics`` in the kernels) say a block can be ragged, rows past the end are clamped to the
 last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
