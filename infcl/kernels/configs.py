@@ -194,7 +194,7 @@ def guide_precision(dtype: torch.dtype, precision: Optional[str], guide_float64:
     """tl.dot's input precision for the guide scores G = guide_q @ guide_k.T (float32 guides, float32
     sums), next to features of ``dtype`` at ``precision``: "tf32" where the features' products run on
     tensor cores (bfloat16 / float16, or float32 at tf32), "ieee" (FMA) where they do not (float32
-    "ieee", the interpreter), float64 guides in float64.
+    "ieee", float64, the interpreter), float64 guides in float64.
 
     tf32 keeps 10 mantissa bits: a guide that was bfloat16 or float16 features (as a guide model's
     usually are) is multiplied exactly, its scores those of float32 products; a float32 guide's features
@@ -202,12 +202,11 @@ def guide_precision(dtype: torch.dtype, precision: Optional[str], guide_float64:
     to their threshold. An FMA guide GEMM would cost ~16 times a bfloat16 one and the registers of the
     features' own tiles.
     """
-    if guide_float64:
+    if guide_float64 or INTERPRETED or dtype == torch.float64:
         return "ieee"
-    features = launch_options(dtype, precision)["PRECISION"]
-    if INTERPRETED or (dtype == torch.float32 and features == "ieee"):
-        return "ieee"
-    return features if dtype == torch.float32 else "tf32"
+    if dtype == torch.float32:
+        return launch_options(dtype, precision)["PRECISION"]
+    return "tf32"
 
 
 @dataclass(frozen=True)

@@ -52,29 +52,31 @@ from .configs import (
 Tensor = torch.Tensor
 
 def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim: Optional[int] = None,
-                   masked: bool = False) -> Tiling:
+                   masked: bool = False, guide: bool = False) -> Tiling:
     """The default configs of the softmax kernels for inputs of ``dtype`` (and feature width ``dim``, when
-    known; ``masked``: with mask options) on the active target's architecture family (the interpreter's
-    big tiles under TRITON_INTERPRET=1)."""
+    known; ``masked``: with mask options, ``guide`` among them) on the active target's architecture family
+    (the interpreter's big tiles under TRITON_INTERPRET=1)."""
     if INTERPRETED:
         return INTERPRETER_TILING
-    return arch_tiling(target_family(), dtype, precision, dim, masked)
+    return arch_tiling(target_family(), dtype, precision, dim, masked, guide)
 
 
 def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None,
-                masked: bool = False) -> Tiling:
+                masked: bool = False, guide: bool = False) -> Tiling:
     """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`);
     a ``dim`` wider than one feature chunk and not a whole number of them takes the forward's ragged-D
     config where the family has one (:data:`softmax_forward.RAGGED_D_CONFIGS`). ``masked`` (mask options):
-    the masked configs (:data:`softmax_forward.MASKED_CONFIGS`, ``softmax_backward.MASKED_DQ_CONFIGS`` /
-    ``MASKED_DK_CONFIGS``), with one feature chunk as the most a program holds in registers."""
+    the masked configs (:data:`softmax_forward.MASKED_CONFIGS`; the backward's ``MASKED_DQ_CONFIGS`` /
+    ``MASKED_DK_CONFIGS`` with a ``guide``, ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS`` without), with one
+    feature chunk as the most a program holds in registers."""
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
     if masked:
+        prefix = "MASKED" if guide else "IDS"
         return Tiling(
             forward=softmax_forward.MASKED_CONFIGS[arch, klass],
-            dq=softmax_backward.MASKED_DQ_CONFIGS[arch, klass],
-            dk=softmax_backward.MASKED_DK_CONFIGS[arch, klass],
+            dq=getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass],
+            dk=getattr(softmax_backward, f"{prefix}_DK_CONFIGS")[arch, klass],
             resident_d=chunk_d,
             chunk_d=chunk_d,
         )
@@ -90,11 +92,12 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
     )
 
 
-def _tiling(tiling: List[int], q: Tensor, precision: str, masked: bool = False) -> Tuple[Tiling, bool]:
+def _tiling(tiling: List[int], q: Tensor, precision: str, masked: bool = False,
+            guide: bool = False) -> Tuple[Tiling, bool]:
     """(the Tiling to use, whether to autotune): the autotuner searches the plain kernels' configs only."""
     if tiling:
         return Tiling.from_ints(tiling), False
-    return default_tiling(q.device, q.dtype, precision, q.shape[1], masked), autotuning() and not masked
+    return default_tiling(q.device, q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
 
 
 def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, want_cols: bool, precision: str,
@@ -121,7 +124,7 @@ def _masked_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric:
                     k_ids: Optional[Tensor], guide_q: Optional[Tensor], guide_k: Optional[Tensor],
                     row_threshold: Optional[Tensor], col_threshold: Optional[Tensor], multi_positive: str,
                     precision: str, tiling: List[int]) -> Tuple[Tensor, Tensor]:
-    chosen, autotune = _tiling(tiling, q, precision, masked=True)
+    chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
     masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
     rows, cols = softmax_forward.softmax_forward(
         q, k, scale, pos.contiguous(), symmetric, chosen, precision or None, autotune, sms=target_facts().sms,
@@ -136,7 +139,7 @@ def _masked_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats
                      guide_q: Optional[Tensor], guide_k: Optional[Tensor], row_threshold: Optional[Tensor],
                      col_threshold: Optional[Tensor], multi_positive: str, dq: Tensor, dk: Tensor, precision: str,
                      tiling: List[int]) -> Tensor:
-    chosen, autotune = _tiling(tiling, q, precision, masked=True)
+    chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
     masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
     return softmax_backward.softmax_backward(
         q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,

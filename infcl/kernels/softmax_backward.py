@@ -390,6 +390,16 @@ MASKED_DQ_CONFIGS = {
 MASKED_DK_CONFIGS = dict(MASKED_DQ_CONFIGS)
 # sm_80 (ptxas 12): float16's dS normalization spills the dq kernel at ragged D; one stage, 64-wide slices fit.
 MASKED_DQ_CONFIGS[80, "mma"] = TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=64)
+# Ids without a guide (no guide scores in the tile): bf16/fp16 fit the plain kernels' 256-wide slices, so ids
+# cost the backward no S recomputation beyond the plain loss's (sm_80: one stage, and maxnreg 255: at D = 40
+# ptxas 12 caps float16's dk at 128 registers and spills).
+IDS_DQ_CONFIGS = {
+    **MASKED_DQ_CONFIGS,
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256)
+       for arch in ARCH_FAMILIES},
+    (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=256, max_registers=255),
+}
+IDS_DK_CONFIGS = {**MASKED_DK_CONFIGS, **{key: IDS_DQ_CONFIGS[key] for key in IDS_DQ_CONFIGS if key[1] == "mma"}}
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
