@@ -75,8 +75,7 @@ def cal_inf_loss(
             its local shard and gets the loss of its local rows against the global batch.
         backend: "auto" | "torch" | "cpu" | "triton" | "reference" (see :mod:`infcl.backends`);
             the environment variable INFCL_BACKEND overrides "auto". The ids, ``multi_positive`` and
-            ``guide`` run on "torch", "cpu" and "reference" ("auto" picks "cpu" for CPU tensors when the
-            native kernel is built, else "torch").
+            ``guide`` run on every backend.
         return_stats: also return an :class:`infcl.stats.InfLossStats` (top-1 accuracy and mean positive
             logit per direction), read off the loss's own statistics.
 
@@ -98,7 +97,7 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
-        name = resolve_backend(backend, q.device, masked=masks is not None)
+        name = resolve_backend(backend, q.device)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)

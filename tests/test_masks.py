@@ -11,13 +11,25 @@ import torch.nn.functional as F
 from infcl import InfCLIPLoss, cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
 from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.masks import guide_threshold
 from infcl.stats import InfLossStats
-from support import TOLERANCE, assert_close_verbose, assert_normwise, grads_of_inputs, masked_loss_truth
+from support import (
+    TOLERANCE,
+    assert_close_verbose,
+    assert_no_worse,
+    assert_normwise,
+    grads_of_inputs,
+    masked_loss_truth,
+    reduce_masked_truth,
+)
 
 # "torch-tiny": the torch tiles shrunk so that every block spans many tiles (masks cut across tile edges).
-# "cpu": the native kernel, skipped where it is not built.
+# "cpu": the native kernel, skipped where it is not built. "triton": the Triton kernels on these CPU tensors,
+# under the interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU), on their smallest
+# tiles, split (see _use).
 NATIVE_REASON = unavailable_reason("cpu", torch.device("cpu"))
-MASK_BACKENDS = ("reference", "torch", "torch-tiny", "cpu")
+TRITON = unavailable_reason("triton", torch.device("cpu")) is None
+MASK_BACKENDS = ("reference", "torch", "torch-tiny", "cpu") + (("triton",) if TRITON else ())
 TINY_TILES = (4, 7)
 MODES = (None, "mean", "sum")
 SCALE = 7.0  # CLIP-like logits in [-7, 7] on unit features
@@ -60,14 +72,29 @@ def _options(kind, mode, q_ids, k_ids, guide, strategy="absolute"):
     return opts
 
 
+def _triton_tiny():
+    """The Triton kernels' smallest tiles (16 x 16, 16-wide feature chunks and dq / dk slices), with two
+    row groups, two k splits and two backward splits: a 23-row batch spans ragged blocks, chunks and
+    merged partials in every kernel."""
+    from infcl.kernels import TileConfig, Tiling
+
+    tile = TileConfig(block_m=16, block_n=16, block_out=16)
+    return Tiling(forward=tile, dq=tile, dk=tile, resident_d=16, chunk_d=16, groups=2, splits=2, backward_splits=2)
+
+
 def _use(backend):
-    """The backend name to pass, with the torch tiles shrunk for "torch-tiny" (restored after each test);
-    skips the test for "cpu" where the native kernel is unavailable."""
+    """The backend name to pass, with the torch tiles shrunk for "torch-tiny" and the Triton kernels' tiles
+    for "triton" (both restored after each test); skips the test for "cpu" where the native kernel is
+    unavailable."""
     if backend == "cpu" and NATIVE_REASON is not None:
         pytest.skip(f"native kernel unavailable: {NATIVE_REASON}")
     if backend == "torch-tiny":
         TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
         return "torch"
+    if backend == "triton":
+        from infcl.backends.triton_backend import BACKEND
+
+        BACKEND.tiling = _triton_tiny()
     return backend
 
 
@@ -76,6 +103,39 @@ def _restore_tiles():
     saved = TORCH_TILES.tile_q, TORCH_TILES.tile_k
     yield
     TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
+    if TRITON:
+        from infcl.backends.triton_backend import BACKEND
+
+        BACKEND.tiling = None
+
+
+def _masked_in_dtype(q, k, labels, scale, *, symmetric=False, reduction="mean", q_ids=None, k_ids=None,
+                     multi_positive=None, guide=None, guide_margin=0.0, guide_margin_strategy="absolute"):
+    """The masked loss as torch computes it in q's dtype on dense [Bq, Bk] masks (logits, log-sum-exp and
+    their gradients in bfloat16 / float16): the low-precision baseline of the Triton kernels, whose
+    tensor-core products take dS rounded to the inputs' dtype (as in tests/test_triton.py). The masks are
+    the float64 definition's. Every row here has a positive."""
+    logits = scale.to(q.dtype) * q @ k.T
+    labels = torch.arange(q.shape[0]) if labels is None else labels
+
+    def direction(lg, lab, ids, other_ids, g, other_g):
+        positive = torch.zeros(lg.shape, dtype=torch.bool).scatter_(1, lab[:, None], True)
+        excluded = torch.zeros_like(positive)
+        if ids is not None:
+            same = ids[:, None] == other_ids[None, :]
+            positive, excluded = (positive, same) if multi_positive is None else (same, excluded)
+        if g is not None:
+            scores = g.double() @ other_g.double().T
+            excluded |= scores > guide_threshold(scores.gather(1, lab[:, None]), guide_margin, guide_margin_strategy)
+        lse = torch.logsumexp(lg.masked_fill(excluded & ~positive, float("-inf")), dim=1)
+        if multi_positive == "sum":
+            return lse - torch.logsumexp(lg.masked_fill(~positive, float("-inf")), dim=1)
+        return lse - lg.masked_fill(~positive, 0.0).sum(dim=1) / positive.sum(dim=1).to(lg.dtype)
+
+    gq, gk = (None, None) if guide is None else guide
+    rows = direction(logits, labels, q_ids, k_ids, gq, gk)
+    cols = direction(logits.T, torch.argsort(labels), k_ids, q_ids, gk, gq) if symmetric else None
+    return reduce_masked_truth(rows, cols, reduction)
 
 
 def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=None, what=""):
@@ -102,6 +162,15 @@ def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=No
             bound = NATIVE_BF16_ERR_FACTOR * ref_err + atol
             assert err <= bound, f"{what} {name}: max error {err:.3g} > {bound:.3g} (reference: {ref_err:.3g})"
         return got, truth
+    if backend == "triton" and dtype in (torch.bfloat16, torch.float16):
+        # dS meets the tensor cores in the inputs' dtype: no worse than torch's own loss in that dtype.
+        lowp = grads_of_inputs(
+            lambda a, b, s: _masked_in_dtype(a, b, labels, s, symmetric=symmetric, reduction=reduction, **opts),
+            (q, k, scale.to(dtype)), upstream,
+        )
+        for name, g, t, e in zip(("loss", "dq", "dk", "dscale"), got, lowp, truth):
+            assert_no_worse(g, t, e, atol, rtol, f"{what} {name}")
+        return got, truth
     for name, g, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
         assert_close_verbose(g, t, atol, rtol, f"{what} {name}")
     return got, truth
@@ -115,6 +184,8 @@ def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=No
 def test_matches_truth(backend, mode, kind, symmetric, dtype):
     if kind == "guide" and mode is not None:
         kind = "both"  # multi_positive needs ids
+    if backend == "triton" and dtype in (torch.float64, torch.float16) and kind != "both":
+        pytest.skip("interpreted Triton: float64 and float16 (dS normalization) with ids and a guide only")
     q, k, labels, q_ids, k_ids, guide = _inputs(23, 23, dtype=dtype)
     opts = _options(kind, mode, q_ids, k_ids, guide)
     upstream = torch.linspace(-0.5, 1.5, 23, dtype=torch.float64)
@@ -185,8 +256,10 @@ def test_distinct_ids_equal_plain_loss(backend, symmetric, dtype):
     upstream = torch.linspace(-0.5, 1.5, 37, dtype=torch.float64)
     atol, rtol = TOLERANCE[dtype]
     name = _use(backend)
+    # The kernels see the reductions only through the upstream gradient: the interpreted ones take "none".
+    reductions = ("none",) if backend == "triton" else ("mean", "sum", "none")
     for mode in MODES:
-        for reduction in ("mean", "sum", "none"):
+        for reduction in reductions:
             up = upstream if reduction == "none" else None
             common = {"symmetric": symmetric, "reduction": reduction, "backend": name}
             masks = {"q_ids": ids, "k_ids": k_ids, "multi_positive": mode}
@@ -351,32 +424,21 @@ def test_stats_with_masks(backend, mode):
     assert_close_verbose(stats.q2k_positive_logit, positive_logit, 1e-12, 1e-12, "positive logit")
 
 
-# --- backend selection: the Triton kernels do not take the mask options yet ------------------------------
-
-
-@pytest.mark.parametrize("backend", ("triton",))
-@pytest.mark.parametrize("option", ("ids", "multi_positive", "guide"))
-def test_kernel_backends_refuse_mask_options(backend, option):
-    q, k, labels, q_ids, k_ids, guide = _inputs(6, 6)
-    opts = {"ids": {"q_ids": q_ids, "k_ids": k_ids},
-            "multi_positive": {"q_ids": q_ids, "k_ids": k_ids, "multi_positive": "sum"},
-            "guide": {"guide": guide}}[option]
-    with pytest.raises(ValueError, match=f"not yet supported by backend '{backend}'.*'torch', 'reference'"):
-        cal_inf_loss(q, k, labels, backend=backend, **opts)
-
-
 @pytest.mark.parametrize("env", (None, "cpu", "triton", "torch", "reference"))
 def test_auto_picks_a_backend_with_masks(monkeypatch, env):
     if env is None:
         monkeypatch.delenv("INFCL_BACKEND", raising=False)
     else:
         monkeypatch.setenv("INFCL_BACKEND", env)
-    # The native kernel where it is built (asked for by name, or by "auto"), else the torch tiles.
-    native = "cpu" if NATIVE_REASON is None else "torch"
-    want = {"reference": "reference", "torch": "torch", "cpu": native, None: native}.get(env, "torch")
+    if env == "triton" and not TRITON:
+        pytest.skip("the Triton kernels cannot run on CPU tensors here")
     if env == "cpu" and NATIVE_REASON is not None:
         pytest.skip(f"native kernel unavailable: {NATIVE_REASON}")
-    assert resolve_backend("auto", torch.device("cpu"), masked=True) == want
+    # Every backend takes the mask options: "auto" picks as for the plain loss (the native kernel for CPU
+    # tensors where it is built), INFCL_BACKEND the one it names.
+    native = "cpu" if NATIVE_REASON is None else "torch"
+    want = native if env is None else env
+    assert resolve_backend("auto", torch.device("cpu")) == want
     q, k, labels, q_ids, k_ids, guide = _inputs(8, 8, dtype=torch.float64)
     got = cal_inf_loss(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
     truth = masked_loss_truth(q, k, labels, SCALE, q_ids=q_ids, k_ids=k_ids, multi_positive="mean", guide=guide)
@@ -407,6 +469,8 @@ def test_confident_batch(backend, mode, dtype, classes):
     # form it with expm1; the gradients must keep their relative (normwise) precision.
     if backend == "reference":
         pytest.skip("the reference is the vanilla math (lse - S, p - 1): not held to round-off here")
+    if backend == "triton" and classes == "distinct":
+        pytest.skip("interpreted Triton: distinct ids give its plain loss bit for bit (test_distinct_ids_...)")
     q, k, labels, q_ids, k_ids, guide = _inputs(17, 17, d=64, dtype=torch.float64, seed=19)
     k[labels] = q
     if classes == "distinct":
@@ -425,3 +489,48 @@ def test_confident_batch(backend, mode, dtype, classes):
             (q.to(dtype), k.to(dtype), scale.to(dtype)),
         )
         assert_normwise(got, truth, CONFIDENT_BOUND[dtype], f"confident {mode} sym={symmetric}")
+
+
+# --- the Triton kernels' custom ops ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not TRITON or not hasattr(torch.library, "opcheck"), reason="interpreted Triton, torch >= 2.4")
+def test_triton_masked_ops_pass_opcheck():
+    """The masked custom ops' schemas, fake impls and mutation declarations hold (torch.library.opcheck)."""
+    gen = torch.Generator().manual_seed(41)
+    bq, bk, d = 20, 24, 16
+    q, k = torch.randn(bq, d, generator=gen), torch.randn(bk, d, generator=gen)
+    scale, pos = torch.tensor(SCALE), torch.arange(bq)
+    q_ids, k_ids = torch.randint(0, 4, (bq,), generator=gen), torch.randint(0, 4, (bk,), generator=gen)
+    gq, gk = torch.randn(bq, 5, generator=gen), torch.randn(bk, 5, generator=gen)
+    row_thr, col_thr = torch.randn(bq, generator=gen), torch.randn(bk, generator=gen)
+    tiling = _triton_tiny().to_ints()
+    masks = (q_ids, k_ids, gq, gk, row_thr, col_thr, "sum")
+    torch.library.opcheck(torch.ops.infcl.triton_masked_forward_block.default,
+                          (q, k, scale, pos, True, *masks, "ieee", tiling))
+    stats = torch.stack((torch.full((bq,), 3.0), torch.full((bq,), 0.5)))
+    col_stats = torch.stack((torch.full((bk,), 3.0), torch.full((bk,), 0.5)))
+    grads = (torch.randn(bq, generator=gen), torch.randn(bk, generator=gen))
+    torch.library.opcheck(
+        torch.ops.infcl.triton_masked_backward_block.default,
+        (q, k, scale, pos, stats, grads[0], col_stats, grads[1], stats, col_stats, *masks, torch.zeros(bq, d),
+         torch.zeros(bk, d), "ieee", tiling),
+    )
+
+
+@pytest.mark.skipif(not TRITON, reason="interpreted Triton")
+def test_triton_masked_loss_under_torch_compile():
+    """torch.compile traces the masked custom ops (fake impls) and gives the eager result bit for bit (as
+    tests/test_triton.py's plain-loss check; fullgraph tracing is the compile gate's, on a GPU target)."""
+    q, k, labels, q_ids, k_ids, guide = _inputs(23, 23, dtype=torch.float32, seed=43)
+    opts = _options("both", "mean", q_ids, k_ids, guide)
+    _use("triton")
+
+    def loss(a, b, s):
+        return cal_inf_loss(a, b, labels, s, symmetric=True, backend="triton", **opts)
+
+    scale = torch.tensor(SCALE)
+    eager = grads_of_inputs(loss, (q, k, scale))
+    compiled = grads_of_inputs(torch.compile(loss, backend="aot_eager"), (q, k, scale))
+    for name, a, b in zip(("loss", "dq", "dk", "dscale"), compiled, eager):
+        assert torch.equal(a, b), name

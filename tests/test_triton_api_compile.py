@@ -10,8 +10,9 @@ driver is a stand-in (``triton_compile.CompileOnlyDriver``: a GPU target, 132 SM
 compiles instead of launching. ptxas (the wheel's, with Triton's flags) reports registers and spills.
 
 Targets: sm_90, sm_80, sm_86 (the 99 KiB family) and, where the wheel's ptxas knows them, sm_100 and
-sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere; INFCL_COMPILE_FULL=1 runs every
-case on every target (``pytest -s`` prints the table either way; Triton's cache keeps compiled kernels
+sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere, and the mask options (ids,
+multi_positive, a guide) on sm_90 and sm_80 in bf16 and fp32; INFCL_COMPILE_FULL=1 runs every case (every
+mask kind too) on every target (``pytest -s`` prints the table either way; Triton's cache keeps compiled kernels
 across calls and runs).
 """
 
@@ -111,13 +112,28 @@ def test_matrix_covers_every_target_dtype_and_kernel(results):
         assert any(r["call"].startswith(arch + " ") and r["call"].endswith("autotune") for r in results), arch
 
 
+def test_masked_calls_cover_every_mask_kind(results):
+    """The mask options compiled (forward, dq, dk) on sm_90 and sm_80 in bf16 and fp32: ids, a guide and
+    both; symmetric and one-directional; multi_positive "mean" and "sum"."""
+    seen = defaultdict(set)
+    for r in results:
+        words = r["call"].split()
+        kinds = {w for w in words if w in ("ids", "guide", "both", "mean", "sum", "sym")}
+        if {"ids", "guide", "both"} & kinds and "kernels" in r:
+            seen[words[0], words[2]] |= kinds | ({"one"} if "sym" not in kinds else set())
+            assert {row["kernel"] for row in r["kernels"]} == {"forward", "dq", "dk"}, r["call"]
+    for arch in ("sm_90", "sm_80"):
+        for dtype in ("bf16", "fp32-ieee"):
+            assert {"ids", "guide", "both", "mean", "sum", "sym", "one"} <= seen[arch, dtype], (arch, dtype)
+
+
 def _float64_dot():
     from infcl.kernels.configs import FLOAT64_DOT
 
     return FLOAT64_DOT
 
 
-@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss"])
+@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss", "cal_inf_loss masked"])
 def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     """torch.compile(fullgraph=True) of a step calling the loss with backend="triton" traces (AOTAutograd,
     an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
@@ -126,7 +142,9 @@ def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     from infcl.kernels.ops import TRITON_OP
 
     with _pool() as pool:
-        out = pool.submit(triton_compile.compile_training_step, 90, entry).result()
+        masks = ("both", "sum") if entry.endswith(" masked") else ("", "")  # ids and a guide, "sum"
+        entry = entry.split()[0]
+        out = pool.submit(triton_compile.compile_training_step, 90, entry, *masks).result()
     assert "error" not in out, out.get("error")
     assert out["frames"] == 1
     forward_graph, backward_graph = out["graphs"]

@@ -21,7 +21,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 # Largest shared memory a block may use (opt-in dynamic shared memory), bytes.
 SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
@@ -345,6 +345,8 @@ API_TARGETS = (90, 80, 86, 100, 120)
 API_DIMS = (1, 40, 256, 512, 768, 1000)
 # Batches: 100 rows (no block divides it) and 128 (every block divides it); Bk > Bq: 100 x 160.
 RAGGED_BATCH, EVEN_BATCH, WIDE_BATCH = 100, 128, 160
+# The guide's width in the masked calls: not a whole number of guide chunks (16 or 32), several of them.
+GUIDE_DIM = 100
 
 
 @dataclass(frozen=True)
@@ -361,13 +363,16 @@ class Call:
     symmetric: bool = False
     labels: bool = False
     autotune: bool = False
+    masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"
+    multi_positive: str = ""  # "", "mean" or "sum" (with ids)
 
     def label(self) -> str:
         dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[
             self.dtype
         ]
         extra = "".join(
-            [" sym" if self.symmetric else "", " labels" if self.labels else "", " autotune" if self.autotune else ""]
+            [" sym" if self.symmetric else "", " labels" if self.labels else "", " autotune" if self.autotune else "",
+             f" {self.masks}" if self.masks else "", f" {self.multi_positive}" if self.multi_positive else ""]
         )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
 
@@ -458,12 +463,33 @@ def _params():
     return torch.tensor(2.0, requires_grad=True), torch.tensor(-1.0, requires_grad=True)
 
 
-def call_loss(call: Call, q, k, labels, scale, bias):
-    """The public call ``call`` names, on q and k: the loss (a 0-d tensor)."""
+def mask_options(call: Call) -> Dict:
+    """cal_inf_loss's mask keywords for ``call``: ids from a few classes (repeats), a guide of width
+    GUIDE_DIM (ragged over every guide chunk) in the features' dtype, ``multi_positive``."""
+    import torch
+
+    if not call.masks:
+        return {}
+    gen = torch.Generator().manual_seed(1)
+    opts = {"multi_positive": call.multi_positive or None}
+    if call.masks in ("ids", "both"):
+        opts.update(q_ids=torch.randint(0, 7, (call.n_q,), generator=gen),
+                    k_ids=torch.randint(0, 7, (call.n_k,), generator=gen))
+    if call.masks in ("guide", "both"):
+        dtype = getattr(torch, call.dtype)
+        guide = [torch.randn(n, GUIDE_DIM, generator=gen).to(dtype) for n in (call.n_q, call.n_k)]
+        opts.update(guide=tuple(guide), guide_margin=0.1)
+    return opts
+
+
+def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = None):
+    """The public call ``call`` names, on q and k: the loss (a 0-d tensor). ``masks``: cal_inf_loss's mask
+    keywords (default :func:`mask_options`)."""
     import infcl
 
     if call.entry == "cal_inf_loss":
-        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend="triton")
+        masks = mask_options(call) if masks is None else masks
+        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend="triton", **masks)
     if call.entry == "cal_siglip_loss":
         return infcl.cal_siglip_loss(q, k, scale, bias, labels, backend="triton")
     if call.entry == "InfCLIPLoss":
@@ -527,6 +553,9 @@ def api_calls(full: bool) -> List[Call]:
     even batch through both modules, and the autotuned symmetric path at D = 1000; on the other targets
     the heaviest cases (symmetric at D = 40 and 1000, sigmoid at 1000, ragged) and the autotuned
     symmetric path in bf16.
+
+    The mask options (:func:`masked_calls`): ``full``, every mask kind on every target and dtype; CI,
+    sm_90 and sm_80 in bf16 and fp32 (ieee; tf32 on sm_90 for the heaviest case).
     """
     from infcl.kernels.configs import FLOAT64_DOT
 
@@ -572,14 +601,50 @@ def api_calls(full: bool) -> List[Call]:
                 add("cal_siglip_loss", (512, 1000), even)
                 if dtype == "bfloat16":
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
+            out.extend(masked_calls(arch, dtype, precision, full))
     return out
 
 
-def compile_training_step(arch: int, entry: str) -> Dict:
-    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, or cal_siglip_loss)
-    with backend="triton", through AOTAutograd with an eager backend (Inductor needs a real GPU), run
-    forward and backward compile-only. {"graphs": the AOT forward and backward graphs' code, "frames":
-    frames compiled} or {"error"}."""
+# The mask kinds of the check, (masks, multi_positive): ids alone (false negatives), several positives by
+# id ("mean", "sum"), a guide alone, and a guide with ids.
+MASK_KINDS = (("ids", ""), ("ids", "mean"), ("ids", "sum"), ("guide", ""), ("both", ""), ("both", "mean"),
+              ("both", "sum"))
+
+
+def masked_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
+    """cal_inf_loss with mask options. ``full``: each of :data:`MASK_KINDS` symmetric on a ragged batch
+    at D = 40 and 1000 and one-directional with labels and Bk > Bq at D = 1000. CI: on sm_90 and sm_80
+    in bf16 and fp32 ieee, ids alone symmetric at D = 1000, a guide alone one-directional with Bk > Bq
+    at D = 40, ids and a guide with "mean" symmetric at D = 40 and with "sum" symmetric at D = 1000
+    (ragged) and ids with "sum" one-directional at D = 1000 on a block-multiple batch; tf32 on sm_90:
+    the "sum" case with a guide (the most registers)."""
+    ragged, wide, even = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH), (EVEN_BATCH, EVEN_BATCH)
+    cases = []
+    if full:
+        for masks, multi in MASK_KINDS:
+            kinds = dict(masks=masks, multi_positive=multi)
+            cases += [(dim, ragged, dict(symmetric=True, **kinds)) for dim in (40, 1000)]
+            cases.append((1000, wide, dict(labels=True, **kinds)))
+    elif arch in (90, 80) and dtype in ("bfloat16", "float32"):
+        heaviest = (1000, ragged, dict(symmetric=True, masks="both", multi_positive="sum"))
+        if precision == "tf32":
+            cases = [heaviest] if arch == 90 else []
+        else:
+            cases = [
+                (1000, ragged, dict(symmetric=True, masks="ids")),
+                (40, wide, dict(labels=True, masks="guide")),
+                (40, ragged, dict(symmetric=True, masks="both", multi_positive="mean")),
+                heaviest,
+                (1000, even, dict(masks="ids", multi_positive="sum")),
+            ]
+    return [Call(arch, "cal_inf_loss", dtype, precision, dim, *sizes, **kw) for dim, sizes, kw in cases]
+
+
+def compile_training_step(arch: int, entry: str, masks: str = "", multi_positive: str = "") -> Dict:
+    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, with ``masks`` and
+    ``multi_positive`` as :class:`Call`'s, or cal_siglip_loss) with backend="triton", through AOTAutograd
+    with an eager backend (Inductor needs a real GPU), run forward and backward compile-only. {"graphs":
+    the AOT forward and backward graphs' code, "frames": frames compiled} or {"error"}."""
     import torch
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -593,15 +658,17 @@ def compile_training_step(arch: int, entry: str) -> Dict:
 
     os.environ["INFCL_AUTOTUNE"] = "0"
     torch.backends.cuda.matmul.allow_tf32 = False
-    call = Call(arch, entry, "bfloat16", "ieee", 64, RAGGED_BATCH, RAGGED_BATCH, symmetric=entry == "cal_inf_loss")
+    call = Call(arch, entry, "bfloat16", "ieee", 64, RAGGED_BATCH, RAGGED_BATCH, symmetric=entry == "cal_inf_loss",
+                masks=masks, multi_positive=multi_positive)
     counter = CompileCounterWithBackend(aot_autograd(fw_compiler=keep, bw_compiler=keep))
     try:
         torch._dynamo.reset()
         with compile_only(arch) as (compiled, start):
             q, k, labels = _inputs(call)
             scale, bias = _params()
+            masks = mask_options(call)  # built outside: a torch.Generator cannot be created in a traced region
             step = torch.compile(
-                lambda q, k: call_loss(call, q, k, labels, scale, bias), backend=counter, fullgraph=True
+                lambda q, k: call_loss(call, q, k, labels, scale, bias, masks), backend=counter, fullgraph=True
             )
             step(q, k).backward()
             kernels = sorted({_kernel_name(fn) for fn, _, _ in compiled[start:]})

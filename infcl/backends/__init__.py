@@ -9,10 +9,8 @@ built, and the torch tiles otherwise; where a CUDA device cannot take the Triton
 a ROCm GPU, an architecture with no compiled configs) it warns once, naming why.
 ``INFCL_BACKEND=<name>`` overrides "auto" (never an explicit name).
 
-The mask options of ``cal_inf_loss`` (ids, ``multi_positive``, ``guide``; :mod:`infcl.masks`) run on
-:data:`MASK_BACKENDS` only for now: "auto" then picks as above among them (the native kernel for CPU tensors,
-the torch tiles for CUDA tensors), an override naming another backend falls back to the torch tiles, and an
-explicit other name raises a ValueError.
+Every backend runs the mask options of ``cal_inf_loss`` (ids, ``multi_positive``, ``guide``;
+:mod:`infcl.masks`), so they change nothing in the choice.
 """
 
 import importlib
@@ -26,8 +24,6 @@ from .base import BlockBackend
 from .torch_tiles import TORCH_TILES
 
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
-MASK_BACKENDS = ("torch", "reference", "cpu")  # the backends that form ids / guide masks in their tiles
-MASK_OPTIONS = "q_ids/k_ids, multi_positive and guide"
 ENV_VAR = "INFCL_BACKEND"
 
 # Optional backends live in their own modules, each exposing ``BACKEND`` and ``unavailable_reason(device)``
@@ -80,29 +76,19 @@ def _constant_for_compile(fn):
 
 
 @_constant_for_compile
-def resolve_backend(backend, device: torch.device, masked: bool = False) -> str:
-    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name.
-
-    ``masked``: the call uses mask options, which only :data:`MASK_BACKENDS` support.
-    """
+def resolve_backend(backend, device: torch.device) -> str:
+    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if masked and backend not in ("auto",) + MASK_BACKENDS:
-        raise ValueError(
-            f"{MASK_OPTIONS} are not yet supported by backend {backend!r}; the backends that support them "
-            f"are {MASK_BACKENDS} (backend='auto' picks among them)"
-        )
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
             if env not in BACKENDS:
                 raise ValueError(f"environment variable {ENV_VAR} must be one of {BACKENDS}, got {env!r}")
             backend = env
-    if masked and backend not in ("auto",) + MASK_BACKENDS:
-        return "torch"  # INFCL_BACKEND naming a backend without masks: the torch tiles
     if backend == "auto":
         preferred = {"cuda": "triton", "cpu": "cpu"}.get(device.type)
-        if preferred is None or (masked and preferred not in MASK_BACKENDS):
+        if preferred is None:
             return "torch"
         why = unavailable_reason(preferred, device)
         if why is None:

@@ -6,6 +6,11 @@ the same tiles); backward_block is two (dq, dk), without atomics. Both go throug
 for either loss (forward 1, backward 4) while D fits one backward slice (see
 :mod:`infcl.kernels.softmax_backward`).
 
+With mask options (``Block.masked``: ids, ``multi_positive``, a guide; :mod:`infcl.masks`) the same kernels
+run with their mask flags set, through ``triton_masked_forward_block`` / ``triton_masked_backward_block``:
+the positives and exclusions are formed inside each tile, from the ids and the guide scores of one extra
+guide GEMM (width D') per tile in each of the three kernels (none without a guide).
+
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 was set
 before this module was imported (that is how CI tests it). float64 inputs are computed in float64
 (with Triton 3.2, whose tl.dot has no float64, by the torch tiles).
@@ -21,7 +26,12 @@ from .torch_tiles import TORCH_TILES
 try:
     from ..kernels import INTERPRETED, Tiling, backward_block, forward_block, interpret_requested
     from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT, target_facts, unsupported_reason
-    from ..kernels.ops import sigmoid_backward_block, sigmoid_forward_block
+    from ..kernels.ops import (
+        masked_backward_block,
+        masked_forward_block,
+        sigmoid_backward_block,
+        sigmoid_forward_block,
+    )
 except Exception as err:  # triton missing or broken (or a driver error): the backend reports why instead
     _IMPORT_ERROR: Optional[Exception] = err
 else:
@@ -50,18 +60,45 @@ class TritonBackend:
 
     @staticmethod
     def _on_torch_tiles(block: Block) -> bool:
-        """float64 on a GPU with Triton 3.2, whose tl.dot has no float64: the torch tiles run the block."""
-        return block.q.dtype == torch.float64 and not FLOAT64_DOT and not INTERPRETED
+        """float64 (features or guide) on a GPU with Triton 3.2, whose tl.dot has no float64: the torch tiles
+        run the block."""
+        float64 = block.q.dtype == torch.float64 or (block.guide_q is not None and block.guide_q.dtype == torch.float64)
+        return float64 and not FLOAT64_DOT and not INTERPRETED
 
-    def forward_block(self, block: Block, want_cols: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         if self._on_torch_tiles(block):
-            return TORCH_TILES.forward_block(block, want_cols)
-        rows, cols = forward_block(block.q, block.k, block.scale, block.pos, want_cols, *self._options())
-        return rows, (cols if want_cols else None)
+            return TORCH_TILES.forward_block(block, symmetric)
+        if block.masked:
+            rows, cols = masked_forward_block(
+                block.q, block.k, block.scale, block.pos, symmetric, *self._masks(block, symmetric), *self._options()
+            )
+        else:
+            rows, cols = forward_block(block.q, block.k, block.scale, block.pos, symmetric, *self._options())
+        return rows, (cols if symmetric else None)
+
+    @staticmethod
+    def _masks(block: Block, symmetric: bool) -> tuple:
+        """The masked ops' mask arguments: (q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold,
+        multi_positive as a string)."""
+        col_threshold = block.col_threshold if symmetric else None
+        return (block.q_ids, block.k_ids, block.guide_q, block.guide_k, block.row_threshold, col_threshold,
+                block.multi_positive or "")
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         if self._on_torch_tiles(block):
             return TORCH_TILES.backward_block(block, dq, dk)
+        if block.masked:
+            if block.multi_positive == "sum":
+                row_positives, col_positives = block.row_pos_stats, block.col_pos_stats
+            elif block.multi_positive == "mean":
+                row_positives, col_positives = block.row_pos_count, block.col_pos_count
+            else:  # one positive per row: pos
+                row_positives = col_positives = None
+            return masked_backward_block(
+                block.q, block.k, block.scale, block.pos, block.row_stats, block.g_row, block.col_stats, block.g_col,
+                row_positives, col_positives if block.symmetric else None,
+                *self._masks(block, block.symmetric), dq, dk, *self._options(),
+            )
         return backward_block(
             block.q,
             block.k,

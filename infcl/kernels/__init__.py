@@ -6,7 +6,8 @@
 - :mod:`.sigmoid`: the sigmoid (SigLIP) loss's forward and backward kernels (1 + 4 GEMMs).
 - :mod:`.tiles`: the jit helpers the kernels share (tile loads, the S tile, stats, dS).
 - :mod:`.configs`: launch settings (the target, tile configs, feature chunking, dtype options, split plans).
-- :mod:`.ops`: the custom ops ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block`` /
+- :mod:`.ops`: the custom ops ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block`` (with
+  mask options ``triton_masked_forward_block`` / ``triton_masked_backward_block``) /
   ``triton_sigmoid_forward_block`` / ``triton_sigmoid_backward_block``, registered one way.
 
 Importing this package needs triton; whether the kernels are interpreted (TRITON_INTERPRET=1, CPU

@@ -183,6 +183,82 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
     }
 
 
+# ---- the mask options (infcl.masks) ----------------------------------------------------------------
+
+# POSITIVES, the kernels' positives kind: one per row (``pos``; multi_positive None), or every column
+# with the row's id, "mean" or "sum" (see tiles.ONE_POSITIVE).
+POSITIVES = {None: 0, "mean": 1, "sum": 2}
+
+
+def guide_precision(dtype: torch.dtype, precision: Optional[str], guide_float64: bool) -> str:
+    """tl.dot's input precision for the guide scores G = guide_q @ guide_k.T (float32 guides, float32
+    sums), next to features of ``dtype`` at ``precision``: "tf32" where the features' products run on
+    tensor cores (bfloat16 / float16, or float32 at tf32), "ieee" (FMA) where they do not (float32
+    "ieee", float64, the interpreter), float64 guides in float64.
+
+    tf32 keeps 10 mantissa bits: a guide that was bfloat16 or float16 features (as a guide model's
+    usually are) is multiplied exactly, its scores those of float32 products; a float32 guide's features
+    are rounded to 10 bits, which moves a score by ~1e-3 of |G| and can flip only exclusions that close
+    to their threshold. An FMA guide GEMM would cost ~16 times a bfloat16 one and the registers of the
+    features' own tiles.
+    """
+    if guide_float64 or INTERPRETED or dtype == torch.float64:
+        return "ieee"
+    if dtype == torch.float32:
+        return launch_options(dtype, precision)["PRECISION"]
+    return "tf32"
+
+
+@dataclass(frozen=True)
+class MaskInputs:
+    """One block's mask inputs for the softmax kernels (the :class:`infcl.backends.base.Block` fields of the
+    same names), None where unused: ids [Bq] / [Bk] int64, guide features [Bq, D'] / [Bk, D'] in the guide's
+    accumulation dtype (float32, or float64) and the thresholds [Bq] / [Bk] in that dtype."""
+
+    q_ids: Optional[torch.Tensor] = None
+    k_ids: Optional[torch.Tensor] = None
+    guide_q: Optional[torch.Tensor] = None
+    guide_k: Optional[torch.Tensor] = None
+    row_threshold: Optional[torch.Tensor] = None
+    col_threshold: Optional[torch.Tensor] = None  # symmetric only
+    multi_positive: Optional[str] = None
+
+    @property
+    def masked(self) -> bool:
+        return self.q_ids is not None or self.guide_q is not None
+
+    def kernel_args(self, dtype: torch.dtype, precision: Optional[str]) -> dict:
+        """The kernels' mask arguments by keyword for features of ``dtype`` at ``precision``: the pointers
+        (None where absent), the guide width and strides, and the constexprs HAS_IDS, HAS_GUIDE, POSITIVES
+        and the guide GEMM's BLOCK_G, EVEN_G, GUIDE_ACC and GUIDE_PRECISION. With no masks every flag is
+        False and nothing is read.
+
+        The guide GEMM (:func:`guide_precision`) runs on the tensor cores wherever the features' products
+        do, and its feature chunk is its operand class's (:data:`FEATURE_CHUNKS`): a function of D' and
+        the dtypes alone, so the forward and both backward kernels sum each guide score over the same
+        chunks and find the same exclusions.
+        """
+        gq, gk = self.guide_q, self.guide_k
+        has_guide = gq is not None
+        dim = gq.shape[1] if has_guide else 0
+        guide_float64 = has_guide and gq.dtype == torch.float64
+        guide_acc = tl.float64 if guide_float64 else tl.float32
+        precision = guide_precision(dtype, precision, guide_float64)
+        klass = operand_class(torch.float64 if guide_float64 else torch.float32, precision)
+        block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[klass][1])
+        return dict(
+            q_ids_ptr=self.q_ids, k_ids_ptr=self.k_ids, gq_ptr=gq, gk_ptr=gk, row_thr_ptr=self.row_threshold,
+            col_thr_ptr=self.col_threshold, DG=dim,
+            stride_gq0=gq.stride(0) if has_guide else 0, stride_gq1=gq.stride(1) if has_guide else 0,
+            stride_gk0=gk.stride(0) if has_guide else 0, stride_gk1=gk.stride(1) if has_guide else 0,
+            HAS_IDS=self.q_ids is not None, HAS_GUIDE=has_guide, POSITIVES=POSITIVES[self.multi_positive],
+            BLOCK_G=block_g, EVEN_G=dim % block_g == 0, GUIDE_ACC=guide_acc, GUIDE_PRECISION=precision,
+        )
+
+
+NO_MASKS = MaskInputs()
+
+
 # Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the
 # elementwise math); the one product that must not be contracted, S = raw * scale, is an explicit
 # mul.rn (tiles.scale_scores). Saying so explicitly also keeps Triton 3.9 from warning about its default.

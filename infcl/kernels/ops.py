@@ -6,6 +6,14 @@ Softmax (InfoNCE / CLIP):
 - ``torch.ops.infcl.triton_backward_block(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq!, dk!,
   precision, tiling) -> dscale`` (accumulates into dq and dk)
 
+With the mask options (ids, guide; :mod:`infcl.masks`), the same steps as their own ops, the masks as optional
+tensors and ``multi_positive`` as "" (None), "mean" or "sum":
+- ``torch.ops.infcl.triton_masked_forward_block(q, k, scale, pos, symmetric, q_ids, k_ids, guide_q, guide_k,
+  row_threshold, col_threshold, multi_positive, precision, tiling) -> (rows [6, Bq], cols [6, Bk])``
+- ``torch.ops.infcl.triton_masked_backward_block(q, k, scale, pos, row_stats, g_row, col_stats, g_col,
+  row_positives, col_positives, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive,
+  dq!, dk!, precision, tiling) -> dscale``
+
 Sigmoid (SigLIP):
 - ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, precision, tiling) -> rows``
 - ``torch.ops.infcl.triton_sigmoid_backward_block(q, k, scale, pos, bias, g_row, dq!, dk!, precision, tiling)
@@ -13,7 +21,8 @@ Sigmoid (SigLIP):
 
 ``precision`` is tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"), resolved by the
 caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for the defaults
-(:func:`default_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]`` when not wanted.
+(:func:`default_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]`` (``[6, 0]``) when not
+wanted.
 
 Registration (:func:`_register`), by what the installed torch offers: ``torch.library.triton_op``, whose
 body launches each @triton.jit kernel (or triton.autotune of one) through ``wrap_triton`` (torch >= 2.6,
@@ -26,11 +35,13 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..masks import MASKED_ROWS
 from . import sigmoid, softmax_backward, softmax_forward
 from .configs import (
     FEATURE_CHUNKS,
     INTERPRETED,
     INTERPRETER_TILING,
+    MaskInputs,
     Tiling,
     autotuning,
     operand_class,
@@ -40,21 +51,36 @@ from .configs import (
 
 Tensor = torch.Tensor
 
-def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim: Optional[int] = None) -> Tiling:
+def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim: Optional[int] = None,
+                   masked: bool = False, guide: bool = False) -> Tiling:
     """The default configs of the softmax kernels for inputs of ``dtype`` (and feature width ``dim``, when
-    known) on the active target's architecture family (the interpreter's big tiles under TRITON_INTERPRET=1)."""
+    known; ``masked``: with mask options, ``guide`` among them) on the active target's architecture family
+    (the interpreter's big tiles under TRITON_INTERPRET=1)."""
     if INTERPRETED:
         return INTERPRETER_TILING
-    return arch_tiling(target_family(), dtype, precision, dim)
+    return arch_tiling(target_family(), dtype, precision, dim, masked, guide)
 
 
-def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None) -> Tiling:
+def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None,
+                masked: bool = False, guide: bool = False) -> Tiling:
     """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`);
     a ``dim`` wider than one feature chunk and not a whole number of them takes the forward's and the dq
     kernel's ragged-D configs where the family has them (:data:`softmax_forward.RAGGED_D_CONFIGS`,
-    :data:`softmax_backward.RAGGED_D_DQ_CONFIGS`)."""
+    :data:`softmax_backward.RAGGED_D_DQ_CONFIGS`). ``masked`` (mask options): the masked configs
+    (:data:`softmax_forward.MASKED_CONFIGS`; the backward's ``MASKED_DQ_CONFIGS`` / ``MASKED_DK_CONFIGS`` with
+    a ``guide``, ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS`` without), with one feature chunk as the most a
+    program holds in registers."""
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
+    if masked:
+        prefix = "MASKED" if guide else "IDS"
+        return Tiling(
+            forward=softmax_forward.MASKED_CONFIGS[arch, klass],
+            dq=getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass],
+            dk=getattr(softmax_backward, f"{prefix}_DK_CONFIGS")[arch, klass],
+            resident_d=chunk_d,
+            chunk_d=chunk_d,
+        )
     forward = softmax_forward.DEFAULT_CONFIGS[arch, klass]
     dq = softmax_backward.DQ_CONFIGS[arch, klass]
     if dim is not None and dim > chunk_d and dim % chunk_d:
@@ -69,11 +95,12 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
     )
 
 
-def _tiling(tiling: List[int], q: Tensor, precision: str) -> Tuple[Tiling, bool]:
-    """(the Tiling to use, whether to autotune)."""
+def _tiling(tiling: List[int], q: Tensor, precision: str, masked: bool = False,
+            guide: bool = False) -> Tuple[Tiling, bool]:
+    """(the Tiling to use, whether to autotune): the autotuner searches the plain kernels' configs only."""
     if tiling:
         return Tiling.from_ints(tiling), False
-    return default_tiling(q.device, q.dtype, precision, q.shape[1]), autotuning()
+    return default_tiling(q.device, q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
 
 
 def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, want_cols: bool, precision: str,
@@ -93,6 +120,34 @@ def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tenso
     return softmax_backward.softmax_backward(
         q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
         autotune, sms=target_facts().sms, wrap=_WRAP,
+    )
+
+
+def _masked_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, q_ids: Optional[Tensor],
+                    k_ids: Optional[Tensor], guide_q: Optional[Tensor], guide_k: Optional[Tensor],
+                    row_threshold: Optional[Tensor], col_threshold: Optional[Tensor], multi_positive: str,
+                    precision: str, tiling: List[int]) -> Tuple[Tensor, Tensor]:
+    chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
+    masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
+    rows, cols = softmax_forward.softmax_forward(
+        q, k, scale, pos.contiguous(), symmetric, chosen, precision or None, autotune, sms=target_facts().sms,
+        wrap=_WRAP, masks=masks,
+    )
+    return rows, (cols if cols is not None else rows.new_empty(MASKED_ROWS, 0))
+
+
+def _masked_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tensor, g_row: Tensor,
+                     col_stats: Optional[Tensor], g_col: Optional[Tensor], row_positives: Optional[Tensor],
+                     col_positives: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
+                     guide_q: Optional[Tensor], guide_k: Optional[Tensor], row_threshold: Optional[Tensor],
+                     col_threshold: Optional[Tensor], multi_positive: str, dq: Tensor, dk: Tensor, precision: str,
+                     tiling: List[int]) -> Tensor:
+    chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
+    masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
+    return softmax_backward.softmax_backward(
+        q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
+        autotune, sms=target_facts().sms, wrap=_WRAP, masks=masks, row_positives=row_positives,
+        col_positives=col_positives,
     )
 
 
@@ -117,6 +172,18 @@ def _forward_fake(q, k, scale, pos, want_cols, precision, tiling):
 
 
 def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, precision, tiling):
+    return dq.new_empty(2)
+
+
+def _masked_forward_fake(q, k, scale, pos, symmetric, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold,
+                         multi_positive, precision, tiling):
+    cols = k.shape[0] if symmetric else 0
+    return q.new_empty(MASKED_ROWS, q.shape[0], dtype=_accum(q)), q.new_empty(MASKED_ROWS, cols, dtype=_accum(q))
+
+
+def _masked_backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, row_positives, col_positives, q_ids,
+                          k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive, dq, dk, precision,
+                          tiling):
     return dq.new_empty(2)
 
 
@@ -148,6 +215,10 @@ def _register(name: str, impl, fake, mutates: Tuple[str, ...] = ()):
 
 forward_block = _register("triton_forward_block", _forward, _forward_fake)
 backward_block = _register("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
+masked_forward_block = _register("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
+masked_backward_block = _register(
+    "triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk")
+)
 sigmoid_forward_block = _register("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
 sigmoid_backward_block = _register(
     "triton_sigmoid_backward_block", _sigmoid_backward, _sigmoid_backward_fake, ("dq", "dk")

@@ -25,6 +25,10 @@ first divided by the largest |g| that can reach it, max(|g_row[i]|, max|g_col|) 
 max(|g_col[j]|, max|g_row|)), and the product multiplied back in float32, so that entries of order
 g * p (1e-9 for a mean over 65536 rows) do not flush to zero in float16's range.
 
+With mask options (as in the forward: HAS_IDS, HAS_GUIDE, POSITIVES) the kernels form each tile's positives
+and exclusions the same way and dS with :func:`infcl.kernels.tiles.masked_softmax_grad`: P is 0 on the
+exclusions and Y is the one-hot of ``pos``, 1/|P| on the positives ("mean") or their softmax ("sum").
+
 GEMM count per call, for D up to one slice (BLOCK_OUT, 256 by default; D <= 128 is one chunk): 4 —
 S in each kernel, dq, dk — whether the loss is one-directional or symmetric. A wider D runs
 ceil(D / BLOCK_OUT) slices, each recomputing S: 2 * slices + 2. With the forward's 1: 5 for either
@@ -40,7 +44,9 @@ import triton.language as tl
 from .configs import (
     ARCH_FAMILIES,
     COMPILE_OPTIONS,
+    NO_MASKS,
     TRITON_VERSION,
+    MaskInputs,
     TileConfig,
     Tiling,
     autotune_bucket,
@@ -52,12 +58,19 @@ from .configs import (
     plan_backward_splits,
 )
 from .tiles import (
+    MEAN_POSITIVES,
+    ONE_POSITIVE,
+    SUM_POSITIVES,
+    block_masks,
     block_range,
     block_scores,
     check_blocks,
+    load_ids,
+    load_thresholds,
     load_tile,
     load_vector,
     masked_scores,
+    masked_softmax_grad,
     softmax_grad,
     tile_dot,
 )
@@ -72,6 +85,37 @@ def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.constexpr
     else:
         ds_col = 0.0
     return ds_row, ds_col
+
+
+@triton.jit
+def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+                       SYMMETRIC: tl.constexpr, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr):
+    """:func:`_tile_grads` with masks (:func:`infcl.kernels.tiles.masked_softmax_grad`); (a, b) are each
+    row's (column's) positives: their count ("mean") or global stats ("sum")."""
+    ds_row = masked_softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], a_r[:, None], b_r[:, None], positive,
+                                 excluded_rows, POSITIVES, EXCLUDES)
+    if SYMMETRIC:
+        ds_col = masked_softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], a_c[None, :], b_c[None, :],
+                                     positive, excluded_cols, POSITIVES, EXCLUDES)
+    else:
+        ds_col = 0.0
+    return ds_row, ds_col
+
+
+@triton.jit
+def _load_positives(pos_ptr, idx, n, stride_stat, stride_elem, POSITIVES: tl.constexpr, MASK: tl.constexpr):
+    """(a, b) of the rows (columns) ``idx``: (count, unused) for "mean", (max, rel) of the positives for
+    "sum"; past ``n`` a count of 1 and zero stats (those entries' dS is 0 anyway)."""
+    if POSITIVES == MEAN_POSITIVES:
+        a = load_vector(pos_ptr, idx, n, stride_elem, 1.0, MASK)
+        b = a  # unused
+    elif POSITIVES == SUM_POSITIVES:
+        a = load_vector(pos_ptr, idx, n, stride_elem, 0.0, MASK)
+        b = load_vector(pos_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+    else:
+        a = idx  # unused: one positive per row
+        b = idx
+    return a, b
 
 
 @triton.jit
@@ -119,11 +163,15 @@ def _dq_kernel(
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
     stride_out_split, stride_out0, stride_out1,
+    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, row_pos_ptr, col_pos_ptr, DG,
+    stride_gq0, stride_gq1, stride_gk0, stride_gk1, stride_rp0, stride_rp1, stride_cp0, stride_cp1,
     SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
@@ -136,6 +184,10 @@ def _dq_kernel(
     scale = tl.load(scale_ptr)
     m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+    if HAS_IDS or HAS_GUIDE:
+        q_ids = load_ids(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
+        row_thr = load_thresholds(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
+        a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
     if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
         if SYMMETRIC:
@@ -164,7 +216,22 @@ def _dq_kernel(
             )
         else:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
-        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+        if HAS_IDS or HAS_GUIDE:
+            if SYMMETRIC:
+                a_c, b_c = _load_positives(col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N)
+            else:
+                a_c, b_c = a_r, b_r  # unused
+            positive, excluded_rows, excluded_cols = block_masks(
+                gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
+                stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
+                BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+            )
+            ds_row, ds_col = _masked_tile_grads(
+                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+                SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
+            )
+        else:
+            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
         if SYMMETRIC:
@@ -193,11 +260,15 @@ def _dk_kernel(
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
     stride_out_split, stride_out0, stride_out1,
+    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, row_pos_ptr, col_pos_ptr, DG,
+    stride_gq0, stride_gq1, stride_gk0, stride_gk1, stride_rp0, stride_rp1, stride_cp0, stride_cp1,
     SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
@@ -210,6 +281,9 @@ def _dk_kernel(
     scale = tl.load(scale_ptr)
     if SYMMETRIC:
         m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
+    if HAS_IDS or HAS_GUIDE:
+        if SYMMETRIC:
+            a_c, b_c = _load_positives(col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N)
     if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
         factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
         if SYMMETRIC:
@@ -234,7 +308,23 @@ def _dk_kernel(
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if not SYMMETRIC:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
-        ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+        if HAS_IDS or HAS_GUIDE:
+            q_ids = load_ids(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
+            row_thr = load_thresholds(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
+            a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
+            if not SYMMETRIC:
+                a_c, b_c = a_r, b_r  # unused
+            positive, excluded_rows, excluded_cols = block_masks(
+                gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
+                stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
+                BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+            )
+            ds_row, ds_col = _masked_tile_grads(
+                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+                SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
+            )
+        else:
+            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         ds = ds_row + ds_col
         if NORMALIZE:
             ds = ds * _inverse(factor)[None, :]
@@ -300,6 +390,28 @@ if TRITON_VERSION < (3, 3):
                        for arch in (90, 100) for k in ("mma", "tf32")})
     DK_CONFIGS.update({(arch, k): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128)
                        for arch in (90, 100) for k in ("mma", "tf32")})
+# With mask options, as softmax_forward.MASKED_CONFIGS: smaller tiles and slices that compile without spills.
+MASKED_DQ_CONFIGS = {
+    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=128)
+       for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
+    **{(arch, "ieee"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in ARCH_FAMILIES},
+    **{(arch, "fp64"): TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
+       for arch in ARCH_FAMILIES},
+}
+MASKED_DK_CONFIGS = dict(MASKED_DQ_CONFIGS)
+# sm_80 (ptxas 12): float16's dS normalization spills the dq kernel at ragged D; one stage, 64-wide slices fit.
+MASKED_DQ_CONFIGS[80, "mma"] = TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=64)
+# Ids without a guide (no guide scores in the tile): bf16/fp16 fit the plain kernels' 256-wide slices, so ids
+# cost the backward no S recomputation beyond the plain loss's (sm_80: one stage, and maxnreg 255: at D = 40
+# ptxas 12 caps float16's dk at 128 registers and spills).
+IDS_DQ_CONFIGS = {
+    **MASKED_DQ_CONFIGS,
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256)
+       for arch in ARCH_FAMILIES},
+    (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=256, max_registers=255),
+}
+IDS_DK_CONFIGS = {**MASKED_DK_CONFIGS, **{key: IDS_DQ_CONFIGS[key] for key in IDS_DQ_CONFIGS if key[1] == "mma"}}
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
@@ -345,6 +457,15 @@ def _launch(kernel, autotuned, grid, args: dict, cfg: TileConfig, autotune: bool
         )
 
 
+def _positive_args(ptr: str, stride_stat: str, stride_elem: str, positives: Optional[torch.Tensor]) -> dict:
+    """The kernels' pointer and strides of a [n] count or [2, n] stats of the positives (None: absent)."""
+    if positives is None:
+        return {ptr: None, stride_stat: 0, stride_elem: 0}
+    if positives.dim() == 1:
+        return {ptr: positives, stride_stat: 0, stride_elem: positives.stride(0)}
+    return {ptr: positives, stride_stat: positives.stride(0), stride_elem: positives.stride(1)}
+
+
 def softmax_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -361,12 +482,18 @@ def softmax_backward(
     autotune: bool = False,
     sms: int = 1,
     wrap=lambda kernel: kernel,
+    masks: MaskInputs = NO_MASKS,
+    row_positives: Optional[torch.Tensor] = None,
+    col_positives: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (any strides); return dscale [2] (row part, column part).
 
     q, k, scale, pos as in :func:`infcl.kernels.softmax_forward.softmax_forward`; row_stats [2, Bq] and
     g_row [Bq], and for the symmetric loss col_stats [2, Bk] and g_col [Bk] (else None), all in the
     accumulation dtype, any strides. ``tiling``, ``autotune``, ``sms`` and ``wrap`` as in the forward.
+    ``masks`` as in the forward, with each row's (column's, symmetric) positives: with ``multi_positive``
+    "mean" their global count ``row_positives`` [Bq] (``col_positives`` [Bk]), with "sum" their global
+    stats [2, Bq] ([2, Bk]); None with one positive per row.
     """
     opts = launch_options(q.dtype, precision)
     acc = dq.dtype
@@ -384,7 +511,9 @@ def softmax_backward(
         stride_rs0=row_stats.stride(0), stride_rs1=row_stats.stride(1), stride_gr=g_row.stride(0),
         stride_cs0=col_stats.stride(0) if symmetric else 0, stride_cs1=col_stats.stride(1) if symmetric else 0,
         stride_gc=g_col.stride(0) if symmetric else 0, SYMMETRIC=symmetric, NORMALIZE=normalize, BLOCK_D=block_d,
-        **feature_chunks(dim, block_d), **opts,
+        **feature_chunks(dim, block_d), **opts, **masks.kernel_args(q.dtype, precision),
+        **_positive_args("row_pos_ptr", "stride_rp0", "stride_rp1", row_positives),
+        **_positive_args("col_pos_ptr", "stride_cp0", "stride_cp1", col_positives),
         **COMPILE_OPTIONS,
     )
     dscale_parts = None

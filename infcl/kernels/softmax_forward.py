@@ -16,6 +16,13 @@ memory is O(MAX_SPLITS * Bq + MAX_GROUPS * Bk), never O(Bq * Bk).
 GEMM count: 1 GEMM-equivalent (2*Bq*Bk*D flops) per call, symmetric or not: the column stats come
 from the same tiles as the row stats (the tile's column max and a second exp per entry).
 
+With mask options (:mod:`infcl.masks`; the constexprs HAS_IDS, HAS_GUIDE and POSITIVES, set by the launcher
+from which inputs are given, all False for the plain loss, which then compiles to exactly the code above),
+each tile also forms its positives and exclusions (:func:`infcl.kernels.tiles.block_masks`: the ids, and one
+guide GEMM over D' when a guide is given) and the partials are the ``[6, n]`` rows of :mod:`infcl.masks`,
+for rows and (symmetric) columns alike: the stats over the columns not excluded, the positives' max (and,
+"sum", their rest), the sum of their logits and their count.
+
 Inputs: q [Bq, D], k [Bk, D] of one dtype among float32/bfloat16/float16/float64, any strides; scale a
 0-d tensor in the accumulation dtype (float32, float64 for float64), read in the kernel (no host
 sync); pos [Bq] int64, the column of each row's positive in this block or -1. NaN in a row gives NaN
@@ -29,9 +36,12 @@ import triton
 import triton.language as tl
 
 from ..lse import MAX, REL, lse_merge
+from ..masks import MASKED_ROWS, POS_MAX, POS_REL, merge_masked
 from .configs import (
     ARCH_FAMILIES,
     COMPILE_OPTIONS,
+    NO_MASKS,
+    MaskInputs,
     TileConfig,
     Tiling,
     autotune_bucket,
@@ -43,13 +53,20 @@ from .configs import (
     plan_forward,
 )
 from .tiles import (
+    ONE_POSITIVE,
+    block_masks,
     block_range,
     block_scores,
     check_blocks,
+    kept_rest_stats,
+    load_ids,
+    load_thresholds,
     load_tile,
     load_vector,
     masked_scores,
+    merge_kept_stats,
     merge_rest_stats,
+    positive_partials,
     tile_rest_stats,
 )
 
@@ -63,15 +80,43 @@ def _store_vector(ptr, idx, n, value, MASK: tl.constexpr):
 
 
 @triton.jit
+def _merge_masked_columns(col_part, stride_stat, cols, n_k, s_cols, kept, positive, POSITIVES: tl.constexpr,
+                          MASK: tl.constexpr):
+    """Merge one tile's masked column partials (stats of ``kept``, the positives of ``positive``) into the
+    group's [6, Bk] partials: read, merged, written back (the group's program owns them)."""
+    col_max, col_rest = kept_rest_stats(kept, 0)
+    part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), MASK)
+    part_rest = load_vector(col_part + stride_stat, cols, n_k, 1, -1.0, MASK)
+    part_max, part_rest = merge_kept_stats(part_max, part_rest, col_max, col_rest)
+    _store_vector(col_part, cols, n_k, part_max, MASK)
+    _store_vector(col_part + stride_stat, cols, n_k, part_rest, MASK)
+    pos_max = load_vector(col_part + 2 * stride_stat, cols, n_k, 1, float("-inf"), MASK)
+    pos_rest = load_vector(col_part + 3 * stride_stat, cols, n_k, 1, -1.0, MASK)
+    pos_sum = load_vector(col_part + 4 * stride_stat, cols, n_k, 1, 0.0, MASK)
+    pos_count = load_vector(col_part + 5 * stride_stat, cols, n_k, 1, 0.0, MASK)
+    pos_max, pos_rest, pos_sum, pos_count = positive_partials(
+        s_cols, positive, pos_max, pos_rest, pos_sum, pos_count, 0, POSITIVES
+    )
+    _store_vector(col_part + 2 * stride_stat, cols, n_k, pos_max, MASK)
+    _store_vector(col_part + 3 * stride_stat, cols, n_k, pos_rest, MASK)
+    _store_vector(col_part + 4 * stride_stat, cols, n_k, pos_sum, MASK)
+    _store_vector(col_part + 5 * stride_stat, cols, n_k, pos_count, MASK)
+
+
+@triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, scale_ptr, pos_ptr, rows_ptr, cols_ptr,
     n_q, n_k, D,
     stride_q0, stride_q1, stride_k0, stride_k1,
     stride_rows_stat, stride_rows_split, stride_cols_stat, stride_cols_group,
+    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, DG,
+    stride_gq0, stride_gq1, stride_gk0, stride_gk1,
     SYMMETRIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
@@ -92,6 +137,12 @@ def _forward_kernel(
         run_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
         run_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
         pos_logit = tl.zeros([BLOCK_M], dtype=ACC)
+        if HAS_IDS or HAS_GUIDE:  # the positives' max, rest ("sum") and count, the ids and thresholds of the rows
+            pos_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+            pos_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
+            pos_count = tl.zeros([BLOCK_M], dtype=ACC)
+            q_ids = load_ids(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
+            row_thr = load_thresholds(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
         for cb in range(cb_lo, cb_hi):
             cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
             raw, _ = block_scores(
@@ -100,21 +151,49 @@ def _forward_kernel(
             )
             # Row stats see only real columns; padded rows are finite (zero features) and never stored.
             s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
-            tile_max, tile_rest = tile_rest_stats(s_rows, 1)
-            run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
-            pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
+            if HAS_IDS or HAS_GUIDE:
+                positive, excluded_rows, excluded_cols = block_masks(
+                    gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
+                    stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
+                    BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+                )
+                kept = s_rows
+                if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
+                    kept = tl.where(excluded_rows, float("-inf"), s_rows)
+                tile_max, tile_rest = kept_rest_stats(kept, 1)
+                run_max, run_rest = merge_kept_stats(run_max, run_rest, tile_max, tile_rest)
+                pos_max, pos_rest, pos_logit, pos_count = positive_partials(
+                    s_rows, positive, pos_max, pos_rest, pos_logit, pos_count, 1, POSITIVES
+                )
+            else:
+                tile_max, tile_rest = tile_rest_stats(s_rows, 1)
+                run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
+                pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
             if SYMMETRIC:  # cols_ptr is None otherwise
                 col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
                 s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
-                col_max, col_rest = tile_rest_stats(s_cols, 0)
-                part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), not EVEN_N)
-                part_rest = load_vector(col_part + stride_cols_stat, cols, n_k, 1, -1.0, not EVEN_N)
-                part_max, part_rest = merge_rest_stats(part_max, part_rest, col_max, col_rest)
-                _store_vector(col_part, cols, n_k, part_max, not EVEN_N)
-                _store_vector(col_part + stride_cols_stat, cols, n_k, part_rest, not EVEN_N)
+                if HAS_IDS or HAS_GUIDE:
+                    kept = s_cols
+                    if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
+                        kept = tl.where(excluded_cols, float("-inf"), s_cols)
+                    _merge_masked_columns(col_part, stride_cols_stat, cols, n_k, s_cols, kept, positive, POSITIVES,
+                                          not EVEN_N)
+                else:
+                    col_max, col_rest = tile_rest_stats(s_cols, 0)
+                    part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), not EVEN_N)
+                    part_rest = load_vector(col_part + stride_cols_stat, cols, n_k, 1, -1.0, not EVEN_N)
+                    part_max, part_rest = merge_rest_stats(part_max, part_rest, col_max, col_rest)
+                    _store_vector(col_part, cols, n_k, part_max, not EVEN_N)
+                    _store_vector(col_part + stride_cols_stat, cols, n_k, part_rest, not EVEN_N)
         _store_vector(row_out, rows, n_q, run_max, not EVEN_M)
         _store_vector(row_out + stride_rows_stat, rows, n_q, run_rest, not EVEN_M)
-        _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
+        if HAS_IDS or HAS_GUIDE:  # the rows of infcl.masks, rest in place of rel
+            _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_max, not EVEN_M)
+            _store_vector(row_out + 3 * stride_rows_stat, rows, n_q, pos_rest, not EVEN_M)
+            _store_vector(row_out + 4 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
+            _store_vector(row_out + 5 * stride_rows_stat, rows, n_q, pos_count, not EVEN_M)
+        else:
+            _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -152,6 +231,23 @@ RAGGED_D_CONFIGS = {
     (90, "mma"): TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=3),
 }
 
+# With mask options (ids, a guide) each tile also holds the positives and exclusions, the guide scores and
+# their GEMM's pipeline, and the symmetric loss merges six column partials instead of two: the plain
+# tiles spill there. Masked calls take these (and, in all three kernels, one feature chunk as the most
+# held in registers: ops.arch_tiling), sized to compile without spills (checked by
+# tests/test_triton_api_compile.py), not tuned on a GPU; the autotuner does not search them.
+MASKED_CONFIGS = {
+    # Tensor cores: 64-row tiles (as the backward's: the same MMA instruction) of 16 columns, one stage (a
+    # second spills on sm_90 at ragged D).
+    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1)
+       for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
+    # FMA products: the plain 32 x 32 tiles halved in columns; fp64 (twice the registers an entry) 16 x 16.
+    **{(arch, "ieee"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, max_registers=255)
+       for arch in ARCH_FAMILIES},
+    **{(arch, "fp64"): TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, max_registers=255)
+       for arch in ARCH_FAMILIES},
+}
+
 
 def _keep(key, config: TileConfig) -> bool:
     """Search points that compile without spills at ragged D (tests/test_triton_api_compile.py): on sm_90,
@@ -186,8 +282,10 @@ _forward_autotuned = lazy_autotune(
 # ---- launcher -----------------------------------------------------------------------------------
 
 
-def merge_partials(parts: torch.Tensor) -> torch.Tensor:
-    """[R, S, n] per-split partials (stats in rows 0-1, any further rows are sums) -> [R, n], contiguous.
+def merge_partials(parts: torch.Tensor, positives: Optional[str] = None) -> torch.Tensor:
+    """[R, S, n] per-split partials -> [R, n], contiguous: stats in rows 0-1, further rows sums (R = 3), or
+    the masked rows of :mod:`infcl.masks` (R = 6) merged by :func:`infcl.masks.merge_masked` for the
+    loss kind ``positives`` ("mean" or "sum").
 
     Pairs are merged in a fixed tree order with :func:`infcl.lse.lse_merge` (the further rows added),
     so the result depends on nothing but the inputs.
@@ -195,10 +293,25 @@ def merge_partials(parts: torch.Tensor) -> torch.Tensor:
     n = parts.shape[1]
     while n > 1:
         half = n // 2
-        lse_merge(parts[:2, :half], parts[:2, n - half : n])
-        parts[2:, :half] += parts[2:, n - half : n]
+        if positives is None:
+            lse_merge(parts[:2, :half], parts[:2, n - half : n])
+            parts[2:, :half] += parts[2:, n - half : n]
+        else:
+            merge_masked(parts[:, :half], parts[:, n - half : n], positives)
         n -= half
     return parts[:, 0].contiguous()
+
+
+def _empty_partials(rows: int, parts: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[rows, parts, n] partials of empty sets in the kernel's rest form: stats (-inf, -1) (and, masked,
+    the positives' stats likewise), sums 0."""
+    out = torch.zeros(rows, parts, n, dtype=dtype, device=device)
+    out[MAX].fill_(float("-inf"))
+    out[REL].fill_(-1.0)  # rest = -1: the empty set
+    if rows == MASKED_ROWS:
+        out[POS_MAX].fill_(float("-inf"))
+        out[POS_REL].fill_(-1.0)
+    return out
 
 
 def softmax_forward(
@@ -212,31 +325,33 @@ def softmax_forward(
     autotune: bool = False,
     sms: int = 1,
     wrap=lambda kernel: kernel,
+    masks: MaskInputs = NO_MASKS,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """rows [3, Bq] = (max, log-sum relative to it, positive logit or 0), cols [2, Bk] stats or None.
 
     ``tiling`` gives the block sizes (its forward config, unless ``autotune``) and the feature chunk;
     ``sms`` the device's SM count for the split plan; ``wrap`` wraps each kernel before its launch
-    (``torch.library.wrap_triton`` inside a triton_op).
+    (``torch.library.wrap_triton`` inside a triton_op). ``masks`` (ids, guide; :mod:`infcl.masks`):
+    rows [6, Bq] and cols [6, Bk] are the masked partials (the rows of :mod:`infcl.masks`) instead.
     """
     opts = launch_options(q.dtype, precision)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
     n_k = k.shape[0]
     plan = plan_forward(n_q, n_k, tiling, want_cols, sms)
-    rows = torch.empty(3, plan.splits, n_q, dtype=acc, device=q.device)
+    n_rows = MASKED_ROWS if masks.masked else 3
+    rows = torch.empty(n_rows, plan.splits, n_q, dtype=acc, device=q.device)
     cols = None  # the column stats exist only for the symmetric loss
     if want_cols:
-        cols = torch.empty(2, plan.groups, n_k, dtype=acc, device=q.device)
-        cols[MAX].fill_(float("-inf"))
-        cols[REL].fill_(-1.0)  # rest = -1: the empty set
+        cols = _empty_partials(MASKED_ROWS if masks.masked else 2, plan.groups, n_k, acc, q.device)
     block_d = tiling.block_d(dim)
     args = dict(
         q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=cols, n_q=n_q, n_k=n_k, D=dim,
         stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
         stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
         stride_cols_stat=cols.stride(0) if want_cols else 0, stride_cols_group=cols.stride(1) if want_cols else 0,
-        SYMMETRIC=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, **COMPILE_OPTIONS,
+        SYMMETRIC=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts,
+        **masks.kernel_args(q.dtype, precision), **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)
     if autotune:
@@ -247,9 +362,11 @@ def softmax_forward(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n), BUCKET=0,
             **cfg.launch_options(), **args,
         )
-    rows[REL].log1p_()  # rest -> r = log1p(rest), the contract's form; -1 (empty) -> -inf
-    row_stats = merge_partials(rows)
-    if not want_cols:
-        return row_stats, None
-    cols[REL].log1p_()
-    return row_stats, merge_partials(cols)
+    positives = ("sum" if masks.multi_positive == "sum" else "mean") if masks.masked else None
+    results = []
+    for parts in (rows, cols) if want_cols else (rows,):
+        parts[REL].log1p_()  # rest -> r = log1p(rest), the contract's form; -1 (empty) -> -inf
+        if masks.masked:
+            parts[POS_REL].log1p_()
+        results.append(merge_partials(parts, positives))
+    return results[0], (results[1] if want_cols else None)

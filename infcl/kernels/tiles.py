@@ -25,6 +25,11 @@ entry is ``g * expm1(x)``, from Kahan's ``(u - 1) * x / log(u)`` (:func:`expm1`)
 has no libdevice, and the trick only needs exp and an accurate log (tl.log is libdevice's logf on
 NVIDIA GPUs; tl.exp is ex2.approx, whose error the trick absorbs).
 
+**Masks** (:mod:`infcl.masks`; the end of this module): each tile's positives and exclusions from the ids
+of its rows and columns and, with a guide, the guide scores of one more product over D'; the masked
+stats treat an all-excluded line as the empty set, and the masked dS keeps every positive's entry a
+single expm1.
+
 Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (set by
 ``triton.heuristics`` in the kernels) say a block can be ragged, rows past the end are clamped to the
 last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
@@ -258,3 +263,160 @@ def masked_scores(raw, scale, rows, cols, n_q, n_k, MASK_M: tl.constexpr, MASK_N
 def block_range(part, parts, n_blocks):
     """[lo, hi): the contiguous share of ``n_blocks`` blocks that part ``part`` of ``parts`` walks."""
     return part * n_blocks // parts, (part + 1) * n_blocks // parts
+
+
+# ---- the mask options (infcl.masks): positives and exclusions formed inside the tile ---------------
+# Compiled only where a launch sets HAS_IDS or HAS_GUIDE; the plain loss's kernels never reach them.
+
+# The POSITIVES constexpr (configs.POSITIVES): one positive per row at ``pos`` (multi_positive None),
+# or every column with the row's id, the loss taking their mean ("mean") or their log-sum-exp ("sum").
+ONE_POSITIVE = tl.constexpr(0)
+MEAN_POSITIVES = tl.constexpr(1)
+SUM_POSITIVES = tl.constexpr(2)
+
+
+@triton.jit
+def tile_masks(rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr, n_q, n_k,
+               HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, SYMMETRIC: tl.constexpr,
+               MASK_M: tl.constexpr, MASK_N: tl.constexpr):
+    """(positive, excluded_rows, excluded_cols) [BLOCK_M, BLOCK_N] bool of one tile (see infcl.masks).
+
+    positive: the one-hot of ``pos`` (ONE_POSITIVE) or q_ids[i] == k_ids[j] on the block's real rows and
+    columns. excluded_rows: (same id, with one positive per row) or guide score ``scores`` above the row's
+    threshold, and not a positive; excluded_cols the same with the columns' thresholds (SYMMETRIC; else
+    it is excluded_rows). Where nothing can be excluded (no guide; ids with several positives) both are
+    ``positive``, unused.
+    """
+    tl.static_assert(HAS_IDS or POSITIVES == ONE_POSITIVE)  # several positives are named by ids
+    if POSITIVES == ONE_POSITIVE:
+        positive = cols[None, :] == pos[:, None]  # pos is -1 past n_q and where it lies in another block
+    else:
+        positive = q_ids[:, None] == k_ids[None, :]
+        if MASK_M:
+            positive = positive & (rows[:, None] < n_q)
+        if MASK_N:
+            positive = positive & (cols[None, :] < n_k)
+    if HAS_GUIDE:
+        excluded_rows = scores > row_thr[:, None]
+        if SYMMETRIC:
+            excluded_cols = scores > col_thr[None, :]
+        else:
+            excluded_cols = excluded_rows
+        if HAS_IDS and POSITIVES == ONE_POSITIVE:
+            same = q_ids[:, None] == k_ids[None, :]
+            excluded_rows = excluded_rows | same
+            excluded_cols = excluded_cols | same
+        excluded_rows = excluded_rows & ~positive
+        excluded_cols = excluded_cols & ~positive
+    elif HAS_IDS and POSITIVES == ONE_POSITIVE:
+        excluded_rows = (q_ids[:, None] == k_ids[None, :]) & ~positive
+        excluded_cols = excluded_rows
+    else:
+        excluded_rows = positive  # unused: nothing is excluded
+        excluded_cols = positive
+    return positive, excluded_rows, excluded_cols
+
+
+@triton.jit
+def load_ids(ids_ptr, idx, n, HAS_IDS: tl.constexpr, MASK: tl.constexpr):
+    """The ids of rows (columns) ``idx`` (0 past n: the positives are masked to the real ones), or a
+    placeholder without ids."""
+    if HAS_IDS:
+        ids = load_vector(ids_ptr, idx, n, 1, 0, MASK)
+    else:
+        ids = idx  # unused
+    return ids
+
+
+@triton.jit
+def load_thresholds(thr_ptr, idx, n, HAS_GUIDE: tl.constexpr, MASK: tl.constexpr):
+    """The guide thresholds of rows (columns) ``idx``, or a placeholder without a guide."""
+    if HAS_GUIDE:
+        thresholds = load_vector(thr_ptr, idx, n, 1, 0.0, MASK)
+    else:
+        thresholds = idx  # unused
+    return thresholds
+
+
+@triton.jit
+def block_masks(
+    gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
+    stride_gq0, stride_gq1, stride_gk0, stride_gk1,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, SYMMETRIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+):
+    """One tile's (positive, excluded_rows, excluded_cols) (:func:`infcl.kernels.tiles.tile_masks`): the
+    columns' ids and, with a guide, the guide scores (one GEMM over D') and the columns' thresholds."""
+    k_ids = load_ids(k_ids_ptr, cols, n_k, HAS_IDS, not EVEN_N)
+    if HAS_GUIDE:
+        scores = score_tile(
+            gq_ptr, gk_ptr, rows, cols, n_q, n_k, DG, stride_gq0, stride_gq1, stride_gk0, stride_gk1,
+            BLOCK_M, BLOCK_N, BLOCK_G, not EVEN_M, not EVEN_N, not EVEN_G, GUIDE_ACC, False, GUIDE_PRECISION,
+        )
+    else:
+        scores = rows  # unused
+    col_thr = load_thresholds(col_thr_ptr, cols, n_k, HAS_GUIDE and SYMMETRIC, not EVEN_N)
+    return tile_masks(rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr, n_q, n_k, HAS_IDS, HAS_GUIDE,
+                      POSITIVES, SYMMETRIC, not EVEN_M, not EVEN_N)
+
+
+@triton.jit
+def kept_rest_stats(s, AXIS: tl.constexpr):
+    """:func:`tile_rest_stats` of a tile whose lines may be empty (every entry -inf: all excluded, or no
+    positive in the tile); an empty line's stats are the empty set's (-inf, -1)."""
+    t, rest = tile_rest_stats(s, AXIS)
+    return t, tl.where(t == float("-inf"), -1.0, rest)
+
+
+@triton.jit
+def merge_kept_stats(m, rest, t, rest_t):
+    """:func:`merge_rest_stats` where either side may be the empty set (-inf, -1), which is the identity
+    (the plain merge would form exp(-inf - -inf) when both are)."""
+    new_m, new_rest = merge_rest_stats(m, rest, t, rest_t)
+    empty = t == float("-inf")
+    return tl.where(empty, m, new_m), tl.where(empty, rest, new_rest)
+
+
+@triton.jit
+def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: tl.constexpr,
+                      POSITIVES: tl.constexpr):
+    """Fold one tile's positives into the running (max, rest, sum, count) of each row (AXIS 1) or column
+    (AXIS 0): their max (with "sum", their stats, rest as in :func:`tile_rest_stats`; else rest stays the
+    empty set's -1), the sum of their logits and their number."""
+    at_pos = tl.where(positive, s, float("-inf"))
+    if POSITIVES == SUM_POSITIVES:
+        t, rest = kept_rest_stats(at_pos, AXIS)
+        pos_max, pos_rest = merge_kept_stats(pos_max, pos_rest, t, rest)
+    else:
+        pos_max = tl.maximum(pos_max, tl.max(at_pos, axis=AXIS))
+    pos_sum += tl.sum(tl.where(positive, s, 0.0), axis=AXIS)
+    pos_count += tl.sum(positive.to(s.dtype), axis=AXIS)
+    return pos_max, pos_rest, pos_sum, pos_count
+
+
+@triton.jit
+def masked_softmax_grad(s, m, r, g, a, b, positive, excluded, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr):
+    """g * (P - Y) for a tile with masks: P = exp((s - m) - r) off the exclusions and 0 on them; m, r, g and
+    the positives' (a, b) come broadcast like :func:`softmax_grad`'s stats. Y, and a positive's entry:
+
+    - ONE_POSITIVE: the one-hot of ``positive``; g * expm1(x) there, picked out per row (as softmax_grad);
+    - MEAN_POSITIVES (a = |P|): 1 / |P| on the positives; (p - 1/c) = expm1(x + log c) / c;
+    - SUM_POSITIVES (a, b = the positives' global max and log-sum): the softmax over P; p - y = y * expm1(d)
+      with y = exp((s - a) - b) and d = (a - m) + (b - r) <= 0, the log of the positives' share.
+
+    Never a difference of two rounded probabilities, so a confident row keeps its digits.
+    """
+    x = (s - m) - r
+    p = tl.exp(x)
+    if EXCLUDES:
+        p = tl.where(excluded, 0.0, p)
+    if POSITIVES == ONE_POSITIVE:
+        x_pos = tl.sum(tl.where(positive, x, 0.0), axis=1)
+        at_pos = expm1(x_pos)[:, None]
+    elif POSITIVES == MEAN_POSITIVES:
+        at_pos = expm1(x + tl.log(a)) / a
+    else:
+        at_pos = tl.exp((s - a) - b) * expm1((a - m) + (b - r))
+    return g * tl.where(positive, at_pos, p)

@@ -71,7 +71,6 @@ from sentence_transformers import util
 from sentence_transformers.util.similarity import SimilarityFunction
 
 from ..api import cal_inf_loss
-from ..backends import MASK_BACKENDS
 
 QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = "query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
@@ -259,13 +258,6 @@ class _Keys:
         return torch.cat(self.blocks), torch.cat(ids), guide
 
 
-def _masked_backend(backend: str) -> str:
-    """The backend of a call with ids or a guide: the user's where it forms masks, else "auto" (which picks
-    a backend that does: :func:`infcl.backends.resolve_backend`), so that a backend chosen for the plain
-    options never fails the others."""
-    return backend if backend in MASK_BACKENDS else "auto"
-
-
 def _effective_hardness(hardness_mode, hardness_strength: float, negatives: int):
     """The hardness mode that changes the loss (None when it has no effect: no mode, no strength, or
     hard_negatives without negatives)."""
@@ -375,7 +367,7 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
         options = dict(guide=(q.new_ones(b, 1), key_guide), guide_margin=COPY_GUIDE_MARGIN)
     reduction = "none" if own_negatives_apart else "mean"
     row_loss = cal_inf_loss(rows, key_feats, labels, scale, reduction=reduction, q_ids=keys.owner, k_ids=k_ids,
-                            group=group, backend=_masked_backend(backend), **options)
+                            group=group, backend=backend, **options)
     if not own_negatives_apart:
         return row_loss
     # The row's own hard negatives, left out of the tiles by id: merged here, O(B * negatives).
@@ -460,5 +452,5 @@ def gist_loss(
     labels = torch.arange(b, device=a.device) + first_row * len(blocks)  # the ap block leads every rank's keys
     return cal_inf_loss(
         rows, keys, labels, 1.0 / temperature, guide=(guide_rows, guide_keys), guide_margin=margin,
-        guide_margin_strategy="absolute", group=group, backend=_masked_backend(backend),
+        guide_margin_strategy="absolute", group=group, backend=backend,
     )
