@@ -74,6 +74,7 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
     if masked:
         prefix = "MASKED" if guide else "IDS"
+        chunk_d = softmax_forward.MASKED_CHUNK_D.get((arch, klass), chunk_d)
         return Tiling(
             forward=softmax_forward.MASKED_CONFIGS[arch, klass],
             dq=getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass],
