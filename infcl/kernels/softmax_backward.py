@@ -391,8 +391,10 @@ if TRITON_VERSION < (3, 3):
     DK_CONFIGS.update({(arch, k): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128)
                        for arch in (90, 100) for k in ("mma", "tf32")})
 # With mask options, as softmax_forward.MASKED_CONFIGS: smaller tiles and slices that compile without spills.
+# Tensor cores with maxnreg 255, as the forward's MASKED_CONFIGS: ptxas otherwise caps the masked kernels at
+# 128 registers on sm_86 and spills.
 MASKED_DQ_CONFIGS = {
-    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=128)
+    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=128, max_registers=255)
        for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
     **{(arch, "ieee"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
        for arch in ARCH_FAMILIES},
@@ -401,13 +403,15 @@ MASKED_DQ_CONFIGS = {
 }
 MASKED_DK_CONFIGS = dict(MASKED_DQ_CONFIGS)
 # sm_80 (ptxas 12): float16's dS normalization spills the dq kernel at ragged D; one stage, 64-wide slices fit.
-MASKED_DQ_CONFIGS[80, "mma"] = TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=64)
+MASKED_DQ_CONFIGS[80, "mma"] = TileConfig(
+    block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=64, max_registers=255
+)
 # Ids without a guide (no guide scores in the tile): bf16/fp16 fit the plain kernels' 256-wide slices, so ids
 # cost the backward no S recomputation beyond the plain loss's (sm_80: one stage, and maxnreg 255: at D = 40
 # ptxas 12 caps float16's dk at 128 registers and spills).
 IDS_DQ_CONFIGS = {
     **MASKED_DQ_CONFIGS,
-    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256)
+    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256, max_registers=255)
        for arch in ARCH_FAMILIES},
     (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=256, max_registers=255),
 }
