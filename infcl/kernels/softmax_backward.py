@@ -65,8 +65,7 @@ from .tiles import (
     block_range,
     block_scores,
     check_blocks,
-    load_ids,
-    load_thresholds,
+    load_optional,
     load_tile,
     load_vector,
     masked_scores,
@@ -185,8 +184,8 @@ def _dq_kernel(
     m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
     if HAS_IDS or HAS_GUIDE:
-        q_ids = load_ids(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-        row_thr = load_thresholds(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
+        q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
+        row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
         a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
     if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
@@ -309,8 +308,8 @@ def _dk_kernel(
         if not SYMMETRIC:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         if HAS_IDS or HAS_GUIDE:
-            q_ids = load_ids(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-            row_thr = load_thresholds(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
+            q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
+            row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
             a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
             if not SYMMETRIC:
                 a_c, b_c = a_r, b_r  # unused

@@ -59,8 +59,7 @@ from .tiles import (
     block_scores,
     check_blocks,
     kept_rest_stats,
-    load_ids,
-    load_thresholds,
+    load_optional,
     load_tile,
     load_vector,
     masked_scores,
@@ -141,8 +140,8 @@ def _forward_kernel(
             pos_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
             pos_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
             pos_count = tl.zeros([BLOCK_M], dtype=ACC)
-            q_ids = load_ids(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-            row_thr = load_thresholds(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
+            q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
+            row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
         for cb in range(cb_lo, cb_hi):
             cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
             raw, _ = block_scores(

@@ -318,24 +318,14 @@ def tile_masks(rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr, n_q, n_k
 
 
 @triton.jit
-def load_ids(ids_ptr, idx, n, HAS_IDS: tl.constexpr, MASK: tl.constexpr):
-    """The ids of rows (columns) ``idx`` (0 past n: the positives are masked to the real ones), or a
-    placeholder without ids."""
-    if HAS_IDS:
-        ids = load_vector(ids_ptr, idx, n, 1, 0, MASK)
+def load_optional(ptr, idx, n, PRESENT: tl.constexpr, MASK: tl.constexpr):
+    """An optional per-row (per-column) vector at ``idx``: the ids or the guide thresholds, 0 past n (the
+    positives are masked to the real ones), or ``idx`` as a placeholder, never read, when absent."""
+    if PRESENT:
+        values = load_vector(ptr, idx, n, 1, 0, MASK)
     else:
-        ids = idx  # unused
-    return ids
-
-
-@triton.jit
-def load_thresholds(thr_ptr, idx, n, HAS_GUIDE: tl.constexpr, MASK: tl.constexpr):
-    """The guide thresholds of rows (columns) ``idx``, or a placeholder without a guide."""
-    if HAS_GUIDE:
-        thresholds = load_vector(thr_ptr, idx, n, 1, 0.0, MASK)
-    else:
-        thresholds = idx  # unused
-    return thresholds
+        values = idx  # unused
+    return values
 
 
 @triton.jit
@@ -349,7 +339,7 @@ def block_masks(
 ):
     """One tile's (positive, excluded_rows, excluded_cols) (:func:`infcl.kernels.tiles.tile_masks`): the
     columns' ids and, with a guide, the guide scores (one GEMM over D') and the columns' thresholds."""
-    k_ids = load_ids(k_ids_ptr, cols, n_k, HAS_IDS, not EVEN_N)
+    k_ids = load_optional(k_ids_ptr, cols, n_k, HAS_IDS, not EVEN_N)
     if HAS_GUIDE:
         scores = score_tile(
             gq_ptr, gk_ptr, rows, cols, n_q, n_k, DG, stride_gq0, stride_gq1, stride_gk0, stride_gk1,
@@ -357,7 +347,7 @@ def block_masks(
         )
     else:
         scores = rows  # unused
-    col_thr = load_thresholds(col_thr_ptr, cols, n_k, HAS_GUIDE and SYMMETRIC, not EVEN_N)
+    col_thr = load_optional(col_thr_ptr, cols, n_k, HAS_GUIDE and SYMMETRIC, not EVEN_N)
     return tile_masks(rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr, n_q, n_k, HAS_IDS, HAS_GUIDE,
                       POSITIVES, SYMMETRIC, not EVEN_M, not EVEN_N)
 
