@@ -39,8 +39,10 @@
 //
 // Parallel layout: S is cut into a grid of row tiles (RowTiles: fixed by Bq alone) times TILE_K key
 // columns; every product is a single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or
-// at::mm_out / addmm_ for float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16), by a route
-// fixed by the tile's shape (ReusedB), so S is the same bits whatever the thread count of either pass.
+// at::mm_out / addmm_ for float32 and float64; for bfloat16 common.h's bf16 GEMM route: MKL's bf16 x bf16
+// -> fp32 GEMM on AMX CPUs, oneDNN's brgemm on AVX512-BF16 ones, float32 copies elsewhere), by a route
+// fixed by the tile's shape (ReusedB) and the CPU, so S is the same bits whatever the thread count of
+// either pass. The measured ratios are in docs/benchmarks.md.
 // The forward cuts the row tiles into column groups (at most MAX_COLUMN_GROUPS, fixed by Bq) that the
 // threads share; each group keeps its own running column stats, merged in group order at the end, and
 // each row tile updates its own rows' stats: the forward's outputs do not depend on the thread count.
@@ -51,7 +53,9 @@
 //
 // Extra memory: the tile buffers, MKL's packed copy of the current key tile per thread (float32; ~1.25x
 // its data resident), O(groups * Bk) column partials (groups <= MAX_COLUMN_GROUPS) and
-// (lanes - 1) dk partials of [Bk, D] (plus float32 copies of q and k for float16 inputs); the masked
+// (lanes - 1) dk partials of [Bk, D] (bfloat16 on the brgemm route: lanes partials of [D, Bk], an unscaled
+// dq [Bq, D], q.T in bfloat16 and the packed key tile per thread; float32 copies of q and k for float16
+// inputs and for bfloat16 off a bf16 GEMM route); the masked
 // ops add per thread a tile of mask bytes (two with a guide and the columns), a tile of guide scores and
 // the packed guide features of a key tile, and O(groups * Bk) partials of the columns' positives -- never
 // O(Bq * Bk).
@@ -104,7 +108,8 @@ inline double rescale_factor(T old_max, T new_max) {
 
 // ---------------------------------------------------------------------------------------------
 // GEMM on row-major 2-D tiles: common.h's gemm() (ATen for float32 / float64, MKL's
-// cblas_gemm_bf16bf16f32 for bfloat16), plus MKL's packed sgemm for a reused key tile (ReusedB).
+// cblas_gemm_bf16bf16f32 for bfloat16 on the Mkl route) or its BrgemmKeyTile (bfloat16 on the Brgemm
+// route), plus MKL's packed sgemm for a reused key tile (ReusedB).
 //
 // Tried and dropped (B=8192, D=512, 2 cores), so nobody retries them blind:
 // - MKL's packed-operand sgemm with every k panel packed up front: cblas_sgemm_pack_get_size asks
@@ -1413,8 +1418,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
 }
 
 // ---------------------------------------------------------------------------------------------
-// Op entry points: validate, bring inputs into the layout the kernels read (contiguous; float16 as
-// float32, bfloat16 as float32 when MKL's bf16 GEMM is missing), dispatch on dtype.
+// Op entry points: validate, bring inputs into the layout the kernels read (prepared()), dispatch on dtype.
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
