@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -283,6 +284,81 @@ inline void brgemm_bf16(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, 
 #else
   TORCH_CHECK(false, "infcl: brgemm_bf16 called where brgemm_bf16_works() is false");
 #endif
+}
+
+inline int64_t round_up_even(int64_t n) { return n + (n & 1); }
+
+// One key tile's bf16 products on the Brgemm route, shared by both kernels: set() packs k_j [nj, D] (rows
+// of ld elements, D even: the inputs carry a zero column when it is odd) into VNNI pairs once per key
+// tile, then per row tile
+//   scores:   raw [ni, nj] = q_i @ k_j.T                  (B: k_j.T in pairs)
+//   add_dq:   dq [ni, D] += dS [ni, nj] @ k_j             (B: k_j's row pairs; backward only)
+//   add_dk_t: dk_t [D, nj] += q_i.T @ dS                  (A: q.T, B: dS's row pairs; backward only)
+// with no alpha (brgemm has none: the caller folds its scale in elsewhere). dk is kept transposed so that
+// no operand needs a transpose per tile. Every product runs over an even depth: dS carries a zero column
+// when nj is odd (rows of ld_ds = round_up_even(nj) elements), q.T a zero column past an odd Bq, and the
+// pairs a zero high half past an odd row count. The results depend on the shapes alone, never on the
+// thread that runs them.
+class BrgemmKeyTile {
+ public:
+  // rows: the largest row tile; tk: the largest key tile; backward: pack the gradients' operands too.
+  BrgemmKeyTile(int64_t rows, int64_t tk, int64_t ld, int64_t d, bool backward)
+      : ld_(ld), d_(d), k_t_pairs_(ld / 2 * tk), k_pairs_(backward ? round_up_even(tk) / 2 * d : 0),
+        ds_pairs_(backward ? round_up_even(rows) / 2 * tk : 0) {}
+
+  void set(const at::BFloat16* k_j, int64_t nj) {
+    nj_ = nj;
+    pack_transposed_pairs(k_j, ld_, nj, ld_, k_t_pairs_.data());
+    if (!k_pairs_.empty()) pack_row_pairs(k_j, ld_, nj, d_, k_pairs_.data());
+  }
+
+  // q_i: [ni, ld] rows; raw: [ni, nj], rows of nj.
+  void scores(const at::BFloat16* q_i, int64_t ni, float* raw) const {
+    brgemm_bf16(ni, nj_, ld_, q_i, ld_, k_t_pairs_.data(), nj_, false, raw, nj_);
+  }
+
+  // ds: [ni, nj] rows of ld_ds (zero at column nj when nj is odd); dq: rows of ldq.
+  void add_dq(const at::BFloat16* ds, int64_t ld_ds, int64_t ni, float* dq, int64_t ldq) const {
+    brgemm_bf16(ni, d_, ld_ds, ds, ld_ds, k_pairs_.data(), d_, true, dq, ldq);
+  }
+
+  // q_t_i: q.T at the row tile's first column (rows of ld_t, zero past Bq); dk_t: dk.T at the key tile's
+  // first column, rows of ld_dk_t. Packs dS's row pairs.
+  void add_dk_t(const at::BFloat16* q_t_i, int64_t ld_t, const at::BFloat16* ds, int64_t ld_ds, int64_t ni,
+                float* dk_t, int64_t ld_dk_t) {
+    pack_row_pairs(ds, ld_ds, ni, nj_, ds_pairs_.data());
+    brgemm_bf16(d_, nj_, round_up_even(ni), q_t_i, ld_t, ds_pairs_.data(), nj_, true, dk_t, ld_dk_t);
+  }
+
+ private:
+  int64_t ld_, d_, nj_ = 0;
+  std::vector<uint32_t> k_t_pairs_, k_pairs_, ds_pairs_;
+};
+
+// The bf16 GEMM route for inputs like q (bf16_gemm_route), or None: compute on float32 copies.
+inline Bf16Gemm bf16_route(const at::Tensor& q) {
+  if (q.scalar_type() != at::kBFloat16 || q.size(1) == 0) return Bf16Gemm::None;
+  return bf16_gemm_route();
+}
+
+// The row length bf16 operands get on `route`: brgemm multiplies over an even depth.
+inline int64_t bf16_row_length(Bf16Gemm route, int64_t d) {
+  return route == Bf16Gemm::Brgemm ? round_up_even(d) : d;
+}
+
+// t [b, d] as a contiguous [b, ld] (ld >= d), zero past column d.
+inline at::Tensor with_row_length(const at::Tensor& t, int64_t ld) {
+  if (t.size(1) == ld) return t.contiguous();
+  at::Tensor out = at::zeros({t.size(0), ld}, t.options());
+  out.narrow(1, 0, t.size(1)).copy_(t);
+  return out;
+}
+
+// q.T as [ld, round_up_even(bq)] (q: [bq, ld]), zero past column bq: add_dk_t's A operand.
+inline at::Tensor transposed_pairs_operand(const at::Tensor& q) {
+  at::Tensor q_t = at::zeros({q.size(1), round_up_even(q.size(0))}, q.options());
+  q_t.narrow(1, 0, q.size(0)).copy_(q.t());
+  return q_t;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -39,8 +39,10 @@
 //
 // Parallel layout: S is cut into a grid of row tiles (RowTiles: fixed by Bq alone) times TILE_K key
 // columns; every product is a single-threaded BLAS call on a cache-sized tile (MKL's packed sgemm or
-// at::mm_out / addmm_ for float32 and float64, MKL's bf16 x bf16 -> fp32 GEMM for bfloat16), by a route
-// fixed by the tile's shape (ReusedB), so S is the same bits whatever the thread count of either pass.
+// at::mm_out / addmm_ for float32 and float64; for bfloat16 common.h's bf16 GEMM route: MKL's bf16 x bf16
+// -> fp32 GEMM on AMX CPUs, oneDNN's brgemm on AVX512-BF16 ones, float32 copies elsewhere), by a route
+// fixed by the tile's shape (ReusedB) and the CPU, so S is the same bits whatever the thread count of
+// either pass. The measured ratios are in docs/benchmarks.md.
 // The forward cuts the row tiles into column groups (at most MAX_COLUMN_GROUPS, fixed by Bq) that the
 // threads share; each group keeps its own running column stats, merged in group order at the end, and
 // each row tile updates its own rows' stats: the forward's outputs do not depend on the thread count.
@@ -51,7 +53,9 @@
 //
 // Extra memory: the tile buffers, MKL's packed copy of the current key tile per thread (float32; ~1.25x
 // its data resident), O(groups * Bk) column partials (groups <= MAX_COLUMN_GROUPS) and
-// (lanes - 1) dk partials of [Bk, D] (plus float32 copies of q and k for float16 inputs); the masked
+// (lanes - 1) dk partials of [Bk, D] (bfloat16 on the brgemm route: lanes partials of [D, Bk], an unscaled
+// dq [Bq, D], q.T in bfloat16 and the packed key tile per thread; float32 copies of q and k for float16
+// inputs and for bfloat16 off a bf16 GEMM route); the masked
 // ops add per thread a tile of mask bytes (two with a guide and the columns), a tile of guide scores and
 // the packed guide features of a key tile, and O(groups * Bk) partials of the columns' positives -- never
 // O(Bq * Bk).
@@ -104,7 +108,8 @@ inline double rescale_factor(T old_max, T new_max) {
 
 // ---------------------------------------------------------------------------------------------
 // GEMM on row-major 2-D tiles: common.h's gemm() (ATen for float32 / float64, MKL's
-// cblas_gemm_bf16bf16f32 for bfloat16), plus MKL's packed sgemm for a reused key tile (ReusedB).
+// cblas_gemm_bf16bf16f32 for bfloat16 on the Mkl route) or its BrgemmKeyTile (bfloat16 on the Brgemm
+// route), plus MKL's packed sgemm for a reused key tile (ReusedB).
 //
 // Tried and dropped (B=8192, D=512, 2 cores), so nobody retries them blind:
 // - MKL's packed-operand sgemm with every k panel packed up front: cblas_sgemm_pack_get_size asks
@@ -245,21 +250,39 @@ inline int64_t positive_in_tile(const int64_t* pos, int64_t i, int64_t j0, int64
 // Tile phases shared by the forward and the backward.
 
 // raw = q_i @ k_j.T, the tile product, by one route in both passes: the same ReusedB (packing
-// decision, tile shapes, alpha = 1) for the same tiles, so the backward's raw is the forward's bit
-// for bit. set_keys() once per key tile, product() per row tile.
+// decision, tile shapes, alpha = 1) for the same tiles, or for bfloat16 on the Brgemm route (brgemm set)
+// common.h's BrgemmKeyTile, so the backward's raw is the forward's bit for bit. set_keys() once per key
+// tile, product() per row tile. backward: the Brgemm key tile also packs the gradients' operands
+// (brgemm_tile()).
 template <typename In>
 class RawTiles {
  public:
   using Acc = typename Types<In>::acc;
-  RawTiles(int64_t m, int64_t tk, int64_t d) : d_(d), k_t_(/*tb=*/true, m, tk, d) {}
-  void set_keys(const In* k_rows, int64_t nj) { k_t_.set(k_rows, d_, nj, d_, Acc(1)); }
+  RawTiles(int64_t m, int64_t tk, int64_t d, bool brgemm = false, bool backward = false)
+      : d_(d), k_t_(/*tb=*/true, m, tk, d) {
+    if constexpr (std::is_same<In, at::BFloat16>::value) {
+      if (brgemm) brgemm_ = std::make_unique<BrgemmKeyTile>(m, tk, d, d, backward);
+    }
+  }
+  void set_keys(const In* k_rows, int64_t nj) {
+    if constexpr (std::is_same<In, at::BFloat16>::value) {
+      if (brgemm_) return brgemm_->set(k_rows, nj);
+    }
+    k_t_.set(k_rows, d_, nj, d_, Acc(1));
+  }
   void product(const In* q_rows, int64_t ni, Acc* raw, int64_t nj) const {
+    if constexpr (std::is_same<In, at::BFloat16>::value) {
+      if (brgemm_) return brgemm_->scores(q_rows, ni, raw);
+    }
     k_t_.product(ni, q_rows, d_, Acc(0), raw, nj);
   }
+  // The Brgemm route's key tile (null on every other route).
+  BrgemmKeyTile* brgemm_tile() const { return brgemm_.get(); }
 
  private:
   int64_t d_;
   ReusedB<In, In, Acc> k_t_;
+  std::unique_ptr<BrgemmKeyTile> brgemm_;
 };
 
 // S = raw * scale, each product rounded and stored. The forward (with its maxima) and the backward
@@ -759,8 +782,9 @@ class ForwardWorker {
 
   // masks: null for the plain loss (tile()), else the masked loss's inputs (masked_tile()).
   ForwardWorker(const In* q, const In* k, int64_t bk, int64_t d, const RowTiles& tiles, Acc sc, const int64_t* pos,
-                const MaskArgs* masks = nullptr, bool symmetric = false)
-      : q_(q), k_(k), d_(d), sc_(sc), pos_(pos), tiles_(tiles), raw_(tiles.size, std::min(TILE_K, bk), d),
+                bool brgemm, const MaskArgs* masks = nullptr, bool symmetric = false)
+      : q_(q), k_(k), d_(d), sc_(sc), pos_(pos), tiles_(tiles),
+        raw_(tiles.size, std::min(TILE_K, bk), d, brgemm, /*backward=*/false),
         s_(tiles.size * std::min(TILE_K, bk)), tile_row_max_(tiles.size), tile_col_max_(TILE_K), col_top_(TILE_K),
         col_rest_(TILE_K) {
     if (masks) {
@@ -921,7 +945,7 @@ inline int64_t group_start(int64_t tiles, int64_t groups, int64_t g) { return ti
 // cols [6, bk]: the stats over the entries kept, then the positives' rows, see merge_positive_partials).
 template <typename In>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
-                  const MaskArgs* masks, at::Tensor& rows, at::Tensor& cols) {
+                  const MaskArgs* masks, bool brgemm, at::Tensor& rows, at::Tensor& cols) {
   using Acc = typename Types<In>::acc;
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
   const RowTiles tiles(bq);
@@ -941,7 +965,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
   at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
     const SingleThreadedBlas one_thread;
     ForwardWorker<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles, static_cast<Acc>(scale),
-                           pos.data_ptr<int64_t>(), masks, symmetric);
+                           pos.data_ptr<int64_t>(), brgemm, masks, symmetric);
     for (int64_t j0 = 0; j0 < bk; j0 += tk) {
       const int64_t nj = std::min(tk, bk - j0);
       work.set_keys(j0, nj);
@@ -1204,12 +1228,18 @@ class BackwardLane {
     // The masked loss (null: the plain loss), with the rows' and columns' global positives.
     const MaskArgs* masks = nullptr;
     PositiveGrads<Acc> row_pos{}, col_pos{};
+    // bfloat16 on the Brgemm route: dq above and each lane's dk are accumulated without the scale (brgemm
+    // has no alpha; backward_impl applies it once at the end), dk transposed ([d, bk]); q_t is q.T
+    // ([d, ld_t], zero past column bq).
+    bool brgemm = false;
+    const In* q_t = nullptr;
+    int64_t ld_t = 0;
   };
 
   explicit BackwardLane(const Args& a)
-      : a_(a), tk_(std::min(TILE_K, a.bk)), raw_tiles_(a.tiles.size, tk_, a.d),
+      : a_(a), tk_(std::min(TILE_K, a.bk)), raw_tiles_(a.tiles.size, tk_, a.d, a.brgemm, /*backward=*/true),
         k_tile_(/*tb=*/false, a.tiles.size, a.d, tk_), raw_(a.tiles.size * tk_), s_(a.tiles.size * tk_),
-        ds_buf_(std::is_same<DS, Acc>::value ? 0 : a.tiles.size * tk_), shared_(tk_) {
+        ds_buf_(std::is_same<DS, Acc>::value ? 0 : a.tiles.size * round_up_even(tk_)), shared_(tk_) {
     if (a.masks) masks_ = std::make_unique<TileMasks>(*a.masks, a.tiles.size, tk_, a.col_stats != nullptr);
   }
 
@@ -1234,8 +1264,10 @@ class BackwardLane {
   std::pair<double, double> tile(int64_t i0, int64_t ni, int64_t j0, int64_t nj, Acc* dk) {
     Acc* raw = raw_.data();
     Acc* s = s_.data();
-    // float32 / float64 write dS over raw (each entry is read before it is written); bfloat16 to ds_buf_.
+    // float32 / float64 write dS over raw (each entry is read before it is written); bfloat16 to ds_buf_,
+    // in rows of an even length (brgemm multiplies over an even depth), zero past column nj.
     DS* ds = ds_buf_.empty() ? reinterpret_cast<DS*>(raw) : ds_buf_.data();
+    const int64_t ld_ds = ds_buf_.empty() ? nj : round_up_even(nj);
     raw_tiles_.product(a_.q + i0 * a_.d, ni, raw, nj);
     scale_tile(raw, s, ni * nj, a_.scale);
     ColGrads<Acc> col;
@@ -1251,7 +1283,8 @@ class BackwardLane {
       Acc acc_row = 0, acc_col = 0;
       const Acc* raw_r = raw + r * nj;
       const Acc* s_r = s + r * nj;
-      DS* ds_r = ds + r * nj;
+      DS* ds_r = ds + r * ld_ds;
+      if (ld_ds != nj) ds_r[nj] = DS(0);
       if (!a_.col_stats) {
         row_terms<Terms::Rows>(r, i, j0, nj, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
       } else if (shared) {
@@ -1263,8 +1296,15 @@ class BackwardLane {
       tile_row += acc_row;
       tile_col += acc_col;
     }
-    k_tile_.product(ni, ds, nj, Acc(1), a_.dq + i0 * a_.d, a_.d);
-    gemm(true, false, nj, a_.d, ni, a_.scale, ds, nj, a_.q + i0 * a_.d, a_.d, Acc(1), dk + j0 * a_.d, a_.d);
+    if constexpr (std::is_same<In, at::BFloat16>::value) {
+      if (BrgemmKeyTile* b = raw_tiles_.brgemm_tile()) {
+        b->add_dq(ds, ld_ds, ni, a_.dq + i0 * a_.d, a_.d);
+        b->add_dk_t(a_.q_t + i0, a_.ld_t, ds, ld_ds, ni, dk + j0, a_.bk);
+        return {tile_row, tile_col};
+      }
+    }
+    k_tile_.product(ni, ds, ld_ds, Acc(1), a_.dq + i0 * a_.d, a_.d);
+    gemm(true, false, nj, a_.d, ni, a_.scale, ds, ld_ds, a_.q + i0 * a_.d, a_.d, Acc(1), dk + j0 * a_.d, a_.d);
     return {tile_row, tile_col};
   }
 
@@ -1329,7 +1369,7 @@ PositiveGrads<Acc> positive_grads(const at::Tensor& count, const at::Tensor& sta
 template <typename In>
 void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
                    const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
-                   const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale,
+                   const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale, bool brgemm,
                    const MaskArgs* masks = nullptr, const at::Tensor& row_pos_count = {},
                    const at::Tensor& row_pos_stats = {}, const at::Tensor& col_pos_count = {},
                    const at::Tensor& col_pos_stats = {}) {
@@ -1346,18 +1386,38 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
   args.masks = masks;
   args.row_pos = positive_grads<Acc>(row_pos_count, row_pos_stats);
   args.col_pos = positive_grads<Acc>(col_pos_count, col_pos_stats);
-  // Lane 0 accumulates straight into dk; every other lane into its own [Bk, D] partial.
-  at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
+  // Lane 0 accumulates straight into dk; every other lane into its own [Bk, D] partial. Brgemm: every
+  // lane into its own [D, Bk] partial and dq into dq_unscaled, q's row length d (even) possibly one past
+  // the caller's D, the scale applied once when they join dq and dk.
+  at::Tensor dq_unscaled, q_t, dk_parts;
+  if (brgemm) {
+    dq_unscaled = at::zeros({bq, d}, dq.options());
+    q_t = transposed_pairs_operand(q);
+    args.dq = dq_unscaled.data_ptr<Acc>();
+    args.brgemm = true;
+    args.q_t = q_t.data_ptr<In>();
+    args.ld_t = q_t.size(1);
+    dk_parts = at::zeros({lanes, d, bk}, dk.options());
+  } else if (lanes > 1) {
+    dk_parts = at::zeros({lanes - 1, bk, d}, dk.options());
+  }
   std::vector<std::pair<double, double>> parts(lanes);
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     const SingleThreadedBlas one_thread;
     BackwardLane<In> work(args);
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      Acc* dkp = lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>();
+      Acc* dkp = brgemm ? dk_parts[lane].data_ptr<Acc>()
+                        : (lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>());
       parts[lane] = work.run(lane_start(tiles, lanes, lane), lane_start(tiles, lanes, lane + 1), dkp);
     }
   });
-  for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
+  if (brgemm) {
+    for (int64_t p = 1; p < lanes; ++p) dk_parts[0].add_(dk_parts[p]);
+    dq.add_(dq_unscaled.narrow(1, 0, dq.size(1)), scale);
+    dk.add_(dk_parts[0].narrow(0, 0, dk.size(1)).t(), scale);
+  } else {
+    for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
+  }
   double total_row = 0.0, total_col = 0.0;
   for (const auto& part : parts) {
     total_row += part.first;
@@ -1368,8 +1428,7 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
 }
 
 // ---------------------------------------------------------------------------------------------
-// Op entry points: validate, bring inputs into the layout the kernels read (contiguous; float16 as
-// float32, bfloat16 as float32 when MKL's bf16 GEMM is missing), dispatch on dtype.
+// Op entry points: validate, bring inputs into the layout the kernels read (prepared()), dispatch on dtype.
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
@@ -1396,14 +1455,14 @@ at::Tensor positions(const at::Tensor& pos, int64_t bq, int64_t bk) {
   return p;
 }
 
-// The dtype the kernel runs on for inputs of dtype t.
-at::ScalarType kernel_type(at::ScalarType t) {
-  if (t == at::kHalf) return at::kFloat;  // fp16 dS would underflow; float32 copies are exact
-  if (t == at::kBFloat16 && !has_bf16_gemm()) return at::kFloat;
-  return t;
+// t as the kernel reads it: contiguous; bfloat16 as is on a bf16 GEMM route (common.h's bf16_route), in
+// rows of bf16_row_length; float16 (fp16 dS would underflow) and bfloat16 off a route as float32 copies,
+// which are exact.
+at::Tensor prepared(const at::Tensor& t, Bf16Gemm route) {
+  if (route != Bf16Gemm::None) return with_row_length(t, bf16_row_length(route, t.size(1)));
+  const auto type = t.scalar_type();
+  return t.to(type == at::kHalf || type == at::kBFloat16 ? at::kFloat : type).contiguous();
 }
-
-at::Tensor prepared(const at::Tensor& t) { return t.to(kernel_type(t.scalar_type())).contiguous(); }
 
 at::Tensor stats_arg(const at::Tensor& t, std::vector<int64_t> shape, at::ScalarType acc, const char* name) {
   TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), "infcl native: ", name, " must have shape ",
@@ -1486,14 +1545,16 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q_in, const at:
                                                const at::Tensor& pos_in, bool symmetric, const MaskArgs* masks) {
   check_features(q_in, k_in);
   const auto acc = acc_type(q_in.scalar_type());
-  at::Tensor q = prepared(q_in), k = prepared(k_in);
+  const Bf16Gemm route = bf16_route(q_in);
+  at::Tensor q = prepared(q_in, route), k = prepared(k_in, route);
   at::Tensor pos = positions(pos_in, q.size(0), k.size(0));
+  const bool brgemm = route == Bf16Gemm::Brgemm;
   at::Tensor rows = at::empty({masks ? MASKED_ROWS : 3, q.size(0)}, q_in.options().dtype(acc));
   at::Tensor cols = at::empty({masks ? MASKED_ROWS : 2, symmetric ? k.size(0) : 0}, q_in.options().dtype(acc));
   switch (q.scalar_type()) {
-    case at::kFloat: forward_impl<float>(q, k, scale, pos, symmetric, masks, rows, cols); break;
-    case at::kDouble: forward_impl<double>(q, k, scale, pos, symmetric, masks, rows, cols); break;
-    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, pos, symmetric, masks, rows, cols); break;
+    case at::kFloat: forward_impl<float>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
+    case at::kDouble: forward_impl<double>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
+    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
     default: TORCH_CHECK(false, "infcl native: unreachable dtype");
   }
   return {rows, cols};
@@ -1547,7 +1608,9 @@ at::Tensor run_backward(const at::Tensor& q_in, const at::Tensor& k_in, double s
   TORCH_CHECK(dq.scalar_type() == acc && dk.scalar_type() == acc, "infcl native: dq and dk must be ", acc);
   TORCH_CHECK(dq.sizes() == q_in.sizes() && dk.sizes() == k_in.sizes(), "infcl native: dq ", dq.sizes(),
               " / dk ", dk.sizes(), " must match q ", q_in.sizes(), " / k ", k_in.sizes());
-  at::Tensor q = prepared(q_in), k = prepared(k_in);
+  const Bf16Gemm route = bf16_route(q_in);
+  const bool brgemm = route == Bf16Gemm::Brgemm;
+  at::Tensor q = prepared(q_in, route), k = prepared(k_in, route);
   at::Tensor pos = positions(pos_in, bq, bk);
   at::Tensor rs = stats_arg(row_stats, {2, bq}, acc, "row_stats"), gr = stats_arg(g_row, {bq}, acc, "g_row");
   at::Tensor cs, gc;
@@ -1561,8 +1624,8 @@ at::Tensor run_backward(const at::Tensor& q_in, const at::Tensor& k_in, double s
   at::Tensor dscale = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
   switch (q.scalar_type()) {
 #define INFCL_BACKWARD(T)                                                                                           \
-  backward_impl<T>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale, masks, row_pos.count, row_pos.stats, \
-                   col_pos.count, col_pos.stats)
+  backward_impl<T>(q, k, scale, pos, rs, gr, cs, gc, dq_c, dk_c, dscale, brgemm, masks, row_pos.count,           \
+                   row_pos.stats, col_pos.count, col_pos.stats)
     case at::kFloat: INFCL_BACKWARD(float); break;
     case at::kDouble: INFCL_BACKWARD(double); break;
     case at::kBFloat16: INFCL_BACKWARD(at::BFloat16); break;

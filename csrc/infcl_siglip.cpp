@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -181,36 +182,28 @@ class AtenProducts {
   int64_t j0_ = 0, nj_ = 0;
 };
 
-inline int64_t round_up_even(int64_t n) { return n + (n & 1); }
-
 // bfloat16 inputs, float32 results, by common.h's route (Mkl or Brgemm). dL is handed to the gradient
 // products as bfloat16, scale folded in: dS = bf16(scale * dL), round to nearest even, as torch's own
 // bfloat16 backward has it (sign-symmetric; the parameter sums take dL in float32 before that).
-// Brgemm reads its B operands in VNNI pairs: the key tile transposed (k_j.T, for the scores), the key
-// tile's row pairs (k_j, for dq) and dS's row pairs (for dk.T = q_i.T @ dS, whose A is q.T: dk is kept
-// transposed, so that no operand needs a transpose per tile). Its products run over an even depth: the
-// inputs carry a zero column when D is odd, q.T a zero column when Bq is odd, dS a zero column when the
-// tile's nj is odd and a zero row (in the pairs) when its ni is.
+// Brgemm's products are common.h's BrgemmKeyTile (dk kept transposed); dS has rows of round_up_even(nj),
+// a zero column when nj is odd, on both routes.
 class Bf16Products {
  public:
   using Acc = float;
   Bf16Products(Bf16Gemm route, const Operands<at::BFloat16, float>& o, int64_t rows, int64_t tk, bool backward)
-      : brgemm_(route == Bf16Gemm::Brgemm), o_(o), raw_(rows * tk), ds_(backward ? rows * round_up_even(tk) : 0),
-        ds_pairs_(brgemm_ && backward ? round_up_even(rows) / 2 * tk : 0), k_t_pairs_(brgemm_ ? o.ld / 2 * tk : 0),
-        k_pairs_(brgemm_ && backward ? round_up_even(tk) / 2 * o.d : 0) {}
+      : o_(o), raw_(rows * tk), ds_(backward ? rows * round_up_even(tk) : 0) {
+    if (route == Bf16Gemm::Brgemm) brgemm_ = std::make_unique<BrgemmKeyTile>(rows, tk, o.ld, o.d, backward);
+  }
 
   void set_keys(int64_t j0, int64_t nj) {
     j0_ = j0, nj_ = nj;
-    if (!brgemm_) return;
-    const at::BFloat16* k_j = o_.k + j0 * o_.ld;
-    pack_transposed_pairs(k_j, o_.ld, nj, o_.ld, k_t_pairs_.data());
-    if (!k_pairs_.empty()) pack_row_pairs(k_j, o_.ld, nj, o_.d, k_pairs_.data());
+    if (brgemm_) brgemm_->set(o_.k + j0 * o_.ld, nj);
   }
 
   float* scores(int64_t i0, int64_t ni) {
     float* raw = raw_.data();
     if (brgemm_) {
-      brgemm_bf16(ni, nj_, o_.ld, o_.q + i0 * o_.ld, o_.ld, k_t_pairs_.data(), nj_, false, raw, nj_);
+      brgemm_->scores(o_.q + i0 * o_.ld, ni, raw);
     } else {
       gemm(false, true, ni, nj_, o_.d, 1.0f, o_.q + i0 * o_.ld, o_.ld, o_.k + j0_ * o_.ld, o_.ld, 0.0f, raw, nj_);
     }
@@ -230,9 +223,8 @@ class Bf16Products {
     const at::BFloat16* ds = reinterpret_cast<const at::BFloat16*>(ds_.data());
     float* dq = o_.dq + i0 * o_.d;
     if (brgemm_) {
-      brgemm_bf16(ni, o_.d, ld_ds, ds, ld_ds, k_pairs_.data(), o_.d, true, dq, o_.d);
-      pack_row_pairs(ds, ld_ds, ni, nj_, ds_pairs_.data());
-      brgemm_bf16(o_.d, nj_, round_up_even(ni), o_.q_t + i0, o_.ld_t, ds_pairs_.data(), nj_, true, dk + j0_, o_.bk);
+      brgemm_->add_dq(ds, ld_ds, ni, dq, o_.d);
+      brgemm_->add_dk_t(o_.q_t + i0, o_.ld_t, ds, ld_ds, ni, dk + j0_, o_.bk);
     } else {
       gemm(false, false, ni, o_.d, nj_, 1.0f, ds, ld_ds, o_.k + j0_ * o_.ld, o_.ld, 1.0f, dq, o_.d);
       gemm(true, false, nj_, o_.d, ni, 1.0f, ds, ld_ds, o_.q + i0 * o_.ld, o_.ld, 1.0f, dk + j0_ * o_.d, o_.d);
@@ -240,11 +232,10 @@ class Bf16Products {
   }
 
  private:
-  bool brgemm_;
   Operands<at::BFloat16, float> o_;
   std::vector<float> raw_;
   std::vector<uint16_t> ds_;
-  std::vector<uint32_t> ds_pairs_, k_t_pairs_, k_pairs_;
+  std::unique_ptr<BrgemmKeyTile> brgemm_;  // null: MKL
   int64_t j0_ = 0, nj_ = 0;
 };
 
@@ -345,23 +336,6 @@ at::ScalarType acc_type(const at::Tensor& q) { return q.scalar_type() == at::kDo
 
 at::Tensor prepared(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
-// The bf16 GEMM route for these inputs (common.h), or None: compute on float32 copies.
-Bf16Gemm bf16_route(const at::Tensor& q) {
-  if (q.scalar_type() != at::kBFloat16 || q.size(1) == 0) return Bf16Gemm::None;
-  return bf16_gemm_route();
-}
-
-// t [b, d] as a contiguous [b, ld] (ld >= d), zero past column d.
-at::Tensor with_row_length(const at::Tensor& t, int64_t ld) {
-  if (t.size(1) == ld) return t.contiguous();
-  at::Tensor out = at::zeros({t.size(0), ld}, t.options());
-  out.narrow(1, 0, t.size(1)).copy_(t);
-  return out;
-}
-
-// The row length bf16 operands get on `route`: brgemm multiplies over an even depth.
-int64_t bf16_row_length(Bf16Gemm route, int64_t d) { return route == Bf16Gemm::Brgemm ? round_up_even(d) : d; }
-
 at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
                                  const at::Tensor& pos_in, double bias) {
   check_inputs(q_in, k_in, pos_in);
@@ -419,11 +393,8 @@ at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
   if (route != Bf16Gemm::None) {
     const int64_t ld = bf16_row_length(route, d);
     const at::Tensor q = with_row_length(q_in, ld), k = with_row_length(k_in, ld);
-    at::Tensor q_t;  // brgemm: q.T [d, even(bq)], zero past column bq
-    if (route == Bf16Gemm::Brgemm) {
-      q_t = at::zeros({d, round_up_even(bq)}, q_in.options());
-      q_t.narrow(1, 0, bq).copy_(q_in.t());
-    }
+    // brgemm: q.T [d, even(bq)], zero past column bq
+    const at::Tensor q_t = route == Bf16Gemm::Brgemm ? transposed_pairs_operand(q_in) : at::Tensor();
     const Operands<at::BFloat16, float> o{q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), bk, d, ld,
                                           static_cast<float>(scale), dq_c.data_ptr<float>(),
                                           q_t.defined() ? q_t.data_ptr<at::BFloat16>() : nullptr,

@@ -513,3 +513,67 @@ def test_failed_build_warns_once_and_auto_falls_back(monkeypatch):
 
 def test_cpu_backend_refuses_other_devices():
     assert "CPU tensors only" in native.unavailable_reason(torch.device("meta"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The bfloat16 GEMM routes of csrc/common.h (INFCL_BF16_GEMM forces one; "auto" picks by CPU), every one this
+# CPU can take: odd D, an odd last row tile and an odd last key tile, where brgemm's even-depth padding matters.
+BF16_ROUTES = ("mkl", "brgemm", "float32")
+
+
+def _force_bf16_route(monkeypatch, route):
+    """Force `route`, or skip where the kernel says this CPU / torch build cannot take it."""
+    monkeypatch.setenv("INFCL_BF16_GEMM", route)
+    q, k = _features(2, 2, 2, torch.bfloat16)
+    try:
+        torch.ops.infcl.forward_block(q, k, 1.0, torch.arange(2), False)
+    except RuntimeError as error:
+        if f"INFCL_BF16_GEMM={route}:" not in str(error):
+            raise
+        pytest.skip(str(error).splitlines()[0])
+
+
+@needs_native
+@pytest.mark.parametrize("route", BF16_ROUTES)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_bf16_routes_match_float64_torch_tiles(monkeypatch, route, symmetric):
+    """Stats float32-accurate on the bfloat16 values; dq / dk / dscale to dS's bfloat16 rounding (float32 route:
+    to float32 round-off)."""
+    _force_bf16_route(monkeypatch, route)
+    q, k = (t.to(torch.bfloat16) for t in _features(517, 1029, 63, torch.float64))
+    pos = _diagonal_pos(517, 1029)
+    truth = _block_outputs(TORCH_TILES, q.double(), k.double(), SCALE, pos, symmetric)
+    ours = _block_outputs(native.BACKEND, q, k, SCALE, pos, symmetric)
+    for name, a, t in zip(("rows", "cols"), ours[:2], truth[:2]):
+        if t is not None:
+            assert_close_verbose(a, t, 1e-5 * max(float(t.abs().max()), 1.0), 1e-5, name)
+    for name, a, t in zip(("dq", "dk", "dscale"), ours[2:], truth[2:]):
+        assert_close_verbose(a, t, 2e-3 * float(t.abs().max()), 1e-2, name)
+
+
+@needs_native
+@pytest.mark.parametrize("route", BF16_ROUTES)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_bf16_routes_recompute_the_forwards_logits_whatever_the_thread_count(monkeypatch, route, symmetric):
+    """Forward on 2 threads, backward on 1 or 3: equal bit for bit to the run that used the backward's thread
+    count throughout, and |S| ~ 1e5 with positives ~40000 ahead gives a loss and gradients of exactly 0, which
+    needs the backward's S to be the forward's bit for bit (see test_backward_recomputes_the_forwards_logits...).
+    B = 1101, D = 47: several row tiles, the last one odd, an odd key tile, an odd depth."""
+    _force_bf16_route(monkeypatch, route)
+    gen = torch.Generator().manual_seed(5)
+    q = (30.0 * F.normalize(torch.randn(1101, 47, generator=gen, dtype=torch.float64), dim=-1)).bfloat16()
+    leaves = [t.detach().requires_grad_(True) for t in (q, q.clone(), torch.tensor(100.0))]
+
+    def loss_of(q_, k_, s_):
+        return cal_inf_loss(q_, k_, scale=s_, symmetric=symmetric, reduction="sum", backend="cpu")
+
+    with _threads(2):
+        forward_2 = loss_of(*leaves)
+    assert float(forward_2.detach()) == 0.0
+    for threads in (1, 3):
+        with _threads(threads):
+            same = grads_of(loss_of, *leaves)
+            mixed = (forward_2.detach(), *torch.autograd.grad(forward_2, leaves, retain_graph=True))
+        for name, a, b in zip(("loss", "dq", "dk", "dscale"), mixed, same):
+            assert torch.equal(a, b), f"{name}: forward on 2 threads, backward on {threads} != {threads} throughout"
+            assert torch.count_nonzero(a) == 0, f"{name}: max |grad| {float(a.abs().max()):.3g}"
