@@ -1019,6 +1019,17 @@ struct ColGrads {
 // the one-exp shortcut (kOneExp).
 enum class Terms { Rows, Both, BothShared };
 
+// The column direction's P (times its upstream gradient) at entry c of a row: its own exp with both
+// directions' stats (Both), or the row's exp e rescaled by the row and column factors (the shared-stats path).
+template <Terms terms, typename Acc>
+inline Acc col_term(const Acc* s, int64_t c, Acc e, Acc row_factor, const ColGrads<Acc>& col) {
+  if constexpr (terms == Terms::Both) {
+    return col.g[c] * fast_exp((s[c] - col.m[c]) - col.rel[c]);
+  } else {
+    return (e * row_factor) * col.factor[c];
+  }
+}
+
 // dS over columns [c0, c1) of one row (none of them its positive): g_row * P_row (+ g_col * P_col),
 // P = exp((S - m) - r), with the row's and column's parts of the scale gradient, sum dS_part * raw.
 template <Terms terms, typename Acc, typename DS>
@@ -1033,12 +1044,7 @@ inline void ds_span(int64_t c0, int64_t c1, const Acc* raw, const Acc* s, DS* ds
     Acc v = pr;
     acc_row += pr * x;
     if constexpr (terms != Terms::Rows) {
-      Acc pc;
-      if constexpr (terms == Terms::Both) {
-        pc = col.g[c] * fast_exp((s[c] - col.m[c]) - col.rel[c]);
-      } else {
-        pc = (e * row_factor) * col.factor[c];
-      }
+      const Acc pc = col_term<terms>(s, c, e, row_factor, col);
       acc_col += pc * x;
       v += pc;
     }
@@ -1089,13 +1095,7 @@ inline void ds_span_masked(int64_t c0, int64_t c1, const Acc* raw, const Acc* s,
     Acc v = pr;
     acc_row += pr * x;
     if constexpr (terms != Terms::Rows) {
-      Acc pc;
-      if constexpr (terms == Terms::Both) {
-        pc = col.g[c] * fast_exp((s[c] - col.m[c]) - col.rel[c]);
-      } else {
-        pc = (e * row_factor) * col.factor[c];
-      }
-      pc = ec[c] ? Acc(0) : pc;
+      const Acc pc = ec[c] ? Acc(0) : col_term<terms>(s, c, e, row_factor, col);
       acc_col += pc * x;
       v += pc;
     }
