@@ -2,7 +2,7 @@
 see them.
 
 Softmax (InfoNCE / CLIP):
-- ``torch.ops.infcl.triton_forward_block(q, k, scale, pos, want_cols, precision, tiling) -> (rows, cols)``
+- ``torch.ops.infcl.triton_forward_block(q, k, scale, pos, symmetric, precision, tiling) -> (rows, cols)``
 - ``torch.ops.infcl.triton_backward_block(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq!, dk!,
   precision, tiling) -> dscale`` (accumulates into dq and dk)
 
@@ -104,11 +104,11 @@ def _tiling(tiling: List[int], q: Tensor, precision: str, masked: bool = False,
     return default_tiling(q.device, q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
 
 
-def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, want_cols: bool, precision: str,
+def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, precision: str,
              tiling: List[int]) -> Tuple[Tensor, Tensor]:
     chosen, autotune = _tiling(tiling, q, precision)
     rows, cols = softmax_forward.softmax_forward(
-        q, k, scale, pos.contiguous(), want_cols, chosen, precision or None, autotune,
+        q, k, scale, pos.contiguous(), symmetric, chosen, precision or None, autotune,
         sms=target_facts().sms, wrap=_WRAP,
     )
     return rows, (cols if cols is not None else rows.new_empty(2, 0))
@@ -168,8 +168,8 @@ def _accum(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _forward_fake(q, k, scale, pos, want_cols, precision, tiling):
-    return q.new_empty(3, q.shape[0], dtype=_accum(q)), q.new_empty(2, k.shape[0] if want_cols else 0, dtype=_accum(q))
+def _forward_fake(q, k, scale, pos, symmetric, precision, tiling):
+    return q.new_empty(3, q.shape[0], dtype=_accum(q)), q.new_empty(2, k.shape[0] if symmetric else 0, dtype=_accum(q))
 
 
 def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, precision, tiling):

@@ -324,7 +324,7 @@ def softmax_forward(
     k: torch.Tensor,
     scale: torch.Tensor,
     pos: torch.Tensor,
-    want_cols: bool,
+    symmetric: bool,
     tiling: Tiling,
     precision: Optional[str] = None,
     autotune: bool = False,
@@ -343,19 +343,19 @@ def softmax_forward(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
     n_k = k.shape[0]
-    plan = plan_forward(n_q, n_k, tiling, want_cols, sms)
+    plan = plan_forward(n_q, n_k, tiling, symmetric, sms)
     n_rows = MASKED_ROWS if masks.masked else 3
     rows = torch.empty(n_rows, plan.splits, n_q, dtype=acc, device=q.device)
     cols = None  # the column stats exist only for the symmetric loss
-    if want_cols:
+    if symmetric:
         cols = _empty_partials(MASKED_ROWS if masks.masked else 2, plan.groups, n_k, acc, q.device)
     block_d = tiling.block_d(dim)
     args = dict(
         q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=cols, n_q=n_q, n_k=n_k, D=dim,
         stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
         stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
-        stride_cols_stat=cols.stride(0) if want_cols else 0, stride_cols_group=cols.stride(1) if want_cols else 0,
-        SYMMETRIC=want_cols, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts,
+        stride_cols_stat=cols.stride(0) if symmetric else 0, stride_cols_group=cols.stride(1) if symmetric else 0,
+        SYMMETRIC=symmetric, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts,
         **masks.kernel_args(q.dtype, precision), **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)
@@ -369,9 +369,9 @@ def softmax_forward(
         )
     positives = ("sum" if masks.multi_positive == "sum" else "mean") if masks.masked else None
     results = []
-    for parts in (rows, cols) if want_cols else (rows,):
+    for parts in (rows, cols) if symmetric else (rows,):
         parts[REL].log1p_()  # rest -> r = log1p(rest), the contract's form; -1 (empty) -> -inf
         if masks.masked:
             parts[POS_REL].log1p_()
         results.append(merge_partials(parts, positives))
-    return results[0], (results[1] if want_cols else None)
+    return results[0], (results[1] if symmetric else None)
