@@ -341,3 +341,19 @@ def masked_loss_truth(q, k, labels=None, scale=1.0, *, symmetric=False, reductio
     q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy as ``cal_inf_loss`` takes them."""
     rows, cols = masked_truth_directions(q, k, labels, scale, symmetric=symmetric, **options)
     return reduce_masked_truth(rows, cols, reduction)
+
+
+# The bfloat16 GEMM routes of csrc/common.h (INFCL_BF16_GEMM forces one; "auto" picks by CPU).
+BF16_ROUTES = ("mkl", "brgemm", "float32")
+
+
+def force_bf16_route(monkeypatch, route, probe):
+    """Force the native kernels' bfloat16 ``route``, or skip where the kernel says this CPU / torch build cannot
+    take it: ``probe()`` runs one tiny bfloat16 op, which raises naming INFCL_BF16_GEMM then."""
+    monkeypatch.setenv("INFCL_BF16_GEMM", route)
+    try:
+        probe()
+    except RuntimeError as error:
+        if f"INFCL_BF16_GEMM={route}:" not in str(error):
+            raise
+        pytest.skip(str(error).splitlines()[0])

@@ -21,6 +21,7 @@ from infcl.backends import native, native_build, resolve_backend, unavailable_re
 from infcl.backends.base import Block, accum_dtype
 from infcl.backends.torch_tiles import TORCH_TILES
 from support import (
+    BF16_ROUTES,
     DTYPE_TOLERANCES,
     EXACT_NORMWISE,
     ODD_BATCHES,
@@ -30,6 +31,7 @@ from support import (
     assert_no_worse,
     assert_normwise,
     exact_softmax_truth,
+    force_bf16_route,
     grads_of,
     margin_features,
     vanilla_loss,
@@ -525,20 +527,13 @@ def test_cpu_backend_refuses_other_devices():
 
 # ---------------------------------------------------------------------------------------------
 # The bfloat16 GEMM routes of csrc/common.h (INFCL_BF16_GEMM forces one; "auto" picks by CPU), every one this
-# CPU can take: odd D, an odd last row tile and an odd last key tile, where brgemm's even-depth padding matters.
-BF16_ROUTES = ("mkl", "brgemm", "float32")
+# CPU can take (support.BF16_ROUTES): odd D, an odd last row tile and an odd last key tile, where brgemm's
+# even-depth padding matters.
 
 
 def _force_bf16_route(monkeypatch, route):
-    """Force `route`, or skip where the kernel says this CPU / torch build cannot take it."""
-    monkeypatch.setenv("INFCL_BF16_GEMM", route)
     q, k = _features(2, 2, 2, torch.bfloat16)
-    try:
-        torch.ops.infcl.forward_block(q, k, 1.0, torch.arange(2), False)
-    except RuntimeError as error:
-        if f"INFCL_BF16_GEMM={route}:" not in str(error):
-            raise
-        pytest.skip(str(error).splitlines()[0])
+    force_bf16_route(monkeypatch, route, lambda: torch.ops.infcl.forward_block(q, k, 1.0, torch.arange(2), False))
 
 
 @needs_native

@@ -13,10 +13,12 @@ import torch
 import infcl.backends.torch_tiles as torch_tiles
 from infcl import InfSigLipLoss, cal_siglip_loss
 from support import (
+    BF16_ROUTES,
     TOLERANCE,
     assert_close_verbose,
     assert_no_worse,
     features_and_labels,
+    force_bf16_route,
     grads_of_inputs,
     open_clip_loss_module,
     siglip_magnitudes,
@@ -297,37 +299,31 @@ def test_native_is_bit_identical_run_to_run(dtype):
         assert torch.equal(a, b), name
 
 
-# The bfloat16 GEMM routes of csrc/common.h (INFCL_BF16_GEMM forces one; "auto" picks by CPU): every one
+# The bfloat16 GEMM routes of csrc/common.h (support.BF16_ROUTES; INFCL_BF16_GEMM forces one): every one
 # this CPU can take, on the low-precision cases plus one that crosses key tiles with odd D, an odd last
 # row tile (37 rows) and an odd last key tile (5 columns), where brgemm's even-depth padding matters.
-BF16_ROUTES = ("mkl", "brgemm", "float32")
 ROUTE_CASES = (*LOW_PRECISION_CASES, (517, 1029, 63, "random"))
 
 
-def force_bf16_route(monkeypatch, route):
-    """Force `route`, or skip where the kernel says this CPU / torch build cannot take it."""
-    monkeypatch.setenv("INFCL_BF16_GEMM", route)
+def _force_bf16_route(monkeypatch, route):
     image, text, _ = make_inputs(2, 2, 2, "diag", torch.bfloat16)
-    try:
-        torch.ops.infcl.sigmoid_forward_block(image, text, 1.0, torch.arange(2), 0.0)
-    except RuntimeError as error:
-        if f"INFCL_BF16_GEMM={route}:" not in str(error):
-            raise
-        pytest.skip(str(error).splitlines()[0])
+    force_bf16_route(
+        monkeypatch, route, lambda: torch.ops.infcl.sigmoid_forward_block(image, text, 1.0, torch.arange(2), 0.0)
+    )
 
 
 @needs_native
 @pytest.mark.parametrize("route", BF16_ROUTES)
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}" for c in ROUTE_CASES])
 def test_native_bf16_routes_no_worse_than_torch(monkeypatch, route, case):
-    force_bf16_route(monkeypatch, route)
+    _force_bf16_route(monkeypatch, route)
     check_low_precision("cpu", case, torch.bfloat16)
 
 
 @needs_native
 @pytest.mark.parametrize("route", BF16_ROUTES)
 def test_native_bf16_routes_nan_in_nan_out(monkeypatch, route):
-    force_bf16_route(monkeypatch, route)
+    _force_bf16_route(monkeypatch, route)
     image, text, _ = make_inputs(9, 9, 5, "diag", torch.bfloat16)
     image[3, 2] = float("nan")
     rows = cal_siglip_loss(image, text, 10.0, -10.0, reduction="none", backend="cpu")
