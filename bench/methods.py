@@ -184,11 +184,13 @@ def _triton_gemms(device, dtype, dim):
     return gemm_equivalents(dim, dtype, device, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
 
 
+MASKED_BACKENDS = ("torch", "cpu")  # the backends with "+ids" / "+guide" methods (bench only; all take masks)
+
 # (forward, backward) GEMM-equivalents of one direction; the symmetric loss costs the same except for
 # Inf-CL, which runs each direction separately. A guide of width D adds one product per tile per pass.
 _GEMMS = {
-    **{f"{backend}+ids": _tiled_gemms for backend in ("torch", "cpu")},
-    **{f"{backend}+guide": lambda device, dtype, dim: (2, 4) for backend in ("torch", "cpu")},
+    **{f"{backend}+ids": _tiled_gemms for backend in MASKED_BACKENDS},
+    **{f"{backend}+guide": lambda device, dtype, dim: (2, 4) for backend in MASKED_BACKENDS},
     "vanilla": lambda device, dtype, dim: (1, 2),  # logits; dq and dk from the logits' gradient
     "torch": _tiled_gemms,
     "cpu": _tiled_gemms,
@@ -218,13 +220,12 @@ METHODS = {
         *(
             Method(f"{backend}+{option}", _masked_loss(backend, option),
                    lambda device, dim, backend=backend: unavailable_reason(backend, device), tiled=True)
-            for backend in ("torch", "cpu")
+            for backend in MASKED_BACKENDS
             for option in ("ids", "guide")
         ),
     )
 }
 BASELINE = "vanilla"
-MASKED_BACKENDS = ("torch", "cpu")  # the backends with "+ids" / "+guide" methods
 PLAIN = "torch"  # the plain backend the mask options run on when the method list names none of them
 MASK_METHODS = tuple(f"{b}+{option}" for b in MASKED_BACKENDS for option in ("ids", "guide"))  # --ids / --guide
 
