@@ -57,7 +57,7 @@
 // dq [Bq, D], q.T in bfloat16 and the packed key tile per thread; float32 copies of q and k for float16
 // inputs and for bfloat16 off a bf16 GEMM route); the masked
 // ops add per thread a tile of mask bytes (two with a guide and the columns), a tile of guide scores and
-// the packed guide features of a key tile, and O(groups * Bk) partials of the columns' positives -- never
+// the packed guide features of a key tile, and O(positive groups * Bk) partials of the columns' positives -- never
 // O(Bq * Bk).
 
 #include <ATen/ATen.h>
@@ -710,8 +710,8 @@ Acc shared_reference_kept(const Acc* tile_row_max, int64_t ni, const Acc* tile_c
 
 // The positives' running partials of n rows or columns (masked forward): their max, and for "sum" only
 // their log-sum-exp as Running's (top, rest) about it; the sum of their logits (double) and their count.
-// The symmetric forward keeps one per column group and column ([groups, bk]), so every byte counts: 16 per
-// entry ("mean" / one positive) or 32 ("sum"), beside the column stats' 20.
+// The symmetric forward keeps one per positive group and column ([positive groups, bk]), so every byte
+// counts: 16 per entry ("mean" / one positive) or 32 ("sum"), beside the column stats' 20.
 template <typename Acc>
 struct PositiveStore {
   RunningStore<Acc> lse;  // top and rest empty unless "sum"
@@ -938,6 +938,14 @@ void merge_column_partials(RunningStore<Acc>& parts, int64_t groups, int64_t bk,
 // tile serves all of a thread's row tiles. At most MAX_COLUMN_GROUPS (partials: 20 bytes per group per
 // column), which also caps the forward's threads.
 constexpr int64_t MAX_COLUMN_GROUPS = 64;
+// The masked symmetric forward's columns also need their positives' partials (16 or 32 bytes an entry
+// beside the stats' 20): those are kept per positive group, a run of `span` consecutive column groups
+// (at most MAX_POSITIVE_GROUPS of them), and the threads then take whole positive groups, so each one's
+// partial is updated in one fixed order (key tiles, then its groups and row tiles in turn) whatever the
+// thread count. That caps the masked symmetric forward at MAX_POSITIVE_GROUPS threads and keeps its
+// extra memory within 2x of the plain loss's. The column stats stay per column group, so with all ids
+// distinct (one positive per column: its partial is exact in any grouping) the loss is the plain one's bits.
+constexpr int64_t MAX_POSITIVE_GROUPS = 16;
 
 inline int64_t group_start(int64_t tiles, int64_t groups, int64_t g) { return tiles * g / groups; }
 
@@ -954,15 +962,19 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
   RunningStore<Acc> row_run, col_parts;  // col_parts: [groups, bk]
   row_run.reset(bq);
   col_parts.reset(symmetric ? groups * bk : 0);
-  PositiveStore<Acc> row_pos, col_pos_parts;  // the masked loss's; col_pos_parts: [groups, bk]
+  // Column groups per positive group: 1 unless the masked symmetric forward keeps the columns' positives.
+  const int64_t span = masks && symmetric ? (groups + MAX_POSITIVE_GROUPS - 1) / MAX_POSITIVE_GROUPS : 1;
+  const int64_t positive_groups = (groups + span - 1) / span;
+  PositiveStore<Acc> row_pos, col_pos_parts;  // the masked loss's; col_pos_parts: [positive_groups, bk]
   if (masks) {
     const bool lse_wanted = masks->positives == Positives::Sum;
     row_pos.reset(bq, lse_wanted);
-    col_pos_parts.reset(symmetric ? groups * bk : 0, lse_wanted);
+    col_pos_parts.reset(symmetric ? positive_groups * bk : 0, lse_wanted);
   }
   rows.zero_();  // rows[2] stays 0 where the positive lies in another block
   Acc* out = rows.data_ptr<Acc>();
-  at::parallel_for(0, groups, 1, [&](int64_t g_begin, int64_t g_end) {
+  at::parallel_for(0, positive_groups, 1, [&](int64_t p_begin, int64_t p_end) {
+    const int64_t g_begin = p_begin * span, g_end = std::min(groups, p_end * span);
     const SingleThreadedBlas one_thread;
     ForwardWorker<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles, static_cast<Acc>(scale),
                            pos.data_ptr<int64_t>(), brgemm, masks, symmetric);
@@ -976,7 +988,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
             work.tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
             continue;
           }
-          const PositiveRun<Acc> col_pos = symmetric ? PositiveRun<Acc>::at(col_pos_parts, g * bk + j0)
+          const PositiveRun<Acc> col_pos = symmetric ? PositiveRun<Acc>::at(col_pos_parts, g / span * bk + j0)
                                                      : PositiveRun<Acc>{{nullptr, nullptr, nullptr}, nullptr, nullptr};
           work.masked_tile(t, row_run.at(tiles.begin(t)), j0, nj, part, PositiveRun<Acc>::at(row_pos, tiles.begin(t)),
                            col_pos);
@@ -992,7 +1004,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
   if (masks) {
     const bool lse_wanted = masks->positives == Positives::Sum;
     merge_positive_partials(row_pos, 1, bq, lse_wanted, out + 2 * bq);
-    if (symmetric) merge_positive_partials(col_pos_parts, groups, bk, lse_wanted, cols.data_ptr<Acc>() + 2 * bk);
+    if (symmetric) merge_positive_partials(col_pos_parts, positive_groups, bk, lse_wanted, cols.data_ptr<Acc>() + 2 * bk);
   }
 }
 

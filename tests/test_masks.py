@@ -308,13 +308,41 @@ def test_native_across_tiles_matches_reference(shape, mode, kind, classes, dtype
         assert_close_verbose(g, t, atol, rtol, f"{shape} {kind} {mode} {classes} {what}")
 
 
+# Above 16 column groups (Bq > 4096: 256-row tiles, one group each) the native symmetric forward keeps the
+# columns' positives per run of column groups, and the threads take whole runs (csrc/infcl_cpu.cpp,
+# MAX_POSITIVE_GROUPS): 4608 rows are 18 groups in 9 runs of 2.
+POSITIVE_RUNS_BATCH = 4608
+
+
+@pytest.mark.parametrize("mode", ("mean", "sum"))
+def test_native_positive_runs_match_reference(mode):
+    name = _use("cpu")
+    b = POSITIVE_RUNS_BATCH
+    q, k, labels, q_ids, k_ids, guide = _inputs(b, b, d=16, dtype=torch.float64, seed=37, classes=b // 8)
+    opts = _options("both", mode, q_ids, k_ids, guide)
+    scale = torch.tensor(SCALE, dtype=torch.float64)
+    upstream = torch.rand(b, generator=torch.Generator().manual_seed(3), dtype=torch.float64) - 0.25
+    truth, got = (
+        grads_of_inputs(
+            lambda a, c, s, backend=backend: cal_inf_loss(a, c, labels, s, symmetric=True, reduction="none",
+                                                          backend=backend, **opts),
+            (q, k, scale), upstream,
+        )
+        for backend in ("reference", name)
+    )
+    atol, rtol = TOLERANCE[torch.float64]
+    for what, g, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
+        assert_close_verbose(g, t, atol, rtol, f"{b} {mode} {what}")
+
+
+@pytest.mark.parametrize("batch", (600, POSITIVE_RUNS_BATCH))
 @pytest.mark.parametrize("mode", MODES)
-def test_native_masks_do_not_depend_on_the_thread_count(mode):
+def test_native_masks_do_not_depend_on_the_thread_count(mode, batch):
     # The native kernel's row tiles, key tiles and GEMM routes (the guide's included) are fixed by the
     # shapes, so the masked forward, and dq, whose rows each belong to one lane, are the same bits on 1, 2
     # or 3 threads (dk and the scale gradient sum per-lane partials: exact, not bit-identical).
     name = _use("cpu")
-    q, k, labels, q_ids, k_ids, guide = _inputs(600, 600, d=16, seed=31, classes=300)
+    q, k, labels, q_ids, k_ids, guide = _inputs(batch, batch, d=16, seed=31, classes=batch // 2)
     opts = _options("both", mode, q_ids, k_ids, guide)
     outputs = []
     before = torch.get_num_threads()
