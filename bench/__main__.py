@@ -5,7 +5,7 @@ bench/results/default.csv and default.png. ``--preset issue`` is the full run of
 --batch-sizes/--dims/--dtype/--modes/--one-direction replaces that field of the chosen preset's first
 sweep and writes "custom.csv" (or --name). ``--loss siglip`` runs the same sweeps on the sigmoid
 (SigLIP) loss, vanilla being open_clip's SigLipLoss, and prefixes the file names with "siglip-".
-``--ids`` / ``--guide`` add each listed mask-capable backend (torch, cpu) with false-negative ids / a guide
+``--ids`` / ``--guide`` add each listed mask-capable backend (torch, cpu, triton) with false-negative ids / a guide
 ("torch+ids", "cpu+guide", ...; bench.methods) beside the plain backend, and the time_vs_plain /
 memory_vs_plain columns give their cost.
 """

@@ -178,19 +178,22 @@ def _tiled_gemms(device, dtype, dim):  # the torch tiles and the native kernel: 
     return 1, 3
 
 
-def _triton_gemms(device, dtype, dim):
+def _triton_gemms(device, dtype, dim, masked=False, guide=False):
     from infcl.kernels.ops import gemm_equivalents
 
-    return gemm_equivalents(dim, dtype, device, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+    precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return gemm_equivalents(dim, dtype, device, precision, masked, guide)
 
 
-MASKED_BACKENDS = ("torch", "cpu")  # the backends with "+ids" / "+guide" methods (bench only; all take masks)
+MASKED_BACKENDS = ("torch", "cpu", "triton")  # the backends with "+ids" / "+guide" methods (all take masks)
 
 # (forward, backward) GEMM-equivalents of one direction; the symmetric loss costs the same except for
-# Inf-CL, which runs each direction separately. A guide of width D adds one product per tile per pass.
+# Inf-CL, which runs each direction separately. A guide of width D adds one product wherever S is formed.
 _GEMMS = {
-    **{f"{backend}+ids": _tiled_gemms for backend in MASKED_BACKENDS},
-    **{f"{backend}+guide": lambda device, dtype, dim: (2, 4) for backend in MASKED_BACKENDS},
+    **{f"{backend}+ids": _tiled_gemms for backend in ("torch", "cpu")},
+    **{f"{backend}+guide": lambda device, dtype, dim: (2, 4) for backend in ("torch", "cpu")},
+    "triton+ids": lambda device, dtype, dim: _triton_gemms(device, dtype, dim, masked=True),
+    "triton+guide": lambda device, dtype, dim: _triton_gemms(device, dtype, dim, masked=True, guide=True),
     "vanilla": lambda device, dtype, dim: (1, 2),  # logits; dq and dk from the logits' gradient
     "torch": _tiled_gemms,
     "cpu": _tiled_gemms,

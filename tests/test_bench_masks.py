@@ -3,6 +3,8 @@ assertions; see tests/test_bench_smoke.py for the CLI's common path)."""
 
 import csv
 
+import pytest
+
 from bench.__main__ import main
 
 
@@ -20,13 +22,17 @@ def test_bench_ids_and_guide_rows(tmp_path, monkeypatch, capsys):
     for name in ("torch+ids", "torch+guide"):
         assert rows[name]["status"] == "ok", rows[name]
         assert float(rows[name]["time_vs_plain"]) > 0
-        # memory_vs_plain is empty where the plain run's extra memory rounds to 0 MiB (tiny B)
-        assert rows[name]["memory_vs_plain"] == "" or float(rows[name]["memory_vs_plain"]) > 0
+        # memory_vs_plain: this row's peak extra memory over the plain torch row's, empty where that rounds to
+        # 0 MiB; at this tiny B either can (allocator noise), so only the ratio's source is checked.
+        plain_mib, mib = float(rows["torch"]["peak_extra_mib"]), float(rows[name]["peak_extra_mib"])
+        if plain_mib == 0:
+            assert rows[name]["memory_vs_plain"] == "", rows[name]
+        else:
+            assert float(rows[name]["memory_vs_plain"]) == pytest.approx(mib / plain_mib, rel=1e-3, abs=1e-6)
     assert rows["torch"]["time_vs_plain"] == "" and rows["vanilla"]["time_vs_plain"] == ""
 
 
 def test_bench_ids_on_the_native_kernel_against_its_own_plain_run(tmp_path, monkeypatch):
-    import pytest
     import torch
 
     from infcl.backends.native import unavailable_reason
@@ -46,3 +52,35 @@ def test_bench_ids_on_the_native_kernel_against_its_own_plain_run(tmp_path, monk
     ratio = float(rows["cpu+ids"]["time_vs_plain"])
     # Against the cpu row's own time (up to the CSV's rounding), not the torch tiles'.
     assert ratio == pytest.approx(float(rows["cpu+ids"]["time_s"]) / float(rows["cpu"]["time_s"]), rel=1e-3)
+
+
+_TRITON_GEMMS = r"""
+import json, sys, torch
+sys.path[:0] = [".", "tests"]
+import triton_compile
+from bench.methods import gemm_equivalents
+with triton_compile.compile_only(90):  # sm_90's default configs, as on an H100
+    device, names = torch.device("cuda"), ("triton", "triton+ids", "triton+guide")
+    print(json.dumps({name: [gemm_equivalents(name, "clip", mode, device, torch.bfloat16, 256, True)
+                             for mode in ("forward", "backward")] for name in names}))
+"""
+
+
+def test_triton_mask_methods_count_the_masked_kernels_products():
+    # Run apart: the compile-only stand-in stays Triton's active driver once set.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", _TRITON_GEMMS], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    # D = 256: one 256-wide dq (dk) slice each, ids or not: S once forward, S twice and two products backward.
+    assert counts["triton"] == counts["triton+ids"] == [1, 4]
+    # A guide of width D adds its product wherever S is formed: forward 2; backward 2 per slice plus the two
+    # products, whatever the masked configs' slice width.
+    forward, backward = counts["triton+guide"]
+    assert forward == 2 and backward >= 6 and (backward - 2) % 2 == 0, counts

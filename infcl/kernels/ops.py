@@ -226,10 +226,13 @@ sigmoid_backward_block = _register(
 )
 
 
-def gemm_equivalents(dim: int, dtype: torch.dtype, device: torch.device, precision: str = "ieee") -> Tuple[int, int]:
+def gemm_equivalents(dim: int, dtype: torch.dtype, device: torch.device, precision: str = "ieee",
+                     masked: bool = False, guide: bool = False) -> Tuple[int, int]:
     """(forward, backward) GEMM-equivalents (each 2 * Bq * Bk * D flops) with the device's default tiling,
-    for either loss: forward 1 (S once; the column stats come from the same tiles), backward S and the
-    product once per dq (dk) slice: 4 while D fits one slice (256 columns by default)."""
-    tiling = default_tiling(device, dtype, precision)
+    for either loss: forward 1 (S once; the column stats come from the same tiles), backward S once per
+    dq (dk) slice and the product once: 4 while D fits one slice (256 columns by default). ``masked``: the
+    masked kernels' tiling; a ``guide`` (of width D) adds its scores' product wherever S is formed."""
+    tiling = default_tiling(device, dtype, precision, dim, masked, guide)
     slices = [-(-dim // tiling.block_out(config, dim)) for config in (tiling.dq, tiling.dk)]
-    return 1, sum(slices) + 2
+    per_score = 2 if guide else 1
+    return per_score, sum(slices) * per_score + 2
