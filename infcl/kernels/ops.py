@@ -68,16 +68,19 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
     kernel's ragged-D configs where the family has them (:data:`softmax_forward.RAGGED_D_CONFIGS`,
     :data:`softmax_backward.RAGGED_D_DQ_CONFIGS`). ``masked`` (mask options): the masked configs
     (:data:`softmax_forward.MASKED_CONFIGS`; the backward's ``MASKED_DQ_CONFIGS`` / ``MASKED_DK_CONFIGS`` with
-    a ``guide``, ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS`` without), with one feature chunk as the most a
-    program holds in registers."""
+    a ``guide``, and ``MASKED_RAGGED_D_DQ_CONFIGS`` at ragged D; ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS``
+    without), with one feature chunk as the most a program holds in registers."""
     klass = operand_class(dtype, precision)
     resident_d, chunk_d = FEATURE_CHUNKS[klass]
     if masked:
         prefix = "MASKED" if guide else "IDS"
         chunk_d = softmax_forward.MASKED_CHUNK_D.get((arch, klass), chunk_d)
+        dq = getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass]
+        if guide and dim is not None and dim > chunk_d and dim % chunk_d:
+            dq = softmax_backward.MASKED_RAGGED_D_DQ_CONFIGS.get((arch, klass), dq)
         return Tiling(
             forward=softmax_forward.MASKED_CONFIGS[arch, klass],
-            dq=getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass],
+            dq=dq,
             dk=getattr(softmax_backward, f"{prefix}_DK_CONFIGS")[arch, klass],
             resident_d=chunk_d,
             chunk_d=chunk_d,

@@ -41,6 +41,7 @@ from .configs import (
     ARCH_FAMILIES,
     COMPILE_OPTIONS,
     NO_MASKS,
+    TRITON_VERSION,
     MaskInputs,
     TileConfig,
     Tiling,
@@ -252,6 +253,14 @@ MASKED_CONFIGS = {
 # The feature chunk of masked calls where it is not the operand class's (configs.FEATURE_CHUNKS): one chunk
 # is all a masked program holds in registers, and the guide's tiles sit beside it.
 MASKED_CHUNK_D = {(120, "mma"): 32}
+# Triton 3.2 aborts compiling the masked bf16/fp16 tiles above for sm_90 / sm_100 (the LLVM assertion of
+# the 64-row wgmma accumulator split over two warp groups, as the plain dq kernel and the sigmoid loss): 128
+# rows on the same 8 warps (one warp group per 64), over 32-feature chunks; the backward's masked configs
+# follow (softmax_backward). The symmetric forward with ids, a guide and "sum" still spills 116 B there.
+if TRITON_VERSION < (3, 3):
+    MASKED_CONFIGS.update({(arch, "mma"): TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1,
+                                                     max_registers=255) for arch in (90, 100)})
+    MASKED_CHUNK_D.update({(arch, "mma"): 32 for arch in (90, 100)})
 
 
 def _keep(key, config: TileConfig) -> bool:
