@@ -234,7 +234,7 @@ sigmoid_backward_block = _register(
 def gemm_equivalents(dim: int, dtype: torch.dtype, device: torch.device, precision: str = "ieee") -> Tuple[int, int]:
     """(forward, backward) GEMM-equivalents (each 2 * Bq * Bk * D flops) with the device's default tiling,
     for either loss: forward 1 (S once; the column stats come from the same tiles), backward S and the
-    product once per dq (dk) slice (each kernel's ``block_out`` columns): 4 while D fits one slice of each."""
-    tiling = default_tiling(device, dtype, precision, dim)
+    product once per dq (dk) slice: 4 while D fits one slice (256 columns by default)."""
+    tiling = default_tiling(device, dtype, precision)
     slices = [-(-dim // tiling.block_out(config, dim)) for config in (tiling.dq, tiling.dk)]
     return 1, sum(slices) + 2
