@@ -45,6 +45,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import csv
+import hashlib
 import math
 import multiprocessing
 import re
@@ -215,6 +216,95 @@ def mma_kinds(ptx: str, sass: Optional[str]) -> Dict[str, str]:
     }
 
 
+# ---- the S tile's MMA, read from the TTGIR ------------------------------------------------------------
+# The MMA ops of Triton's GPU dialect (Triton 3.2 spells the dialects out: triton_gpu, triton_nvidia_gpu).
+TTGIR_DOT = re.compile(r"\b((?:tt|triton)\.dot|(?:ttng|triton_nvidia_gpu)\.(?:warp_group_dot|tc_gen5_mma))\b")
+TTGIR_ALIAS = re.compile(r"^(#[\w.]+) = (.*)$", re.M)
+TTGIR_LOC = re.compile(r"loc\((#loc\d*)\)\s*$")
+# What of an operand's type is not the MMA's layout: buffers' mutability and their multi-buffered allocation
+# shape (pipeline stages), and tcgen05's completion barrier.
+TTGIR_NOT_LAYOUT = re.compile(r", mutable|, \d+(?:x\d+)+(?=>)")
+TTGIR_BARRIER = re.compile(r",\s*!ttg\.memdesc<1xi64[^>]*>")
+
+
+def _source_location(loc: str, locs: Dict[str, str]) -> Optional[Tuple[str, int]]:
+    """(file name, line) of the innermost call site of TTGIR location ``loc`` (an alias such as ``#loc12``)."""
+    for _ in range(64):  # location chains are short; a cycle would be malformed IR
+        text = locs.get(loc)
+        if text is None:
+            return None
+        match = re.match(r'loc\("([^"]+)":(\d+):\d+\)', text)
+        if match:
+            return Path(match.group(1)).name, int(match.group(2))
+        # callsite(callee at caller) and named locations "name"(#locN): follow the first location inside
+        inner = re.search(r"(#loc\d*)", text[4:])
+        if inner is None:
+            return None
+        loc = inner.group(1)
+    return None
+
+
+def _expand_aliases(text: str, aliases: Dict[str, str]) -> str:
+    """``text`` with every attribute alias (``#mma``, ``#shared1``, ``#tmem``; not locations) replaced by its
+    definition, recursively (an operand layout names its parent MMA layout)."""
+    for _ in range(8):
+        expanded = re.sub(r"#(?!loc)[\w.]+\b", lambda m: aliases.get(m.group(0), m.group(0)), text)
+        if expanded == text:
+            break
+        text = expanded
+    return text
+
+
+def score_mma_layouts(ttgir: str, score_lines: Tuple[str, range]) -> List[str]:
+    """The layouts of the MMA ops that build S, one string per distinct layout: the op and its operand and
+    result types with every layout alias expanded (the MMA version, warps per CTA and instruction shape, or
+    the tensor-memory block; the operands' shared-memory or register layouts). S's ops are those whose source
+    location is ``score_lines`` (file name, lines): :func:`infcl.kernels.tiles.score_dot`'s tl.dot, which
+    every kernel's S comes from, first chunk and later ones alike; the products (``tile_dot``) are left out."""
+    aliases = {name: value for name, value in TTGIR_ALIAS.findall(ttgir) if not name.startswith("#loc")}
+    locs = {name: value for name, value in TTGIR_ALIAS.findall(ttgir) if name.startswith("#loc")}
+    layouts = []
+    for line in ttgir.splitlines():
+        op, loc = TTGIR_DOT.search(line), TTGIR_LOC.search(line)
+        if not op or not loc:
+            continue
+        where = _source_location(loc.group(1), locs)
+        if where is None or where[0] != score_lines[0] or where[1] not in score_lines[1]:
+            continue
+        types = line[: loc.start()].rsplit(" : ", 1)[-1]
+        types = TTGIR_NOT_LAYOUT.sub("", TTGIR_BARRIER.sub("", types))
+        layout = f"{op.group(1).split('.')[-1]} {_expand_aliases(types, aliases)}".strip()
+        if layout not in layouts:
+            layouts.append(layout)
+    return layouts
+
+
+def mma_instruction(layout: str) -> str:
+    """A short name for the MMA instruction of a :func:`score_mma_layouts` layout: ``wgmma m64n64k16 8x1``
+    (warps per CTA along M x N), ``mma.sync m16n8 1x8``, ``tcgen05 m64n32``."""
+    tmem = re.search(r"blockM = (\d+), blockN = (\d+)", layout)
+    if tmem:
+        return f"tcgen05 m{tmem.group(1)}n{tmem.group(2)}"
+    mma = re.search(r"versionMajor = (\d+).*?warpsPerCTA = \[(\d+), (\d+)\].*?instrShape = \[([\d, ]+)\]", layout)
+    if not mma:
+        return "?"
+    version, warps = int(mma.group(1)), f"{mma.group(2)}x{mma.group(3)}"
+    shape = [int(x) for x in mma.group(4).split(",")]
+    if version == 3:  # instrShape [16, N, K] per warp: a warpgroup's wgmma is m64nNkK
+        return f"wgmma m64n{shape[1]}k{shape[2]} {warps}"
+    return f"mma.sync m{shape[0]}n{shape[1]} {warps}"
+
+
+def score_lines() -> Tuple[str, range]:
+    """(file name, line range) of :func:`infcl.kernels.tiles.score_dot`: where S's MMA op comes from."""
+    import inspect
+
+    from infcl.kernels import tiles
+
+    source, start = inspect.getsourcelines(tiles.score_dot.fn)
+    return Path(inspect.getsourcefile(tiles.score_dot.fn)).name, range(start, start + len(source))
+
+
 def modelled_bytes_flops(kernel: str, c: Dict, dim: int, elt: int) -> Tuple[float, float]:
     """(operand bytes loaded, flops) per tile of ``kernel`` with block sizes ``c`` (the launch's constexprs)."""
     bm, bn, bd = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_D"]
@@ -262,17 +352,20 @@ def parse_tile(spec: str) -> Tuple[str, Tuple[int, ...]]:
 
 @contextlib.contextmanager
 def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple[int, ...]]):
-    """The default configs of ``arch`` and the dtype's operand class replaced by ``tiles`` (parse_tile's
-    values; unnamed fields keep the default's), restored on exit (workers run several jobs)."""
+    """The default configs of ``arch`` and the dtype's operand class, at whole-chunk and ragged D alike,
+    replaced by ``tiles`` (parse_tile's values; unnamed fields keep the default's), restored on exit (workers
+    run several jobs). A candidate for one kernel alone gives it another S tile than the others'."""
     import torch
 
     from infcl.kernels import sigmoid, softmax_backward, softmax_forward
     from infcl.kernels.configs import TileConfig, operand_class
 
     klass = operand_class(getattr(torch, dtype), precision)
-    tables = {"forward": softmax_forward.DEFAULT_CONFIGS, "dq": softmax_backward.DQ_CONFIGS,
-              "dk": softmax_backward.DK_CONFIGS}
-    saved = {name: table[arch, klass] for name, table in tables.items()}
+    key = (arch, klass)
+    tables = {"forward": (softmax_forward.DEFAULT_CONFIGS, softmax_forward.RAGGED_D_CONFIGS),
+              "dq": (softmax_backward.DQ_CONFIGS, softmax_backward.RAGGED_D_DQ_CONFIGS),
+              "dk": (softmax_backward.DK_CONFIGS, softmax_backward.RAGGED_D_DK_CONFIGS)}
+    saved = {name: (whole[key], ragged.get(key)) for name, (whole, ragged) in tables.items()}
     saved_siglip = sigmoid.DEFAULT_TILINGS[klass]
     names = [f.name for f in fields(TileConfig)]
 
@@ -285,11 +378,17 @@ def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple
                 cfg = config(saved_siglip.forward, values)
                 sigmoid.DEFAULT_TILINGS[klass] = replace(saved_siglip, forward=cfg, dq=cfg, dk=cfg)
             else:
-                tables[name][arch, klass] = config(saved[name], values)
+                whole, ragged = tables[name]
+                whole[key] = config(saved[name][0], values)
+                ragged[key] = config(saved[name][1] or saved[name][0], values)
         yield
     finally:
-        for name, table in tables.items():
-            table[arch, klass] = saved[name]
+        for name, (whole, ragged) in tables.items():
+            whole[key] = saved[name][0]
+            if saved[name][1] is None:
+                ragged.pop(key, None)
+            else:
+                ragged[key] = saved[name][1]
         sigmoid.DEFAULT_TILINGS[klass] = saved_siglip
 
 
@@ -349,10 +448,16 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
     label = {"bfloat16": "bf16", "float16": "fp16", "float32": f"fp32-{precision}"}.get(dtype, dtype)
     # The products' M (the MMA's row count): S and dq have BLOCK_M rows, dk's product has BLOCK_N.
     product_m = min(launch["BLOCK_M"], launch["BLOCK_N"]) if name == "dk" else launch["BLOCK_M"]
+    layouts = score_mma_layouts(kernel.asm["ttgir"], score_lines())
     return {
         "target": f"sm_{arch}", "dtype": label, "D": dim, "kernel": name, "config": _config(name, launch),
         "warps": warps, "stages": kernel.metadata.num_stages, "min_mma_m": product_m,
         **mma_kinds(ptx, sass),
+        # S's MMA ops: their instruction, how many distinct layouts (1: the first chunk's is the others'), and
+        # a digest of the layouts to compare across kernels (the forward's, dq's and dk's S must be one).
+        "s_mma": " | ".join(mma_instruction(layout) for layout in layouts) or "-",
+        "s_layouts": len(layouts),
+        "s_layout": hashlib.sha1("\n".join(layouts).encode()).hexdigest()[:12] if layouts else "-",
         "listing": "sass" if sass else "ptx",
         "loop_static": loop["static"] if loop else None,
         "instr_per_tile": loop["instr"] if loop else None,

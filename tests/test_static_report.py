@@ -1,10 +1,13 @@
-"""The static performance report (bench/static.py) on sm_90 bf16 D = 512, compile-only, and what in it is
-structural: every kernel of both losses compiled and its tile loop found; S on wgmma; no mma.sync in a
-kernel whose products all have M >= 64 (wgmma's smallest M); no spills; shared memory within the limit.
-The figures (instructions, MUFU and shuffles per S entry, CTAs per SM, waves, flop/byte) are reported
-(``pytest -s`` prints the table), never asserted.
+"""The static performance report (bench/static.py) on sm_90 bf16 at D = 512 (whole feature chunks) and 1000
+(ragged), compile-only, and what in it is structural: every kernel of both losses compiled and its tile loop
+found; S on wgmma; S from the same MMA ops in the same layouts in the softmax forward, dq and dk (the
+bit-identical S the backward relies on), one layout for every chunk; no mma.sync in a kernel whose products
+all have M >= 64 (wgmma's smallest M); no spills; shared memory within the limit. The figures (instructions,
+MUFU and shuffles per S entry, CTAs per SM, waves, flop/byte) are reported (``pytest -s`` prints the table),
+never asserted.
 
-The listing reader and the occupancy model are also checked on small hand-made inputs.
+The default and autotune configs are checked to share one S tile per (family, tensor-core class, ragged D)
+without compiling; the listing and TTGIR readers and the occupancy model on small hand-made inputs.
 """
 
 import pytest
@@ -17,11 +20,14 @@ from bench import static  # noqa: E402
 # wgmma's M is 64 per warpgroup: a product with fewer rows has to use mma.sync.
 WGMMA_M = 64
 KERNELS = {"forward", "dq", "dk", "siglip_forward", "siglip_backward"}
+SOFTMAX_KERNELS = ("forward", "dq", "dk")
+# D = 512: several whole feature chunks; 1000: ragged chunks (configs.ragged_d), which may take another S tile.
+DIMS = (512, 1000)
 
 
 @pytest.fixture(scope="module")
 def rows():
-    out = static.run(targets=(90,), workers=1)
+    out = static.run(targets=(90,), dims=DIMS, workers=1)
     if not out:
         pytest.skip("the triton wheel's ptxas does not know sm_90")
     print("\n" + static.format_table(out))
@@ -43,6 +49,39 @@ def test_scores_on_wgmma_and_no_mma_sync_where_every_product_allows_wgmma(rows):
         assert r["async_mma"] > 0, f"{r['kernel']} {r['config']}: no wgmma ({r['mma_ptx']})"
         if r["min_mma_m"] >= WGMMA_M and r["warps"] % 4 == 0:
             assert r["mma_sync"] == 0, f"{r['kernel']} {r['config']}: mma.sync in the PTX ({r['mma_ptx']})"
+
+
+def test_scores_from_one_mma_layout_in_forward_dq_and_dk(rows):
+    """The bit-identical S premise, read from the compiled code: S's MMA ops (tiles.score_dot's tl.dot) have
+    one layout in each softmax kernel (every feature chunk alike) and it is the same in all three."""
+    for dim in DIMS:
+        by_kernel = {r["kernel"]: r for r in rows if r["D"] == dim and r["kernel"] in SOFTMAX_KERNELS}
+        assert set(by_kernel) == set(SOFTMAX_KERNELS), dim
+        for name, r in by_kernel.items():
+            assert r["s_layouts"] == 1, f"D={dim} {name} {r['config']}: S in {r['s_layouts']} layouts ({r['s_mma']})"
+        layouts = {name: (r["s_layout"], r["s_mma"]) for name, r in by_kernel.items()}
+        assert len({digest for digest, _ in layouts.values()}) == 1, f"D={dim}: {layouts}"
+
+
+def test_configs_share_one_score_tile():
+    """Every default and autotune config of the three softmax kernels on tensor cores is built on the one S
+    tile of its (family, class, ragged D): the same BLOCK_M, BLOCK_N and num_warps (so the same MMA)."""
+    from infcl.kernels import softmax_backward, softmax_forward
+    from infcl.kernels.configs import ARCH_FAMILIES, TENSOR_CORE_CLASSES, score_tile
+    from infcl.kernels.ops import plain_tiling
+
+    for arch in ARCH_FAMILIES:
+        for klass in TENSOR_CORE_CLASSES:
+            for dim, ragged in ((40, False), (512, False), (1000, True)):
+                tile = score_tile(arch, klass, ragged)
+                tiling = plain_tiling(arch, klass, dim)
+                for name, cfg in (("forward", tiling.forward), ("dq", tiling.dq), ("dk", tiling.dk)):
+                    assert cfg.score_tile == tile, (arch, klass, dim, name, cfg)
+                spaces = (softmax_forward.AUTOTUNE_CONFIGS, softmax_backward.DQ_AUTOTUNE_CONFIGS,
+                          softmax_backward.DK_AUTOTUNE_CONFIGS)
+                for space in spaces:
+                    assert space[arch, klass, ragged], (arch, klass, ragged)
+                    assert {cfg.score_tile for cfg in space[arch, klass, ragged]} == {tile}, (arch, klass, ragged)
 
 
 def test_no_spills_and_shared_memory_within_limit(rows):
@@ -82,6 +121,46 @@ def test_mma_kinds_reads_ptx_and_sass():
     assert kinds["mma_sync"] == 1 and kinds["async_mma"] == 1
     assert kinds["mma_ptx"] == "mma.sync.m16n8k16:1 wgmma.m64n64k16:1"
     assert kinds["mma_sass"] == "HGMMA.64x64x16:2"
+
+
+# A made-up TTGIR: the S product (its location in tiles.py, lines 10-12) peeled and in the loop, in two
+# layouts, and a product elsewhere (line 40) that is not S.
+TTGIR = """#loc = loc("/x/softmax_backward.py":1:1)
+#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 32, 16]}>
+#mma1 = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 2], instrShape = [16, 32, 16]}>
+#shared = #ttg.nvmma_shared<{swizzlingByteWidth = 128, transposed = false, elementBitWidth = 16}>
+#smem = #ttg.shared_memory
+    %raw = ttng.warp_group_dot %q, %k, %z {isAsync = true} : !ttg.memdesc<64x64xbf16, #shared, #smem> * \
+!ttg.memdesc<64x64xbf16, #shared, #smem> -> tensor<64x64xf32, #mma> loc(#loc7)
+      %raw_1 = ttng.warp_group_dot %q1, %k1, %raw {isAsync = true} : !ttg.memdesc<64x64xbf16, #shared, #smem, \
+mutable, 3x64x64> * !ttg.memdesc<64x64xbf16, #shared, #smem, mutable> -> tensor<64x64xf32, #mma1> loc(#loc8)
+    %acc = tt.dot %ds, %kout, %acc0 : tensor<64x64xbf16> * tensor<64x256xbf16> -> tensor<64x256xf32, #mma> loc(#loc9)
+#loc3 = loc("/y/infcl/kernels/tiles.py":11:16)
+#loc4 = loc("/y/infcl/kernels/tiles.py":40:11)
+#loc5 = loc("/x/softmax_backward.py":200:5)
+#loc6 = loc("raw"(#loc3))
+#loc7 = loc(callsite(#loc3 at #loc5))
+#loc8 = loc(callsite(#loc6 at #loc5))
+#loc9 = loc(callsite(#loc4 at #loc5))
+"""
+
+
+def test_score_mma_layouts_reads_the_score_product_and_its_layouts():
+    layouts = static.score_mma_layouts(TTGIR, ("tiles.py", range(10, 13)))
+    # the two S dots (not the product at line 40), buffers' mutability and stage count left out
+    assert [static.mma_instruction(layout) for layout in layouts] == ["wgmma m64n32k16 8x1", "wgmma m64n32k16 4x2"]
+    assert all("mutable" not in layout and "3x64x64" not in layout for layout in layouts)
+    assert "instrShape = [16, 32, 16]" in layouts[0] and "swizzlingByteWidth = 128" in layouts[0]
+    one = TTGIR.replace("#mma1>", "#mma>")  # both chunks in one layout
+    assert len(static.score_mma_layouts(one, ("tiles.py", range(10, 13)))) == 1
+    assert static.score_mma_layouts(TTGIR, ("tiles.py", range(50, 60))) == []
+
+
+def test_mma_instruction_names():
+    assert static.mma_instruction("tc_gen5_mma #ttng.tensor_memory_encoding<blockM = 64, blockN = 32, colStride = 1>") \
+        == "tcgen05 m64n32"
+    v2 = "dot #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [4, 2], instrShape = [16, 8]}>"
+    assert static.mma_instruction(v2) == "mma.sync m16n8 4x2"
 
 
 @pytest.mark.parametrize("regs, warps, smem, expected", [

@@ -316,7 +316,9 @@ def variants() -> List[Variant]:
             add(arch, dtype, precision, shapes(resident_d), default, "default", ("backward",))
             if dtype == "bfloat16":
                 continue  # the "mma" class's autotune configs are compiled at fp16 (dS normalization: more registers)
-            key, ragged = (arch_key((arch // 10, arch % 10)), klass), [shapes(resident_d)[-1]]
+            # the autotune lists at the ragged D case (1000), around that D's defaults
+            key, ragged = (arch_key((arch // 10, arch % 10)), klass, True), [shapes(resident_d)[-1]]
+            default = arch_tiling(key[0], torch_dtype, precision, ragged[0][0])
             for i, cfg in enumerate(softmax_forward.AUTOTUNE_CONFIGS[key]):
                 if cfg != default.forward:
                     add(arch, dtype, precision, ragged, replace(default, forward=cfg), f"autotune #{i}", ("forward",))
@@ -549,10 +551,10 @@ def api_calls(full: bool) -> List[Call]:
     autotuned path (each config of its search space compiled as a trial) for both directions.
 
     CI (not ``full``; D = 256 / 512 / 768 compile to the same kernels, so they stand in for each other):
-    on sm_90, D = 40 and 1000 symmetric and sigmoid, D = 1 one-directional with labels and Bk > Bq, an
-    even batch through both modules, and the autotuned symmetric path at D = 1000; on the other targets
-    the heaviest cases (symmetric at D = 40 and 1000, sigmoid at 1000, ragged) and the autotuned
-    symmetric path in bf16.
+    on sm_90, D = 40, 512 and 1000 symmetric (512: several whole chunks, whose S tile is not ragged D's)
+    and sigmoid, D = 1 one-directional with labels and Bk > Bq, an even batch through both modules, and
+    the autotuned symmetric path at D = 1000; on the other targets the heaviest cases (symmetric at D = 40
+    and 1000, and 512 on tensor cores; sigmoid at 1000, ragged) and the autotuned symmetric path in bf16.
 
     The mask options (:func:`masked_calls`): ``full``, every mask kind on every target and dtype; CI,
     sm_90 and sm_80 in bf16 and fp32 (ieee; tf32 on sm_90 for the heaviest case).
@@ -584,7 +586,7 @@ def api_calls(full: bool) -> List[Call]:
                 add("cal_inf_loss", (1000,), ragged, autotune=True)
                 add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             elif arch == 90:
-                add("cal_inf_loss", (40, 1000), ragged, symmetric=True)
+                add("cal_inf_loss", (40, 512, 1000), ragged, symmetric=True)
                 # Block-multiple batches compile the unmasked (EVEN_M/N) loads: fewer registers go to
                 # masks, more to the pipeline, so a ragged D spills there first.
                 add("cal_inf_loss", (1000,), even, symmetric=True)
@@ -595,7 +597,9 @@ def api_calls(full: bool) -> List[Call]:
                 add("InfSigLipLoss", (256,), even)
                 add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             else:
-                add("cal_inf_loss", (40, 1000), ragged, symmetric=True)
+                # D = 512 on tensor cores: whole chunks beyond one, where the S tile is not ragged D's.
+                tensor_cores = dtype in ("bfloat16", "float16") or precision == "tf32"
+                add("cal_inf_loss", (40, 512, 1000) if tensor_cores else (40, 1000), ragged, symmetric=True)
                 add("cal_siglip_loss", (1000,), ragged)
                 add("cal_inf_loss", (1000,), even, symmetric=True)
                 add("cal_siglip_loss", (512, 1000), even)

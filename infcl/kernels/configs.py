@@ -85,6 +85,32 @@ class TileConfig:
     def as_triton(self) -> triton.Config:
         return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, **self.launch_options())
 
+    @property
+    def score_tile(self) -> "ScoreTile":
+        """The shape of the S tile this config builds (what sets S's MMA instruction and layout)."""
+        return ScoreTile(self.block_m, self.block_n, self.num_warps)
+
+
+@dataclass(frozen=True)
+class ScoreTile:
+    """The S tile of the softmax kernels: BLOCK_M q rows x BLOCK_N k rows on ``num_warps`` warps.
+
+    Triton picks the MMA instruction and the layout of ``tl.dot`` from these three (and the operand dtype):
+    on sm_90, wgmma m64nNk16 with N = BLOCK_N, or BLOCK_N / 2 when 64 rows are split over two warp groups;
+    tcgen05 with M = BLOCK_M on sm_100; mma.sync elsewhere. On tensor cores the forward, dq and dk kernels
+    therefore build their configs from one ScoreTile (:func:`score_tile`): their S comes from the same
+    instruction in the same layout by construction, so its entries are bit-identical (see
+    :mod:`infcl.kernels.tiles`); the pipeline depth, the dq / dk slice and maxnreg stay per kernel.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    def config(self, num_stages: int = 2, block_out: int = 256, max_registers: int = 0) -> TileConfig:
+        """A kernel's config on this S tile."""
+        return TileConfig(self.block_m, self.block_n, self.num_warps, num_stages, block_out, max_registers)
+
 
 @dataclass(frozen=True)
 class Tiling:
@@ -165,6 +191,53 @@ def operand_class(dtype: torch.dtype, precision: Optional[str]) -> str:
 # columns are the fused-attention head size; tf32 operands take twice the bytes; FMA products (fp32
 # "ieee" and fp64) hold their operand fragments in registers, fully unrolled over the chunk: 16.
 FEATURE_CHUNKS = {"mma": (128, 64), "tf32": (64, 32), "ieee": (16, 16), "fp64": (16, 16)}
+# The operand classes whose products run on tensor cores, where S's bits depend on the MMA instruction.
+TENSOR_CORE_CLASSES = ("mma", "tf32")
+
+
+def ragged_d(dim: Optional[int], klass: str) -> bool:
+    """Whether D = ``dim`` is wider than one feature chunk of ``klass`` and not a whole number of them: the
+    last chunk's masked loads need registers, so such calls take the RAGGED_D configs (:func:`score_tile`)."""
+    chunk_d = FEATURE_CHUNKS[klass][1]
+    return dim is not None and dim > chunk_d and dim % chunk_d != 0
+
+
+# The S tile of the plain softmax kernels per (architecture family, tensor-core class), for whole-chunk D
+# (SCORE_TILES) and, where it differs, ragged D (RAGGED_D_SCORE_TILES). The forward, dq and dk configs are all
+# built on it (softmax_forward.DEFAULT_CONFIGS, softmax_backward.DQ_CONFIGS / DK_CONFIGS and their RAGGED_D_
+# tables). Chosen to compile without spills in all three kernels (tests/test_triton_api_compile.py; bench.static
+# reports the figures), not timed on a GPU:
+SCORE_TILES = {
+    # sm_90: 64 x 64 on two warp groups, S on wgmma m64n32k16 (each group 32 columns), in every kernel, and
+    # the dk product (M = 64) on wgmma too. 128 x 64 (m64n64 per group) spills the dq kernel 12-20 B at
+    # every pipeline depth with bf16 or fp16 (D = 256 / 512, 128-wide slices; ptxas 13).
+    **{(90, klass): ScoreTile(64, 64, 8) for klass in TENSOR_CORE_CLASSES},
+    # sm_100: tcgen05 M = 64; ptxas 13 spills the 128 x 64 forward and dk.
+    **{(100, klass): ScoreTile(64, 32, 8) for klass in TENSOR_CORE_CLASSES},
+    # mma.sync families: 64 x 32 on 8 warps, the most the backward's 256-column slices fit beside.
+    **{(arch, klass): ScoreTile(64, 32, 8) for arch in (80, 86, 120) for klass in TENSOR_CORE_CLASSES},
+}
+RAGGED_D_SCORE_TILES = {
+    # sm_90 bf16/fp16: at ragged D the 64 x 64 dq and dk spill 64-104 B with 256-wide slices (D = 1000); 64 x 32
+    # fits (128-wide slices would fit 64 x 64 at twice the S recomputations).
+    (90, "mma"): ScoreTile(64, 32, 8),
+}
+if TRITON_VERSION < (3, 3):
+    # Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion in the dq
+    # kernel), so on sm_90 / sm_100 every S tile there keeps one warp group per 64 rows: 128 x 64 at whole-chunk
+    # D, 128 x 32 at ragged D (its kernels need more registers than 3.9's; softmax_backward narrows the slices).
+    SCORE_TILES.update({(arch, klass): ScoreTile(128, 64, 8) for arch in (90, 100) for klass in TENSOR_CORE_CLASSES})
+    RAGGED_D_SCORE_TILES.update(
+        {(arch, klass): ScoreTile(128, 32, 8) for arch in (90, 100) for klass in TENSOR_CORE_CLASSES}
+    )
+
+
+def score_tile(arch: int, klass: str, ragged: bool = False) -> ScoreTile:
+    """The S tile of the plain softmax kernels for family ``arch`` and tensor-core class ``klass``, at a
+    ragged D (:func:`ragged_d`) or not."""
+    if ragged:
+        return RAGGED_D_SCORE_TILES.get((arch, klass), SCORE_TILES[arch, klass])
+    return SCORE_TILES[arch, klass]
 
 
 def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
@@ -378,11 +451,12 @@ def _as_triton(tile: TileConfig) -> triton.Config:
                          **tile.launch_options())
 
 
-def autotune_space(by_key: Dict[Tuple[int, str], List[TileConfig]]):
+def autotune_space(by_key: Dict[Tuple[int, str, bool], List[TileConfig]]):
     """(triton.Configs, early_config_prune) for one autotuned kernel whose search space depends on the
-    architecture family and the operand class: the union of every list, pruned at tuning time to the
-    call's own (family, class) list, each with the call's EVEN_M / EVEN_N (the tuning key,
-    :func:`autotune_bucket`, holds the sizes' divisibility, so a cached choice fits every call of its key)."""
+    architecture family, the operand class and whether D is ragged (:func:`ragged_d`: the S tile may differ):
+    the union of every list, pruned at tuning time to the call's own (family, class, ragged) list, each with
+    the call's EVEN_M / EVEN_N (the tuning key, :func:`autotune_bucket`, holds the sizes' divisibility, and D,
+    so a cached choice fits every call of its key)."""
     configs, owners = [], []
     for key, tiles in by_key.items():
         for tile in tiles:
@@ -392,7 +466,8 @@ def autotune_space(by_key: Dict[Tuple[int, str], List[TileConfig]]):
     def prune(candidates, named_args, **kwargs):
         args = {**named_args, **kwargs}  # keyword launches: the arguments arrive as kwargs
         q = args["q_ptr"]
-        key = (target_family(), operand_class(q.dtype, args.get("PRECISION")))
+        klass = operand_class(q.dtype, args.get("PRECISION"))
+        key = (target_family(), klass, ragged_d(args["D"], klass))
         out = []
         for config, owner in zip(configs, owners):
             if owner == key and any(config is c for c in candidates):
@@ -405,7 +480,7 @@ def autotune_space(by_key: Dict[Tuple[int, str], List[TileConfig]]):
     return configs, prune
 
 
-def lazy_autotune(kernel, by_key: Dict[Tuple[int, str], List[TileConfig]], key: List[str], **buffers):
+def lazy_autotune(kernel, by_key: Dict[Tuple[int, str, bool], List[TileConfig]], key: List[str], **buffers):
     """A function returning the @triton.jit ``kernel`` autotuned over :func:`autotune_space` (``buffers``:
     restore_value / reset_to_zero), built on its first call: Triton < 3.4's autotune decorator asks the
     active GPU driver for a benchmarker when it is applied, which fails on a machine without a GPU."""
@@ -420,12 +495,10 @@ def lazy_autotune(kernel, by_key: Dict[Tuple[int, str], List[TileConfig]], key: 
 
 
 def neighbours(default: TileConfig) -> List[TileConfig]:
-    """An autotune list around a default config: itself, half the BLOCK_N, one more pipeline stage."""
-    out = [default]
-    if default.block_n > MIN_DOT:
-        out.append(replace(default, block_n=default.block_n // 2))
-    out.append(replace(default, num_stages=default.num_stages + 1))
-    return out
+    """An autotune list around a default config: itself and one more pipeline stage. The S tile (BLOCK_M,
+    BLOCK_N, num_warps) is never varied: the forward and the backward are tuned apart, and a different tile
+    in one of them could change S's MMA instruction and so its bits (:class:`ScoreTile`)."""
+    return [default, replace(default, num_stages=default.num_stages + 1)]
 
 
 # ---- splitting a block into programs ------------------------------------------------------------

@@ -45,6 +45,7 @@ from .configs import (
     Tiling,
     autotuning,
     operand_class,
+    ragged_d,
     target_facts,
     target_family,
 )
@@ -64,15 +65,18 @@ def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim
 def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None,
                 masked: bool = False, guide: bool = False) -> Tiling:
     """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`);
-    a ``dim`` wider than one feature chunk and not a whole number of them takes the forward's and the dq
-    kernel's ragged-D configs where the family has them (:data:`softmax_forward.RAGGED_D_CONFIGS`,
-    :data:`softmax_backward.RAGGED_D_DQ_CONFIGS`). ``masked`` (mask options): the masked configs
-    (:data:`softmax_forward.MASKED_CONFIGS`; the backward's ``MASKED_DQ_CONFIGS`` / ``MASKED_DK_CONFIGS`` with
-    a ``guide``, and ``MASKED_RAGGED_D_DQ_CONFIGS`` at ragged D; ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS``
+    a ``dim`` wider than one feature chunk and not a whole number of them (:func:`configs.ragged_d`) takes
+    the ragged-D configs where the family has them (:data:`softmax_forward.RAGGED_D_CONFIGS`,
+    :data:`softmax_backward.RAGGED_D_DQ_CONFIGS` / ``RAGGED_D_DK_CONFIGS``). On tensor cores the three are
+    built on one S tile, :func:`configs.score_tile`, so S has the same MMA instruction and layout in every
+    kernel (tests/test_static_report.py checks the tables and the compiled code). ``masked`` (mask
+    options): the masked configs (:data:`softmax_forward.MASKED_CONFIGS`; the backward's
+    ``MASKED_DQ_CONFIGS`` / ``MASKED_DK_CONFIGS`` with a ``guide``, and ``MASKED_RAGGED_D_DQ_CONFIGS``
+    at ragged D; ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS``
     without), with one feature chunk as the most a program holds in registers."""
     klass = operand_class(dtype, precision)
-    resident_d, chunk_d = FEATURE_CHUNKS[klass]
     if masked:
+        chunk_d = FEATURE_CHUNKS[klass][1]
         prefix = "MASKED" if guide else "IDS"
         chunk_d = softmax_forward.MASKED_CHUNK_D.get((arch, klass), chunk_d)
         dq = getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass]
@@ -85,18 +89,20 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
             resident_d=chunk_d,
             chunk_d=chunk_d,
         )
-    forward = softmax_forward.DEFAULT_CONFIGS[arch, klass]
-    dq = softmax_backward.DQ_CONFIGS[arch, klass]
-    if dim is not None and dim > chunk_d and dim % chunk_d:
-        forward = softmax_forward.RAGGED_D_CONFIGS.get((arch, klass), forward)
-        dq = softmax_backward.RAGGED_D_DQ_CONFIGS.get((arch, klass), dq)
-    return Tiling(
-        forward=forward,
-        dq=dq,
-        dk=softmax_backward.DK_CONFIGS[arch, klass],
-        resident_d=resident_d,
-        chunk_d=chunk_d,
-    )
+    return plain_tiling(arch, klass, dim)
+
+
+def plain_tiling(arch: int, klass: str, dim: Optional[int] = None) -> Tiling:
+    """:func:`arch_tiling` of the plain loss for operand class ``klass`` (:func:`configs.operand_class`)."""
+    resident_d, chunk_d = FEATURE_CHUNKS[klass]
+    key, ragged = (arch, klass), ragged_d(dim, klass)
+    forward = softmax_forward.DEFAULT_CONFIGS[key]
+    dq, dk = softmax_backward.DQ_CONFIGS[key], softmax_backward.DK_CONFIGS[key]
+    if ragged:
+        forward = softmax_forward.RAGGED_D_CONFIGS.get(key, forward)
+        dq = softmax_backward.RAGGED_D_DQ_CONFIGS.get(key, dq)
+        dk = softmax_backward.RAGGED_D_DK_CONFIGS.get(key, dk)
+    return Tiling(forward=forward, dq=dq, dk=dk, resident_d=resident_d, chunk_d=chunk_d)
 
 
 def _tiling(tiling: List[int], q: Tensor, precision: str, masked: bool = False,

@@ -46,6 +46,8 @@ from .configs import (
     ARCH_FAMILIES,
     COMPILE_OPTIONS,
     NO_MASKS,
+    SCORE_TILES,
+    TENSOR_CORE_CLASSES,
     TRITON_VERSION,
     MaskInputs,
     TileConfig,
@@ -57,6 +59,7 @@ from .configs import (
     lazy_autotune,
     neighbours,
     plan_backward_splits,
+    score_tile,
 )
 from .tiles import (
     MEAN_POSITIVES,
@@ -339,24 +342,23 @@ def _dk_kernel(
 
 # ---- configs ------------------------------------------------------------------------------------
 # Per (architecture family, operand class), as softmax_forward.DEFAULT_CONFIGS (not tuned on a GPU;
-# every variant compiles without spills, checked by tests/test_triton_api_compile.py). On tensor cores the
-# S tile keeps BLOCK_M >= 64 on a multiple of 4 warps, so it comes from the same MMA instruction as
-# the forward's (see tiles.py); FMA products (ieee, fp64) have no such constraint. ``block_out``: the
-# dq (dk) slice a program holds in registers: 64 rows x 256 fp32 columns over 8 warps is 64 registers
-# a thread, the most that leaves room for the S and dS tiles without spilling at uneven D.
+# every variant compiles without spills, checked by tests/test_triton_api_compile.py). On tensor cores
+# both kernels are built on the forward's S tile (configs.SCORE_TILES, RAGGED_D_SCORE_TILES at ragged D):
+# the same BLOCK_M, BLOCK_N and num_warps, so S comes from the same MMA instruction in the same layout as
+# the forward's (see tiles.py; bench.static checks it in the compiled code). FMA products (ieee, fp64) have
+# no such constraint. ``block_out``: the dq (dk) slice a program holds in registers, BLOCK_M (BLOCK_N) rows
+# x block_out fp32 columns: 64 x 256 (or 128 x 128) over 8 warps is 64 registers a thread, the most that
+# leaves room for the S and dS tiles without spilling.
+_WHOLE = {key: score_tile(*key) for key in SCORE_TILES}
+_RAGGED = {key: score_tile(*key, ragged=True) for key in SCORE_TILES}
 DQ_CONFIGS = {
-    # sm_90 (and sm_100, the same shared memory): 3 stages of the S chunks fit the registers and 64 KiB.
-    **{
-        (arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, block_out=256)
-        for arch in (90, 100)
-    },
+    # sm_90 and sm_100: 3 stages of the S chunks fit the registers and shared memory.
+    **{(arch, "mma"): _WHOLE[arch, "mma"].config(num_stages=3) for arch in (90, 100)},
     # sm_80 and the 99 KiB families: ptxas 12's allocator needs the third stage's registers back.
-    **{(arch, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256, max_registers=255)
-       for arch in (80, 86, 120)},
+    **{(arch, "mma"): _WHOLE[arch, "mma"].config(max_registers=255) for arch in (80, 86, 120)},
     # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not.
-    **{(arch, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128)
-       for arch in (90, 100, 86, 120)},
-    (80, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=256),
+    **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128) for arch in (90, 100, 86, 120)},
+    (80, "tf32"): _WHOLE[80, "tf32"].config(),
     # FMA products (fp32 "ieee", fp64): 32-row blocks on 4 warps over 16-feature chunks, maxnreg 255
     # (as in the forward); fp64 owns 16 columns and 64-wide slices for twice the bytes per entry.
     **{(arch, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=255)
@@ -364,32 +366,38 @@ DQ_CONFIGS = {
     **{(arch, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
        for arch in ARCH_FAMILIES},
 }
-# The dk kernel is the dq kernel with the roles of q and k swapped; where its accumulator (BLOCK_N
-# rows of k) needs room, it owns fewer k rows, while BLOCK_M (the S tile's M side) stays the same.
+# The dk kernel is the dq kernel with the roles of q and k swapped (its accumulator has BLOCK_N rows).
 DK_CONFIGS = {
     **DQ_CONFIGS,
-    # sm_80 and the 99 KiB families: fp16's dS normalization tips 32 owned rows into spills at ragged D; 16 fit.
-    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256, max_registers=255)
-       for arch in (80, 86, 120)},
+    # sm_86 / sm_120 (ptxas 13): fp16's dS normalization spills 32 owned rows at 256 columns (8 B at D = 512).
+    **{(arch, "mma"): replace(DQ_CONFIGS[arch, "mma"], block_out=128) for arch in (86, 120)},
     # sm_120's tf32 dk tile at D = 40 with labels: ptxas 13 caps it below its need unless told 255.
-    (120, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128, max_registers=255),
+    (120, "tf32"): _WHOLE[120, "tf32"].config(block_out=128, max_registers=255),
 }
-# Where D is not a whole number of feature chunks (ops.arch_tiling), the last chunk's masked loads need
-# registers the dq accumulator holds: on sm_86 (ptxas 13) the fp16 dq kernel spills 8 B at maxnreg 255
-# with a 256-wide slice; a 128-wide one fits (222 registers). Whole-chunk D keeps the wider slice.
+# Where D is not a whole number of feature chunks (configs.ragged_d; ops.arch_tiling picks these), the last
+# chunk's masked loads need registers the accumulator holds: on the families whose S tile differs there (sm_90
+# bf16/fp16: 64 x 32 with 256-wide slices) and where the slice narrows: sm_80 (ptxas 12) spills the dq kernel
+# 104 B at 256 columns and, with fp16's dS normalization, dk 32 B; sm_86 / sm_120's dq (ptxas 13) spills 8 B at
+# maxnreg 255; 128-wide slices fit.
 RAGGED_D_DQ_CONFIGS = {
-    (86, "mma"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128, max_registers=255),
+    (90, "mma"): _RAGGED[90, "mma"].config(num_stages=3),
+    **{(80, klass): replace(DQ_CONFIGS[80, klass], block_out=128) for klass in TENSOR_CORE_CLASSES},
+    **{(arch, "mma"): replace(DQ_CONFIGS[arch, "mma"], block_out=128) for arch in (86, 120)},
+}
+RAGGED_D_DK_CONFIGS = {
+    (90, "mma"): _RAGGED[90, "mma"].config(num_stages=3),
+    (80, "mma"): replace(DK_CONFIGS[80, "mma"], block_out=128),
 }
 if TRITON_VERSION < (3, 3):
-    # Triton 3.2 aborts compiling the sm_90 dq kernel above (an assertion in its LLVM lowering of the
-    # 64-row wgmma accumulator split over two warp groups): there it takes 128 rows on the same 8 warps
-    # (one warp group per 64 rows). Triton 3.2 also needs more registers than 3.9 for the same tiles: at
-    # ragged D a 128-wide dq slice spills 560-700 B and the 256-wide dk slice 120 B, so the slices narrow to
-    # 64 (dq) and 128 (dk). Even-batch bf16/fp16 dq at ragged D still spills 176-240 B there.
-    DQ_CONFIGS.update({(arch, k): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2, block_out=64)
-                       for arch in (90, 100) for k in ("mma", "tf32")})
-    DK_CONFIGS.update({(arch, k): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, block_out=128)
-                       for arch in (90, 100) for k in ("mma", "tf32")})
+    # Triton 3.2 (configs.SCORE_TILES: 128 x 64 tiles at whole-chunk D, 128 x 32 at ragged D on sm_90 / sm_100)
+    # needs more registers than 3.9 for the same tiles: the slices narrow to 64 (128 spills dk 16-112 B at
+    # D = 512 and 784-1224 B at ragged D, with one stage there).
+    for arch in (90, 100):
+        for klass in TENSOR_CORE_CLASSES:
+            DQ_CONFIGS[arch, klass] = _WHOLE[arch, klass].config(block_out=64)
+            DK_CONFIGS[arch, klass] = _WHOLE[arch, klass].config(block_out=64)
+            RAGGED_D_DQ_CONFIGS[arch, klass] = _RAGGED[arch, klass].config(block_out=64)
+            RAGGED_D_DK_CONFIGS[arch, klass] = _RAGGED[arch, klass].config(num_stages=1, block_out=64)
 # With mask options, as softmax_forward.MASKED_CONFIGS: smaller tiles and slices that compile without spills.
 # Tensor cores with maxnreg 255, as the forward's MASKED_CONFIGS: ptxas otherwise caps the masked kernels at
 # 128 registers on sm_86 and spills.
@@ -443,22 +451,32 @@ if TRITON_VERSION < (3, 3):
         _table.update(_TRITON_32)
 
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
-# direction and the size bucket; pruned at tuning time to the call's (arch, class) list): each
-# default, half its BLOCK_N and one more stage. The slice width is not searched: it fixes the grid
-# and the GEMM count, so it stays the default config's.
+# direction and the size bucket; pruned at tuning time to the call's (arch, class, ragged D) list): each
+# default and one more stage; never another S tile (configs.neighbours). The slice width is not searched:
+# it fixes the grid and the GEMM count, so it stays the default config's.
 
 
 def _keep(key, config: TileConfig, default: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_api_compile.py): on sm_90, halving
-    BLOCK_N of the bf16/fp16 kernels spills the dq kernel at ragged D (ptxas 13); the FMA classes (ieee,
-    fp64) sit at their register limit already, so they keep their default alone."""
-    if key[0] in (90, 100) and key[1] == "mma" and config.block_n < default.block_n:
+    """Search points that compile without spills (tests/test_triton_api_compile.py): under Triton 3.2 a
+    second stage spills sm_90's dk (220 B, tf32 at D = 1000); the FMA classes (ieee, fp64) sit at their
+    register limit already, so they keep their default alone."""
+    if TRITON_VERSION < (3, 3) and key[0] in (90, 100) and config.num_stages > default.num_stages:
         return False
-    return key[1] in ("mma", "tf32") or config == default
+    return key[1] in TENSOR_CORE_CLASSES or config == default
 
 
-DQ_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] for key, cfg in DQ_CONFIGS.items()}
-DK_AUTOTUNE_CONFIGS = {key: [c for c in neighbours(cfg) if _keep(key, c, cfg)] for key, cfg in DK_CONFIGS.items()}
+def _space(whole, ragged):
+    """{(arch, class, ragged D): [configs]} around the defaults ``whole`` and, at ragged D, ``ragged``."""
+    out = {}
+    for key, cfg in whole.items():
+        for is_ragged in (False, True):
+            default = ragged.get(key, cfg) if is_ragged else cfg
+            out[(*key, is_ragged)] = [c for c in neighbours(default) if _keep((*key, is_ragged), c, default)]
+    return out
+
+
+DQ_AUTOTUNE_CONFIGS = _space(DQ_CONFIGS, RAGGED_D_DQ_CONFIGS)
+DK_AUTOTUNE_CONFIGS = _space(DK_CONFIGS, RAGGED_D_DK_CONFIGS)
 # The smallest BLOCK_M any config uses: the dq kernel's scale-gradient buffer has a slot per program.
 _MIN_BLOCK_M = min(c.block_m for tiles in DQ_AUTOTUNE_CONFIGS.values() for c in tiles)
 _KEY = ["D", "SYMMETRIC", "PRECISION", "BUCKET"]

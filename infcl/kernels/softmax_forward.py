@@ -29,6 +29,7 @@ sync); pos [Bq] int64, the column of each row's positive in this block or -1. Na
 stats for that row and every column it meets, as F.cross_entropy does.
 """
 
+from dataclasses import replace
 from typing import Optional, Tuple
 
 import torch
@@ -41,6 +42,8 @@ from .configs import (
     ARCH_FAMILIES,
     COMPILE_OPTIONS,
     NO_MASKS,
+    SCORE_TILES,
+    TENSOR_CORE_CLASSES,
     TRITON_VERSION,
     MaskInputs,
     TileConfig,
@@ -52,6 +55,7 @@ from .configs import (
     lazy_autotune,
     neighbours,
     plan_forward,
+    score_tile,
 )
 from .tiles import (
     ONE_POSITIVE,
@@ -198,38 +202,43 @@ def _forward_kernel(
 
 # ---- configs ------------------------------------------------------------------------------------
 # Defaults per (architecture family, operand class); see configs.arch_key and configs.operand_class.
-# Not tuned on a GPU (none was available): sized from the fused-attention tutorial's forward and
-# chosen so that every variant compiles without spills and within shared memory, which
-# tests/test_triton_api_compile.py checks for every family of configs.ARCH_FAMILIES.
+# Not tuned on a GPU (none was available): chosen so that every variant compiles without spills and
+# within shared memory, which tests/test_triton_api_compile.py checks for every family of
+# configs.ARCH_FAMILIES. On tensor cores each is built on the S tile of configs.SCORE_TILES (whole-chunk D)
+# or configs.RAGGED_D_SCORE_TILES (ragged D), as are the dq and dk kernels' (softmax_backward), so the three
+# compute S with the same MMA instruction and layout (bench.static checks it in the compiled code); only the
+# pipeline depth and maxnreg are the forward's own.
+_WHOLE = {key: score_tile(*key) for key in SCORE_TILES}
+_RAGGED = {key: score_tile(*key, ragged=True) for key in SCORE_TILES}
 DEFAULT_CONFIGS = {
-    # sm_90: 128-row tiles over two warp groups (wgmma, M = 64 each); 3 stages of q/k chunks (<= 96 KiB).
-    (90, "mma"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    # sm_100 (tcgen05) and sm_120: ptxas 13 spills 128- and 64 x 32 tiles at ragged D; 64 x 16 fit.
-    (100, "mma"): TileConfig(block_m=64, block_n=16, num_warps=4, num_stages=2, max_registers=255),
-    # sm_80: 128 rows on mma.sync; ptxas 12 spills the 64-column tile at ragged D, 32 columns fit.
-    (80, "mma"): TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=3),
-    # sm_86/87/89 (<= 99 KiB of shared memory; ptxas spills 128-row tiles at ragged D): 64 x 32.
-    (86, "mma"): TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, max_registers=255),
-    (120, "mma"): TileConfig(block_m=64, block_n=16, num_warps=4, num_stages=2),
-    # tf32: fp32 operands in 32-feature chunks; on sm_90 a third stage pushes registers into spills.
-    (90, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    # sm_100: the 128 x 64 tf32 tile spills at ragged D (ptxas 13); 64 x 32 fits.
-    (100, "tf32"): TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
-    (80, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    (86, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, max_registers=255),
-    (120, "tf32"): TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    # sm_90: 3 stages of q/k chunks (48 KiB of shared memory).
+    (90, "mma"): _WHOLE[90, "mma"].config(num_stages=3),
+    # sm_100 (ptxas 13) and the 99 KiB families: maxnreg 255, or ptxas caps registers and spills at ragged D.
+    (100, "mma"): _WHOLE[100, "mma"].config(max_registers=255),
+    (80, "mma"): _WHOLE[80, "mma"].config(num_stages=3),
+    (86, "mma"): _WHOLE[86, "mma"].config(max_registers=255),
+    (120, "mma"): _WHOLE[120, "mma"].config(max_registers=255),
+    # tf32: fp32 operands in 32-feature chunks; a third stage pushes sm_90's registers into spills.
+    (90, "tf32"): _WHOLE[90, "tf32"].config(),
+    (100, "tf32"): _WHOLE[100, "tf32"].config(),
+    (80, "tf32"): _WHOLE[80, "tf32"].config(num_stages=3),
+    (86, "tf32"): _WHOLE[86, "tf32"].config(max_registers=255),
+    (120, "tf32"): _WHOLE[120, "tf32"].config(),
     # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
-    # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM.
+    # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM. Each
+    # entry is a sum in K order whatever the tile, so their tiles need not match the backward's.
     **{(arch, klass): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=255)
        for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
 }
-# Where D is not a whole number of feature chunks, the last chunk's masked loads and the column stats of
-# the symmetric loss need more registers: on sm_90 (Triton 3.9) the 128 x 64 bf16/fp16 tile spills 224 B
-# there on block-multiple batches and 128 x 32 spills 20 B on ragged ones; 64 x 64 on 8 warps fits both
-# (248-253 registers, no spill; bench.static compares them).
+# Where D is not a whole number of feature chunks (configs.ragged_d; ops.arch_tiling picks these): the
+# families whose S tile differs there, on their RAGGED_D_SCORE_TILES tile.
 RAGGED_D_CONFIGS = {
-    (90, "mma"): TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=3),
+    key: replace(DEFAULT_CONFIGS[key], block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps)
+    for key, tile in _RAGGED.items() if tile != _WHOLE[key]
 }
+if TRITON_VERSION < (3, 3):
+    # Triton 3.2's ragged-D tiles (128 x 32, configs.RAGGED_D_SCORE_TILES) spill with a third stage.
+    RAGGED_D_CONFIGS.update({key: replace(cfg, num_stages=2) for key, cfg in RAGGED_D_CONFIGS.items()})
 
 # With mask options (ids, a guide) each tile also holds the positives and exclusions, the guide scores and
 # their GEMM's pipeline, and the symmetric loss merges six column partials instead of two: the plain
@@ -264,26 +273,29 @@ if TRITON_VERSION < (3, 3):
 
 
 def _keep(key, config: TileConfig) -> bool:
-    """Search points that compile without spills at ragged D (tests/test_triton_api_compile.py): on sm_90,
-    128 x 32 bf16/fp16 tiles with 3 stages and a third tf32 stage spill (ptxas 13; sm_100's tf32 likewise);
-    on sm_80 (ptxas 12) a 16-column or 4-stage bf16/fp16 tile spills, and on sm_100 / sm_120 a third
-    stage of their 64 x 16 tiles; so those defaults are searched alone. The FMA classes (ieee, fp64) sit
-    at their register limit already, so they keep their default alone."""
-    default = DEFAULT_CONFIGS[key]
-    if key[0] in (90, 100) and key[1] == "mma" and config.block_n == 32:
-        return False
-    if key == (80, "mma") and config.block_n < default.block_n:
-        return False
+    """Search points that compile without spills at ragged D (tests/test_triton_api_compile.py): a fourth
+    stage on sm_80 (ptxas 12), a third on sm_100 / sm_120 and on sm_90 / sm_100 tf32 spill, so those
+    defaults are searched alone. The FMA classes (ieee, fp64) sit at their register limit already, so they
+    keep their default alone."""
+    default = DEFAULT_CONFIGS[key[:2]]
     more_stages = ((80, "mma"), (100, "mma"), (120, "mma"), (90, "tf32"), (100, "tf32"))
-    if key in more_stages and config.num_stages > default.num_stages:
+    if key[:2] in more_stages and config.num_stages > default.num_stages:
         return False
-    return key[1] in ("mma", "tf32") or config == default
+    return key[1] in TENSOR_CORE_CLASSES or config == default
+
+
+def _defaults(ragged: bool):
+    return {key: (RAGGED_D_CONFIGS.get(key, cfg) if ragged else cfg) for key, cfg in DEFAULT_CONFIGS.items()}
 
 
 # The search space under INFCL_AUTOTUNE=1 (keyed by D, dtypes, precision, the loss direction and the
-# size bucket; pruned at tuning time to the call's (arch, class) list): each default, half its
-# BLOCK_N and one more stage, less what _keep drops. Opt-in: it benchmarks every config on each new key.
-AUTOTUNE_CONFIGS = {key: [c for c in neighbours(config) if _keep(key, c)] for key, config in DEFAULT_CONFIGS.items()}
+# size bucket; pruned at tuning time to the call's (arch, class, ragged D) list): each default and one more
+# stage, less what _keep drops; never another S tile (configs.neighbours). Opt-in: it benchmarks every
+# config on each new key.
+AUTOTUNE_CONFIGS = {
+    (*key, ragged): [c for c in neighbours(config) if _keep((*key, ragged), c)]
+    for ragged in (False, True) for key, config in _defaults(ragged).items()
+}
 
 # Every buffer a trial writes: the row partials are overwritten whole, the column partials are
 # read-merged-written from the host's empty stats, so both are restored between trials.

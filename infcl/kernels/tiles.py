@@ -1,18 +1,20 @@
 """What the three Triton kernels share: strided tile loads, the S tile, its log-sum-exp stats, and dS.
 
 **The S tile.** ``raw = q[rows] @ k[cols].T`` (unscaled) in the accumulation dtype, then
-``s = raw * scale``. Every kernel's loop builds it with :func:`block_scores`: :func:`score_tile` over
+``s = raw * scale``. Every kernel's loop builds it with :func:`block_scores`: :func:`score_chunks` over
 BLOCK_D feature chunks, or, when one chunk covers D, :func:`score_resident` on the tile the program
 holds in registers. Always in this orientation (q rows on the MMA's M side, k rows on its N side),
 over the same chunks in the same order, and with the scale never fused into a later subtraction
 (:func:`scale_scores`). The backward relies on this: S recomputed in either backward kernel is
 bit-identical to the forward's, so ``S - m`` is exact at a row's maximum (the forward took ``m`` from
-the same values) and a confident row keeps ``1 - p`` to full relative precision. The assumption this
-rests on: tl.dot's per-entry result depends only on the operand values, the K chunking and the MMA
-instruction kind, not on where the entry sits in the tile or on the tile's M/N size. A tile shape that
-changes the instruction kind (on sm_90 a dot whose M is below 64 rows per warp group falls back from
-wgmma to mma.sync) could break it, so every tensor-core config of the three kernels keeps
-BLOCK_M >= 64 on a multiple of 4 warps. (FMA products, fp32 "ieee" and fp64, sum each entry in K
+the same values) and a confident row keeps ``1 - p`` to full relative precision. On tensor cores this
+holds by construction, not by assumption: the three kernels' configs are built on one S tile
+(:class:`infcl.kernels.configs.ScoreTile`: BLOCK_M, BLOCK_N and num_warps, which set the MMA instruction
+and its layout), and every chunk's product is the one tl.dot in a loop (:func:`score_chunks`,
+:func:`score_resident`), so Triton gives it the same layout in every kernel; each S entry is then
+computed by the same instructions on the same operands in every kernel. ``python -m bench.static``
+reads S's MMA ops and their layouts from the compiled kernels and tests/test_static_report.py asserts
+they are the same in the forward, dq and dk. (FMA products, fp32 "ieee" and fp64, sum each entry in K
 order whatever the tile.) Under the interpreter :func:`score_dot` makes the same guarantee.
 
 **Stats in "rest" form.** Inside the kernels a running log-sum-exp is kept as (m, rest) with
@@ -98,13 +100,19 @@ def tile_dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def score_resident(q_tile, k_tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """raw = q_tile @ k_tile.T for one feature chunk: q_tile [BLOCK_M, BLOCK_D], k_tile [BLOCK_N, BLOCK_D].
+def score_resident(q_tile, k_tile, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """raw = q_tile @ k_tile.T for one feature chunk: q_tile [BLOCK_M, BLOCK_D], k_tile [BLOCK_N, BLOCK_D],
+    D <= BLOCK_D.
 
-    The one chunk of :func:`score_tile`, for kernels that hold q (or k) in registers across the loop.
+    The one chunk of :func:`score_chunks`, for kernels that hold q (or k) in registers across the loop. Its
+    tl.dot sits in a loop of one trip (D <= BLOCK_D) for the reason score_chunks' does: so that its MMA
+    layout is the forward's in the backward too (on sm_80 it is not otherwise).
     """
-    return score_dot(q_tile, k_tile, tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC), UPCAST, PRECISION)
+    raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for _ in range(0, D, BLOCK_D):
+        raw = score_dot(q_tile, k_tile, raw, UPCAST, PRECISION)
+    return raw
 
 
 @triton.jit
@@ -122,20 +130,45 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
 
 
 @triton.jit
+def score_chunks(
+    q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM): the
+    softmax kernels' S.
+
+    The sums of :func:`score_tile` in the same order (a zero accumulator plus the first chunk's product,
+    then each later chunk's), but every chunk's product is the one tl.dot inside the loop, none peeled
+    before it: Triton lays out a dot whose result reaches another dot (dS @ k in the backward, not in the
+    forward) like that dot's operand, which a peeled first chunk's result does and the loop's does not, so
+    a peeled chunk takes another MMA layout in the backward than in the forward (sm_80; sm_90 with 64 rows
+    on 8 warps).
+    """
+    raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        feats = d0 + tl.arange(0, BLOCK_D)
+        q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
+        k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
+        raw = score_dot(q_tile, k_tile, raw, UPCAST, PRECISION)
+    return raw
+
+
+@triton.jit
 def score_tile(
     q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM).
-
-    The first chunk is exactly :func:`score_resident`; later chunks accumulate onto it.
-    """
+    """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM), with
+    the first chunk's product peeled before the loop: the sigmoid kernels' S (their configs are sized on
+    this form; the softmax kernels use :func:`score_chunks`)."""
     feats = tl.arange(0, BLOCK_D)
     q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
     k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-    raw = score_resident(q_tile, k_tile, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
+    raw = score_dot(q_tile, k_tile, tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC), UPCAST, PRECISION)
     for d0 in range(BLOCK_D, D, BLOCK_D):
         feats = d0 + tl.arange(0, BLOCK_D)
         q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
@@ -155,18 +188,18 @@ def block_scores(
 
     ONE_CHUNK: ``resident`` is the side the program holds in registers (the q tile if Q_RESIDENT, else
     the k tile), the other side's one chunk is loaded here and returned as ``chunk`` for the caller's
-    product. Otherwise raw is :func:`score_tile` and ``chunk`` is a placeholder.
+    product. Otherwise raw is :func:`score_chunks` and ``chunk`` is a placeholder.
     """
     if ONE_CHUNK:
         feats = tl.arange(0, BLOCK_D)
         if Q_RESIDENT:
             chunk = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-            raw = score_resident(resident, chunk, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
+            raw = score_resident(resident, chunk, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
         else:
             chunk = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
-            raw = score_resident(chunk, resident, BLOCK_M, BLOCK_N, ACC, UPCAST, PRECISION)
+            raw = score_resident(chunk, resident, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
     else:
-        raw = score_tile(
+        raw = score_chunks(
             q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
             BLOCK_M, BLOCK_N, BLOCK_D, MASK_M, MASK_N, MASK_D, ACC, UPCAST, PRECISION,
         )
