@@ -71,7 +71,7 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
     built on one S tile, :func:`configs.score_tile`, so S has the same MMA instruction and layout in every
     kernel (tests/test_static_report.py checks the tables and the compiled code). ``masked`` (mask
     options): the masked configs (:data:`softmax_forward.MASKED_CONFIGS`; the backward's
-    ``MASKED_DQ_CONFIGS`` / ``MASKED_DK_CONFIGS`` with a ``guide``, and ``MASKED_RAGGED_D_DQ_CONFIGS``
+    ``MASKED_DQ_CONFIGS`` / ``MASKED_DK_CONFIGS`` with a ``guide``, and ``MASKED_RAGGED_D_CONFIGS``
     at ragged D; ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS``
     without), with one feature chunk as the most a program holds in registers."""
     klass = operand_class(dtype, precision)
@@ -80,12 +80,14 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
         prefix = "MASKED" if guide else "IDS"
         chunk_d = softmax_forward.MASKED_CHUNK_D.get((arch, klass), chunk_d)
         dq = getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass]
+        dk = getattr(softmax_backward, f"{prefix}_DK_CONFIGS")[arch, klass]
         if guide and dim is not None and dim > chunk_d and dim % chunk_d:
-            dq = softmax_backward.MASKED_RAGGED_D_DQ_CONFIGS.get((arch, klass), dq)
+            dq = softmax_backward.MASKED_RAGGED_D_CONFIGS.get((arch, klass), dq)
+            dk = softmax_backward.MASKED_RAGGED_D_CONFIGS.get((arch, klass), dk)
         return Tiling(
             forward=softmax_forward.MASKED_CONFIGS[arch, klass],
             dq=dq,
-            dk=getattr(softmax_backward, f"{prefix}_DK_CONFIGS")[arch, klass],
+            dk=dk,
             resident_d=chunk_d,
             chunk_d=chunk_d,
         )

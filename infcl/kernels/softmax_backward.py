@@ -421,16 +421,16 @@ MASKED_DQ_CONFIGS[80, "mma"] = TileConfig(
 )
 # sm_90 / sm_100 bf16/fp16 with a guide: 256-wide slices, as the plain and ids-only kernels, so a guide
 # recomputes S and its scores in as many slices as the plain loss recomputes S (2 + 2 at D = 512, not
-# 4 + 4); they compile without spills at D = 256, 512, 768 (ptxas 13). At ragged D the dq kernel's
-# masked last chunk spills 36-152 B there (ids, a guide and "sum"), so it keeps 128-wide slices
-# (MASKED_RAGGED_D_DQ_CONFIGS, picked by ops.arch_tiling as RAGGED_D_DQ_CONFIGS).
+# 4 + 4); they compile without spills at D = 256, 512, 768 (ptxas 13). At ragged D the masked last chunk
+# spills dq 36-152 B (ids, a guide and "sum") and fp16's dk 88 B ("mean") there, so both keep 128-wide
+# slices (MASKED_RAGGED_D_CONFIGS, picked by ops.arch_tiling as the plain RAGGED_D_* configs).
 _GUIDE_WIDE = {
     (arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256, max_registers=255)
     for arch in (90, 100)
 }
 MASKED_DQ_CONFIGS.update(_GUIDE_WIDE)
 MASKED_DK_CONFIGS.update(_GUIDE_WIDE)
-MASKED_RAGGED_D_DQ_CONFIGS = {key: replace(config, block_out=128) for key, config in _GUIDE_WIDE.items()}
+MASKED_RAGGED_D_CONFIGS = {key: replace(config, block_out=128) for key, config in _GUIDE_WIDE.items()}
 # Ids without a guide (no guide scores in the tile): bf16/fp16 fit the plain kernels' 256-wide slices, so ids
 # cost the backward no S recomputation beyond the plain loss's (sm_80: one stage, and maxnreg 255: at D = 40
 # ptxas 12 caps float16's dk at 128 registers and spills).
@@ -446,7 +446,7 @@ if TRITON_VERSION < (3, 3):
     # warps, one stage and 64-wide slices, ids or a guide, ragged D or not (wider ones spill 300-3000 B).
     _TRITON_32 = {(arch, "mma"): TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1, block_out=64,
                                             max_registers=255) for arch in (90, 100)}
-    for _table in (MASKED_DQ_CONFIGS, MASKED_DK_CONFIGS, MASKED_RAGGED_D_DQ_CONFIGS, IDS_DQ_CONFIGS,
+    for _table in (MASKED_DQ_CONFIGS, MASKED_DK_CONFIGS, MASKED_RAGGED_D_CONFIGS, IDS_DQ_CONFIGS,
                    IDS_DK_CONFIGS):
         _table.update(_TRITON_32)
 
