@@ -1,7 +1,8 @@
 """The memory claim: peak extra memory of forward + backward grows linearly, not quadratically, in B.
 
-Each measurement runs in a fresh subprocess: the inputs are allocated first, then the high-water mark of
-the resident set (ru_maxrss) is read before and after one forward + backward. Nothing here is timed.
+Each measurement runs in a fresh subprocess: the inputs are allocated first, the resident set's high-water
+mark (VmHWM) is reset to the current resident set, and it is read after one forward + backward. Nothing here
+is timed.
 """
 
 import json
@@ -14,7 +15,7 @@ import pytest
 from support import tiled_backends
 
 _MEASURE = r"""
-import json, resource, sys, torch
+import json, sys, torch
 from infcl import cal_inf_loss, cal_siglip_loss
 b, d, backend, loss_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 LOSSES = {  # the symmetric CLIP loss; the sigmoid loss with SigLIP's initial scale and bias
@@ -29,9 +30,18 @@ scale = torch.tensor(10.0, requires_grad=True)
 # Warm up thread pools and kernels on a small problem so they are not counted.
 loss_fn(q[:64], k[:64], scale).backward()
 q.grad = k.grad = scale.grad = None
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+# Not ru_maxrss: across fork + exec Linux carries the parent's high-water mark into it, so under a pytest
+# process grown past the loss's own peak it would read no growth at all. VmHWM is this process's own,
+# reset to the current resident set here (clear_refs "5").
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status_kib("VmRSS")
 loss_fn(q, k, scale).backward()
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = status_kib("VmHWM")
 print(json.dumps({"extra_bytes": (after - before) * 1024}))
 """
 
