@@ -30,6 +30,25 @@ MARGINS = (25.0, 55.0)
 EXACT_NORMWISE = {torch.float32: 1e-4, torch.float64: 1e-9}
 
 
+# Source embedded in the memory tests' subprocess probes: ``peak_extra_bytes(step)`` runs ``step()`` and
+# returns the resident set's growth to its peak during it. Not ru_maxrss: across fork + exec Linux carries
+# the parent's high-water mark into it, so under a pytest process grown past the step's own peak it reads
+# no growth at all. VmHWM is the process's own, reset here to the current resident set (clear_refs "5"),
+# so neither the parent nor what importing torch or a warm-up left behind can hide the step's peak.
+PEAK_PROBE = r"""
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+def peak_extra_bytes(step):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    step()
+    return (_status_kib("VmHWM") - before) * 1024
+"""
+
+
 def features_and_labels(bq, bk, d, label_kind, dtype, seed=0):
     """Unit-norm q [bq, d] and k [bk, d] in ``dtype`` (drawn in float64) and labels: "diag" (None),
     "perm" (a permutation of the rows) or "random" (any column, repeats allowed)."""

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from infcl.backends.native import unavailable_reason
+from support import PEAK_PROBE
 
-_MEASURE = r"""
+_MEASURE = PEAK_PROBE + r"""
 import json, sys, torch
 from infcl import cal_inf_loss
 b, d, masked, backend, positives = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], sys.argv[5]
@@ -34,18 +35,7 @@ def loss_fn(n):
 
 loss_fn(64).backward()  # warm up thread pools and allocators on a small problem
 q.grad = k.grad = scale.grad = None
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-# Reset the resident set's high-water mark to the current resident set (Linux clear_refs "5"), so that
-# what importing torch or a warm-up left behind can never hide the loss's own peak.
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = status_kib("VmRSS")
-loss_fn(b).backward()
-after = status_kib("VmHWM")
-print(json.dumps({"extra_bytes": (after - before) * 1024}))
+print(json.dumps({"extra_bytes": peak_extra_bytes(lambda: loss_fn(b).backward())}))
 """
 
 # The issue's B = 16384 on the native kernel (seconds): below it its column partials (O(groups * Bk), the

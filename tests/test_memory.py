@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from support import tiled_backends
+from support import PEAK_PROBE, tiled_backends
 
-_MEASURE = r"""
+_MEASURE = PEAK_PROBE + r"""
 import json, sys, torch
 from infcl import cal_inf_loss, cal_siglip_loss
 b, d, backend, loss_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -30,19 +30,7 @@ scale = torch.tensor(10.0, requires_grad=True)
 # Warm up thread pools and kernels on a small problem so they are not counted.
 loss_fn(q[:64], k[:64], scale).backward()
 q.grad = k.grad = scale.grad = None
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-# Not ru_maxrss: across fork + exec Linux carries the parent's high-water mark into it, so under a pytest
-# process grown past the loss's own peak it would read no growth at all. VmHWM is this process's own,
-# reset to the current resident set here (clear_refs "5").
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = status_kib("VmRSS")
-loss_fn(q, k, scale).backward()
-after = status_kib("VmHWM")
-print(json.dumps({"extra_bytes": (after - before) * 1024}))
+print(json.dumps({"extra_bytes": peak_extra_bytes(lambda: loss_fn(q, k, scale).backward())}))
 """
 
 # D is small on purpose: the flops (and the test's time) scale with D, a B x B matrix does not.
