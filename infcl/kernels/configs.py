@@ -195,10 +195,11 @@ FEATURE_CHUNKS = {"mma": (128, 64), "tf32": (64, 32), "ieee": (16, 16), "fp64": 
 TENSOR_CORE_CLASSES = ("mma", "tf32")
 
 
-def ragged_d(dim: Optional[int], klass: str) -> bool:
-    """Whether D = ``dim`` is wider than one feature chunk of ``klass`` and not a whole number of them: the
-    last chunk's masked loads need registers, so such calls take the RAGGED_D configs (:func:`score_tile`)."""
-    chunk_d = FEATURE_CHUNKS[klass][1]
+def ragged_d(dim: Optional[int], klass: str, chunk_d: Optional[int] = None) -> bool:
+    """Whether D = ``dim`` is wider than one feature chunk (``chunk_d``, else the one of ``klass``) and not a
+    whole number of them: the last chunk's masked loads need registers, so such calls take the RAGGED_D
+    configs (:func:`score_tile`)."""
+    chunk_d = chunk_d or FEATURE_CHUNKS[klass][1]
     return dim is not None and dim > chunk_d and dim % chunk_d != 0
 
 

@@ -81,7 +81,7 @@ def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int
         chunk_d = softmax_forward.MASKED_CHUNK_D.get((arch, klass), chunk_d)
         dq = getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass]
         dk = getattr(softmax_backward, f"{prefix}_DK_CONFIGS")[arch, klass]
-        if guide and dim is not None and dim > chunk_d and dim % chunk_d:
+        if guide and ragged_d(dim, klass, chunk_d):
             dq = softmax_backward.MASKED_RAGGED_D_CONFIGS.get((arch, klass), dq)
             dk = softmax_backward.MASKED_RAGGED_D_CONFIGS.get((arch, klass), dk)
         return Tiling(
