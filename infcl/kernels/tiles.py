@@ -207,6 +207,27 @@ def block_scores(
     return raw, chunk
 
 
+# exp(x) = 2 ** (x * log2(e)); tl.exp multiplies by the same float32 constant.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp(x):
+    """e ** x for the kernels' tiles. In float32 on a GPU, ``ex2.approx.ftz.f32`` of ``x * log2(e)``: tl.exp's
+    ``ex2.approx.f32`` without ``ftz`` makes ptxas wrap every MUFU.EX2 in a range test and two scalings
+    (4 more instructions per exponential) only to return subnormal results, below 2**-126, which the ftz
+    form flushes to 0. Every exponential here is exp(v - max) of a term in a sum that holds its maximum's
+    term, 1, or a probability of such a term: a term below 2**-126 of the largest changes the loss and the
+    gradient by less than float32 keeps (relative to the row's, or the gradient's, norm). The same
+    approximation (MUFU.EX2, ~2 ulp) otherwise. float64 and the interpreter: tl.exp."""
+    if PTX and x.dtype == tl.float32:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * LOG2E], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        y = tl.exp(x)
+    return y
+
+
 @triton.jit
 def tile_rest_stats(s, AXIS: tl.constexpr):
     """(t, rest) of a tile along AXIS (1: per row, 0: per column): t = max, rest = sum(exp(s - t)) - 1.
@@ -220,7 +241,7 @@ def tile_rest_stats(s, AXIS: tl.constexpr):
     else:
         t_b = t[None, :]
     at_max = s == t_b
-    others = tl.where(at_max, 0.0, tl.exp(s - t_b))
+    others = tl.where(at_max, 0.0, exp(s - t_b))
     rest = tl.sum(others, axis=AXIS) + (tl.sum(at_max.to(s.dtype), axis=AXIS) - 1.0)
     return t, rest
 
@@ -230,18 +251,19 @@ def merge_rest_stats(m, rest, t, rest_t):
     """Merge the stats (t, rest_t) of more columns into the running (m, rest): the online log-sum-exp.
 
     The side whose maximum is the new maximum keeps its rest unscaled (no exp(0) rounding), the other
-    side's (rest + 1) is scaled down. NaN anywhere stays NaN; (-inf, -1) is the empty set.
+    side's (rest + 1) is scaled down by exp(smaller max - new max): one exponential, whichever side grows.
+    NaN anywhere stays NaN; (-inf, -1) is the empty set.
     """
     new_m = tl.maximum(m, t)
-    grow = t > m
-    rest = tl.where(grow, (rest + 1.0) * tl.exp(m - new_m) + rest_t, rest + (rest_t + 1.0) * tl.exp(t - new_m))
+    down = exp(tl.minimum(m, t) - new_m)
+    rest = tl.where(t > m, (rest + 1.0) * down + rest_t, rest + (rest_t + 1.0) * down)
     return new_m, rest
 
 
 @triton.jit
 def expm1(x):
     """exp(x) - 1 to full relative precision near 0 (Kahan's trick: (u - 1) * x / log(u), u = exp(x))."""
-    u = tl.exp(x)
+    u = exp(x)
     um1 = u - 1.0
     special = (u == 1.0) | (um1 == -1.0)
     ratio = um1 * (x / tl.log(tl.where(special, 2.0, u)))
@@ -258,7 +280,7 @@ def softmax_grad(s, m, r, g, is_pos):
     """
     x = (s - m) - r
     x_pos = tl.sum(tl.where(is_pos, x, 0.0), axis=1)  # each row's positive entry, 0 if none in this tile
-    return g * tl.where(is_pos, expm1(x_pos)[:, None], tl.exp(x))
+    return g * tl.where(is_pos, expm1(x_pos)[:, None], exp(x))
 
 
 @triton.jit
@@ -432,7 +454,7 @@ def masked_softmax_grad(s, m, r, g, a, b, positive, excluded, POSITIVES: tl.cons
     Never a difference of two rounded probabilities, so a confident row keeps its digits.
     """
     x = (s - m) - r
-    p = tl.exp(x)
+    p = exp(x)
     if EXCLUDES:
         p = tl.where(excluded, 0.0, p)
     if POSITIVES == ONE_POSITIVE:
@@ -441,5 +463,5 @@ def masked_softmax_grad(s, m, r, g, a, b, positive, excluded, POSITIVES: tl.cons
     elif POSITIVES == MEAN_POSITIVES:
         at_pos = expm1(x + tl.log(a)) / a
     else:
-        at_pos = tl.exp((s - a) - b) * expm1((a - m) + (b - r))
+        at_pos = exp((s - a) - b) * expm1((a - m) + (b - r))
     return g * tl.where(positive, at_pos, p)
