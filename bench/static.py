@@ -18,8 +18,9 @@ What is read from the compiled artefacts (counted, not run):
   most MUFU.EX2 outside its own inner loops; a loop nested in it runs over feature chunks, counted
   ``cdiv(D, BLOCK_D) - 1`` times (the first chunk is peeled) or ``cdiv(D, BLOCK_D)`` times if it stores to
   global memory (the sigmoid backward's per-chunk gradient). Per entry = warp instructions per tile x 32
-  lanes x warps / (BLOCK_M x BLOCK_N): lane instructions per S entry, per D slice of dq / dk (``slices``:
-  each slice recomputes S, so an S entry costs ``instr_per_entry_all_slices`` in all). Approximate: the
+  lanes x warps / (BLOCK_M x BLOCK_N x ROW_TILES, the row blocks one pass walks): lane instructions per S
+  entry, per D slice of dq / dk (``slices``: each slice recomputes S, so an S entry costs
+  ``instr_per_entry_all_slices`` in all). Approximate: the
   software pipeliner's prologue and epilogue and the branches not taken are counted as in the listing.
 
 What is modelled (not read from the code):
@@ -311,8 +312,10 @@ def modelled_bytes_flops(kernel: str, c: Dict, dim: int, elt: int) -> Tuple[floa
     one_chunk = dim <= bd
     s_flops = 2.0 * bm * bn * dim
     if kernel in ("forward", "siglip_forward"):
-        # symmetric / one-chunk forward: q held in registers only when D is one chunk
-        return elt * dim * (bn + (0 if one_chunk else bm)), s_flops
+        # symmetric / one-chunk forward: q held in registers only when D is one chunk; a pair of row blocks
+        # (ROW_TILES 2) shares each k chunk
+        rt = c.get("ROW_TILES", 1)
+        return elt * dim * (bn + (0 if one_chunk else rt * bm)), rt * s_flops
     if kernel in ("dq", "dk"):
         width = c.get("BLOCK_OUT", dim)
         owned, other = (bm, bn) if kernel == "dq" else (bn, bm)
@@ -330,6 +333,8 @@ def modelled_bytes_flops(kernel: str, c: Dict, dim: int, elt: int) -> Tuple[floa
 
 def _config(kernel: str, c: Dict) -> str:
     out = f"{c['BLOCK_M']}x{c['BLOCK_N']} d{c['BLOCK_D']}"
+    if c.get("ROW_TILES", 1) > 1:
+        out = f"{c['ROW_TILES']}x " + out
     if "BLOCK_OUT" in c and kernel in ("dq", "dk"):
         out += f" out{c['BLOCK_OUT']}"
     return out
@@ -441,7 +446,7 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
     n_chunks = math.ceil(dim / launch["BLOCK_D"])
     loop = tile_loop_counts(sass, SASS, n_chunks) if sass else tile_loop_counts(ptx, PTX, n_chunks)
     warps = kernel.metadata.num_warps
-    entries = launch["BLOCK_M"] * launch["BLOCK_N"]
+    entries = launch["BLOCK_M"] * launch["BLOCK_N"] * launch.get("ROW_TILES", 1)  # one pass of the tile loop
     per_entry = 32 * warps / entries
     ctas, limiter = occupancy(usage["regs"], warps, usage["smem"], arch)
     nbytes, flops = modelled_bytes_flops(name, launch, dim, elt)

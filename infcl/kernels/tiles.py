@@ -178,6 +178,38 @@ def score_tile(
 
 
 @triton.jit
+def score_pair(
+    q_ptr, k_ptr, q_res0, q_res1, rows0, rows1, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    MASK_M0: tl.constexpr, MASK_M1: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """(raw0, raw1): the S tiles of two row blocks, q[rows0] @ k[cols].T and q[rows1] @ k[cols].T, for the
+    symmetric forward's pairs of row blocks; each k chunk is loaded once for both.
+
+    Each tile is :func:`block_scores`' S: with ONE_CHUNK, :func:`score_resident` on the resident q tiles
+    ``q_res0`` / ``q_res1``; otherwise the sums of :func:`score_chunks`, every chunk's product the tl.dot of
+    :func:`score_dot` in the chunk loop, so the same MMA instruction and layout as the single tile's.
+    """
+    if ONE_CHUNK:
+        feats = tl.arange(0, BLOCK_D)
+        k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
+        raw0 = score_resident(q_res0, k_tile, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
+        raw1 = score_resident(q_res1, k_tile, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
+    else:
+        raw0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        raw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for d0 in range(0, D, BLOCK_D):
+            feats = d0 + tl.arange(0, BLOCK_D)
+            k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
+            q_tile0 = load_tile(q_ptr, rows0, feats, n_q, D, stride_q0, stride_q1, MASK_M0, MASK_D)
+            q_tile1 = load_tile(q_ptr, rows1, feats, n_q, D, stride_q0, stride_q1, MASK_M1, MASK_D)
+            raw0 = score_dot(q_tile0, k_tile, raw0, UPCAST, PRECISION)
+            raw1 = score_dot(q_tile1, k_tile, raw1, UPCAST, PRECISION)
+    return raw0, raw1
+
+
+@triton.jit
 def block_scores(
     q_ptr, k_ptr, resident, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
@@ -243,6 +275,20 @@ def tile_rest_stats(s, AXIS: tl.constexpr):
     at_max = s == t_b
     others = tl.where(at_max, 0.0, exp(s - t_b))
     rest = tl.sum(others, axis=AXIS) + (tl.sum(at_max.to(s.dtype), axis=AXIS) - 1.0)
+    return t, rest
+
+
+@triton.jit
+def pair_column_stats(s0, s1):
+    """(t, rest) per column of two tiles stacked row-wise, as :func:`tile_rest_stats` (AXIS 0) of their
+    concatenation: the elementwise max of the two first, so each kind of cross-row reduction (the max, the
+    sum, the ties) runs once for both tiles."""
+    t = tl.max(tl.maximum(s0, s1), axis=0)
+    at_max0 = s0 == t[None, :]
+    at_max1 = s1 == t[None, :]
+    others = tl.where(at_max0, 0.0, exp(s0 - t[None, :])) + tl.where(at_max1, 0.0, exp(s1 - t[None, :]))
+    ties = at_max0.to(s0.dtype) + at_max1.to(s0.dtype)
+    rest = tl.sum(others, axis=0) + (tl.sum(ties, axis=0) - 1.0)
     return t, rest
 
 
