@@ -63,6 +63,7 @@ from .tiles import (
     block_range,
     block_scores,
     check_blocks,
+    holds_positive,
     kept_rest_stats,
     load_optional,
     load_tile,
@@ -72,6 +73,7 @@ from .tiles import (
     merge_rest_stats,
     pair_column_stats,
     positive_partials,
+    positive_span,
     score_pair,
     tile_rest_stats,
 )
@@ -110,11 +112,13 @@ def _merge_masked_columns(col_part, stride_stat, cols, n_k, s_cols, kept, positi
 
 
 @triton.jit
-def _fold_rows(s_rows, cols, pos, run_max, run_rest, pos_logit):
-    """Fold one tile into its rows' running stats and positive logits (the plain loss)."""
+def _fold_rows(s_rows, cols, pos, has_pos, run_max, run_rest, pos_logit):
+    """Fold one tile into its rows' running stats and positive logits (the plain loss); ``has_pos``: whether
+    the tile may hold a positive (:func:`infcl.kernels.tiles.holds_positive`, a uniform branch)."""
     tile_max, tile_rest = tile_rest_stats(s_rows, 1)
     run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
-    pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
+    if has_pos:
+        pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
     return run_max, run_rest, pos_logit
 
 
@@ -159,6 +163,8 @@ def _symmetric_pair(
         q_res1 = q_ptr
     pos0 = load_vector(pos_ptr, rows0, n_q, 1, -1, MASK_M0).to(tl.int32)
     pos1 = load_vector(pos_ptr, rows1, n_q, 1, -1, MASK_M1).to(tl.int32)
+    pos_lo0, pos_hi0 = positive_span(pos0)
+    pos_lo1, pos_hi1 = positive_span(pos1)
     run_max0 = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     run_rest0 = tl.full([BLOCK_M], -1.0, dtype=ACC)
     pos_logit0 = tl.zeros([BLOCK_M], dtype=ACC)
@@ -173,12 +179,12 @@ def _symmetric_pair(
         )
         # Row stats see only real columns, column stats only real rows (as the single tile's).
         run_max0, run_rest0, pos_logit0 = _fold_rows(
-            masked_scores(raw0, scale, rows0, cols, n_q, n_k, False, MASK_N), cols, pos0, run_max0, run_rest0,
-            pos_logit0,
+            masked_scores(raw0, scale, rows0, cols, n_q, n_k, False, MASK_N), cols, pos0,
+            holds_positive(pos_lo0, pos_hi0, cb * BLOCK_N, BLOCK_N), run_max0, run_rest0, pos_logit0,
         )
         run_max1, run_rest1, pos_logit1 = _fold_rows(
-            masked_scores(raw1, scale, rows1, cols, n_q, n_k, False, MASK_N), cols, pos1, run_max1, run_rest1,
-            pos_logit1,
+            masked_scores(raw1, scale, rows1, cols, n_q, n_k, False, MASK_N), cols, pos1,
+            holds_positive(pos_lo1, pos_hi1, cb * BLOCK_N, BLOCK_N), run_max1, run_rest1, pos_logit1,
         )
         col_max, col_rest = pair_column_stats(
             masked_scores(raw0, scale, rows0, cols, n_q, n_k, MASK_M0, False),
@@ -255,6 +261,7 @@ def _forward_rows(
     else:
         q_res = q_ptr  # unused
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+    pos_lo, pos_hi = positive_span(pos)
     run_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     run_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
     pos_logit = tl.zeros([BLOCK_M], dtype=ACC)
@@ -287,7 +294,8 @@ def _forward_rows(
                 s_rows, positive, pos_max, pos_rest, pos_logit, pos_count, 1, POSITIVES
             )
         else:
-            run_max, run_rest, pos_logit = _fold_rows(s_rows, cols, pos, run_max, run_rest, pos_logit)
+            run_max, run_rest, pos_logit = _fold_rows(s_rows, cols, pos, holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
+                                                      BLOCK_N), run_max, run_rest, pos_logit)
         if SYMMETRIC:  # cols_ptr is None otherwise
             col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
             s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)

@@ -317,16 +317,35 @@ def expm1(x):
 
 
 @triton.jit
-def softmax_grad(s, m, r, g, is_pos):
+def positive_span(pos):
+    """(lo, hi): the least and the greatest column among the rows' positives ``pos`` (-1: none here), or
+    (2**30, -1) when no row has one. A column block [c0, c0 + BLOCK_N) holds a positive only if
+    ``hi >= c0 and lo < c0 + BLOCK_N`` (:func:`holds_positive`), so the tiles that hold none (all but one or
+    two per row block, for positives on the diagonal) skip the positives' work on a uniform branch."""
+    return tl.min(tl.where(pos >= 0, pos, 1 << 30), axis=0), tl.max(pos, axis=0)
+
+
+@triton.jit
+def holds_positive(lo, hi, c0, BLOCK_N: tl.constexpr):
+    """Whether the column block [c0, c0 + BLOCK_N) may hold a positive of rows whose span is (lo, hi)."""
+    return (hi >= c0) & (lo < c0 + BLOCK_N)
+
+
+@triton.jit
+def softmax_grad(s, m, r, g, is_pos, has_pos):
     """g * (exp((s - m) - r) - Y) for a tile; m, r, g come broadcast ([BLOCK_M, 1] row stats or
     [1, BLOCK_N] column stats), Y is the one-hot ``is_pos`` (at most one entry per row).
 
     At the positive the entry is g * expm1(x) instead of g * exp(x) - g, so a confident row's 1 - p
-    keeps its digits; expm1 runs on one value per row, picked out of the tile.
+    keeps its digits; expm1 runs on one value per row, picked out of the tile, only in a tile that may
+    hold a positive (``has_pos``, a scalar: a uniform branch).
     """
     x = (s - m) - r
-    x_pos = tl.sum(tl.where(is_pos, x, 0.0), axis=1)  # each row's positive entry, 0 if none in this tile
-    return g * tl.where(is_pos, expm1(x_pos)[:, None], exp(x))
+    ds = g * exp(x)
+    if has_pos:
+        x_pos = tl.sum(tl.where(is_pos, x, 0.0), axis=1)  # each row's positive entry, 0 if none in this tile
+        ds = tl.where(is_pos, g * expm1(x_pos)[:, None], ds)
+    return ds
 
 
 @triton.jit
