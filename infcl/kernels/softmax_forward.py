@@ -329,20 +329,23 @@ def _forward_rows(
 # pipeline depth and maxnreg are the forward's own.
 _WHOLE = {key: score_tile(*key) for key in SCORE_TILES}
 _RAGGED = {key: score_tile(*key, ragged=True) for key in SCORE_TILES}
+# The plain symmetric forward on tensor cores walks pairs of row blocks (TileConfig.row_tiles); under Triton
+# 3.2 (128-row S tiles on sm_90 / sm_100) a pair spills 80-120 B, so one row block at a time there.
+ROW_PAIRS = 2 if TRITON_VERSION >= (3, 3) else 1
 DEFAULT_CONFIGS = {
     # sm_90: 3 stages of q/k chunks (48 KiB of shared memory).
-    (90, "mma"): _WHOLE[90, "mma"].config(num_stages=3, row_tiles=2),
+    (90, "mma"): _WHOLE[90, "mma"].config(num_stages=3, row_tiles=ROW_PAIRS),
     # sm_100 (ptxas 13) and the 99 KiB families: maxnreg 255, or ptxas caps registers and spills at ragged D.
-    (100, "mma"): _WHOLE[100, "mma"].config(max_registers=255, row_tiles=2),
-    (80, "mma"): _WHOLE[80, "mma"].config(num_stages=3, row_tiles=2),
-    (86, "mma"): _WHOLE[86, "mma"].config(max_registers=255, row_tiles=2),
-    (120, "mma"): _WHOLE[120, "mma"].config(max_registers=255, row_tiles=2),
+    (100, "mma"): _WHOLE[100, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
+    (80, "mma"): _WHOLE[80, "mma"].config(num_stages=3, row_tiles=ROW_PAIRS),
+    (86, "mma"): _WHOLE[86, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
+    (120, "mma"): _WHOLE[120, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
     # tf32: fp32 operands in 32-feature chunks; a third stage pushes sm_90's registers into spills.
-    (90, "tf32"): _WHOLE[90, "tf32"].config(row_tiles=2),
-    (100, "tf32"): _WHOLE[100, "tf32"].config(row_tiles=2),
-    (80, "tf32"): _WHOLE[80, "tf32"].config(num_stages=3, row_tiles=2),
-    (86, "tf32"): _WHOLE[86, "tf32"].config(max_registers=255, row_tiles=2),
-    (120, "tf32"): _WHOLE[120, "tf32"].config(row_tiles=2),
+    (90, "tf32"): _WHOLE[90, "tf32"].config(row_tiles=ROW_PAIRS),
+    (100, "tf32"): _WHOLE[100, "tf32"].config(row_tiles=ROW_PAIRS),
+    (80, "tf32"): _WHOLE[80, "tf32"].config(num_stages=3, row_tiles=ROW_PAIRS),
+    (86, "tf32"): _WHOLE[86, "tf32"].config(max_registers=255, row_tiles=ROW_PAIRS),
+    (120, "tf32"): _WHOLE[120, "tf32"].config(row_tiles=ROW_PAIRS),
     # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
     # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM. Each
     # entry is a sum in K order whatever the tile, so their tiles need not match the backward's.
@@ -355,6 +358,11 @@ RAGGED_D_CONFIGS = {
     key: replace(DEFAULT_CONFIGS[key], block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps)
     for key, tile in _RAGGED.items() if tile != _WHOLE[key]
 }
+# sm_86 / sm_120 (ptxas caps them at 255 registers): a pair of row blocks spills 20-40 B at ragged D.
+RAGGED_D_CONFIGS.update({
+    (arch, klass): replace(RAGGED_D_CONFIGS.get((arch, klass), DEFAULT_CONFIGS[arch, klass]), row_tiles=1)
+    for arch in (86, 120) for klass in ("mma", "tf32")
+})
 if TRITON_VERSION < (3, 3):
     # Triton 3.2's ragged-D tiles (128 x 32, configs.RAGGED_D_SCORE_TILES) spill with a third stage.
     RAGGED_D_CONFIGS.update({key: replace(cfg, num_stages=2) for key, cfg in RAGGED_D_CONFIGS.items()})
