@@ -296,7 +296,7 @@ def _forward_rows(
         else:
             run_max, run_rest, pos_logit = _fold_rows(s_rows, cols, pos, holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
                                                       BLOCK_N), run_max, run_rest, pos_logit)
-        if SYMMETRIC:  # cols_ptr is None otherwise
+        if SYMMETRIC:  # cols_ptr is an empty placeholder otherwise
             col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
             s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
             if HAS_IDS or HAS_GUIDE:
@@ -501,7 +501,10 @@ def softmax_forward(
         cols = _empty_partials(MASKED_ROWS if masks.masked else 2, plan.groups, n_k, acc, q.device)
     block_d = tiling.block_d(dim)
     args = dict(
-        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=cols, n_q=n_q, n_k=n_k, D=dim,
+        # One direction: an empty placeholder for the column partials, never read (Triton 3.2's autotuner
+        # clones every restore_value argument, and fails on None).
+        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=rows[:, :0] if cols is None else cols,
+        n_q=n_q, n_k=n_k, D=dim,
         stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
         stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
         stride_cols_stat=cols.stride(0) if symmetric else 0, stride_cols_group=cols.stride(1) if symmetric else 0,
