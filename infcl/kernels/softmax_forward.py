@@ -8,7 +8,10 @@ for the one-directional loss) and, for each, the k blocks of split c, building e
   registers and stored per split: ``[3, splits, Bq]``;
 - for the symmetric loss, the column stats over the group's rows: each tile's column stats are merged
   into the group's own ``[2, groups, Bk]`` partials (read, merged, written back: one program owns each
-  (group, column) pair, so no atomics and no race).
+  (group, column) pair, so no atomics and no race). On tensor cores the plain symmetric loss walks the
+  row blocks in pairs (``TileConfig.row_tiles``): each k block's two S tiles (each the one S tile of every
+  kernel) share the k chunks' loads, and their column stats are reduced, merged and written back once
+  per pair (:func:`_symmetric_pair`).
 The host merges the splits and the groups with :func:`infcl.lse.lse_merge` in a fixed order. Splits
 exist to fill the GPU when there are few row blocks; groups are at most MAX_GROUPS, so the extra
 memory is O(MAX_SPLITS * Bq + MAX_GROUPS * Bk), never O(Bq * Bk).

@@ -25,7 +25,8 @@ into the contract's ``r = log1p(rest)`` (:mod:`infcl.lse`); an empty set is (m, 
 **dS.** ``g * (exp((S - m) - r) - Y)`` in the accumulation dtype, in registers; at the positive the
 entry is ``g * expm1(x)``, from Kahan's ``(u - 1) * x / log(u)`` (:func:`expm1`): Triton's interpreter
 has no libdevice, and the trick only needs exp and an accurate log (tl.log is libdevice's logf on
-NVIDIA GPUs; tl.exp is ex2.approx, whose error the trick absorbs).
+NVIDIA GPUs; :func:`exp` is ex2.approx, whose error the trick absorbs). A tile that holds no positive
+skips that work on a uniform branch (:func:`holds_positive`).
 
 **Masks** (:mod:`infcl.masks`; the end of this module): each tile's positives and exclusions from the ids
 of its rows and columns and, with a guide, the guide scores of one more product over D'; the masked
