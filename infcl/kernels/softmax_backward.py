@@ -53,6 +53,7 @@ from .configs import (
     TileConfig,
     Tiling,
     autotune_bucket,
+    branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
@@ -176,7 +177,7 @@ def _dq_kernel(
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
@@ -239,7 +240,7 @@ def _dq_kernel(
             )
         else:
             ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
-                                         BLOCK_N), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+                                         BLOCK_N, BRANCH_POSITIVES), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
         if SYMMETRIC:
@@ -275,7 +276,7 @@ def _dk_kernel(
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,
 ):
@@ -334,7 +335,7 @@ def _dk_kernel(
         else:
             pos_lo, pos_hi = positive_span(pos)
             ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
-                                         BLOCK_N), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+                                         BLOCK_N, BRANCH_POSITIVES), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         ds = ds_row + ds_col
         if NORMALIZE:
             ds = ds * _inverse(factor)[None, :]
@@ -566,6 +567,7 @@ def softmax_backward(
         stride_cs0=col_stats.stride(0) if symmetric else 0, stride_cs1=col_stats.stride(1) if symmetric else 0,
         stride_gc=g_col.stride(0) if symmetric else 0, SYMMETRIC=symmetric, NORMALIZE=normalize, BLOCK_D=block_d,
         **feature_chunks(dim, block_d), **opts, **masks.kernel_args(q.dtype, precision),
+        BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         **_positive_args("row_pos_ptr", "stride_rp0", "stride_rp1", row_positives),
         **_positive_args("col_pos_ptr", "stride_cp0", "stride_cp1", col_positives),
         **COMPILE_OPTIONS,

@@ -52,6 +52,7 @@ from .configs import (
     TileConfig,
     Tiling,
     autotune_bucket,
+    branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
@@ -149,7 +150,7 @@ def _symmetric_pair(
     stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat, stride_cols_stat,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
     MASK_M0: tl.constexpr, MASK_M1: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
 ):
     """The plain symmetric forward over two row blocks at once (rows0 and the BLOCK_M rows after them;
     MASK_M1: the second may reach past n_q): each k block's two S tiles (:func:`score_pair`, each the one
@@ -183,11 +184,13 @@ def _symmetric_pair(
         # Row stats see only real columns, column stats only real rows (as the single tile's).
         run_max0, run_rest0, pos_logit0 = _fold_rows(
             masked_scores(raw0, scale, rows0, cols, n_q, n_k, False, MASK_N), cols, pos0,
-            holds_positive(pos_lo0, pos_hi0, cb * BLOCK_N, BLOCK_N), run_max0, run_rest0, pos_logit0,
+            holds_positive(pos_lo0, pos_hi0, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES), run_max0, run_rest0,
+            pos_logit0,
         )
         run_max1, run_rest1, pos_logit1 = _fold_rows(
             masked_scores(raw1, scale, rows1, cols, n_q, n_k, False, MASK_N), cols, pos1,
-            holds_positive(pos_lo1, pos_hi1, cb * BLOCK_N, BLOCK_N), run_max1, run_rest1, pos_logit1,
+            holds_positive(pos_lo1, pos_hi1, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES), run_max1, run_rest1,
+            pos_logit1,
         )
         col_max, col_rest = pair_column_stats(
             masked_scores(raw0, scale, rows0, cols, n_q, n_k, MASK_M0, False),
@@ -210,7 +213,7 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     ROW_TILES: tl.constexpr, EVEN_PAIRS: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
@@ -231,7 +234,7 @@ def _forward_kernel(
                 q_ptr, k_ptr, pos_ptr, row_out, cols_ptr + group.to(tl.int64) * stride_cols_group, scale, rows,
                 cb_lo, cb_hi, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat,
                 stride_cols_stat, BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, not EVEN_M, not (EVEN_M and EVEN_PAIRS),
-                not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+                not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION, BRANCH_POSITIVES,
             )
         else:
             _forward_rows(
@@ -240,7 +243,7 @@ def _forward_kernel(
                 q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, DG,
                 stride_gq0, stride_gq1, stride_gk0, stride_gk1, SYMMETRIC,
                 BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, EVEN_M, EVEN_N, EVEN_D, ACC, UPCAST, PRECISION,
-                HAS_IDS, HAS_GUIDE, POSITIVES, BLOCK_G, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+                HAS_IDS, HAS_GUIDE, POSITIVES, BRANCH_POSITIVES, BLOCK_G, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
             )
 
 
@@ -253,7 +256,7 @@ def _forward_rows(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
 ):
     """One row block's pass over the k blocks [cb_lo, cb_hi): its rows' stats (stored to ``row_out``) and,
@@ -298,7 +301,7 @@ def _forward_rows(
             )
         else:
             run_max, run_rest, pos_logit = _fold_rows(s_rows, cols, pos, holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
-                                                      BLOCK_N), run_max, run_rest, pos_logit)
+                                                      BLOCK_N, BRANCH_POSITIVES), run_max, run_rest, pos_logit)
         if SYMMETRIC:  # cols_ptr is an empty placeholder otherwise
             col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
             s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
@@ -512,6 +515,7 @@ def softmax_forward(
         stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
         stride_cols_stat=cols.stride(0) if symmetric else 0, stride_cols_group=cols.stride(1) if symmetric else 0,
         SYMMETRIC=symmetric, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, ROW_TILES=row_tiles,
+        BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         EVEN_PAIRS=triton.cdiv(n_q, tiling.forward.block_m) % row_tiles == 0,
         **masks.kernel_args(q.dtype, precision), **COMPILE_OPTIONS,
     )

@@ -41,15 +41,12 @@ last one and masked out of every result, and features past D read 0 (see :func:`
 import triton
 import triton.language as tl
 
-from .configs import INTERPRETED, TRITON_VERSION
+from .configs import INTERPRETED
 
 # tl.dot needs every side of both operands to be at least 16 (the MMA instruction shapes).
 MIN_DOT = tl.constexpr(16)
 # Whether the kernels compile to PTX (inline assembly allowed) or run in the interpreter (numpy).
 PTX = tl.constexpr(not INTERPRETED)
-# Whether the positives' work sits on a uniform branch (holds_positive): under Triton 3.2 the branch makes
-# the dq and dk kernels spill (36-668 B on sm_90), so there every tile does it.
-BRANCH_POSITIVES = tl.constexpr(TRITON_VERSION >= (3, 3))
 
 
 @triton.jit
@@ -330,10 +327,11 @@ def positive_span(pos):
 
 
 @triton.jit
-def holds_positive(lo, hi, c0, BLOCK_N: tl.constexpr):
+def holds_positive(lo, hi, c0, BLOCK_N: tl.constexpr, BRANCH: tl.constexpr):
     """Whether the column block [c0, c0 + BLOCK_N) may hold a positive of rows whose span is (lo, hi); always
-    (a constexpr True) where the positives' work is not branched on (BRANCH_POSITIVES)."""
-    if BRANCH_POSITIVES:
+    (a constexpr True) where the positives' work is not branched on (``BRANCH``:
+    :func:`infcl.kernels.configs.branch_positives`)."""
+    if BRANCH:
         holds = (hi >= c0) & (lo < c0 + BLOCK_N)
     else:
         holds = True
