@@ -241,12 +241,10 @@ def _dq_kernel(
         else:
             ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
                                          BLOCK_N, BRANCH_POSITIVES), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
-        if out_slice == 0:  # a uniform branch: only the first slice's programs store the scale gradient
-            dscale_row += tl.sum(ds_row * raw, axis=1)
-            if SYMMETRIC:
-                dscale_col += tl.sum(ds_col * raw, axis=1)
+        dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
         if SYMMETRIC:
+            dscale_col += tl.sum(ds_col * raw, axis=1)
             ds = ds + ds_col
         if NORMALIZE:
             ds = ds * _inverse(factor)[:, None]
