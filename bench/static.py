@@ -409,7 +409,7 @@ def without_positives():
     from infcl.kernels import softmax_backward, softmax_forward
 
     @triton.jit
-    def never(lo, hi, c0, BLOCK_N):
+    def never(lo, hi, c0, BLOCK_N, BRANCH):
         return False
 
     modules = (softmax_forward, softmax_backward)
