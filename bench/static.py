@@ -21,7 +21,9 @@ What is read from the compiled artefacts (counted, not run):
   lanes x warps / (BLOCK_M x BLOCK_N x ROW_TILES, the row blocks one pass walks): lane instructions per S
   entry, per D slice of dq / dk (``slices``: each slice recomputes S, so an S entry costs
   ``instr_per_entry_all_slices`` in all). Approximate: the
-  software pipeliner's prologue and epilogue and the branches not taken are counted as in the listing.
+  software pipeliner's prologue and epilogue and the branches not taken are counted as in the listing. The
+  ``*_no_pos`` columns ("no pos." in the table) count the softmax kernels compiled for a tile that holds no
+  positive (:func:`without_positives`), the path all but one or two column blocks per row block take.
 
 What is modelled (not read from the code):
 
