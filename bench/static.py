@@ -18,9 +18,12 @@ What is read from the compiled artefacts (counted, not run):
   most MUFU.EX2 outside its own inner loops; a loop nested in it runs over feature chunks, counted
   ``cdiv(D, BLOCK_D) - 1`` times (the first chunk is peeled) or ``cdiv(D, BLOCK_D)`` times if it stores to
   global memory (the sigmoid backward's per-chunk gradient). Per entry = warp instructions per tile x 32
-  lanes x warps / (BLOCK_M x BLOCK_N): lane instructions per S entry, per D slice of dq / dk (``slices``:
-  each slice recomputes S, so an S entry costs ``instr_per_entry_all_slices`` in all). Approximate: the
-  software pipeliner's prologue and epilogue and the branches not taken are counted as in the listing.
+  lanes x warps / (BLOCK_M x BLOCK_N x ROW_TILES, the row blocks one pass walks): lane instructions per S
+  entry, per D slice of dq / dk (``slices``: each slice recomputes S, so an S entry costs
+  ``instr_per_entry_all_slices`` in all). Approximate: the
+  software pipeliner's prologue and epilogue and the branches not taken are counted as in the listing. The
+  ``*_no_pos`` columns ("no pos." in the table) count the softmax kernels compiled for a tile that holds no
+  positive (:func:`without_positives`), the path all but one or two column blocks per row block take.
 
 What is modelled (not read from the code):
 
@@ -311,8 +314,10 @@ def modelled_bytes_flops(kernel: str, c: Dict, dim: int, elt: int) -> Tuple[floa
     one_chunk = dim <= bd
     s_flops = 2.0 * bm * bn * dim
     if kernel in ("forward", "siglip_forward"):
-        # symmetric / one-chunk forward: q held in registers only when D is one chunk
-        return elt * dim * (bn + (0 if one_chunk else bm)), s_flops
+        # symmetric / one-chunk forward: q held in registers only when D is one chunk; a pair of row blocks
+        # (ROW_TILES 2) shares each k chunk
+        rt = c.get("ROW_TILES", 1)
+        return elt * dim * (bn + (0 if one_chunk else rt * bm)), rt * s_flops
     if kernel in ("dq", "dk"):
         width = c.get("BLOCK_OUT", dim)
         owned, other = (bm, bn) if kernel == "dq" else (bn, bm)
@@ -330,6 +335,8 @@ def modelled_bytes_flops(kernel: str, c: Dict, dim: int, elt: int) -> Tuple[floa
 
 def _config(kernel: str, c: Dict) -> str:
     out = f"{c['BLOCK_M']}x{c['BLOCK_N']} d{c['BLOCK_D']}"
+    if c.get("ROW_TILES", 1) > 1:
+        out = f"{c['ROW_TILES']}x " + out
     if "BLOCK_OUT" in c and kernel in ("dq", "dk"):
         out += f" out{c['BLOCK_OUT']}"
     return out
@@ -392,12 +399,41 @@ def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple
         sigmoid.DEFAULT_TILINGS[klass] = saved_siglip
 
 
+@contextlib.contextmanager
+def without_positives():
+    """The softmax kernels compiled for a tile that holds no positive, as all but one or two column blocks
+    per row block do with the positives on the diagonal: ``holds_positive`` (tiles.py) replaced, in the
+    kernels' modules, by a constant False, so the uniform branch around the positives' work folds away.
+    (The real kernels' listing holds that branch's body, and the counts take it as run on every tile.)
+    Only in a process of its own: Triton keys and checks a compiled kernel by the globals it used."""
+    import triton
+
+    from infcl.kernels import softmax_backward, softmax_forward
+
+    @triton.jit
+    def never(lo, hi, c0, BLOCK_N, BRANCH):
+        return False
+
+    modules = (softmax_forward, softmax_backward)
+    saved = [module.holds_positive for module in modules]
+    for module in modules:
+        module.holds_positive = never
+    try:
+        yield
+    finally:
+        for module, fn in zip(modules, saved):
+            module.holds_positive = fn
+
+
 def report_target(arch: int, dtype: str, precision: str, dim: int = DIM, batches=BATCHES,
-                  entries=ENTRIES, tiles: Optional[Dict[str, Tuple[int, ...]]] = None) -> List[Dict]:
+                  entries=ENTRIES, tiles: Optional[Dict[str, Tuple[int, ...]]] = None,
+                  no_positive: bool = False) -> List[Dict]:
     """Compile both losses' calls for ``arch`` at each batch of ``batches`` (with ``tiles`` in place of the
-    default configs); one row per kernel. Runs in a worker process (:func:`triton_compile.init_worker`)."""
+    default configs, and with ``no_positive`` as :func:`without_positives`); one row per kernel. Runs in a
+    worker process (:func:`triton_compile.init_worker`)."""
     with tile_overrides(arch, dtype, precision, tiles or {}):
-        return _report_target(arch, dtype, precision, dim, batches, entries)
+        with without_positives() if no_positive else contextlib.nullcontext():
+            return _report_target(arch, dtype, precision, dim, batches, entries)
 
 
 def _report_target(arch, dtype, precision, dim, batches, entries) -> List[Dict]:
@@ -441,7 +477,7 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
     n_chunks = math.ceil(dim / launch["BLOCK_D"])
     loop = tile_loop_counts(sass, SASS, n_chunks) if sass else tile_loop_counts(ptx, PTX, n_chunks)
     warps = kernel.metadata.num_warps
-    entries = launch["BLOCK_M"] * launch["BLOCK_N"]
+    entries = launch["BLOCK_M"] * launch["BLOCK_N"] * launch.get("ROW_TILES", 1)  # one pass of the tile loop
     per_entry = 32 * warps / entries
     ctas, limiter = occupancy(usage["regs"], warps, usage["smem"], arch)
     nbytes, flops = modelled_bytes_flops(name, launch, dim, elt)
@@ -471,16 +507,31 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
     }
 
 
+# The figures of the softmax kernels' tiles without a positive (:func:`without_positives`), beside each row's.
+NO_POSITIVE_FIGURES = ("instr_per_entry", "mufu_per_entry", "shfl_per_entry", "instr_per_entry_all_slices")
+
+
 def run(targets=TARGETS, dtypes=(BF16,), dims=(DIM,), batches=BATCHES, entries=ENTRIES, workers: int = WORKERS,
-        tiles: Optional[Dict[str, Tuple[int, ...]]] = None) -> List[Dict]:
-    """Every (target, dtype) of the report in spawned workers (which import infcl with TRITON_INTERPRET=0);
-    targets whose ptxas the wheel lacks are skipped."""
+        tiles: Optional[Dict[str, Tuple[int, ...]]] = None, no_positive: bool = True) -> List[Dict]:
+    """Every (target, dtype) of the report in spawned workers (which import infcl with TRITON_INTERPRET=0), one
+    process per job; targets whose ptxas the wheel lacks are skipped. ``no_positive``: the softmax kernels
+    also compiled as :func:`without_positives`, their figures in the ``*_no_pos`` columns."""
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, context, initializer=triton_compile.init_worker) as pool:
+    with concurrent.futures.ProcessPoolExecutor(workers, context, initializer=triton_compile.init_worker,
+                                                max_tasks_per_child=1) as pool:
         known = [arch for arch in targets if pool.submit(triton_compile.ptxas_knows, arch).result()]
-        jobs = [pool.submit(report_target, arch, dtype, precision, dim, batches, entries, tiles)
-                for arch in known for dtype, precision in dtypes for dim in dims]
-        return [row for job in jobs for row in job.result()]
+        cases = [(arch, dtype, precision, dim) for arch in known for dtype, precision in dtypes for dim in dims]
+        jobs = [pool.submit(report_target, *case, batches, entries, tiles) for case in cases]
+        plain = ("cal_inf_loss",) if "cal_inf_loss" in entries and no_positive else ()
+        extra = [pool.submit(report_target, *case, batches, plain, tiles, True) for case in cases if plain]
+        rows = [row for job in jobs for row in job.result()]
+        key = ("target", "dtype", "D", "kernel")
+        skipped = {tuple(row[k] for k in key): row for job in extra for row in job.result()}
+        for row in rows:
+            other = skipped.get(tuple(row[k] for k in key))
+            if other is not None:
+                row.update({f"{name}_no_pos": other[name] for name in NO_POSITIVE_FIGURES})
+        return rows
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -494,14 +545,16 @@ def _fmt(value, digits=1) -> str:
 
 
 def format_table(rows: List[Dict], batches=BATCHES) -> str:
-    heads = ["target", "dtype", "kernel", "config", "warps", "mma (sass, or ptx)", "instr/entry", "slices",
-             "mufu/entry", "shfl/entry", "regs", "spill", "smem KiB", "CTAs/SM", *[f"waves B={b}" for b in batches],
+    heads = ["target", "dtype", "kernel", "config", "warps", "mma (sass, or ptx)", "instr/entry", "no pos.",
+             "slices", "mufu/entry", "no pos.", "shfl/entry", "regs", "spill", "smem KiB", "CTAs/SM",
+             *[f"waves B={b}" for b in batches],
              "flop/byte"]
     cells = [heads]
     for r in rows:
         mma = r["mma_sass"] if r["mma_sass"] != "n/a" else r["mma_ptx"]
         cells.append([r["target"], r["dtype"], r["kernel"], r["config"], str(r["warps"]), mma,
-                      _fmt(r["instr_per_entry"]), str(r["slices"]), _fmt(r["mufu_per_entry"], 2),
+                      _fmt(r["instr_per_entry"]), _fmt(r.get("instr_per_entry_no_pos")), str(r["slices"]),
+                      _fmt(r["mufu_per_entry"], 2), _fmt(r.get("mufu_per_entry_no_pos"), 2),
                       _fmt(r["shfl_per_entry"], 2),
                       str(r["regs"]), str(r["spill_bytes"]), f"{r['smem'] / 1024:.0f}",
                       f"{r['ctas_per_sm']} ({r['cta_limiter']})",

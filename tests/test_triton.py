@@ -34,9 +34,10 @@ GRAD_NAMES = ("loss", "dq", "dk", "dscale")
 
 # GPU-like tiles, small enough for the interpreter: forward 64 x 32, dq 64 x 32 and dk 64 x 16 blocks,
 # D up to 64 held in registers as one chunk, 32-wide chunks beyond it, 64-wide dq/dk slices. (BLOCK_M
-# stays 64 in all three kernels so that, run on a GPU, their S tiles use the same MMA instruction.)
+# stays 64 in all three kernels so that, run on a GPU, their S tiles use the same MMA instruction.) The
+# symmetric forward walks pairs of row blocks, as the tensor-core defaults do.
 GPU_LIKE = Tiling(
-    forward=TileConfig(block_m=64, block_n=32),
+    forward=TileConfig(block_m=64, block_n=32, row_tiles=2),
     dq=TileConfig(block_m=64, block_n=32, block_out=64),
     dk=TileConfig(block_m=64, block_n=16, block_out=64),
     resident_d=64,
@@ -44,6 +45,8 @@ GPU_LIKE = Tiling(
 )
 # The same with the work split: 2 row groups and 3 k splits in the forward, 2 splits per dq/dk block.
 SPLIT = GPU_LIKE.with_splits(groups=2, splits=3, backward_splits=2)
+# The symmetric forward one row block at a time (the FMA classes' defaults, and every masked call).
+SINGLE = dataclasses.replace(GPU_LIKE, forward=dataclasses.replace(GPU_LIKE.forward, row_tiles=1))
 
 
 @pytest.fixture(autouse=True)
@@ -404,10 +407,12 @@ def _random_block(bq, bk, dim, symmetric, seed, dtype=torch.float64, strided=Fal
     return forward, backward, rand(bq, dim), rand(dim, bk).T  # a strided dk accumulator
 
 
-@pytest.mark.parametrize("tiling", (GPU_LIKE, SPLIT), ids=("gpu-like", "split"))
+@pytest.mark.parametrize("tiling", (GPU_LIKE, SPLIT, SINGLE), ids=("gpu-like", "split", "single-row-blocks"))
 @pytest.mark.parametrize(
     "bq,bk,dim,symmetric,strided",
-    ((33, 50, 40, True, False), (33, 50, 72, False, True), (45, 70, 200, True, True), (1, 17, 3, False, False)),
+    ((33, 50, 40, True, False), (33, 50, 72, False, True), (45, 70, 200, True, True), (1, 17, 3, False, False),
+     # 128 rows: a whole pair of row blocks; 200: two pairs, the second's second block past the end
+     (128, 130, 72, True, False), (200, 210, 40, True, True)),
 )
 def test_blocks_match_torch_tiles(tiling, bq, bk, dim, symmetric, strided):
     """forward_block / backward_block alone equal the torch tiles (the reference of the contract),

@@ -63,7 +63,8 @@ class TileConfig:
     ``block_out`` (backward kernels only): the widest slice of dq (dk) columns a program accumulates in
     registers; a wider D runs ceil(D / block_out) slices, each recomputing S. ``max_registers``: passed
     as Triton's ``maxnreg`` (0: unset). Where set to 255 it stops ptxas from spilling a few bytes to fit
-    more blocks on an SM.
+    more blocks on an SM. ``row_tiles`` (the forward only; 1 or 2): row blocks the plain symmetric forward
+    walks at once, each its own S tile, their column stats reduced and merged into the partials once.
     """
 
     block_m: int
@@ -72,10 +73,13 @@ class TileConfig:
     num_stages: int = 2
     block_out: int = 256
     max_registers: int = 0
+    row_tiles: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_out"):
             _power_of_two(f"TileConfig.{name}", getattr(self, name))
+        if self.row_tiles not in (1, 2):
+            raise ValueError(f"TileConfig.row_tiles must be 1 or 2, got {self.row_tiles}")
 
     def launch_options(self) -> dict:
         """num_warps, num_stages (and maxnreg) for a kernel launch."""
@@ -107,9 +111,11 @@ class ScoreTile:
     block_n: int
     num_warps: int
 
-    def config(self, num_stages: int = 2, block_out: int = 256, max_registers: int = 0) -> TileConfig:
+    def config(self, num_stages: int = 2, block_out: int = 256, max_registers: int = 0, row_tiles: int = 1
+               ) -> TileConfig:
         """A kernel's config on this S tile."""
-        return TileConfig(self.block_m, self.block_n, self.num_warps, num_stages, block_out, max_registers)
+        return TileConfig(self.block_m, self.block_n, self.num_warps, num_stages, block_out, max_registers,
+                          row_tiles)
 
 
 @dataclass(frozen=True)
@@ -255,6 +261,15 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
         "UPCAST": INTERPRETED and dtype in (torch.bfloat16, torch.float16),
         "PRECISION": precision,
     }
+
+
+def branch_positives(dtype: torch.dtype, precision: Optional[str] = None) -> bool:
+    """BRANCH_POSITIVES, a softmax kernel constexpr: whether the positives' work (the positive logit, dS's
+    expm1) sits on a uniform branch taken only by the tiles that may hold a positive (tiles.holds_positive).
+    On tensor cores from Triton 3.3; not for the FMA classes (ieee, fp64), at their register limit, nor under
+    Triton 3.2, where the branch spills (12-668 B in dk); always under the interpreter, which tests it."""
+    tensor_cores = operand_class(dtype, precision) in TENSOR_CORE_CLASSES
+    return INTERPRETED or (tensor_cores and TRITON_VERSION >= (3, 3))
 
 
 # ---- the mask options (infcl.masks) ----------------------------------------------------------------
@@ -520,13 +535,13 @@ class ForwardPlan:
     splits: int  # grid axis 1: contiguous shares of the k blocks
 
 
-def plan_forward(n_q: int, n_k: int, tiling: Tiling, symmetric: bool, sms: int) -> ForwardPlan:
-    """How many programs share the forward: every row block its own program (one direction) or at most
-    MAX_GROUPS row groups (symmetric: each group keeps its own column partials), times enough k splits
-    to give every SM PROGRAMS_PER_SM programs. Independent of the autotuned block sizes: a program
-    whose share is empty writes the empty stats."""
+def plan_forward(n_q: int, n_k: int, tiling: Tiling, symmetric: bool, sms: int, row_tiles: int = 1) -> ForwardPlan:
+    """How many programs share the forward: every unit of ``row_tiles`` row blocks its own program (one
+    direction) or at most MAX_GROUPS row groups (symmetric: each group keeps its own column partials),
+    times enough k splits to give every SM PROGRAMS_PER_SM programs. Independent of the autotuned block
+    sizes: a program whose share is empty writes the empty stats."""
     cfg = tiling.forward
-    n_rb, n_cb = triton.cdiv(n_q, cfg.block_m), triton.cdiv(n_k, cfg.block_n)
+    n_rb, n_cb = triton.cdiv(triton.cdiv(n_q, cfg.block_m), row_tiles), triton.cdiv(n_k, cfg.block_n)
     groups = tiling.groups or (min(n_rb, MAX_GROUPS) if symmetric else n_rb)
     splits = tiling.splits or min(max(math.ceil(PROGRAMS_PER_SM * sms / groups), 1), n_cb, MAX_SPLITS)
     return ForwardPlan(groups, splits)

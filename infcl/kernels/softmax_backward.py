@@ -53,6 +53,7 @@ from .configs import (
     TileConfig,
     Tiling,
     autotune_bucket,
+    branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
@@ -69,22 +70,25 @@ from .tiles import (
     block_range,
     block_scores,
     check_blocks,
+    holds_positive,
     load_optional,
     load_tile,
     load_vector,
     masked_scores,
     masked_softmax_grad,
+    positive_span,
     softmax_grad,
     tile_dot,
 )
 
 
 @triton.jit
-def _tile_grads(s, is_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.constexpr):
-    """(row part, column part) of dS for one tile; the column part is 0 for the one-directional loss."""
-    ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos)
+def _tile_grads(s, is_pos, has_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.constexpr):
+    """(row part, column part) of dS for one tile; the column part is 0 for the one-directional loss.
+    ``has_pos``: whether the tile may hold a positive (:func:`infcl.kernels.tiles.holds_positive`)."""
+    ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos, has_pos)
     if SYMMETRIC:
-        ds_col = softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], is_pos)
+        ds_col = softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], is_pos, has_pos)
     else:
         ds_col = 0.0
     return ds_row, ds_col
@@ -173,7 +177,7 @@ def _dq_kernel(
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
@@ -187,6 +191,7 @@ def _dq_kernel(
     scale = tl.load(scale_ptr)
     m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+    pos_lo, pos_hi = positive_span(pos)
     if HAS_IDS or HAS_GUIDE:
         q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
         row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
@@ -234,7 +239,8 @@ def _dq_kernel(
                 SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
-            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
+                                         BLOCK_N, BRANCH_POSITIVES), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
         if SYMMETRIC:
@@ -270,7 +276,7 @@ def _dk_kernel(
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,
 ):
@@ -327,7 +333,9 @@ def _dk_kernel(
                 SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
-            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+            pos_lo, pos_hi = positive_span(pos)
+            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
+                                         BLOCK_N, BRANCH_POSITIVES), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
         ds = ds_row + ds_col
         if NORMALIZE:
             ds = ds * _inverse(factor)[None, :]
@@ -559,6 +567,7 @@ def softmax_backward(
         stride_cs0=col_stats.stride(0) if symmetric else 0, stride_cs1=col_stats.stride(1) if symmetric else 0,
         stride_gc=g_col.stride(0) if symmetric else 0, SYMMETRIC=symmetric, NORMALIZE=normalize, BLOCK_D=block_d,
         **feature_chunks(dim, block_d), **opts, **masks.kernel_args(q.dtype, precision),
+        BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         **_positive_args("row_pos_ptr", "stride_rp0", "stride_rp1", row_positives),
         **_positive_args("col_pos_ptr", "stride_cp0", "stride_cp1", col_positives),
         **COMPILE_OPTIONS,

@@ -8,7 +8,10 @@ for the one-directional loss) and, for each, the k blocks of split c, building e
   registers and stored per split: ``[3, splits, Bq]``;
 - for the symmetric loss, the column stats over the group's rows: each tile's column stats are merged
   into the group's own ``[2, groups, Bk]`` partials (read, merged, written back: one program owns each
-  (group, column) pair, so no atomics and no race).
+  (group, column) pair, so no atomics and no race). On tensor cores the plain symmetric loss walks the
+  row blocks in pairs (``TileConfig.row_tiles``): each k block's two S tiles (each the one S tile of every
+  kernel) share the k chunks' loads, and their column stats are reduced, merged and written back once
+  per pair (:func:`_symmetric_pair`).
 The host merges the splits and the groups with :func:`infcl.lse.lse_merge` in a fixed order. Splits
 exist to fill the GPU when there are few row blocks; groups are at most MAX_GROUPS, so the extra
 memory is O(MAX_SPLITS * Bq + MAX_GROUPS * Bk), never O(Bq * Bk).
@@ -49,6 +52,7 @@ from .configs import (
     TileConfig,
     Tiling,
     autotune_bucket,
+    branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
@@ -63,6 +67,7 @@ from .tiles import (
     block_range,
     block_scores,
     check_blocks,
+    holds_positive,
     kept_rest_stats,
     load_optional,
     load_tile,
@@ -70,7 +75,10 @@ from .tiles import (
     masked_scores,
     merge_kept_stats,
     merge_rest_stats,
+    pair_column_stats,
     positive_partials,
+    positive_span,
+    score_pair,
     tile_rest_stats,
 )
 
@@ -108,6 +116,92 @@ def _merge_masked_columns(col_part, stride_stat, cols, n_k, s_cols, kept, positi
 
 
 @triton.jit
+def _fold_rows(s_rows, cols, pos, has_pos, run_max, run_rest, pos_logit):
+    """Fold one tile into its rows' running stats and positive logits (the plain loss); ``has_pos``: whether
+    the tile may hold a positive (:func:`infcl.kernels.tiles.holds_positive`, a uniform branch)."""
+    tile_max, tile_rest = tile_rest_stats(s_rows, 1)
+    run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
+    if has_pos:
+        pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
+    return run_max, run_rest, pos_logit
+
+
+@triton.jit
+def _merge_columns(col_part, stride_stat, cols, n_k, col_max, col_rest, MASK: tl.constexpr):
+    """Merge one tile's column stats into the group's [2, Bk] partials: read, merged, written back (the
+    group's program owns them)."""
+    part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), MASK)
+    part_rest = load_vector(col_part + stride_stat, cols, n_k, 1, -1.0, MASK)
+    part_max, part_rest = merge_rest_stats(part_max, part_rest, col_max, col_rest)
+    _store_vector(col_part, cols, n_k, part_max, MASK)
+    _store_vector(col_part + stride_stat, cols, n_k, part_rest, MASK)
+
+
+@triton.jit
+def _store_rows(row_out, stride_stat, rows, n_q, run_max, run_rest, pos_logit, MASK: tl.constexpr):
+    _store_vector(row_out, rows, n_q, run_max, MASK)
+    _store_vector(row_out + stride_stat, rows, n_q, run_rest, MASK)
+    _store_vector(row_out + 2 * stride_stat, rows, n_q, pos_logit, MASK)
+
+
+@triton.jit
+def _symmetric_pair(
+    q_ptr, k_ptr, pos_ptr, row_out, col_part, scale, rows0, cb_lo, cb_hi, n_q, n_k, D,
+    stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat, stride_cols_stat,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    MASK_M0: tl.constexpr, MASK_M1: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
+):
+    """The plain symmetric forward over two row blocks at once (rows0 and the BLOCK_M rows after them;
+    MASK_M1: the second may reach past n_q): each k block's two S tiles (:func:`score_pair`, each the one
+    S tile of every kernel) fold into their rows' stats as a single tile does, and into the columns' stats
+    together (:func:`pair_column_stats`), so the cross-row reductions, the merge and the read-modify-write
+    of the column partials run once per 2 * BLOCK_M rows."""
+    rows1 = rows0 + BLOCK_M
+    if ONE_CHUNK:  # both q tiles are loaded once and held in registers for the whole k loop
+        feats = tl.arange(0, BLOCK_D)
+        q_res0 = load_tile(q_ptr, rows0, feats, n_q, D, stride_q0, stride_q1, MASK_M0, MASK_D)
+        q_res1 = load_tile(q_ptr, rows1, feats, n_q, D, stride_q0, stride_q1, MASK_M1, MASK_D)
+    else:
+        q_res0 = q_ptr  # unused
+        q_res1 = q_ptr
+    pos0 = load_vector(pos_ptr, rows0, n_q, 1, -1, MASK_M0).to(tl.int32)
+    pos1 = load_vector(pos_ptr, rows1, n_q, 1, -1, MASK_M1).to(tl.int32)
+    pos_lo0, pos_hi0 = positive_span(pos0)
+    pos_lo1, pos_hi1 = positive_span(pos1)
+    run_max0 = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    run_rest0 = tl.full([BLOCK_M], -1.0, dtype=ACC)
+    pos_logit0 = tl.zeros([BLOCK_M], dtype=ACC)
+    run_max1 = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    run_rest1 = tl.full([BLOCK_M], -1.0, dtype=ACC)
+    pos_logit1 = tl.zeros([BLOCK_M], dtype=ACC)
+    for cb in range(cb_lo, cb_hi):
+        cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+        raw0, raw1 = score_pair(
+            q_ptr, k_ptr, q_res0, q_res1, rows0, rows1, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0,
+            stride_k1, BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, MASK_M0, MASK_M1, MASK_N, MASK_D, ACC, UPCAST, PRECISION,
+        )
+        # Row stats see only real columns, column stats only real rows (as the single tile's).
+        run_max0, run_rest0, pos_logit0 = _fold_rows(
+            masked_scores(raw0, scale, rows0, cols, n_q, n_k, False, MASK_N), cols, pos0,
+            holds_positive(pos_lo0, pos_hi0, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES), run_max0, run_rest0,
+            pos_logit0,
+        )
+        run_max1, run_rest1, pos_logit1 = _fold_rows(
+            masked_scores(raw1, scale, rows1, cols, n_q, n_k, False, MASK_N), cols, pos1,
+            holds_positive(pos_lo1, pos_hi1, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES), run_max1, run_rest1,
+            pos_logit1,
+        )
+        col_max, col_rest = pair_column_stats(
+            masked_scores(raw0, scale, rows0, cols, n_q, n_k, MASK_M0, False),
+            masked_scores(raw1, scale, rows1, cols, n_q, n_k, MASK_M1, False),
+        )
+        _merge_columns(col_part, stride_cols_stat, cols, n_k, col_max, col_rest, MASK_N)
+    _store_rows(row_out, stride_rows_stat, rows0, n_q, run_max0, run_rest0, pos_logit0, MASK_M0)
+    _store_rows(row_out, stride_rows_stat, rows1, n_q, run_max1, run_rest1, pos_logit1, MASK_M1)
+
+
+@triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, scale_ptr, pos_ptr, rows_ptr, cols_ptr,
     n_q, n_k, D,
@@ -119,85 +213,116 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+    ROW_TILES: tl.constexpr, EVEN_PAIRS: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    tl.static_assert(ROW_TILES == 1 or (SYMMETRIC and not (HAS_IDS or HAS_GUIDE)))  # pairs: the plain symmetric loss
     group = tl.program_id(0)
     split = tl.program_id(1)
-    rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(n_q, BLOCK_M))
+    # The program walks units of ROW_TILES row blocks (the last unit's second block may lie past n_q).
+    rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(tl.cdiv(n_q, BLOCK_M), ROW_TILES))
     cb_lo, cb_hi = block_range(split, tl.num_programs(1), tl.cdiv(n_k, BLOCK_N))
     scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
-    feats = tl.arange(0, BLOCK_D)
     row_out = rows_ptr + split.to(tl.int64) * stride_rows_split
     for rb in range(rb_lo, rb_hi):
-        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
-            q_res = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
-        else:
-            q_res = q_ptr  # unused
-        pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
-        run_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-        run_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
-        pos_logit = tl.zeros([BLOCK_M], dtype=ACC)
-        if HAS_IDS or HAS_GUIDE:  # the positives' max, rest ("sum") and count, the ids and thresholds of the rows
-            pos_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-            pos_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
-            pos_count = tl.zeros([BLOCK_M], dtype=ACC)
-            q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-            row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-        for cb in range(cb_lo, cb_hi):
-            cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-            raw, _ = block_scores(
-                q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        rows = rb * (ROW_TILES * BLOCK_M) + tl.arange(0, BLOCK_M)
+        if ROW_TILES == 2:
+            _symmetric_pair(
+                q_ptr, k_ptr, pos_ptr, row_out, cols_ptr + group.to(tl.int64) * stride_cols_group, scale, rows,
+                cb_lo, cb_hi, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat,
+                stride_cols_stat, BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, not EVEN_M, not (EVEN_M and EVEN_PAIRS),
+                not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION, BRANCH_POSITIVES,
             )
-            # Row stats see only real columns; padded rows are finite (zero features) and never stored.
-            s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
+        else:
+            _forward_rows(
+                q_ptr, k_ptr, pos_ptr, row_out, cols_ptr, scale, rows, group, cb_lo, cb_hi, n_q, n_k, D,
+                stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat, stride_cols_stat, stride_cols_group,
+                q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, DG,
+                stride_gq0, stride_gq1, stride_gk0, stride_gk1, SYMMETRIC,
+                BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, EVEN_M, EVEN_N, EVEN_D, ACC, UPCAST, PRECISION,
+                HAS_IDS, HAS_GUIDE, POSITIVES, BRANCH_POSITIVES, BLOCK_G, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+            )
+
+
+@triton.jit
+def _forward_rows(
+    q_ptr, k_ptr, pos_ptr, row_out, cols_ptr, scale, rows, group, cb_lo, cb_hi, n_q, n_k, D,
+    stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat, stride_cols_stat, stride_cols_group,
+    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, DG,
+    stride_gq0, stride_gq1, stride_gk0, stride_gk1, SYMMETRIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+):
+    """One row block's pass over the k blocks [cb_lo, cb_hi): its rows' stats (stored to ``row_out``) and,
+    symmetric, the group's column partials; with mask options the masked rows of :mod:`infcl.masks`."""
+    feats = tl.arange(0, BLOCK_D)
+    if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
+        q_res = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
+    else:
+        q_res = q_ptr  # unused
+    pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+    pos_lo, pos_hi = positive_span(pos)
+    run_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    run_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
+    pos_logit = tl.zeros([BLOCK_M], dtype=ACC)
+    if HAS_IDS or HAS_GUIDE:  # the positives' max, rest ("sum") and count, the ids and thresholds of the rows
+        pos_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+        pos_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
+        pos_count = tl.zeros([BLOCK_M], dtype=ACC)
+        q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
+        row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
+    for cb in range(cb_lo, cb_hi):
+        cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
+        raw, _ = block_scores(
+            q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+        )
+        # Row stats see only real columns; padded rows are finite (zero features) and never stored.
+        s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
+        if HAS_IDS or HAS_GUIDE:
+            positive, excluded_rows, excluded_cols = block_masks(
+                gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
+                stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
+                BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+            )
+            kept = s_rows
+            if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
+                kept = tl.where(excluded_rows, float("-inf"), s_rows)
+            tile_max, tile_rest = kept_rest_stats(kept, 1)
+            run_max, run_rest = merge_kept_stats(run_max, run_rest, tile_max, tile_rest)
+            pos_max, pos_rest, pos_logit, pos_count = positive_partials(
+                s_rows, positive, pos_max, pos_rest, pos_logit, pos_count, 1, POSITIVES
+            )
+        else:
+            run_max, run_rest, pos_logit = _fold_rows(s_rows, cols, pos, holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
+                                                      BLOCK_N, BRANCH_POSITIVES), run_max, run_rest, pos_logit)
+        if SYMMETRIC:  # cols_ptr is an empty placeholder otherwise
+            col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
+            s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
             if HAS_IDS or HAS_GUIDE:
-                positive, excluded_rows, excluded_cols = block_masks(
-                    gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
-                    stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
-                    BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
-                )
-                kept = s_rows
+                kept = s_cols
                 if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
-                    kept = tl.where(excluded_rows, float("-inf"), s_rows)
-                tile_max, tile_rest = kept_rest_stats(kept, 1)
-                run_max, run_rest = merge_kept_stats(run_max, run_rest, tile_max, tile_rest)
-                pos_max, pos_rest, pos_logit, pos_count = positive_partials(
-                    s_rows, positive, pos_max, pos_rest, pos_logit, pos_count, 1, POSITIVES
-                )
+                    kept = tl.where(excluded_cols, float("-inf"), s_cols)
+                _merge_masked_columns(col_part, stride_cols_stat, cols, n_k, s_cols, kept, positive, POSITIVES,
+                                      not EVEN_N)
             else:
-                tile_max, tile_rest = tile_rest_stats(s_rows, 1)
-                run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
-                pos_logit += tl.sum(tl.where(cols[None, :] == pos[:, None], s_rows, 0.0), axis=1)
-            if SYMMETRIC:  # cols_ptr is None otherwise
-                col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
-                s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
-                if HAS_IDS or HAS_GUIDE:
-                    kept = s_cols
-                    if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
-                        kept = tl.where(excluded_cols, float("-inf"), s_cols)
-                    _merge_masked_columns(col_part, stride_cols_stat, cols, n_k, s_cols, kept, positive, POSITIVES,
-                                          not EVEN_N)
-                else:
-                    col_max, col_rest = tile_rest_stats(s_cols, 0)
-                    part_max = load_vector(col_part, cols, n_k, 1, float("-inf"), not EVEN_N)
-                    part_rest = load_vector(col_part + stride_cols_stat, cols, n_k, 1, -1.0, not EVEN_N)
-                    part_max, part_rest = merge_rest_stats(part_max, part_rest, col_max, col_rest)
-                    _store_vector(col_part, cols, n_k, part_max, not EVEN_N)
-                    _store_vector(col_part + stride_cols_stat, cols, n_k, part_rest, not EVEN_N)
+                col_max, col_rest = tile_rest_stats(s_cols, 0)
+                _merge_columns(col_part, stride_cols_stat, cols, n_k, col_max, col_rest, not EVEN_N)
+    if HAS_IDS or HAS_GUIDE:  # the rows of infcl.masks, rest in place of rel
         _store_vector(row_out, rows, n_q, run_max, not EVEN_M)
         _store_vector(row_out + stride_rows_stat, rows, n_q, run_rest, not EVEN_M)
-        if HAS_IDS or HAS_GUIDE:  # the rows of infcl.masks, rest in place of rel
-            _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_max, not EVEN_M)
-            _store_vector(row_out + 3 * stride_rows_stat, rows, n_q, pos_rest, not EVEN_M)
-            _store_vector(row_out + 4 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
-            _store_vector(row_out + 5 * stride_rows_stat, rows, n_q, pos_count, not EVEN_M)
-        else:
-            _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
+        _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_max, not EVEN_M)
+        _store_vector(row_out + 3 * stride_rows_stat, rows, n_q, pos_rest, not EVEN_M)
+        _store_vector(row_out + 4 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
+        _store_vector(row_out + 5 * stride_rows_stat, rows, n_q, pos_count, not EVEN_M)
+    else:
+        _store_rows(row_out, stride_rows_stat, rows, n_q, run_max, run_rest, pos_logit, not EVEN_M)
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -210,20 +335,23 @@ def _forward_kernel(
 # pipeline depth and maxnreg are the forward's own.
 _WHOLE = {key: score_tile(*key) for key in SCORE_TILES}
 _RAGGED = {key: score_tile(*key, ragged=True) for key in SCORE_TILES}
+# The plain symmetric forward on tensor cores walks pairs of row blocks (TileConfig.row_tiles); under Triton
+# 3.2 (128-row S tiles on sm_90 / sm_100) a pair spills 80-120 B, so one row block at a time there.
+ROW_PAIRS = 2 if TRITON_VERSION >= (3, 3) else 1
 DEFAULT_CONFIGS = {
     # sm_90: 3 stages of q/k chunks (48 KiB of shared memory).
-    (90, "mma"): _WHOLE[90, "mma"].config(num_stages=3),
+    (90, "mma"): _WHOLE[90, "mma"].config(num_stages=3, row_tiles=ROW_PAIRS),
     # sm_100 (ptxas 13) and the 99 KiB families: maxnreg 255, or ptxas caps registers and spills at ragged D.
-    (100, "mma"): _WHOLE[100, "mma"].config(max_registers=255),
-    (80, "mma"): _WHOLE[80, "mma"].config(num_stages=3),
-    (86, "mma"): _WHOLE[86, "mma"].config(max_registers=255),
-    (120, "mma"): _WHOLE[120, "mma"].config(max_registers=255),
+    (100, "mma"): _WHOLE[100, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
+    (80, "mma"): _WHOLE[80, "mma"].config(num_stages=3, row_tiles=ROW_PAIRS),
+    (86, "mma"): _WHOLE[86, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
+    (120, "mma"): _WHOLE[120, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
     # tf32: fp32 operands in 32-feature chunks; a third stage pushes sm_90's registers into spills.
-    (90, "tf32"): _WHOLE[90, "tf32"].config(),
-    (100, "tf32"): _WHOLE[100, "tf32"].config(),
-    (80, "tf32"): _WHOLE[80, "tf32"].config(num_stages=3),
-    (86, "tf32"): _WHOLE[86, "tf32"].config(max_registers=255),
-    (120, "tf32"): _WHOLE[120, "tf32"].config(),
+    (90, "tf32"): _WHOLE[90, "tf32"].config(row_tiles=ROW_PAIRS),
+    (100, "tf32"): _WHOLE[100, "tf32"].config(row_tiles=ROW_PAIRS),
+    (80, "tf32"): _WHOLE[80, "tf32"].config(num_stages=3, row_tiles=ROW_PAIRS),
+    (86, "tf32"): _WHOLE[86, "tf32"].config(max_registers=255, row_tiles=ROW_PAIRS),
+    (120, "tf32"): _WHOLE[120, "tf32"].config(row_tiles=ROW_PAIRS),
     # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
     # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM. Each
     # entry is a sum in K order whatever the tile, so their tiles need not match the backward's.
@@ -236,6 +364,11 @@ RAGGED_D_CONFIGS = {
     key: replace(DEFAULT_CONFIGS[key], block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps)
     for key, tile in _RAGGED.items() if tile != _WHOLE[key]
 }
+# sm_86 / sm_120 (ptxas caps them at 255 registers): a pair of row blocks spills 20-40 B at ragged D.
+RAGGED_D_CONFIGS.update({
+    (arch, klass): replace(RAGGED_D_CONFIGS.get((arch, klass), DEFAULT_CONFIGS[arch, klass]), row_tiles=1)
+    for arch in (86, 120) for klass in ("mma", "tf32")
+})
 if TRITON_VERSION < (3, 3):
     # Triton 3.2's ragged-D tiles (128 x 32, configs.RAGGED_D_SCORE_TILES) spill with a third stage.
     RAGGED_D_CONFIGS.update({key: replace(cfg, num_stages=2) for key, cfg in RAGGED_D_CONFIGS.items()})
@@ -364,7 +497,9 @@ def softmax_forward(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
     n_k = k.shape[0]
-    plan = plan_forward(n_q, n_k, tiling, symmetric, sms)
+    # Pairs of row blocks (TileConfig.row_tiles) in the plain symmetric forward; the autotuner keeps BLOCK_M.
+    row_tiles = tiling.forward.row_tiles if symmetric and not masks.masked else 1
+    plan = plan_forward(n_q, n_k, tiling, symmetric, sms, row_tiles)
     n_rows = MASKED_ROWS if masks.masked else 3
     rows = torch.empty(n_rows, plan.splits, n_q, dtype=acc, device=q.device)
     cols = None  # the column stats exist only for the symmetric loss
@@ -372,11 +507,16 @@ def softmax_forward(
         cols = _empty_partials(MASKED_ROWS if masks.masked else 2, plan.groups, n_k, acc, q.device)
     block_d = tiling.block_d(dim)
     args = dict(
-        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=cols, n_q=n_q, n_k=n_k, D=dim,
+        # One direction: an empty placeholder for the column partials, never read (Triton 3.2's autotuner
+        # clones every restore_value argument, and fails on None).
+        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=rows[:, :0] if cols is None else cols,
+        n_q=n_q, n_k=n_k, D=dim,
         stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
         stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
         stride_cols_stat=cols.stride(0) if symmetric else 0, stride_cols_group=cols.stride(1) if symmetric else 0,
-        SYMMETRIC=symmetric, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts,
+        SYMMETRIC=symmetric, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, ROW_TILES=row_tiles,
+        BRANCH_POSITIVES=branch_positives(q.dtype, precision),
+        EVEN_PAIRS=triton.cdiv(n_q, tiling.forward.block_m) % row_tiles == 0,
         **masks.kernel_args(q.dtype, precision), **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)

@@ -25,7 +25,8 @@ into the contract's ``r = log1p(rest)`` (:mod:`infcl.lse`); an empty set is (m, 
 **dS.** ``g * (exp((S - m) - r) - Y)`` in the accumulation dtype, in registers; at the positive the
 entry is ``g * expm1(x)``, from Kahan's ``(u - 1) * x / log(u)`` (:func:`expm1`): Triton's interpreter
 has no libdevice, and the trick only needs exp and an accurate log (tl.log is libdevice's logf on
-NVIDIA GPUs; tl.exp is ex2.approx, whose error the trick absorbs).
+NVIDIA GPUs; :func:`exp` is ex2.approx, whose error the trick absorbs). A tile that holds no positive
+skips that work on a uniform branch (:func:`holds_positive`).
 
 **Masks** (:mod:`infcl.masks`; the end of this module): each tile's positives and exclusions from the ids
 of its rows and columns and, with a guide, the guide scores of one more product over D'; the masked
@@ -178,6 +179,38 @@ def score_tile(
 
 
 @triton.jit
+def score_pair(
+    q_ptr, k_ptr, q_res0, q_res1, rows0, rows1, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    MASK_M0: tl.constexpr, MASK_M1: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """(raw0, raw1): the S tiles of two row blocks, q[rows0] @ k[cols].T and q[rows1] @ k[cols].T, for the
+    symmetric forward's pairs of row blocks; each k chunk is loaded once for both.
+
+    Each tile is :func:`block_scores`' S: with ONE_CHUNK, :func:`score_resident` on the resident q tiles
+    ``q_res0`` / ``q_res1``; otherwise the sums of :func:`score_chunks`, every chunk's product the tl.dot of
+    :func:`score_dot` in the chunk loop, so the same MMA instruction and layout as the single tile's.
+    """
+    if ONE_CHUNK:
+        feats = tl.arange(0, BLOCK_D)
+        k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
+        raw0 = score_resident(q_res0, k_tile, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
+        raw1 = score_resident(q_res1, k_tile, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
+    else:
+        raw0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        raw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for d0 in range(0, D, BLOCK_D):
+            feats = d0 + tl.arange(0, BLOCK_D)
+            k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
+            q_tile0 = load_tile(q_ptr, rows0, feats, n_q, D, stride_q0, stride_q1, MASK_M0, MASK_D)
+            q_tile1 = load_tile(q_ptr, rows1, feats, n_q, D, stride_q0, stride_q1, MASK_M1, MASK_D)
+            raw0 = score_dot(q_tile0, k_tile, raw0, UPCAST, PRECISION)
+            raw1 = score_dot(q_tile1, k_tile, raw1, UPCAST, PRECISION)
+    return raw0, raw1
+
+
+@triton.jit
 def block_scores(
     q_ptr, k_ptr, resident, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
@@ -207,6 +240,27 @@ def block_scores(
     return raw, chunk
 
 
+# exp(x) = 2 ** (x * log2(e)); tl.exp multiplies by the same float32 constant.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp(x):
+    """e ** x for the kernels' tiles. In float32 on a GPU, ``ex2.approx.ftz.f32`` of ``x * log2(e)``: tl.exp's
+    ``ex2.approx.f32`` without ``ftz`` makes ptxas wrap every MUFU.EX2 in a range test and two scalings
+    (4 more instructions per exponential) only to return subnormal results, below 2**-126, which the ftz
+    form flushes to 0. Every exponential here is exp(v - max) of a term in a sum that holds its maximum's
+    term, 1, or a probability of such a term: a term below 2**-126 of the largest changes the loss and the
+    gradient by less than float32 keeps (relative to the row's, or the gradient's, norm). The same
+    approximation (MUFU.EX2, ~2 ulp) otherwise. float64 and the interpreter: tl.exp."""
+    if PTX and x.dtype == tl.float32:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * LOG2E], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        y = tl.exp(x)
+    return y
+
+
 @triton.jit
 def tile_rest_stats(s, AXIS: tl.constexpr):
     """(t, rest) of a tile along AXIS (1: per row, 0: per column): t = max, rest = sum(exp(s - t)) - 1.
@@ -220,8 +274,22 @@ def tile_rest_stats(s, AXIS: tl.constexpr):
     else:
         t_b = t[None, :]
     at_max = s == t_b
-    others = tl.where(at_max, 0.0, tl.exp(s - t_b))
+    others = tl.where(at_max, 0.0, exp(s - t_b))
     rest = tl.sum(others, axis=AXIS) + (tl.sum(at_max.to(s.dtype), axis=AXIS) - 1.0)
+    return t, rest
+
+
+@triton.jit
+def pair_column_stats(s0, s1):
+    """(t, rest) per column of two tiles stacked row-wise, as :func:`tile_rest_stats` (AXIS 0) of their
+    concatenation: the elementwise max of the two first, so each kind of cross-row reduction (the max, the
+    sum, the ties) runs once for both tiles."""
+    t = tl.max(tl.maximum(s0, s1), axis=0)
+    at_max0 = s0 == t[None, :]
+    at_max1 = s1 == t[None, :]
+    others = tl.where(at_max0, 0.0, exp(s0 - t[None, :])) + tl.where(at_max1, 0.0, exp(s1 - t[None, :]))
+    ties = at_max0.to(s0.dtype) + at_max1.to(s0.dtype)
+    rest = tl.sum(others, axis=0) + (tl.sum(ties, axis=0) - 1.0)
     return t, rest
 
 
@@ -230,18 +298,19 @@ def merge_rest_stats(m, rest, t, rest_t):
     """Merge the stats (t, rest_t) of more columns into the running (m, rest): the online log-sum-exp.
 
     The side whose maximum is the new maximum keeps its rest unscaled (no exp(0) rounding), the other
-    side's (rest + 1) is scaled down. NaN anywhere stays NaN; (-inf, -1) is the empty set.
+    side's (rest + 1) is scaled down by exp(smaller max - new max): one exponential, whichever side grows.
+    NaN anywhere stays NaN; (-inf, -1) is the empty set.
     """
     new_m = tl.maximum(m, t)
-    grow = t > m
-    rest = tl.where(grow, (rest + 1.0) * tl.exp(m - new_m) + rest_t, rest + (rest_t + 1.0) * tl.exp(t - new_m))
+    down = exp(tl.minimum(m, t) - new_m)
+    rest = tl.where(t > m, (rest + 1.0) * down + rest_t, rest + (rest_t + 1.0) * down)
     return new_m, rest
 
 
 @triton.jit
 def expm1(x):
     """exp(x) - 1 to full relative precision near 0 (Kahan's trick: (u - 1) * x / log(u), u = exp(x))."""
-    u = tl.exp(x)
+    u = exp(x)
     um1 = u - 1.0
     special = (u == 1.0) | (um1 == -1.0)
     ratio = um1 * (x / tl.log(tl.where(special, 2.0, u)))
@@ -249,16 +318,41 @@ def expm1(x):
 
 
 @triton.jit
-def softmax_grad(s, m, r, g, is_pos):
+def positive_span(pos):
+    """(lo, hi): the least and the greatest column among the rows' positives ``pos`` (-1: none here), or
+    (2**30, -1) when no row has one. A column block [c0, c0 + BLOCK_N) holds a positive only if
+    ``hi >= c0 and lo < c0 + BLOCK_N`` (:func:`holds_positive`), so the tiles that hold none (all but one or
+    two per row block, for positives on the diagonal) skip the positives' work on a uniform branch."""
+    return tl.min(tl.where(pos >= 0, pos, 1 << 30), axis=0), tl.max(pos, axis=0)
+
+
+@triton.jit
+def holds_positive(lo, hi, c0, BLOCK_N: tl.constexpr, BRANCH: tl.constexpr):
+    """Whether the column block [c0, c0 + BLOCK_N) may hold a positive of rows whose span is (lo, hi); always
+    (a constexpr True) where the positives' work is not branched on (``BRANCH``:
+    :func:`infcl.kernels.configs.branch_positives`)."""
+    if BRANCH:
+        holds = (hi >= c0) & (lo < c0 + BLOCK_N)
+    else:
+        holds = True
+    return holds
+
+
+@triton.jit
+def softmax_grad(s, m, r, g, is_pos, has_pos):
     """g * (exp((s - m) - r) - Y) for a tile; m, r, g come broadcast ([BLOCK_M, 1] row stats or
     [1, BLOCK_N] column stats), Y is the one-hot ``is_pos`` (at most one entry per row).
 
     At the positive the entry is g * expm1(x) instead of g * exp(x) - g, so a confident row's 1 - p
-    keeps its digits; expm1 runs on one value per row, picked out of the tile.
+    keeps its digits; expm1 runs on one value per row, picked out of the tile, only in a tile that may
+    hold a positive (``has_pos``, a scalar: a uniform branch).
     """
     x = (s - m) - r
-    x_pos = tl.sum(tl.where(is_pos, x, 0.0), axis=1)  # each row's positive entry, 0 if none in this tile
-    return g * tl.where(is_pos, expm1(x_pos)[:, None], tl.exp(x))
+    ds = g * exp(x)
+    if has_pos:
+        x_pos = tl.sum(tl.where(is_pos, x, 0.0), axis=1)  # each row's positive entry, 0 if none in this tile
+        ds = tl.where(is_pos, g * expm1(x_pos)[:, None], ds)
+    return ds
 
 
 @triton.jit
@@ -432,7 +526,7 @@ def masked_softmax_grad(s, m, r, g, a, b, positive, excluded, POSITIVES: tl.cons
     Never a difference of two rounded probabilities, so a confident row keeps its digits.
     """
     x = (s - m) - r
-    p = tl.exp(x)
+    p = exp(x)
     if EXCLUDES:
         p = tl.where(excluded, 0.0, p)
     if POSITIVES == ONE_POSITIVE:
@@ -441,5 +535,5 @@ def masked_softmax_grad(s, m, r, g, a, b, positive, excluded, POSITIVES: tl.cons
     elif POSITIVES == MEAN_POSITIVES:
         at_pos = expm1(x + tl.log(a)) / a
     else:
-        at_pos = tl.exp((s - a) - b) * expm1((a - m) + (b - r))
+        at_pos = exp((s - a) - b) * expm1((a - m) + (b - r))
     return g * tl.where(positive, at_pos, p)
