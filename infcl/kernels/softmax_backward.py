@@ -379,6 +379,9 @@ DK_CONFIGS = {
     **DQ_CONFIGS,
     # sm_86 / sm_120 (ptxas 13): fp16's dS normalization spills 32 owned rows at 256 columns (8 B at D = 512).
     **{(arch, "mma"): replace(DQ_CONFIGS[arch, "mma"], block_out=128) for arch in (86, 120)},
+    # sm_100's fp16 dk (the dS normalization beside the positives' branch): ptxas 13 caps it at 128 registers and
+    # spills 8-12 B unless told 255.
+    (100, "mma"): replace(DQ_CONFIGS[100, "mma"], max_registers=255),
     # The tf32 dk tile with labels (one direction): ptxas 13 caps it below its need unless told 255 (sm_120 at
     # D = 40, sm_86 at 128 registers with 24 B spilled at D = 256-768).
     **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128, max_registers=255) for arch in (86, 120)},
