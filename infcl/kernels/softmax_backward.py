@@ -364,8 +364,11 @@ DQ_CONFIGS = {
     **{(arch, "mma"): _WHOLE[arch, "mma"].config(num_stages=3) for arch in (90, 100)},
     # sm_80 and the 99 KiB families: ptxas 12's allocator needs the third stage's registers back.
     **{(arch, "mma"): _WHOLE[arch, "mma"].config(max_registers=255) for arch in (80, 86, 120)},
-    # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not.
-    **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128) for arch in (90, 100, 86, 120)},
+    # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not. sm_86 / sm_120 (ptxas 13) cap the tf32
+    # tiles below their need unless told 255: dq spilled 8 B on sm_120 at D = 1, dk 24 B with labels on sm_86
+    # at D = 256-768 and on sm_120 at D = 40.
+    **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128) for arch in (90, 100)},
+    **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128, max_registers=255) for arch in (86, 120)},
     (80, "tf32"): _WHOLE[80, "tf32"].config(),
     # FMA products (fp32 "ieee", fp64): 32-row blocks on 4 warps over 16-feature chunks, maxnreg 255
     # (as in the forward); fp64 owns 16 columns and 64-wide slices for twice the bytes per entry.
@@ -382,9 +385,6 @@ DK_CONFIGS = {
     # sm_100's fp16 dk (the dS normalization beside the positives' branch): ptxas 13 caps it at 128 registers and
     # spills 8-12 B unless told 255.
     (100, "mma"): replace(DQ_CONFIGS[100, "mma"], max_registers=255),
-    # The tf32 dk tile with labels (one direction): ptxas 13 caps it below its need unless told 255 (sm_120 at
-    # D = 40, sm_86 at 128 registers with 24 B spilled at D = 256-768).
-    **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128, max_registers=255) for arch in (86, 120)},
 }
 # Where D is not a whole number of feature chunks (configs.ragged_d; ops.arch_tiling picks these), the last
 # chunk's masked loads need registers the accumulator holds: on the families whose S tile differs there (sm_90
