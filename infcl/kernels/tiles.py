@@ -131,6 +131,18 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
 
 
 @triton.jit
+def chunk_dot(q_ptr, k_ptr, rows, cols, d0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+              BLOCK_D: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr, acc,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + q[rows, d0 : d0 + BLOCK_D] @ k[cols, d0 : d0 + BLOCK_D].T: one feature chunk of S (features past D
+    read 0), the step of :func:`score_chunks` and :func:`score_tile`."""
+    feats = d0 + tl.arange(0, BLOCK_D)
+    q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
+    k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
+    return score_dot(q_tile, k_tile, acc, UPCAST, PRECISION)
+
+
+@triton.jit
 def score_chunks(
     q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -149,10 +161,8 @@ def score_chunks(
     """
     raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for d0 in range(0, D, BLOCK_D):
-        feats = d0 + tl.arange(0, BLOCK_D)
-        q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
-        k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-        raw = score_dot(q_tile, k_tile, raw, UPCAST, PRECISION)
+        raw = chunk_dot(q_ptr, k_ptr, rows, cols, d0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                        BLOCK_D, MASK_M, MASK_N, MASK_D, raw, UPCAST, PRECISION)
     return raw
 
 
@@ -166,15 +176,11 @@ def score_tile(
     """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM), with
     the first chunk's product peeled before the loop: the sigmoid kernels' S (their configs are sized on
     this form; the softmax kernels use :func:`score_chunks`)."""
-    feats = tl.arange(0, BLOCK_D)
-    q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
-    k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-    raw = score_dot(q_tile, k_tile, tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC), UPCAST, PRECISION)
+    raw = chunk_dot(q_ptr, k_ptr, rows, cols, 0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                    BLOCK_D, MASK_M, MASK_N, MASK_D, tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC), UPCAST, PRECISION)
     for d0 in range(BLOCK_D, D, BLOCK_D):
-        feats = d0 + tl.arange(0, BLOCK_D)
-        q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
-        k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-        raw = score_dot(q_tile, k_tile, raw, UPCAST, PRECISION)
+        raw = chunk_dot(q_ptr, k_ptr, rows, cols, d0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                        BLOCK_D, MASK_M, MASK_N, MASK_D, raw, UPCAST, PRECISION)
     return raw
 
 
