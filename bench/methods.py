@@ -131,9 +131,26 @@ def _inf_cl_head_dim(dim: int) -> Optional[int]:
     return next((h for h in INF_CL_HEAD_DIMS if dim % h == 0), None)
 
 
+def _one_rank_group() -> None:
+    """Inf-CL's autograd calls ``dist.get_rank()`` and all-reduces dk even on one GPU, so it needs an
+    initialized process group: a one-rank NCCL group on a free local port, as its own example sets up."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 def inf_cl_loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
     """Inf-CL's own call; imported lazily because it is an optional, CUDA-only package."""
     from inf_cl import cal_inf_loss as inf_cl_cal_inf_loss
+
+    _one_rank_group()
 
     labels, head_dim = _diagonal(q), _inf_cl_head_dim(q.shape[1])
     rows = inf_cl_cal_inf_loss(q, k, labels, scale, head_dim)
