@@ -101,6 +101,20 @@ def tile_dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def dot_operand(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """x (dS, in the accumulation dtype) as an operand of the dq / dk products in ``dtype``, the inputs'. At
+    tf32 on a GPU, rounded to TF32 to nearest (``cvt.rna.tf32.f32``): the tensor cores would otherwise
+    truncate it, a bias of ~2**-11 in every entry (q and k come rounded the same way,
+    :func:`infcl.kernels.configs.tf32_operands`)."""
+    if PTX and PRECISION == "tf32":
+        y = tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
 def score_resident(q_tile, k_tile, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """raw = q_tile @ k_tile.T for one feature chunk: q_tile [BLOCK_M, BLOCK_D], k_tile [BLOCK_N, BLOCK_D],
