@@ -272,9 +272,9 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
     float32 values whose low 13 bits are 0; NaN stays NaN, a value past TF32's largest rounds to inf. On the
     bits: add half of the dropped part's unit, then clear the dropped bits (sign-magnitude, so the carry
     rounds the magnitude; a mantissa carry steps the exponent, which is the correct rounding)."""
-    bits = x.view(torch.int32)
-    rounded = ((bits + (1 << (_TF32_DROPPED - 1))) & -(1 << _TF32_DROPPED)).view(torch.float32)
-    return torch.where(torch.isnan(x), x, rounded)
+    rounded = x.view(torch.int32) + (1 << (_TF32_DROPPED - 1))
+    rounded.bitwise_and_(-(1 << _TF32_DROPPED))
+    return torch.where(torch.isnan(x), x, rounded.view(torch.float32))
 
 
 def tf32_operands(precision: str, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
