@@ -527,3 +527,59 @@ def test_bad_launch_options_raise():
         launch_options(torch.float32, "fast")
     with pytest.raises(ValueError, match="precision"):
         triton_backend.TritonBackend(precision="fast")
+
+
+def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to 10 mantissa bits, to nearest with ties away from zero, in float64 arithmetic
+    (subnormals on float32's fixed grid)."""
+    v = x.double()
+    exponent = torch.floor(torch.log2(v.abs().clamp_min(2.0**-126))).clamp_min(-126)
+    ulp = torch.exp2(exponent - 10)
+    return (torch.sign(v) * torch.floor(v.abs() / ulp + 0.5) * ulp).float()
+
+
+def test_round_to_tf32_is_nearest_ties_away():
+    """configs.round_to_tf32 (the tf32 products' operands) against a float64 rounding: random values over
+    the whole range, subnormals, exact ties both ways, the largest float (inf), inf and NaN."""
+    from infcl.kernels.configs import round_to_tf32
+
+    gen = torch.Generator().manual_seed(0)
+    mantissas = torch.rand(4000, generator=gen, dtype=torch.float64) + 1
+    exponents = torch.randint(-149, 127, (4000,), generator=gen).double()
+    x = (mantissas * torch.exp2(exponents) * torch.where(torch.rand(4000, generator=gen) < 0.5, -1.0, 1.0)).float()
+    ties = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, -(1 + 2.0**-11), 2.0**-140 + 2.0**-149 * 2**12])
+    x = torch.cat([x, ties.float()])
+    expected = _tf32_nearest(x)
+    rounded = round_to_tf32(x)
+    assert torch.equal(rounded, expected), (x[rounded != expected][:5], rounded[rounded != expected][:5])
+    assert torch.equal(rounded[-4:-1], torch.tensor([1 + 2.0**-10, 1 + 4 * 2.0**-10 / 2, -(1 + 2.0**-10)]))
+    assert (rounded.view(torch.int32) & (2**13 - 1) == 0).all()
+    special = torch.tensor([torch.finfo(torch.float32).max, float("inf"), -float("inf"), float("nan"), 0.0, -0.0])
+    out = round_to_tf32(special)
+    assert out[0] == float("inf") and out[1] == float("inf") and out[2] == -float("inf") and out[3].isnan()
+    assert torch.equal(out[4:].view(torch.int32), special[4:].view(torch.int32))  # signed zeros kept
+    strided = x.view(-1, 2)[:, 0]
+    assert torch.equal(round_to_tf32(strided), expected.view(-1, 2)[:, 0])
+
+
+def test_float32_precision_follows_torchs_setting(monkeypatch):
+    """None resolves to torch's float32 matmul precision, set either way: the legacy allow_tf32 or (torch
+    2.9+) fp32_precision, whose "tf32" makes reading allow_tf32 raise."""
+    from infcl.kernels.configs import torch_matmul_precision
+
+    matmul = torch.backends.cuda.matmul
+    monkeypatch.setattr(matmul, "allow_tf32", True)
+    assert torch_matmul_precision() == "tf32" and triton_backend.TritonBackend()._options()[0] == "tf32"
+    monkeypatch.setattr(matmul, "allow_tf32", False)
+    assert torch_matmul_precision() == "ieee"
+    try:
+        saved = matmul.fp32_precision
+    except AttributeError:
+        pytest.skip("torch < 2.9 has no fp32_precision")
+    try:
+        matmul.fp32_precision = "tf32"
+        assert torch_matmul_precision() == "tf32" and triton_backend.TritonBackend()._options()[0] == "tf32"
+        matmul.fp32_precision = "ieee"
+        assert torch_matmul_precision() == "ieee"
+    finally:
+        matmul.fp32_precision = saved

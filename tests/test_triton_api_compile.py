@@ -127,6 +127,19 @@ def test_masked_calls_cover_every_mask_kind(results):
             assert {"ids", "guide", "both", "mean", "sum", "sym", "one"} <= seen[arch, dtype], (arch, dtype)
 
 
+def test_big_one_chunk_tiles_compile():
+    """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
+    sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (tiles.score_dot's [M, N, D]
+    product) is traced on a GPU target. Compiling is the whole check: such a tile spills in the backward and
+    is nobody's default."""
+    with _pool() as pool:
+        out = list(pool.map(triton_compile.run_call, triton_compile.big_tile_calls()))
+    errors = [f"{r['call']}: {r['error']}" for r in out if "error" in r]
+    assert not errors, "\n".join(errors)
+    kernels = {row["kernel"] for r in out for row in r["kernels"]}
+    assert {"forward", "dq", "dk", "siglip_forward", "siglip_backward"} <= kernels
+
+
 def _float64_dot():
     from infcl.kernels.configs import FLOAT64_DOT
 

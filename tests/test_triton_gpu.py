@@ -26,10 +26,11 @@ DEVICE = "cuda"
 GRAD_NAMES = ("loss", "dq", "dk", "dscale")
 # Largest B at which torch's own vanilla loss (about 5 [B, B] buffers) is also run, as a baseline.
 VANILLA_MAX_B = 16384
-# Relative 2-norm error against float64 per dtype and tl.dot precision: the inputs are exact in their
-# dtype, so what remains is dS rounded to the operand type for the products (bf16 2^-9, fp16 2^-11,
-# tf32 products 2^-11 on S as well) and the gradient's own rounding to the dtype.
-REL_TOL = {"bfloat16": 1e-2, "float16": 3e-3, "tf32": 2e-2, "ieee": 1e-5}
+# Relative 2-norm error against float64 per dtype and tl.dot precision, beyond the result's own rounding to
+# its dtype (:func:`_floor`): the inputs are exact in their dtype, so what remains is dS rounded to the
+# operand type for the products (bf16 2^-9, fp16 2^-11, tf32 2^-11, with S's products from TF32-rounded
+# operands as well).
+REL_TOL = {"bfloat16": 1e-2, "float16": 1e-3, "tf32": 2e-2, "ieee": 1e-5}
 
 
 def _inputs(batch, dim, dtype, seed=0):
@@ -58,6 +59,14 @@ def _rel(a, e):
     return float((a.double() - e).norm() / e.norm())
 
 
+def _floor(a, e):
+    """The least relative error a result stored in ``a``'s dtype can have: the truth ``e`` rounded to it.
+    float16 gradients of a mean loss lie mostly below float16's smallest normal (6.1e-5) at these batches
+    (dq ~ scale / B), so their own storage costs 4e-3 (B = 4096) to 8e-3 (B = 16384) of the norm whatever
+    the kernels compute; bfloat16 has float32's exponent range."""
+    return _rel(e.to(a.dtype), e)
+
+
 @pytest.fixture(params=("bfloat16", "float16", "tf32", "ieee"))
 def precision(request, monkeypatch):
     """(dtype name, dtype); tf32 and ieee are float32 with that tl.dot precision."""
@@ -76,8 +85,8 @@ def test_large_batches_against_float64(precision, batch, dim, symmetric):
         pytest.skip("fp32 IEEE products run on FMA units: minutes at B = 65536")
     q, k, scale = _inputs(batch, dim, dtype)
     ours, truth = _ours(q, k, scale, symmetric), _truth(q, k, scale, symmetric)
-    errors = {n: _rel(a, e) for n, a, e in zip(GRAD_NAMES, ours, truth)}
-    assert max(errors.values()) <= REL_TOL[name], errors
+    errors = {n: (_rel(a, e), _floor(a, e)) for n, a, e in zip(GRAD_NAMES, ours, truth)}
+    assert all(error <= floor + REL_TOL[name] for error, floor in errors.values()), errors
     if batch <= VANILLA_MAX_B:  # and no worse than torch's own loss in this dtype (norm-wise, x2)
         labels = torch.arange(batch, device=DEVICE)
         theirs = grads_of(lambda q_, k_, s_: vanilla_loss(q_, k_, labels, s_, symmetric), q, k, scale)

@@ -367,6 +367,9 @@ class Call:
     autotune: bool = False
     masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"
     multi_positive: str = ""  # "", "mean" or "sum" (with ids)
+    # A pinned Tiling (Tiling.to_ints()) for the triton backend's calls, as a user pins one on
+    # ``infcl.backends.triton_backend.BACKEND``; () for the device's defaults.
+    tiling: tuple = ()
 
     def label(self) -> str:
         dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[
@@ -374,7 +377,8 @@ class Call:
         ]
         extra = "".join(
             [" sym" if self.symmetric else "", " labels" if self.labels else "", " autotune" if self.autotune else "",
-             f" {self.masks}" if self.masks else "", f" {self.multi_positive}" if self.multi_positive else ""]
+             f" {self.masks}" if self.masks else "", f" {self.multi_positive}" if self.multi_positive else "",
+             f" tiling={'-'.join(map(str, self.tiling))}" if self.tiling else ""]
         )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
 
@@ -514,6 +518,21 @@ def compile_only(arch: int, sms: int = STAND_IN_SMS):
     yield _RECORDER.compiled, len(_RECORDER.compiled)
 
 
+@contextlib.contextmanager
+def _pinned_tiling(tiling: tuple):
+    """The triton backend's calls with ``tiling`` (Tiling.to_ints(); () leaves the defaults) pinned."""
+    from infcl.backends import triton_backend
+    from infcl.kernels import Tiling
+
+    saved = triton_backend.BACKEND.tiling
+    if tiling:
+        triton_backend.BACKEND.tiling = Tiling.from_ints(list(tiling))
+    try:
+        yield
+    finally:
+        triton_backend.BACKEND.tiling = saved
+
+
 def run_call(call: Call) -> Dict:
     """Make ``call`` (forward + backward) compile-only; {"call", "error" or "kernels": [resource rows]}."""
     import torch
@@ -524,7 +543,7 @@ def run_call(call: Call) -> Dict:
     os.environ["INFCL_AUTOTUNE"] = "1" if call.autotune else "0"
     torch.backends.cuda.matmul.allow_tf32 = call.precision == "tf32"
     try:
-        with compile_only(call.arch) as (compiled, start):
+        with compile_only(call.arch) as (compiled, start), _pinned_tiling(call.tiling):
             q, k, labels = _inputs(call)
             call_loss(call, q, k, labels, *_params()).backward()
             launches = compiled[start:]
@@ -607,6 +626,19 @@ def api_calls(full: bool) -> List[Call]:
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             out.extend(masked_calls(arch, dtype, precision, full))
     return out
+
+
+def big_tile_calls(arch: int = 90) -> List[Call]:
+    """Pinned one-chunk tiles with more than 2**20 products per S tile (128 x 128 rows at D = 128), softmax
+    (symmetric) and sigmoid, in bf16: a kernel's interpreter-only code must not be traced on a GPU target
+    (Triton caps a tensor at 2**20 entries, and tiles.score_dot's interpreter product is [M, N, D])."""
+    from infcl.kernels import TileConfig, Tiling
+
+    big = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=1, block_out=128, max_registers=255)
+    tiling = tuple(Tiling(forward=big, dq=big, dk=big, resident_d=128, chunk_d=64).to_ints())
+    sizes = (RAGGED_BATCH, RAGGED_BATCH)
+    return [Call(arch, "cal_inf_loss", "bfloat16", "ieee", 128, *sizes, symmetric=True, tiling=tiling),
+            Call(arch, "cal_siglip_loss", "bfloat16", "ieee", 128, *sizes, tiling=tiling)]
 
 
 # The mask kinds of the check, (masks, multi_positive): ids alone (false negatives), several positives by

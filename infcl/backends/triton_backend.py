@@ -25,7 +25,13 @@ from .torch_tiles import TORCH_TILES
 
 try:
     from ..kernels import INTERPRETED, Tiling, backward_block, forward_block, interpret_requested
-    from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT, target_facts, unsupported_reason
+    from ..kernels.configs import (
+        DOT_PRECISIONS,
+        FLOAT64_DOT,
+        target_facts,
+        torch_matmul_precision,
+        unsupported_reason,
+    )
     from ..kernels.ops import (
         masked_backward_block,
         masked_forward_block,
@@ -39,10 +45,11 @@ else:
 
 
 class TritonBackend:
-    """``precision``: tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"; None follows
-    ``torch.backends.cuda.matmul.allow_tf32`` at each call). ``tiling``: a :class:`infcl.kernels.Tiling`
-    pinning the three kernels' tiles and splits (None: the device's per-architecture defaults, the
-    interpreter's big tiles under TRITON_INTERPRET=1, or the autotuner under INFCL_AUTOTUNE=1)."""
+    """``precision``: tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"; None follows torch's
+    float32 matmul precision at each call, :func:`infcl.kernels.configs.torch_matmul_precision`; at "tf32"
+    the operands are rounded to TF32 to nearest, not truncated). ``tiling``: a :class:`infcl.kernels.Tiling` pinning
+    the three kernels' tiles and splits (None: the device's per-architecture defaults, the interpreter's
+    big tiles under TRITON_INTERPRET=1, or the autotuner under INFCL_AUTOTUNE=1)."""
 
     name = "triton"
 
@@ -55,7 +62,7 @@ class TritonBackend:
     def _options(self):
         precision = self.precision
         if precision is None:
-            precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+            precision = torch_matmul_precision()
         return precision, (self.tiling.to_ints() if self.tiling is not None else [])
 
     @staticmethod

@@ -3,8 +3,9 @@ the target architecture, and how a block is split into programs.
 
 Chosen on the host and handed to the kernels as constexprs:
 - ACC: the accumulation dtype (tl.float64 for float64 inputs, else tl.float32).
-- PRECISION: tl.dot's input precision for float32 inputs, "tf32" or "ieee" (default from
-  ``torch.backends.cuda.matmul.allow_tf32``); always "ieee" for other dtypes and under the interpreter.
+- PRECISION: tl.dot's input precision for float32 inputs, "tf32" or "ieee" (default: what torch's own
+  float32 matmuls use, :func:`torch_matmul_precision`); always "ieee" for other dtypes and under the
+  interpreter. At "tf32" the launchers round q and k to TF32 first (:func:`tf32_operands`).
 - UPCAST: True only under TRITON_INTERPRET=1 for bfloat16/float16 inputs (see :func:`tiles.tile_dot`).
 - BLOCK_D: the feature chunk of S, a function of D and the :class:`Tiling` only, so the forward and
   both backward kernels sum S over the same chunks (bit-identical S; see :mod:`infcl.kernels.tiles`).
@@ -247,13 +248,54 @@ def score_tile(arch: int, klass: str, ragged: bool = False) -> ScoreTile:
     return SCORE_TILES[arch, klass]
 
 
+def torch_matmul_precision() -> str:
+    """"tf32" where torch's own float32 CUDA matmuls run in TF32, else "ieee": from
+    ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9+; "none" defers to
+    ``torch.backends.fp32_precision``), else the legacy ``allow_tf32``. (Reading ``allow_tf32`` on a torch
+    whose TF32 was set through ``fp32_precision`` raises; setting ``allow_tf32`` sets ``fp32_precision``.)"""
+    matmul = torch.backends.cuda.matmul
+    try:
+        value = matmul.fp32_precision
+    except AttributeError:  # torch < 2.9
+        return "tf32" if matmul.allow_tf32 else "ieee"
+    if value == "none":
+        value = getattr(torch.backends, "fp32_precision", "none")
+    return "tf32" if value == "tf32" else "ieee"
+
+
+# TF32 keeps float32's top 19 bits (sign, 8 exponent bits, 10 mantissa bits): the low 13 go.
+_TF32_DROPPED = 13
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to TF32, to nearest with ties away from zero (PTX ``cvt.rna.tf32.f32``), as
+    float32 values whose low 13 bits are 0; NaN stays NaN, a value past TF32's largest rounds to inf. On the
+    bits: add half of the dropped part's unit, then clear the dropped bits (sign-magnitude, so the carry
+    rounds the magnitude; a mantissa carry steps the exponent, which is the correct rounding)."""
+    rounded = x.view(torch.int32) + (1 << (_TF32_DROPPED - 1))
+    rounded.bitwise_and_(-(1 << _TF32_DROPPED))
+    return torch.where(torch.isnan(x), x, rounded.view(torch.float32))
+
+
+def tf32_operands(precision: str, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``tensors`` as the products' operands at tl.dot ``precision``: at "tf32", float32 tensors rounded to
+    TF32 (:func:`round_to_tf32`; O(B * D) copies), else unchanged. The tensor cores read only an operand's
+    top 19 bits, i.e. truncate it: every product of two positive operands comes out low by ~2**-11 of
+    itself, so a confident row's positive logit and with it the loss carry a bias (8.7e-3 of the loss on
+    an H100, against torch's 6.8e-5: cuBLAS rounds). Rounded once here, the operands are exact in TF32
+    and the products unbiased; dS is rounded the same way in the kernels (:func:`tiles.dot_operand`)."""
+    if precision != "tf32":
+        return tensors
+    return tuple(round_to_tf32(t) if t.dtype == torch.float32 else t for t in tensors)
+
+
 def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
     """The dtype-dependent constexprs (ACC, UPCAST, PRECISION) for inputs of ``dtype``."""
     if precision is not None and precision not in DOT_PRECISIONS:
         raise ValueError(f"precision must be None or one of {DOT_PRECISIONS}, got {precision!r}")
     if dtype == torch.float32 and not INTERPRETED:
         if precision is None:
-            precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+            precision = torch_matmul_precision()
     else:
         precision = "ieee"
     return {

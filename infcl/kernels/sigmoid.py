@@ -41,8 +41,9 @@ from .configs import (
     launch_options,
     operand_class,
     target_family,
+    tf32_operands,
 )
-from .tiles import MIN_DOT, load_tile, score_tile, tile_dot
+from .tiles import MIN_DOT, dot_operand, load_tile, score_tile, tile_dot
 
 # The tilings used when the backend pins none, per operand class (configs.operand_class), the same on
 # every architecture family. Not tuned on a GPU (none was available): the sizes that compile without
@@ -193,7 +194,7 @@ def _siglip_backward_kernel(
         if OWNS_Q:
             dscale += tl.sum(dl * raw, axis=1)
             dbias += tl.sum(dl, axis=1)
-        dl_op = dl.to(other_ptr.dtype.element_ty)  # the products' operand dtype (tensor cores on a GPU)
+        dl_op = dot_operand(dl, other_ptr.dtype.element_ty, PRECISION)  # the products' operand (tensor cores)
         if ONE_CHUNK:
             feats = tl.arange(0, BLOCK_D).to(tl.int64)
             other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1, True, True)
@@ -224,10 +225,11 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
     row's positive column in k, -1 for none; bias a 0-d tensor like scale (the argument order of every block
     operation: q, k, scale, pos, then the loss's own). ``tiling`` overrides :data:`DEFAULT_TILINGS` (the
     interpreter's big tiles under TRITON_INTERPRET=1); ``precision`` picks tl.dot's input precision for
-    float32 ("ieee", "tf32"; None follows torch.backends.cuda.matmul.allow_tf32); ``wrap`` wraps the
+    float32 ("ieee", "tf32"; None follows torch's, configs.torch_matmul_precision); ``wrap`` wraps the
     kernel before its launch (``torch.library.wrap_triton`` inside a triton_op).
     """
     opts = launch_options(q.dtype, precision)
+    q, k = tf32_operands(opts["PRECISION"], q, k)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
     tiling = _pick(tiling, q.dtype, opts["PRECISION"])
@@ -249,6 +251,7 @@ def siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, tiling: Tiling = None
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
     :func:`siglip_forward`."""
     opts = launch_options(q.dtype, precision)
+    q, k = tf32_operands(opts["PRECISION"], q, k)
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]

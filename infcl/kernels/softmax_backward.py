@@ -61,6 +61,7 @@ from .configs import (
     neighbours,
     plan_backward_splits,
     score_tile,
+    tf32_operands,
 )
 from .tiles import (
     MEAN_POSITIVES,
@@ -70,6 +71,7 @@ from .tiles import (
     block_range,
     block_scores,
     check_blocks,
+    dot_operand,
     holds_positive,
     load_optional,
     load_tile,
@@ -252,7 +254,7 @@ def _dq_kernel(
             k_out = k_tile
         else:
             k_out = load_tile(k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, False)
-        acc = tile_dot(ds.to(q_ptr.dtype.element_ty), k_out, acc, UPCAST, PRECISION)
+        acc = tile_dot(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION), k_out, acc, UPCAST, PRECISION)
     _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, rows, out_feats, n_q, D, stride_out0, stride_out1,
                  acc, scale, factor, NORMALIZE, ADD, not EVEN_M, not EVEN_OUT)
     if out_slice == 0:
@@ -343,7 +345,7 @@ def _dk_kernel(
             q_out = q_tile
         else:
             q_out = load_tile(q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, False)
-        acc = tile_dot(tl.trans(ds.to(q_ptr.dtype.element_ty)), q_out, acc, UPCAST, PRECISION)
+        acc = tile_dot(tl.trans(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION)), q_out, acc, UPCAST, PRECISION)
     _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, cols, out_feats, n_k, D, stride_out0, stride_out1,
                  acc, scale, factor, NORMALIZE, ADD, not EVEN_N, not EVEN_OUT)
 
@@ -555,6 +557,7 @@ def softmax_backward(
     stats [2, Bq] ([2, Bk]); None with one positive per row.
     """
     opts = launch_options(q.dtype, precision)
+    q, k = tf32_operands(opts["PRECISION"], q, k)
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]

@@ -60,6 +60,7 @@ from .configs import (
     neighbours,
     plan_forward,
     score_tile,
+    tf32_operands,
 )
 from .tiles import (
     ONE_POSITIVE,
@@ -494,6 +495,7 @@ def softmax_forward(
     rows [6, Bq] and cols [6, Bk] are the masked partials (the rows of :mod:`infcl.masks`) instead.
     """
     opts = launch_options(q.dtype, precision)
+    q, k = tf32_operands(opts["PRECISION"], q, k)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q, dim = q.shape
     n_k = k.shape[0]

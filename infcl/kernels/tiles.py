@@ -101,6 +101,20 @@ def tile_dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def dot_operand(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """x (dS, in the accumulation dtype) as an operand of the dq / dk products in ``dtype``, the inputs'. At
+    tf32 on a GPU, rounded to TF32 to nearest (``cvt.rna.tf32.f32``): the tensor cores would otherwise
+    truncate it, a bias of ~2**-11 in every entry (q and k come rounded the same way,
+    :func:`infcl.kernels.configs.tf32_operands`)."""
+    if PTX and PRECISION == "tf32":
+        y = tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
 def score_resident(q_tile, k_tile, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """raw = q_tile @ k_tile.T for one feature chunk: q_tile [BLOCK_M, BLOCK_D], k_tile [BLOCK_N, BLOCK_D],
@@ -121,13 +135,19 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
     """acc + q_tile @ k_tile.T: tl.dot on a GPU. Under the interpreter, an explicit sum of the products
     over the feature axis instead: numpy's matmul sums in an order that depends on the tile's M and N
     (float32 results differ in the last bit between a 64 x 16 and a 64 x 32 tile), which would break the
-    bit-identical S between kernels with different block sizes; this sum's order depends on K alone."""
+    bit-identical S between kernels with different block sizes; this sum's order depends on K alone.
+
+    An if / else, not an early return: Triton traces the code after a constexpr-true ``return`` too, and the
+    interpreter's [M, N, K] product exceeds Triton's 2**20-entry tensor limit on a GPU's bigger tiles
+    (tests/test_triton_api_compile.py compiles such a tile)."""
     if PTX:
-        return tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=PRECISION, out_dtype=acc.dtype)
-    if UPCAST:
-        q_tile = q_tile.to(tl.float32)
-        k_tile = k_tile.to(tl.float32)
-    return acc + tl.sum(q_tile[:, None, :] * k_tile[None, :, :], axis=2)
+        out = tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=PRECISION, out_dtype=acc.dtype)
+    else:
+        if UPCAST:
+            q_tile = q_tile.to(tl.float32)
+            k_tile = k_tile.to(tl.float32)
+        out = acc + tl.sum(q_tile[:, None, :] * k_tile[None, :, :], axis=2)
+    return out
 
 
 @triton.jit
