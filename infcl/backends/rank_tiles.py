@@ -20,8 +20,11 @@ with ``row_index`` / ``col_index`` the global indices of the block's rows and co
 ``ahead_counts(block, rows, cols, row_index, col_index) -> (rows, cols or None)``, each an :class:`Ahead`:
     per row (column), the columns (rows) of the block ahead of its best positive (``rows`` / ``cols``:
     the global :class:`Best` thresholds), leaving out the entries with the row's id when ids are given
-    without ``multi_positive`` (duplicates of the positive are not counted against it), and how many of
-    its entries are NaN. One GEMM per tile.
+    without ``multi_positive`` (duplicates of the positive are not counted against it), and in how many
+    tiles its scores are not all finite (their sum is not: a NaN, an infinity, or an overflow). One GEMM
+    per tile; the count is one comparison into a float tile and a float sum per direction (ties below
+    the best's index by the threshold's next float down; lines whose best lies in the tile get their
+    ties counted on their own line of the tile).
 
 Memory: the block's q and k in the accumulation dtype (copies only for low-precision inputs), a few
 tiles, O(B) outputs.
@@ -65,7 +68,7 @@ class Ahead(NamedTuple):
     """Pass 2's counts of ``n`` rows (or columns): plain sums, merged by addition."""
 
     ahead: Tensor  # [n] int64 entries ahead of the best positive
-    nans: Tensor  # [n] int64 NaN entries
+    nonfinite: Tensor  # [n] int64 tiles in which the line's scores are not all finite (their sum is not)
 
 
 def _tile_best(values: Tensor, index: Tensor, dim: int) -> Tuple[Tensor, Tensor]:
@@ -99,6 +102,8 @@ class RankTiles:
         walk = self._walk(block)
         rows = Best.empty(walk.q.shape[0], walk.acc, walk.device)
         cols = Best.empty(walk.k.shape[0], walk.acc, walk.device) if symmetric else None
+        if not block.multi_positive:
+            holding = _by_tile(torch.arange(walk.q.shape[0], device=walk.device), block.pos, walk)
         (buf,) = walk.buffers(1)
         for tile in walk:
             if block.multi_positive:
@@ -108,36 +113,98 @@ class RankTiles:
                 s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))  # pass 2 repeats exactly this product
                 _id_bests(rows, cols, s, positive, tile, row_index, col_index)
                 continue
-            inside, idx = _positives(block.pos, tile)
-            if not bool(inside.any()):
+            if (tile.rows.start, tile.cols.start) not in holding:
                 continue
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
+            inside, idx = _positives(block.pos, tile)
             _label_bests(rows, cols, s, inside, idx, tile, row_index, col_index)
         return rows, cols
 
     def ahead_counts(self, block: Block, rows: Best, cols: Optional[Best], row_index: Tensor, col_index: Tensor):
         walk = self._walk(block)
-        out_rows = Ahead(*(torch.zeros(walk.q.shape[0], dtype=torch.int64, device=walk.device) for _ in range(2)))
-        out_cols = None
+        out_rows = _zero_counts(walk.q.shape[0], walk.device)
+        out_cols = None if cols is None else _zero_counts(walk.k.shape[0], walk.device)
+        if block.q_ids is not None and not block.multi_positive:
+            return self._ahead_counts_excluding(walk, block, rows, cols, row_index, col_index, out_rows, out_cols)
+        # Ties count as ahead below the best's index: there the test is s >= score, i.e. s > lower, the next
+        # float below it in the same dtype (exact). A line whose best lies inside the tile's span ("straddling")
+        # takes the strict test and a count of its tied entries below the best's index.
+        r_lower = torch.nextafter(rows.score, rows.score.new_tensor(float("-inf")))
+        r_straddling = _by_tile(torch.arange(walk.q.shape[0], device=walk.device), rows.index - col_index[0], walk)
         if cols is not None:
-            out_cols = Ahead(*(torch.zeros(walk.k.shape[0], dtype=torch.int64, device=walk.device) for _ in range(2)))
-        exclude_same = block.q_ids is not None and not block.multi_positive
+            c_lower = torch.nextafter(cols.score, cols.score.new_tensor(float("-inf")))
+            c_straddling = _by_tile(cols.index - row_index[0], torch.arange(walk.k.shape[0], device=walk.device), walk)
+        buf, counted = walk.buffers(2)
+        for tile in walk:
+            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))  # bit-identical to pass 1's tile
+            r, c = tile.rows, tile.cols
+            key = (r.start, c.start)
+            last_col = col_index[c][-1]
+            threshold = torch.where(rows.index[r] > last_col, r_lower[r], rows.score[r])
+            out_rows.ahead[r] += torch.gt(s, threshold[:, None], out=tile.view(counted)).sum(dim=1).to(torch.int64)
+            out_rows.nonfinite[r] += ~torch.isfinite(s.sum(dim=1))
+            if key in r_straddling:
+                lines = r_straddling[key]
+                _count_ties(out_rows.ahead, lines, s[lines - r.start], rows, col_index[None, c], 1)
+            if cols is None:
+                continue
+            last_row = row_index[r][-1]
+            threshold = torch.where(cols.index[c] > last_row, c_lower[c], cols.score[c])
+            out_cols.ahead[c] += torch.gt(s, threshold[None, :], out=tile.view(counted)).sum(dim=0).to(torch.int64)
+            out_cols.nonfinite[c] += ~torch.isfinite(s.sum(dim=0))
+            if key in c_straddling:
+                lines = c_straddling[key]
+                _count_ties(out_cols.ahead, lines, s[:, lines - c.start].T, cols, row_index[None, r], 0)
+        return out_rows, out_cols
+
+    def _ahead_counts_excluding(self, walk, block, rows, cols, row_index, col_index, out_rows, out_cols):
+        """With ids (one positive per row): the same counts, entries with the row's id left out, on full
+        bool tiles (the fast path's float count cannot leave entries out)."""
         buf, ahead_buf = walk.buffers(2)
         ahead_buf = ahead_buf.view(torch.uint8)[: ahead_buf.numel()].view(torch.bool)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))  # bit-identical to pass 1's tile
-            same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols] if exclude_same else None
-            nan = torch.isnan(s)
+            same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
             ahead = tile.view(ahead_buf)
             _ahead(ahead, s, rows.score[tile.rows, None], rows.index[tile.rows, None], col_index[None, tile.cols], same)
             out_rows.ahead[tile.rows] += ahead.sum(dim=1)
-            out_rows.nans[tile.rows] += nan.sum(dim=1)
+            out_rows.nonfinite[tile.rows] += ~torch.isfinite(s.sum(dim=1))
             if cols is not None:
                 _ahead(ahead, s, cols.score[None, tile.cols], cols.index[None, tile.cols], row_index[tile.rows, None],
                        same)
                 out_cols.ahead[tile.cols] += ahead.sum(dim=0)
-                out_cols.nans[tile.cols] += nan.sum(dim=0)
+                out_cols.nonfinite[tile.cols] += ~torch.isfinite(s.sum(dim=0))
         return out_rows, out_cols
+
+
+def _zero_counts(n: int, device: torch.device) -> "Ahead":
+    return Ahead(*(torch.zeros(n, dtype=torch.int64, device=device) for _ in Ahead._fields))
+
+
+def _by_tile(local_row: Tensor, local_col: Tensor, walk: _Walk) -> dict:
+    """{(tile's first row, tile's first column): the lines in it}: group lines by the tile holding the entry
+    (local_row[l], local_col[l]) of each line l (entries outside the block are dropped). ``local_row`` or
+    ``local_col`` is the lines' own arange (rows or columns), the other their partner. One host read."""
+    nq, nk = walk.q.shape[0], walk.k.shape[0]
+    inside = (local_col >= 0) & (local_col < nk) & (local_row >= 0) & (local_row < nq)
+    lines = torch.arange(local_row.shape[0], device=local_row.device)[inside]
+    if lines.numel() == 0:
+        return {}
+    starts_r = torch.div(local_row[inside], walk.tq, rounding_mode="floor") * walk.tq
+    starts_c = torch.div(local_col[inside], walk.tk, rounding_mode="floor") * walk.tk
+    keys = (starts_r * nk + starts_c).cpu()
+    order = torch.argsort(keys, stable=True)
+    keys, lines = keys[order], lines[order.to(lines.device)]
+    unique, counts = torch.unique_consecutive(keys, return_counts=True)
+    groups = torch.split(lines, counts.tolist())
+    return {(int(key) // nk, int(key) % nk): group for key, group in zip(unique.tolist(), groups)}
+
+
+def _count_ties(ahead: Tensor, lines: Tensor, entries: Tensor, best: "Best", other_index: Tensor, axis: int) -> None:
+    """Add, for each line (row, ``axis`` 1, or column, 0) whose best lies inside the tile, its ``entries``
+    (that line's scores over the tile, one line per row) equal to its best's score and with a lower index."""
+    tied = (entries == best.score[lines, None]) & (other_index < best.index[lines, None])
+    ahead.index_add_(0, lines, tied.sum(dim=1))
 
 
 def _ahead(out: Tensor, s: Tensor, score: Tensor, index: Tensor, other_index: Tensor, same: Optional[Tensor]) -> Tensor:

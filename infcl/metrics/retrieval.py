@@ -217,7 +217,7 @@ def _ranks(image, text, labels, ids, any_positive, tiles, layout: RingLayout) ->
 
 def _direction(best: Best, counts: Ahead) -> DirectionRanks:
     valid = best.count > 0
-    rank = torch.where(valid & (counts.nans == 0), counts.ahead.to(torch.float64), float("nan"))
+    rank = torch.where(valid & (counts.nonfinite == 0), counts.ahead.to(torch.float64), float("nan"))
     return DirectionRanks(rank, valid)
 
 
