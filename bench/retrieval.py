@@ -2,13 +2,16 @@
 
     python -m bench.retrieval ratio [--n 8192] [--dim 512] [--threads 2]   # both, vs one GEMM-equivalent
     python -m bench.retrieval scale --n 65536 [--dim 512]                  # time and peak memory of the ranks
+    python -m bench.retrieval memory --n 8192 --method open_clip|infcl     # distillation fwd+bwd peak memory
 
 ``ratio``: in one process, the same sizes, min of ``--repeats``: the GEMM-equivalent is the torch tiles'
 walk of S = q @ k.T doing nothing but the tile products (the same tile shapes), so the ratio says what the
 ranks (two passes, the first only over tiles holding a positive) and the distillation loss (forward: two
 products per tile, student and teacher; backward: four, S and T again plus dq and dk) cost beyond their
 products. ``scale``: one call of ``retrieval_metrics`` on N x N unit features, its wall time and the growth
-of the resident set's peak during it (VmHWM, reset first), beside the features' own size.
+of the resident set's peak during it (VmHWM, reset first), beside the features' own size. ``memory``: the
+same peak growth for one forward and backward of open_clip's ``DistillClipLoss`` or ``InfDistillClipLoss``
+(one method per process, so that neither inherits the other's freed heap).
 Timings on a shared machine are noisy: compare the ratios within one run. Writes a CSV with ``--csv``.
 """
 
@@ -115,9 +118,36 @@ def scale(args) -> list:
     return [("retrieval_metrics", wall, growth / 2**20, features / 2**20)]
 
 
+def memory(args) -> list:
+    image, text = _features(args.n, args.dim)
+    t_image, t_text = _features(args.n, args.dim, seed=1)
+    image.requires_grad_()
+    text.requires_grad_()
+    scale = torch.tensor(20.0, requires_grad=True)
+    if args.method == "open_clip":
+        from bench import open_clip_loss
+
+        loss_fn = open_clip_loss.load().DistillClipLoss()
+    else:
+        from infcl import InfDistillClipLoss
+
+        loss_fn = InfDistillClipLoss(backend="torch")
+    before = _rss()
+    _peak_rss_reset()
+    start = time.perf_counter()
+    contrastive, distill = loss_fn(image, text, scale, t_image, t_text, torch.tensor(30.0))
+    (contrastive + distill).backward()
+    wall = time.perf_counter() - start
+    growth = _peak_rss() - before
+    features = 4 * image.numel() * image.element_size()
+    print(f"contrastive {float(contrastive.detach()):.6f} distill {float(distill.detach()):.6f}")
+    return [(f"{args.method} DistillClipLoss fwd+bwd", wall, growth / 2**20, features / 2**20)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("ratio", "scale"))
+    parser.add_argument("mode", choices=("ratio", "scale", "memory"))
+    parser.add_argument("--method", choices=("open_clip", "infcl"), default="infcl", help="memory mode only")
     parser.add_argument("--n", type=int, default=8192, help="pairs (rows of image and of text)")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -132,7 +162,7 @@ def main() -> None:
         rows = ratio(args)
     else:
         header = ("what", "seconds", "peak growth MiB", "features MiB")
-        rows = scale(args)
+        rows = scale(args) if args.mode == "scale" else memory(args)
     print(f"N={args.n} D={args.dim} fp32 threads={args.threads} on {cpu}")
     print(" | ".join(header))
     for row in rows:
