@@ -209,3 +209,17 @@ def test_ring_of_two_gives_the_global_metrics_on_every_rank(spawned, case):
         assert results[case.name]["metrics"] == per_rank[0][case.name]["metrics"], "the same dict on every rank"
     ranks = {name: torch.cat([r[case.name]["ranks"][name] for r in per_rank]) for name in DIRECTIONS}
     assert_same(per_rank[0][case.name]["metrics"], ranks, want, case.name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+def test_cuda_matches_truth(dtype):
+    """The torch tiles on a GPU (its own tile sizes): ties (exact integer scores) and random features."""
+    gen = torch.Generator().manual_seed(10)
+    image = torch.randint(-1, 2, (3000, 8), generator=gen).to(dtype)
+    text = torch.randint(-1, 2, (3000, 8), generator=gen).to(dtype)
+    got, ranks = retrieval_metrics(image.cuda(), text.cuda(), return_ranks=True)
+    assert_same(got, {k: v.cpu() for k, v in ranks.items()}, truth(image, text), "cuda ties")
+    image, text = _pairs(5000, 5000, 32, torch.float64, 11)
+    got, ranks = retrieval_metrics(image.cuda(), text.cuda(), return_ranks=True)
+    assert_same(got, {k: v.cpu() for k, v in ranks.items()}, truth(image, text), "cuda float64")
