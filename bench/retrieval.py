@@ -83,20 +83,21 @@ def _peak_rss_reset() -> None:
         f.write("5")
 
 
-def _peak_rss() -> int:
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmHWM: the peak resident set, VmRSS: the current one), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
 
 
 def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return _status_bytes("VmRSS")
 
 
 def scale(args) -> list:

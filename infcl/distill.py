@@ -9,20 +9,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .api import cal_inf_loss, reduce_losses
+from .api import reduce_losses
 from .backends.base import accum_dtype
 from .backends.distill_tiles import DISTILL_TILES
-from .checks import check_features, check_reduction, make_scale
+from .checks import check_features, check_reduction, check_tiles_backend, make_scale
 from .function import _param_grad, _param_meta, device_scale
 from .losses.distill import DistillRing, DistillUpstream
+from .modules import InfCLIPLoss
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
-
-DISTILL_BACKENDS = ("auto", "torch")
-_NOT_YET = ("cpu", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -127,13 +124,7 @@ def cal_distill_loss(
                 f"symmetric=True needs as many q rows as k rows: student_q {list(student_q.shape)}, "
                 f"student_k {list(student_k.shape)}"
             )
-        if backend in _NOT_YET:
-            raise NotImplementedError(
-                f"cal_distill_loss runs on the torch tiles (backend='auto' or 'torch'); backend={backend!r} is not "
-                f"implemented for it yet"
-            )
-        if backend not in DISTILL_BACKENDS:
-            raise ValueError(f"backend must be one of {DISTILL_BACKENDS}, got {backend!r}")
+        check_tiles_backend(backend, "cal_distill_loss")
         scale_t = make_scale(scale)
         teacher_scale_t = make_scale(teacher_scale, "teacher_scale").detach()
     layout = _layout(ring, student_q, student_k, teacher_q, symmetric)
@@ -162,7 +153,7 @@ def _layout(ring, q, k, teacher_q, symmetric: bool) -> RingLayout:
     return layout
 
 
-class InfDistillClipLoss(nn.Module):
+class InfDistillClipLoss(InfCLIPLoss):
     """Drop-in for open_clip's ``DistillClipLoss``: the CLIP loss and the distillation term, without B x B logits.
 
     ``forward(image_features, text_features, logit_scale, dist_image_features, dist_text_features,
@@ -176,26 +167,10 @@ class InfDistillClipLoss(nn.Module):
 
     Under torch.distributed each rank passes its local features and gets its local losses, with the
     gradients of open_clip's ``DistillClipLoss(local_loss=True, gather_with_grad=True)``. Its constructor
-    arguments are accepted for drop-in use and ignored (rank and world come from ``group``), as for
-    :class:`infcl.InfCLIPLoss`.
+    arguments are those of :class:`infcl.InfCLIPLoss` (open_clip's, accepted and ignored: rank and world
+    come from ``group``; and infcl's ``group``, ``backend`` and mask options, which apply to the contrastive
+    loss).
     """
-
-    def __init__(
-        self,
-        local_loss: bool = True,
-        gather_with_grad: bool = True,
-        cache_labels: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
-        use_horovod: bool = False,
-        *,
-        group=None,
-        backend: str = "auto",
-    ):
-        super().__init__()
-        if use_horovod:
-            raise ValueError("InfDistillClipLoss rings over torch.distributed; use_horovod=True is not supported")
-        self.group, self.backend = group, backend
 
     def forward(
         self,
@@ -207,9 +182,7 @@ class InfDistillClipLoss(nn.Module):
         dist_logit_scale,
         output_dict: bool = False,
     ):
-        contrastive = cal_inf_loss(
-            image_features, text_features, scale=logit_scale, symmetric=True, group=self.group, backend=self.backend
-        )
+        contrastive = super().forward(image_features, text_features, logit_scale)
         distill = cal_distill_loss(
             image_features, text_features, dist_image_features, dist_text_features, logit_scale, dist_logit_scale,
             symmetric=True, group=self.group, backend="torch",

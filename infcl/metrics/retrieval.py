@@ -23,13 +23,11 @@ import torch.distributed as dist
 
 from ..backends.base import Block, Tensor, accum_dtype
 from ..backends.rank_tiles import RANK_TILES, Ahead, Best, RankTiles
-from ..checks import check_features, global_labels, local_labels, make_masks
+from ..checks import check_features, check_tiles_backend, global_labels, local_labels, make_masks
 from ..ring.driver import SummedParts, ring_forward
 from ..ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 
 DIRECTIONS = ("image_to_text", "text_to_image")
-RETRIEVAL_BACKENDS = ("auto", "torch")
-_NOT_YET = ("cpu", "triton", "reference")
 
 
 class BestPositives:
@@ -180,13 +178,7 @@ def _check_args(image, text, ks, q_ids, k_ids, labels, any_positive, return_rank
         raise ValueError("any_positive=True needs q_ids and k_ids (the positives are the columns with the row's id)")
     if any_positive and labels is not None:
         raise ValueError("labels are not used with any_positive=True (the positives are the ids' matches): pass None")
-    if backend in _NOT_YET:
-        raise NotImplementedError(
-            f"retrieval_metrics runs on the torch tiles (backend='auto' or 'torch'); backend={backend!r} is not "
-            f"implemented for it yet"
-        )
-    if backend not in RETRIEVAL_BACKENDS:
-        raise ValueError(f"backend must be one of {RETRIEVAL_BACKENDS}, got {backend!r}")
+    check_tiles_backend(backend, "retrieval_metrics")
     return RANK_TILES, tuple(int(k) for k in ks)
 
 
