@@ -145,7 +145,7 @@ class RankTiles:
             out_rows.nonfinite[r] += ~torch.isfinite(s.sum(dim=1))
             if key in r_straddling:
                 lines = r_straddling[key]
-                _count_ties(out_rows.ahead, lines, s[lines - r.start], rows, col_index[None, c], 1)
+                _count_ties(out_rows.ahead, lines, s[lines - r.start], rows, col_index[None, c])
             if cols is None:
                 continue
             last_row = row_index[r][-1]
@@ -154,7 +154,7 @@ class RankTiles:
             out_cols.nonfinite[c] += ~torch.isfinite(s.sum(dim=0))
             if key in c_straddling:
                 lines = c_straddling[key]
-                _count_ties(out_cols.ahead, lines, s[:, lines - c.start].T, cols, row_index[None, r], 0)
+                _count_ties(out_cols.ahead, lines, s[:, lines - c.start].T, cols, row_index[None, r])
         return out_rows, out_cols
 
     def _ahead_counts_excluding(self, walk, block, rows, cols, row_index, col_index, out_rows, out_cols):
@@ -200,9 +200,9 @@ def _by_tile(local_row: Tensor, local_col: Tensor, walk: _Walk) -> dict:
     return {(int(key) // nk, int(key) % nk): group for key, group in zip(unique.tolist(), groups)}
 
 
-def _count_ties(ahead: Tensor, lines: Tensor, entries: Tensor, best: "Best", other_index: Tensor, axis: int) -> None:
-    """Add, for each line (row, ``axis`` 1, or column, 0) whose best lies inside the tile, its ``entries``
-    (that line's scores over the tile, one line per row) equal to its best's score and with a lower index."""
+def _count_ties(ahead: Tensor, lines: Tensor, entries: Tensor, best: "Best", other_index: Tensor) -> None:
+    """Add, for each line (row or column) whose best lies inside the tile, its ``entries`` (that line's scores
+    over the tile, one line per row) equal to its best's score and with a lower ``other_index``."""
     tied = (entries == best.score[lines, None]) & (other_index < best.index[lines, None])
     ahead.index_add_(0, lines, tied.sum(dim=1))
 
