@@ -12,7 +12,9 @@ from importlib import metadata
 
 from .api import cal_inf_loss, cal_inf_loss_reference
 from .backends import BACKENDS
+from .distill import InfDistillClipLoss, cal_distill_loss
 from .gradcache import GradCache, RandContext, split_vlm_inputs
+from .metrics import retrieval_metrics
 from .modules import InfCLIPLoss, InfSigLipLoss
 from .siglip import cal_siglip_loss
 from .stats import InfLossStats
@@ -29,6 +31,9 @@ __all__ = [
     "InfCLIPLoss",
     "cal_siglip_loss",
     "InfSigLipLoss",
+    "cal_distill_loss",
+    "InfDistillClipLoss",
+    "retrieval_metrics",
     "BACKENDS",
     "GradCache",
     "RandContext",

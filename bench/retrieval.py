@@ -1,0 +1,195 @@
+"""Retrieval ranks and the distillation loss against the GEMM they are bound by, and the ranks at scale.
+
+    python -m bench.retrieval ratio [--n 8192] [--dim 512] [--threads 2]   # both, vs one GEMM-equivalent
+    python -m bench.retrieval scale --n 65536 [--dim 512]                  # time and peak memory of the ranks
+    python -m bench.retrieval memory --n 8192 --method open_clip|infcl     # distillation fwd+bwd peak memory
+
+``ratio``: in one process, the same sizes, min of ``--repeats``: the GEMM-equivalent is the torch tiles'
+walk of S = q @ k.T doing nothing but the tile products (the same tile shapes), so the ratio says what the
+ranks (two passes, the first only over tiles holding a positive) and the distillation loss (forward: two
+products per tile, student and teacher; backward: four, S and T again plus dq and dk) cost beyond their
+products. ``scale``: one call of ``retrieval_metrics`` on N x N unit features, its wall time and the growth
+of the resident set's peak during it (VmHWM, reset first), beside the features' own size. ``memory``: the
+same peak growth for one forward and backward of open_clip's ``DistillClipLoss`` or ``InfDistillClipLoss``
+(one method per process, so that neither inherits the other's freed heap).
+Timings on a shared machine are noisy: compare the ratios within one run. Writes a CSV with ``--csv``.
+"""
+
+import argparse
+import csv
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.metrics import retrieval_metrics
+
+
+def _features(n: int, dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    image = F.normalize(torch.randn(n, dim, generator=gen), dim=1)
+    text = F.normalize(image + torch.randn(n, dim, generator=gen) / dim**0.5, dim=1)  # noise as long as the signal
+    return image, text
+
+
+def gemm_equivalent(q: torch.Tensor, k: torch.Tensor) -> None:
+    """One pass of the torch tiles' products over S = q @ k.T, nothing else."""
+    tq, tk = TORCH_TILES.tiles(q.device)
+    buf = torch.empty(min(tq, q.shape[0]) * min(tk, k.shape[0]), dtype=q.dtype)
+    for i0 in range(0, q.shape[0], tq):
+        qi = q[i0 : i0 + tq]
+        for j0 in range(0, k.shape[0], tk):
+            kj = k[j0 : j0 + tk]
+            torch.mm(qi, kj.T, out=buf[: qi.shape[0] * kj.shape[0]].view(qi.shape[0], kj.shape[0]))
+
+
+def _best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _distill_step(image, text, t_image, t_text):
+    from infcl.distill import cal_distill_loss  # the distillation loss, when this branch has it
+
+    s_image, s_text = image.clone().requires_grad_(), text.clone().requires_grad_()
+    scale = torch.tensor(20.0, requires_grad=True)
+    loss = cal_distill_loss(s_image, s_text, t_image, t_text, scale, 30.0, backend="torch")
+    loss.backward()
+
+
+def ratio(args) -> list:
+    image, text = _features(args.n, args.dim)
+    t_image, t_text = _features(args.n, args.dim, seed=1)
+    gemm = _best_of(lambda: gemm_equivalent(image, text), args.repeats)
+    rows = [("gemm-equivalent", gemm, 1.0, 1.0)]
+    ranks = _best_of(lambda: retrieval_metrics(image, text, backend="torch"), args.repeats)
+    rows.append(("retrieval_metrics", ranks, ranks / gemm, 1.0))  # + the tiles holding a positive
+    try:
+        distill = _best_of(lambda: _distill_step(image, text, t_image, t_text), args.repeats)
+        rows.append(("cal_distill_loss fwd+bwd", distill, distill / gemm, 6.0))
+    except ImportError as err:
+        print(f"(no distillation loss here: {err})")
+    return rows
+
+
+def _peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmHWM: the peak resident set, VmRSS: the current one), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _rss() -> int:
+    return _status_bytes("VmRSS")
+
+
+def scale(args) -> list:
+    image, text = (t.to(args.device) for t in _features(args.n, args.dim))
+    cuda = image.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = _rss()
+        _peak_rss_reset()
+    start = time.perf_counter()
+    metrics = retrieval_metrics(image, text, backend="torch")  # returns floats: synchronized
+    wall = time.perf_counter() - start
+    growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
+    features = image.numel() * image.element_size() * 2
+    print({k: round(v, 6) for k, v in metrics.items()})
+    return [("retrieval_metrics", wall, growth / 2**20, features / 2**20)]
+
+
+def memory(args) -> list:
+    image, text = _features(args.n, args.dim)
+    t_image, t_text = _features(args.n, args.dim, seed=1)
+    image.requires_grad_()
+    text.requires_grad_()
+    scale = torch.tensor(20.0, requires_grad=True)
+    if args.method == "open_clip":
+        from bench import open_clip_loss
+
+        loss_fn = open_clip_loss.load().DistillClipLoss()
+    else:
+        from infcl import InfDistillClipLoss
+
+        loss_fn = InfDistillClipLoss(backend="torch")
+    before = _rss()
+    _peak_rss_reset()
+    start = time.perf_counter()
+    contrastive, distill = loss_fn(image, text, scale, t_image, t_text, torch.tensor(30.0))
+    (contrastive + distill).backward()
+    wall = time.perf_counter() - start
+    growth = _peak_rss() - before
+    features = 4 * image.numel() * image.element_size()
+    print(f"contrastive {float(contrastive.detach()):.6f} distill {float(distill.detach()):.6f}")
+    return [(f"{args.method} DistillClipLoss fwd+bwd", wall, growth / 2**20, features / 2**20)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("ratio", "scale", "memory"))
+    parser.add_argument("--method", choices=("open_clip", "infcl"), default="infcl", help="memory mode only")
+    parser.add_argument("--n", type=int, default=8192, help="pairs (rows of image and of text)")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu = _cpu_name(args.device)
+    if args.mode == "ratio":
+        header = ("what", "seconds", "x gemm-equivalent", "tile products (GEMMs)")
+        rows = ratio(args)
+    else:
+        header = ("what", "seconds", "peak growth MiB", "features MiB")
+        rows = scale(args) if args.mode == "scale" else memory(args)
+    print(f"N={args.n} D={args.dim} fp32 threads={args.threads} on {cpu}")
+    print(" | ".join(header))
+    for row in rows:
+        print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(("n", "dim", "threads", "cpu") + header)
+            for row in rows:
+                out.writerow((args.n, args.dim, args.threads, cpu) + tuple(row))
+
+
+def _cpu_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return os.uname().machine
+    name = fields.get("model name", os.uname().machine)
+    return f"{name} family {fields.get('cpu family')} model {fields.get('model')}"
+
+
+if __name__ == "__main__":
+    main()

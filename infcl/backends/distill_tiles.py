@@ -1,0 +1,99 @@
+"""The distillation loss on the torch tiles (the math: :mod:`infcl.losses.distill`; any device).
+
+Each tile of the student's S = scale * q @ k.T is walked beside the same tile of the teacher's
+T = teacher_scale * tq @ tk.T (the teacher's rows and columns are the student's; its width may differ).
+Forward: per row (and, symmetric, per column) the tile's :class:`~infcl.losses.distill.DistillPartials`,
+merged into the block's. Backward: S and T recomputed bit-identically, dS = g * (softmax(S) - softmax(T))
+formed in the tile from the global stats, dq += scale * dS @ k, dk += scale * dS.T @ q, and the student
+scale's gradient as the sum of dS * (q @ k.T), split into the rows' and the columns' terms.
+
+GEMMs per block: forward 2 (S and T), backward 4 (S and T again, dq, dk). Memory: the block's features
+in the accumulation dtype, a handful of tiles, O(B) partials.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..losses.distill import DistillPartials, DistillUpstream, Teacher
+from ..lse import MAX, REL, tile_stats
+from .base import Block, Tensor
+from .torch_tiles import TORCH_TILES, _Walk
+
+
+def _tile_partials(s: Tensor, t: Tensor, dim: int, scratch: Tensor, spare: Tensor) -> DistillPartials:
+    """One tile's partials along ``dim`` (1: per row, 0: per column); ``scratch``, ``spare``: tile buffers."""
+    student, teacher = tile_stats(s, dim, scratch), tile_stats(t, dim, scratch)
+    weights = torch.sub(t, teacher[MAX].unsqueeze(dim), out=scratch).exp_()
+    gaps = torch.sub(student[MAX].unsqueeze(dim), s, out=spare)  # >= 0: no cancellation below
+    return DistillPartials(student, teacher, weights.mul_(gaps).sum(dim=dim))
+
+
+def _probability_gap(out: Tensor, s: Tensor, t: Tensor, student: Tensor, teacher: Tensor, scratch: Tensor) -> Tensor:
+    """out = softmax(S) - softmax(T) over the tile, from the global stats broadcast to it ([2, n, 1] rows or
+    [2, 1, n] columns): with a = (s - m) - r and b = (t - mT) - rT, exp(a) - exp(b) =
+    -sign(a - b) * exp(max(a, b)) * expm1(-|a - b|), which keeps the digits of a difference of two
+    probabilities near 1."""
+    a = torch.sub(s, student[MAX], out=out).sub_(student[REL])
+    b = torch.sub(t, teacher[MAX], out=scratch).sub_(teacher[REL])
+    top = torch.maximum(a, b)
+    gap = a.sub_(b)  # a - b, in out
+    sign = torch.sign(gap)
+    return gap.abs_().neg_().expm1_().mul_(top.exp_()).mul_(sign).neg_()
+
+
+class DistillTiles:
+    """The distillation loss's block operations on the torch tiles (tile sizes: the torch tiles')."""
+
+    name = "torch"
+
+    def distill_forward_block(
+        self, block: Block, teacher: Teacher, symmetric: bool
+    ) -> Tuple[DistillPartials, Optional[DistillPartials]]:
+        walk = _Walk(block, TORCH_TILES.tiles(block.q.device))
+        rows = DistillPartials.empty(walk.q.shape[0], walk.acc, walk.device)
+        cols = DistillPartials.empty(walk.k.shape[0], walk.acc, walk.device) if symmetric else None
+        tq, tk = teacher.q.to(walk.acc), teacher.k.to(walk.acc)
+        s_buf, t_buf, scratch, spare = walk.buffers(4)
+        for tile in walk:
+            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(s_buf)).mul_(block.scale)  # the backward repeats these
+            t = torch.mm(tq[tile.rows], tk[tile.cols].T, out=tile.view(t_buf)).mul_(teacher.scale)
+            _merge_at(rows, tile.rows, _tile_partials(s, t, 1, tile.view(scratch), tile.view(spare)))
+            if symmetric:
+                _merge_at(cols, tile.cols, _tile_partials(s, t, 0, tile.view(scratch), tile.view(spare)))
+        return rows, cols
+
+    def distill_backward_block(
+        self, block: Block, teacher: Teacher, rows: DistillUpstream, cols: Optional[DistillUpstream], dq: Tensor,
+        dk: Tensor,
+    ) -> Tensor:
+        walk = _Walk(block, TORCH_TILES.tiles(block.q.device))
+        tq, tk = teacher.q.to(walk.acc), teacher.k.to(walk.acc)
+        dscale = walk.zeros(2)
+        raw_buf, s_buf, t_buf, ds_buf, col_buf, scratch = walk.buffers(6)
+        for tile in walk:
+            raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
+            s = tile.view(s_buf).copy_(raw).mul_(block.scale)  # bit-identical to the forward's tile
+            t = torch.mm(tq[tile.rows], tk[tile.cols].T, out=tile.view(t_buf)).mul_(teacher.scale)
+            r = tile.rows
+            ds = _probability_gap(
+                tile.view(ds_buf), s, t, rows.student[:, r, None], rows.teacher[:, r, None], tile.view(scratch)
+            ).mul_(rows.grad[r, None])
+            dscale[0] += torch.mul(ds, raw, out=tile.view(scratch)).sum()
+            if cols is not None:
+                c = tile.cols
+                pc = _probability_gap(
+                    tile.view(col_buf), s, t, cols.student[:, None, c], cols.teacher[:, None, c], tile.view(scratch)
+                ).mul_(cols.grad[None, c])
+                dscale[1] += torch.mul(pc, raw, out=tile.view(scratch)).sum()
+                ds.add_(pc)
+            dq[tile.rows].addcmul_(ds @ tile.kj, block.scale)
+            dk[tile.cols].addcmul_(ds.T @ tile.qi, block.scale)
+        return dscale
+
+
+def _merge_at(acc: DistillPartials, where: slice, part: DistillPartials) -> None:
+    DistillPartials(acc.student[:, where], acc.teacher[:, where], acc.cross[where]).merge_(part)
+
+
+DISTILL_TILES = DistillTiles()

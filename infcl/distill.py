@@ -1,0 +1,195 @@
+"""``cal_distill_loss``: open_clip's ``DistillClipLoss`` distillation term without the B x B logits, and the
+``InfDistillClipLoss`` drop-in for ``DistillClipLoss``.
+
+The math and the partials: :mod:`infcl.losses.distill`; the tiles: :mod:`infcl.backends.distill_tiles`;
+the loop over k blocks (one process or a ring of ranks): :mod:`infcl.ring.driver`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from .api import reduce_losses
+from .backends.base import accum_dtype
+from .backends.distill_tiles import DISTILL_TILES
+from .checks import check_features, check_reduction, check_tiles_backend, make_scale
+from .function import _param_grad, _param_meta, device_scale
+from .losses.distill import DistillRing, DistillUpstream
+from .modules import InfCLIPLoss
+from .ring.driver import ring_backward, ring_forward
+from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
+
+
+@dataclass(frozen=True)
+class DistillPlan:
+    """Everything about a call that is not a tensor."""
+
+    symmetric: bool
+    layout: RingLayout
+
+
+class DistillLossFunction(torch.autograd.Function):
+    """(row losses [Bq], column losses [Bk] or empty) of the student against the teacher; the teacher's
+    features and scale get no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, scale, teacher_q, teacher_k, teacher_scale, plan: DistillPlan):
+        acc = accum_dtype(q.dtype)
+        scale_t = device_scale(scale, q)
+        teacher = (teacher_q.detach().to(acc), teacher_k.detach().to(acc), device_scale(teacher_scale, q))
+        ring = DistillRing(plan.symmetric, *teacher)
+        labels = torch.full((q.shape[0],), -1, dtype=torch.int64, device=q.device)  # no positives: no one-hot
+        rows, cols = ring_forward(q, k, scale_t, labels, ring, DISTILL_TILES, plan.layout)
+        row_loss = rows.losses()
+        col_loss = cols.losses() if plan.symmetric else row_loss.new_empty(0)
+        saved = (rows.student, rows.teacher) + ((cols.student, cols.teacher) if plan.symmetric else ())
+        ctx.save_for_backward(q, k, scale_t, *teacher, labels, *saved)
+        ctx.plan, ctx.scale_meta = plan, _param_meta(scale)
+        return row_loss, col_loss
+
+    @staticmethod
+    @once_differentiable  # the backward is itself a tiled loop: no double backward
+    def backward(ctx, g_row, g_col):
+        plan: DistillPlan = ctx.plan
+        q, k, scale_t, tq, tk, tscale, labels, *saved = ctx.saved_tensors
+        acc = scale_t.dtype
+        rows = DistillUpstream(saved[0], saved[1], g_row.to(acc).contiguous())
+        cols = DistillUpstream(saved[2], saved[3], g_col.to(acc).contiguous()) if plan.symmetric else None
+        ring = DistillRing(plan.symmetric, tq, tk, tscale)
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, DISTILL_TILES, plan.layout, rows, cols)
+        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
+        return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None, None, None
+
+
+def cal_distill_loss(
+    student_q: torch.Tensor,
+    student_k: torch.Tensor,
+    teacher_q: torch.Tensor,
+    teacher_k: torch.Tensor,
+    scale=None,
+    teacher_scale=None,
+    *,
+    symmetric: bool = True,
+    reduction: str = "mean",
+    group=None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """open_clip's distillation term, ``-(softmax(T) * log_softmax(S)).sum(1)`` per row, exact, without S or T.
+
+    Args:
+        student_q, student_k: [Bq, D] and [Bk, D] student features (image, text); any float dtype, one
+            dtype and device. They get gradients.
+        teacher_q, teacher_k: [Bq, D_T] and [Bk, D_T] the teacher's features of the same rows (any width
+            D_T and float dtype, on the same device; computed in the student's accumulation dtype). No
+            gradient reaches them (as if detached).
+        scale: the student's logit scale (as :func:`infcl.cal_inf_loss` takes it; it gets a gradient):
+            S = scale * student_q @ student_k.T. None means 1.
+        teacher_scale: the teacher's: T = teacher_scale * teacher_q @ teacher_k.T; no gradient.
+        symmetric: (q->k + k->q) / 2, open_clip's (needs Bq == Bk); else the rows only.
+        reduction: "mean" | "sum" | "none" (per row; symmetric, per pair (row_i + column_i) / 2).
+        group: torch.distributed group to ring over (default: the world when initialized): each rank
+            passes its shard (student and teacher alike) and gets the loss of its rows (and columns)
+            against the global batch; gradients are those of the sum of every rank's loss.
+        backend: "auto" or "torch" (the torch tiles, any device). "cpu", "triton" and "reference" are not
+            implemented for this loss and raise NotImplementedError.
+
+    Returns:
+        The loss: 0-d, or [Bq] for reduction="none"; float32 (float64 for float64 students).
+
+    Math, per row: lse_j(S_ij) - sum_j softmax(T)_ij * S_ij, computed as sum_j softmax(T)_ij * (m_i - S_ij)
+    + r_i (non-negative terms) in one pass over the tiles; the backward's dS = softmax(S) - softmax(T).
+    """
+    ring = ring_group(group)
+    with rejected_everywhere(ring):
+        check_features(student_q, student_k, names=("student_q", "student_k"))
+        check_features(teacher_q, teacher_k, names=("teacher_q", "teacher_k"))
+        for name, t, like, like_name in (
+            ("teacher_q", teacher_q, student_q, "student_q"),
+            ("teacher_k", teacher_k, student_k, "student_k"),
+        ):
+            if t.shape[0] != like.shape[0]:
+                raise ValueError(
+                    f"{name} must have one row per row of {like_name}: {like_name} {list(like.shape)}, "
+                    f"{name} {list(t.shape)}"
+                )
+            if t.device != like.device:
+                raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {t.device}")
+        check_reduction(reduction)
+        if not isinstance(symmetric, bool):
+            raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+        if symmetric and student_q.shape[0] != student_k.shape[0]:
+            raise ValueError(
+                f"symmetric=True needs as many q rows as k rows: student_q {list(student_q.shape)}, "
+                f"student_k {list(student_k.shape)}"
+            )
+        check_tiles_backend(backend, "cal_distill_loss")
+        scale_t = make_scale(scale)
+        teacher_scale_t = make_scale(teacher_scale, "teacher_scale").detach()
+    layout = _layout(ring, student_q, student_k, teacher_q, symmetric)
+    row_loss, col_loss = DistillLossFunction.apply(
+        student_q, student_k, scale_t, teacher_q, teacher_k, teacher_scale_t, DistillPlan(symmetric, layout)
+    )
+    return reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
+
+
+def _layout(ring, q, k, teacher_q, symmetric: bool) -> RingLayout:
+    """The ring layout (sizes exchanged); under a ring also checks that every rank's teacher has one width
+    and that symmetric shards are square."""
+    if ring is None:
+        return single_layout(q.shape[0], k.shape[0])
+    layout = exchange_layout(q, k, ring)
+    mine = torch.tensor([teacher_q.shape[1]], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(layout.world)]
+    dist.all_gather(every, mine, group=ring)
+    widths = [int(w) for w in every]
+    if len(set(widths)) > 1:
+        raise ValueError(f"the teacher's feature width must be the same on every rank, got {widths} (by rank)")
+    if symmetric and layout.q_sizes != layout.k_sizes:
+        raise ValueError(
+            f"symmetric=True needs as many q rows as k rows on every rank: q {layout.q_sizes}, k {layout.k_sizes}"
+        )
+    return layout
+
+
+class InfDistillClipLoss(InfCLIPLoss):
+    """Drop-in for open_clip's ``DistillClipLoss``: the CLIP loss and the distillation term, without B x B logits.
+
+    ``forward(image_features, text_features, logit_scale, dist_image_features, dist_text_features,
+    dist_logit_scale, output_dict=False)`` returns ``(contrastive_loss, distill_loss)``, or
+    ``{"contrastive_loss": ..., "distill_loss": ...}`` with ``output_dict``, as open_clip's does; the
+    scales are the exponentiated ones its models return. The contrastive loss is
+    :func:`infcl.cal_inf_loss` (symmetric), the distillation term :func:`cal_distill_loss` (symmetric).
+    The teacher ("dist_") gets no gradient (open_clip's training loop runs the teacher under no_grad).
+    ``backend`` chooses the contrastive loss's backend; the distillation term runs on the torch tiles, its
+    one backend so far, whatever ``backend`` says.
+
+    Under torch.distributed each rank passes its local features and gets its local losses, with the
+    gradients of open_clip's ``DistillClipLoss(local_loss=True, gather_with_grad=True)``. Its constructor
+    arguments are those of :class:`infcl.InfCLIPLoss` (open_clip's, accepted and ignored: rank and world
+    come from ``group``; and infcl's ``group``, ``backend`` and mask options, which apply to the contrastive
+    loss).
+    """
+
+    def forward(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale,
+        dist_image_features: torch.Tensor,
+        dist_text_features: torch.Tensor,
+        dist_logit_scale,
+        output_dict: bool = False,
+    ):
+        contrastive = super().forward(image_features, text_features, logit_scale)
+        distill = cal_distill_loss(
+            image_features, text_features, dist_image_features, dist_text_features, logit_scale, dist_logit_scale,
+            symmetric=True, group=self.group, backend="torch",
+        )
+        if output_dict:
+            return {"contrastive_loss": contrastive, "distill_loss": distill}
+        return contrastive, distill
+
+
+__all__ = ["cal_distill_loss", "InfDistillClipLoss"]
