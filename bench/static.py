@@ -36,10 +36,22 @@ What is modelled (not read from the code):
   (D <= resident_d). Per-row vectors (stats, positives) are left out; the sigmoid backward's per-chunk
   fp32 read-modify-write of the gradient is in.
 
+The time model (:func:`model_kernel`, printed after the table and written to ``<name>-model.csv``): per
+launch at B = 32768 and 65536 (``--model-batches``), four terms from the figures above — tensor (flops per
+S entry at the GEMM rate ``--tflops``, half that for tf32), issue (lane instructions per entry at
+``--issue-per-clk`` per SM per clock), MUFU (at ``--mufu-per-clk``), L2 (modelled bytes per entry at
+``--l2-tbs``) — times the last wave's tail; ``bound`` is the largest term (everything overlapped),
+``serial`` the sum (nothing overlapped; issue and MUFU one term), the estimate: on the H100 it lands within
+-6..+10% of the measured kernels, the bound 36-54% under (docs/benchmarks.md, "The time model"). Each
+target's assumptions are a :class:`Device` (H100 SXM for sm_90; A100 and B200 scaled from it, unmeasured),
+every field an option; ``--measured`` compares with per-kernel times, ``--from-csv`` reruns the model on a
+stored report without compiling. Inf-CL's kernels are compiled and modelled the same way when ``inf_cl``
+is installed (``--no-inf-cl``: not).
+
 ``--dims`` and ``--tile KERNEL=MxN[:warps[:stages[:block_out]]]`` (repeatable) report other feature dims
 and candidate configs, e.g. ``--targets 90 --dims 512,1000 --tile dq=64x64 --tile dk=64x64 --name try``.
 
-Writes a table (stdout), bench/results/static.csv and static.png (``--no-plot``: no plot). Figures are
+Writes a table (stdout), bench/results/static.csv, static-model.csv and static.png (``--no-plot``: no plot). Figures are
 reported, not asserted; the structural checks (no mma.sync where every product's M >= 64 on sm_90, no
 spills, shared memory within the limit) are tests/test_static_report.py.
 """
