@@ -13,7 +13,7 @@ Stages, in order (the steps of one stage run at the same time; nothing runs besi
 2. ``speed``: bf16, D = 512, symmetric, forward + backward at B = 16k / 32k / 64k, CUDA events, median of
    ``--repeats``: infcl ``backend="triton"``, Inf-CL (when ``inf_cl`` imports; its one-rank process group as
    bench.methods sets it up), vanilla where its logits fit; peak extra memory; the device's own bf16 GEMM
-   rate and each time over the 5-GEMM bound; the first call of each method timed apart (compile.csv).
+   rate and each time over the 5-GEMM bound; the first call of each method timed apart (Triton's compile).
 3. ``kernels``: torch.profiler's time per kernel (forward, dq, dk; Inf-CL's) at B = 32k / 64k (kernels.csv,
    the columns bench.static ``--measured`` reads).
 4. ``correctness-*`` (one process per operand type, and one for the options) and ``static``, side by side:
@@ -22,8 +22,11 @@ Stages, in order (the steps of one stage run at the same time; nothing runs besi
    each case run twice (bit-identical?); torch's own loss in the same dtype as the baseline error
    (correctness.csv). ``static``: ``python -m bench.static`` for this device's target, compile-only, its
    time model fed with this device's SM count, GEMM rate and clock, and compared with kernels.csv
-   (static.csv, static-model.csv). If it does not finish, the summary models the stored
-   bench/results/static.csv instead, and says so.
+   (static-model.csv; the report's table is in logs.txt). If it does not finish, the summary models the
+   stored bench/results/static.csv instead, and says so.
+
+Eight files at most (what a device run copies back): summary.md, steps.csv, env.csv, speed.csv, kernels.csv,
+correctness.csv, static-model.csv and logs.txt (every step's output, appended as each step ends).
 
 S bit for bit between the forward, dq and dk is not measured: no hook exposes S from the kernels; the
 compiled S layouts are checked by bench.static (tests/test_static_report.py).
@@ -36,6 +39,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +80,6 @@ FILES = {
     "correctness.csv": ("case", "batch", "dtype", "symmetric", "status", "loss_err", "dq_err", "dk_err",
                         "dscale_err", "dbias_err", "vanilla_err", "tolerance", "within_tol", "within_vanilla",
                         "bit_identical", "first_call_s", "note"),
-    "compile.csv": ("what", "first_call_s", "warm_s", "compile_s"),
 }
 
 
@@ -147,13 +150,15 @@ def _cell(value) -> str:
 
 
 def run_stages(stages: List[Tuple[Step, ...]], out: Path, budget_s: float, after_stage=None) -> None:
-    """Run each stage's steps side by side (each a process group with its stdout and stderr in
-    out/logs/<step>.log), each stopped at its timeout or at the end of the budget; one steps.csv row per step
-    (ok, error with its exit code, timeout, or skipped when the budget is spent). ``after_stage()`` runs after
-    every stage (the summary)."""
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    end = time.monotonic() + budget_s
+    """Run each stage's steps side by side (each a process group, its stdout and stderr in a log of its own
+    outside ``out``, appended to out/logs.txt when it ends), each stopped at its timeout or at the end of the
+    budget; one steps.csv row per step (ok, error with its exit code and the log's last line, timeout, or
+    skipped when the budget is spent). ``after_stage()`` runs after every stage (the summary)."""
+    with tempfile.TemporaryDirectory(prefix="gpu-first-logs-") as logs:
+        _run_stages(stages, out, time.monotonic() + budget_s, after_stage, Path(logs))
+
+
+def _run_stages(stages, out: Path, end: float, after_stage, logs: Path) -> None:
     for stage in stages:
         left = end - time.monotonic()
         if left < 5:
@@ -175,6 +180,8 @@ def run_stages(stages: List[Tuple[Step, ...]], out: Path, budget_s: float, after
                 os.killpg(proc.pid, signal.SIGKILL)
                 rc, status, note = proc.wait(), "timeout", f"stopped after {timeout:.0f} s"
             log.close()
+            with open(out / "logs.txt", "a") as f:
+                f.write(f"==== {step.name}: {status} ====\n{(logs / f'{step.name}.log').read_text(errors='replace')}\n")
             append_row(out / "steps.csv", {"step": step.name, "status": status, "rc": rc, "timeout_s": timeout,
                                            "wall_s": time.monotonic() - start, "note": note})
             print(f"gpu-first: {step.name}: {status} ({time.monotonic() - start:.0f} s) {note}", file=sys.stderr,
@@ -320,11 +327,6 @@ def step_speed(out: Path, batches=SPEED_BATCHES, repeats: int = REPEATS) -> None
                 q, k, scale = make_inputs(batch, DIM, torch.bfloat16, device)
                 result = time_step(_fwd_bwd(METHODS[name].loss, q, k, scale), repeats)
                 row.update(status="ok", x_bound=result["time_ms"] / bound_ms, **result)
-                if batch == batches[0]:
-                    append_row(out / "compile.csv", {
-                        "what": f"{name} bf16 D={DIM} symmetric fwd+bwd, first call at B={batch}",
-                        "first_call_s": result["first_call_s"], "warm_s": result["time_ms"] / 1e3,
-                        "compile_s": result["first_call_s"] - result["time_ms"] / 1e3})
             except Exception as err:  # recorded; the next configuration runs
                 row.update(status="error", note=f"{type(err).__name__}: {str(err)[:200]}")
             finally:
@@ -518,12 +520,13 @@ def step_correctness(out: Path, part: str, batches=CHECK_BATCHES) -> None:
         print(row, flush=True)
 
 
-def static_command(out: Path) -> Tuple[str, ...]:
-    """``python -m bench.static`` for this device's target (env.csv), its model fed with the device's SM
-    count, the GEMM rate and the SM clock under load the speed step measured, compared with kernels.csv."""
+def static_command(out: Path, report: Path) -> Tuple[str, ...]:
+    """``python -m bench.static`` for this device's target (env.csv), writing to ``report``, its model fed
+    with the device's SM count, the GEMM rate and the SM clock under load the speed step measured, compared
+    with kernels.csv."""
     env = dict(_read(out / "env.csv", ("key", "value")))
     cmd = [sys.executable, "-m", "bench.static", "--targets", env.get("capability", "90"), "--losses", "clip",
-           "--no-plot", "--out", str(out), "--name", "static", "--measured", str(out / "kernels.csv")]
+           "--no-plot", "--out", str(report), "--name", "static", "--measured", str(out / "kernels.csv")]
     if env.get("sms"):
         cmd += ["--sms", env["sms"]]
     speed = _read(out / "speed.csv")
@@ -537,7 +540,14 @@ def static_command(out: Path) -> Tuple[str, ...]:
 
 
 def step_static(out: Path) -> int:
-    return subprocess.run(static_command(out), cwd=REPO).returncode
+    """The static report (its table on stdout: logs.txt), its model copied to out/static-model.csv."""
+    import shutil
+
+    with tempfile.TemporaryDirectory(prefix="gpu-first-static-") as report:
+        rc = subprocess.run(static_command(out, Path(report)), cwd=REPO).returncode
+        if (Path(report) / "static-model.csv").exists():
+            shutil.copy(Path(report) / "static-model.csv", out / "static-model.csv")
+    return rc
 
 
 # ---- the summary -------------------------------------------------------------------------------------------
@@ -643,12 +653,14 @@ def write_summary(out: Path) -> Path:
                   f"within tol: max error <= {REL_TOL}; within vanilla: each <= 2 x torch's own + 2^-9", "",
                   _table(["case", "B", "dtype", "dir", "status", *GRADS, "vanilla worst", "within tol",
                           "within vanilla", "rerun identical", "first call s", "note"], rows), ""]
-    compiles = _read(out / "compile.csv")
-    if compiles:
-        parts += ["## Triton compile (first call less a warm one)", "",
-                  _table(["what", "first call s", "warm s", "compile s"],
-                         [[r["what"], _num(r["first_call_s"], "{:.2f}"), _num(r["warm_s"], "{:.3f}"),
-                           _num(r["compile_s"], "{:.2f}")] for r in compiles]), ""]
+    firsts = [[f"{r['method']} bf16 symmetric fwd+bwd, B={r['batch']}", _num(r["first_call_s"], "{:.2f}"),
+               _num(float(r["time_ms"]) / 1e3, "{:.3f}"), _num(float(r["first_call_s"]) - float(r["time_ms"]) / 1e3,
+                                                              "{:.2f}")]
+              for r in speed if r["status"] == "ok" and r["first_call_s"] and r["batch"] == str(SPEED_BATCHES[0])]
+    if firsts:
+        parts += ["## First call (Triton's compile, or Inf-CL's and its process group's start) less a warm call", "",
+                  _table(["what", "first call s", "warm s", "difference s"], firsts),
+                  "", "The correctness table's first calls include the compile of each case's kernels.", ""]
     path = out / "summary.md"
     path.write_text("\n".join(parts))
     return path
@@ -683,7 +695,7 @@ def main(argv=None) -> int:
             print(f"stage {i}: {step.name} (timeout {step.timeout_s:.0f} s): {' '.join(step.argv[1:])}")
     for name in FILES:  # a fresh run: an earlier run's rows in ``out`` are dropped
         write_header(out / name)
-    for name in ("static.csv", "static-model.csv", "summary.md"):
+    for name in ("static-model.csv", "summary.md", "logs.txt"):
         (out / name).unlink(missing_ok=True)
     if args.dry_run:
         write_summary(out)

@@ -26,7 +26,8 @@ def test_dry_run_plans_every_step_and_writes_the_headers(tmp_path, capsys):
             assert next(csv.reader(f)) == list(columns), name
         assert _rows(tmp_path / name) == [], name
     assert (tmp_path / "summary.md").exists()
-    assert not (tmp_path / "logs").exists()  # nothing ran
+    assert not (tmp_path / "logs.txt").exists()  # nothing ran
+    assert len(gpu_first.FILES) + 3 <= 8  # with static-model.csv, summary.md and logs.txt: a device run's limit
 
 
 def test_plan_orders_timed_steps_alone_and_filters():
@@ -56,7 +57,9 @@ def test_run_stages_records_a_failure_and_a_timeout_and_goes_on(tmp_path):
     assert steps["fails"]["note"] == "it broke"  # the log's last line
     assert steps["hangs"]["status"] == "timeout" and float(steps["hangs"]["wall_s"]) < 30
     assert steps["works"]["status"] == "ok"
-    assert (tmp_path / "logs" / "works.log").read_text().strip() == "fine"
+    logs = (tmp_path / "logs.txt").read_text()
+    assert "==== works: ok ====\nfine" in logs and "==== fails: error ====\nit broke" in logs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.txt", "steps.csv"]
     assert summaries == [1, 1]  # after every stage
 
 
@@ -76,6 +79,8 @@ def test_summary_from_appended_rows_with_the_stored_model(tmp_path):
     gpu_first.append_row(out / "speed.csv", {"method": "torch.mm bf16 (q @ k.T)", "gemm_tflops": 750.0,
                                              **speed})
     gpu_first.append_row(out / "speed.csv", {"method": "triton", "time_ms": 47.9, "x_bound": 6.5, **speed})
+    gpu_first.append_row(out / "speed.csv", {"method": "triton", "time_ms": 12.0, "first_call_s": 20.012,
+                                             **speed, "batch": 16384})
     gpu_first.append_row(out / "speed.csv", {"method": "vanilla", "time_ms": 31.8, "x_bound": 4.4, **speed})
     for kernel, ms in (("forward", 7.2), ("dq", 20.2), ("dk", 18.6)):
         gpu_first.append_row(out / "kernels.csv", {"target": "sm_90", "dtype": "bf16", "D": 512, "batch": 32768,
@@ -90,3 +95,4 @@ def test_summary_from_appended_rows_with_the_stored_model(tmp_path):
     dq = next(line for line in text.splitlines() if line.startswith("| 32768 | dq |"))
     assert "%" in dq, dq  # the model's estimate and its error beside the measured time
     assert "| plain | 4096 | float16 | sym |" in text and "8.2e-03" in text
+    assert "| triton bf16 symmetric fwd+bwd, B=16384 | 20.01 | 0.012 | 20.00 |" in text
