@@ -22,7 +22,7 @@ import torch
 
 from .machine import device_name
 from .methods import BASELINE, LOSSES, MASKED_BACKENDS, METHODS, PLAIN
-from .presets import PRESETS, Sweep, custom_sweep
+from .presets import GPU_FIRST, PRESETS, Sweep, custom_sweep
 from .report import COLUMNS, add_ratios, format_table, write_csv, write_plot
 from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
 
@@ -55,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="embedded sweep(s) to run")
+    p.add_argument("--preset", choices=sorted(PRESETS) + [GPU_FIRST], default="default",
+                   help=f"embedded sweep(s) to run; {GPU_FIRST}: the bounded first GPU run (python -m bench.gpu_first "
+                   "--help for its options)")
     p.add_argument(
         "--loss",
         choices=LOSSES,
@@ -214,6 +216,14 @@ def run(jobs: List[Job], timeout_s: float) -> List[Dict]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset")
+    known, rest = pre.parse_known_args(argv)
+    if known.preset == GPU_FIRST:  # a scripted run with its own options, not a sweep
+        from .gpu_first import main as gpu_first_main
+
+        return gpu_first_main(rest)
     args = parse_args(argv)
     name, sweeps = _sweeps(args)
     set_worker_threads(args.threads)

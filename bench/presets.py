@@ -1,5 +1,7 @@
 """The embedded sweeps: "default" (no arguments, ~1-2 min on 2 cores), "issue" (the full CPU run) and
-"gpu" (vanilla vs Inf-CL vs the Triton kernels on one GPU, with errors against float64)."""
+"gpu" (vanilla vs Inf-CL vs the Triton kernels on one GPU, with errors against float64); and "gpu-first",
+not a sweep: the bounded first run on a fresh GPU (bench.gpu_first), which ``python -m bench`` hands its
+other options to."""
 
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
@@ -48,6 +50,9 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
               methods=GPU_METHODS, accuracy=True),
     ),
 }
+
+
+GPU_FIRST = "gpu-first"
 
 
 def custom_sweep(base: Sweep, **overrides) -> Sweep:

@@ -36,10 +36,22 @@ What is modelled (not read from the code):
   (D <= resident_d). Per-row vectors (stats, positives) are left out; the sigmoid backward's per-chunk
   fp32 read-modify-write of the gradient is in.
 
+The time model (:func:`model_kernel`, printed after the table and written to ``<name>-model.csv``): per
+launch at B = 32768 and 65536 (``--model-batches``), four terms from the figures above — tensor (flops per
+S entry at the GEMM rate ``--tflops``, half that for tf32), issue (lane instructions per entry at
+``--issue-per-clk`` per SM per clock), MUFU (at ``--mufu-per-clk``), L2 (modelled bytes per entry at
+``--l2-tbs``) — times the last wave's tail; ``bound`` is the largest term (everything overlapped),
+``serial`` the sum (nothing overlapped; issue and MUFU one term), the estimate: on the H100 it lands within
+-6..+10% of the measured kernels, the bound 36-54% under (docs/benchmarks.md, "The time model"). Each
+target's assumptions are a :class:`Device` (H100 SXM for sm_90; A100 and B200 scaled from it, unmeasured),
+every field an option; ``--measured`` compares with per-kernel times, ``--from-csv`` reruns the model on a
+stored report without compiling. Inf-CL's kernels are compiled and modelled the same way when ``inf_cl``
+is installed (``--no-inf-cl``: not).
+
 ``--dims`` and ``--tile KERNEL=MxN[:warps[:stages[:block_out]]]`` (repeatable) report other feature dims
 and candidate configs, e.g. ``--targets 90 --dims 512,1000 --tile dq=64x64 --tile dk=64x64 --name try``.
 
-Writes a table (stdout), bench/results/static.csv and static.png (``--no-plot``: no plot). Figures are
+Writes a table (stdout), bench/results/static.csv, static-model.csv and static.png (``--no-plot``: no plot). Figures are
 reported, not asserted; the structural checks (no mma.sync where every product's M >= 64 on sm_90, no
 spills, shared memory within the limit) are tests/test_static_report.py.
 """
@@ -65,7 +77,7 @@ import triton_compile  # noqa: E402  (the compile-only driver, shared with the A
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 TARGETS = (90, 80, 100)
 DIM = 512
-BATCHES = (16384, 65536)
+BATCHES = (16384, 32768, 65536)
 # (dtype, precision): bf16 always; fp32 with tf32 products on request (--tf32).
 BF16, TF32 = ("bfloat16", "ieee"), ("float32", "tf32")
 ENTRIES = ("cal_inf_loss", "cal_siglip_loss")
@@ -153,10 +165,11 @@ def _instructions(listing: str, dialect: Dialect) -> Tuple[List[str], Dict[str, 
     return instrs, labels
 
 
-def tile_loop_counts(listing: str, dialect: Dialect, n_chunks: int) -> Optional[Dict[str, float]]:
+def tile_loop_counts(listing: str, dialect: Dialect, n_chunks: int, peeled: bool = True) -> Optional[Dict[str, float]]:
     """Warp instructions, MUFU and shuffles one pass of the tile loop issues (inner feature-chunk loops
-    counted ``n_chunks - 1`` times, or ``n_chunks`` if they store to global memory), and the loop's static
-    size; None when no loop holds an exponential."""
+    counted ``n_chunks - 1`` times, or ``n_chunks`` if they store to global memory or if the source does not
+    peel the first chunk, ``peeled=False``), and the loop's static size; None when no loop holds an
+    exponential."""
     instrs, labels = _instructions(listing, dialect)
     loops = []  # (start, end inclusive) of every backward branch
     for i, line in enumerate(instrs):
@@ -184,7 +197,7 @@ def tile_loop_counts(listing: str, dialect: Dialect, n_chunks: int) -> Optional[
     weight = {i: 1.0 for i in range(tile[0], tile[1] + 1)}
     for loop in inner(tile):
         body = range(loop[0], loop[1] + 1)
-        trips = n_chunks if count(body, dialect.store) else n_chunks - 1
+        trips = n_chunks if count(body, dialect.store) or not peeled else n_chunks - 1
         for i in body:
             weight[i] = max(trips, 0)
 
@@ -427,16 +440,17 @@ def without_positives():
 
 def report_target(arch: int, dtype: str, precision: str, dim: int = DIM, batches=BATCHES,
                   entries=ENTRIES, tiles: Optional[Dict[str, Tuple[int, ...]]] = None,
-                  no_positive: bool = False) -> List[Dict]:
+                  no_positive: bool = False, sms: Optional[int] = None) -> List[Dict]:
     """Compile both losses' calls for ``arch`` at each batch of ``batches`` (with ``tiles`` in place of the
-    default configs, and with ``no_positive`` as :func:`without_positives`); one row per kernel. Runs in a
-    worker process (:func:`triton_compile.init_worker`)."""
+    default configs, and with ``no_positive`` as :func:`without_positives`) on a stand-in GPU of ``sms`` SMs
+    (default: the target's flagship); one row per kernel. Runs in a worker process
+    (:func:`triton_compile.init_worker`)."""
     with tile_overrides(arch, dtype, precision, tiles or {}):
         with without_positives() if no_positive else contextlib.nullcontext():
-            return _report_target(arch, dtype, precision, dim, batches, entries)
+            return _report_target(arch, dtype, precision, dim, batches, entries, sms or LIMITS[arch].sms)
 
 
-def _report_target(arch, dtype, precision, dim, batches, entries) -> List[Dict]:
+def _report_target(arch, dtype, precision, dim, batches, entries, sms) -> List[Dict]:
     import torch
 
     rows: Dict[Tuple[str, str], Dict] = {}
@@ -446,7 +460,7 @@ def _report_target(arch, dtype, precision, dim, batches, entries) -> List[Dict]:
             call = triton_compile.Call(arch, entry, dtype, precision, dim, batch, batch,
                                        symmetric=entry == "cal_inf_loss")
             torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-            with triton_compile.compile_only(arch, sms=LIMITS[arch].sms) as (compiled, start):
+            with triton_compile.compile_only(arch, sms=sms) as (compiled, start):
                 q, k, labels = triton_compile._inputs(call)
                 triton_compile.call_loss(call, q, k, labels, *triton_compile._params()).backward()
                 launches = list(zip(compiled[start:], triton_compile._RECORDER.launches[start:]))
@@ -454,46 +468,38 @@ def _report_target(arch, dtype, precision, dim, batches, entries) -> List[Dict]:
                 name = triton_compile._kernel_name(fn)
                 key = (entry, name)
                 if key not in rows:
-                    rows[key] = _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
                     # dq / dk: grid axis 1 is the D slices, each recomputing S (the same at every B)
                     slices = launch["grid"][1] if name in ("dq", "dk") else 1
-                    rows[key]["slices"] = slices
-                    per_entry = rows[key]["instr_per_entry"]
-                    rows[key]["instr_per_entry_all_slices"] = per_entry * slices if per_entry is not None else None
-                programs = math.prod(launch["grid"])
-                row = rows[key]
-                row[f"programs@{batch}"] = programs
-                row[f"waves@{batch}"] = programs / (LIMITS[arch].sms * max(row["ctas_per_sm"], 1))
+                    rows[key] = _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt, slices)
+                _add_launch(rows[key], batch, launch, sms)
     return list(rows.values())
 
 
-def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt) -> Dict:
+def _add_launch(row: Dict, batch: int, launch: Dict, sms: int) -> None:
+    programs = math.prod(launch["grid"])
+    row[f"programs@{batch}"] = programs
+    row[f"waves@{batch}"] = programs / (sms * max(row["ctas_per_sm"], 1))
+
+
+def _dtype_label(dtype: str, precision: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": f"fp32-{precision}"}.get(dtype, dtype)
+
+
+def _compiled_figures(arch, fn, kernel, log, n_chunks: int, entries: int, peeled: bool = True) -> Dict:
+    """What is read from one compiled kernel: its MMAs, registers, spills, shared memory, occupancy and its
+    tile loop's counts per S entry (``entries``: the S entries one pass of the tile loop covers)."""
     usage = triton_compile._resources(fn, kernel, log, arch)
     ptx = kernel.asm["ptx"]
     try:
         sass = kernel.asm["sass"]
     except Exception:  # a cuobjdump that does not know the target: count the PTX
         sass = None
-    n_chunks = math.ceil(dim / launch["BLOCK_D"])
-    loop = tile_loop_counts(sass, SASS, n_chunks) if sass else tile_loop_counts(ptx, PTX, n_chunks)
+    loop = tile_loop_counts(sass, SASS, n_chunks, peeled) if sass else tile_loop_counts(ptx, PTX, n_chunks, peeled)
     warps = kernel.metadata.num_warps
-    entries = launch["BLOCK_M"] * launch["BLOCK_N"] * launch.get("ROW_TILES", 1)  # one pass of the tile loop
     per_entry = 32 * warps / entries
     ctas, limiter = occupancy(usage["regs"], warps, usage["smem"], arch)
-    nbytes, flops = modelled_bytes_flops(name, launch, dim, elt)
-    label = {"bfloat16": "bf16", "float16": "fp16", "float32": f"fp32-{precision}"}.get(dtype, dtype)
-    # The products' M (the MMA's row count): S and dq have BLOCK_M rows, dk's product has BLOCK_N.
-    product_m = min(launch["BLOCK_M"], launch["BLOCK_N"]) if name == "dk" else launch["BLOCK_M"]
-    layouts = score_mma_layouts(kernel.asm["ttgir"], score_lines())
     return {
-        "target": f"sm_{arch}", "dtype": label, "D": dim, "kernel": name, "config": _config(name, launch),
-        "warps": warps, "stages": kernel.metadata.num_stages, "min_mma_m": product_m,
-        **mma_kinds(ptx, sass),
-        # S's MMA ops: their instruction, how many distinct layouts (1: the first chunk's is the others'), and
-        # a digest of the layouts to compare across kernels (the forward's, dq's and dk's S must be one).
-        "s_mma": " | ".join(mma_instruction(layout) for layout in layouts) or "-",
-        "s_layouts": len(layouts),
-        "s_layout": hashlib.sha1("\n".join(layouts).encode()).hexdigest()[:12] if layouts else "-",
+        "warps": warps, "stages": kernel.metadata.num_stages, **mma_kinds(ptx, sass),
         "listing": "sass" if sass else "ptx",
         "loop_static": loop["static"] if loop else None,
         "instr_per_tile": loop["instr"] if loop else None,
@@ -503,27 +509,135 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt)
         "shfl_per_entry": loop["shfl"] * per_entry if loop else None,
         "regs": usage["regs"], "spill_bytes": usage["spill_bytes"], "smem": usage["smem"],
         "smem_limit": usage["smem_limit"], "ctas_per_sm": ctas, "cta_limiter": limiter,
-        "tile_bytes": nbytes, "flop_per_byte": flops / nbytes if nbytes else math.inf,
     }
+
+
+def _per_entry_model(row: Dict, nbytes: float, flops: float, entries: int, slices: int) -> Dict:
+    """The modelled figures of one pass of the tile loop (``nbytes`` operand bytes, ``flops``) per S entry,
+    and over every D slice: what the time model (:func:`model_kernel`) reads."""
+    per_entry = row["instr_per_entry"]
+    return {
+        "tile_bytes": nbytes, "flop_per_byte": flops / nbytes if nbytes else math.inf,
+        "slices": slices,
+        "instr_per_entry_all_slices": per_entry * slices if per_entry is not None else None,
+        "flops_per_entry": flops * slices / entries, "l2_bytes_per_entry": nbytes * slices / entries,
+    }
+
+
+def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt, slices) -> Dict:
+    entries = launch["BLOCK_M"] * launch["BLOCK_N"] * launch.get("ROW_TILES", 1)  # one pass of the tile loop
+    figures = _compiled_figures(arch, fn, kernel, log, math.ceil(dim / launch["BLOCK_D"]), entries)
+    nbytes, flops = modelled_bytes_flops(name, launch, dim, elt)
+    # The products' M (the MMA's row count): S and dq have BLOCK_M rows, dk's product has BLOCK_N.
+    product_m = min(launch["BLOCK_M"], launch["BLOCK_N"]) if name == "dk" else launch["BLOCK_M"]
+    layouts = score_mma_layouts(kernel.asm["ttgir"], score_lines())
+    row = {
+        "target": f"sm_{arch}", "dtype": _dtype_label(dtype, precision), "D": dim, "kernel": name,
+        "config": _config(name, launch), "min_mma_m": product_m, "calls": 1,
+        # S's MMA ops: their instruction, how many distinct layouts (1: the first chunk's is the others'), and
+        # a digest of the layouts to compare across kernels (the forward's, dq's and dk's S must be one).
+        "s_mma": " | ".join(mma_instruction(layout) for layout in layouts) or "-",
+        "s_layouts": len(layouts),
+        "s_layout": hashlib.sha1("\n".join(layouts).encode()).hexdigest()[:12] if layouts else "-",
+        **figures,
+    }
+    return {**row, **_per_entry_model(row, nbytes, flops, entries, slices)}
+
+
+# ---- Inf-CL's kernels, compiled the same way ---------------------------------------------------------
+# inf_cl.flash's kernels by their names (triton_compile._kernel_name), as the rows name them.
+INF_CL_KERNELS = {"prob_fwd": "inf-cl forward", "dq_prob_bwd": "inf-cl dq", "dk_prob_bwd": "inf-cl dk"}
+# Inf-CL's symmetric loss is two calls, one per direction (bench.methods.inf_cl_loss): each kernel runs twice.
+INF_CL_CALLS = 2
+
+
+def kernel_label(name: str) -> str:
+    """The report's name of a kernel from its function name (``_dq_kernel`` -> ``dq``, Inf-CL's
+    ``_dq_prob_bwd_kernel`` -> ``inf-cl dq``): profiler rows and compiled rows meet on it."""
+    name = name.strip("_").replace("_kernel", "")
+    return INF_CL_KERNELS.get(name, name)
+
+
+def inf_cl_bytes_flops(kernel: str, bm: int, bn: int, dim: int, elt: int) -> Tuple[float, float]:
+    """(operand bytes loaded, flops) per 64x64 tile of Inf-CL's kernels, from its source (inf_cl/flash.py):
+    num_stages = 1 and a loop over heads, so q's and k's head slices are loaded for every tile (nothing
+    resident); dq / dk load the other side's slices again for the product and read-modify-write the fp32
+    gradient slice of the owned rows in every tile."""
+    s_bytes, s_flops = elt * dim * (bm + bn), 2.0 * bm * bn * dim
+    if kernel == "inf-cl forward":
+        return s_bytes, s_flops
+    if kernel in ("inf-cl dq", "inf-cl dk"):
+        owned, other = (bm, bn) if kernel == "inf-cl dq" else (bn, bm)
+        return s_bytes + elt * dim * other + 2 * 4 * owned * dim, 2 * s_flops
+    raise ValueError(f"no traffic model for kernel {kernel!r}")
+
+
+def report_inf_cl(arch: int, dim: int = DIM, batches=BATCHES, sms: Optional[int] = None) -> List[Dict]:
+    """Inf-CL's forward, dq and dk kernels as its own launchers (``inf_cl.flash._flash_prob_forward`` /
+    ``_backward``) launch them for one direction at D = ``dim`` (q and k upcast to fp32 in heads of the
+    first of bench.methods' INF_CL_HEAD_DIMS dividing D, so tl.dot runs tf32), compile-only for ``arch``;
+    one row per kernel. The launchers assert CUDA tensors: CPU tensors that say they are (nothing is read)."""
+    import torch
+    from inf_cl import flash
+
+    from bench.methods import INF_CL_HEAD_DIMS
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    sms = sms or LIMITS[arch].sms
+    head = next((h for h in INF_CL_HEAD_DIMS if dim % h == 0), None)
+    if head is None:  # Inf-CL takes no such D (bench.methods lists it as unavailable)
+        return []
+    rows: Dict[str, Dict] = {}
+    for batch in batches:
+        q, k = (torch.Tensor._make_subclass(OnCuda, torch.zeros(batch, dim // head, head)) for _ in "qk")
+        with triton_compile.compile_only(arch, sms=sms) as (compiled, start):
+            lse = flash._flash_prob_forward(q, k)
+            flash._flash_prob_backward(q, k, lse, torch.ones_like(lse))
+            launches = list(zip(compiled[start:], triton_compile._RECORDER.launches[start:]))
+        for (fn, kernel, log), launch in launches:
+            name = kernel_label(triton_compile._kernel_name(fn))
+            if name not in rows:
+                bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
+                figures = _compiled_figures(arch, fn, kernel, log, dim // head, bm * bn, peeled=False)
+                row = {"target": f"sm_{arch}", "dtype": "fp32-tf32", "D": dim, "kernel": name,
+                       "config": f"{bm}x{bn} d{head}", "min_mma_m": min(bm, bn), "calls": INF_CL_CALLS,
+                       "s_mma": "-", "s_layouts": 0, "s_layout": "-", **figures}
+                rows[name] = {**row, **_per_entry_model(row, *inf_cl_bytes_flops(name, bm, bn, dim, 4), bm * bn, 1)}
+            _add_launch(rows[name], batch, launch, sms)
+    return list(rows.values())
 
 
 # The figures of the softmax kernels' tiles without a positive (:func:`without_positives`), beside each row's.
 NO_POSITIVE_FIGURES = ("instr_per_entry", "mufu_per_entry", "shfl_per_entry", "instr_per_entry_all_slices")
 
 
+def inf_cl_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("inf_cl") is not None
+
+
 def run(targets=TARGETS, dtypes=(BF16,), dims=(DIM,), batches=BATCHES, entries=ENTRIES, workers: int = WORKERS,
-        tiles: Optional[Dict[str, Tuple[int, ...]]] = None, no_positive: bool = True) -> List[Dict]:
+        tiles: Optional[Dict[str, Tuple[int, ...]]] = None, no_positive: bool = True, inf_cl: bool = False,
+        sms: Optional[int] = None) -> List[Dict]:
     """Every (target, dtype) of the report in spawned workers (which import infcl with TRITON_INTERPRET=0), one
     process per job; targets whose ptxas the wheel lacks are skipped. ``no_positive``: the softmax kernels
-    also compiled as :func:`without_positives`, their figures in the ``*_no_pos`` columns."""
+    also compiled as :func:`without_positives`, their figures in the ``*_no_pos`` columns. ``inf_cl``: also
+    Inf-CL's kernels (:func:`report_inf_cl`) at each D. ``sms``: the stand-in GPU's SM count (default: each
+    target's flagship), which the launch plans read."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, context, initializer=triton_compile.init_worker,
                                                 max_tasks_per_child=1) as pool:
         known = [arch for arch in targets if pool.submit(triton_compile.ptxas_knows, arch).result()]
         cases = [(arch, dtype, precision, dim) for arch in known for dtype, precision in dtypes for dim in dims]
-        jobs = [pool.submit(report_target, *case, batches, entries, tiles) for case in cases]
+        jobs = [pool.submit(report_target, *case, batches, entries, tiles, False, sms) for case in cases]
         plain = ("cal_inf_loss",) if "cal_inf_loss" in entries and no_positive else ()
-        extra = [pool.submit(report_target, *case, batches, plain, tiles, True) for case in cases if plain]
+        extra = [pool.submit(report_target, *case, batches, plain, tiles, True, sms) for case in cases if plain]
+        theirs = [pool.submit(report_inf_cl, arch, dim, batches, sms) for arch in known for dim in dims if inf_cl]
         rows = [row for job in jobs for row in job.result()]
         key = ("target", "dtype", "D", "kernel")
         skipped = {tuple(row[k] for k in key): row for job in extra for row in job.result()}
@@ -531,7 +645,177 @@ def run(targets=TARGETS, dtypes=(BF16,), dims=(DIM,), batches=BATCHES, entries=E
             other = skipped.get(tuple(row[k] for k in key))
             if other is not None:
                 row.update({f"{name}_no_pos": other[name] for name in NO_POSITIVE_FIGURES})
-        return rows
+        return rows + [row for job in theirs for row in job.result()]
+
+
+# ---- the time model ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    """What the time model assumes of one GPU. Every field is a CLI option of ``python -m bench.static``."""
+
+    name: str
+    sms: int
+    clock_ghz: float  # sustained SM clock under this load
+    tflops: float  # dense bf16 / fp16 tensor-core rate a large GEMM reaches (cuBLAS), not the datasheet peak
+    l2_tbs: float  # L2 -> SM operand bandwidth, TB/s
+    issue_per_clk: int = 128  # lane instructions issued per SM per clock: 4 schedulers x 1 warp instruction x 32
+    mufu_per_clk: int = 16  # MUFU results (ex2, lg2, rcp) per SM per clock: 4 per scheduler
+    fma_per_clk: int = 128  # fp32 FMA lanes per SM per clock (fp32 products without tensor cores)
+
+
+# tf32 MMAs run at half the 16-bit rate on sm_80 / sm_90 / sm_100 (the datasheets' dense figures).
+TF32_RATE = 0.5
+# The H100 SXM (sm_90): 132 SMs; clock 1.755 GHz (max 1.98, ~1.75 sustained under tensor-core load, the
+# issue's figure); tensor rate 750 TFLOP/s, the bf16 GEMM rate bench measured on that machine (735-770, against
+# a 989 datasheet peak); L2 7.5 TB/s, the top of the 5.5-7.5 range of published H100 L2 read bandwidths, which
+# with the serial sum fits the measured per-kernel times (docs/benchmarks.md, "The time model").
+H100 = Device("H100 SXM", LIMITS[90].sms, 1.755, 750.0, 7.5)
+# Unmeasured targets: the H100's GEMM fraction of its datasheet peak (750 / 989) applied to theirs, and its L2
+# bytes per SM per clock (7.5 TB/s / 132 / 1.755 GHz = 32.4 B) scaled by their SMs and clock.
+_GEMM_FRACTION = H100.tflops / 989.4
+_L2_BYTES_PER_SM_CLK = H100.l2_tbs * 1e12 / (H100.sms * H100.clock_ghz * 1e9)
+DEVICES = {
+    90: H100,
+    80: Device("A100 SXM (assumed)", LIMITS[80].sms, 1.41, round(_GEMM_FRACTION * 312, 1),
+               round(_L2_BYTES_PER_SM_CLK * LIMITS[80].sms * 1.41e-3, 2)),
+    100: Device("B200 (assumed)", LIMITS[100].sms, 1.8, round(_GEMM_FRACTION * 2250, 1),
+                round(_L2_BYTES_PER_SM_CLK * LIMITS[100].sms * 1.8e-3, 2)),
+}
+# The batches the model reports, and the GEMM-equivalents (2 B^2 D flops each) of the bound: S, and in the
+# backward S again, dq and dk.
+MODEL_BATCHES = (32768, 65536)
+BOUND_GEMMS = 5
+MODEL_TERMS = ("tensor", "issue", "mufu", "l2")
+
+
+def tensor_rate(device: Device, dtype: str) -> float:
+    """flop/s of the products in operand type ``dtype`` (a row's label: bf16, fp16, fp32-tf32, fp32-ieee)."""
+    if dtype in ("bf16", "fp16"):
+        return device.tflops * 1e12
+    if dtype == "fp32-tf32":
+        return device.tflops * 1e12 * TF32_RATE
+    return 2.0 * device.fma_per_clk * device.sms * device.clock_ghz * 1e9
+
+
+def _figure(row: Dict, name: str) -> float:
+    """A row's per-entry figure for the tiles without a positive (all but one or two column blocks per row
+    block) where the report has it, else the listing's."""
+    value = row.get(f"{name}_no_pos")
+    return float(row[name] if value in (None, "") else value)
+
+
+def model_kernel(row: Dict, batch: int, device: Device) -> Dict:
+    """Modelled time (ms) of one launch of ``row``'s kernel at Bq = Bk = ``batch``, B^2 S entries.
+
+    - tensor: the flops per S entry (S, and dq / dk's product, over all D slices) at :func:`tensor_rate`;
+    - issue: the tile loop's lane instructions per entry (all slices) at ``issue_per_clk`` per SM per clock;
+    - mufu: MUFU per entry (all slices) at ``mufu_per_clk`` per SM per clock;
+    - l2: the modelled operand bytes per entry (:func:`modelled_bytes_flops`) at ``l2_tbs``;
+    - tail: ceil(waves) / waves, the last wave's idle SMs (waves from the launch plan's programs at ``batch``
+      over SMs x CTAs/SM; 1 where the report has no plan at that batch).
+    ``bound`` = tail x the largest term: every unit overlapped with the others. ``serial`` = tail x (tensor
+    + max(issue, mufu) + l2): nothing overlaps (MUFU instructions are issued in the same stream, so issue and
+    MUFU are one term). ``serial`` is the estimate: on the H100 it fits the measured kernels (the bound does
+    not; docs/benchmarks.md).
+    """
+    entries = float(batch) * batch
+    clock = device.clock_ghz * 1e9
+    slices = int(row.get("slices") or 1)
+    terms = {
+        "tensor": float(row["flops_per_entry"]) * entries / tensor_rate(device, row["dtype"]),
+        "issue": _figure(row, "instr_per_entry_all_slices") * entries / (device.sms * device.issue_per_clk * clock),
+        "mufu": _figure(row, "mufu_per_entry") * slices * entries / (device.sms * device.mufu_per_clk * clock),
+        "l2": float(row["l2_bytes_per_entry"]) * entries / (device.l2_tbs * 1e12),
+    }
+    terms = {name: 1e3 * value for name, value in terms.items()}
+    programs = row.get(f"programs@{batch}")
+    waves = int(programs) / (device.sms * max(int(row["ctas_per_sm"]), 1)) if programs not in (None, "") else None
+    tail = math.ceil(waves) / waves if waves else 1.0
+    return {
+        **{f"{name}_ms": value for name, value in terms.items()},
+        "waves": waves, "tail": tail,
+        "bound_ms": tail * max(terms.values()),
+        "serial_ms": tail * (terms["tensor"] + max(terms["issue"], terms["mufu"]) + terms["l2"]),
+        "limiter": max(terms, key=terms.get),
+    }
+
+
+MODEL_KERNELS = ("forward", "dq", "dk", "inf-cl forward", "inf-cl dq", "inf-cl dk")
+
+
+def model_rows(rows: List[Dict], batches=MODEL_BATCHES, devices: Optional[Dict[int, Device]] = None,
+               measured: Optional[Dict[Tuple, float]] = None) -> List[Dict]:
+    """The time model of every softmax kernel row (infcl's forward, dq, dk; Inf-CL's) at each batch, then a
+    total per (target, dtype, D, batch, method): the symmetric loss's forward + backward, Inf-CL's kernels
+    counted twice (two calls), beside the bound of :data:`BOUND_GEMMS` GEMMs at the tensor rate.
+    ``measured``: {(target, dtype, D, batch, kernel): ms} (:func:`read_measured`; "infcl total" and
+    "inf-cl total" name the totals) gives each row its measured time and the estimate's error."""
+    devices = devices or DEVICES
+    measured = measured or {}
+    out = []
+    for batch in batches:
+        totals: Dict[Tuple, Dict] = {}
+        for row in rows:
+            if row["kernel"] not in MODEL_KERNELS:
+                continue
+            arch = int(str(row["target"]).removeprefix("sm_"))
+            device = devices[arch]
+            method = "inf-cl" if row["kernel"].startswith("inf-cl") else "infcl"
+            # Measured rows carry the loss's input dtype: Inf-CL's kernels run fp32 (tf32 products) on bf16 inputs.
+            inputs = "bf16" if method == "inf-cl" else row["dtype"]
+            key = (row["target"], inputs, int(row["D"]), batch)
+            model = {"target": row["target"], "device": device.name, "dtype": row["dtype"], "D": int(row["D"]),
+                     "kernel": row["kernel"], "batch": batch, "calls": int(row.get("calls") or 1),
+                     **model_kernel(row, batch, device)}
+            out.append(_with_measured(model, measured.get((*key, row["kernel"]))))
+            total = totals.setdefault((*key, method), {
+                "target": row["target"], "device": device.name, "dtype": inputs, "D": int(row["D"]),
+                "kernel": f"{method} total", "batch": batch, "calls": 1, "bound_ms": 0.0, "serial_ms": 0.0,
+                "gemm_bound_ms": 1e3 * BOUND_GEMMS * 2.0 * batch * batch * int(row["D"]) / tensor_rate(device, "bf16"),
+            })
+            for name in ("bound_ms", "serial_ms"):
+                total[name] += model["calls"] * model[name]
+        for key, total in totals.items():
+            total["x_gemm_bound"] = total["serial_ms"] / total["gemm_bound_ms"]
+            out.append(_with_measured(total, measured.get((*key[:4], total["kernel"]))))
+    return out
+
+
+def _with_measured(model: Dict, measured_ms: Optional[float]) -> Dict:
+    if measured_ms:
+        model.update(measured_ms=measured_ms, serial_error=model["serial_ms"] / measured_ms - 1,
+                     bound_error=model["bound_ms"] / measured_ms - 1)
+    return model
+
+
+def read_measured(path: Path) -> Dict[Tuple, float]:
+    """{(target, dtype, D, batch, kernel): measured ms} from a CSV with those columns and ``measured_ms``
+    (bench/results/gpu-h100-kernels.csv; python -m bench.gpu_first's kernels.csv)."""
+    with open(path, newline="") as f:
+        return {(r["target"], r["dtype"], int(r["D"]), int(r["batch"]), r["kernel"]): float(r["measured_ms"])
+                for r in csv.DictReader(f) if r.get("measured_ms")}
+
+
+def read_rows(path: Path) -> List[Dict]:
+    """A report CSV (:func:`write_csv`) read back: the time model needs no compile to be rerun."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def format_model(models: List[Dict]) -> str:
+    heads = ["target", "device", "D", "kernel", "B", "calls", "tensor", "issue", "mufu", "L2", "tail", "bound (max)",
+             "estimate (serial)", "limiter", "measured", "error", "x 5-GEMM bound"]
+    cells = [heads]
+    for m in models:
+        error = f"{100 * m['serial_error']:+.0f}% (max {100 * m['bound_error']:+.0f}%)" if "serial_error" in m else "-"
+        cells.append([m["target"], m["device"], str(m["D"]), m["kernel"], str(m["batch"]), str(m["calls"]),
+                      *[_fmt(m.get(f"{t}_ms"), 2) for t in MODEL_TERMS], _fmt(m.get("tail"), 2),
+                      _fmt(m["bound_ms"], 1), _fmt(m["serial_ms"], 1), m.get("limiter", "-"),
+                      _fmt(m.get("measured_ms"), 1), error, _fmt(m.get("x_gemm_bound"), 2)])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(heads))).rstrip() for c in cells]
+    return "time model, ms per launch (docs/benchmarks.md, 'The time model'):\n" + "\n".join(lines)
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -606,6 +890,18 @@ def write_plot(rows: List[Dict], path: Path) -> None:
     plt.close(fig)
 
 
+# The per-kernel times measured on the H100 (torch.profiler), which the model is compared with by default.
+MEASURED = DEFAULT_OUT / "gpu-h100-kernels.csv"
+
+
+def devices_from(args) -> Dict[int, Device]:
+    """Each target's :data:`DEVICES` entry with the options given (``--sms``, ``--tflops``, ...) replacing its
+    fields, on every target."""
+    given = {name: getattr(args, name) for name in ("sms", "clock_ghz", "tflops", "l2_tbs", "issue_per_clk",
+                                                    "mufu_per_clk") if getattr(args, name) is not None}
+    return {arch: replace(device, **given) for arch, device in DEVICES.items()}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="compute capabilities, e.g. 90,80")
@@ -613,6 +909,20 @@ def main(argv=None) -> None:
     parser.add_argument("--dims", default=str(DIM), help="feature dims, e.g. 512,1000 (1000: ragged chunks)")
     parser.add_argument("--tile", action="append", default=[], metavar="KERNEL=MxN[:warps[:stages[:out]]]",
                         help=f"replace a default config ({', '.join(TILE_KERNELS)}) on every target; repeatable")
+    parser.add_argument("--losses", default="clip,siglip", help="clip (cal_inf_loss), siglip (cal_siglip_loss)")
+    parser.add_argument("--inf-cl", action=argparse.BooleanOptionalAction, default=None,
+                        help="also Inf-CL's kernels, compile-only (default: when inf_cl is importable)")
+    parser.add_argument("--from-csv", type=Path, help="rerun the time model on a stored report CSV, no compile")
+    model = parser.add_argument_group("the time model (default: each target's DEVICES entry; H100 SXM for sm_90)")
+    model.add_argument("--model-batches", default=",".join(map(str, MODEL_BATCHES)), help="B of the time model")
+    model.add_argument("--sms", type=int, help="SM count (also the stand-in GPU's, which the launch plans read)")
+    model.add_argument("--clock-ghz", type=float, help="sustained SM clock, GHz")
+    model.add_argument("--tflops", type=float, help="dense bf16 tensor rate a GEMM reaches, TFLOP/s")
+    model.add_argument("--l2-tbs", type=float, help="L2 operand bandwidth, TB/s")
+    model.add_argument("--issue-per-clk", type=int, help="lane instructions issued per SM per clock")
+    model.add_argument("--mufu-per-clk", type=int, help="MUFU results per SM per clock")
+    model.add_argument("--measured", type=Path, default=MEASURED if MEASURED.exists() else None,
+                       help="per-kernel times to compare with (CSV: target,dtype,D,batch,kernel,measured_ms)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--name", default="static", help="CSV / plot file name (without .csv / .png)")
     parser.add_argument("--no-plot", action="store_true")
@@ -625,16 +935,33 @@ def main(argv=None) -> None:
         tiles = dict(parse_tile(spec) for spec in args.tile)
     except ValueError as err:
         parser.error(str(err))
+    losses = {"clip": "cal_inf_loss", "siglip": "cal_siglip_loss"}
+    try:
+        entries = tuple(losses[name] for name in args.losses.replace(",", " ").split())
+    except KeyError as err:
+        parser.error(f"--losses: unknown loss {err}; choose from {sorted(losses)}")
     dims = tuple(int(d) for d in args.dims.replace(",", " ").split())
-    rows = run(targets, (BF16, TF32) if args.tf32 else (BF16,), dims, tiles=tiles)
-    print(format_table(rows))
+    model_batches = tuple(int(b) for b in args.model_batches.replace(",", " ").split())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.csv"
-    write_csv(rows, path)
-    print(f"wrote {path}")
-    if not args.no_plot:
-        write_plot(rows, path.with_suffix(".png"))
-        print(f"wrote {path.with_suffix('.png')}")
+    if args.from_csv:
+        rows = read_rows(args.from_csv)
+    else:
+        inf_cl = inf_cl_installed() if args.inf_cl is None else args.inf_cl
+        batches = tuple(sorted(set(BATCHES) | set(model_batches)))
+        rows = run(targets, (BF16, TF32) if args.tf32 else (BF16,), dims, batches, entries, tiles=tiles,
+                   inf_cl=inf_cl, sms=args.sms)
+        print(format_table(rows, batches))
+        write_csv(rows, path)
+        print(f"wrote {path}")
+        if not args.no_plot:
+            write_plot(rows, path.with_suffix(".png"))
+            print(f"wrote {path.with_suffix('.png')}")
+    models = model_rows(rows, model_batches, devices_from(args), read_measured(args.measured) if args.measured else {})
+    print(format_model(models))
+    model_path = args.out / f"{args.name}-model.csv"
+    write_csv(models, model_path)
+    print(f"wrote {model_path}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ MUFU and shuffles per S entry, CTAs per SM, waves, flop/byte) are reported (``py
 never asserted.
 
 The default and autotune configs are checked to share one S tile per (family, tensor-core class, ragged D)
-without compiling; the listing and TTGIR readers and the occupancy model on small hand-made inputs.
+without compiling; the listing and TTGIR readers, the occupancy model and the time model (its terms, the
+totals, the comparison with measured times, a stored report read back) on small hand-made inputs. Inf-CL's
+kernels, compiled the same way, where ``inf_cl`` is installed (skipped otherwise).
 """
 
 import pytest
@@ -113,6 +115,8 @@ def test_tile_loop_counts_weights_the_chunk_loop():
     counts = static.tile_loop_counts(LISTING, static.SASS, n_chunks=4)
     assert counts == {"static": 8, "instr": 1 + 3 * 3 + 4, "mufu": 2, "ex2": 2, "shfl": 1}
     assert static.tile_loop_counts(LISTING.replace("MUFU.EX2", "FMUL"), static.SASS, 4) is None
+    # a chunk loop the source does not peel (Inf-CL's loop over heads) runs n_chunks times
+    assert static.tile_loop_counts(LISTING, static.SASS, n_chunks=4, peeled=False)["instr"] == 1 + 3 * 4 + 4
 
 
 def test_mma_kinds_reads_ptx_and_sass():
@@ -180,3 +184,97 @@ def test_parse_tile():
     for bad in ("dk=64", "attention=64x64", "dq=64x64:8:3:256:1"):
         with pytest.raises(ValueError, match="--tile"):
             static.parse_tile(bad)
+
+
+# ---- the time model --------------------------------------------------------------------------------------
+# A made-up device with round figures, and a kernel row with round per-entry figures.
+DEVICE = static.Device("test", sms=100, clock_ghz=1.0, tflops=1000.0, l2_tbs=1.0, issue_per_clk=128,
+                       mufu_per_clk=16)
+ROW = {"target": "sm_90", "dtype": "bf16", "D": 512, "kernel": "dq", "slices": 2, "ctas_per_sm": 1,
+       "flops_per_entry": 3072.0, "l2_bytes_per_entry": 80.0, "instr_per_entry_all_slices": 200.0,
+       "instr_per_entry_all_slices_no_pos": 128.0, "mufu_per_entry": 2.5, "mufu_per_entry_no_pos": 2.0,
+       "programs@1000": 150}
+
+
+def test_model_kernel_terms():
+    m = static.model_kernel(ROW, 1000, DEVICE)
+    entries, clock, sms = 1e6, 1e9, 100
+    assert m["tensor_ms"] == pytest.approx(1e3 * 3072 * entries / 1e15)
+    assert m["issue_ms"] == pytest.approx(1e3 * 128 * entries / (sms * 128 * clock))  # no-positive figure
+    assert m["mufu_ms"] == pytest.approx(1e3 * 2.0 * 2 * entries / (sms * 16 * clock))  # per slice x slices
+    assert m["l2_ms"] == pytest.approx(1e3 * 80 * entries / 1e12)
+    assert m["waves"] == 1.5 and m["tail"] == pytest.approx(2 / 1.5)
+    terms = [m[f"{t}_ms"] for t in static.MODEL_TERMS]
+    assert m["bound_ms"] == pytest.approx(m["tail"] * max(terms))
+    assert m["serial_ms"] == pytest.approx(m["tail"] * (m["tensor_ms"] + max(m["issue_ms"], m["mufu_ms"]) + m["l2_ms"]))
+    assert m["limiter"] == "l2"
+    no_plan = static.model_kernel(ROW, 2000, DEVICE)  # no launch plan at that batch: no tail
+    assert no_plan["tail"] == 1.0 and no_plan["l2_ms"] == pytest.approx(4 * m["l2_ms"])
+
+
+def test_tensor_rate_by_operand_type():
+    assert static.tensor_rate(DEVICE, "bf16") == 1e15
+    assert static.tensor_rate(DEVICE, "fp32-tf32") == 1e15 * static.TF32_RATE
+    assert static.tensor_rate(DEVICE, "fp32-ieee") == 2 * 128 * 100 * 1e9
+
+
+def test_model_rows_totals_and_measured_errors():
+    forward = {**ROW, "kernel": "forward", "slices": 1, "flops_per_entry": 1024.0, "l2_bytes_per_entry": 24.0}
+    theirs = {**ROW, "kernel": "inf-cl dq", "dtype": "fp32-tf32", "calls": 2}
+    measured = {("sm_90", "bf16", 512, 1000, "dq"): 1.0, ("sm_90", "bf16", 512, 1000, "inf-cl total"): 3.0}
+    models = static.model_rows([ROW, forward, theirs, {**ROW, "kernel": "siglip_forward"}], (1000,),
+                               {90: DEVICE}, measured)
+    by = {m["kernel"]: m for m in models}
+    assert set(by) == {"dq", "forward", "inf-cl dq", "infcl total", "inf-cl total"}  # siglip is not modelled
+    assert by["dq"]["serial_error"] == pytest.approx(by["dq"]["serial_ms"] / 1.0 - 1)
+    assert by["infcl total"]["serial_ms"] == pytest.approx(by["dq"]["serial_ms"] + by["forward"]["serial_ms"])
+    assert by["inf-cl total"]["serial_ms"] == pytest.approx(2 * by["inf-cl dq"]["serial_ms"])  # two calls
+    assert by["inf-cl total"]["measured_ms"] == 3.0
+    bound = 1e3 * static.BOUND_GEMMS * 2.0 * 1000**2 * 512 / 1e15
+    assert by["infcl total"]["gemm_bound_ms"] == pytest.approx(bound)
+    assert "infcl total" in static.format_model(models)
+
+
+def test_model_from_a_stored_report(tmp_path):
+    """The CSV the report writes is enough to rerun the model (no compile), measured times from a CSV."""
+    static.write_csv([ROW], tmp_path / "r.csv")
+    (tmp_path / "m.csv").write_text("target,dtype,D,batch,kernel,measured_ms\nsm_90,bf16,512,1000,dq,2.5\n")
+    measured = static.read_measured(tmp_path / "m.csv")
+    again = static.model_rows(static.read_rows(tmp_path / "r.csv"), (1000,), {90: DEVICE}, measured)
+    direct = static.model_rows([ROW], (1000,), {90: DEVICE}, measured)
+    assert [m["serial_ms"] for m in again] == pytest.approx([m["serial_ms"] for m in direct])
+    assert again[0]["measured_ms"] == 2.5
+
+
+def test_stored_report_has_the_model_columns():
+    rows = static.read_rows(static.DEFAULT_OUT / "static.csv")
+    sm90 = {r["kernel"]: r for r in rows if r["target"] == "sm_90" and r["D"] == "512"}
+    models = {m["kernel"]: m for m in static.model_rows(list(sm90.values()), (32768,))}
+    assert {"forward", "dq", "dk", "infcl total"} <= set(models)
+
+
+def test_kernel_labels_meet_the_profiler_names():
+    assert static.kernel_label("_dq_kernel") == "dq"
+    assert static.kernel_label("_forward_kernel") == "forward"
+    assert static.kernel_label("_dk_prob_bwd_kernel") == "inf-cl dk"
+
+
+def test_inf_cl_traffic_model():
+    # fp32 64x64 tiles at D = 512: q and k slices every tile (64 B per entry); dq adds k again and the fp32
+    # read-modify-write of its 64 rows (160 B per entry), twice the flops.
+    assert static.inf_cl_bytes_flops("inf-cl forward", 64, 64, 512, 4) == (4 * 512 * 128, 2.0 * 64 * 64 * 512)
+    nbytes, flops = static.inf_cl_bytes_flops("inf-cl dq", 64, 64, 512, 4)
+    assert nbytes / (64 * 64) == 160 and flops == 4.0 * 64 * 64 * 512
+
+
+def test_inf_cl_kernels_compiled_and_counted():
+    pytest.importorskip("inf_cl")
+    rows = static.run(targets=(90,), entries=(), batches=(32768,), workers=1, inf_cl=True)
+    if not rows:
+        pytest.skip("the triton wheel's ptxas does not know sm_90")
+    by = {r["kernel"]: r for r in rows}
+    assert set(by) == {"inf-cl forward", "inf-cl dq", "inf-cl dk"}
+    for r in rows:
+        assert r["listing"] == "sass" and r["instr_per_entry"] > 0 and r["mufu_per_entry"] > 0, r["kernel"]
+        assert r["async_mma"] > 0 and r["calls"] == static.INF_CL_CALLS
+    assert by["inf-cl forward"]["flops_per_entry"] == 2 * 512 and by["inf-cl dq"]["flops_per_entry"] == 4 * 512
