@@ -29,17 +29,26 @@ def _tile_partials(s: Tensor, t: Tensor, dim: int, scratch: Tensor, spare: Tenso
     return DistillPartials(student, teacher, weights.mul_(gaps).sum(dim=dim))
 
 
-def _probability_gap(out: Tensor, s: Tensor, t: Tensor, student: Tensor, teacher: Tensor, scratch: Tensor) -> Tensor:
-    """out = softmax(S) - softmax(T) over the tile, from the global stats broadcast to it ([2, n, 1] rows or
-    [2, 1, n] columns): with a = (s - m) - r and b = (t - mT) - rT, exp(a) - exp(b) =
-    -sign(a - b) * exp(max(a, b)) * expm1(-|a - b|), which keeps the digits of a difference of two
-    probabilities near 1."""
+def _gap_from_logs(a: Tensor, b: Tensor) -> Tensor:
+    """exp(a) - exp(b) as -sign(a - b) * exp(max(a, b)) * expm1(-|a - b|): two probabilities near 1 keep the
+    digits of their difference."""
+    d = a - b
+    return torch.expm1(-d.abs()).mul_(torch.maximum(a, b).exp_()).mul_(torch.sign(d)).neg_()
+
+
+def _probability_gap(out: Tensor, s: Tensor, t: Tensor, student: Tensor, teacher: Tensor, dim: int) -> Tensor:
+    """out = softmax(S) - softmax(T) over the tile along ``dim`` (1: rows, 0: columns), from the global stats
+    broadcast to it ([2, n, 1] rows or [2, 1, n] columns).
+
+    With a = (s - m) - r and b = (t - mT) - rT, out = exp(a) - exp(b). A plain difference loses digits only
+    where both probabilities exceed 1/2, which makes the entry its line's maximum in S: each line's tile
+    maximum is recomputed by :func:`_gap_from_logs` (there a = -r exactly when it is the global maximum).
+    """
     a = torch.sub(s, student[MAX], out=out).sub_(student[REL])
-    b = torch.sub(t, teacher[MAX], out=scratch).sub_(teacher[REL])
-    top = torch.maximum(a, b)
-    gap = a.sub_(b)  # a - b, in out
-    sign = torch.sign(gap)
-    return gap.abs_().neg_().expm1_().mul_(top.exp_()).mul_(sign).neg_()
+    b = torch.sub(t, teacher[MAX]).sub_(teacher[REL])
+    top = torch.argmax(s, dim=dim, keepdim=True)
+    exact = _gap_from_logs(a.gather(dim, top), b.gather(dim, top))
+    return a.exp_().sub_(b.exp_()).scatter_(dim, top, exact)
 
 
 class DistillTiles:
@@ -76,15 +85,13 @@ class DistillTiles:
             s = tile.view(s_buf).copy_(raw).mul_(block.scale)  # bit-identical to the forward's tile
             t = torch.mm(tq[tile.rows], tk[tile.cols].T, out=tile.view(t_buf)).mul_(teacher.scale)
             r = tile.rows
-            ds = _probability_gap(
-                tile.view(ds_buf), s, t, rows.student[:, r, None], rows.teacher[:, r, None], tile.view(scratch)
-            ).mul_(rows.grad[r, None])
+            ds = _probability_gap(tile.view(ds_buf), s, t, rows.student[:, r, None], rows.teacher[:, r, None], 1)
+            ds.mul_(rows.grad[r, None])
             dscale[0] += torch.mul(ds, raw, out=tile.view(scratch)).sum()
             if cols is not None:
                 c = tile.cols
-                pc = _probability_gap(
-                    tile.view(col_buf), s, t, cols.student[:, None, c], cols.teacher[:, None, c], tile.view(scratch)
-                ).mul_(cols.grad[None, c])
+                pc = _probability_gap(tile.view(col_buf), s, t, cols.student[:, None, c], cols.teacher[:, None, c], 0)
+                pc.mul_(cols.grad[None, c])
                 dscale[1] += torch.mul(pc, raw, out=tile.view(scratch)).sum()
                 ds.add_(pc)
             dq[tile.rows].addcmul_(ds @ tile.kj, block.scale)

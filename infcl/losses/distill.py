@@ -15,7 +15,8 @@ helper (:func:`infcl.lse.lse_merge`) for both stats, and ``cross`` rescaled to t
 At the end loss = cross / exp(rT) + r.
 
 The backward recomputes the tiles and forms dS = g * (softmax(S) - softmax(T)) inside each tile as
-``-sign(a - b) * exp(max(a, b)) * expm1(-|a - b|)`` with a = (S - m) - r and b = (T - mT) - rT, so
+exp(a) - exp(b) with a = (S - m) - r and b = (T - mT) - rT, and at each line's maximum of S (the only
+entry where both probabilities can exceed 1/2) as ``-sign(a - b) * exp(max(a, b)) * expm1(-|a - b|)``, so
 two near-1 probabilities (a confident student and teacher on the same column) keep their difference's
 digits; dq, dk and the student scale's gradient follow as for the softmax loss. The teacher gets no
 gradient. The symmetric loss (both directions, open_clip's) takes the column partials from the same
