@@ -97,7 +97,7 @@ class InfCLIPLoss(nn.Module):
                     "then leaves out the other ranks' terms of this rank's loss, which infcl's ring does not compute; "
                     "use gather_with_grad=True (open_clip's --gather-with-grad)"
                 )
-            image_features, text_features = (_GradScale.apply(x, 1.0 / world) for x in (image_features, text_features))
+            image_features, text_features = (scale_gradient(x, 1.0 / world) for x in (image_features, text_features))
         loss = cal_inf_loss(
             image_features,
             text_features,
@@ -119,8 +119,12 @@ class InfCLIPLoss(nn.Module):
         return {"contrastive_loss": loss} if output_dict else loss
 
 
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` itself, whose gradient is multiplied by ``factor`` on the way back."""
+    return _GradScale.apply(x, factor)
+
+
 class _GradScale(torch.autograd.Function):
-    """The identity, whose backward multiplies the gradient by ``factor``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
