@@ -79,7 +79,8 @@ def trainer_args(root: str, csv: str, model_dir: str, world: int, steps: int, na
     per_epoch = 4  # steps per epoch: the CSV holds 4 global batches
     return [
         "--model", f"local-dir:{model_dir}", "--train-data", csv, "--dataset-type", "csv",
-        "--batch-size", str(GLOBAL_BATCH // world), "--epochs", str(steps // per_epoch), "--opt", "timm/sgd", "--lr", "0.05",
+        "--batch-size", str(GLOBAL_BATCH // world), "--epochs", str(steps // per_epoch),
+        "--opt", "timm/sgd", "--lr", "0.05",
         "--warmup", "1", "--wd", "0.1", "--workers", "0", "--device", "cpu", "--precision", "fp32",
         "--seed", "0", "--log-every-n-steps", "1", "--save-frequency", str(steps // per_epoch),
         "--logs", os.path.join(root, "logs"), "--name", name, "--report-to", "", *extra,
@@ -119,7 +120,8 @@ def compare(root: str, world: int, steps: int, extra) -> bool:
     diff = sum(float((w_ours[k] - w).double().pow(2).sum()) for k, w in w_theirs.items()) ** 0.5
     norm = sum(float(w.double().pow(2).sum()) for w in w_theirs.values()) ** 0.5
     # open_clip clamps logit_scale (the log of the scale) to [0, log 100]: relative to 1 where it reached 0.
-    scale_rel = float((w_ours["logit_scale"] - w_theirs["logit_scale"]).abs() / w_theirs["logit_scale"].abs().clamp_min(1))
+    scale_theirs = w_theirs["logit_scale"]
+    scale_rel = float((w_ours["logit_scale"] - scale_theirs).abs() / scale_theirs.abs().clamp_min(1))
     print(f"  final weights: |ours - theirs| / |theirs| = {diff / norm:.2e} over the model, {scale_rel:.2e} for "
           f"logit_scale; tolerance {WEIGHT_RTOL:g}")
     same_curve = len(theirs) == len(ours) == steps and all(
