@@ -1,7 +1,7 @@
 """transformers' ``Trainer`` (on Accelerate) training a ``CLIPModel`` with infcl's loss, optionally under GradCache.
 
     torchrun --nproc_per_node 2 examples/hf_trainer_clip.py [--gradcache-chunk 4] [--steps 4]
-    accelerate launch --cpu --num_processes 2 examples/hf_trainer_clip.py
+    python examples/hf_trainer_clip.py                 # one process: the ring of one rank
 
 The model is transformers' own ``CLIPModel`` from a tiny config (random init, nothing downloaded), the data random
 images and token ids. :class:`InfCLTrainer` is the whole integration: its ``compute_loss`` embeds the local batch
@@ -17,6 +17,7 @@ back-propagates the cached gradients, with DDP's gradient reduction once, on the
 """
 
 import argparse
+import os
 from typing import Dict, Optional
 
 import torch
@@ -147,8 +148,11 @@ class RandomPairs(torch.utils.data.Dataset):
 
 
 def training_arguments(output_dir: str, per_device_batch: int, steps: int, **overrides) -> TrainingArguments:
+    # A ddp_backend makes Accelerate expect a process group: only under a launcher of several processes.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     settings = dict(output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=steps,
-                    learning_rate=1e-3, use_cpu=True, ddp_backend="gloo", report_to=[], save_strategy="no",
+                    learning_rate=1e-3, use_cpu=True, ddp_backend="gloo" if distributed else None, report_to=[],
+                    save_strategy="no",
                     logging_steps=1, remove_unused_columns=False, dataloader_drop_last=True,
                     ddp_find_unused_parameters=True)  # GradCache's chunks run one tower at a time
     settings.update(overrides)
