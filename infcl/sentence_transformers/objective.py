@@ -26,7 +26,9 @@ k_ids = owner(j) for the columns whose own entries must go (query_to_query, doc_
 negative id for the columns that must stay (doc_to_query, whose own entry p_i·q_i is a term). Only
 directions that read p_i widen the rows. Without query_to_query, doc_to_doc and hardness no id is
 needed: query_to_doc alone is cal_inf_loss(q, cat(docs), labels), and with doc_to_query the same
-padded rows against [docs | 0] and [0 | q] (the plain loss, every backend).
+padded rows against [docs | 0] and [0 | q] (the plain loss, every backend). Without hardness, doc_to_query
+with a same-type direction runs unpadded as two calls (query rows, document rows) whose labels both hold
+the positive's logit, merged by logaddexp (``_query_and_doc_rows_loss``).
 
 **Hardness** (logit s * sim + alpha * stop_grad(sim)) without a new kernel. query_to_doc alone (the usual
 setting, and per_direction's first half) with in-batch hardness needs no padding: the tiles run at scale
@@ -333,6 +335,8 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
 
     if terms == {QUERY_TO_DOC} and hardness in ("in_batch_negatives", "all_negatives"):
         return _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend)
+    if hardness is None and DOC_TO_QUERY in terms:
+        return _query_and_doc_rows_loss(q, docs, terms, scale, group, backend)
 
     b, dim = q.shape
     penalize_in_batch = hardness in ("in_batch_negatives", "all_negatives")
@@ -383,6 +387,38 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
     own_logits = scale * own + (alpha * own.detach() if hardness in ("hard_negatives", "all_negatives") else 0.0)
     lse = torch.logaddexp(row_loss + positive_logit, torch.logsumexp(own_logits, dim=1))
     return (lse - positive_logit).mean()
+
+
+def _query_and_doc_rows_loss(q, docs, terms, scale, group, backend) -> torch.Tensor:
+    """The joint partition of query_to_doc, doc_to_query and any of query_to_query, doc_to_doc, without hardness,
+    as two calls of width D instead of one padded to 2D (module docstring).
+
+    The query rows q_i take the query_to_doc and query_to_query columns, the document rows p_i the doc_to_query
+    and doc_to_doc ones. Each call's label is an entry with the positive's logit, s * sim(q_i, p_i): the
+    query_to_doc positive in the first, the doc_to_query entry p_i . q_i (one of its terms) in the second. Their
+    row losses r = lse - positive therefore merge into the joint one: loss_i = logaddexp(r_query_i, r_doc_i).
+    """
+    b = q.shape[0]
+    first_row = _rows_before(b, group, q.device)
+    owner = torch.arange(first_row, first_row + b, device=q.device)
+    query_keys, doc_keys = _Keys(owner), _Keys(owner)
+    query_label = query_keys.add(docs[0], own_excluded=False)
+    for negative in docs[1:]:
+        query_keys.add(negative, own_excluded=False)
+    if QUERY_TO_QUERY in terms:
+        query_keys.add(q, own_excluded=True)
+    doc_label = doc_keys.add(q, own_excluded=False)
+    if DOC_TO_DOC in terms:
+        for doc in docs:
+            doc_keys.add(doc, own_excluded=True)
+    row_losses = []
+    for rows, keys, label_block in ((q, query_keys, query_label), (docs[0], doc_keys, doc_label)):
+        key_feats, k_ids, _ = keys.build(first_row)
+        labels = keys.first_key(first_row) + label_block + torch.arange(b, device=q.device)
+        masks = dict(q_ids=owner, k_ids=k_ids) if any(keys.own_excluded) else {}
+        row_losses.append(cal_inf_loss(rows, key_feats, labels, scale, reduction="none", group=group,
+                                       backend=backend, **masks))
+    return torch.logaddexp(*row_losses).mean()
 
 
 def _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend) -> torch.Tensor:
