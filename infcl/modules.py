@@ -27,11 +27,24 @@ class InfCLIPLoss(nn.Module):
     bias gets its exact gradient, zero. It stays in the autograd graph (its ``.grad`` is a zero tensor,
     as with open_clip, not None) and a NaN or infinite bias makes the loss NaN, as it does upstream.
 
-    Under torch.distributed each rank passes its local features and gets its local loss, with
-    gradients equal to open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)``. The
-    open_clip constructor arguments ``local_loss``, ``gather_with_grad``, ``cache_labels``, ``rank``,
-    ``world_size`` and ``use_horovod`` are accepted for drop-in use and ignored: rank and world come
-    from ``group``, and the loss is always local with exact gathered gradients.
+    Under torch.distributed each rank passes its local features; the ring (``group``, default the
+    world) gives every rank's rows every rank's columns. open_clip's ``local_loss`` and
+    ``gather_with_grad`` select what it computes, as in open_clip's ``ClipLoss``:
+
+    - ``gather_with_grad=True`` (the defaults here): this rank's local loss (its rows and its columns
+      against the whole batch) with exact gathered gradients: image and text features get the gradient
+      of the sum of every rank's loss, ``logit_scale`` that of this rank's. ``local_loss=False`` only
+      changes the value returned: the global loss (every rank's, averaged by rank sizes), as open_clip's
+      global-by-global matrix gives it; the gradients are the same, so DDP's averaging gives the gradient
+      of the global loss either way.
+    - ``gather_with_grad=False, local_loss=False`` (open_clip's own defaults): the global loss, whose
+      gradient open_clip takes through this rank's own features only: ``1 / world`` of the gathered
+      gradient for the features, as here; ``logit_scale``'s DDP average is the same as open_clip's.
+    - ``gather_with_grad=False, local_loss=True`` with more than one rank raises ValueError: open_clip's
+      gradient then drops the other ranks' terms of this rank's own loss, which the ring does not compute.
+
+    ``cache_labels``, ``rank`` and ``world_size`` are accepted for drop-in use and ignored (rank and world
+    come from ``group``); ``use_horovod=True`` raises.
 
     The mask options of :func:`infcl.cal_inf_loss` (:mod:`infcl.masks`): ``multi_positive``,
     ``guide_margin`` and ``guide_margin_strategy`` are set here; the per-batch ``q_ids`` / ``k_ids`` (one id
@@ -56,6 +69,7 @@ class InfCLIPLoss(nn.Module):
         super().__init__()
         if use_horovod:
             raise ValueError("InfCLIPLoss runs its ring over torch.distributed; use_horovod=True is not supported")
+        self.local_loss, self.gather_with_grad = local_loss, gather_with_grad
         self.group = group
         self.backend = backend
         self.multi_positive = multi_positive
@@ -74,6 +88,16 @@ class InfCLIPLoss(nn.Module):
         k_ids: Optional[torch.Tensor] = None,
         guide=None,
     ):
+        ring = ring_group(self.group)
+        world = 1 if ring is None else dist.get_world_size(ring)
+        if world > 1 and not self.gather_with_grad:
+            if self.local_loss:
+                raise ValueError(
+                    "InfCLIPLoss(local_loss=True, gather_with_grad=False) on more than one rank: open_clip's gradient "
+                    "then leaves out the other ranks' terms of this rank's loss, which infcl's ring does not compute; "
+                    "use gather_with_grad=True (open_clip's --gather-with-grad)"
+                )
+            image_features, text_features = (scale_gradient(x, 1.0 / world) for x in (image_features, text_features))
         loss = cal_inf_loss(
             image_features,
             text_features,
@@ -90,7 +114,33 @@ class InfCLIPLoss(nn.Module):
         )
         if logit_bias is not None:
             loss = loss + _cancelled_bias(logit_bias, loss)
+        if world > 1 and not self.local_loss:
+            loss = loss + (_rows_mean(loss.detach(), image_features.shape[0], ring) - loss.detach())
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` itself, whose gradient is multiplied by ``factor`` on the way back."""
+    return _GradScale.apply(x, factor)
+
+
+class _GradScale(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def _rows_mean(loss: torch.Tensor, rows: int, ring) -> torch.Tensor:
+    """Every rank's local (mean) loss averaged with its number of rows as weight: the global mean loss."""
+    total = torch.stack([loss.double() * rows, torch.tensor(float(rows), dtype=torch.float64, device=loss.device)])
+    dist.all_reduce(total, group=ring)
+    return (total[0] / total[1]).to(loss.dtype)
 
 
 def _cancelled_bias(logit_bias, loss: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 ``python -m open_clip_worker BACKEND...`` (3 processes) runs, on rings of 1 and 3 ranks, open_clip's real
 ``ClipLoss(local_loss=True, gather_with_grad=True, rank, world_size)`` (loaded by file) and
 ``InfCLIPLoss`` with every backend on the same shards, with and without ``logit_bias``, and writes each
-loss and the gradients of image, text, logit_scale and logit_bias.
+loss and the gradients of image, text, logit_scale and logit_bias. Then open_clip's other
+``(local_loss, gather_with_grad)`` settings (FLAGS) against ``InfCLIPLoss`` with the same flags on the
+torch tiles, and whether ``local_loss=True, gather_with_grad=False`` raises.
 """
 
 import sys
@@ -22,6 +24,8 @@ PAIRS_PER_RANK = 24
 DIM = 40
 LOGIT_SCALE = 1 / 0.07  # open_clip's initial exp(logit_scale)
 LOGIT_BIAS = -10.0  # SigLIP-initialised models carry such a bias
+# open_clip's (local_loss, gather_with_grad) settings other than the default above; (False, False) is its own default.
+FLAGS = ((False, True), (False, False))
 
 
 def _shard(world: int, rank: int):
@@ -53,11 +57,23 @@ def scenarios(rank, world, group, backends):
     losses = {"open_clip": module.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)}
     for backend in backends:
         losses[backend] = InfCLIPLoss(group=group, backend=backend)
-    return {
+    results = {
         (name, with_bias): _step(loss_fn, world, rank, with_bias)
         for name, loss_fn in losses.items()
         for with_bias in (False, True)
     }
+    for local_loss, gather_with_grad in FLAGS:
+        flags = {"local_loss": local_loss, "gather_with_grad": gather_with_grad}
+        theirs = module.ClipLoss(**flags, rank=rank, world_size=world)
+        results[("open_clip", local_loss, gather_with_grad)] = _step(theirs, world, rank, False)
+        ours = InfCLIPLoss(**flags, group=group, backend="torch")
+        results[("torch", local_loss, gather_with_grad)] = _step(ours, world, rank, False)
+    try:
+        InfCLIPLoss(local_loss=True, gather_with_grad=False, group=group)(*_shard(world, rank), LOGIT_SCALE)
+        results["local_without_gather"] = "no error"
+    except ValueError as error:
+        results["local_without_gather"] = str(error)
+    return results
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ CASES = {
     ),
     # Issue 24: same-type directions and hardness (ids and a guide mask travelling with the keys), GIST
     # (the guide mask; the anchor-anchor columns stay each rank's own).
+    "mnrl-gte-1neg": ("MultipleNegativesRankingLoss", {"directions": GTE}, 3, False),
     "mnrl-gte-inbatch-1neg": (
         "MultipleNegativesRankingLoss",
         {"directions": GTE, "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},

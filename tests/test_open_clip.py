@@ -11,7 +11,7 @@ import torch
 
 from distributed import launch, results_by_ring
 from infcl import InfCLIPLoss, InfSigLipLoss
-from open_clip_worker import MAIN_WORLD, RINGS
+from open_clip_worker import FLAGS, MAIN_WORLD, RINGS
 from support import TOLERANCE, assert_close_verbose, open_clip_loss_module, tiled_backends
 
 BACKENDS = ("reference",) + tuple(tiled_backends())
@@ -43,6 +43,30 @@ def test_clip_loss_matches_open_clip(spawned, world, with_bias):
                 # The bias cancels in every softmax: exactly 0 here; open_clip's autograd sums P - Y to round-off.
                 assert torch.equal(got["bias"], torch.zeros(())), f"{backend} dbias {got['bias']}"
                 assert float(want["bias"].abs()) < 1e-5, f"open_clip's dbias {want['bias']}"
+
+
+@pytest.mark.parametrize("world", tuple(RINGS))
+@pytest.mark.parametrize("local_loss, gather_with_grad", FLAGS)
+def test_clip_loss_flags_match_open_clip(spawned, world, local_loss, gather_with_grad):
+    """open_clip's other (local_loss, gather_with_grad) settings: per rank the loss and the feature gradients
+    equal ClipLoss's; the scale gradient's average over ranks (what DDP applies) equals theirs."""
+    ranks = spawned(world)
+    for rank, results in enumerate(ranks):
+        want, got = (results[(name, local_loss, gather_with_grad)] for name in ("open_clip", "torch"))
+        for key in ("loss", "image", "text"):
+            assert_close_verbose(got[key], want[key], *FP32, f"world={world} rank={rank} {key}")
+    want, got = (torch.stack([r[(name, local_loss, gather_with_grad)]["scale"] for r in ranks]).mean(0)
+                 for name in ("open_clip", "torch"))
+    assert_close_verbose(got, want, *FP32, f"world={world} mean scale gradient")
+
+
+@pytest.mark.parametrize("world", tuple(RINGS))
+def test_clip_local_loss_without_gather_raises_on_a_ring(spawned, world):
+    for results in spawned(world):
+        if world == 1:  # one rank: every setting is the same loss
+            assert results["local_without_gather"] == "no error"
+        else:
+            assert "gather_with_grad=True" in results["local_without_gather"]
 
 
 def test_clip_forward_accepts_open_clip_signature():

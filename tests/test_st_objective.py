@@ -22,7 +22,7 @@ from sentence_transformers.sentence_transformer import losses as st_losses  # no
 import infcl.sentence_transformers as infcl_losses  # noqa: E402
 from infcl.backends.torch_tiles import TORCH_TILES  # noqa: E402
 from st_models import tiny_model  # noqa: E402
-from support import assert_close_verbose  # noqa: E402
+from support import assert_close_verbose, assert_no_worse, tiled_backends  # noqa: E402
 
 BATCH = 11
 DIM = 6
@@ -195,3 +195,35 @@ def test_no_tensor_has_batch_squared_elements(model, loss):
     square = MEMORY_BATCH * MEMORY_BATCH
     assert largest_tensor(run(st_losses), inputs) >= square, "the probe must see sentence-transformers' B x N block"
     assert largest_tensor(run(infcl_losses), inputs) < square
+
+
+def confident_triplets(dim=64, noise=0.05, seed=3):
+    """Unit anchors, positives close to them, unrelated negatives: rows whose loss is ~1e-6 .. 1e-3."""
+    gen = torch.Generator().manual_seed(seed)
+    anchors = torch.randn(BATCH, dim, generator=gen, dtype=torch.float64)
+    positives = anchors + noise * anchors.norm(dim=1, keepdim=True) * torch.randn(BATCH, dim, generator=gen,
+                                                                                 dtype=torch.float64) / dim**0.5
+    negatives = torch.randn(BATCH, dim, generator=gen, dtype=torch.float64)
+    return [anchors, positives, negatives]
+
+
+@pytest.mark.parametrize("backend", tiled_backends())
+@pytest.mark.parametrize("hardness", ["in_batch", "all"])
+def test_in_batch_hardness_confident_rows_keep_their_digits(model, backend, hardness):
+    """float32, rows whose positive dominates (the boosted tiles' r_i tiny): no worse than sentence-transformers'
+    own float32 loss against its float64 truth."""
+    mode, strength = HARDNESS[hardness]
+    inputs = confident_triplets()
+
+    def run(module, dtype, **extra):
+        loss = mnrl(module, model, hardness_mode=mode, hardness_strength=strength)
+        if module is infcl_losses:
+            loss.backend = backend
+        return loss_and_grads(lambda e: loss.compute_loss_from_embeddings(e, None), [x.to(dtype) for x in inputs])
+
+    truth, vanilla, ours = run(st_losses, torch.float64), run(st_losses, torch.float32), run(infcl_losses,
+                                                                                             torch.float32)
+    assert 1e-7 < float(truth[0]) < 1e-2, f"not the confident regime: loss {float(truth[0])}"
+    assert_no_worse(ours[0], vanilla[0], truth[0], 0.0, 1e-5, what=f"{hardness} loss")
+    for i, (g, lowp, ref) in enumerate(zip(ours[1], vanilla[1], truth[1])):
+        assert_no_worse(g, lowp, ref, 1e-5 * float(ref.abs().max()), 1e-5, what=f"{hardness} grad of column {i}")

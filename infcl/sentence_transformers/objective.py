@@ -26,9 +26,14 @@ k_ids = owner(j) for the columns whose own entries must go (query_to_query, doc_
 negative id for the columns that must stay (doc_to_query, whose own entry p_i·q_i is a term). Only
 directions that read p_i widen the rows. Without query_to_query, doc_to_doc and hardness no id is
 needed: query_to_doc alone is cal_inf_loss(q, cat(docs), labels), and with doc_to_query the same
-padded rows against [docs | 0] and [0 | q] (the plain loss, every backend).
+padded rows against [docs | 0] and [0 | q] (the plain loss, every backend). Without hardness, doc_to_query
+with a same-type direction runs unpadded as two calls (query rows, document rows) whose labels both hold
+the positive's logit, merged by logaddexp (``_query_and_doc_rows_loss``).
 
-**Hardness** (logit s * sim + alpha * stop_grad(sim)) without a new kernel:
+**Hardness** (logit s * sim + alpha * stop_grad(sim)) without a new kernel. query_to_doc alone (the usual
+setting, and per_direction's first half) with in-batch hardness needs no padding: the tiles run at scale
+s + alpha on the plain features, the row losses' gradient is scaled by s / (s + alpha), and the positive's
+penalty is taken back out of each row's loss in O(B) (``_boosted_query_to_doc_loss``). With more directions:
 
 - In-batch entries (in_batch_negatives, all_negatives): the rows get a third segment stop_grad(q_i)
   and the query_to_doc keys (alpha / s) * stop_grad(d_j), so the tile's logit is the penalized one and
@@ -71,6 +76,7 @@ from sentence_transformers import util
 from sentence_transformers.util.similarity import SimilarityFunction
 
 from ..api import cal_inf_loss
+from ..modules import scale_gradient
 
 QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = "query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
@@ -327,6 +333,11 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
         keys = torch.cat([F.pad(candidates, (0, dim)), F.pad(q, (dim, 0))])
         return cal_inf_loss(rows, keys, _positive_columns(rows, keys, group), scale, group=group, backend=backend)
 
+    if terms == {QUERY_TO_DOC} and hardness in ("in_batch_negatives", "all_negatives"):
+        return _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend)
+    if hardness is None and DOC_TO_QUERY in terms:
+        return _query_and_doc_rows_loss(q, docs, terms, scale, group, backend)
+
     b, dim = q.shape
     penalize_in_batch = hardness in ("in_batch_negatives", "all_negatives")
     own_negatives_apart = hardness is not None and bool(negatives)
@@ -376,6 +387,77 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
     own_logits = scale * own + (alpha * own.detach() if hardness in ("hard_negatives", "all_negatives") else 0.0)
     lse = torch.logaddexp(row_loss + positive_logit, torch.logsumexp(own_logits, dim=1))
     return (lse - positive_logit).mean()
+
+
+def _query_and_doc_rows_loss(q, docs, terms, scale, group, backend) -> torch.Tensor:
+    """The joint partition of query_to_doc, doc_to_query and any of query_to_query, doc_to_doc, without hardness,
+    as two calls of width D instead of one padded to 2D (module docstring).
+
+    The query rows q_i take the query_to_doc and query_to_query columns, the document rows p_i the doc_to_query
+    and doc_to_doc ones. Each call's label is an entry with the positive's logit, s * sim(q_i, p_i): the
+    query_to_doc positive in the first, the doc_to_query entry p_i . q_i (one of its terms) in the second. Their
+    row losses r = lse - positive therefore merge into the joint one: loss_i = logaddexp(r_query_i, r_doc_i).
+    """
+    b = q.shape[0]
+    first_row = _rows_before(b, group, q.device)
+    owner = torch.arange(first_row, first_row + b, device=q.device)
+    query_keys, doc_keys = _Keys(owner), _Keys(owner)
+    query_label = query_keys.add(docs[0], own_excluded=False)
+    for negative in docs[1:]:
+        query_keys.add(negative, own_excluded=False)
+    if QUERY_TO_QUERY in terms:
+        query_keys.add(q, own_excluded=True)
+    doc_label = doc_keys.add(q, own_excluded=False)
+    if DOC_TO_DOC in terms:
+        for doc in docs:
+            doc_keys.add(doc, own_excluded=True)
+    row_losses = []
+    for rows, keys, label_block in ((q, query_keys, query_label), (docs[0], doc_keys, doc_label)):
+        key_feats, k_ids, _ = keys.build(first_row)
+        labels = keys.first_key(first_row) + label_block + torch.arange(b, device=q.device)
+        masks = dict(q_ids=owner, k_ids=k_ids) if any(keys.own_excluded) else {}
+        row_losses.append(cal_inf_loss(rows, key_feats, labels, scale, reduction="none", group=group,
+                                       backend=backend, **masks))
+    return torch.logaddexp(*row_losses).mean()
+
+
+def _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend) -> torch.Tensor:
+    """query_to_doc alone with in-batch hardness (module docstring), at width D on the plain tiles.
+
+    The tiles run at scale s + alpha: every entry's logit is the penalized one, s * sim + alpha * stop_grad(sim),
+    and the gradient of the row losses r_i is scaled by s / (s + alpha), so each entry's gradient is that of
+    s * sim. Only the row's positive should not carry the penalty: its tile logit is L_pos + c_i with
+    c_i = alpha * stop_grad(pos_i). With N_i the log-sum-exp of the row's other tile entries,
+    r_i = log(1 + exp(N_i - L_pos - c_i)), so N_i - L_pos = c_i + log(expm1(r_i)) (r_i keeps its relative
+    digits however small: numerics.md), and loss_i = log(1 + exp(N_i - L_pos) + sum_k exp(o_ik)) where o_ik are
+    the row's own hard negatives' unpenalized logits minus L_pos, kept out of the tiles by id for
+    "in_batch_negatives" (for "all_negatives" they are penalized like every other entry and stay in the tiles).
+    """
+    s = float(scale)
+    boosted = s + alpha
+    positives, negatives = docs[0], docs[1:]
+    own_apart = hardness == "in_batch_negatives" and bool(negatives)
+    if own_apart:
+        first_row = _rows_before(q.shape[0], group, q.device)
+        keys = _Keys(torch.arange(first_row, first_row + q.shape[0], device=q.device))
+        label_block = keys.add(positives, own_excluded=False)
+        for negative in negatives:
+            keys.add(negative, own_excluded=True)
+        key_feats, k_ids, _ = keys.build(first_row)
+        labels = keys.first_key(first_row) + label_block + torch.arange(q.shape[0], device=q.device)
+        masks = dict(q_ids=keys.owner, k_ids=k_ids)
+    else:
+        key_feats = torch.cat(docs) if negatives else positives
+        labels, masks = _positive_columns(q, key_feats, group), {}
+    rows = cal_inf_loss(q, key_feats, labels, boosted, reduction="none", group=group, backend=backend, **masks)
+    rows = scale_gradient(rows, s / boosted)
+    positive_sim = (q * positives).sum(dim=1)
+    # log(expm1(r)) is -inf at r = 0 (every other entry underflowed), where its derivative is not finite.
+    others = torch.where(rows > 0, torch.log(torch.expm1(torch.where(rows > 0, rows, 1.0))), float("-inf"))
+    parts = [torch.zeros_like(others), alpha * positive_sim.detach() + others]
+    if own_apart:
+        parts += [s * ((q * negative).sum(dim=1) - positive_sim) for negative in negatives]
+    return torch.logsumexp(torch.stack(parts, dim=1), dim=1).mean()
 
 
 def gist_loss(
