@@ -21,7 +21,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .gemm import best_route, estimated_seconds, probe_rates
-from .machine import device_name
+from .machine import AVX2_PROXY_ENV, device_name
 from .methods import BASELINE, LOSSES, MASKED_BACKENDS, METHODS, PLAIN
 from .presets import PRESETS, Sweep, custom_sweep
 from .report import COLUMNS, add_ratios, format_table, write_csv, write_plot
@@ -102,6 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         help=f"skip vanilla where its estimated logits memory exceeds this (default: "
         f"{VANILLA_MEMORY_SHARE:g} x the device's memory)",
+    )
+    p.add_argument(
+        "--avx2-proxy",
+        action="store_true",
+        help="run the workers as an AVX2-only CPU would (bench.machine.AVX2_PROXY_ENV; the machine's name says so)",
     )
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per configuration")
     p.add_argument(
@@ -263,6 +268,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     name, sweeps = _sweeps(args)
     set_worker_threads(args.threads)
+    if args.avx2_proxy:
+        os.environ.update(AVX2_PROXY_ENV)  # before the first worker starts: each variable is read at start-up
     jobs, decided = plan(args, sweeps, route_rates(args, sweeps))
     print(
         f"bench: {len(jobs)} configurations on {args.device} with {args.threads} thread(s) -> {args.out}/{name}.*",

@@ -92,17 +92,17 @@ def time_step(step: Step, device: torch.device, warmup: int, repeats: int) -> Li
 def time_interleaved(steps: Dict[str, Step], device: torch.device, warmup: int, repeats: int,
                      progress: Optional[Callable[[str], None]] = None) -> Dict[str, List[float]]:
     """``time_step`` for several steps, their runs taken in turn (a, b, a, b, ...): each name's timed runs.
-    ``progress``, when given, gets one line per run once the runs so far have taken PROGRESS_AFTER_S."""
+    ``progress``, when given, gets one line per round once the rounds so far have taken PROGRESS_AFTER_S."""
     times = {name: [] for name in steps}
     started = time.perf_counter()
     for i in range(warmup + repeats):
-        for name, step in steps.items():
-            elapsed = _timed(step, device)
-            if i >= warmup:
+        round_s = {name: _timed(step, device) for name, step in steps.items()}
+        if i >= warmup:
+            for name, elapsed in round_s.items():
                 times[name].append(elapsed)
-            if progress is not None and time.perf_counter() - started >= PROGRESS_AFTER_S:
-                kind = "warmup" if i < warmup else "timed"
-                progress(f"{name}: {kind} run {i + 1}/{warmup + repeats} took {elapsed:.3g} s")
+        if progress is not None and time.perf_counter() - started >= PROGRESS_AFTER_S:
+            runs = ", ".join(f"{name} {elapsed:.3g} s" for name, elapsed in round_s.items())
+            progress(f"{'warmup' if i < warmup else 'timed'} round {i + 1}/{warmup + repeats}: {runs}")
     return times
 
 

@@ -9,7 +9,7 @@ import csv
 import pytest
 import torch
 
-from bench import measure
+from bench import machine, measure
 from bench.__main__ import main
 from bench.gemm import best_route, gemm_routes, probe_rates
 from bench.measure import Step, time_interleaved
@@ -63,10 +63,13 @@ def test_bf16_bound_takes_the_faster_matmul_route_and_says_which(tmp_path, monke
 
 
 def test_configuration_over_the_time_budget_is_skipped_with_its_estimate(tmp_path, monkeypatch):
-    rows = _run(tmp_path, monkeypatch, "--dtype", "bfloat16", "--time-budget", "1e-9")
+    for var in machine.AVX2_PROXY_ENV:
+        monkeypatch.setenv(var, "")  # --avx2-proxy sets them; monkeypatch restores them afterwards
+    rows = _run(tmp_path, monkeypatch, "--dtype", "bfloat16", "--time-budget", "1e-9", "--avx2-proxy")
     assert sorted(r["method"] for r in rows) == sorted(METHODS)
     for row in rows:
         assert row["status"] == "skipped" and "estimated" in row["note"] and "--time-budget" in row["note"], row
+        assert row["device_name"].endswith("[AVX2 proxy]")
 
 
 def test_probe_rates_and_route_choice():
@@ -85,4 +88,13 @@ def test_long_runs_print_progress(monkeypatch):
     step = Step(lambda: None, lambda _: None)
     times = time_interleaved({"a": step, "b": step}, torch.device("cpu"), warmup=1, repeats=2, progress=lines.append)
     assert [len(t) for t in times.values()] == [2, 2]
-    assert len(lines) == 6 and lines[0].startswith("a: warmup run 1/3") and lines[-1].startswith("b: timed run 3/3")
+    assert len(lines) == 3 and lines[0].startswith("warmup round 1/3: a ") and lines[-1].startswith("timed round 3/3")
+
+
+def test_avx2_proxy_is_named_in_the_machine(monkeypatch):
+    for var in machine.AVX2_PROXY_ENV:
+        monkeypatch.delenv(var, raising=False)
+    assert "AVX2 proxy" not in machine.cpu_name()
+    for var, value in machine.AVX2_PROXY_ENV.items():
+        monkeypatch.setenv(var, value)
+    assert machine.cpu_name().endswith("[AVX2 proxy]")
