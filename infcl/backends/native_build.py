@@ -48,7 +48,7 @@ DEFAULT_ARCH = "native"
 # are no mask registers, and leaves every elementwise loop of the kernel scalar (AVX-512 vectorizes them
 # either way; no value changes: the kernel never unmasks a floating-point trap, and torch builds itself
 # the same way); -fopenmp because at::parallel_for's OpenMP loop is compiled into the extension from
-# torch's headers. -march: see arch_flag().
+# torch's headers. -march: see arch().
 CFLAGS = ("-O3", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 HASH_CHARS = 8  # hex digits of each hash in the extension name: short paths, collisions not a concern
