@@ -20,7 +20,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .machine import device_name
+from .gemm import best_route, estimated_seconds, probe_rates
+from .machine import AVX2_PROXY_ENV, device_name
 from .methods import BASELINE, LOSSES, MASKED_BACKENDS, METHODS, PLAIN
 from .presets import GPU_FIRST, PRESETS, Sweep, custom_sweep
 from .report import COLUMNS, add_ratios, format_table, write_csv, write_plot
@@ -37,6 +38,9 @@ VANILLA_MEMORY_SHARE = 0.5
 DEFAULT_REPEATS = 5
 # Default per-configuration limit: vanilla fwd+bwd at B=16384 takes ~18 s a run on 2 cores.
 TIMEOUT_S = 1800
+# Default --time-budget: a configuration estimated (bench.gemm) to take longer is skipped, e.g. vanilla bf16
+# where torch's bf16 matmul crawls (0.5-17 GFLOP/s on an AVX2-only CPU).
+TIME_BUDGET_S = 300.0
 
 
 def _ints(text: str) -> Tuple[int, ...]:
@@ -101,7 +105,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"skip vanilla where its estimated logits memory exceeds this (default: "
         f"{VANILLA_MEMORY_SHARE:g} x the device's memory)",
     )
+    p.add_argument(
+        "--avx2-proxy",
+        action="store_true",
+        help="run the workers as an AVX2-only CPU would (bench.machine.AVX2_PROXY_ENV; the machine's name says so)",
+    )
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per configuration")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=TIME_BUDGET_S,
+        help="skip a configuration whose runs, at the GEMM bound of the matmul route it multiplies in, would "
+        "take longer than this many seconds (default: %(default)g)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/results/)")
     p.add_argument("--name", help="output file stem (default: the preset name, or 'custom')")
     args = p.parse_args(argv)
@@ -138,8 +154,41 @@ def _vanilla_too_big(batch: int, dtype: str, max_gb: float):
     return f"estimated logits memory {estimate:.3g} GB > --max-vanilla-gb {max_gb:.3g}" if estimate > max_gb else None
 
 
-def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
-    """The jobs to run, and the rows decided without running: unavailable methods, oversized vanilla."""
+def route_rates(args, sweeps) -> Dict[Tuple[str, int], Dict[str, float]]:
+    """Per (dtype, D) of the timed sweeps, each matmul route's probed rate (bench.gemm.probe_rates): once,
+    up front, in this process, so no slow route runs between a method's timed runs."""
+    torch.set_num_threads(args.threads)
+    rates = {}
+    for sw in sweeps:
+        for dim in () if sw.memory_only else sw.dims:
+            if (sw.dtype, dim) not in rates:
+                probed = probe_rates(max(sw.batch_sizes), dim, DTYPES[sw.dtype], torch.device(args.device))
+                rates[sw.dtype, dim] = probed
+                if len(probed) > 1:
+                    shown = ", ".join(f"{route} {rate:.3g} GFLOP/s" for route, rate in probed.items())
+                    print(f"bench: {sw.dtype} D={dim} matmul routes: {shown} -> the bound takes {best_route(probed)}",
+                          file=sys.stderr)
+    return rates
+
+
+def _too_slow(job: Job, rates: Dict[str, float], budget_s: float):
+    """Why ``job`` is skipped by --time-budget (its runs at its route's GEMM bound), or None. Vanilla
+    multiplies in the inputs' dtype; the tiled methods are estimated at the best route."""
+    route = job.dtype if job.method == BASELINE else job.route()
+    run_s = estimated_seconds(job.batch, job.dim, job.mode, rates.get(route, float("nan")))
+    if run_s is None:
+        return None
+    total = run_s * (job.warmup + job.repeats + 1)  # + the memory run
+    if total <= budget_s:
+        return None
+    return (f"estimated >= {total:.3g} s ({job.warmup + job.repeats + 1} runs at {rates[route]:.3g} GFLOP/s, "
+            f"{route} matmul) > --time-budget {budget_s:g} s")
+
+
+def plan(args, sweeps, rates=None) -> Tuple[List[Job], List[Dict]]:
+    """The jobs to run, and the rows decided without running: unavailable methods, oversized vanilla,
+    configurations over the time budget (``rates``: from :func:`route_rates`; None: no estimate)."""
+    rates = rates or {}
     device = torch.device(args.device)
     max_gb = args.max_vanilla_gb or VANILLA_MEMORY_SHARE * _device_memory_gb(device)
     jobs, decided = [], []
@@ -162,10 +211,12 @@ def plan(args, sweeps) -> Tuple[List[Job], List[Dict]]:
         options = [option for option, asked in (("ids", args.ids), ("guide", args.guide)) if asked]
         names += [f"{plain}+{option}" for plain in names if plain in MASKED_BACKENDS for option in options]
         for dim, batch in itertools.product(sw.dims, sw.batch_sizes):
+            routes = rates.get((sw.dtype, dim), {})
             for name, mode in itertools.product(names, sw.modes):
-                job = Job(name, batch, dim, mode=mode, **common)
+                job = Job(name, batch, dim, mode=mode, gemm_route=best_route(routes) if routes else "", **common)
                 unavailable = METHODS[name].unavailable_for(args.loss, device, dim)
                 too_big = _vanilla_too_big(batch, sw.dtype, max_gb) if name == BASELINE else None
+                too_big = too_big or _too_slow(job, routes, args.time_budget)
                 if unavailable is None and too_big is None:
                     jobs.append(job)
                 else:
@@ -227,7 +278,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     name, sweeps = _sweeps(args)
     set_worker_threads(args.threads)
-    jobs, decided = plan(args, sweeps)
+    if args.avx2_proxy:
+        os.environ.update(AVX2_PROXY_ENV)  # before the first worker starts: each variable is read at start-up
+    jobs, decided = plan(args, sweeps, route_rates(args, sweeps))
     print(
         f"bench: {len(jobs)} configurations on {args.device} with {args.threads} thread(s) -> {args.out}/{name}.*",
         file=sys.stderr,

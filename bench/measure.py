@@ -28,6 +28,8 @@ MIB = 2**20
 CLEAR_REFS = "/proc/self/clear_refs"
 # ru_maxrss is in KiB on Linux and in bytes on macOS.
 RU_MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024
+# A configuration whose runs have taken this long prints a line per run (a slow one is not a hang).
+PROGRESS_AFTER_S = 10.0
 
 
 @dataclass
@@ -87,14 +89,20 @@ def time_step(step: Step, device: torch.device, warmup: int, repeats: int) -> Li
     return time_interleaved({"step": step}, device, warmup, repeats)["step"]
 
 
-def time_interleaved(steps: Dict[str, Step], device: torch.device, warmup: int, repeats: int) -> Dict[str, List[float]]:
-    """``time_step`` for several steps, their runs taken in turn (a, b, a, b, ...): each name's timed runs."""
+def time_interleaved(steps: Dict[str, Step], device: torch.device, warmup: int, repeats: int,
+                     progress: Optional[Callable[[str], None]] = None) -> Dict[str, List[float]]:
+    """``time_step`` for several steps, their runs taken in turn (a, b, a, b, ...): each name's timed runs.
+    ``progress``, when given, gets one line per round once the rounds so far have taken PROGRESS_AFTER_S."""
     times = {name: [] for name in steps}
+    started = time.perf_counter()
     for i in range(warmup + repeats):
-        for name, step in steps.items():
-            elapsed = _timed(step, device)
-            if i >= warmup:
+        round_s = {name: _timed(step, device) for name, step in steps.items()}
+        if i >= warmup:
+            for name, elapsed in round_s.items():
                 times[name].append(elapsed)
+        if progress is not None and time.perf_counter() - started >= PROGRESS_AFTER_S:
+            runs = ", ".join(f"{name} {elapsed:.3g} s" for name, elapsed in round_s.items())
+            progress(f"{'warmup' if i < warmup else 'timed'} round {i + 1}/{warmup + repeats}: {runs}")
     return times
 
 

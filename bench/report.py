@@ -30,6 +30,7 @@ COLUMNS = (
     "gemm_bound_s",
     "time_vs_gemm_bound",
     "gemm_gflops",
+    "gemm_route",
     "gemm_equivalents",
     "gemm_fraction",
     "loss_rel_error",

@@ -9,13 +9,14 @@ OS kills (the Linux OOM killer) is reported as "OOM" too, from its exit signal, 
 import multiprocessing
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Dict
 
 import torch
 
 from .accuracy import errors_vs_float64
-from .gemm import gemm_rates, gemm_steps
+from .gemm import gemm_rates, gemm_steps, route_dtype
 from .measure import MIB, Step, loss_step, median, peak_extra_bytes, time_interleaved
 from .methods import METHODS, gemm_equivalents, make_inputs
 
@@ -42,6 +43,10 @@ class Job:
     memory_only: bool = False
     loss: str = "clip"  # "clip" (the contrastive loss) or "siglip" (the sigmoid loss)
     accuracy: bool = False  # also measure the error against a float64 truth (bench.accuracy)
+    gemm_route: str = ""  # the bound's product dtype (bench.gemm.best_route); "" = dtype
+
+    def route(self) -> str:
+        return self.gemm_route or self.dtype
 
     def label(self) -> str:
         loss = "" if self.loss == "clip" else f" {self.loss}"
@@ -65,11 +70,15 @@ def _run_method(job: Job) -> Dict:
     if not job.memory_only:
         # The GEMM bound's matmul runs take turns with the method's runs (after the memory figure, so
         # their buffers are not in it): both see the same machine speed.
-        gemm = gemm_steps(job.batch, job.dim, DTYPES[job.dtype], device)
-        times = time_interleaved({"method": step, **gemm}, device, job.warmup, job.repeats)
+        # Their dtype is the job's route (bench.gemm): never a slow one that would load the cores between
+        # the method's runs.
+        gemm = gemm_steps(job.batch, job.dim, route_dtype(job.route()), device)
+        times = time_interleaved({"method": step, **gemm}, device, job.warmup, job.repeats,
+                                 progress=lambda line: print(f"  {job.label()}: {line}", file=sys.stderr, flush=True))
         method_times = times.pop("method")
         rates = gemm_rates(job.batch, job.dim, times)
         result.update(time_s=median(method_times), time_min_s=min(method_times), gemm_gflops=rates["gflops"],
+                      gemm_route=job.route(),
                       gemm_equivalents=gemm_equivalents(job.method, job.loss, job.mode, device, DTYPES[job.dtype],
                                                         job.dim, job.symmetric))
     if job.accuracy:

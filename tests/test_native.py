@@ -530,6 +530,22 @@ def test_cpu_backend_refuses_other_devices():
     assert "CPU tensors only" in native.unavailable_reason(torch.device("meta"))
 
 
+def test_native_arch_option_sets_march_and_its_own_cache_key(monkeypatch):
+    """INFCL_NATIVE_ARCH (e.g. x86-64-v3: an AVX2-only CPU's kernel on an AVX-512 one) replaces -march=native
+    and is part of the build hash, so the two builds never share a cache entry; nothing is built here."""
+    sources = native_build.source_files()
+    monkeypatch.delenv(native_build.ARCH_VAR, raising=False)
+    assert "-march=native" in native_build.compile_flags()
+    default_name = native_build.extension_name(sources)
+    monkeypatch.setenv(native_build.ARCH_VAR, "x86-64-v3")
+    flags = native_build.compile_flags()
+    assert "-march=x86-64-v3" in flags and not any(f == "-march=native" for f in flags)
+    assert native_build.extension_name(sources) != default_name
+    monkeypatch.setenv(native_build.ARCH_VAR, "x86-64-v3 -O0")
+    with pytest.raises(ValueError, match=native_build.ARCH_VAR):
+        native_build.compile_flags()
+
+
 # ---------------------------------------------------------------------------------------------
 # The bfloat16 GEMM routes of csrc/common.h (INFCL_BF16_GEMM forces one; "auto" picks by CPU), every one this
 # CPU can take (support.BF16_ROUTES): odd D, an odd last row tile and an odd last key tile, where brgemm's

@@ -5,7 +5,8 @@ Sources: every ``*.cpp`` in the kernel's source folder, compiled together into o
 regular install carries them as ``infcl/_csrc/`` (setup.py maps the repository's ``csrc/`` there at build
 time); in a checkout (an editable install, or ``PYTHONPATH``) they are read from ``csrc/`` beside the package.
 
-Build: ``torch.utils.cpp_extension.load`` (ninja, ``CFLAGS``) the first time, into
+Build: ``torch.utils.cpp_extension.load`` (ninja, :func:`compile_flags`: ``-march=native`` unless
+``INFCL_NATIVE_ARCH`` names another target) the first time, into
 ``<root>/<extension name>`` where root is ``$TORCH_EXTENSIONS_DIR`` or torch's default
 (``~/.cache/torch_extensions/<python>_<accelerator>``), as torch itself lays it out. The extension name is
 the cache key: ``infcl_cpu_<CPU fingerprint>_<build hash>``, the build hash covering the sources' bytes, the
@@ -19,11 +20,12 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,10 +41,15 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = (PACKAGE_ROOT / "_csrc", PACKAGE_ROOT.parent / "csrc")
 SOURCE_GLOB = "*.cpp"  # each one is compiled; a new kernel file needs no change here
 HEADER_GLOBS = ("*.h", "*.hpp")  # not compiled on their own, but part of the build hash
-# -O3 (+ full-width vectors) for the fused exp loops; -march=native because the build happens on the machine that
-# runs it (the cache is per machine); -fopenmp because at::parallel_for's OpenMP loop is compiled into
-# the extension from torch's headers.
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp")
+ARCH_VAR = "INFCL_NATIVE_ARCH"  # e.g. INFCL_NATIVE_ARCH=x86-64-v3: build for that -march instead of this CPU
+DEFAULT_ARCH = "native"
+# -O3 (+ full-width vectors) for the fused exp loops; -fno-trapping-math because without it GCC will not
+# turn a float compare-and-select (exp_f32's clamps, the top/rest tests) into a blend on AVX2, where there
+# are no mask registers, and leaves every elementwise loop of the kernel scalar (AVX-512 vectorizes them
+# either way; no value changes: the kernel never unmasks a floating-point trap, and torch builds itself
+# the same way); -fopenmp because at::parallel_for's OpenMP loop is compiled into the extension from
+# torch's headers. -march: see arch().
+CFLAGS = ("-O3", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 HASH_CHARS = 8  # hex digits of each hash in the extension name: short paths, collisions not a concern
 BUILD_TIME_HINT = "up to about 2 minutes on 2 cores"
@@ -71,10 +78,26 @@ def source_files(folder: Optional[Path] = None) -> List[Path]:
     return sorted((folder or sources_dir()).glob(SOURCE_GLOB))
 
 
+def arch() -> str:
+    """The ``-march`` of the build: ``$INFCL_NATIVE_ARCH``, else ``native`` (this CPU: the build happens on the
+    machine that runs it, and the cache is per CPU kind). Another value builds for that target on any CPU,
+    e.g. ``x86-64-v3`` (AVX2 + FMA, no AVX-512) to reproduce an AVX2-only CPU's kernel on an AVX-512 one;
+    it is part of the build hash. Raises ValueError for a value that is not one -march word."""
+    value = os.environ.get(ARCH_VAR, "").strip() or DEFAULT_ARCH
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", value):
+        raise ValueError(f"{ARCH_VAR} must be one -march value such as native or x86-64-v3, got {value!r}")
+    return value
+
+
+def compile_flags() -> Tuple[str, ...]:
+    """The compiler flags of the build: :data:`CFLAGS` and ``-march=<arch()>``."""
+    return (*CFLAGS, f"-march={arch()}")
+
+
 def _cpu_fingerprint() -> str:
     """A short hash of this CPU's model and instruction-set flags.
 
-    The build uses -march=native, so a cached binary is only valid on the CPU it was built for; the
+    The build uses -march=native by default, so a cached binary is only valid on the CPU it was built for; the
     fingerprint goes into the extension's name, and a home directory shared between different
     machines gets one cached build per CPU kind instead of an illegal instruction.
     """
@@ -96,7 +119,7 @@ def _build_hash(sources: Sequence[Path]) -> str:
     for path in sorted(sources) + headers:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     python = f"{sys.version_info.major}.{sys.version_info.minor}"
-    digest.update(repr((CFLAGS, LDFLAGS, torch.__version__, python)).encode())
+    digest.update(repr((compile_flags(), LDFLAGS, torch.__version__, python)).encode())
     return digest.hexdigest()[:HASH_CHARS]
 
 
@@ -162,7 +185,7 @@ def _build_and_load() -> None:
         cpp_extension.load(
             name=name,
             sources=[str(p) for p in sources],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(compile_flags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,
