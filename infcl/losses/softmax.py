@@ -161,11 +161,6 @@ class SoftmaxRing:
 
 # --- the mask options (infcl.masks) ------------------------------------------------------------------
 
-# Rows per step of GuideScores: bounds its gathered labelled-column features (and their products) to a few
-# chunk x D' temporaries instead of two more copies of the guide.
-GUIDE_CHUNK = 1024
-
-
 class GuideScore(NamedTuple):
     """GuideScores' forward partial: ``[n]`` the guide score of each row's labelled column (0 where the
     block does not hold it)."""
@@ -181,28 +176,25 @@ class GuideScores(SummedParts):
 
     Why a pass of its own: a row's threshold decides its exclusions in every block, including those the
     ring brings before the block holding its labelled column. The pass moves only the guide features
-    (O(B * D') per step, no GEMM: one dot product per row, in the block holding its labelled column).
-    The dot product rounds differently from the tiles' guide GEMM, so a column whose score ties the
-    threshold exactly (a duplicate of the labelled column at margin 0) may fall either way; the labelled
-    column itself is a positive, never excluded.
+    (O(B * D') per step). Each score is the backend's own guide-tile arithmetic
+    (``backend.guide_label_scores``, contract: :mod:`infcl.backends.base`), never a separate dot
+    product: a column whose guide features duplicate the labelled column's gets bit for bit the same
+    score in the tiles, so at margin 0 the tie compares equal and the duplicate stays in the softmax
+    (GISTEmbedLoss's rule, computed there from one matrix).
     """
 
     parts = GuideScore
     n_params = 0
     k_side = ()
 
-    def __init__(self, symmetric: bool):
+    def __init__(self, symmetric: bool, feature_dtype: torch.dtype):
         self.symmetric = symmetric
+        self.feature_dtype = feature_dtype  # the loss's features': the Triton guide product's precision follows it
 
     def forward_step(self, backend, block: Block, k_side=()):
         """``block``: the guide features as q and k (no scale)."""
-        guide_q, guide_k, pos = block.q, block.k, block.pos
-        score = guide_q.new_zeros(guide_q.shape[0])
-        for i0 in range(0, guide_q.shape[0], GUIDE_CHUNK):
-            rows = slice(i0, i0 + GUIDE_CHUNK)
-            picked = guide_k[pos[rows].clamp(min=0)]  # [chunk, D']: the labelled columns' features
-            score[rows] = torch.where(pos[rows] >= 0, (guide_q[rows] * picked).sum(dim=1), 0)
-        cols = GuideScore(_scatter_to_columns(score, pos, guide_k.shape[0])) if self.symmetric else None
+        score = backend.guide_label_scores(block.q, block.k, block.pos, self.feature_dtype)
+        cols = GuideScore(_scatter_to_columns(score, block.pos, block.k.shape[0])) if self.symmetric else None
         return GuideScore(score), cols
 
 
