@@ -138,12 +138,23 @@ def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tenso
     )
 
 
+def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive: str) -> MaskInputs:
+    """The kernels read ids and thresholds with stride 1: a view (``meta[:, 1]``, ``ids[::2]``, an expanded
+    id) is copied (O(B)); the guide features go with their strides."""
+    return MaskInputs(_contiguous(q_ids), _contiguous(k_ids), guide_q, guide_k, _contiguous(row_threshold),
+                      _contiguous(col_threshold), multi_positive or None)
+
+
 def _masked_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, q_ids: Optional[Tensor],
                     k_ids: Optional[Tensor], guide_q: Optional[Tensor], guide_k: Optional[Tensor],
                     row_threshold: Optional[Tensor], col_threshold: Optional[Tensor], multi_positive: str,
                     precision: str, tiling: List[int]) -> Tuple[Tensor, Tensor]:
     chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
-    masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
+    masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     rows, cols = softmax_forward.softmax_forward(
         q, k, scale, pos.contiguous(), symmetric, chosen, precision or None, autotune, sms=target_facts().sms,
         wrap=_WRAP, masks=masks,
@@ -158,7 +169,7 @@ def _masked_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats
                      col_threshold: Optional[Tensor], multi_positive: str, dq: Tensor, dk: Tensor, precision: str,
                      tiling: List[int]) -> Tensor:
     chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
-    masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
+    masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     return softmax_backward.softmax_backward(
         q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
         autotune, sms=target_facts().sms, wrap=_WRAP, masks=masks, row_positives=row_positives,
