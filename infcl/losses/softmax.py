@@ -168,6 +168,15 @@ class GuideScore(NamedTuple):
     score: Tensor
 
 
+def _not_finite(features: Tensor) -> Tensor:
+    """[n] bool: the rows with a NaN or an infinite entry."""
+    return ~torch.isfinite(features).all(dim=1)
+
+
+def _nan_where(bad: Tensor) -> Tensor:
+    return torch.where(bad, float("nan"), 0.0)
+
+
 class GuideScores(SummedParts):
     """:class:`infcl.ring.driver.RingLoss` (forward only) for the guide score of each row's labelled
     column, G[i, labels[i]] = guide_q[i] . guide_k[labels[i]], and, symmetric, of each column's labelled
@@ -193,9 +202,16 @@ class GuideScores(SummedParts):
 
     def forward_step(self, backend, block: Block, k_side=()):
         """``block``: the guide features as q and k (no scale)."""
-        score = backend.guide_label_scores(block.q, block.k, block.pos, self.feature_dtype)
-        cols = GuideScore(_scatter_to_columns(score, block.pos, block.k.shape[0])) if self.symmetric else None
-        return GuideScore(score), cols
+        guide_q, guide_k, pos = block.q, block.k, block.pos
+        score = backend.guide_label_scores(guide_q, guide_k, pos, self.feature_dtype)
+        # NaN or inf in a guide row leaves that row's exclusions undefined: a NaN score (so a NaN threshold,
+        # which MaskedSoftmaxRing turns into a NaN loss) for each row and column whose exclusions it decides.
+        bad_q, bad_k = _not_finite(guide_q), _not_finite(guide_k)
+        rows = GuideScore(score + _nan_where(bad_q | bad_k.any()))
+        if not self.symmetric:
+            return rows, None
+        cols = _scatter_to_columns(score, pos, guide_k.shape[0]) + _nan_where(bad_k | bad_q.any())
+        return rows, GuideScore(cols)
 
 
 class MaskedUpstream(NamedTuple):
@@ -266,6 +282,12 @@ class MaskedPartials(NamedTuple):
         return MaskedUpstream(stats, grad, pos_stats, torch.where(valid, self.pos_count, 1))
 
 
+def _poison(part: "MaskedPartials", threshold: Optional[Tensor]) -> None:
+    """NaN into the max of the rows (columns) whose guide threshold is NaN, in place."""
+    if threshold is not None:
+        part.stats[MAX].add_(torch.where(torch.isnan(threshold), float("nan"), 0.0))
+
+
 class MaskedSoftmaxRing(SoftmaxRing):
     """:class:`infcl.ring.driver.RingLoss` for the softmax loss with mask options; the rows' ids, guide
     features and thresholds stay here, the columns' travel with k (``k_side``)."""
@@ -290,8 +312,17 @@ class MaskedSoftmaxRing(SoftmaxRing):
         acc.merge_(part, self.kind)
 
     def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
-        rows, cols = backend.forward_block(self._block(block, k_side), self.symmetric)
-        return MaskedPartials.unpack(rows), (None if cols is None else MaskedPartials.unpack(cols))
+        """A NaN threshold (a guide with NaN or inf: :class:`GuideScores`) makes its row's (column's) max
+        NaN in every block's partials: a NaN loss and NaN gradients, as NaN features give."""
+        block = self._block(block, k_side)
+        rows, cols = backend.forward_block(block, self.symmetric)
+        rows = MaskedPartials.unpack(rows)
+        _poison(rows, block.row_threshold)
+        if cols is None:
+            return rows, None
+        cols = MaskedPartials.unpack(cols)
+        _poison(cols, block.col_threshold)
+        return rows, cols
 
     def _fields(self, upstream: MaskedUpstream, side: str) -> dict:
         return upstream.block_fields(side, self.kind)
