@@ -23,8 +23,9 @@ from .tiles import load_vector, score_tile
 Tensor = torch.Tensor
 
 # Rows per program: the diagonal of a BLOCK_ROWS x BLOCK_ROWS tile is kept, so small (the waste grows with
-# it), and no smaller than a dot's minimum.
-BLOCK_ROWS = max(32, MIN_DOT)
+# it), but 64: a warpgroup MMA (sm_90) needs 64 rows, and the masked kernels' guide dots, whose tiles
+# have at least 64 rows on a GPU, take that instruction family: the same per-entry arithmetic.
+BLOCK_ROWS = max(64, MIN_DOT)
 
 
 @triton.jit
