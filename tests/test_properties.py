@@ -158,7 +158,7 @@ def _ids_as(values, kind, dtype):
 
 @st.composite
 def masked_problems(draw, max_b=7, max_extra=9, symmetric=None, id_layouts=("contiguous", "meta", "strided"),
-                    ties=False):
+                    ties=False, id_dtypes=ID_DTYPES[:1] + ID_DTYPES):
     """(q, k, labels, scale, symmetric, options) of the masked loss; ``id_layouts``: how ids may be held
     (only views: ids are always given); ``ties``: always a wide guide at margin 0 with duplicated columns."""
     symmetric = draw(st.booleans()) if symmetric is None else symmetric
@@ -187,7 +187,7 @@ def masked_problems(draw, max_b=7, max_extra=9, symmetric=None, id_layouts=("con
         if dst < bq and src < bq:
             q[dst] = q[src]
     multi_positive = draw(st.sampled_from((None, None, "mean", "sum")))
-    id_kind = draw(st.sampled_from(("none", "few", "distinct", "same")))
+    id_kind = draw(st.sampled_from(("none", "few", "distinct") + (("same",) if "contiguous" in id_layouts else ())))
     if (multi_positive is not None or "contiguous" not in id_layouts) and id_kind == "none":
         id_kind = "few"
     q_ids = k_ids = None
@@ -199,7 +199,7 @@ def masked_problems(draw, max_b=7, max_extra=9, symmetric=None, id_layouts=("con
             q_vals = k_vals[lab].clone()
         for dst, src in dups:
             k_vals[dst] = k_vals[src]
-        dtype = draw(st.sampled_from(ID_DTYPES[:1] + ID_DTYPES))  # int64 twice: casts copy the others
+        dtype = draw(st.sampled_from(id_dtypes))  # int64 twice by default: casts copy the others
         layout = draw(st.sampled_from(id_layouts + (("expand",) if id_kind == "same" else ())))
         q_ids, k_ids = _ids_as(q_vals, layout, dtype), _ids_as(k_vals, layout, dtype)
     guide, margin, strategy = None, 0.0, "absolute"
@@ -276,7 +276,7 @@ def test_guide_ties_match_truth(problem, backend, monkeypatch):
 
 @pytest.mark.skipif(not TRITON, reason="triton unavailable")
 @settings(max_examples=400 if DEEP else 6)
-@given(problem=masked_problems(max_b=4, max_extra=3, id_layouts=("meta", "strided")),
+@given(problem=masked_problems(max_b=4, max_extra=3, id_layouts=("meta", "strided"), id_dtypes=(torch.int64,)),
        ties=masked_problems(ties=True))
 def test_masked_losses_match_truth_triton(problem, ties):
     _check_masked(problem, "triton")
