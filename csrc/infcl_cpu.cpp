@@ -11,6 +11,8 @@
 //   masked_backward_block(q, k, scale, pos, row_stats, g_row, col_stats?, g_col?, multi_positive?, q_ids?,
 //       k_ids?, guide_q?, guide_k?, row_threshold?, col_threshold?, row_pos_count? [Bq], row_pos_stats? [2,Bq],
 //       col_pos_count? [Bk], col_pos_stats? [2,Bk], dq!, dk!) -> dscale [2]
+//   guide_label_scores(guide_q [Bq,D'], guide_k [Bk,D'], pos [Bq]) -> [Bq] G[i, pos[i]] off the masked
+//       ops' own guide tiles (0 where pos[i] < 0): the guide thresholds' scores
 //
 // Stats are (running max m, r = log sum exp(S - m)); rows[2] is S at each row's positive column pos[i]
 // (-1: elsewhere; then 0). The backward forms dS = g_row (P_row - Y) + g_col (P_col - Y) in the tile,
@@ -1679,6 +1681,58 @@ at::Tensor masked_backward_block(
   return run_backward(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, &masks->args, row_pos, col_pos);
 }
 
+// G[i, pos[i]] (0 where pos[i] < 0), each read off the very guide tile TileMasks forms for row i's tile
+// and pos[i]'s key tile (the same RowTiles grid, TILE_K key tiles and RawTiles route), so that a guide
+// threshold and the scores compared with it come from the same arithmetic: a column duplicating the
+// labelled one ties it exactly. Only the tiles holding a positive are multiplied.
+template <typename G>
+void guide_label_scores_impl(const G* gq, const G* gk, const int64_t* pos, int64_t bq, int64_t bk, int64_t dg, G* out) {
+  const RowTiles tiles(bq);
+  const int64_t tk = std::min(TILE_K, bk);
+  std::fill(out, out + bq, G(0));
+  at::parallel_for(0, tiles.count, 1, [&](int64_t t_begin, int64_t t_end) {
+    const SingleThreadedBlas one_thread;
+    RawTiles<G> raw(tiles.size, tk, dg);
+    std::vector<G> scores(tiles.size * tk);
+    for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+      const int64_t nj = std::min(tk, bk - j0);
+      bool packed = false;
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        const int64_t i0 = tiles.begin(t), ni = tiles.height(t);
+        bool any = false;
+        for (int64_t i = i0; i < i0 + ni; ++i) any = any || (pos[i] >= j0 && pos[i] < j0 + nj);
+        if (!any) continue;
+        if (!packed) raw.set_keys(gk + j0 * dg, nj), packed = true;
+        raw.product(gq + i0 * dg, ni, scores.data(), nj);
+        for (int64_t i = i0; i < i0 + ni; ++i) {
+          if (pos[i] >= j0 && pos[i] < j0 + nj) out[i] = scores[(i - i0) * nj + (pos[i] - j0)];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor guide_label_scores(const at::Tensor& guide_q, const at::Tensor& guide_k, const at::Tensor& pos_in) {
+  const auto gt = guide_q.scalar_type();
+  TORCH_CHECK((gt == at::kFloat || gt == at::kDouble) && guide_k.scalar_type() == gt && guide_q.dim() == 2 &&
+                  guide_k.dim() == 2 && guide_q.size(1) == guide_k.size(1) && guide_q.device().is_cpu() &&
+                  guide_k.device().is_cpu(),
+              "infcl native: guide_q ", guide_q.sizes(), " and guide_k ", guide_k.sizes(),
+              " must be CPU [Bq, D'] and [Bk, D'], both float32 or both float64");
+  const int64_t bq = guide_q.size(0), bk = guide_k.size(0), dg = guide_q.size(1);
+  const at::Tensor pos = ids_arg(pos_in, bq, "pos");
+  const at::Tensor gq = guide_q.contiguous(), gk = guide_k.contiguous();
+  at::Tensor out = at::empty({bq}, guide_q.options());
+  if (gt == at::kDouble) {
+    guide_label_scores_impl<double>(gq.data_ptr<double>(), gk.data_ptr<double>(), pos.data_ptr<int64_t>(), bq, bk, dg,
+                                    out.data_ptr<double>());
+  } else {
+    guide_label_scores_impl<float>(gq.data_ptr<float>(), gk.data_ptr<float>(), pos.data_ptr<int64_t>(), bq, bk, dg,
+                                   out.data_ptr<float>());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(infcl, m) {
@@ -1695,6 +1749,7 @@ TORCH_LIBRARY(infcl, m) {
       "Tensor? col_stats, Tensor? g_col, str? multi_positive, Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, "
       "Tensor? guide_k, Tensor? row_threshold, Tensor? col_threshold, Tensor? row_pos_count, "
       "Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
+  m.def("guide_label_scores(Tensor guide_q, Tensor guide_k, Tensor pos) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infcl, CPU, m) {
@@ -1702,6 +1757,7 @@ TORCH_LIBRARY_IMPL(infcl, CPU, m) {
   m.impl("backward_block", &backward_block);
   m.impl("masked_forward_block", &masked_forward_block);
   m.impl("masked_backward_block", &masked_backward_block);
+  m.impl("guide_label_scores", &guide_label_scores);
 }
 
 }  // namespace infcl

@@ -164,12 +164,13 @@ def _check_permutation(labels: torch.Tensor, layout: RingLayout) -> None:
 
 
 def _ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
-    """``ids``: None or an integer tensor [rows] on the features' device; returned as int64."""
+    """``ids``: None or an integer tensor [rows] on the features' device; returned as contiguous int64 (a
+    view such as ``meta[:, 1]`` or an expanded id is copied, O(B): the kernels read ids with stride 1)."""
     if _integer_rows(ids, name, rows, f"[{rows}] (one id per row of {feats_name} {_shape(feats)})") is None:
         return None
     if ids.device != feats.device:
         raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {ids.device}")
-    return ids.to(torch.int64)
+    return ids.to(torch.int64).contiguous()
 
 
 def _guide(guide, q: torch.Tensor, k: torch.Tensor):

@@ -93,7 +93,7 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxRing:
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
         guide_q, guide_k = masks.guide_q.to(gdt), masks.guide_k.to(gdt)
-        scores = GuideScores(plan.symmetric)
+        scores = GuideScores(plan.symmetric, q.dtype)
         rows, cols = ring_forward(guide_q, guide_k, None, labels, scores, plan.backend, plan.layout)
         row_threshold = guide_threshold(rows.score, masks.margin, masks.strategy)
         if plan.symmetric:

@@ -104,6 +104,9 @@ def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks:
         scores = guide.to(gdt) @ other_guide.to(gdt).T
         threshold = guide_threshold(scores.gather(1, labels[:, None]), masks.margin, masks.strategy)
         excluded |= scores > threshold
+        # NaN or inf in a guide row: the exclusions of its row (a guide_q row) or of every row (a guide_k
+        # row) are undefined, so their losses are NaN (infcl.masks).
+        bad = ~torch.isfinite(guide).all(dim=1) | ~torch.isfinite(other_guide).all()
     excluded &= ~positive
     valid = positive.any(dim=1)
     # Rows without a positive have no loss; keep their arithmetic finite so that no NaN reaches a gradient.
@@ -117,6 +120,8 @@ def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks:
     else:
         pos_term = pos_mean
     loss = torch.where(valid, lse - pos_term, float("nan"))
+    if guide is not None:  # NaN times the loss: NaN gradients too, as NaN features give
+        loss = loss * torch.where(bad, float("nan"), 1.0).to(loss.dtype)
     with torch.no_grad():
         best = logits.masked_fill(excluded, neg_inf).amax(dim=1)
         best_positive = logits.masked_fill(~positive, neg_inf).amax(dim=1)

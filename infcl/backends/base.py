@@ -43,8 +43,11 @@ or stats (``row_pos_stats``, "sum"):
     Y = the one-hot of ``pos`` (multi_positive None): as above, the positive's entry g * expm1(x)
     Y = 1 / |P(i)| on P ("mean"): the entry p - 1/c as expm1(x + log c) / c
     Y = softmax of S over P(i) ("sum"): the entry p - y as y * expm1(d), d = lse(P(i)) - lse_i <= 0
-and dq, dk, dscale as above. With ids that never repeat (nothing excluded, one positive per row) every
-one of these is the plain loss bit for bit.
+and dq, dk, dscale as above. The thresholds come from a pass before the loss:
+``guide_label_scores(guide_q, guide_k, pos, feature_dtype) -> [Bq]`` G[i, pos[i]] (0 where pos[i] < 0),
+by the same arithmetic as the guide scores of the backend's tiles for features of ``feature_dtype``,
+so a column that duplicates the labelled one ties its threshold exactly. With ids that never repeat
+(nothing excluded, one positive per row) every one of these is the plain loss bit for bit.
 
 Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
 positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks but plain sums:

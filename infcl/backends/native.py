@@ -46,6 +46,10 @@ class NativeBackend:
             rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(symmetric))
         return rows, (cols if symmetric else None)
 
+    def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
+        """``[Bq]`` G[i, pos[i]] (contract: infcl.backends.base), read off the kernel's own guide tiles."""
+        return torch.ops.infcl.guide_label_scores(guide_q, guide_k, pos)
+
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         if block.masked:
             return torch.ops.infcl.masked_backward_block(

@@ -248,6 +248,10 @@ def _masked_backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, 
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
+def _guide_label_scores_fake(guide_q, guide_k, pos):
+    return guide_q.new_empty(guide_q.shape[0])
+
+
 def _sigmoid_forward_fake(q, k, scale, pos, bias):
     return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
 
@@ -261,6 +265,7 @@ FAKES = {
     "infcl::backward_block": _backward_fake,
     "infcl::masked_forward_block": _masked_forward_fake,
     "infcl::masked_backward_block": _masked_backward_fake,
+    "infcl::guide_label_scores": _guide_label_scores_fake,
     "infcl::sigmoid_forward_block": _sigmoid_forward_fake,  # csrc/infcl_siglip.cpp
     "infcl::sigmoid_backward_block": _sigmoid_backward_fake,
 }

@@ -119,6 +119,12 @@ class _TileMasks(NamedTuple):
     col_excluded: Optional[Tensor]
 
 
+def _guide_tile(guide_q: Tensor, guide_k: Tensor, rows: slice, cols: slice) -> Tensor:
+    """One tile's guide scores G = guide_q[rows] @ guide_k[cols].T: the one product both the masks and the
+    guide thresholds (:meth:`TorchTilesBackend.guide_label_scores`) read, so that a tie compares equal."""
+    return guide_q[rows] @ guide_k[cols].T
+
+
 def _tile_masks(block: Block, tile: _Tile, symmetric: bool) -> _TileMasks:
     """Form one tile's masks, in place where possible: the guide scores and a few bool tiles are all the
     extra memory, and the scores die with this call."""
@@ -134,7 +140,7 @@ def _tile_masks(block: Block, tile: _Tile, symmetric: bool) -> _TileMasks:
     excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
     col_excluded = excluded if symmetric else None
     if block.guide_q is not None:
-        scores = block.guide_q[tile.rows] @ block.guide_k[tile.cols].T
+        scores = _guide_tile(block.guide_q, block.guide_k, tile.rows, tile.cols)
         if symmetric:
             col_above = torch.gt(scores, block.col_threshold[None, tile.cols])
             col_excluded = col_above if excluded is None else col_above.logical_or_(excluded)
@@ -322,6 +328,24 @@ class TorchTilesBackend:
             if symmetric:
                 _masked_partials(cols[:, tile.cols], s, masks, masks.col_excluded, kept, spare, 0, kind)
         return rows, cols
+
+    def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
+        """``[Bq]`` G[i, pos[i]] (0 where pos[i] < 0; contract: infcl.backends.base) read off the very tile
+        product the masks form (:func:`_guide_tile`, the same tile grid), only for the tiles that hold a
+        positive. One host check per tile (this pass runs once per block, before the loss)."""
+        tq, tk = self.tiles(guide_q.device)
+        score = guide_q.new_zeros(guide_q.shape[0])
+        for i0 in range(0, guide_q.shape[0], tq):
+            rows = slice(i0, i0 + tq)
+            p, out = pos[rows], score[rows]
+            for j0 in range(0, guide_k.shape[0], tk):
+                inside = (p >= j0) & (p < j0 + tk)
+                if not bool(inside.any()):
+                    continue
+                scores = _guide_tile(guide_q, guide_k, rows, slice(j0, j0 + tk))
+                idx = (p - j0).clamp(0, scores.shape[1] - 1)[:, None]
+                torch.where(inside, scores.gather(1, idx).squeeze(1), out, out=out)
+        return score
 
     # --- the sigmoid (SigLIP) loss (contract: infcl.backends.base) ------------------------------------
     # GEMMs per block: forward 1 (the logits), backward 3 (the logits again, dq, dk).

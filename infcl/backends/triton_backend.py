@@ -33,6 +33,7 @@ try:
         unsupported_reason,
     )
     from ..kernels.ops import (
+        guide_label_scores,
         masked_backward_block,
         masked_forward_block,
         sigmoid_backward_block,
@@ -82,6 +83,14 @@ class TritonBackend:
         else:
             rows, cols = forward_block(block.q, block.k, block.scale, block.pos, symmetric, *self._options())
         return rows, (cols if symmetric else None)
+
+    def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
+        """``[Bq]`` G[i, pos[i]] (contract: infcl.backends.base) by the masked kernels' guide product, at the
+        precision they take for features of ``feature_dtype`` (:mod:`infcl.kernels.guide_scores`)."""
+        float64 = feature_dtype == torch.float64 or guide_q.dtype == torch.float64
+        if float64 and not FLOAT64_DOT and not INTERPRETED:
+            return TORCH_TILES.guide_label_scores(guide_q, guide_k, pos, feature_dtype)
+        return guide_label_scores(guide_q, guide_k, pos, feature_dtype, self._options()[0])
 
     @staticmethod
     def _masks(block: Block, symmetric: bool) -> tuple:

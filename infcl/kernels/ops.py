@@ -14,6 +14,9 @@ tensors and ``multi_positive`` as "" (None), "mean" or "sum":
   row_positives, col_positives, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive,
   dq!, dk!, precision, tiling) -> dscale``
 
+- ``torch.ops.infcl.triton_guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision) -> [Bq]``: each
+  row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.guide_scores`).
+
 Sigmoid (SigLIP):
 - ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, precision, tiling) -> rows``
 - ``torch.ops.infcl.triton_sigmoid_backward_block(q, k, scale, pos, bias, g_row, dq!, dk!, precision, tiling)
@@ -36,7 +39,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..masks import MASKED_ROWS
-from . import sigmoid, softmax_backward, softmax_forward
+from . import guide_scores, sigmoid, softmax_backward, softmax_forward
 from .configs import (
     FEATURE_CHUNKS,
     INTERPRETED,
@@ -135,12 +138,23 @@ def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tenso
     )
 
 
+def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive: str) -> MaskInputs:
+    """The kernels read ids and thresholds with stride 1: a view (``meta[:, 1]``, ``ids[::2]``, an expanded
+    id) is copied (O(B)); the guide features go with their strides."""
+    return MaskInputs(_contiguous(q_ids), _contiguous(k_ids), guide_q, guide_k, _contiguous(row_threshold),
+                      _contiguous(col_threshold), multi_positive or None)
+
+
 def _masked_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, q_ids: Optional[Tensor],
                     k_ids: Optional[Tensor], guide_q: Optional[Tensor], guide_k: Optional[Tensor],
                     row_threshold: Optional[Tensor], col_threshold: Optional[Tensor], multi_positive: str,
                     precision: str, tiling: List[int]) -> Tuple[Tensor, Tensor]:
     chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
-    masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
+    masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     rows, cols = softmax_forward.softmax_forward(
         q, k, scale, pos.contiguous(), symmetric, chosen, precision or None, autotune, sms=target_facts().sms,
         wrap=_WRAP, masks=masks,
@@ -155,12 +169,17 @@ def _masked_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats
                      col_threshold: Optional[Tensor], multi_positive: str, dq: Tensor, dk: Tensor, precision: str,
                      tiling: List[int]) -> Tensor:
     chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
-    masks = MaskInputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive or None)
+    masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     return softmax_backward.softmax_backward(
         q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
         autotune, sms=target_facts().sms, wrap=_WRAP, masks=masks, row_positives=row_positives,
         col_positives=col_positives,
     )
+
+
+def _guide_label_scores(guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype,
+                        precision: str) -> Tensor:
+    return guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=_WRAP)
 
 
 def _sigmoid_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str,
@@ -199,6 +218,10 @@ def _masked_backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, 
     return dq.new_empty(2)
 
 
+def _guide_label_scores_fake(guide_q, guide_k, pos, feature_dtype, precision):
+    return guide_q.new_empty(guide_q.shape[0])
+
+
 def _sigmoid_forward_fake(q, k, scale, pos, bias, precision, tiling):
     return q.new_empty(q.shape[0], dtype=_accum(q))
 
@@ -231,6 +254,7 @@ masked_forward_block = _register("triton_masked_forward_block", _masked_forward,
 masked_backward_block = _register(
     "triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk")
 )
+guide_label_scores = _register("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
 sigmoid_forward_block = _register("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
 sigmoid_backward_block = _register(
     "triton_sigmoid_backward_block", _sigmoid_backward, _sigmoid_backward_fake, ("dq", "dk")

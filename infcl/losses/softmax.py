@@ -161,16 +161,20 @@ class SoftmaxRing:
 
 # --- the mask options (infcl.masks) ------------------------------------------------------------------
 
-# Rows per step of GuideScores: bounds its gathered labelled-column features (and their products) to a few
-# chunk x D' temporaries instead of two more copies of the guide.
-GUIDE_CHUNK = 1024
-
-
 class GuideScore(NamedTuple):
     """GuideScores' forward partial: ``[n]`` the guide score of each row's labelled column (0 where the
     block does not hold it)."""
 
     score: Tensor
+
+
+def _not_finite(features: Tensor) -> Tensor:
+    """[n] bool: the rows with a NaN or an infinite entry."""
+    return ~torch.isfinite(features).all(dim=1)
+
+
+def _nan_where(bad: Tensor) -> Tensor:
+    return torch.where(bad, float("nan"), 0.0)
 
 
 class GuideScores(SummedParts):
@@ -181,29 +185,33 @@ class GuideScores(SummedParts):
 
     Why a pass of its own: a row's threshold decides its exclusions in every block, including those the
     ring brings before the block holding its labelled column. The pass moves only the guide features
-    (O(B * D') per step, no GEMM: one dot product per row, in the block holding its labelled column).
-    The dot product rounds differently from the tiles' guide GEMM, so a column whose score ties the
-    threshold exactly (a duplicate of the labelled column at margin 0) may fall either way; the labelled
-    column itself is a positive, never excluded.
+    (O(B * D') per step). Each score is the backend's own guide-tile arithmetic
+    (``backend.guide_label_scores``, contract: :mod:`infcl.backends.base`), never a separate dot
+    product: a column whose guide features duplicate the labelled column's gets bit for bit the same
+    score in the tiles, so at margin 0 the tie compares equal and the duplicate stays in the softmax
+    (GISTEmbedLoss's rule, computed there from one matrix).
     """
 
     parts = GuideScore
     n_params = 0
     k_side = ()
 
-    def __init__(self, symmetric: bool):
+    def __init__(self, symmetric: bool, feature_dtype: torch.dtype):
         self.symmetric = symmetric
+        self.feature_dtype = feature_dtype  # the loss's features': the Triton guide product's precision follows it
 
     def forward_step(self, backend, block: Block, k_side=()):
         """``block``: the guide features as q and k (no scale)."""
         guide_q, guide_k, pos = block.q, block.k, block.pos
-        score = guide_q.new_zeros(guide_q.shape[0])
-        for i0 in range(0, guide_q.shape[0], GUIDE_CHUNK):
-            rows = slice(i0, i0 + GUIDE_CHUNK)
-            picked = guide_k[pos[rows].clamp(min=0)]  # [chunk, D']: the labelled columns' features
-            score[rows] = torch.where(pos[rows] >= 0, (guide_q[rows] * picked).sum(dim=1), 0)
-        cols = GuideScore(_scatter_to_columns(score, pos, guide_k.shape[0])) if self.symmetric else None
-        return GuideScore(score), cols
+        score = backend.guide_label_scores(guide_q, guide_k, pos, self.feature_dtype)
+        # NaN or inf in a guide row leaves that row's exclusions undefined: a NaN score (so a NaN threshold,
+        # which MaskedSoftmaxRing turns into a NaN loss) for each row and column whose exclusions it decides.
+        bad_q, bad_k = _not_finite(guide_q), _not_finite(guide_k)
+        rows = GuideScore(score + _nan_where(bad_q | bad_k.any()))
+        if not self.symmetric:
+            return rows, None
+        cols = _scatter_to_columns(score, pos, guide_k.shape[0]) + _nan_where(bad_k | bad_q.any())
+        return rows, GuideScore(cols)
 
 
 class MaskedUpstream(NamedTuple):
@@ -274,6 +282,12 @@ class MaskedPartials(NamedTuple):
         return MaskedUpstream(stats, grad, pos_stats, torch.where(valid, self.pos_count, 1))
 
 
+def _poison(part: "MaskedPartials", threshold: Optional[Tensor]) -> None:
+    """NaN into the max of the rows (columns) whose guide threshold is NaN, in place."""
+    if threshold is not None:
+        part.stats[MAX].add_(torch.where(torch.isnan(threshold), float("nan"), 0.0))
+
+
 class MaskedSoftmaxRing(SoftmaxRing):
     """:class:`infcl.ring.driver.RingLoss` for the softmax loss with mask options; the rows' ids, guide
     features and thresholds stay here, the columns' travel with k (``k_side``)."""
@@ -298,8 +312,17 @@ class MaskedSoftmaxRing(SoftmaxRing):
         acc.merge_(part, self.kind)
 
     def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
-        rows, cols = backend.forward_block(self._block(block, k_side), self.symmetric)
-        return MaskedPartials.unpack(rows), (None if cols is None else MaskedPartials.unpack(cols))
+        """A NaN threshold (a guide with NaN or inf: :class:`GuideScores`) makes its row's (column's) max
+        NaN in every block's partials: a NaN loss and NaN gradients, as NaN features give."""
+        block = self._block(block, k_side)
+        rows, cols = backend.forward_block(block, self.symmetric)
+        rows = MaskedPartials.unpack(rows)
+        _poison(rows, block.row_threshold)
+        if cols is None:
+            return rows, None
+        cols = MaskedPartials.unpack(cols)
+        _poison(cols, block.col_threshold)
+        return rows, cols
 
     def _fields(self, upstream: MaskedUpstream, side: str) -> dict:
         return upstream.block_fields(side, self.kind)
