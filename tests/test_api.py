@@ -3,6 +3,7 @@
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -193,3 +194,19 @@ def test_reference_imports_nothing_of_the_tiled_path():
     assert "infcl.ring.layout" in imported, "the import graph parser misses the reference's imports"
     shared = {m for m in imported if m.startswith(TILED_PATH) or m.startswith(TILED_BACKENDS)}
     assert not shared, shared
+
+
+def test_auto_runs_guided_losses_on_the_torch_tiles_on_cuda(monkeypatch):
+    """The guided Triton forward faulted on an H200 (README, "On a GPU"): "auto" keeps guided calls on the
+    torch tiles on CUDA, with one warning; unguided calls and an explicit backend="triton" are unchanged."""
+    import infcl.backends as backends
+
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    monkeypatch.delenv("INFCL_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    assert backends.resolve_backend("auto", cuda) == "triton"
+    with pytest.warns(RuntimeWarning, match="guided loss on the torch tiles"):
+        backends._WARNED.clear()
+        assert backends.resolve_backend("auto", cuda, guided=True) == "torch"
+    assert backends.resolve_backend("triton", cuda, guided=True) == "triton"
+    assert backends.resolve_backend("auto", torch.device("cpu"), guided=True) == "cpu"

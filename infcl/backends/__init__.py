@@ -76,8 +76,13 @@ def _constant_for_compile(fn):
 
 
 @_constant_for_compile
-def resolve_backend(backend, device: torch.device) -> str:
-    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name."""
+def resolve_backend(backend, device: torch.device, guided: bool = False) -> str:
+    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name.
+
+    ``guided``: the call has a guide. "auto" then runs the torch tiles on CUDA: the masked Triton forward
+    with a guide stopped with an illegal memory access on an H200 (bf16 features, D = 64; README, "On a
+    GPU"), and it stays off the default path until a GPU shows it fixed. ``backend="triton"`` still runs it.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -91,6 +96,10 @@ def resolve_backend(backend, device: torch.device) -> str:
         if preferred is None:
             return "torch"
         why = unavailable_reason(preferred, device)
+        if why is None and preferred == "triton" and guided:
+            _warn_once("infcl: backend='auto' runs a guided loss on the torch tiles, not the Triton kernels "
+                       "(a known fault of the guided Triton kernel; pass backend='triton' to run it anyway)")
+            return "torch"
         if why is None:
             return preferred
         if preferred == "triton":
