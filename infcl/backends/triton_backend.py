@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import _constant_for_compile
 from .base import Block, Tensor
 from .torch_tiles import TORCH_TILES
 
@@ -45,6 +46,13 @@ else:
     _IMPORT_ERROR = None
 
 
+@_constant_for_compile
+def _matmul_precision() -> str:
+    """torch's float32 matmul precision, read outside torch.compile's graph (``fp32_precision`` is a C
+    getter dynamo cannot trace): a constant of the compiled graph, as ``allow_tf32`` was."""
+    return torch_matmul_precision()
+
+
 class TritonBackend:
     """``precision``: tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"; None follows torch's
     float32 matmul precision at each call, :func:`infcl.kernels.configs.torch_matmul_precision`; at "tf32"
@@ -63,7 +71,7 @@ class TritonBackend:
     def _options(self):
         precision = self.precision
         if precision is None:
-            precision = torch_matmul_precision()
+            precision = _matmul_precision()
         return precision, (self.tiling.to_ints() if self.tiling is not None else [])
 
     @staticmethod
