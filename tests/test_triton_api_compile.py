@@ -113,15 +113,17 @@ def test_matrix_covers_every_target_dtype_and_kernel(results):
 
 
 def test_masked_calls_cover_every_mask_kind(results):
-    """The mask options compiled (forward, dq, dk) on sm_90 and sm_80 in bf16 and fp32: ids, a guide and
-    both; symmetric and one-directional; multi_positive "mean" and "sum"."""
+    """The mask options compiled (forward, dq, dk; with a guide also its scores' kernel) on sm_90 and sm_80
+    in bf16 and fp32: ids, a guide and both; symmetric and one-directional; multi_positive "mean" and "sum"."""
     seen = defaultdict(set)
     for r in results:
         words = r["call"].split()
         kinds = {w for w in words if w in ("ids", "guide", "both", "mean", "sum", "sym")}
         if {"ids", "guide", "both"} & kinds and "kernels" in r:
             seen[words[0], words[2]] |= kinds | ({"one"} if "sym" not in kinds else set())
-            assert {row["kernel"] for row in r["kernels"]} == {"forward", "dq", "dk"}, r["call"]
+            guided = {"guide", "both"} & kinds  # the thresholds come from the guide-scores kernel
+            expected = {"forward", "dq", "dk"} | ({"guide_label_scores"} if guided else set())
+            assert {row["kernel"] for row in r["kernels"]} == expected, r["call"]
     for arch in ("sm_90", "sm_80"):
         for dtype in ("bf16", "fp32-ieee"):
             assert {"ids", "guide", "both", "mean", "sum", "sym", "one"} <= seen[arch, dtype], (arch, dtype)
