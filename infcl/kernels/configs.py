@@ -249,18 +249,15 @@ def score_tile(arch: int, klass: str, ragged: bool = False) -> ScoreTile:
 
 
 def torch_matmul_precision() -> str:
-    """"tf32" where torch's own float32 CUDA matmuls run in TF32, else "ieee": from
-    ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9+; "none" defers to
-    ``torch.backends.fp32_precision``), else the legacy ``allow_tf32``. (Reading ``allow_tf32`` on a torch
-    whose TF32 was set through ``fp32_precision`` raises; setting ``allow_tf32`` sets ``fp32_precision``.)"""
+    """"tf32" where torch's own float32 CUDA matmuls run in TF32, else "ieee". ``allow_tf32`` first (torch.compile
+    traces it; on torch 2.9+ it reflects ``fp32_precision`` too), and where reading it raises (torch 2.9+ after
+    TF32 was set through ``torch.backends.cuda.matmul.fp32_precision`` or ``torch.backends.fp32_precision``),
+    ``fp32_precision``, which then says "tf32"."""
     matmul = torch.backends.cuda.matmul
     try:
-        value = matmul.fp32_precision
-    except AttributeError:  # torch < 2.9
         return "tf32" if matmul.allow_tf32 else "ieee"
-    if value == "none":
-        value = getattr(torch.backends, "fp32_precision", "none")
-    return "tf32" if value == "tf32" else "ieee"
+    except RuntimeError:  # mixed legacy and new TF32 settings
+        return "tf32" if matmul.fp32_precision == "tf32" else "ieee"
 
 
 # TF32 keeps float32's top 19 bits (sign, 8 exponent bits, 10 mantissa bits): the low 13 go.
