@@ -94,8 +94,9 @@ def cal_distill_loss(
         group: torch.distributed group to ring over (default: the world when initialized): each rank
             passes its shard (student and teacher alike) and gets the loss of its rows (and columns)
             against the global batch; gradients are those of the sum of every rank's loss.
-        backend: "auto" (as for the losses: the native kernel for CPU tensors when it is built, Triton on
-            CUDA, else the torch tiles; ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton";
+        backend: "auto" (the native kernel for CPU tensors when it is built, else the torch tiles; on CUDA
+            the torch tiles until the Triton kernels have run on a GPU, :mod:`infcl.backends.select`;
+            ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton";
             "reference" raises NotImplementedError.
 
     Returns:

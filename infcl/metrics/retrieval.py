@@ -124,8 +124,9 @@ def retrieval_metrics(
             0-based rank as float64 (exact below 2**53), NaN where undefined.
         group: torch.distributed group to ring over (default: the world when initialized); each rank
             passes its shard and gets the metrics of the global set: the same dict on every rank.
-        backend: "auto" (as for the losses: the native kernel for CPU tensors when it is built, Triton on
-            CUDA, else the torch tiles; ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton". Every
+        backend: "auto" (the native kernel for CPU tensors when it is built, else the torch tiles; on CUDA
+            the torch tiles until the Triton kernels have run on a GPU, :mod:`infcl.backends.select`;
+            ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton". Every
             backend gives the same ranks wherever its scores are the same bits (always for exact ties);
             "reference" raises NotImplementedError.
 
