@@ -124,4 +124,5 @@ def test_drop_in_takes_the_backend(backend):
 
 def test_reference_is_not_a_backend_of_the_distillation_loss():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
-        cal_distill_loss(torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 2), backend="reference")
+        features = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 2))
+        cal_distill_loss(*features, backend="reference")

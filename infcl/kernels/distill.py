@@ -35,8 +35,19 @@ from ..backends.base import Block, Tensor
 from ..losses.distill import DistillPartials, DistillUpstream, Teacher
 from .configs import COMPILE_OPTIONS, launch_options, tf32_operands
 from .rank import beyond_tiling, on_torch_tiles
-from .tiles import check_blocks, dot_operand, exp, expm1, load_tile, load_vector, masked_scores, merge_rest_stats
-from .tiles import score_chunks, tile_dot, tile_rest_stats
+from .tiles import (
+    check_blocks,
+    dot_operand,
+    exp,
+    expm1,
+    load_tile,
+    load_vector,
+    masked_scores,
+    merge_rest_stats,
+    score_chunks,
+    tile_dot,
+    tile_rest_stats,
+)
 
 
 @triton.jit
