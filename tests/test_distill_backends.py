@@ -126,3 +126,16 @@ def test_reference_is_not_a_backend_of_the_distillation_loss():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         features = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 2))
         cal_distill_loss(*features, backend="reference")
+
+
+def test_triton_kernels_compile_for_a_gpu():
+    """cal_distill_loss forward and backward with backend="triton", compile-only for sm_90 (bf16, fp32;
+    INFCL_COMPILE_FULL=1: more dtypes and sm_80), symmetric and one direction: no spills, within shared
+    memory, no float atomics."""
+    pytest.importorskip("triton")
+    import beyond_compile
+
+    results = beyond_compile.compile_all("distill")
+    assert not beyond_compile.problems(results), "\n".join(beyond_compile.problems(results))
+    kernels = {row["kernel"] for r in results for row in r["kernels"]}
+    assert kernels == {"distill_forward", "distill_backward"}

@@ -87,13 +87,13 @@ def _distill_forward_kernel(
         lines = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_lines, n_other = n_k, n_q
         STEP = BLOCK_M
-        AXIS = 0
+        AXIS: tl.constexpr = 0
         zero = tl.zeros([BLOCK_N], ACC)
     else:
         lines = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         n_lines, n_other = n_q, n_k
         STEP = BLOCK_N
-        AXIS = 1
+        AXIS: tl.constexpr = 1
         zero = tl.zeros([BLOCK_M], ACC)
     # Running partials (the empty set: max -inf, rest -1): student (m, rest), teacher (m_t, rest_t), cross.
     m, rest, m_t, rest_t, cross = zero - float("inf"), zero - 1.0, zero - float("inf"), zero - 1.0, zero
