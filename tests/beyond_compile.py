@@ -1,5 +1,5 @@
 """Compile-only calls of retrieval_metrics and cal_distill_loss with backend="triton" for a GPU target, for
-tests/test_retrieval_backends.py and tests/test_distill_backends.py: the public call runs in a worker
+tests/test_beyond_compile.py: the public call runs in a worker
 process (TRITON_INTERPRET=0) under :func:`triton_compile.compile_only` (only Triton's active driver is a
 stand-in; every launch compiles instead of running), and each compiled kernel's resource row comes back.
 This module imports nothing from infcl or triton at the top (the workers set TRITON_INTERPRET first)."""
@@ -25,17 +25,19 @@ class BeyondCall(NamedTuple):
         return f"sm_{self.arch} {self.api} {self.dtype}-{self.precision}"
 
 
-def calls(full: bool, api: str) -> List[BeyondCall]:
-    """``api`` "ranks" or "distill": on sm_90 in bfloat16 and float32 (ieee); ``full`` adds tf32, float16,
-    float64 and sm_80."""
-    kinds = {"ranks": ("ranks", "ranks ids", "ranks any"), "distill": ("distill sym", "distill one")}[api]
+KINDS = ("ranks", "ranks ids", "ranks any", "distill sym", "distill one")
+
+
+def calls(full: bool) -> List[BeyondCall]:
+    """Each of :data:`KINDS` on sm_90 in bfloat16 and float32 (ieee); ``full`` adds tf32, float16, float64 and
+    sm_80."""
     dtypes = [("bfloat16", "ieee"), ("float32", "ieee")]
     archs = [90]
     if full:
         dtypes += [("float32", "tf32"), ("float16", "ieee"), ("float64", "ieee")]
         archs.append(80)
     return [BeyondCall(arch, kind, dtype, precision) for arch in archs for dtype, precision in dtypes
-            for kind in kinds]
+            for kind in KINDS]
 
 
 def _run(call: BeyondCall) -> None:
@@ -52,7 +54,7 @@ def _run(call: BeyondCall) -> None:
     if call.api.startswith("ranks"):
         ids = {}
         if call.api != "ranks":
-            ids = dict(q_ids=torch.randint(0, 9, (ROWS,), generator=gen), k_ids=torch.randint(0, 9, (cols,), generator=gen))
+            ids = {name: torch.randint(0, 9, (n,), generator=gen) for name, n in (("q_ids", ROWS), ("k_ids", cols))}
         infcl.retrieval_metrics(q, k, any_positive=call.api == "ranks any", backend="triton", **ids)
         return
     tq = torch.randn(ROWS, TEACHER_DIM, generator=gen).to(dtype)
@@ -87,7 +89,7 @@ def run_call(call: BeyondCall) -> Dict:
     return {"call": call.label(), "kernels": rows}
 
 
-def compile_all(api: str) -> List[Dict]:
+def compile_all() -> List[Dict]:
     """Every call of :func:`calls` (INFCL_COMPILE_FULL=1: the full matrix) in two spawned workers."""
     import concurrent.futures
     import multiprocessing
@@ -95,7 +97,7 @@ def compile_all(api: str) -> List[Dict]:
     full = os.environ.get("INFCL_COMPILE_FULL", "0") == "1"
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(2, context, initializer=triton_compile.init_worker) as pool:
-        return list(pool.map(run_call, calls(full, api)))
+        return list(pool.map(run_call, calls(full)))
 
 
 def problems(results: List[Dict]) -> List[str]:

@@ -59,7 +59,10 @@ def test_matches_float64_truth(backend, dtype, symmetric):
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
 @pytest.mark.parametrize("margin", (25.0, 55.0))
 def test_confident_teacher_and_student(backend, dtype, margin):
-    """Both put 1 - 1e-11 .. 1e-24 on the diagonal: the difference of two probabilities near 1 keeps its digits."""
+    """Both put 1 - 1e-11 .. 1e-24 on the diagonal: the difference of two probabilities near 1 keeps its digits
+    (the interpreter, at ~0.5 s per call, runs the harder margin only)."""
+    if backend == "triton" and margin < 55.0:
+        pytest.skip("the interpreter runs margin 55 only")
     n = d = 40
     eye = torch.eye(n, d, dtype=torch.float64)
     gen = torch.Generator().manual_seed(3)
@@ -127,15 +130,3 @@ def test_reference_is_not_a_backend_of_the_distillation_loss():
         features = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 2))
         cal_distill_loss(*features, backend="reference")
 
-
-def test_triton_kernels_compile_for_a_gpu():
-    """cal_distill_loss forward and backward with backend="triton", compile-only for sm_90 (bf16, fp32;
-    INFCL_COMPILE_FULL=1: more dtypes and sm_80), symmetric and one direction: no spills, within shared
-    memory, no float atomics."""
-    pytest.importorskip("triton")
-    import beyond_compile
-
-    results = beyond_compile.compile_all("distill")
-    assert not beyond_compile.problems(results), "\n".join(beyond_compile.problems(results))
-    kernels = {row["kernel"] for r in results for row in r["kernels"]}
-    assert kernels == {"distill_forward", "distill_backward"}

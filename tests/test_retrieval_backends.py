@@ -116,15 +116,3 @@ def test_reference_is_not_a_backend_of_the_ranks():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         retrieval_metrics(torch.randn(4, 3), torch.randn(4, 3), backend="reference")
 
-
-def test_triton_kernels_compile_for_a_gpu():
-    """The public call with backend="triton", compile-only for sm_90 (bf16, fp32; INFCL_COMPILE_FULL=1: more
-    dtypes and sm_80): both passes, with labels, ids and any_positive, compile without spills, within shared
-    memory and without float atomics."""
-    pytest.importorskip("triton")
-    import beyond_compile
-
-    results = beyond_compile.compile_all("ranks")
-    assert not beyond_compile.problems(results), "\n".join(beyond_compile.problems(results))
-    kernels = {row["kernel"] for r in results for row in r["kernels"]}
-    assert kernels == {"best_positives", "ahead_counts"}
