@@ -130,3 +130,14 @@ def test_reference_is_not_a_backend_of_the_distillation_loss():
         features = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 2))
         cal_distill_loss(*features, backend="reference")
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+def test_triton_on_a_gpu_at_size(dtype):
+    """The Triton kernels on a GPU with their own tiles, 3000 rows and D = 200 (several chunks and slices)."""
+    q, k, tq, tk = _features(3000, 3000, 200, 96, dtype, 12)
+    got = _run(*_on_device(q, k, tq, tk), 30.0, 50.0, backend="triton")
+    want = truth(q, k, tq, tk, 30.0, 50.0, upstream=torch.full((3000,), 1 / 3000, dtype=torch.float64))
+    assert abs(float(got[0]) - float(want[0].mean())) <= NORMWISE[dtype] * float(want[0].mean())
+    _check(got[1:], want[1:], dtype)

@@ -116,3 +116,19 @@ def test_reference_is_not_a_backend_of_the_ranks():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         retrieval_metrics(torch.randn(4, 3), torch.randn(4, 3), backend="reference")
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
+def test_triton_on_a_gpu_at_size(dtype):
+    """The Triton kernels on a GPU with their own tiles, 3000 rows: exact ties (integer features; every tile
+    must be the same bits in both passes and walks) and random features, against the torch tiles and the truth."""
+    gen = torch.Generator().manual_seed(10)
+    image = torch.randint(-1, 2, (3000, 8), generator=gen).to(dtype)
+    text = torch.randint(-1, 2, (3000, 8), generator=gen).to(dtype)
+    got, ranks = _same_as_torch_tiles("triton", image, text)
+    assert_same(got, ranks, truth(image, text), f"ties {dtype}")
+    if dtype == torch.float64:  # lower precisions round near-ties differently from cuBLAS and the truth
+        image, text = _pairs(3000, 3000, 64, torch.float64, 11)
+        got, ranks = _same_as_torch_tiles("triton", image.to(dtype), text.to(dtype))
+        assert_same(got, ranks, truth(image.to(dtype), text.to(dtype)), f"random {dtype}")
