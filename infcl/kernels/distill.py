@@ -34,7 +34,7 @@ import triton.language as tl
 from ..backends.base import Block, Tensor
 from ..losses.distill import DistillPartials, DistillUpstream, Teacher
 from .configs import COMPILE_OPTIONS, launch_options, tf32_operands
-from .rank import beyond_tiling, on_torch_tiles
+from .rank import beyond_tiling, on_torch_tiles, program_lines, tile_at
 from .tiles import (
     check_blocks,
     dot_operand,
@@ -82,28 +82,13 @@ def _distill_forward_kernel(
     BLOCK_DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
-    pid = tl.program_id(0).to(tl.int64)
-    if BY_COLUMN:
-        lines = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_lines, n_other = n_k, n_q
-        STEP = BLOCK_M
-        AXIS: tl.constexpr = 0
-        zero = tl.zeros([BLOCK_N], ACC)
-    else:
-        lines = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_lines, n_other = n_q, n_k
-        STEP = BLOCK_N
-        AXIS: tl.constexpr = 1
-        zero = tl.zeros([BLOCK_M], ACC)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    AXIS: tl.constexpr = 0 if BY_COLUMN else 1  # the tile's axis along a line
+    zero = tl.zeros(lines.shape, ACC)
     # Running partials (the empty set: max -inf, rest -1): student (m, rest), teacher (m_t, rest_t), cross.
     m, rest, m_t, rest_t, cross = zero - float("inf"), zero - 1.0, zero - float("inf"), zero - 1.0, zero
-    for o0 in range(0, n_other, STEP):
-        if BY_COLUMN:
-            rows = o0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            cols = lines
-        else:
-            rows = lines
-            cols = o0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
         raw, s, t = _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
                            stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0,
                            stride_tk1, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, ACC, UPCAST, PRECISION)
@@ -164,25 +149,12 @@ def _distill_backward_kernel(
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     pid = tl.program_id(0).to(tl.int64)
     feats = tl.program_id(1).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    if BY_COLUMN:
-        lines = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_lines, n_other = n_k, n_q
-        STEP = BLOCK_M
-        grad = tl.zeros([BLOCK_N, BLOCK_OUT], ACC)
-    else:
-        lines = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_lines, n_other = n_q, n_k
-        STEP = BLOCK_N
-        grad = tl.zeros([BLOCK_M, BLOCK_OUT], ACC)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    grad = tl.zeros([lines.shape[0], BLOCK_OUT], ACC)
     dscale_rows = tl.zeros([BLOCK_M, BLOCK_N], ACC)
     dscale_cols = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-    for o0 in range(0, n_other, STEP):
-        if BY_COLUMN:
-            rows = o0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            cols = lines
-        else:
-            rows = lines
-            cols = o0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
         raw, s, t = _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
                            stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0,
                            stride_tk1, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, ACC, UPCAST, PRECISION)

@@ -79,6 +79,29 @@ def _line_ids(ptr, idx, n, PRESENT: tl.constexpr):
 
 
 @triton.jit
+def program_lines(n_q, n_k, BY_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lines, n_lines, n_other, step) of a walk's program: its BLOCK_M rows (BY_COLUMN False) or BLOCK_N
+    columns (True), how many that side has, the other side's length, and the other side's block (the
+    walk's step)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if BY_COLUMN:
+        lines, n_lines, n_other, step = pid * BLOCK_N + tl.arange(0, BLOCK_N), n_k, n_q, BLOCK_M
+    else:
+        lines, n_lines, n_other, step = pid * BLOCK_M + tl.arange(0, BLOCK_M), n_q, n_k, BLOCK_N
+    return lines, n_lines, n_other, step
+
+
+@triton.jit
+def tile_at(lines, o0, BY_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows, cols) of the walk's tile whose other side starts at o0."""
+    if BY_COLUMN:
+        rows, cols = o0 + tl.arange(0, BLOCK_M).to(tl.int64), lines
+    else:
+        rows, cols = lines, o0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    return rows, cols
+
+
+@triton.jit
 def _best_positives_kernel(
     q_ptr, k_ptr, pos_ptr, q_ids_ptr, k_ids_ptr, row_index_ptr, col_index_ptr, score_ptr, best_ptr, count_ptr,
     n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
@@ -86,45 +109,22 @@ def _best_positives_kernel(
     BLOCK_D: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
-    pid = tl.program_id(0).to(tl.int64)
-    if BY_COLUMN:
-        lines = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_lines, n_other = n_k, n_q
-        STEP = BLOCK_M
-        col_ids = _line_ids(k_ids_ptr, lines, n_k, ANY)
-        best = tl.full([BLOCK_N], float("-inf"), ACC)
-        best_index = tl.full([BLOCK_N], NO_BEST, tl.int64)
-        count = tl.zeros([BLOCK_N], tl.int64)
-    else:
-        lines = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_lines, n_other = n_q, n_k
-        STEP = BLOCK_N
-        row_ids = _line_ids(q_ids_ptr, lines, n_q, ANY)
-        row_pos = load_vector(pos_ptr, lines, n_q, 1, -1, True)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    best = tl.full(lines.shape, float("-inf"), ACC)
+    best_index = tl.full(lines.shape, NO_BEST, tl.int64)
+    count = tl.zeros(lines.shape, tl.int64)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        row_ids = _line_ids(q_ids_ptr, rows, n_q, ANY)  # (the compiler hoists what does not change)
+        col_ids = _line_ids(k_ids_ptr, cols, n_k, ANY)
+        row_pos = load_vector(pos_ptr, rows, n_q, 1, -1, True)
         lo, hi = positive_span(row_pos)
-        best = tl.full([BLOCK_M], float("-inf"), ACC)
-        best_index = tl.full([BLOCK_M], NO_BEST, tl.int64)
-        count = tl.zeros([BLOCK_M], tl.int64)
-    for o0 in range(0, n_other, STEP):
-        if BY_COLUMN:
-            rows = o0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            cols = lines
-            row_ids = _line_ids(q_ids_ptr, rows, n_q, ANY)
-            row_pos = load_vector(pos_ptr, rows, n_q, 1, -1, True)
-            lo, hi = positive_span(row_pos)
-        else:
-            rows = lines
-            cols = o0 + tl.arange(0, BLOCK_N).to(tl.int64)
-            col_ids = _line_ids(k_ids_ptr, cols, n_k, ANY)
         if ANY:
             positive = (row_ids[:, None] == col_ids[None, :]) & (rows[:, None] < n_q) & (cols[None, :] < n_k)
             holds = tl.max(positive.to(tl.int32)) > 0
         else:
             positive = cols[None, :] == row_pos[:, None]  # -1 past n_q and where the positive is elsewhere
-            if BY_COLUMN:  # the tile's first column
-                c0 = pid * BLOCK_N
-            else:
-                c0 = o0
+            c0 = tl.min(cols, axis=0)  # the tile's first column
             holds = (hi >= c0) & (lo < c0 + BLOCK_N)
         if holds:
             raw = score_chunks(
@@ -160,32 +160,15 @@ def _ahead_counts_kernel(
     BLOCK_D: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
-    pid = tl.program_id(0).to(tl.int64)
-    if BY_COLUMN:
-        lines = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_lines, n_other = n_k, n_q
-        STEP = BLOCK_M
-        col_ids = _line_ids(k_ids_ptr, lines, n_k, EXCLUDE)
-        ahead = tl.zeros([BLOCK_N], tl.int32)
-        bad = tl.zeros([BLOCK_N], tl.int32)
-    else:
-        lines = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_lines, n_other = n_q, n_k
-        STEP = BLOCK_N
-        row_ids = _line_ids(q_ids_ptr, lines, n_q, EXCLUDE)
-        ahead = tl.zeros([BLOCK_M], tl.int32)
-        bad = tl.zeros([BLOCK_M], tl.int32)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    ahead = tl.zeros(lines.shape, tl.int32)
+    bad = tl.zeros(lines.shape, tl.int32)
     threshold = load_vector(score_ptr, lines, n_lines, 1, 0.0, True)
     best_index = load_vector(best_ptr, lines, n_lines, 1, NO_BEST, True)
-    for o0 in range(0, n_other, STEP):
-        if BY_COLUMN:
-            rows = o0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            cols = lines
-            row_ids = _line_ids(q_ids_ptr, rows, n_q, EXCLUDE)
-        else:
-            rows = lines
-            cols = o0 + tl.arange(0, BLOCK_N).to(tl.int64)
-            col_ids = _line_ids(k_ids_ptr, cols, n_k, EXCLUDE)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        row_ids = _line_ids(q_ids_ptr, rows, n_q, EXCLUDE)
+        col_ids = _line_ids(k_ids_ptr, cols, n_k, EXCLUDE)
         raw = score_chunks(
             q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
             BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
