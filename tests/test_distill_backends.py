@@ -141,3 +141,14 @@ def test_triton_on_a_gpu_at_size(dtype):
     want = truth(q, k, tq, tk, 30.0, 50.0, upstream=torch.full((3000,), 1 / 3000, dtype=torch.float64))
     assert abs(float(got[0]) - float(want[0].mean())) <= NORMWISE[dtype] * float(want[0].mean())
     _check(got[1:], want[1:], dtype)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the native kernel is not built here")
+def test_native_ops_pass_opcheck():
+    """The native ops' schemas (dq, dk mutated in place) and fake impls agree with what they do."""
+    q, k, tq, tk = _features(12, 12, 5, 3, torch.float32, 7)
+    rows, cols = torch.ops.infcl.distill_forward_block(q, k, 3.0, tq, tk, 4.0, True)
+    torch.library.opcheck(torch.ops.infcl.distill_forward_block.default, (q, k, 3.0, tq, tk, 4.0, True))
+    g = torch.full((12,), 1 / 12)  # the block's own stats (m, r, mT, rT) stand in for the global ones
+    args = (q, k, 3.0, tq, tk, 4.0, rows[:4], g, cols[:4], g, torch.zeros(12, 5), torch.zeros(12, 5))
+    torch.library.opcheck(torch.ops.infcl.distill_backward_block.default, args)
