@@ -151,8 +151,8 @@ def _distill_backward_kernel(
     feats = tl.program_id(1).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
     grad = tl.zeros([lines.shape[0], BLOCK_OUT], ACC)
-    dscale_rows = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-    dscale_cols = tl.zeros([BLOCK_M, BLOCK_N], ACC)
+    dscale_rows = tl.zeros([BLOCK_M], ACC)  # per row of the tile: the row walk's sums of dS * raw
+    dscale_cols = tl.zeros([BLOCK_M], ACC)
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
         raw, s, t = _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
@@ -161,11 +161,11 @@ def _distill_backward_kernel(
         inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
         ds = tl.where(inside, _probability_gap(s, t, row_stats_ptr, rows, n_q, g_row_ptr, True), 0.0)
         if not BY_COLUMN:
-            dscale_rows += ds * raw
+            dscale_rows += tl.sum(ds * raw, axis=1)
         if SYMMETRIC:
             ds_cols = tl.where(inside, _probability_gap(s, t, col_stats_ptr, cols, n_k, g_col_ptr, False), 0.0)
             if not BY_COLUMN:
-                dscale_cols += ds_cols * raw
+                dscale_cols += tl.sum(ds_cols * raw, axis=1)
             ds = ds + ds_cols
         if BY_COLUMN:
             other = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, True, True)
@@ -180,8 +180,8 @@ def _distill_backward_kernel(
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * grad, mask=mask)
     if not BY_COLUMN:
         first_slice = tl.program_id(1) == 0  # every slice recomputes the same dS: one writes its sums
-        tl.store(partials_ptr + 2 * pid, tl.sum(tl.sum(dscale_rows, axis=1), axis=0), mask=first_slice)
-        tl.store(partials_ptr + 2 * pid + 1, tl.sum(tl.sum(dscale_cols, axis=1), axis=0), mask=first_slice)
+        tl.store(partials_ptr + 2 * pid, tl.sum(dscale_rows, axis=0), mask=first_slice)
+        tl.store(partials_ptr + 2 * pid + 1, tl.sum(dscale_cols, axis=0), mask=first_slice)
 
 
 def _launch_args(block: Block, teacher: Teacher, precision):
