@@ -35,6 +35,7 @@ from .configs import (
     Tiling,
     launch_options,
     operand_class,
+    target_family,
     tf32_operands,
 )
 from .tiles import check_blocks, load_vector, positive_span, score_chunks
@@ -47,7 +48,9 @@ from .tiles import check_blocks, load_vector, positive_span, score_chunks
 TILINGS = {
     "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32,
                   chunk_d=32),
-    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32),) * 3, resident_d=32, chunk_d=32),
+    # maxnreg 255: ptxas caps the rank kernels at 128 registers on sm_80 and spills 36 B.
+    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32, max_registers=255),) * 3, resident_d=32,
+                   chunk_d=32),
     "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
@@ -59,8 +62,17 @@ NO_BEST = tl.constexpr(NO_INDEX)
 
 
 def beyond_tiling(dtype: torch.dtype, precision: str) -> Tiling:
-    """The tiling of the rank and distillation kernels for inputs of ``dtype`` at ``precision``."""
-    return INTERPRETER_TILES if INTERPRETED else TILINGS[operand_class(dtype, precision)]
+    """The tiling of the rank and distillation kernels for inputs of ``dtype`` at ``precision`` on the active
+    target: :data:`TILINGS`, except that off sm_90 bf16/fp16 take the tf32 class's 64 x 32 tiles and 32-wide
+    slices of D (the distillation backward's 64 x 64 tile, 64-wide slices, spills 32-68 B on sm_80 at 255
+    registers, 12 B with 32-wide slices: its float32 teacher product runs on FMA units beside S)."""
+    if INTERPRETED:
+        return INTERPRETER_TILES
+    klass = operand_class(dtype, precision)
+    tiling = TILINGS[klass]
+    if klass == "mma" and target_family() != 90:
+        tiling = TILINGS["tf32"]
+    return tiling
 
 
 def on_torch_tiles(dtype: torch.dtype) -> bool:
