@@ -1,14 +1,16 @@
 """Retrieval ranks and the distillation loss against the GEMM they are bound by, and the ranks at scale.
 
-    python -m bench.retrieval ratio [--n 8192] [--dim 512] [--threads 2]   # both, vs one GEMM-equivalent
-    python -m bench.retrieval scale --n 65536 [--dim 512]                  # time and peak memory of the ranks
+    python -m bench.retrieval ratio [--n 8192] [--dim 512] [--threads 2] [--backends torch,cpu]  # vs one GEMM
+    python -m bench.retrieval scale --n 65536 [--dim 512] [--backend cpu]  # time and peak memory of the ranks
     python -m bench.retrieval memory --n 8192 --method open_clip|infcl     # distillation fwd+bwd peak memory
 
-``ratio``: in one process, the same sizes, min of ``--repeats``: the GEMM-equivalent is the torch tiles'
-walk of S = q @ k.T doing nothing but the tile products (the same tile shapes), so the ratio says what the
-ranks (two passes, the first only over tiles holding a positive) and the distillation loss (forward: two
-products per tile, student and teacher; backward: four, S and T again plus dq and dk) cost beyond their
-products. ``scale``: one call of ``retrieval_metrics`` on N x N unit features, its wall time and the growth
+``ratio``: in one process, the same sizes, min of ``--repeats``, each backend of ``--backends`` (default:
+the torch tiles, the native kernel where it is built, and Triton on CUDA): the GEMM-equivalent is the
+torch tiles' walk of S = q @ k.T doing nothing but the tile products, so each ratio says what the ranks
+(two passes, the first only over tiles holding a positive) and the distillation loss (forward: two
+products per tile, student and teacher; backward: four, S and T again plus dq and dk; the Triton kernels
+recompute more, see their modules) cost against one GEMM's worth of products. ``scale``: one call of
+``retrieval_metrics`` on N x N unit features, its wall time and the growth
 of the resident set's peak during it (VmHWM, reset first), beside the features' own size. ``memory``: the
 same peak growth for one forward and backward of open_clip's ``DistillClipLoss`` or ``InfDistillClipLoss``
 (one method per process, so that neither inherits the other's freed heap).
@@ -37,12 +39,14 @@ def _features(n: int, dim: int, seed: int = 0):
 def gemm_equivalent(q: torch.Tensor, k: torch.Tensor) -> None:
     """One pass of the torch tiles' products over S = q @ k.T, nothing else."""
     tq, tk = TORCH_TILES.tiles(q.device)
-    buf = torch.empty(min(tq, q.shape[0]) * min(tk, k.shape[0]), dtype=q.dtype)
+    buf = torch.empty(min(tq, q.shape[0]) * min(tk, k.shape[0]), dtype=q.dtype, device=q.device)
     for i0 in range(0, q.shape[0], tq):
         qi = q[i0 : i0 + tq]
         for j0 in range(0, k.shape[0], tk):
             kj = k[j0 : j0 + tk]
             torch.mm(qi, kj.T, out=buf[: qi.shape[0] * kj.shape[0]].view(qi.shape[0], kj.shape[0]))
+    if q.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -54,27 +58,36 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def _distill_step(image, text, t_image, t_text):
-    from infcl.distill import cal_distill_loss  # the distillation loss, when this branch has it
+def _distill_step(image, text, t_image, t_text, backend):
+    from infcl.distill import cal_distill_loss
 
     s_image, s_text = image.clone().requires_grad_(), text.clone().requires_grad_()
-    scale = torch.tensor(20.0, requires_grad=True)
-    loss = cal_distill_loss(s_image, s_text, t_image, t_text, scale, 30.0, backend="torch")
+    scale = torch.tensor(20.0, requires_grad=True, device=image.device)
+    loss = cal_distill_loss(s_image, s_text, t_image, t_text, scale, 30.0, backend=backend)
     loss.backward()
+    if image.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _backends(args) -> list:
+    from infcl.backends import unavailable_reason
+
+    if args.backends:
+        return args.backends.split(",")
+    device = torch.device(args.device)
+    return ["torch"] + [name for name in ("cpu", "triton") if unavailable_reason(name, device) is None]
 
 
 def ratio(args) -> list:
-    image, text = _features(args.n, args.dim)
-    t_image, t_text = _features(args.n, args.dim, seed=1)
+    image, text, t_image, t_text = (t.to(args.device) for t in (*_features(args.n, args.dim),
+                                                                *_features(args.n, args.dim, seed=1)))
     gemm = _best_of(lambda: gemm_equivalent(image, text), args.repeats)
-    rows = [("gemm-equivalent", gemm, 1.0, 1.0)]
-    ranks = _best_of(lambda: retrieval_metrics(image, text, backend="torch"), args.repeats)
-    rows.append(("retrieval_metrics", ranks, ranks / gemm, 1.0))  # + the tiles holding a positive
-    try:
-        distill = _best_of(lambda: _distill_step(image, text, t_image, t_text), args.repeats)
-        rows.append(("cal_distill_loss fwd+bwd", distill, distill / gemm, 6.0))
-    except ImportError as err:
-        print(f"(no distillation loss here: {err})")
+    rows = [("gemm-equivalent (torch tiles' products)", gemm, 1.0, 1.0)]
+    for backend in _backends(args):
+        ranks = _best_of(lambda b=backend: retrieval_metrics(image, text, backend=b), args.repeats)
+        rows.append((f"retrieval_metrics {backend}", ranks, ranks / gemm, 1.0))  # + the tiles holding a positive
+        distill = _best_of(lambda b=backend: _distill_step(image, text, t_image, t_text, b), args.repeats)
+        rows.append((f"cal_distill_loss fwd+bwd {backend}", distill, distill / gemm, 6.0))
     return rows
 
 
@@ -111,12 +124,12 @@ def scale(args) -> list:
         before = _rss()
         _peak_rss_reset()
     start = time.perf_counter()
-    metrics = retrieval_metrics(image, text, backend="torch")  # returns floats: synchronized
+    metrics = retrieval_metrics(image, text, backend=args.backend)  # returns floats: synchronized
     wall = time.perf_counter() - start
     growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
     features = image.numel() * image.element_size() * 2
     print({k: round(v, 6) for k, v in metrics.items()})
-    return [("retrieval_metrics", wall, growth / 2**20, features / 2**20)]
+    return [(f"retrieval_metrics {args.backend}", wall, growth / 2**20, features / 2**20)]
 
 
 def memory(args) -> list:
@@ -132,7 +145,7 @@ def memory(args) -> list:
     else:
         from infcl import InfDistillClipLoss
 
-        loss_fn = InfDistillClipLoss(backend="torch")
+        loss_fn = InfDistillClipLoss(backend=args.backend)
     before = _rss()
     _peak_rss_reset()
     start = time.perf_counter()
@@ -154,6 +167,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backends", default=None, help="ratio: comma-separated backends (default: every one here)")
+    parser.add_argument("--backend", default="auto", help="scale and memory: the backend")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

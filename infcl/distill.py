@@ -14,7 +14,8 @@ from torch.autograd.function import once_differentiable
 from .api import reduce_losses
 from .backends.base import accum_dtype
 from .backends.distill_tiles import DISTILL_TILES
-from .checks import check_features, check_reduction, check_tiles_backend, make_scale
+from .backends.select import select_impl
+from .checks import check_features, check_reduction, make_scale
 from .function import _param_grad, _param_meta, device_scale
 from .losses.distill import DistillRing, DistillUpstream
 from .modules import InfCLIPLoss
@@ -28,6 +29,7 @@ class DistillPlan:
 
     symmetric: bool
     layout: RingLayout
+    backend: object  # the tiles' implementation (distill_forward_block / distill_backward_block)
 
 
 class DistillLossFunction(torch.autograd.Function):
@@ -41,7 +43,7 @@ class DistillLossFunction(torch.autograd.Function):
         teacher = (teacher_q.detach().to(acc), teacher_k.detach().to(acc), device_scale(teacher_scale, q))
         ring = DistillRing(plan.symmetric, *teacher)
         labels = torch.full((q.shape[0],), -1, dtype=torch.int64, device=q.device)  # no positives: no one-hot
-        rows, cols = ring_forward(q, k, scale_t, labels, ring, DISTILL_TILES, plan.layout)
+        rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
         row_loss = rows.losses()
         col_loss = cols.losses() if plan.symmetric else row_loss.new_empty(0)
         saved = (rows.student, rows.teacher) + ((cols.student, cols.teacher) if plan.symmetric else ())
@@ -58,7 +60,7 @@ class DistillLossFunction(torch.autograd.Function):
         rows = DistillUpstream(saved[0], saved[1], g_row.to(acc).contiguous())
         cols = DistillUpstream(saved[2], saved[3], g_col.to(acc).contiguous()) if plan.symmetric else None
         ring = DistillRing(plan.symmetric, tq, tk, tscale)
-        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, DISTILL_TILES, plan.layout, rows, cols)
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, cols)
         scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None, None, None
 
@@ -92,8 +94,10 @@ def cal_distill_loss(
         group: torch.distributed group to ring over (default: the world when initialized): each rank
             passes its shard (student and teacher alike) and gets the loss of its rows (and columns)
             against the global batch; gradients are those of the sum of every rank's loss.
-        backend: "auto" or "torch" (the torch tiles, any device). "cpu", "triton" and "reference" are not
-            implemented for this loss and raise NotImplementedError.
+        backend: "auto" (the native kernel for CPU tensors when it is built, else the torch tiles; on CUDA
+            the torch tiles until the Triton kernels have run on a GPU, :mod:`infcl.backends.select`;
+            ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton";
+            "reference" raises NotImplementedError.
 
     Returns:
         The loss: 0-d, or [Bq] for reduction="none"; float32 (float64 for float64 students).
@@ -124,14 +128,31 @@ def cal_distill_loss(
                 f"symmetric=True needs as many q rows as k rows: student_q {list(student_q.shape)}, "
                 f"student_k {list(student_k.shape)}"
             )
-        check_tiles_backend(backend, "cal_distill_loss")
+        impl = distill_backend(backend, student_q.device)
         scale_t = make_scale(scale)
         teacher_scale_t = make_scale(teacher_scale, "teacher_scale").detach()
     layout = _layout(ring, student_q, student_k, teacher_q, symmetric)
     row_loss, col_loss = DistillLossFunction.apply(
-        student_q, student_k, scale_t, teacher_q, teacher_k, teacher_scale_t, DistillPlan(symmetric, layout)
+        student_q, student_k, scale_t, teacher_q, teacher_k, teacher_scale_t, DistillPlan(symmetric, layout, impl)
     )
     return reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
+
+
+def distill_backend(backend, device: torch.device):
+    """The tiles' implementation for ``backend`` on ``device``: the torch tiles (:data:`DISTILL_TILES`), the
+    native kernel or the Triton kernels (the same interface)."""
+
+    def native():
+        from .backends.distill_native import NATIVE_DISTILL
+
+        return NATIVE_DISTILL
+
+    def triton():
+        from .kernels.distill import TRITON_DISTILL
+
+        return TRITON_DISTILL
+
+    return select_impl(backend, device, "cal_distill_loss", DISTILL_TILES, native, triton)
 
 
 def _layout(ring, q, k, teacher_q, symmetric: bool) -> RingLayout:
@@ -162,8 +183,7 @@ class InfDistillClipLoss(InfCLIPLoss):
     scales are the exponentiated ones its models return. The contrastive loss is
     :func:`infcl.cal_inf_loss` (symmetric), the distillation term :func:`cal_distill_loss` (symmetric).
     The teacher ("dist_") gets no gradient (open_clip's training loop runs the teacher under no_grad).
-    ``backend`` chooses the contrastive loss's backend; the distillation term runs on the torch tiles, its
-    one backend so far, whatever ``backend`` says.
+    ``backend`` chooses the backend of both terms ("reference": the distillation term on the torch tiles).
 
     Under torch.distributed each rank passes its local features and gets its local losses, with the
     gradients of open_clip's ``DistillClipLoss(local_loss=True, gather_with_grad=True)``. Its constructor
@@ -171,6 +191,10 @@ class InfDistillClipLoss(InfCLIPLoss):
     come from ``group``; and infcl's ``group``, ``backend`` and mask options, which apply to the contrastive
     loss).
     """
+
+    def _distill_backend(self) -> str:
+        # "reference" (the contrastive loss's materializing check) has no distillation twin: the torch tiles.
+        return "torch" if self.backend == "reference" else self.backend
 
     def forward(
         self,
@@ -185,7 +209,7 @@ class InfDistillClipLoss(InfCLIPLoss):
         contrastive = super().forward(image_features, text_features, logit_scale)
         distill = cal_distill_loss(
             image_features, text_features, dist_image_features, dist_text_features, logit_scale, dist_logit_scale,
-            symmetric=True, group=self.group, backend="torch",
+            symmetric=True, group=self.group, backend=self._distill_backend(),
         )
         if output_dict:
             return {"contrastive_loss": contrastive, "distill_loss": distill}

@@ -22,6 +22,7 @@ TILES = ((None, None), (7, 13))
 
 @pytest.fixture(params=TILES, ids=lambda t: f"tiles{t[0]}x{t[1]}")
 def tiles(request, monkeypatch):
+    monkeypatch.setenv("INFCL_BACKEND", "torch")  # "auto" would run the native kernel: these test the tiles
     monkeypatch.setattr(RANK_TILES, "tile_q", request.param[0])
     monkeypatch.setattr(RANK_TILES, "tile_k", request.param[1])
 
@@ -181,8 +182,7 @@ def test_nan_in_nan_out():
         ({"any_positive": 1}, TypeError, "any_positive must be a bool"),
         ({"labels": torch.tensor([0, 0, 1, 2])}, ValueError, "permutation"),
         ({"q_ids": torch.arange(4)}, ValueError, "q_ids was given without k_ids"),
-        ({"backend": "cpu"}, NotImplementedError, "backend='cpu' is not implemented"),
-        ({"backend": "triton"}, NotImplementedError, "backend='triton'"),
+        ({"backend": "reference"}, NotImplementedError, "backend='reference'"),
         ({"backend": "gpu"}, ValueError, "backend must be one of"),
         ({"text": torch.randn(5, 3)}, ValueError, "as many image rows as text rows"),
     ],

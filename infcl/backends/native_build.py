@@ -260,6 +260,16 @@ def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
+def _distill_forward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, symmetric):
+    acc = accum_dtype(q.dtype)
+    return q.new_empty(5, q.shape[0], dtype=acc), q.new_empty(5, k.shape[0] if symmetric else 0, dtype=acc)
+
+
+def _distill_backward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, row_stats, g_row, col_stats, g_col, dq,
+                           dk):
+    return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
 FAKES = {
     "infcl::forward_block": _forward_fake,  # csrc/infcl_cpu.cpp
     "infcl::backward_block": _backward_fake,
@@ -268,6 +278,8 @@ FAKES = {
     "infcl::guide_label_scores": _guide_label_scores_fake,
     "infcl::sigmoid_forward_block": _sigmoid_forward_fake,  # csrc/infcl_siglip.cpp
     "infcl::sigmoid_backward_block": _sigmoid_backward_fake,
+    "infcl::distill_forward_block": _distill_forward_fake,  # csrc/distill.cpp
+    "infcl::distill_backward_block": _distill_backward_fake,
 }
 
 

@@ -21,7 +21,7 @@ with ``row_index`` / ``col_index`` the global indices of the block's rows and co
     per row (column), the columns (rows) of the block ahead of its best positive (``rows`` / ``cols``:
     the global :class:`Best` thresholds), leaving out the entries with the row's id when ids are given
     without ``multi_positive`` (duplicates of the positive are not counted against it), and in how many
-    tiles its scores are not all finite (their sum is not: a NaN, an infinity, or an overflow). One GEMM
+    of its scores are not finite (NaN or infinite; only whether it is 0 matters). One GEMM
     per tile; the count is one comparison into a float tile and a float sum per direction (ties below
     the best's index by the threshold's next float down; lines whose best lies in the tile get their
     ties counted on their own line of the tile).
@@ -68,7 +68,7 @@ class Ahead(NamedTuple):
     """Pass 2's counts of ``n`` rows (or columns): plain sums, merged by addition."""
 
     ahead: Tensor  # [n] int64 entries ahead of the best positive
-    nonfinite: Tensor  # [n] int64 tiles in which the line's scores are not all finite (their sum is not)
+    nonfinite: Tensor  # [n] int64 the line's scores that are NaN or infinite
 
 
 def _tile_best(values: Tensor, index: Tensor, dim: int) -> Tuple[Tensor, Tensor]:
@@ -142,7 +142,8 @@ class RankTiles:
             last_col = col_index[c][-1]
             threshold = torch.where(rows.index[r] > last_col, r_lower[r], rows.score[r])
             out_rows.ahead[r] += torch.gt(s, threshold[:, None], out=tile.view(counted)).sum(dim=1).to(torch.int64)
-            out_rows.nonfinite[r] += ~torch.isfinite(s.sum(dim=1))
+            bad = torch.isfinite(s).logical_not_()
+            out_rows.nonfinite[r] += bad.sum(dim=1)
             if key in r_straddling:
                 lines = r_straddling[key]
                 _count_ties(out_rows.ahead, lines, s[lines - r.start], rows, col_index[None, c])
@@ -151,7 +152,7 @@ class RankTiles:
             last_row = row_index[r][-1]
             threshold = torch.where(cols.index[c] > last_row, c_lower[c], cols.score[c])
             out_cols.ahead[c] += torch.gt(s, threshold[None, :], out=tile.view(counted)).sum(dim=0).to(torch.int64)
-            out_cols.nonfinite[c] += ~torch.isfinite(s.sum(dim=0))
+            out_cols.nonfinite[c] += bad.sum(dim=0)
             if key in c_straddling:
                 lines = c_straddling[key]
                 _count_ties(out_cols.ahead, lines, s[:, lines - c.start].T, cols, row_index[None, r])
@@ -168,12 +169,13 @@ class RankTiles:
             ahead = tile.view(ahead_buf)
             _ahead(ahead, s, rows.score[tile.rows, None], rows.index[tile.rows, None], col_index[None, tile.cols], same)
             out_rows.ahead[tile.rows] += ahead.sum(dim=1)
-            out_rows.nonfinite[tile.rows] += ~torch.isfinite(s.sum(dim=1))
+            bad = torch.isfinite(s).logical_not_()
+            out_rows.nonfinite[tile.rows] += bad.sum(dim=1)
             if cols is not None:
                 _ahead(ahead, s, cols.score[None, tile.cols], cols.index[None, tile.cols], row_index[tile.rows, None],
                        same)
                 out_cols.ahead[tile.cols] += ahead.sum(dim=0)
-                out_cols.nonfinite[tile.cols] += ~torch.isfinite(s.sum(dim=0))
+                out_cols.nonfinite[tile.cols] += bad.sum(dim=0)
         return out_rows, out_cols
 
 

@@ -10,7 +10,8 @@ of a row's positive is counted on the tiles in two passes on the one ring loop
    the column counts travel home like a symmetric loss's column partials.
 
 Then each rank gathers the O(B) ranks (an all_gather) and computes the same dict.
-The torch tiles do the arithmetic (:mod:`infcl.backends.rank_tiles`).
+The arithmetic: the torch tiles (:mod:`infcl.backends.rank_tiles`), the native kernel
+(``csrc/retrieval.cpp``, :mod:`infcl.backends.rank_native`) or the Triton kernels (:mod:`infcl.kernels.rank`).
 """
 
 import math
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from ..backends.base import Block, Tensor, accum_dtype
 from ..backends.rank_tiles import RANK_TILES, Ahead, Best, RankTiles
-from ..checks import check_features, check_tiles_backend, global_labels, local_labels, make_masks
+from ..backends.select import select_impl
+from ..checks import check_features, global_labels, local_labels, make_masks
 from ..ring.driver import SummedParts, ring_forward
 from ..ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 
@@ -122,8 +124,11 @@ def retrieval_metrics(
             0-based rank as float64 (exact below 2**53), NaN where undefined.
         group: torch.distributed group to ring over (default: the world when initialized); each rank
             passes its shard and gets the metrics of the global set: the same dict on every rank.
-        backend: "auto" or "torch" (the torch tiles, any device). "cpu", "triton" and "reference" are
-            not implemented for the ranks and raise NotImplementedError.
+        backend: "auto" (the native kernel for CPU tensors when it is built, else the torch tiles; on CUDA
+            the torch tiles until the Triton kernels have run on a GPU, :mod:`infcl.backends.select`;
+            ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton". Every
+            backend gives the same ranks wherever its scores are the same bits (always for exact ties);
+            "reference" raises NotImplementedError.
 
     Returns:
         A dict of Python floats with open_clip ``get_clip_metrics``'s keys and values:
@@ -178,8 +183,24 @@ def _check_args(image, text, ks, q_ids, k_ids, labels, any_positive, return_rank
         raise ValueError("any_positive=True needs q_ids and k_ids (the positives are the columns with the row's id)")
     if any_positive and labels is not None:
         raise ValueError("labels are not used with any_positive=True (the positives are the ids' matches): pass None")
-    check_tiles_backend(backend, "retrieval_metrics")
-    return RANK_TILES, tuple(int(k) for k in ks)
+    return rank_backend(backend, image.device), tuple(int(k) for k in ks)
+
+
+def rank_backend(backend, device: torch.device):
+    """The two passes' implementation for ``backend`` on ``device``: the torch tiles
+    (:data:`RANK_TILES`), the native kernel or the Triton kernels (the same interface)."""
+
+    def native():
+        from ..backends.rank_native import NATIVE_RANKS
+
+        return NATIVE_RANKS
+
+    def triton():
+        from ..kernels.rank import TRITON_RANKS
+
+        return TRITON_RANKS
+
+    return select_impl(backend, device, "retrieval_metrics", RANK_TILES, native, triton)
 
 
 def _check_pairs(image: Tensor, layout: RingLayout) -> None:

@@ -1,0 +1,271 @@
+"""The distillation loss's block steps as Triton kernels (``cal_distill_loss(backend="triton")``; the math and
+the partials: :mod:`infcl.losses.distill`; the torch tiles' version: :mod:`infcl.backends.distill_tiles`).
+
+Each tile of the student's S = scale * q @ k.T is formed beside the same tile of the teacher's
+T = teacher_scale * tq @ tk.T, both by :func:`infcl.kernels.tiles.score_chunks` in the q-rows x k-rows
+orientation on one S tile config (:func:`infcl.kernels.rank.beyond_tiling`) and scaled by one rounded
+multiply (:func:`infcl.kernels.tiles.masked_scores`), so every kernel forms the same bits and S - m,
+T - mT are exact at a line's maxima.
+
+- :func:`_distill_forward_kernel`: a program owns BLOCK_M rows (``BY_COLUMN`` False) or BLOCK_N columns
+  (True) and walks the other side's blocks, keeping per line the student's and the teacher's stats in
+  rest form and cross = sum exp(T - mT) * (m - S), merged tile by tile with the one online merge of
+  the kernels (:func:`infcl.kernels.tiles.merge_rest_stats`) and cross rescaled beside it:
+  (cross + (M - m) * (1 + rest_T)) * exp(mT - MT) per side. The host turns rest into r = log1p(rest).
+- :func:`_distill_backward_kernel`: a program owns (BLOCK_M rows or BLOCK_N columns) x (a BLOCK_OUT slice
+  of D), recomputes S and T per tile, forms dS = g_row (softmax_row(S) - softmax_row(T)) (+ the columns'
+  term when symmetric) and accumulates dq = scale * dS @ k (rows) or dk = scale * dS.T @ q (columns) in
+  registers; the row programs of slice 0 also write their sums of dS * (q @ k.T) per direction. No
+  atomics: each output has one program.
+
+dS at an entry equal to its line's student maximum (the only one where both probabilities can exceed
+1/2) is -sign(a - b) * exp(max(a, b)) * expm1(-|a - b|), a = (S - m) - r, b = (T - mT) - rT, so two
+near-1 probabilities keep the digits of their difference; elsewhere exp(a) - exp(b).
+
+GEMM-equivalents per block: forward 2 per direction (S and T; symmetric: 4), backward 3 per walk and D
+slice (S, T, the gradient product): 6 for a D of one slice, against 2 + 4 for the torch and native
+backends, the price of no atomics.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends.base import Block, Tensor
+from ..losses.distill import DistillPartials, DistillUpstream, Teacher
+from .configs import COMPILE_OPTIONS, launch_options, tf32_operands
+from .rank import beyond_tiling, on_torch_tiles, program_lines, tile_at
+from .tiles import (
+    check_blocks,
+    dot_operand,
+    exp,
+    expm1,
+    load_tile,
+    load_vector,
+    masked_scores,
+    merge_rest_stats,
+    score_chunks,
+    tile_dot,
+    tile_rest_stats,
+)
+
+
+@triton.jit
+def _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
+           stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
+           ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """(raw, s, t) of the tile q[rows] x k[cols]: raw = q @ k.T, s = scale * raw and t = teacher_scale *
+    tq @ tk.T, -inf outside the block. Every kernel forms them here."""
+    raw = score_chunks(q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                       BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION)
+    t_raw = score_chunks(tq_ptr, tk_ptr, rows, cols, n_q, n_k, DT, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
+                         BLOCK_M, BLOCK_N, BLOCK_DT, True, True, True, ACC, UPCAST, PRECISION)
+    s = masked_scores(raw, tl.load(params_ptr), rows, cols, n_q, n_k, True, True)
+    t = masked_scores(t_raw, tl.load(params_ptr + 1), rows, cols, n_q, n_k, True, True)
+    return raw, s, t
+
+
+@triton.jit
+def _cross_rescaled(cross, m, rest_t, m_t, new_m, new_m_t):
+    """cross relative to the maxima (new_m, new_m_t) >= (m, m_t): (cross + (M - m) * (1 + rest_T)) *
+    exp(mT - MT); 0 for the empty set (m = -inf)."""
+    shifted = (cross + (new_m - m) * (rest_t + 1.0)) * exp(m_t - new_m_t)
+    return tl.where(m == float("-inf"), 0.0, shifted)
+
+
+@triton.jit
+def _distill_forward_kernel(
+    q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, out_ptr, n_q, n_k, D, DT,
+    stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
+    BY_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    AXIS: tl.constexpr = 0 if BY_COLUMN else 1  # the tile's axis along a line
+    zero = tl.zeros(lines.shape, ACC)
+    # Running partials (the empty set: max -inf, rest -1): student (m, rest), teacher (m_t, rest_t), cross.
+    m, rest, m_t, rest_t, cross = zero - float("inf"), zero - 1.0, zero - float("inf"), zero - 1.0, zero
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        raw, s, t = _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
+                           stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0,
+                           stride_tk1, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, ACC, UPCAST, PRECISION)
+        tile_m, tile_rest = tile_rest_stats(s, AXIS)
+        tile_m_t, tile_rest_t = tile_rest_stats(t, AXIS)
+        if BY_COLUMN:
+            weights, gaps = exp(t - tile_m_t[None, :]), tile_m[None, :] - s
+        else:
+            weights, gaps = exp(t - tile_m_t[:, None]), tile_m[:, None] - s
+        inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+        tile_cross = tl.sum(tl.where(inside, weights * gaps, 0.0), axis=AXIS)  # >= 0: no cancellation
+        new_m = tl.maximum(m, tile_m)
+        new_m_t = tl.maximum(m_t, tile_m_t)
+        cross = (_cross_rescaled(cross, m, rest_t, m_t, new_m, new_m_t)
+                 + _cross_rescaled(tile_cross, tile_m, tile_rest_t, tile_m_t, new_m, new_m_t))
+        m, rest = merge_rest_stats(m, rest, tile_m, tile_rest)
+        m_t, rest_t = merge_rest_stats(m_t, rest_t, tile_m_t, tile_rest_t)
+    ok = lines < n_lines
+    tl.store(out_ptr + lines, m, mask=ok)
+    tl.store(out_ptr + n_lines + lines, rest, mask=ok)
+    tl.store(out_ptr + 2 * n_lines + lines, m_t, mask=ok)
+    tl.store(out_ptr + 3 * n_lines + lines, rest_t, mask=ok)
+    tl.store(out_ptr + 4 * n_lines + lines, cross, mask=ok)
+
+
+@triton.jit
+def _probability_gap(s, t, stats_ptr, idx, n, g_ptr, ROWS: tl.constexpr):
+    """g * (softmax(S) - softmax(T)) over the tile along rows (ROWS: each row's stats) or columns, from the
+    lines' global (m, r, mT, rT) at stats_ptr [4, n] and their upstream gradients g; 0 past n."""
+    m = load_vector(stats_ptr, idx, n, 1, 0.0, True)
+    r = load_vector(stats_ptr + n, idx, n, 1, 0.0, True)
+    m_t = load_vector(stats_ptr + 2 * n, idx, n, 1, 0.0, True)
+    r_t = load_vector(stats_ptr + 3 * n, idx, n, 1, 0.0, True)
+    g = load_vector(g_ptr, idx, n, 1, 0.0, True)
+    if ROWS:
+        m, r, m_t, r_t, g = m[:, None], r[:, None], m_t[:, None], r_t[:, None], g[:, None]
+    else:
+        m, r, m_t, r_t, g = m[None, :], r[None, :], m_t[None, :], r_t[None, :], g[None, :]
+    a = (s - m) - r
+    b = (t - m_t) - r_t
+    d = a - b
+    at_max = s == m  # a = -r: where both probabilities may exceed 1/2
+    sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    exact = -sign * exp(tl.maximum(a, b)) * expm1(tl.where(at_max, -tl.abs(d), 0.0))
+    return tl.where(at_max, g * exact, g * (exp(a) - exp(b)))
+
+
+@triton.jit
+def _distill_backward_kernel(
+    q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr, grad_ptr,
+    partials_ptr, n_q, n_k, D, DT,
+    stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
+    stride_grad0, stride_grad1,
+    BY_COLUMN: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_OUT: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    pid = tl.program_id(0).to(tl.int64)
+    feats = tl.program_id(1).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    grad = tl.zeros([lines.shape[0], BLOCK_OUT], ACC)
+    dscale_rows = tl.zeros([BLOCK_M], ACC)  # per row of the tile: the row walk's sums of dS * raw
+    dscale_cols = tl.zeros([BLOCK_M], ACC)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        raw, s, t = _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
+                           stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0,
+                           stride_tk1, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, ACC, UPCAST, PRECISION)
+        inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+        ds = tl.where(inside, _probability_gap(s, t, row_stats_ptr, rows, n_q, g_row_ptr, True), 0.0)
+        if not BY_COLUMN:
+            dscale_rows += tl.sum(ds * raw, axis=1)
+        if SYMMETRIC:
+            ds_cols = tl.where(inside, _probability_gap(s, t, col_stats_ptr, cols, n_k, g_col_ptr, False), 0.0)
+            if not BY_COLUMN:
+                dscale_cols += tl.sum(ds_cols * raw, axis=1)
+            ds = ds + ds_cols
+        if BY_COLUMN:
+            other = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, True, True)
+            operand = dot_operand(tl.trans(ds), q_ptr.dtype.element_ty, PRECISION)
+        else:
+            other = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, True, True)
+            operand = dot_operand(ds, k_ptr.dtype.element_ty, PRECISION)
+        grad = tile_dot(operand, other, grad, UPCAST, PRECISION)
+    scale = tl.load(params_ptr)
+    mask = (lines[:, None] < n_lines) & (feats[None, :] < D)
+    ptrs = grad_ptr + lines[:, None] * stride_grad0 + feats[None, :] * stride_grad1
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * grad, mask=mask)
+    if not BY_COLUMN:
+        first_slice = tl.program_id(1) == 0  # every slice recomputes the same dS: one writes its sums
+        tl.store(partials_ptr + 2 * pid, tl.sum(dscale_rows, axis=0), mask=first_slice)
+        tl.store(partials_ptr + 2 * pid + 1, tl.sum(dscale_cols, axis=0), mask=first_slice)
+
+
+def _launch_args(block: Block, teacher: Teacher, precision):
+    """The kernels' common arguments (features, scales, strides, tiles), the tiling and the accumulation
+    dtype. The teacher's features come in the accumulation dtype (as the torch tiles take them)."""
+    opts = launch_options(block.q.dtype, precision)
+    q, k = tf32_operands(opts["PRECISION"], block.q, block.k)
+    tq, tk = tf32_operands(opts["PRECISION"], teacher.q, teacher.k)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tiling = beyond_tiling(q.dtype, opts["PRECISION"])
+    cfg = tiling.forward
+    # Tensors, not launch arguments: a Python float would be rounded to float32.
+    params = torch.stack((block.scale.to(acc), teacher.scale.to(device=q.device, dtype=acc)))
+    args = dict(
+        q_ptr=q, k_ptr=k, tq_ptr=tq, tk_ptr=tk, params_ptr=params, n_q=q.shape[0], n_k=k.shape[0], D=q.shape[1],
+        DT=tq.shape[1], stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
+        stride_tq0=tq.stride(0), stride_tq1=tq.stride(1), stride_tk0=tk.stride(0), stride_tk1=tk.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(q.shape[1]),
+        BLOCK_DT=tiling.block_d(tq.shape[1]), **cfg.launch_options(), **opts, **COMPILE_OPTIONS,
+    )
+    return args, tiling, acc
+
+
+def distill_forward(block: Block, teacher: Teacher, symmetric: bool, precision=None):
+    """(rows, cols or None) :class:`DistillPartials` of the block (see :mod:`infcl.losses.distill`)."""
+    args, tiling, acc = _launch_args(block, teacher, precision)
+    out = []
+    for by_column, n, block_size in ((False, args["n_q"], tiling.forward.block_m),
+                                     (True, args["n_k"], tiling.forward.block_n))[: 2 if symmetric else 1]:
+        packed = torch.empty(5, n, dtype=acc, device=block.q.device)
+        _distill_forward_kernel[(triton.cdiv(n, block_size),)](out_ptr=packed, BY_COLUMN=by_column, **args)
+        stats = torch.stack((packed[0], packed[1].log1p()))  # rest -> r = log1p(rest) (-inf for the empty set)
+        teacher_stats = torch.stack((packed[2], packed[3].log1p()))
+        out.append(DistillPartials(stats, teacher_stats, packed[4]))
+    return out[0], (out[1] if symmetric else None)
+
+
+def distill_backward(block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor,
+                     precision=None) -> Tensor:
+    """Accumulate dq and dk (accumulation dtype, any strides) in place; return dscale [2] (the rows' term,
+    the columns' term)."""
+    args, tiling, acc = _launch_args(block, teacher, precision)
+    cfg, dim = tiling.dq, args["D"]
+    block_out = tiling.block_out(cfg, dim)
+    row_stats = torch.cat((rows.student, rows.teacher)).to(acc).contiguous()
+    col_stats = row_stats if cols is None else torch.cat((cols.student, cols.teacher)).to(acc).contiguous()
+    g_row = rows.grad.to(acc).contiguous()
+    g_col = g_row if cols is None else cols.grad.to(acc).contiguous()
+    row_programs = triton.cdiv(args["n_q"], cfg.block_m)
+    partials = torch.zeros(row_programs, 2, dtype=acc, device=block.q.device)
+    # dq from the row walk, dk from the column walk (one direction: of the rows' term alone)
+    for by_column, grad, programs in ((False, dq, row_programs), (True, dk, triton.cdiv(args["n_k"], cfg.block_n))):
+        _distill_backward_kernel[(programs, triton.cdiv(dim, block_out))](
+            row_stats_ptr=row_stats, g_row_ptr=g_row, col_stats_ptr=col_stats, g_col_ptr=g_col, grad_ptr=grad,
+            partials_ptr=partials, stride_grad0=grad.stride(0), stride_grad1=grad.stride(1), BY_COLUMN=by_column,
+            SYMMETRIC=cols is not None, BLOCK_OUT=block_out, **args,
+        )
+    return partials.sum(dim=0)
+
+
+class TritonDistill:
+    """The interface of :class:`infcl.backends.distill_tiles.DistillTiles` on these kernels (float64 on
+    Triton 3.2: the torch tiles). ``precision``: tl.dot's for float32 (None: torch's float32 matmul
+    precision)."""
+
+    name = "triton"
+
+    def __init__(self, precision=None):
+        self.precision = precision
+
+    def distill_forward_block(self, block: Block, teacher: Teacher, symmetric: bool):
+        if on_torch_tiles(block.q.dtype):
+            from ..backends.distill_tiles import DISTILL_TILES
+
+            return DISTILL_TILES.distill_forward_block(block, teacher, symmetric)
+        return distill_forward(block, teacher, symmetric, self.precision)
+
+    def distill_backward_block(self, block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor,
+                               dk: Tensor) -> Tensor:
+        if on_torch_tiles(block.q.dtype):
+            from ..backends.distill_tiles import DISTILL_TILES
+
+            return DISTILL_TILES.distill_backward_block(block, teacher, rows, cols, dq, dk)
+        return distill_backward(block, teacher, rows, cols, dq, dk, self.precision)
+
+
+TRITON_DISTILL = TritonDistill()

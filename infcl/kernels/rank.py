@@ -1,0 +1,298 @@
+"""The retrieval ranks' two passes as Triton kernels (``retrieval_metrics(backend="triton")``; definitions,
+tie rule and the torch tiles' version: :mod:`infcl.backends.rank_tiles`).
+
+Both passes cut S = q @ k.T into the same tiles (BLOCK_M q rows x BLOCK_N k rows, summed over the same
+BLOCK_D feature chunks by :func:`infcl.kernels.tiles.score_chunks`, always in that orientation, on one S
+tile config): every tile is the same bits in every kernel, so the best positive's score (pass 1) ties
+an exact duplicate in pass 2. Each kernel runs twice, ``BY_COLUMN`` False (a program owns BLOCK_M rows and
+walks the column blocks) and True (it owns BLOCK_N columns and walks the row blocks): no atomics, every
+output written by the one program that owns it.
+
+- :func:`_best_positives_kernel` (pass 1): per line, the best positive's score, its global index (the
+  lowest among equal scores) and the number of positives; a tile that holds no positive is skipped on a
+  uniform branch (with labels: the rows' positive span, :func:`infcl.kernels.tiles.positive_span`; with
+  ``ANY``: the ids of the tile's rows and columns).
+- :func:`_ahead_counts_kernel` (pass 2): per line, the entries ahead of its best (greater, or equal with
+  a lower global index; with ``EXCLUDE`` never one with the row's id) and the number of NaN or infinite
+  scores.
+
+GEMM-equivalents: pass 1 a sliver of one with labels (the tiles holding positives, twice), pass 2 two (the
+row and the column walks recompute every tile): 2 + the sliver, against 1 + the sliver for the torch
+and native backends (which count both directions from one tile), the price of no atomics.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends.base import Block, Tensor
+from ..backends.rank_tiles import NO_INDEX, Ahead, Best
+from .configs import (
+    COMPILE_OPTIONS,
+    FLOAT64_DOT,
+    INTERPRETED,
+    TileConfig,
+    Tiling,
+    launch_options,
+    operand_class,
+    target_family,
+    tf32_operands,
+)
+from .tiles import check_blocks, load_vector, positive_span, score_chunks
+
+# The tiles of both APIs beyond the losses (these ranks and the distillation loss, :mod:`.distill`), per
+# operand class (configs.operand_class): one S tile per class for every kernel, so S is the same bits in
+# each. The sizes of the sigmoid kernels' defaults (:data:`infcl.kernels.sigmoid.DEFAULT_TILINGS`), which
+# hold the same registers (an S tile, an operand chunk, a gradient slice); not tuned on a GPU. The
+# interpreter takes small tiles, so that the small shapes of the tests cut into several ragged blocks.
+TILINGS = {
+    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32,
+                  chunk_d=32),
+    # maxnreg 255: ptxas caps the rank kernels at 128 registers on sm_80 and spills 36 B.
+    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32, max_registers=255),) * 3, resident_d=32,
+                   chunk_d=32),
+    "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+}
+INTERPRETER_TILES = Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32)
+
+
+# rank_tiles.NO_INDEX where the kernels see it (a module-level value inside @triton.jit must be a constexpr).
+NO_BEST = tl.constexpr(NO_INDEX)
+
+
+def beyond_tiling(dtype: torch.dtype, precision: str) -> Tiling:
+    """The tiling of the rank and distillation kernels for inputs of ``dtype`` at ``precision`` on the active
+    target: :data:`TILINGS`, except that off sm_90 bf16/fp16 take the tf32 class's 64 x 32 tiles and 32-wide
+    slices of D (the distillation backward's 64 x 64 tile, 64-wide slices, spills 32-68 B on sm_80 at 255
+    registers, 12 B with 32-wide slices: its float32 teacher product runs on FMA units beside S)."""
+    if INTERPRETED:
+        return INTERPRETER_TILES
+    klass = operand_class(dtype, precision)
+    tiling = TILINGS[klass]
+    if klass == "mma" and target_family() != 90:
+        tiling = TILINGS["tf32"]
+    return tiling
+
+
+def on_torch_tiles(dtype: torch.dtype) -> bool:
+    """float64 on a GPU with Triton 3.2 (no float64 tl.dot): the torch tiles run it."""
+    return dtype == torch.float64 and not FLOAT64_DOT and not INTERPRETED
+
+
+@triton.jit
+def _line_ids(ptr, idx, n, PRESENT: tl.constexpr):
+    """ids at ``idx`` (-1 past n), or ``idx`` as an unused placeholder when absent."""
+    if PRESENT:
+        ids = load_vector(ptr, idx, n, 1, -1, True)
+    else:
+        ids = idx
+    return ids
+
+
+@triton.jit
+def program_lines(n_q, n_k, BY_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lines, n_lines, n_other, step) of a walk's program: its BLOCK_M rows (BY_COLUMN False) or BLOCK_N
+    columns (True), how many that side has, the other side's length, and the other side's block (the
+    walk's step)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if BY_COLUMN:
+        lines, n_lines, n_other, step = pid * BLOCK_N + tl.arange(0, BLOCK_N), n_k, n_q, BLOCK_M
+    else:
+        lines, n_lines, n_other, step = pid * BLOCK_M + tl.arange(0, BLOCK_M), n_q, n_k, BLOCK_N
+    return lines, n_lines, n_other, step
+
+
+@triton.jit
+def tile_at(lines, o0, BY_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows, cols) of the walk's tile whose other side starts at o0."""
+    if BY_COLUMN:
+        rows, cols = o0 + tl.arange(0, BLOCK_M).to(tl.int64), lines
+    else:
+        rows, cols = lines, o0 + tl.arange(0, BLOCK_N).to(tl.int64)
+    return rows, cols
+
+
+@triton.jit
+def _best_positives_kernel(
+    q_ptr, k_ptr, pos_ptr, q_ids_ptr, k_ids_ptr, row_index_ptr, col_index_ptr, score_ptr, best_ptr, count_ptr,
+    n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+    BY_COLUMN: tl.constexpr, ANY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    best = tl.full(lines.shape, float("-inf"), ACC)
+    best_index = tl.full(lines.shape, NO_BEST, tl.int64)
+    count = tl.zeros(lines.shape, tl.int64)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        row_ids = _line_ids(q_ids_ptr, rows, n_q, ANY)  # (the compiler hoists what does not change)
+        col_ids = _line_ids(k_ids_ptr, cols, n_k, ANY)
+        row_pos = load_vector(pos_ptr, rows, n_q, 1, -1, True)
+        lo, hi = positive_span(row_pos)
+        if ANY:
+            positive = (row_ids[:, None] == col_ids[None, :]) & (rows[:, None] < n_q) & (cols[None, :] < n_k)
+            holds = tl.max(positive.to(tl.int32)) > 0
+        else:
+            positive = cols[None, :] == row_pos[:, None]  # -1 past n_q and where the positive is elsewhere
+            c0 = tl.min(cols, axis=0)  # the tile's first column
+            holds = (hi >= c0) & (lo < c0 + BLOCK_N)
+        if holds:
+            raw = score_chunks(
+                q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+                BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+            )  # pass 2 forms exactly this tile
+            values = tl.where(positive, raw, float("-inf"))
+            if BY_COLUMN:
+                other = load_vector(row_index_ptr, rows, n_q, 1, NO_BEST, True)
+                top = tl.max(values, axis=0)
+                first = tl.min(tl.where(positive & (values == top[None, :]), other[:, None], NO_BEST), axis=0)
+                found = tl.sum(positive.to(tl.int64), axis=0)
+            else:
+                other = load_vector(col_index_ptr, cols, n_k, 1, NO_BEST, True)
+                top = tl.max(values, axis=1)
+                first = tl.min(tl.where(positive & (values == top[:, None]), other[None, :], NO_BEST), axis=1)
+                found = tl.sum(positive.to(tl.int64), axis=1)
+            better = (top > best) | ((top == best) & (first < best_index))
+            best = tl.where(better, top, best)
+            best_index = tl.where(better, first, best_index)
+            count += found
+    ok = lines < n_lines
+    tl.store(score_ptr + lines, best, mask=ok)
+    tl.store(best_ptr + lines, best_index, mask=ok)
+    tl.store(count_ptr + lines, count, mask=ok)
+
+
+@triton.jit
+def _ahead_counts_kernel(
+    q_ptr, k_ptr, score_ptr, best_ptr, q_ids_ptr, k_ids_ptr, row_index_ptr, col_index_ptr, ahead_ptr,
+    nonfinite_ptr, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+    BY_COLUMN: tl.constexpr, EXCLUDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    ahead = tl.zeros(lines.shape, tl.int32)
+    bad = tl.zeros(lines.shape, tl.int32)
+    threshold = load_vector(score_ptr, lines, n_lines, 1, 0.0, True)
+    best_index = load_vector(best_ptr, lines, n_lines, 1, NO_BEST, True)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        row_ids = _line_ids(q_ids_ptr, rows, n_q, EXCLUDE)
+        col_ids = _line_ids(k_ids_ptr, cols, n_k, EXCLUDE)
+        raw = score_chunks(
+            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
+            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+        )  # bit-identical to pass 1's tile
+        inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
+        if EXCLUDE:
+            inside = inside & (row_ids[:, None] != col_ids[None, :])
+        not_finite = (raw != raw) | (tl.abs(raw) == float("inf"))
+        if BY_COLUMN:
+            other = load_vector(row_index_ptr, rows, n_q, 1, NO_BEST, True)
+            t = threshold[None, :]
+            is_ahead = (raw > t) | ((raw == t) & (other[:, None] < best_index[None, :]))
+            ahead += tl.sum((is_ahead & inside).to(tl.int32), axis=0)
+            bad += tl.sum((not_finite & inside).to(tl.int32), axis=0)
+        else:
+            other = load_vector(col_index_ptr, cols, n_k, 1, NO_BEST, True)
+            t = threshold[:, None]
+            is_ahead = (raw > t) | ((raw == t) & (other[None, :] < best_index[:, None]))
+            ahead += tl.sum((is_ahead & inside).to(tl.int32), axis=1)
+            bad += tl.sum((not_finite & inside).to(tl.int32), axis=1)
+    ok = lines < n_lines
+    tl.store(ahead_ptr + lines, ahead.to(tl.int64), mask=ok)
+    tl.store(nonfinite_ptr + lines, bad.to(tl.int64), mask=ok)
+
+
+def _walks(q: Tensor, k: Tensor, symmetric: bool, tiling: Tiling):
+    """(BY_COLUMN, lines, grid) of the walks a pass makes: the rows', and the columns' when symmetric."""
+    cfg = tiling.forward
+    out = [(False, q.shape[0], triton.cdiv(q.shape[0], cfg.block_m))]
+    if symmetric:
+        out.append((True, k.shape[0], triton.cdiv(k.shape[0], cfg.block_n)))
+    return out
+
+
+def _common(q: Tensor, k: Tensor, precision):
+    opts = launch_options(q.dtype, precision)
+    q, k = tf32_operands(opts["PRECISION"], q, k)
+    tiling = beyond_tiling(q.dtype, opts["PRECISION"])
+    cfg = tiling.forward
+    args = dict(
+        q_ptr=q, k_ptr=k, n_q=q.shape[0], n_k=k.shape[0], D=q.shape[1], stride_q0=q.stride(0),
+        stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(q.shape[1]), **cfg.launch_options(), **opts, **COMPILE_OPTIONS,
+    )
+    return args, tiling
+
+
+def best_positives(q: Tensor, k: Tensor, pos: Tensor, row_index: Tensor, col_index: Tensor, symmetric: bool,
+                   q_ids=None, k_ids=None, precision=None):
+    """Pass 1: (rows, cols or None), each a :class:`Best`; with ``q_ids`` / ``k_ids`` every same-id entry is a
+    positive, else ``pos`` (the column in k of each row's positive, -1 elsewhere)."""
+    args, tiling = _common(q, k, precision)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ids = dict(q_ids_ptr=q_ids if q_ids is not None else pos, k_ids_ptr=k_ids if k_ids is not None else pos)
+    out = []
+    for by_column, n, grid in _walks(q, k, symmetric, tiling):
+        best = Best(torch.empty(n, dtype=acc, device=q.device), torch.empty(n, dtype=torch.int64, device=q.device),
+                    torch.empty(n, dtype=torch.int64, device=q.device))
+        _best_positives_kernel[(grid,)](
+            pos_ptr=pos.contiguous(), row_index_ptr=row_index.contiguous(), col_index_ptr=col_index.contiguous(),
+            score_ptr=best.score, best_ptr=best.index, count_ptr=best.count, BY_COLUMN=by_column,
+            ANY=q_ids is not None, **ids, **args,
+        )
+        out.append(best)
+    return out[0], (out[1] if symmetric else None)
+
+
+def ahead_counts(q: Tensor, k: Tensor, rows: Best, cols, row_index: Tensor, col_index: Tensor, q_ids=None,
+                 k_ids=None, precision=None):
+    """Pass 2: (rows, cols or None), each an :class:`Ahead`; with ``q_ids`` / ``k_ids`` the entries with the
+    row's id are never ahead."""
+    args, tiling = _common(q, k, precision)
+    ids = dict(q_ids_ptr=q_ids if q_ids is not None else row_index,
+               k_ids_ptr=k_ids if k_ids is not None else col_index)
+    out = []
+    for (by_column, n, grid), best in zip(_walks(q, k, cols is not None, tiling), (rows, cols)):
+        counts = Ahead(torch.empty(n, dtype=torch.int64, device=q.device),
+                       torch.empty(n, dtype=torch.int64, device=q.device))
+        _ahead_counts_kernel[(grid,)](
+            score_ptr=best.score.contiguous(), best_ptr=best.index.contiguous(), row_index_ptr=row_index.contiguous(),
+            col_index_ptr=col_index.contiguous(), ahead_ptr=counts.ahead, nonfinite_ptr=counts.nonfinite,
+            BY_COLUMN=by_column, EXCLUDE=q_ids is not None, **ids, **args,
+        )
+        out.append(counts)
+    return out[0], (out[1] if cols is not None else None)
+
+
+class TritonRanks:
+    """The interface of :class:`infcl.backends.rank_tiles.RankTiles` on these kernels (float64 on Triton 3.2:
+    the torch tiles). ``precision``: tl.dot's for float32 (None: torch's float32 matmul precision)."""
+
+    name = "triton"
+
+    def __init__(self, precision=None):
+        self.precision = precision
+
+    def best_positives(self, block: Block, row_index: Tensor, col_index: Tensor, symmetric: bool):
+        if on_torch_tiles(block.q.dtype):
+            from ..backends.rank_tiles import RANK_TILES
+
+            return RANK_TILES.best_positives(block, row_index, col_index, symmetric)
+        ids = (block.q_ids, block.k_ids) if block.multi_positive else (None, None)
+        return best_positives(block.q, block.k, block.pos, row_index, col_index, symmetric, *ids, self.precision)
+
+    def ahead_counts(self, block: Block, rows: Best, cols, row_index: Tensor, col_index: Tensor):
+        if on_torch_tiles(block.q.dtype):
+            from ..backends.rank_tiles import RANK_TILES
+
+            return RANK_TILES.ahead_counts(block, rows, cols, row_index, col_index)
+        excluding = block.q_ids is not None and not block.multi_positive
+        ids = (block.q_ids, block.k_ids) if excluding else (None, None)
+        return ahead_counts(block.q, block.k, rows, cols, row_index, col_index, *ids, self.precision)
+
+
+TRITON_RANKS = TritonRanks()
