@@ -1,16 +1,16 @@
 """sentence-transformers' loss stage, theirs against infcl's, per option: time and peak memory.
 
-    python -m bench.st_loss [--batch 1024 4096] [--dim 384] [--repeats 3] [--backend cpu] [--options ...]
+    python -m bench.st_loss [--batch 1024 4096] [--dim 384] [--repeats 3] [--backend cpu torch] [--options ...]
 
 The loss stage is what the two implementations do differently: from a batch of embeddings (anchors, positives,
 one hard-negative column: triplets; random fp32, unit norm) to the loss and its gradients to the embeddings,
 ``compute_loss_from_embeddings`` + ``backward`` of sentence-transformers' ``MultipleNegativesRankingLoss`` and of
-``infcl.sentence_transformers``' (GIST: infcl's loss from embeddings and guide embeddings, alone: theirs
-broadcasts a B x B x D cosine, several GiB at these sizes). Each option runs theirs and
-ours alternately, ``--repeats`` times, in one process, and keeps each one's best time; memory is the peak
+``infcl.sentence_transformers``' on each ``--backend`` (GIST: infcl's loss from embeddings and guide embeddings,
+alone: theirs broadcasts a B x B x D cosine, several GiB at these sizes). Each option runs theirs and ours on
+every backend alternately, ``--repeats`` times, in one process, and keeps each one's best time; memory is the peak
 resident set above the one held when the call started (/proc/self/clear_refs resets the high-water mark; freed
 memory is trimmed back to the system before each call). Times on a shared machine are noisy: read the ratios.
-Prints one table row per (option, batch); ``--csv PATH`` also writes them.
+Prints one table row per (option, batch, backend); ``--csv PATH`` also writes them.
 """
 
 import argparse
@@ -18,10 +18,11 @@ import csv
 import ctypes
 import ctypes.util
 import gc
+import os
 import resource
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -81,7 +82,7 @@ def embeddings(batch: int, dim: int, columns: int = 3, seed: int = 0):
 
 
 def loss_steps(option: str, batch: int, dim: int, backend: str):
-    """(theirs or None, ours): callables that run the loss stage once on fresh leaves."""
+    """(theirs or None, ours on ``backend``): callables that run the loss stage once on fresh leaves."""
     from sentence_transformers.sentence_transformer import losses as st_losses
 
     import infcl.sentence_transformers as inf_losses
@@ -114,20 +115,26 @@ def _gist_step(base, guide, backend: str):
     return ours
 
 
-def run_option(option: str, batch: int, dim: int, repeats: int, backend: str) -> dict:
-    theirs, ours = loss_steps(option, batch, dim, backend)
-    best = {"theirs": (float("inf"), 0), "ours": (float("inf"), 0)}
+def run_option(option: str, batch: int, dim: int, repeats: int, backends: Sequence[str]) -> List[dict]:
+    """One row per backend: theirs and ours on every backend run alternately, best time and largest peak each."""
+    steps = {"theirs": loss_steps(option, batch, dim, backends[0])[0]}
+    steps.update({backend: loss_steps(option, batch, dim, backend)[1] for backend in backends})
+    best = {name: (float("inf"), 0) for name in steps}
     for _ in range(repeats):
-        for name, step in (("theirs", theirs), ("ours", ours)):
+        for name, step in steps.items():
             if step is None:
                 continue
             seconds, peak = measure(step)
             best[name] = (min(best[name][0], seconds), max(best[name][1], peak))
-    row = {"option": option, "batch": batch, "ours_s": best["ours"][0], "ours_mib": best["ours"][1] / MIB}
-    if theirs is not None:
-        row.update(theirs_s=best["theirs"][0], theirs_mib=best["theirs"][1] / MIB,
-                   ratio=best["ours"][0] / best["theirs"][0])
-    return row
+    rows = []
+    for backend in backends:
+        row = {"option": option, "batch": batch, "backend": backend, "ours_s": best[backend][0],
+               "ours_mib": best[backend][1] / MIB}
+        if steps["theirs"] is not None:
+            row.update(theirs_s=best["theirs"][0], theirs_mib=best["theirs"][1] / MIB,
+                       ratio=best[backend][0] / best["theirs"][0])
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -135,30 +142,32 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--backend", default="cpu", help="infcl's backend (cal_inf_loss's backend=)")
+    parser.add_argument("--backend", nargs="+", default=["cpu", "torch"], help="infcl's backends (cal_inf_loss's)")
     parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS), metavar="OPTION")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# sentence-transformers loss stage, D={args.dim}, triplets, fp32, infcl backend={args.backend}, "
-          f"best of {args.repeats} alternating; {cpu_name()}, {torch.get_num_threads()} threads")
-    print("| option | B | theirs s | ours s | ours / theirs | theirs MiB | ours MiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"# sentence-transformers loss stage, D={args.dim}, triplets, fp32, infcl backends {args.backend}, "
+          f"best of {args.repeats} alternating; {cpu_name()}, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.1f} at the start")
+    print("| option | B | backend | theirs s | ours s | ours / theirs | theirs MiB | ours MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     for batch in args.batch:
         for option in args.options:
-            row = run_option(option, batch, args.dim, args.repeats, args.backend)
-            rows.append(row)
-            theirs = ("—", "—", "—") if "theirs_s" not in row else (
-                f"{row['theirs_s']:.3f}", f"{row['ratio']:.2f}", f"{row['theirs_mib']:.0f}")
-            print(f"| {option} | {batch} | {theirs[0]} | {row['ours_s']:.3f} | {theirs[1]} | {theirs[2]} | "
-                  f"{row['ours_mib']:.0f} |", flush=True)
+            for row in run_option(option, batch, args.dim, args.repeats, args.backend):
+                rows.append(row)
+                theirs = ("—", "—", "—") if "theirs_s" not in row else (
+                    f"{row['theirs_s']:.3f}", f"{row['ratio']:.2f}", f"{row['theirs_mib']:.0f}")
+                print(f"| {option} | {batch} | {row['backend']} | {theirs[0]} | {row['ours_s']:.3f} | {theirs[1]} | "
+                      f"{theirs[2]} | {row['ours_mib']:.0f} |", flush=True)
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["option", "batch", "theirs_s", "ours_s", "ratio", "theirs_mib",
-                                                   "ours_mib"])
+            writer = csv.DictWriter(f, fieldnames=["option", "batch", "backend", "theirs_s", "ours_s", "ratio",
+                                                   "theirs_mib", "ours_mib"])
             writer.writeheader()
             writer.writerows(rows)
 

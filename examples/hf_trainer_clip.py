@@ -1,6 +1,7 @@
 """transformers' ``Trainer`` (on Accelerate) training a ``CLIPModel`` with infcl's loss, optionally under GradCache.
 
     torchrun --nproc_per_node 2 examples/hf_trainer_clip.py [--gradcache-chunk 4] [--steps 4]
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer_clip.py [...]   # the same, CPUs included
     python examples/hf_trainer_clip.py                 # one process: the ring of one rank
 
 The model is transformers' own ``CLIPModel`` from a tiny config (random init, nothing downloaded), the data random
@@ -173,7 +174,8 @@ def main() -> None:
     trainer = InfCLTrainer(model=model, args=args, train_dataset=dataset, gradcache_chunk=cli.gradcache_chunk)
     trainer.train()
     if trainer.is_world_process_zero():
-        print("losses:", [round(log["loss"], 5) for log in trainer.state.log_history if "loss" in log])
+        losses = [round(log["loss"], 5) for log in trainer.state.log_history if "loss" in log]
+        print(f"world size {args.world_size}, losses: {losses}")
 
 
 if __name__ == "__main__":

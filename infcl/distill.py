@@ -18,7 +18,7 @@ from .backends.select import select_impl
 from .checks import check_features, check_reduction, make_scale
 from .function import _param_grad, _param_meta, device_scale
 from .losses.distill import DistillRing, DistillUpstream
-from .modules import InfCLIPLoss
+from .modules import InfCLIPLoss, _rows_mean, scale_gradient
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 
@@ -185,11 +185,11 @@ class InfDistillClipLoss(InfCLIPLoss):
     The teacher ("dist_") gets no gradient (open_clip's training loop runs the teacher under no_grad).
     ``backend`` chooses the backend of both terms ("reference": the distillation term on the torch tiles).
 
-    Under torch.distributed each rank passes its local features and gets its local losses, with the
-    gradients of open_clip's ``DistillClipLoss(local_loss=True, gather_with_grad=True)``. Its constructor
-    arguments are those of :class:`infcl.InfCLIPLoss` (open_clip's, accepted and ignored: rank and world
-    come from ``group``; and infcl's ``group``, ``backend`` and mask options, which apply to the contrastive
-    loss).
+    Under torch.distributed each rank passes its local features; ``local_loss`` and ``gather_with_grad`` select
+    what both terms compute as :class:`infcl.InfCLIPLoss` says (the gradients of open_clip's
+    ``DistillClipLoss`` with the same flags). Its constructor arguments are those of :class:`infcl.InfCLIPLoss`
+    (open_clip's, accepted and ignored: rank and world come from ``group``; and infcl's ``group``, ``backend``
+    and mask options, which apply to the contrastive loss).
     """
 
     def _distill_backend(self) -> str:
@@ -206,11 +206,18 @@ class InfDistillClipLoss(InfCLIPLoss):
         dist_logit_scale,
         output_dict: bool = False,
     ):
-        contrastive = super().forward(image_features, text_features, logit_scale)
+        contrastive = super().forward(image_features, text_features, logit_scale)  # checks the flags
+        ring = ring_group(self.group)
+        world = 1 if ring is None else dist.get_world_size(ring)
+        student = (image_features, text_features)
+        if world > 1 and not self.gather_with_grad:  # the global loss through this rank's features only
+            student = tuple(scale_gradient(x, 1.0 / world) for x in student)
         distill = cal_distill_loss(
-            image_features, text_features, dist_image_features, dist_text_features, logit_scale, dist_logit_scale,
+            *student, dist_image_features, dist_text_features, logit_scale, dist_logit_scale,
             symmetric=True, group=self.group, backend=self._distill_backend(),
         )
+        if world > 1 and not self.local_loss:  # the value open_clip's global-by-global logits give
+            distill = distill + (_rows_mean(distill.detach(), image_features.shape[0], ring) - distill.detach())
         if output_dict:
             return {"contrastive_loss": contrastive, "distill_loss": distill}
         return contrastive, distill

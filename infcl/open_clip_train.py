@@ -5,7 +5,8 @@
 runs ``open_clip_train.main.main`` unchanged except for its loss: where open_clip's ``create_loss`` builds
 ``ClipLoss`` / ``SigLipLoss`` / ``CoCaLoss`` (which hold the B x B logits, B the global batch), this builds
 :class:`infcl.InfCLIPLoss` / :class:`infcl.InfSigLipLoss` / :class:`InfCoCaLoss` from the same arguments
-(:func:`infcl_loss` says which). Distillation (``--distill-model``) keeps open_clip's ``DistillClipLoss``.
+and, for distillation (``--distill-model`` with ``--distill-pretrained``), ``DistillClipLoss`` by
+:class:`infcl.distill.InfDistillClipLoss` (:func:`infcl_loss` says which).
 ``INFCL_BACKEND`` picks the backend (:mod:`infcl.backends`).
 
 Importing this module imports neither open_clip nor open_clip_train (so ``import infcl`` stays free of
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .distill import InfDistillClipLoss
 from .modules import InfCLIPLoss, InfSigLipLoss
 
 # open_clip's CoCaLoss default pad_id: the pad token of open_clip's own tokenizer (create_loss keeps it).
@@ -51,21 +53,20 @@ class InfCoCaLoss(nn.Module):
         return clip_loss, caption_loss
 
 
-def infcl_loss(args) -> Optional[nn.Module]:
-    """infcl's loss for ``open_clip_train``'s parsed ``args``, chosen as open_clip's ``create_loss`` chooses;
-    None where open_clip's own loss is kept (``args.distill``).
+def infcl_loss(args) -> nn.Module:
+    """infcl's loss for ``open_clip_train``'s parsed ``args``, chosen as open_clip's ``create_loss`` chooses.
 
     Arguments read, as open_clip's ``create_loss`` reads them: ``distill``, ``model`` (CoCa when its name
     holds "coca"), ``coca_caption_loss_weight``, ``coca_contrastive_loss_weight``, ``siglip``,
     ``loss_dist_impl``, ``local_loss``, ``gather_with_grad``, ``rank``, ``world_size``, ``horovod``.
     ``--horovod`` raises ValueError: infcl's ring runs over torch.distributed.
     """
-    if args.distill:
-        return None
     if args.horovod:
         raise ValueError("infcl.open_clip_train: --horovod is not supported; infcl's ring runs over torch.distributed")
     clip_flags = {"local_loss": args.local_loss, "gather_with_grad": args.gather_with_grad,
                   "rank": args.rank, "world_size": args.world_size}
+    if args.distill:
+        return InfDistillClipLoss(cache_labels=True, **clip_flags)
     if "coca" in args.model.lower():
         return InfCoCaLoss(caption_loss_weight=args.coca_caption_loss_weight,
                            clip_loss_weight=args.coca_contrastive_loss_weight, **clip_flags)
@@ -74,21 +75,12 @@ def infcl_loss(args) -> Optional[nn.Module]:
     return InfCLIPLoss(**clip_flags)
 
 
-def create_loss(args) -> nn.Module:
-    """A replacement for ``open_clip.create_loss``: :func:`infcl_loss`, or open_clip's own loss where that is None."""
-    loss = infcl_loss(args)
-    if loss is None:
-        from open_clip import create_loss as open_clip_create_loss
-
-        loss = open_clip_create_loss(args)
-    return loss
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``open_clip_train.main.main(argv)`` (default: this process's arguments) with :func:`create_loss`."""
+    """``open_clip_train.main.main(argv)`` (default: this process's arguments) with :func:`infcl_loss` as its
+    ``create_loss``."""
     from open_clip_train import main as trainer
 
-    trainer.create_loss = create_loss  # main() looks the name up in its module when it builds the loss
+    trainer.create_loss = infcl_loss  # main() looks the name up in its module when it builds the loss
     trainer.main(list(sys.argv[1:] if argv is None else argv))
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from distributed import REPO_ROOT
 from infcl import InfCLIPLoss, InfSigLipLoss
+from infcl.distill import InfDistillClipLoss
 from infcl.open_clip_train import InfCoCaLoss, infcl_loss
 from support import TOLERANCE, assert_close_verbose, open_clip_loss_module
 
@@ -100,10 +101,25 @@ def test_coca_arguments_give_open_clip_loss():
         assert_close_verbose(got, want, *FP32, name)
 
 
-def test_distill_keeps_open_clip_loss_and_horovod_raises():
-    assert infcl_loss(trainer_args(distill=True)) is None
-    with pytest.raises(ValueError, match="--horovod"):
-        infcl_loss(trainer_args(horovod=True))
+@pytest.mark.parametrize("local_loss", (False, True))
+def test_distill_arguments_give_open_clip_loss(local_loss):
+    args = trainer_args(distill=True, local_loss=local_loss, gather_with_grad=local_loss)
+    ours = infcl_loss(args)
+    assert type(ours) is InfDistillClipLoss
+    assert (ours.local_loss, ours.gather_with_grad) == (local_loss, local_loss)
+    theirs = open_clip_loss_module().DistillClipLoss(local_loss=local_loss, gather_with_grad=local_loss,
+                                                     cache_labels=True, rank=0, world_size=1)
+    image, text = (x.detach() for x in features(seed=1))
+    teacher = dict(dist_image_features=image, dist_text_features=text, dist_logit_scale=torch.tensor(9.0))
+    results = [loss_and_grads(fn, **teacher) for fn in (ours, theirs)]
+    for name, got, want in zip(("loss", "image", "text", "scale"), *results):
+        assert_close_verbose(got, want, *FP32, name)
+
+
+def test_horovod_raises():
+    for args in (trainer_args(horovod=True), trainer_args(horovod=True, distill=True)):
+        with pytest.raises(ValueError, match="--horovod"):
+            infcl_loss(args)
 
 
 def test_reads_every_argument_open_clip_create_loss_reads():

@@ -1,72 +1,13 @@
 """sentence-transformers' MultipleNegativesRankingLoss and GISTEmbedLoss objectives, computed by ``cal_inf_loss``.
 
-MultipleNegativesRankingLoss, for local anchors (queries) q_i, their positives p_i, every document d_j
-(the positive column, then each hard-negative column; owner(j) is the query it belongs to), every
-query q_j, scale s, similarity sim and hardness strength alpha:
-
-    loss = mean_i [ log Z_i - s * sim(q_i, p_i) ]
-
-    query_to_doc    s * sim(q_i, d_j) (+ alpha * stop_grad(sim(q_i, d_j)) on the hardness-selected entries)
-    query_to_query  s * sim(q_i, q_j), j != i
-    doc_to_query    s * sim(p_i, q_j), every j
-    doc_to_doc      s * sim(p_i, d_j), owner(j) != i
-    joint           Z_i: one sum over the union of the selected directions' terms
-    per_direction   log Z_i: the mean of the selected directions' log-sum-exps (query_to_doc, doc_to_query)
-
-Hardness (the entries of query_to_doc that get the penalty): "in_batch_negatives" owner(j) != i;
-"hard_negatives" the row's own hard negatives; "all_negatives" every entry but the positive. With
-``gather_across_devices`` the documents and queries j are the whole world's, i only this rank's.
-
-**One call over padded features.** Every direction becomes a block of key columns of one
-``cal_inf_loss`` call whose rows are x_i = [q_i | p_i] (2D wide): query_to_doc keys [d_j | 0],
-query_to_query [q_j | 0], doc_to_query [0 | q_j], doc_to_doc [0 | d_j], so x_i · key_j is exactly the
-term above and the call's single softmax is the joint partition. The entries left out are
-``cal_inf_loss``'s id exclusions (O(B), inside the tiles): q_ids = owner (the global row index),
-k_ids = owner(j) for the columns whose own entries must go (query_to_query, doc_to_doc), a unique
-negative id for the columns that must stay (doc_to_query, whose own entry p_i·q_i is a term). Only
-directions that read p_i widen the rows. Without query_to_query, doc_to_doc and hardness no id is
-needed: query_to_doc alone is cal_inf_loss(q, cat(docs), labels), and with doc_to_query the same
-padded rows against [docs | 0] and [0 | q] (the plain loss, every backend). Without hardness, doc_to_query
-with a same-type direction runs unpadded as two calls (query rows, document rows) whose labels both hold
-the positive's logit, merged by logaddexp (``_query_and_doc_rows_loss``).
-
-**Hardness** (logit s * sim + alpha * stop_grad(sim)) without a new kernel. query_to_doc alone (the usual
-setting, and per_direction's first half) with in-batch hardness needs no padding: the tiles run at scale
-s + alpha on the plain features, the row losses' gradient is scaled by s / (s + alpha), and the positive's
-penalty is taken back out of each row's loss in O(B) (``_boosted_query_to_doc_loss``). With more directions:
-
-- In-batch entries (in_batch_negatives, all_negatives): the rows get a third segment stop_grad(q_i)
-  and the query_to_doc keys (alpha / s) * stop_grad(d_j), so the tile's logit is the penalized one and
-  only s * sim carries a gradient. The row's own documents must not carry it (in_batch_negatives) or
-  not on the positive (both): they are excluded by id (k_ids = owner), and the positive comes back as
-  an extra block of unpenalized copies [p_j | 0 | 0] holding the label, which a width-1 guide (1 on
-  these columns, 0 elsewhere, absolute margin 1/2) excludes from every row but its own (a label is
-  never excluded).
-- Each row's own hard negatives (all modes, when hardness is on and there are negatives): excluded by
-  id and added back outside the tiles, where their (penalized or not) logits are O(B * negatives):
-  loss_i = logaddexp(lse_tiles_i, logsumexp_k own_ik) - pos_i, with lse_tiles_i = the call's row loss
-  (reduction "none") + pos_i.
-
-Cost: the row (and key) width is D, 2D when a direction reads p_i (doc_to_query, doc_to_doc), + D
-for in-batch hardness; the keys are blocks of B columns: one per document column (query_to_doc), one
-for query_to_query, one for doc_to_query, one per document column for doc_to_doc, one of unpenalized
-positives for in-batch hardness. The calls with ids or a guide run on the torch tiles. Memory stays
-O(B * D): nothing B x B is built.
-
-per_direction (only query_to_doc and doc_to_query, as upstream allows): (the query_to_doc loss above,
-hardness included, + cal_inf_loss(p, q)) / 2; for pairs without hardness, ``cal_inf_loss(q, p,
-symmetric=True)``.
-
-**GISTEmbedLoss** (anchors a_i, positives p_i, negatives n_j, guide features g*, temperature t; all
-cosine; only the candidates are gathered across devices, the anchors are not):
-rows [a_i | p_i], keys ap [p_j | 0], an [n_j | 0], aa [a_j | 0] (contrast_anchors; this rank's anchors
-only), pp [0 | p_j] (contrast_positives), scale 1 / t; the guide features padded the same way, so
-G[i, label] = sim(ga_i, gp_i) and ``cal_inf_loss``'s guide rule (absolute) is GIST's. GIST's relative
-threshold g - |g| * margin is the absolute rule on guide rows divided by |g_i|. Under a ring, the
-other ranks' anchor columns are excluded by extra guide dimensions (rank one-hots, a large value
-against the other ranks' aa columns).
+:func:`ranking_loss` (every direction, partition and hardness option) and :func:`gist_loss` take embeddings
+and give the local mean loss, O(B·D) memory: nothing B x B is built. Each direction is a block of key
+columns read from :data:`DIRECTIONS` (the row segment its keys meet, the columns it takes, which of the
+row's own entries it leaves out); the exclusions are ``cal_inf_loss``'s O(B) ids. The math, and why each
+setting maps onto the call it does: docs/integrations.md, "How the objectives map onto cal_inf_loss".
 """
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -80,13 +21,49 @@ from ..modules import scale_gradient
 
 QUERY_TO_DOC, QUERY_TO_QUERY, DOC_TO_QUERY, DOC_TO_DOC = "query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
+# The hardness modes that penalize the in-batch entries (other rows' documents), not only the own negatives.
+IN_BATCH_HARDNESS = ("in_batch_negatives", "all_negatives")
+# The modes whose penalty reaches the row's own hard negatives.
+OWN_NEGATIVE_HARDNESS = ("hard_negatives", "all_negatives")
+
+# Segments of a padded row x_i = [q_i | p_i | stop_grad(q_i)]: a key placed in segment s meets that part only.
+QUERY_SEGMENT, DOC_SEGMENT, PENALTY_SEGMENT = 0, 1, 2
+# The columns a direction takes: every document column (positives, then each negative column), or the queries.
+DOCS, QUERIES = "docs", "queries"
+# Which of row i's own entries (owner(j) == i) a direction leaves out of the softmax. The label (the row's
+# positive) is never left out.
+KEEP_OWN = "keep own"  # every entry is a term (doc_to_query: p_i . q_i is one)
+EXCLUDE_OWN = "exclude own"  # same-type directions: q_i . q_i, p_i . d_i are not terms
+OWN_NEGATIVES_APART = "own negatives apart"  # under hardness the own negatives leave the tiles (added back outside)
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One of sentence-transformers' directions as key blocks of one ``cal_inf_loss`` call."""
+
+    segment: int  # the row segment the keys meet: QUERY_SEGMENT (rows q_i) or DOC_SEGMENT (rows p_i)
+    columns: str  # DOCS or QUERIES
+    own: str  # KEEP_OWN, EXCLUDE_OWN or OWN_NEGATIVES_APART
+    penalized: bool = False  # in-batch hardness adds alpha * stop_grad(sim) to its entries
+
+    def excludes_own(self, column: int, hardness) -> bool:
+        """Whether the row's own entries of document column ``column`` (0: the positives) leave the softmax."""
+        if self.own == OWN_NEGATIVES_APART:
+            return hardness is not None and column > 0
+        return self.own == EXCLUDE_OWN
+
+
+# The table the loops read, in key-block order: query_to_doc's positives lead (its first block holds the labels).
+DIRECTIONS = {
+    QUERY_TO_DOC: Direction(QUERY_SEGMENT, DOCS, OWN_NEGATIVES_APART, penalized=True),
+    QUERY_TO_QUERY: Direction(QUERY_SEGMENT, QUERIES, EXCLUDE_OWN),
+    DOC_TO_QUERY: Direction(DOC_SEGMENT, QUERIES, KEEP_OWN),
+    DOC_TO_DOC: Direction(DOC_SEGMENT, DOCS, EXCLUDE_OWN),
+}
 COSINE, DOT = "cosine", "dot"
 SUPPORTED_SIMILARITIES = (
     "sentence_transformers.util.cos_sim, util.dot_score, or model.similarity with similarity_fn_name 'cosine' or 'dot'"
 )
-# The width-1 guide that keeps each unpenalized positive copy for its own row only scores 1 on those
-# columns and 0 elsewhere; with this absolute margin the threshold, 1/2, lies halfway between.
-COPY_GUIDE_MARGIN = 0.5
 # GIST's relative rule divides each guide row by |g_i|; rows with |g_i| below this (a guide positive
 # similarity of exactly zero) keep a finite scale (their threshold is then -margin instead of 0).
 MIN_GUIDE_POSITIVE = 1e-12
@@ -231,8 +208,7 @@ def _segments(parts: Sequence[Optional[torch.Tensor]], widths: Sequence[int]) ->
 
 
 class _Keys:
-    """The key columns of one padded call: blocks of B columns each (B: this rank's rows), with their ids
-    and a per-block guide value (module docstring).
+    """The key columns of one call: blocks of B columns each (B: this rank's rows), with their ids.
 
     Ids: the owner (the global index of the query a column belongs to) excludes the row's own entries;
     a unique negative id (no row has one) keeps every entry.
@@ -242,26 +218,25 @@ class _Keys:
         self.owner = owner  # [B] global row indices of this rank
         self.blocks: List[torch.Tensor] = []
         self.own_excluded: List[bool] = []
-        self.guide_values: List[float] = []
 
-    def add(self, feats: torch.Tensor, own_excluded: bool, guide_value: float = 0.0) -> int:
-        """Append a block of B columns; return its first local column."""
+    def add(self, feats: torch.Tensor, own_excluded: bool) -> None:
         self.blocks.append(feats)
         self.own_excluded.append(own_excluded)
-        self.guide_values.append(guide_value)
-        return (len(self.blocks) - 1) * self.owner.shape[0]
 
     def first_key(self, first_row: int) -> int:
         """This rank's first global key column: every rank holds the same blocks of its own B rows."""
         return first_row * len(self.blocks)
 
     def build(self, first_row: int):
-        """(keys [blocks * B, width], k_ids [blocks * B], guide [blocks * B, 1])."""
+        """(keys [blocks * B, width], the ids ``cal_inf_loss`` takes (q_ids, k_ids; none when no block excludes),
+        the labels [B]: the diagonal of the first block, which holds each row's positive)."""
         b = self.owner.shape[0]
+        labels = self.first_key(first_row) + torch.arange(b, device=self.owner.device)
+        if not any(self.own_excluded):
+            return torch.cat(self.blocks), {}, labels
         unique = -(1 + self.first_key(first_row) + torch.arange(b * len(self.blocks), device=self.owner.device))
         ids = [self.owner if own else unique[i * b : (i + 1) * b] for i, own in enumerate(self.own_excluded)]
-        guide = torch.cat([self.blocks[0].new_full((b, 1), value) for value in self.guide_values])
-        return torch.cat(self.blocks), torch.cat(ids), guide
+        return torch.cat(self.blocks), dict(q_ids=self.owner, k_ids=torch.cat(ids)), labels
 
 
 def _effective_hardness(hardness_mode, hardness_strength: float, negatives: int):
@@ -287,7 +262,7 @@ def ranking_loss(
     group=None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """The local mean MultipleNegativesRankingLoss (module docstring), O(B·D) memory.
+    """The local mean MultipleNegativesRankingLoss (docs/integrations.md), O(B·D) memory.
 
     Args:
         queries: [B, D] anchors of this rank.
@@ -299,7 +274,7 @@ def ranking_loss(
         partition_mode: "joint" or "per_direction" (with query_to_doc and doc_to_query only).
         hardness_mode, hardness_strength: sentence-transformers' hardness weighting.
         group: the process group to ring over (:func:`loss_group`), None for a single process.
-        backend: ``cal_inf_loss``'s backend (the ids and guide of the padded call run on "torch").
+        backend: ``cal_inf_loss``'s backend.
     """
     q = _prepare(queries, similarity)
     docs: List[torch.Tensor] = [_prepare(d, similarity) for d in docs]
@@ -307,156 +282,143 @@ def ranking_loss(
     hardness = _effective_hardness(hardness_mode, hardness_strength, len(docs) - 1)
     terms = set(directions)
 
-    def loss(rows, keys, labels=None, symmetric=False):
-        return cal_inf_loss(rows, keys, labels, scale, symmetric=symmetric, group=group, backend=backend)
-
     if partition_mode == "per_direction" and terms != {QUERY_TO_DOC}:
         if terms != {QUERY_TO_DOC, DOC_TO_QUERY}:
             raise ValueError(f"partition_mode='per_direction' takes query_to_doc and doc_to_query, got {directions}")
         if hardness is None and len(docs) == 1:
-            return loss(q, positives, symmetric=True)
+            return cal_inf_loss(q, positives, None, scale, symmetric=True, group=group, backend=backend)
         q2d = _joint_loss(q, docs, {QUERY_TO_DOC}, hardness, hardness_strength, scale, group, backend)
-        return (q2d + loss(positives, q)) / 2
+        return (q2d + cal_inf_loss(positives, q, None, scale, group=group, backend=backend)) / 2
     return _joint_loss(q, docs, terms, hardness, hardness_strength, scale, group, backend)
 
 
 def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch.Tensor:
-    """One softmax over the selected directions' terms (module docstring), on prepared features."""
-    positives, negatives = docs[0], docs[1:]
-    candidates = torch.cat(docs) if negatives else positives
+    """One softmax over the selected directions' terms, on prepared features: the cheapest exact call."""
     if hardness is None and terms <= {QUERY_TO_DOC, DOC_TO_QUERY}:  # no ids: the plain loss, any backend
         if terms == {QUERY_TO_DOC}:
+            candidates = torch.cat(docs) if len(docs) > 1 else docs[0]
             return cal_inf_loss(q, candidates, _positive_columns(q, candidates, group), scale, group=group,
                                 backend=backend)
-        dim = q.shape[1]
-        rows = torch.cat([q, positives], dim=1)
-        keys = torch.cat([F.pad(candidates, (0, dim)), F.pad(q, (dim, 0))])
-        return cal_inf_loss(rows, keys, _positive_columns(rows, keys, group), scale, group=group, backend=backend)
-
-    if terms == {QUERY_TO_DOC} and hardness in ("in_batch_negatives", "all_negatives"):
+        return _padded_loss(q, docs, terms, None, alpha, scale, group, backend)
+    if terms == {QUERY_TO_DOC} and hardness in IN_BATCH_HARDNESS:
         return _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend)
-    if hardness is None and DOC_TO_QUERY in terms:
+    if hardness is None and DOC_TO_QUERY in terms:  # with a same-type direction: two calls of width D
         return _query_and_doc_rows_loss(q, docs, terms, scale, group, backend)
+    return _padded_loss(q, docs, terms, hardness, alpha, scale, group, backend)
 
+
+def _selected(terms):
+    """(name, Direction) of the selected directions, in the table's (key-block) order."""
+    return [(name, direction) for name, direction in DIRECTIONS.items() if name in terms]
+
+
+def _columns(direction: Direction, q: torch.Tensor, docs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    return docs if direction.columns == DOCS else (q,)
+
+
+def _owner(b: int, group, device: torch.device):
+    """(the global index of this rank's first row, the global index of each row [B])."""
+    first_row = _rows_before(b, group, device)
+    return first_row, torch.arange(first_row, first_row + b, device=device)
+
+
+def _padded_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch.Tensor:
+    """One call whose rows are x_i = [q_i | p_i | stop_grad(q_i)] (segments present only when a direction or the
+    hardness reads them) and whose keys are each direction's columns in its segment (docs/integrations.md)."""
     b, dim = q.shape
-    penalize_in_batch = hardness in ("in_batch_negatives", "all_negatives")
-    own_negatives_apart = hardness is not None and bool(negatives)
-    wide = bool(terms & {DOC_TO_QUERY, DOC_TO_DOC})
-    widths = [dim, dim if wide else 0, dim if penalize_in_batch else 0]
-    alpha_over_scale = alpha / float(scale) if penalize_in_batch else 0.0
+    positives, negatives = docs[0], docs[1:]
+    penalized = hardness in IN_BATCH_HARDNESS
+    wide = any(direction.segment == DOC_SEGMENT for _, direction in _selected(terms))
+    widths = [dim, dim if wide else 0, dim if penalized else 0]
+    penalty = alpha / float(scale) if penalized else 0.0
+    first_row, owner = _owner(b, group, q.device)
+    keys = _Keys(owner)
+    for _, direction in _selected(terms):
+        for index, column in enumerate(_columns(direction, q, docs)):
+            parts = [None, None, None]
+            parts[direction.segment] = column
+            if penalized and direction.penalized:
+                parts[PENALTY_SEGMENT] = penalty * column.detach()
+            keys.add(_segments(parts, widths), own_excluded=direction.excludes_own(index, hardness))
+    rows = _segments([q, positives if wide else None, q.detach() if penalized else None], widths)
+    key_feats, ids, labels = keys.build(first_row)
+    if hardness is None:
+        return cal_inf_loss(rows, key_feats, labels, scale, group=group, backend=backend, **ids)
+    row_loss = cal_inf_loss(rows, key_feats, labels, scale, reduction="none", group=group, backend=backend, **ids)
+    positive_sim = (q * positives).sum(dim=1)
+    own = [(q * negative).sum(dim=1) for negative in negatives]  # the own negatives, left out of the tiles
+    own_logits = [scale * o + (alpha * o.detach() if hardness in OWN_NEGATIVE_HARDNESS else 0.0) for o in own]
+    if not penalized:
+        positive_logit = scale * positive_sim
+        lse = torch.logaddexp(row_loss + positive_logit, torch.logsumexp(torch.stack(own_logits, dim=1), dim=1))
+        return (lse - positive_logit).mean()
+    # The label carries the penalty too: take it back out (docs/integrations.md, "Hardness").
+    others = _others_than_positive(row_loss, alpha * positive_sim.detach())
+    parts = [torch.zeros_like(others), others] + [o - scale * positive_sim for o in own_logits]
+    return torch.logsumexp(torch.stack(parts, dim=1), dim=1).mean()
 
-    def left(x):  # a key in the query segment
-        return _segments([x, None, None], widths)
 
-    def right(x):  # a key in the positive segment
-        return _segments([None, x, None], widths)
-
-    def penalized(x):  # a query_to_doc key whose entries carry alpha * stop_grad(sim)
-        return _segments([x, None, alpha_over_scale * x.detach()], widths)
-
-    rows = _segments([q, positives if wide else None, q.detach() if penalize_in_batch else None], widths)
-    first_row = _rows_before(b, group, q.device)
-    keys = _Keys(torch.arange(first_row, first_row + b, device=q.device))
-    if penalize_in_batch:  # the unpenalized positives hold the labels; the guide keeps each for its own row
-        label_block = keys.add(left(positives), own_excluded=False, guide_value=1.0)
-        keys.add(penalized(positives), own_excluded=True)
-    else:
-        label_block = keys.add(left(positives), own_excluded=True)
-    for negative in negatives:
-        keys.add(penalized(negative) if penalize_in_batch else left(negative), own_excluded=own_negatives_apart)
-    if QUERY_TO_QUERY in terms:
-        keys.add(left(q), own_excluded=True)
-    if DOC_TO_QUERY in terms:
-        keys.add(right(q), own_excluded=False)
-    if DOC_TO_DOC in terms:
-        for doc in docs:
-            keys.add(right(doc), own_excluded=True)
-    key_feats, k_ids, key_guide = keys.build(first_row)
-    labels = keys.first_key(first_row) + label_block + torch.arange(b, device=q.device)
-    options = {}
-    if penalize_in_batch:
-        options = dict(guide=(q.new_ones(b, 1), key_guide), guide_margin=COPY_GUIDE_MARGIN)
-    reduction = "none" if own_negatives_apart else "mean"
-    row_loss = cal_inf_loss(rows, key_feats, labels, scale, reduction=reduction, q_ids=keys.owner, k_ids=k_ids,
-                            group=group, backend=backend, **options)
-    if not own_negatives_apart:
-        return row_loss
-    # The row's own hard negatives, left out of the tiles by id: merged here, O(B * negatives).
-    positive_logit = scale * (q * positives).sum(dim=1)
-    own = torch.stack([(q * negative).sum(dim=1) for negative in negatives], dim=1)  # [B, negatives]
-    own_logits = scale * own + (alpha * own.detach() if hardness in ("hard_negatives", "all_negatives") else 0.0)
-    lse = torch.logaddexp(row_loss + positive_logit, torch.logsumexp(own_logits, dim=1))
-    return (lse - positive_logit).mean()
+def _others_than_positive(row_loss: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """log-sum-exp of a row's tile entries other than its positive, relative to the positive's unpenalized
+    logit, from a row loss r_i = lse_i - (positive logit + ``penalty``): penalty + log(expm1(r_i)), exact where
+    the tiles keep a confident row's small r_i to full relative precision (numerics.md)."""
+    # log(expm1(r)) is -inf at r = 0 (every other entry underflowed), where its derivative is not finite.
+    safe = torch.where(row_loss > 0, row_loss, 1.0)
+    return torch.where(row_loss > 0, torch.log(torch.expm1(safe)), float("-inf")) + penalty
 
 
 def _query_and_doc_rows_loss(q, docs, terms, scale, group, backend) -> torch.Tensor:
     """The joint partition of query_to_doc, doc_to_query and any of query_to_query, doc_to_doc, without hardness,
-    as two calls of width D instead of one padded to 2D (module docstring).
+    as two calls of width D instead of one padded to 2D (docs/integrations.md, "Query rows and document rows").
 
-    The query rows q_i take the query_to_doc and query_to_query columns, the document rows p_i the doc_to_query
-    and doc_to_doc ones. Each call's label is an entry with the positive's logit, s * sim(q_i, p_i): the
-    query_to_doc positive in the first, the doc_to_query entry p_i . q_i (one of its terms) in the second. Their
-    row losses r = lse - positive therefore merge into the joint one: loss_i = logaddexp(r_query_i, r_doc_i).
+    The query rows q_i take the directions of the query segment, the document rows p_i those of the document
+    segment. Each call's label, its first block's diagonal, holds the positive's logit, s * sim(q_i, p_i): the
+    query_to_doc positive in the first, the doc_to_query entry p_i . q_i in the second. Their row losses
+    r = lse - positive therefore merge into the joint one: loss_i = logaddexp(r_query_i, r_doc_i).
     """
-    b = q.shape[0]
-    first_row = _rows_before(b, group, q.device)
-    owner = torch.arange(first_row, first_row + b, device=q.device)
-    query_keys, doc_keys = _Keys(owner), _Keys(owner)
-    query_label = query_keys.add(docs[0], own_excluded=False)
-    for negative in docs[1:]:
-        query_keys.add(negative, own_excluded=False)
-    if QUERY_TO_QUERY in terms:
-        query_keys.add(q, own_excluded=True)
-    doc_label = doc_keys.add(q, own_excluded=False)
-    if DOC_TO_DOC in terms:
-        for doc in docs:
-            doc_keys.add(doc, own_excluded=True)
+    first_row, owner = _owner(q.shape[0], group, q.device)
     row_losses = []
-    for rows, keys, label_block in ((q, query_keys, query_label), (docs[0], doc_keys, doc_label)):
-        key_feats, k_ids, _ = keys.build(first_row)
-        labels = keys.first_key(first_row) + label_block + torch.arange(b, device=q.device)
-        masks = dict(q_ids=owner, k_ids=k_ids) if any(keys.own_excluded) else {}
+    for segment, rows in ((QUERY_SEGMENT, q), (DOC_SEGMENT, docs[0])):
+        keys = _Keys(owner)
+        for _, direction in _selected(terms):
+            if direction.segment == segment:
+                for index, column in enumerate(_columns(direction, q, docs)):
+                    keys.add(column, own_excluded=direction.excludes_own(index, None))
+        key_feats, ids, labels = keys.build(first_row)
         row_losses.append(cal_inf_loss(rows, key_feats, labels, scale, reduction="none", group=group,
-                                       backend=backend, **masks))
+                                       backend=backend, **ids))
     return torch.logaddexp(*row_losses).mean()
 
 
 def _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend) -> torch.Tensor:
-    """query_to_doc alone with in-batch hardness (module docstring), at width D on the plain tiles.
+    """query_to_doc alone with in-batch hardness, at width D on the plain tiles (docs/integrations.md, "Hardness").
 
-    The tiles run at scale s + alpha: every entry's logit is the penalized one, s * sim + alpha * stop_grad(sim),
-    and the gradient of the row losses r_i is scaled by s / (s + alpha), so each entry's gradient is that of
-    s * sim. Only the row's positive should not carry the penalty: its tile logit is L_pos + c_i with
-    c_i = alpha * stop_grad(pos_i). With N_i the log-sum-exp of the row's other tile entries,
-    r_i = log(1 + exp(N_i - L_pos - c_i)), so N_i - L_pos = c_i + log(expm1(r_i)) (r_i keeps its relative
-    digits however small: numerics.md), and loss_i = log(1 + exp(N_i - L_pos) + sum_k exp(o_ik)) where o_ik are
-    the row's own hard negatives' unpenalized logits minus L_pos, kept out of the tiles by id for
-    "in_batch_negatives" (for "all_negatives" they are penalized like every other entry and stay in the tiles).
+    The tiles run at scale s + alpha, so every entry's logit is the penalized one, s * sim + alpha * stop_grad(sim),
+    and the gradient of the row losses is scaled by s / (s + alpha), so each entry's gradient is that of s * sim.
+    The positive's penalty is taken back out (:func:`_others_than_positive`); for "in_batch_negatives" the row's
+    own hard negatives, unpenalized, leave the tiles by id and are added back here.
     """
     s = float(scale)
     boosted = s + alpha
     positives, negatives = docs[0], docs[1:]
-    own_apart = hardness == "in_batch_negatives" and bool(negatives)
+    # The tiles penalize every entry: the own negatives leave them where their logit is the unpenalized one.
+    own_apart = hardness not in OWN_NEGATIVE_HARDNESS and bool(negatives)
     if own_apart:
-        first_row = _rows_before(q.shape[0], group, q.device)
-        keys = _Keys(torch.arange(first_row, first_row + q.shape[0], device=q.device))
-        label_block = keys.add(positives, own_excluded=False)
-        for negative in negatives:
-            keys.add(negative, own_excluded=True)
-        key_feats, k_ids, _ = keys.build(first_row)
-        labels = keys.first_key(first_row) + label_block + torch.arange(q.shape[0], device=q.device)
-        masks = dict(q_ids=keys.owner, k_ids=k_ids)
+        first_row, owner = _owner(q.shape[0], group, q.device)
+        keys = _Keys(owner)
+        for index, column in enumerate(docs):
+            keys.add(column, own_excluded=index > 0)
+        key_feats, ids, labels = keys.build(first_row)
     else:
         key_feats = torch.cat(docs) if negatives else positives
-        labels, masks = _positive_columns(q, key_feats, group), {}
-    rows = cal_inf_loss(q, key_feats, labels, boosted, reduction="none", group=group, backend=backend, **masks)
+        labels, ids = _positive_columns(q, key_feats, group), {}
+    rows = cal_inf_loss(q, key_feats, labels, boosted, reduction="none", group=group, backend=backend, **ids)
     rows = scale_gradient(rows, s / boosted)
-    positive_sim = (q * positives).sum(dim=1)
-    # log(expm1(r)) is -inf at r = 0 (every other entry underflowed), where its derivative is not finite.
-    others = torch.where(rows > 0, torch.log(torch.expm1(torch.where(rows > 0, rows, 1.0))), float("-inf"))
-    parts = [torch.zeros_like(others), alpha * positive_sim.detach() + others]
-    if own_apart:
-        parts += [s * ((q * negative).sum(dim=1) - positive_sim) for negative in negatives]
+    with torch.no_grad():
+        positive_penalty = alpha * (q * positives).sum(dim=1)
+    parts = [torch.zeros_like(rows), _others_than_positive(rows, positive_penalty)]
+    if own_apart:  # the own negatives' unpenalized logits relative to the positive's, [B, negatives]
+        parts += (s * torch.einsum("bd,bnd->bn", q, torch.stack(negatives, dim=1) - positives.unsqueeze(1))).unbind(1)
     return torch.logsumexp(torch.stack(parts, dim=1), dim=1).mean()
 
 
