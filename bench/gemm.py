@@ -13,9 +13,9 @@ by a float32 matmul on float32 copies (exact: every product of two bf16 or fp16 
 is what float32 accumulation gives). Which is faster depends on the CPU: with AMX or AVX512-BF16 the
 bf16 matmul; on an AVX2-only CPU torch's bf16 matmul runs at 0.5-17 GFLOP/s against ~150 for float32
 (AMD EPYC family 25 model 1). The bound takes the faster one, its *route*, which the table names.
-Each route's rate is probed once, up front, on products that grow until one takes PROBE_RUN_S
-(:func:`probe_rates`), so a pathologically slow route costs about a second and never runs between
-timed runs; the interleaved matmul runs then use the chosen route only.
+Each route's rate is probed once, up front, on both product shapes, growing until one takes PROBE_RUN_S
+(:func:`probe_rates`: the slower shape's rate), so a pathologically slow route costs about a second and
+never runs between timed runs; the interleaved matmul runs then use the chosen route only.
 """
 
 from typing import Dict, List, Optional
@@ -72,9 +72,9 @@ def measure_gemm(batch: int, dim: int, dtype: torch.dtype, device: torch.device,
     return gemm_rates(batch, dim, {name: time_step(step, device, warmup, repeats) for name, step in steps.items()})
 
 
-# Probe: square products [n, D] x [D, n], n doubling from PROBE_MIN_ROWS, until one run takes PROBE_RUN_S
-# (or n reaches the benchmark's own B): long enough for a steady rate, short enough that a route at
-# 0.5 GFLOP/s costs about a second in all.
+# Probe: the loss's two product shapes, [n, D] x [D, n] (S) and [n, n] x [n, D] (dS @ k), n doubling from
+# PROBE_MIN_ROWS until one run takes PROBE_RUN_S (or n reaches the benchmark's own B): long enough for a steady
+# rate, short enough that a route at 0.5 GFLOP/s costs about a second in all.
 PROBE_MIN_ROWS = 256
 PROBE_RUN_S = 0.25
 
@@ -85,15 +85,23 @@ def gemm_routes(dtype: torch.dtype) -> List[torch.dtype]:
     return [dtype, torch.float32] if dtype in (torch.bfloat16, torch.float16) else [dtype]
 
 
-def probe_rate(batch: int, dim: int, dtype: torch.dtype, device: torch.device) -> float:
-    """GFLOP/s of ``torch.mm`` in ``dtype`` on the largest probe product (see PROBE_RUN_S), the faster of
-    two runs at that size."""
+def _probe_operands(rows: int, dim: int, shape: str, dtype: torch.dtype, device: torch.device, gen):
+    """(a, b, out) of ``torch.mm(a, b, out=out)`` for one probe product of ``shape`` ("s" or "ds")."""
+    feats = torch.randn(rows, dim, generator=gen).to(device=device, dtype=dtype)
+    if shape == "s":
+        return feats, feats.T, torch.empty(rows, rows, device=device, dtype=dtype)
+    square = torch.randn(rows, rows, generator=gen).to(device=device, dtype=dtype)
+    return square, feats, torch.empty(rows, dim, device=device, dtype=dtype)
+
+
+def probe_rate(batch: int, dim: int, dtype: torch.dtype, device: torch.device, shape: str = "s") -> float:
+    """GFLOP/s of ``torch.mm`` in ``dtype`` on the largest probe product of ``shape`` ("s": [n, D] x [D, n];
+    "ds": [n, n] x [n, D]; see PROBE_RUN_S), the faster of two runs at that size."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows, cap = PROBE_MIN_ROWS, max(PROBE_MIN_ROWS, min(batch, GEMM_MAX_BATCH))
     while True:
-        a = torch.randn(rows, dim, generator=gen).to(device=device, dtype=dtype)
-        out = torch.empty(rows, rows, device=device, dtype=dtype)
-        step = Step(lambda: None, lambda _, a=a, out=out: torch.mm(a, a.T, out=out))
+        a, b, out = _probe_operands(rows, dim, shape, dtype, device, gen)
+        step = Step(lambda: None, lambda _, a=a, b=b, out=out: torch.mm(a, b, out=out))
         seconds = min(time_step(step, device, warmup=0, repeats=2))
         if seconds >= PROBE_RUN_S or rows >= cap:
             return gemm_flops(rows, dim) / seconds / 1e9
@@ -102,11 +110,14 @@ def probe_rate(batch: int, dim: int, dtype: torch.dtype, device: torch.device) -
 
 def probe_rates(batch: int, dim: int, dtype: torch.dtype, device: torch.device) -> Dict[str, float]:
     """{route dtype name: probed GFLOP/s} for every route of ``dtype`` (one entry where there is one route,
-    not probed: ``nan``); see :func:`best_route`."""
+    not probed: ``nan``); see :func:`best_route`. A route's rate is its slower product shape: a method that
+    multiplies in that dtype needs both (on an AVX2-only AMD EPYC, torch's bf16 [n, n] x [n, D] product ran at
+    0.3 GFLOP/s against 1.8 for [n, D] x [D, n]), so the time budget's estimates hold for it."""
     routes = gemm_routes(dtype)
     if len(routes) == 1:
         return {_name(dtype): float("nan")}
-    return {_name(route): probe_rate(batch, dim, route, device) for route in routes}
+    shapes = ("s", "ds")
+    return {_name(route): min(probe_rate(batch, dim, route, device, shape) for shape in shapes) for route in routes}
 
 
 def best_route(rates: Dict[str, float]) -> str:

@@ -1,7 +1,7 @@
-// What the native kernels (infcl_cpu.cpp: the softmax loss; infcl_siglip.cpp: the sigmoid loss) share:
+// What the native kernels (softmax*.cpp: the softmax loss; infcl_siglip.cpp: the sigmoid loss) share:
 // the tile sizes, the row-tile grid and its split over threads, the one BLAS thread guard, the tile GEMMs
-// and the bfloat16 GEMM routes, and the one vectorizable exp. One copy of each, so both losses tile,
-// parallelize, multiply and round the same way.
+// and the bfloat16 GEMM routes, the one vectorizable exp, and the ops' accumulation dtype and gradient
+// outputs. One copy of each, so every loss tiles, parallelizes, multiplies and rounds the same way.
 
 #pragma once
 
@@ -150,7 +150,7 @@ inline uint16_t to_bf16_bits(float f) {
 //
 // - Mkl: MKL's cblas_gemm_bf16bf16f32 (gemm() above), where the CPU has AMX-BF16: MKL runs it on the
 //   AMX tiles (oneDNN's AMX brgemm was no faster there end to end, and shares the AMX state with MKL:
-//   see infcl_cpu.cpp's notes).
+//   docs/benchmarks.md, "Native CPU kernel: tried and dropped").
 // - Brgemm: oneDNN's bf16 batch-reduce GEMM microkernel (at::native::cpublas::brgemm, vdpbf16ps), where
 //   the CPU has AVX512-BF16 but no AMX. MKL's bf16 GEMM runs there at its sgemm rate; 256 x 512 x 512
 //   tile products on one thread of an AMD EPYC family 25 model 17: MKL bf16 ~60 GFLOP/s, MKL sgemm 60-70,
@@ -200,7 +200,8 @@ inline const CpuFeatures& this_cpu() {
 // Whether this torch's brgemm takes VNNI bf16 here: probed once on a 2 x 16 x 2 product (it throws where
 // the oneDNN microkernel is not built in or is limited below AVX-512, e.g. by ONEDNN_MAX_CPU_ISA). Never
 // on AMX CPUs: there oneDNN runs it on the AMX tiles, whose state the caller would have to request and
-// release around MKL's own AMX use (infcl_cpu.cpp's notes), and MKL's route is as fast.
+// release around MKL's own AMX use (docs/benchmarks.md, "Native CPU kernel: tried and dropped"), and MKL's
+// route is as fast.
 inline bool brgemm_bf16_works() {
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32)
   if (!this_cpu().avx512_bf16 || this_cpu().amx || !at::globalContext().userEnabledMkldnn()) return false;
@@ -373,7 +374,7 @@ inline at::Tensor transposed_pairs_operand(const at::Tensor& q) {
 // rounding's own bits.
 // Accuracy against float64 exp, every float in [-86.98, 0]: max 0.94 ulp, 0.45% of results not correctly
 // rounded (0.94 ulp over [0, 88.72] too). This is infcl_siglip.cpp's former polynomial and ln 2 split;
-// infcl_cpu.cpp's former Cephes minimax polynomial with a 9-bit ln 2 split measured 1.02 ulp, 0.80%.
+// the softmax kernel's former Cephes minimax polynomial with a 9-bit ln 2 split measured 1.02 ulp, 0.80%.
 // Range: below -125.5 ln 2 (about -86.99) n - 1 is -127 and 2^(n - 1) is exactly +0, so the result is 0
 // (the true value is under 1.7e-38, ~1.4 FLT_MIN: a term that adds nothing to any sum here, and a row
 // whose negatives all lie that far below its maximum gets a loss of exactly 0); above log(FLT_MAX) the
@@ -413,5 +414,36 @@ inline float exp_f32(float x) {
 
 inline float fast_exp(float x) { return exp_f32(x); }
 inline double fast_exp(double x) { return std::exp(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Op entry points.
+
+// The dtype a kernel accumulates in and returns its statistics in: float64 for float64 inputs, else float32.
+inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// A backward op's dq and dk as its kernel accumulates into them: checked against q and k (dtype acc, the same
+// shapes; `op` names the op in the error), and contiguous: the caller's tensors where they are, else copies
+// that write_back() copies into the caller's.
+class ContiguousGrads {
+ public:
+  ContiguousGrads(at::Tensor& dq, at::Tensor& dk, const at::Tensor& q, const at::Tensor& k, at::ScalarType acc,
+                  const char* op)
+      : dq_out_(dq), dk_out_(dk) {
+    TORCH_CHECK(dq.scalar_type() == acc && dk.scalar_type() == acc, op, ": dq and dk must be ", acc);
+    TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes(), op, ": dq ", dq.sizes(), " / dk ", dk.sizes(),
+                " must match q ", q.sizes(), " / k ", k.sizes());
+    this->dq = dq.is_contiguous() ? dq : dq.contiguous();
+    this->dk = dk.is_contiguous() ? dk : dk.contiguous();
+  }
+  void write_back() {
+    if (!dq_out_.is_same(dq)) dq_out_.copy_(dq);
+    if (!dk_out_.is_same(dk)) dk_out_.copy_(dk);
+  }
+  at::Tensor dq, dk;
+
+ private:
+  at::Tensor& dq_out_;
+  at::Tensor& dk_out_;
+};
 
 }  // namespace infcl

@@ -53,7 +53,7 @@ namespace siglip {
 namespace {
 
 // Tile sizes, the row-tile grid, the lanes, the BLAS thread guard and the vectorized exp (fast_exp) are
-// common.h's, shared with infcl_cpu.cpp (whose measured tile choice is not re-tuned for this loss).
+// common.h's, shared with the softmax kernel (whose measured tile choice is not re-tuned for this loss).
 
 // log(1 + u) for u in [0, 1] as 2 atanh(s), s = u / (2 + u) in [0, 1/3]: an odd series in s whose terms
 // shrink at least 9x each (truncated after s^15: < 2e-9 relative). s is formed without cancellation, so
@@ -332,14 +332,12 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
               "], got ", pos.sizes());
 }
 
-at::ScalarType acc_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 at::Tensor prepared(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
 at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
                                  const at::Tensor& pos_in, double bias) {
   check_inputs(q_in, k_in, pos_in);
-  const auto acc = acc_type(q_in);
+  const auto acc = accumulation_type(q_in.scalar_type());
   const at::Tensor pos = prepared(pos_in, at::kLong);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t bq = q_in.size(0), bk = k_in.size(0), d = q_in.size(1);
@@ -375,19 +373,16 @@ at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
                                   const at::Tensor& pos_in, double bias, const at::Tensor& g_row, at::Tensor& dq,
                                   at::Tensor& dk) {
   check_inputs(q_in, k_in, pos_in);
-  const auto acc = acc_type(q_in);
+  const auto acc = accumulation_type(q_in.scalar_type());
   TORCH_CHECK(g_row.dim() == 1 && g_row.size(0) == q_in.size(0), "infcl native sigmoid: g_row must be [",
               q_in.size(0), "], got ", g_row.sizes());
-  TORCH_CHECK(dq.scalar_type() == acc && dk.scalar_type() == acc, "infcl native sigmoid: dq and dk must be ", acc);
-  TORCH_CHECK(dq.sizes() == q_in.sizes() && dk.sizes() == k_in.sizes(), "infcl native sigmoid: dq ", dq.sizes(),
-              " / dk ", dk.sizes(), " must match q ", q_in.sizes(), " / k ", k_in.sizes());
   const at::Tensor pos = prepared(pos_in, at::kLong);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const at::Tensor g = prepared(g_row, acc);
   const int64_t bq = q_in.size(0), bk = k_in.size(0), d = q_in.size(1);
-  // Accumulate into contiguous buffers; copy back only when the caller's dq / dk are strided.
-  at::Tensor dq_c = dq.is_contiguous() ? dq : dq.contiguous();
-  at::Tensor dk_c = dk.is_contiguous() ? dk : dk.contiguous();
+  ContiguousGrads grads(dq, dk, q_in, k_in, acc, "infcl native sigmoid");
+  at::Tensor& dq_c = grads.dq;
+  at::Tensor& dk_c = grads.dk;
   at::Tensor dparams = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
   const Bf16Gemm route = bf16_route(q_in);
   if (route != Bf16Gemm::None) {
@@ -417,15 +412,14 @@ at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
                          false, [&](int64_t tk) { return AtenProducts<float>(o, RowTiles(bq).size, tk); }, dk_c,
                          dparams);
   }
-  if (!dq.is_same(dq_c)) dq.copy_(dq_c);
-  if (!dk.is_same(dk_c)) dk.copy_(dk_c);
+  grads.write_back();
   return dparams.to(acc);
 }
 
 }  // namespace
 }  // namespace siglip
 
-// The namespace `infcl` is defined by csrc/infcl_cpu.cpp's TORCH_LIBRARY; this file adds its ops to it.
+// The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its ops to it.
 TORCH_LIBRARY_FRAGMENT(infcl, m) {
   // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias.
   m.def("sigmoid_forward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias) -> Tensor");

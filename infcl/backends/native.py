@@ -11,8 +11,9 @@ loads them, and says why the backend is unavailable when it is (turned off by ``
 no ninja): ``backend="auto"`` then uses the pure-PyTorch tiles (after one warning for a failure) and an
 explicit ``backend="cpu"`` raises a RuntimeError with the reason.
 
-Block contract and math: :mod:`infcl.backends.base`. Kernel layout, tiling and determinism:
-``csrc/infcl_cpu.cpp``.
+Block contract and math: :mod:`infcl.backends.base`. Kernel layout, tiling and determinism: docs/kernels.md
+("Native CPU kernel"); the ops are ``csrc/softmax_ops.cpp`` (phases in ``csrc/softmax_forward.cpp`` and
+``csrc/softmax_backward.cpp``).
 """
 
 from typing import Optional, Tuple

@@ -271,7 +271,7 @@ def _distill_backward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, row
 
 
 FAKES = {
-    "infcl::forward_block": _forward_fake,  # csrc/infcl_cpu.cpp
+    "infcl::forward_block": _forward_fake,  # csrc/softmax_ops.cpp
     "infcl::backward_block": _backward_fake,
     "infcl::masked_forward_block": _masked_forward_fake,
     "infcl::masked_backward_block": _masked_backward_fake,

@@ -1,0 +1,489 @@
+// The softmax loss's backward (softmax.h: backward()). Per tile: raw once (RawTiles, the forward's route),
+// S = raw * scale (scale_tile), then per row the dS pass over the columns on either side of the row's
+// positive (ds_span), the positive itself (ds_positive), then dq_i += scale * dS @ k_j and
+// dk_j += scale * dS.T @ q_i.
+//
+// The row tiles are cut into `lanes` contiguous ranges (one per thread), each walking key tiles outer; dq
+// rows belong to one lane, dk is kept per lane and merged in lane order at the end, so dk and dscale depend
+// on the backward's own thread count (never on scheduling): bit-identical run to run, and to a run whose
+// forward had another thread count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "softmax.h"
+
+namespace infcl {
+namespace softmax {
+namespace {
+
+// The backward's SHARED_REF_SPAN (softmax_forward.cpp), on the log-sum-exps L = m + r of a tile's rows and
+// columns: a flushed exp(x_row) hides exp(x_col) = exp(x_row) * exp(L_row - L_col) with
+// |L_row - L_col| <= 2 * LSE_REF_SPAN, so what is lost stays below exp(EXP_LO + 2 * LSE_REF_SPAN) = e^-47
+// (of a column's total probability 1).
+constexpr double LSE_REF_SPAN = 20.0;
+
+// dS as handed to the dq / dk products: float32 / float64 as is; bfloat16 rounded to nearest even
+// (sign-symmetric: -v rounds to -bf16(v)). dS already holds -Y, so nothing cancels against it later.
+template <typename Acc>
+inline void store_ds(Acc* ds, int64_t c, Acc v) {
+  ds[c] = v;
+}
+inline void store_ds(at::BFloat16* ds, int64_t c, float v) {
+  const uint16_t bits = to_bf16_bits(v);
+  std::memcpy(ds + c, &bits, sizeof bits);
+}
+
+// What the dS pass reads per row, with the symmetric loss's per-column stats (offset to the tile).
+template <typename Acc>
+struct RowGrad {
+  Acc m, rel, g;
+};
+template <typename Acc>
+struct ColGrads {
+  const Acc* m = nullptr;
+  const Acc* rel = nullptr;
+  const Acc* g = nullptr;
+  // kOneExp only: per column g * exp(ref - L_col), and per row exp(L_row - ref) (see SharedRef).
+  const Acc* factor = nullptr;
+};
+
+// Which terms a tile's dS has: the row's only, both directions with two exps per entry, or both with
+// the one-exp shortcut (kOneExp).
+enum class Terms { Rows, Both, BothShared };
+
+// The column direction's P (times its upstream gradient) at entry c of a row: its own exp with both
+// directions' stats (Both), or the row's exp e rescaled by the row and column factors (the shared-stats path).
+template <Terms terms, typename Acc>
+inline Acc col_term(const Acc* s, int64_t c, Acc e, Acc row_factor, const ColGrads<Acc>& col) {
+  if constexpr (terms == Terms::Both) {
+    return col.g[c] * fast_exp((s[c] - col.m[c]) - col.rel[c]);
+  } else {
+    return (e * row_factor) * col.factor[c];
+  }
+}
+
+// dS over columns [c0, c1) of one row (none of them its positive): g_row * P_row (+ g_col * P_col),
+// P = exp((S - m) - r), with the row's and column's parts of the scale gradient, sum dS_part * raw.
+template <Terms terms, typename Acc, typename DS>
+inline void ds_span(int64_t c0, int64_t c1, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                    Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+  const Acc m = row.m, rel = row.rel, g = row.g;
+#pragma omp simd reduction(+ : acc_row, acc_col)
+  for (int64_t c = c0; c < c1; ++c) {
+    const Acc x = raw[c];
+    const Acc e = fast_exp((s[c] - m) - rel);
+    const Acc pr = g * e;
+    Acc v = pr;
+    acc_row += pr * x;
+    if constexpr (terms != Terms::Rows) {
+      const Acc pc = col_term<terms>(s, c, e, row_factor, col);
+      acc_col += pc * x;
+      v += pc;
+    }
+    store_ds(ds, c, v);
+  }
+}
+
+// dS at the row's positive column c: g * (P - 1) = g * expm1((S - m) - r) for each direction, so a
+// confident row's tiny 1 - P keeps its digits (exp(x) - 1 would round it away).
+template <Terms terms, typename Acc, typename DS>
+inline void ds_positive(int64_t c, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                        const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+  const Acc x = raw[c];
+  const Acc pr = row.g * std::expm1((s[c] - row.m) - row.rel);
+  Acc v = pr;
+  acc_row += pr * x;
+  if constexpr (terms != Terms::Rows) {
+    const Acc pc = col.g[c] * std::expm1((s[c] - col.m[c]) - col.rel[c]);
+    acc_col += pc * x;
+    v += pc;
+  }
+  store_ds(ds, c, v);
+}
+
+// One row of a tile: the spans left and right of its positive, and the positive (if in the tile).
+template <Terms terms, typename Acc, typename DS>
+inline void ds_row(int64_t nj, int64_t pos, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                   Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+  ds_span<terms>(0, pos >= 0 ? pos : nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+  if (pos < 0) return;
+  ds_positive<terms>(pos, raw, s, ds, row, col, acc_row, acc_col);
+  ds_span<terms>(pos + 1, nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+}
+
+// Masked backward: dS over columns [c0, c1) of one row with exclusions (none of them a positive), as
+// ds_span with each direction's term 0 where that direction excludes the entry (er / ec: one byte per
+// column of the tile). The shared path's row exp is taken before the row's mask, as the columns need it.
+template <Terms terms, typename Acc, typename DS>
+inline void ds_span_masked(int64_t c0, int64_t c1, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
+                           Acc row_factor, const ColGrads<Acc>& col, const uint8_t* er, const uint8_t* ec,
+                           Acc& acc_row, Acc& acc_col) {
+  const Acc m = row.m, rel = row.rel, g = row.g;
+#pragma omp simd reduction(+ : acc_row, acc_col) simdlen(kLanes<Acc>)
+  for (int64_t c = c0; c < c1; ++c) {
+    const Acc x = raw[c];
+    const Acc e = fast_exp((s[c] - m) - rel);
+    const Acc pr = er[c] ? Acc(0) : g * e;
+    Acc v = pr;
+    acc_row += pr * x;
+    if constexpr (terms != Terms::Rows) {
+      const Acc pc = ec[c] ? Acc(0) : col_term<terms>(s, c, e, row_factor, col);
+      acc_col += pc * x;
+      v += pc;
+    }
+    store_ds(ds, c, v);
+  }
+}
+
+// What a row's (or column's) positives look like to the masked backward: their global count ("mean")
+// or stats ("sum": max, log-sum relative to it), offset to the tile's lines; unused for Label.
+template <typename Acc>
+struct PositiveGrads {
+  const Acc* count = nullptr;
+  const Acc* max = nullptr;
+  const Acc* rel = nullptr;
+  PositiveGrads offset(int64_t t) const {
+    return {count ? count + t : nullptr, max ? max + t : nullptr, rel ? rel + t : nullptr};
+  }
+};
+
+// P - Y at a positive of a line with stats (m, rel), never a difference of two rounded probabilities:
+// Label: expm1(x), x = (S - m) - rel (p - 1); "mean": expm1(x + log c) / c (p - 1/c); "sum": y * expm1(d),
+// y = exp((S - pm) - pr) the positive's share of its positives and d = (pm - m) + (pr - rel) <= 0 the log
+// of their share of the softmax. With one positive (c = 1; pm = S, pr = 0) each is Label's bit for bit.
+template <typename Acc>
+inline Acc positive_term(Positives kind, Acc s, Acc m, Acc rel, const PositiveGrads<Acc>& y, int64_t t) {
+  const Acc x = (s - m) - rel;
+  switch (kind) {
+    case Positives::Mean:
+      return std::expm1(x + std::log(y.count[t])) / y.count[t];
+    case Positives::Sum:
+      return std::exp((s - y.max[t]) - y.rel[t]) * std::expm1((y.max[t] - m) + (y.rel[t] - rel));
+    default:
+      return std::expm1(x);
+  }
+}
+
+// One row of a masked tile: the spans between its positives (sorted; masked only if the row has an
+// exclusion) and each positive, in column order. Flattened: with the plain and the masked rows in one
+// caller, GCC stopped inlining fast_exp into these loops, whose scalar calls then cost ~13% of a pass.
+template <Terms terms, typename Acc, typename DS>
+__attribute__((flatten)) inline void ds_masked_row(int64_t nj, const TileMasks& masks, int64_t r, const Acc* raw, const Acc* s, DS* ds,
+                          const RowGrad<Acc>& row, Acc row_factor, const ColGrads<Acc>& col,
+                          const PositiveGrads<Acc>& row_pos, const PositiveGrads<Acc>& col_pos, Acc& acc_row,
+                          Acc& acc_col) {
+  const bool any = masks.any(r);
+  const uint8_t* er = masks.row_excluded(r);
+  const uint8_t* ec = masks.col_excluded(r);
+  auto span = [&](int64_t c0, int64_t c1) {
+    if (any) {
+      ds_span_masked<terms>(c0, c1, raw, s, ds, row, row_factor, col, er, ec, acc_row, acc_col);
+    } else {
+      ds_span<terms>(c0, c1, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+    }
+  };
+  int64_t next = 0;
+  for (const int64_t* p = masks.positives_begin(r); p != masks.positives_end(r); ++p) {
+    const int64_t c = *p;
+    span(next, c);
+    const Acc x = raw[c];
+    const Acc pr = row.g * positive_term(masks.kind(), s[c], row.m, row.rel, row_pos, r);
+    Acc v = pr;
+    acc_row += pr * x;
+    if constexpr (terms != Terms::Rows) {
+      const Acc pc = col.g[c] * positive_term(masks.kind(), s[c], col.m[c], col.rel[c], col_pos, c);
+      acc_col += pc * x;
+      v += pc;
+    }
+    store_ds(ds, c, v);
+    next = c + 1;
+  }
+  span(next, nj);
+}
+
+// The one-exp shortcut's reference for one tile (kOneExp, symmetric): ref = the largest row
+// log-sum-exp L = m + r of the tile. Usable when every row's L and every column's L lies within
+// LSE_REF_SPAN of it; then exp(x_col) = exp(x_row) * exp(L_row - ref) * exp(ref - L_col), each factor
+// computed in double from the stats (so only x_row's rounding is shared) and within e^+-SPAN.
+template <typename Acc>
+class SharedRef {
+ public:
+  explicit SharedRef(int64_t tk) : col_factor_(tk) {}
+
+  // Sets the column factors g_col * exp(ref - L_col) and returns true when the tile qualifies.
+  bool prepare(const Acc* row_m, const Acc* row_rel, int64_t ni, const ColGrads<Acc>& col, int64_t nj) {
+    double ref = -std::numeric_limits<double>::infinity(), low = std::numeric_limits<double>::infinity();
+    for (int64_t r = 0; r < ni; ++r) {
+      const double l = static_cast<double>(row_m[r]) + row_rel[r];
+      ref = std::max(ref, l);
+      low = std::min(low, l);
+    }
+    for (int64_t c = 0; c < nj; ++c) {
+      const double l = static_cast<double>(col.m[c]) + col.rel[c];
+      low = std::min(low, l);
+      if (!(l <= ref + LSE_REF_SPAN)) return false;
+    }
+    if (!std::isfinite(ref) || !(low >= ref - LSE_REF_SPAN)) return false;
+    ref_ = ref;
+    for (int64_t c = 0; c < nj; ++c) {
+      col_factor_[c] = static_cast<Acc>(col.g[c] * std::exp(ref - (static_cast<double>(col.m[c]) + col.rel[c])));
+    }
+    return true;
+  }
+  Acc row_factor(Acc m, Acc rel) const { return static_cast<Acc>(std::exp((static_cast<double>(m) + rel) - ref_)); }
+  const Acc* col_factors() const { return col_factor_.data(); }
+
+ private:
+  double ref_ = 0.0;
+  std::vector<Acc> col_factor_;
+};
+
+// One lane's backward: dq of its rows, dk (lane 0) or a dk partial, and its two dscale sums.
+template <typename In>
+class BackwardLane {
+ public:
+  using Acc = typename Types<In>::acc;
+  using DS = typename Types<In>::ds;
+
+  struct Args {
+    const In* q;
+    const In* k;
+    int64_t bq, bk, d;
+    RowTiles tiles;
+    Acc scale;
+    const int64_t* pos;
+    const Acc* row_stats;  // [2, bq]
+    const Acc* g_row;
+    const Acc* col_stats;  // [2, bk] or nullptr (one direction)
+    const Acc* g_col;
+    Acc* dq;
+    // The masked loss (null: the plain loss), with the rows' and columns' global positives.
+    const MaskArgs* masks = nullptr;
+    PositiveGrads<Acc> row_pos{}, col_pos{};
+    // bfloat16 on the Brgemm route: dq above and each lane's dk are accumulated without the scale (brgemm
+    // has no alpha; backward_impl applies it once at the end), dk transposed ([d, bk]); q_t is q.T
+    // ([d, ld_t], zero past column bq).
+    bool brgemm = false;
+    const In* q_t = nullptr;
+    int64_t ld_t = 0;
+  };
+
+  explicit BackwardLane(const Args& a)
+      : a_(a), tk_(std::min(TILE_K, a.bk)), raw_tiles_(a.tiles.size, tk_, a.d, a.brgemm, /*backward=*/true),
+        k_tile_(/*tb=*/false, a.tiles.size, a.d, tk_), raw_(a.tiles.size * tk_), s_(a.tiles.size * tk_),
+        ds_buf_(std::is_same<DS, Acc>::value ? 0 : a.tiles.size * round_up_even(tk_)), shared_(tk_) {
+    if (a.masks) masks_ = std::make_unique<TileMasks>(*a.masks, a.tiles.size, tk_, a.col_stats != nullptr);
+  }
+
+  // Row tiles [t_begin, t_end), accumulating into dk ([bk, d]); returns (row part, column part) of dscale.
+  std::pair<double, double> run(int64_t t_begin, int64_t t_end, Acc* dk) {
+    double lane_row = 0.0, lane_col = 0.0;
+    for (int64_t j0 = 0; j0 < a_.bk; j0 += tk_) {
+      const int64_t nj = std::min(tk_, a_.bk - j0);
+      raw_tiles_.set_keys(a_.k + j0 * a_.d, nj);
+      if (masks_) masks_->set_keys(j0, nj);
+      k_tile_.set(a_.k + j0 * a_.d, a_.d, a_.d, nj, a_.scale);  // scale * k_j, for dq_i += dS @ k_j
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        const auto parts = tile(a_.tiles.begin(t), a_.tiles.height(t), j0, nj, dk);
+        lane_row += parts.first;
+        lane_col += parts.second;
+      }
+    }
+    return {lane_row, lane_col};
+  }
+
+ private:
+  std::pair<double, double> tile(int64_t i0, int64_t ni, int64_t j0, int64_t nj, Acc* dk) {
+    Acc* raw = raw_.data();
+    Acc* s = s_.data();
+    // float32 / float64 write dS over raw (each entry is read before it is written); bfloat16 to ds_buf_,
+    // in rows of an even length (brgemm multiplies over an even depth), zero past column nj.
+    DS* ds = ds_buf_.empty() ? reinterpret_cast<DS*>(raw) : ds_buf_.data();
+    const int64_t ld_ds = ds_buf_.empty() ? nj : round_up_even(nj);
+    raw_tiles_.product(a_.q + i0 * a_.d, ni, raw, nj);
+    scale_tile(raw, s, ni * nj, a_.scale);
+    ColGrads<Acc> col;
+    if (a_.col_stats) col = {a_.col_stats + j0, a_.col_stats + a_.bk + j0, a_.g_col + j0};
+    const bool shared =
+        kOneExp<In> && a_.col_stats && shared_.prepare(a_.row_stats + i0, a_.row_stats + a_.bq + i0, ni, col, nj);
+    if (shared) col.factor = shared_.col_factors();
+    if (masks_) masks_->build(a_.pos, i0, ni, j0, nj);
+    double tile_row = 0.0, tile_col = 0.0;
+    for (int64_t r = 0; r < ni; ++r) {
+      const int64_t i = i0 + r;
+      const RowGrad<Acc> row{a_.row_stats[i], a_.row_stats[a_.bq + i], a_.g_row[i]};
+      Acc acc_row = 0, acc_col = 0;
+      const Acc* raw_r = raw + r * nj;
+      const Acc* s_r = s + r * nj;
+      DS* ds_r = ds + r * ld_ds;
+      if (ld_ds != nj) ds_r[nj] = DS(0);
+      if (!a_.col_stats) {
+        row_terms<Terms::Rows>(r, i, j0, nj, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
+      } else if (shared) {
+        row_terms<Terms::BothShared>(r, i, j0, nj, raw_r, s_r, ds_r, row, shared_.row_factor(row.m, row.rel), col,
+                                     acc_row, acc_col);
+      } else {
+        row_terms<Terms::Both>(r, i, j0, nj, raw_r, s_r, ds_r, row, Acc(0), col, acc_row, acc_col);
+      }
+      tile_row += acc_row;
+      tile_col += acc_col;
+    }
+    if constexpr (std::is_same<In, at::BFloat16>::value) {
+      if (BrgemmKeyTile* b = raw_tiles_.brgemm_tile()) {
+        b->add_dq(ds, ld_ds, ni, a_.dq + i0 * a_.d, a_.d);
+        b->add_dk_t(a_.q_t + i0, a_.ld_t, ds, ld_ds, ni, dk + j0, a_.bk);
+        return {tile_row, tile_col};
+      }
+    }
+    k_tile_.product(ni, ds, ld_ds, Acc(1), a_.dq + i0 * a_.d, a_.d);
+    gemm(true, false, nj, a_.d, ni, a_.scale, ds, ld_ds, a_.q + i0 * a_.d, a_.d, Acc(1), dk + j0 * a_.d, a_.d);
+    return {tile_row, tile_col};
+  }
+
+  // Row r (global row i) of the tile at key column j0: the plain loss's dS row, or the masked one. A masked
+  // row that is the plain loss's (plain_positive) takes ds_row at the plain loss's own call site, so that
+  // the compiler cannot lay out its reductions differently: distinct ids give the plain loss bit for bit.
+  template <Terms terms>
+  void row_terms(int64_t r, int64_t i, int64_t j0, int64_t nj, const Acc* raw_r, const Acc* s_r, DS* ds_r,
+                 const RowGrad<Acc>& row, Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+    const int64_t p = masks_ ? plain_positive(r, i, j0, s_r) : positive_in_tile(a_.pos, i, j0, nj);
+    if (p == kNotPlain) {
+      ds_masked_row<terms>(nj, *masks_, r, raw_r, s_r, ds_r, row, row_factor, col, a_.row_pos.offset(i - r),
+                           a_.col_pos.offset(j0), acc_row, acc_col);
+      return;
+    }
+    ds_row<terms>(nj, p, raw_r, s_r, ds_r, row, row_factor, col, acc_row, acc_col);
+  }
+
+  // The tile column of masked row r's positive (-1: none in the tile) when the row is the plain loss's:
+  // nothing excluded, at most one positive here, and its P - Y Label's (positive_term: "mean" with one
+  // positive in all, "sum" with pm = S and pr = 0), in the column direction too; else kNotPlain.
+  static constexpr int64_t kNotPlain = -2;
+  int64_t plain_positive(int64_t r, int64_t i, int64_t j0, const Acc* s_r) const {
+    const int64_t* first = masks_->positives_begin(r);
+    const int64_t* last = masks_->positives_end(r);
+    if (masks_->any(r) || last - first > 1) return kNotPlain;
+    if (first == last) return -1;
+    const int64_t c = *first;
+    const bool cols = a_.col_stats != nullptr;
+    auto lone = [&](const PositiveGrads<Acc>& y, int64_t t) {
+      return masks_->kind() == Positives::Mean ? y.count[t] == Acc(1) : (y.max[t] == s_r[c] && y.rel[t] == Acc(0));
+    };
+    if (masks_->kind() == Positives::Label || (lone(a_.row_pos, i) && (!cols || lone(a_.col_pos, j0 + c)))) return c;
+    return kNotPlain;
+  }
+
+  Args a_;
+  int64_t tk_;
+  RawTiles<In> raw_tiles_;
+  ReusedB<DS, In, Acc> k_tile_;
+  std::vector<Acc> raw_, s_;
+  std::vector<DS> ds_buf_;
+  SharedRef<Acc> shared_;
+  std::unique_ptr<TileMasks> masks_;
+};
+
+// The masked backward's positives of one side, from the contiguous accumulation-dtype tensors given.
+template <typename Acc>
+PositiveGrads<Acc> positive_grads(const PositiveInputs& in) {
+  PositiveGrads<Acc> out;
+  if (in.count.defined()) out.count = in.count.data_ptr<Acc>();
+  if (in.stats.defined()) {
+    out.max = in.stats.data_ptr<Acc>();
+    out.rel = out.max + in.stats.size(1);
+  }
+  return out;
+}
+
+// masks: null for the plain loss; else the masked loss's inputs, with each side's positives (row_pos [bq],
+// col_pos [bk]).
+template <typename In>
+void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
+                   const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
+                   const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale, bool brgemm,
+                   const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos) {
+  using Acc = typename Types<In>::acc;
+  const bool both = col_stats.defined();
+  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
+  const RowTiles tiles(bq);
+  const int64_t lanes = lane_count(tiles);
+  typename BackwardLane<In>::Args args{q.data_ptr<In>(), k.data_ptr<In>(), bq, bk, d, tiles,
+                                       static_cast<Acc>(scale), pos.data_ptr<int64_t>(),
+                                       row_stats.data_ptr<Acc>(), g_row.data_ptr<Acc>(),
+                                       both ? col_stats.data_ptr<Acc>() : nullptr,
+                                       both ? g_col.data_ptr<Acc>() : nullptr, dq.data_ptr<Acc>()};
+  args.masks = masks;
+  args.row_pos = positive_grads<Acc>(row_pos);
+  args.col_pos = positive_grads<Acc>(col_pos);
+  // Lane 0 accumulates straight into dk; every other lane into its own [Bk, D] partial. Brgemm: every
+  // lane into its own [D, Bk] partial and dq into dq_unscaled, q's row length d (even) possibly one past
+  // the caller's D, the scale applied once when they join dq and dk.
+  at::Tensor dq_unscaled, q_t, dk_parts;
+  if (brgemm) {
+    dq_unscaled = at::zeros({bq, d}, dq.options());
+    q_t = transposed_pairs_operand(q);
+    args.dq = dq_unscaled.data_ptr<Acc>();
+    args.brgemm = true;
+    args.q_t = q_t.data_ptr<In>();
+    args.ld_t = q_t.size(1);
+    dk_parts = at::zeros({lanes, d, bk}, dk.options());
+  } else if (lanes > 1) {
+    dk_parts = at::zeros({lanes - 1, bk, d}, dk.options());
+  }
+  std::vector<std::pair<double, double>> parts(lanes);
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    const SingleThreadedBlas one_thread;
+    BackwardLane<In> work(args);
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      Acc* dkp = brgemm ? dk_parts[lane].data_ptr<Acc>()
+                        : (lane == 0 ? dk.data_ptr<Acc>() : dk_parts[lane - 1].data_ptr<Acc>());
+      parts[lane] = work.run(lane_start(tiles, lanes, lane), lane_start(tiles, lanes, lane + 1), dkp);
+    }
+  });
+  if (brgemm) {
+    for (int64_t p = 1; p < lanes; ++p) dk_parts[0].add_(dk_parts[p]);
+    dq.add_(dq_unscaled.narrow(1, 0, dq.size(1)), scale);
+    dk.add_(dk_parts[0].narrow(0, 0, dk.size(1)).t(), scale);
+  } else {
+    for (int64_t p = 1; p < lanes; ++p) dk.add_(dk_parts[p - 1]);
+  }
+  double total_row = 0.0, total_col = 0.0;
+  for (const auto& part : parts) {
+    total_row += part.first;
+    total_col += part.second;
+  }
+  dscale[0] = total_row;
+  dscale[1] = total_col;
+}
+
+}  // namespace
+
+void backward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
+              const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
+              const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale, bool brgemm,
+              const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos) {
+  switch (q.scalar_type()) {
+#define INFCL_BACKWARD(T)                                                                                     \
+  backward_impl<T>(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, dscale, brgemm, masks, row_pos, \
+                   col_pos)
+    case at::kFloat: INFCL_BACKWARD(float); break;
+    case at::kDouble: INFCL_BACKWARD(double); break;
+    case at::kBFloat16: INFCL_BACKWARD(at::BFloat16); break;
+#undef INFCL_BACKWARD
+    default: TORCH_CHECK(false, "infcl native: unreachable dtype");
+  }
+}
+
+}  // namespace softmax
+}  // namespace infcl

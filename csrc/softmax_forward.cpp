@@ -1,0 +1,579 @@
+// The softmax loss's forward (softmax.h: forward()): per tile, raw = q_i @ k_j.T by RawTiles, S = raw * scale
+// rounded into the tile, the tile's row and column maxima, then the running log-sum-exp stats of its rows
+// and (symmetric) its columns while the tile is in cache, and each row's positive logit read off it.
+//
+// The row tiles (RowTiles, fixed by Bq) are cut into column groups (at most MAX_COLUMN_GROUPS) that the
+// threads share, key tiles outer; each group keeps its own running column stats, merged in group order at
+// the end, and each row tile updates its own rows' stats, so the outputs do not depend on the thread count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "softmax.h"
+
+namespace infcl {
+namespace softmax {
+namespace {
+
+// Span (in natural-log units) within which one tile's row and column maxima must lie for the forward's
+// one-exp path (kOneExp): exp(+-SPAN) and their products stay normal floats with room to spare, and a
+// term that underflows there is below exp(EXP_LO + SPAN) = e^-47 of its row's or column's largest term.
+constexpr float SHARED_REF_SPAN = 40.0f;
+
+// A row's (or column's) running stats are its max m, the number of entries equal to it
+// (top), and the sum of exp(S - m) over the others (rest), both in double; at the end
+// r = log(top + rest) = log1p((top - 1) + rest). Keeping the exact 1s out of the sum of the small terms
+// keeps a confident row's tiny r to full relative precision (1 + rest would round rest to the
+// accumulator's ulp of 1), and r >= 0 by construction (top >= 1), so losses (m - pos) + r are >= 0.
+
+template <typename Acc>
+struct Running {
+  Acc* max;
+  double* top;
+  double* rest;
+  Running offset(int64_t t) const { return {max + t, top + t, rest + t}; }
+};
+
+// Running stats storage for n rows or columns (m = -inf, nothing counted: the empty set).
+template <typename Acc>
+struct RunningStore {
+  std::vector<Acc> max;
+  std::vector<double> top, rest;
+  void reset(int64_t n) {
+    max.assign(n, -std::numeric_limits<Acc>::infinity());
+    top.assign(n, 0.0);
+    rest.assign(n, 0.0);
+  }
+  Running<Acc> at(int64_t t) { return {max.data() + t, top.data() + t, rest.data() + t}; }
+};
+
+// S = raw * scale in place, with the tile's row maxima and column maxima (nj entries).
+template <typename Acc>
+void scale_with_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, Acc* row_max, Acc* col_max) {
+  std::fill(col_max, col_max + nj, -std::numeric_limits<Acc>::infinity());
+  for (int64_t r = 0; r < ni; ++r) {
+    Acc* sr = s + r * nj;
+    Acc m = -std::numeric_limits<Acc>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc v = sr[c] * sc;  // the product scale_tile forms
+      sr[c] = v;
+      m = m > v ? m : v;
+      col_max[c] = col_max[c] > v ? col_max[c] : v;
+    }
+    row_max[r] = m;
+  }
+}
+
+// Raise n running maxima to include a tile's maxima; where one grows, everything so far becomes `rest`,
+// rescaled by exp(old - new).
+template <typename Acc>
+void raise_maxima(const Running<Acc>& run, const Acc* tile_max, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) {
+    const Acc new_max = nan_max(run.max[t], tile_max[t]);
+    if (new_max == run.max[t]) continue;
+    run.rest[t] = (run.top[t] + run.rest[t]) * rescale_factor(run.max[t], new_max);
+    run.top[t] = 0.0;
+    run.max[t] = new_max;
+  }
+}
+
+// One entry's term for a row's or column's running stats (max m): an entry equal to m counts in `top`;
+// any other adds its exp e to `rest` (e = exp(s - m), or exp(s - M) on the one-exp path).
+template <typename Acc>
+inline void add_term(Acc s, Acc m, Acc e, Acc& top, Acc& rest) {
+  const bool is_top = s == m;
+  top += is_top ? Acc(1) : Acc(0);
+  rest += is_top ? Acc(0) : e;
+}
+
+// Rows only: each row's terms against its running max.
+template <typename Acc>
+void add_row_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows) {
+  for (int64_t r = 0; r < ni; ++r) {
+    const Acc* sr = s + r * nj;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest)
+    for (int64_t c = 0; c < nj; ++c) add_term(sr[c], m, fast_exp(sr[c] - m), top, rest);
+    rows.top[r] += top;
+    rows.rest[r] += rest;
+  }
+}
+
+// The one-exp path's reference (kOneExp): the tile max M, when every tile row and column maximum lies
+// within SHARED_REF_SPAN of it (then exp(M - running max) <= exp(SHARED_REF_SPAN) rebases each row's and
+// column's sum once); NaN otherwise.
+template <typename Acc>
+Acc shared_reference(const Acc* tile_row_max, int64_t ni, const Acc* tile_col_max, int64_t nj) {
+  const Acc top = *std::max_element(tile_row_max, tile_row_max + ni);
+  const Acc low = std::min(*std::min_element(tile_row_max, tile_row_max + ni),
+                           *std::min_element(tile_col_max, tile_col_max + nj));
+  const bool usable = std::isfinite(top) && low >= top - SHARED_REF_SPAN;
+  return usable ? top : std::numeric_limits<Acc>::quiet_NaN();
+}
+
+// Rows and columns. Two exps per entry, each against its own running max (so each largest term is
+// exp(0) = 1, counted in top); or, one_exp, e = exp(s - ref) for both, each sum rebased by
+// exp(ref - running max) at the end. col_top / col_rest: nj scratch entries (a column's sums over the
+// tile; counts up to TILE_Q are exact in float).
+template <bool one_exp, typename Acc>
+void add_row_col_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows, const Running<Acc>& cols,
+                       Acc ref, Acc* col_top, Acc* col_rest) {
+  std::fill(col_top, col_top + nj, Acc(0));
+  std::fill(col_rest, col_rest + nj, Acc(0));
+  const Acc* col_max = cols.max;
+  for (int64_t r = 0; r < ni; ++r) {
+    const Acc* sr = s + r * nj;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest)
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc v = sr[c];
+      if constexpr (one_exp) {
+        const Acc e = fast_exp(v - ref);
+        add_term(v, m, e, top, rest);
+        add_term(v, col_max[c], e, col_top[c], col_rest[c]);
+      } else {
+        add_term(v, m, fast_exp(v - m), top, rest);
+        add_term(v, col_max[c], fast_exp(v - col_max[c]), col_top[c], col_rest[c]);
+      }
+    }
+    rows.top[r] += top;
+    rows.rest[r] += one_exp ? rest * rescale_factor(ref, m) : rest;
+  }
+  for (int64_t c = 0; c < nj; ++c) {
+    cols.top[c] += col_top[c];
+    cols.rest[c] += one_exp ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
+  }
+}
+
+// Masked forward: S = raw * scale in place (the product scale_with_maxima forms), and the maxima over
+// the entries each direction keeps. Unless `split` (a guide with the columns wanted: the two directions
+// exclude different entries, add_split_terms reads the mask bytes), the excluded entries are then set
+// to -inf in S, for the plain loss's add_terms: a row with nothing excluded keeps S as it is, so with no
+// exclusion at all every later step sees the plain loss's tile bit for bit. An excluded entry adds
+// nothing: exp(-inf) = 0, and while a whole row (column) so far is excluded its max is -inf, its -inf
+// entries count in `top`, and the first finite max rescales them by exp(-inf) = 0.
+template <bool split, typename Acc>
+void scale_mask_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, const TileMasks& masks, Acc* row_max, Acc* col_max) {
+  constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  std::fill(col_max, col_max + nj, neg_inf);
+  for (int64_t r = 0; r < ni; ++r) {
+    Acc* sr = s + r * nj;
+    Acc m = neg_inf;
+    if (!masks.any(r)) {
+#pragma omp simd reduction(max : m)
+      for (int64_t c = 0; c < nj; ++c) {
+        const Acc v = sr[c] * sc;
+        sr[c] = v;
+        m = m > v ? m : v;
+        col_max[c] = col_max[c] > v ? col_max[c] : v;
+      }
+    } else {
+      const uint8_t* er = masks.row_excluded(r);
+      const uint8_t* ec = masks.col_excluded(r);
+#pragma omp simd reduction(max : m) simdlen(kLanes<Acc>)
+      for (int64_t c = 0; c < nj; ++c) {
+        const Acc v = sr[c] * sc;
+        const Acc vr = er[c] ? neg_inf : v;
+        const Acc vc = ec[c] ? neg_inf : v;
+        sr[c] = split ? v : vr;
+        m = m > vr ? m : vr;
+        col_max[c] = col_max[c] > vc ? col_max[c] : vc;
+      }
+    }
+    row_max[r] = m;
+  }
+}
+
+// An entry's term like add_term, where `kept`; nothing where the direction excludes it.
+template <typename Acc>
+inline void add_kept_term(bool kept, Acc s, Acc m, Acc e, Acc& top, Acc& rest) {
+  const bool is_top = kept && s == m;
+  top += is_top ? Acc(1) : Acc(0);
+  rest += (kept && !is_top) ? e : Acc(0);
+}
+
+// add_row_col_terms for a tile whose rows and columns exclude different entries (a guide with the
+// columns wanted): S as it is, each direction's mask bytes deciding which entries it counts; one exp per
+// entry against ref when one_exp, else two. An excluded entry's exp may overflow; it is never added.
+// Flattened like ds_masked_row, so that fast_exp is inlined into the vector loop.
+template <bool one_exp, typename Acc>
+__attribute__((flatten)) void add_split_terms(const Acc* s, int64_t ni, int64_t nj, const TileMasks& masks, const Running<Acc>& rows,
+                     const Running<Acc>& cols, Acc ref, Acc* col_top, Acc* col_rest) {
+  std::fill(col_top, col_top + nj, Acc(0));
+  std::fill(col_rest, col_rest + nj, Acc(0));
+  const Acc* col_max = cols.max;
+  for (int64_t r = 0; r < ni; ++r) {
+    const Acc* sr = s + r * nj;
+    const uint8_t* er = masks.row_excluded(r);
+    const uint8_t* ec = masks.col_excluded(r);
+    // The bytes are only written for rows with an exclusion: the others read them through a zero mask
+    // (a branch in the loop would keep it from vectorizing).
+    const uint8_t live = masks.any(r) ? 0xFF : 0;
+    const Acc m = rows.max[r];
+    Acc top = 0, rest = 0;
+#pragma omp simd reduction(+ : top, rest) simdlen(kLanes<Acc>)
+    for (int64_t c = 0; c < nj; ++c) {
+      const Acc v = sr[c];
+      const bool row_kept = (er[c] & live) == 0;
+      const bool col_kept = (ec[c] & live) == 0;
+      if constexpr (one_exp) {
+        const Acc e = fast_exp(v - ref);
+        add_kept_term(row_kept, v, m, e, top, rest);
+        add_kept_term(col_kept, v, col_max[c], e, col_top[c], col_rest[c]);
+      } else {
+        add_kept_term(row_kept, v, m, fast_exp(v - m), top, rest);
+        add_kept_term(col_kept, v, col_max[c], fast_exp(v - col_max[c]), col_top[c], col_rest[c]);
+      }
+    }
+    rows.top[r] += top;
+    // A line with nothing kept so far (max -inf) has nothing to rebase (and exp(ref + inf) * 0 is NaN).
+    rows.rest[r] += one_exp && rest != 0 ? rest * rescale_factor(ref, m) : rest;
+  }
+  for (int64_t c = 0; c < nj; ++c) {
+    cols.top[c] += col_top[c];
+    cols.rest[c] += one_exp && col_rest[c] != 0 ? col_rest[c] * rescale_factor(ref, col_max[c]) : col_rest[c];
+  }
+}
+
+// shared_reference for add_split_terms: over the tile's rows and columns that keep an entry (an empty
+// line, max -inf, adds nothing), and with the columns' maxima in the top too, since a column may keep an
+// entry above every row's kept maximum.
+template <typename Acc>
+Acc shared_reference_kept(const Acc* tile_row_max, int64_t ni, const Acc* tile_col_max, int64_t nj) {
+  constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  Acc top = neg_inf, low = std::numeric_limits<Acc>::infinity();
+  for (const Acc* line : {tile_row_max, tile_col_max}) {
+    for (int64_t t = 0, n = line == tile_row_max ? ni : nj; t < n; ++t) {
+      if (line[t] == neg_inf) continue;
+      top = nan_max(top, line[t]);
+      low = std::min(low, line[t]);
+    }
+  }
+  const bool usable = std::isfinite(top) && low >= top - SHARED_REF_SPAN;
+  return usable ? top : std::numeric_limits<Acc>::quiet_NaN();
+}
+
+// The positives' running partials of n rows or columns (masked forward): their max, and for "sum" only
+// their log-sum-exp as Running's (top, rest) about it; the sum of their logits (double) and their count.
+// The symmetric forward keeps one per positive group and column ([positive groups, bk]), so every byte
+// counts: 16 per entry ("mean" / one positive) or 32 ("sum"), beside the column stats' 20.
+template <typename Acc>
+struct PositiveStore {
+  RunningStore<Acc> lse;  // top and rest empty unless "sum"
+  std::vector<double> sum;
+  std::vector<int32_t> count;  // a group's rows: far below 2^31
+  void reset(int64_t n, bool lse_wanted) {
+    lse.max.assign(n, -std::numeric_limits<Acc>::infinity());
+    lse.top.assign(lse_wanted ? n : 0, 0.0);
+    lse.rest.assign(lse_wanted ? n : 0, 0.0);
+    sum.assign(n, 0.0);
+    count.assign(n, 0);
+  }
+};
+
+template <typename Acc>
+struct PositiveRun {
+  Running<Acc> lse;  // top, rest: null unless "sum"
+  double* sum;
+  int32_t* count;
+  static PositiveRun at(PositiveStore<Acc>& store, int64_t t) {
+    const bool lse_wanted = !store.lse.top.empty();
+    return {{store.lse.max.data() + t, lse_wanted ? store.lse.top.data() + t : nullptr,
+             lse_wanted ? store.lse.rest.data() + t : nullptr},
+            store.sum.data() + t, store.count.data() + t};
+  }
+  // One positive logit v of line t. "sum": a new max rescales what is there (as raise_maxima), ties with
+  // it count in top, the rest add exp(v - max) in double: positives are few, one exp each.
+  void add(int64_t t, Acc v, bool lse_wanted) const {
+    sum[t] += v;
+    count[t] += 1;
+    const Acc m = lse.max[t];
+    if (!lse_wanted) {
+      lse.max[t] = nan_max(m, v);
+    } else if (v > m || v != v) {
+      lse.rest[t] = (lse.top[t] + lse.rest[t]) * rescale_factor(m, v);
+      lse.top[t] = 1.0;
+      lse.max[t] = v;
+    } else if (v == m) {
+      lse.top[t] += 1.0;
+    } else {
+      lse.rest[t] += std::exp(static_cast<double>(v) - static_cast<double>(m));
+    }
+  }
+};
+
+// rows[2] for the tile's rows whose positive lies in it: S itself, the very value the max was taken over.
+template <typename Acc>
+void take_positives(const Acc* s, int64_t ni, int64_t nj, const int64_t* pos, int64_t i0, int64_t j0, Acc* out) {
+  for (int64_t r = 0; r < ni; ++r) {
+    const int64_t c = positive_in_tile(pos, i0 + r, j0, nj);
+    if (c >= 0) out[i0 + r] = s[r * nj + c];
+  }
+}
+
+// r = log(top + rest) = log1p((top - 1) + rest); an empty set (m = -inf) keeps r = -inf; NaN stays NaN.
+template <typename Acc>
+inline Acc log_rel(Acc m, double top, double rest) {
+  if (m == -std::numeric_limits<Acc>::infinity()) return m;
+  return static_cast<Acc>(std::log1p((top - 1.0) + rest));
+}
+
+// One thread's forward work: its column groups' row tiles against one key tile at a time, each tile
+// updating its rows' running stats and its group's running column partial.
+template <typename In>
+class ForwardWorker {
+ public:
+  using Acc = typename Types<In>::acc;
+
+  // masks: null for the plain loss (tile()), else the masked loss's inputs (masked_tile()).
+  ForwardWorker(const In* q, const In* k, int64_t bk, int64_t d, const RowTiles& tiles, Acc sc, const int64_t* pos,
+                bool brgemm, const MaskArgs* masks = nullptr, bool symmetric = false)
+      : q_(q), k_(k), d_(d), sc_(sc), pos_(pos), tiles_(tiles),
+        raw_(tiles.size, std::min(TILE_K, bk), d, brgemm, /*backward=*/false),
+        s_(tiles.size * std::min(TILE_K, bk)), tile_row_max_(tiles.size), tile_col_max_(TILE_K), col_top_(TILE_K),
+        col_rest_(TILE_K) {
+    if (masks) {
+      masks_ = std::make_unique<TileMasks>(*masks, tiles.size, std::min(TILE_K, bk), symmetric);
+      split_ = masks->has_guide() && symmetric;
+    }
+  }
+
+  // Packs key tile [j0, j0 + nj) for this thread's products.
+  void set_keys(int64_t j0, int64_t nj) {
+    raw_.set_keys(k_ + j0 * d_, nj);
+    if (masks_) masks_->set_keys(j0, nj);
+  }
+
+  // Row tile t against key tile [j0, j0 + nj): rows = the running stats of its rows; cols = its group's
+  // running column stats of this key tile (max == nullptr: rows only); positives: [bq].
+  void tile(int64_t t, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& cols,
+            Acc* positives) {
+    const int64_t i0 = tiles_.begin(t), ni = tiles_.height(t);
+    Acc* s = s_.data();
+    raw_.product(q_ + i0 * d_, ni, s, nj);
+    scale_with_maxima(s, ni, nj, sc_, tile_row_max_.data(), tile_col_max_.data());
+    take_positives(s, ni, nj, pos_, i0, j0, positives);
+    add_terms(s, ni, nj, rows, cols);
+  }
+
+  // The masked loss's tile: as tile(), over the entries not excluded, with the positives' partials of
+  // its rows (row_pos, offset to the row tile) and of its group's columns (col_pos, offset to the key tile).
+  void masked_tile(int64_t t, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& cols,
+                   const PositiveRun<Acc>& row_pos, const PositiveRun<Acc>& col_pos) {
+    const int64_t i0 = tiles_.begin(t), ni = tiles_.height(t);
+    Acc* s = s_.data();
+    raw_.product(q_ + i0 * d_, ni, s, nj);
+    masks_->build(pos_, i0, ni, j0, nj);
+    const bool split = split_ && cols.max;
+    if (split) {
+      scale_mask_maxima<true>(s, ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
+    } else {
+      scale_mask_maxima<false>(s, ni, nj, sc_, *masks_, tile_row_max_.data(), tile_col_max_.data());
+    }
+    // A positive is never excluded: its logit in s is S itself.
+    const bool lse_wanted = masks_->kind() == Positives::Sum;
+    for (int64_t r = 0; r < ni; ++r) {
+      for (const int64_t* c = masks_->positives_begin(r); c != masks_->positives_end(r); ++c) {
+        const Acc v = s[r * nj + *c];
+        row_pos.add(r, v, lse_wanted);
+        if (cols.max) col_pos.add(*c, v, lse_wanted);
+      }
+    }
+    if (!split) {
+      add_terms(s, ni, nj, rows, cols);
+      return;
+    }
+    raise_maxima(rows, tile_row_max_.data(), ni);
+    raise_maxima(cols, tile_col_max_.data(), nj);
+    const Acc ref =
+        kOneExp<In> ? shared_reference_kept(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
+    if (kOneExp<In> && !std::isnan(ref)) {
+      add_split_terms<true>(s, ni, nj, *masks_, rows, cols, ref, col_top_.data(), col_rest_.data());
+    } else {
+      add_split_terms<false>(s, ni, nj, *masks_, rows, cols, ref, col_top_.data(), col_rest_.data());
+    }
+  }
+
+ private:
+  // The tile's terms for its rows' running stats (and, cols.max set, its columns'), after its maxima.
+  void add_terms(const Acc* s, int64_t ni, int64_t nj, const Running<Acc>& rows, const Running<Acc>& cols) {
+    raise_maxima(rows, tile_row_max_.data(), ni);
+    if (!cols.max) {
+      add_row_terms(s, ni, nj, rows);
+      return;
+    }
+    raise_maxima(cols, tile_col_max_.data(), nj);
+    const Acc ref = kOneExp<In> ? shared_reference(tile_row_max_.data(), ni, tile_col_max_.data(), nj) : Acc(0);
+    if (kOneExp<In> && !std::isnan(ref)) {
+      add_row_col_terms<true>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
+    } else {
+      add_row_col_terms<false>(s, ni, nj, rows, cols, ref, col_top_.data(), col_rest_.data());
+    }
+  }
+
+  const In* q_;
+  const In* k_;
+  int64_t d_;
+  Acc sc_;
+  const int64_t* pos_;
+  RowTiles tiles_;
+  RawTiles<In> raw_;
+  std::vector<Acc> s_, tile_row_max_, tile_col_max_, col_top_, col_rest_;
+  std::unique_ptr<TileMasks> masks_;
+  bool split_ = false;  // rows and columns exclude different entries (a guide with the columns wanted)
+};
+
+// The positives' rows of a masked result ([4, n] at out: max, log-sum relative to it ("sum" only, else
+// -inf: the empty set's), sum, count) from `groups` partials ([groups, n], merged in group order like
+// merge_column_partials; rows have one).
+template <typename Acc>
+void merge_positive_partials(PositiveStore<Acc>& parts, int64_t groups, int64_t n, bool lse_wanted, Acc* out) {
+  at::parallel_for(0, n, 1024, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      Acc m = -std::numeric_limits<Acc>::infinity();
+      for (int64_t p = 0; p < groups; ++p) m = nan_max(m, parts.lse.max[p * n + c]);
+      double top = 0.0, rest = 0.0, sum = 0.0, count = 0.0;
+      for (int64_t p = 0; p < groups; ++p) {
+        const int64_t at = p * n + c;
+        sum += parts.sum[at];
+        count += parts.count[at];
+        if (!lse_wanted) continue;
+        if (parts.lse.max[at] == m) {
+          top += parts.lse.top[at];
+          rest += parts.lse.rest[at];
+        } else {
+          rest += (parts.lse.top[at] + parts.lse.rest[at]) * rescale_factor(parts.lse.max[at], m);
+        }
+      }
+      out[c] = m;
+      out[n + c] = lse_wanted ? log_rel(m, top, rest) : -std::numeric_limits<Acc>::infinity();
+      out[2 * n + c] = static_cast<Acc>(sum);
+      out[3 * n + c] = static_cast<Acc>(count);
+    }
+  });
+}
+
+// Column stats from the groups' partials ([groups, bk]), merged in group order: M = max_p m_p; the
+// partials at M add their top and rest, the others' top + rest joins rest, times exp(m_p - M).
+template <typename Acc>
+void merge_column_partials(RunningStore<Acc>& parts, int64_t groups, int64_t bk, Acc* out) {
+  at::parallel_for(0, bk, 1024, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      Acc m = -std::numeric_limits<Acc>::infinity();
+      for (int64_t p = 0; p < groups; ++p) m = nan_max(m, parts.max[p * bk + c]);
+      double top = 0.0, rest = 0.0;
+      for (int64_t p = 0; p < groups; ++p) {
+        const int64_t at = p * bk + c;
+        if (parts.max[at] == m) {
+          top += parts.top[at];
+          rest += parts.rest[at];
+        } else {
+          rest += (parts.top[at] + parts.rest[at]) * rescale_factor(parts.max[at], m);
+        }
+      }
+      out[c] = m;
+      out[bk + c] = log_rel(m, top, rest);
+    }
+  });
+}
+
+// Column groups: contiguous ranges of row tiles, each with its own running column stats over all of Bk,
+// merged in group order at the end. Fixed by the row tiles alone (never by the thread count), so the
+// forward's outputs do not depend on it; threads take whole groups, key tiles outer, so one packed key
+// tile serves all of a thread's row tiles. At most MAX_COLUMN_GROUPS (partials: 20 bytes per group per
+// column), which also caps the forward's threads.
+constexpr int64_t MAX_COLUMN_GROUPS = 64;
+// The masked symmetric forward's columns also need their positives' partials (16 or 32 bytes an entry
+// beside the stats' 20): those are kept per positive group, a run of `span` consecutive column groups
+// (at most MAX_POSITIVE_GROUPS of them), and the threads then take whole positive groups, so each one's
+// partial is updated in one fixed order (key tiles, then its groups and row tiles in turn) whatever the
+// thread count. That caps the masked symmetric forward at MAX_POSITIVE_GROUPS threads and keeps its
+// extra memory within 2x of the plain loss's. The column stats stay per column group, so with all ids
+// distinct (one positive per column: its partial is exact in any grouping) the loss is the plain one's bits.
+constexpr int64_t MAX_POSITIVE_GROUPS = 16;
+
+inline int64_t group_start(int64_t tiles, int64_t groups, int64_t g) { return tiles * g / groups; }
+
+// masks: null for the plain loss (rows [3, bq], cols [2, bk]); else the masked loss's (rows [6, bq],
+// cols [6, bk]: the stats over the entries kept, then the positives' rows, see merge_positive_partials).
+template <typename In>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
+                  const MaskArgs* masks, bool brgemm, at::Tensor& rows, at::Tensor& cols) {
+  using Acc = typename Types<In>::acc;
+  const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
+  const RowTiles tiles(bq);
+  const int64_t groups = std::max<int64_t>(1, std::min(tiles.count, MAX_COLUMN_GROUPS));
+  const int64_t tk = std::min(TILE_K, bk);
+  RunningStore<Acc> row_run, col_parts;  // col_parts: [groups, bk]
+  row_run.reset(bq);
+  col_parts.reset(symmetric ? groups * bk : 0);
+  // Column groups per positive group: 1 unless the masked symmetric forward keeps the columns' positives.
+  const int64_t span = masks && symmetric ? (groups + MAX_POSITIVE_GROUPS - 1) / MAX_POSITIVE_GROUPS : 1;
+  const int64_t positive_groups = (groups + span - 1) / span;
+  PositiveStore<Acc> row_pos, col_pos_parts;  // the masked loss's; col_pos_parts: [positive_groups, bk]
+  if (masks) {
+    const bool lse_wanted = masks->positives == Positives::Sum;
+    row_pos.reset(bq, lse_wanted);
+    col_pos_parts.reset(symmetric ? positive_groups * bk : 0, lse_wanted);
+  }
+  rows.zero_();  // rows[2] stays 0 where the positive lies in another block
+  Acc* out = rows.data_ptr<Acc>();
+  at::parallel_for(0, positive_groups, 1, [&](int64_t p_begin, int64_t p_end) {
+    const int64_t g_begin = p_begin * span, g_end = std::min(groups, p_end * span);
+    const SingleThreadedBlas one_thread;
+    ForwardWorker<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles, static_cast<Acc>(scale),
+                           pos.data_ptr<int64_t>(), brgemm, masks, symmetric);
+    for (int64_t j0 = 0; j0 < bk; j0 += tk) {
+      const int64_t nj = std::min(tk, bk - j0);
+      work.set_keys(j0, nj);
+      for (int64_t g = g_begin; g < g_end; ++g) {
+        const Running<Acc> part = symmetric ? col_parts.at(g * bk + j0) : Running<Acc>{nullptr, nullptr, nullptr};
+        for (int64_t t = group_start(tiles.count, groups, g); t < group_start(tiles.count, groups, g + 1); ++t) {
+          if (!masks) {
+            work.tile(t, row_run.at(tiles.begin(t)), j0, nj, part, out + 2 * bq);
+            continue;
+          }
+          const PositiveRun<Acc> col_pos = symmetric ? PositiveRun<Acc>::at(col_pos_parts, g / span * bk + j0)
+                                                     : PositiveRun<Acc>{{nullptr, nullptr, nullptr}, nullptr, nullptr};
+          work.masked_tile(t, row_run.at(tiles.begin(t)), j0, nj, part, PositiveRun<Acc>::at(row_pos, tiles.begin(t)),
+                           col_pos);
+        }
+      }
+    }
+  });
+  for (int64_t i = 0; i < bq; ++i) {
+    out[i] = row_run.max[i];
+    out[bq + i] = log_rel(row_run.max[i], row_run.top[i], row_run.rest[i]);
+  }
+  if (symmetric) merge_column_partials(col_parts, groups, bk, cols.data_ptr<Acc>());
+  if (masks) {
+    const bool lse_wanted = masks->positives == Positives::Sum;
+    merge_positive_partials(row_pos, 1, bq, lse_wanted, out + 2 * bq);
+    if (symmetric) merge_positive_partials(col_pos_parts, positive_groups, bk, lse_wanted, cols.data_ptr<Acc>() + 2 * bk);
+  }
+}
+
+}  // namespace
+
+void forward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
+             const MaskArgs* masks, bool brgemm, at::Tensor& rows, at::Tensor& cols) {
+  switch (q.scalar_type()) {
+    case at::kFloat: forward_impl<float>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
+    case at::kDouble: forward_impl<double>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
+    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
+    default: TORCH_CHECK(false, "infcl native: unreachable dtype");
+  }
+}
+
+}  // namespace softmax
+}  // namespace infcl
