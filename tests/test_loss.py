@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import infcl.backends.torch_tiles as torch_tiles
-from infcl import cal_inf_loss
-from support import (
+from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
     assert_no_worse,
@@ -18,6 +17,7 @@ from support import (
     tiled_backends,
     vanilla_loss,
 )
+from infcl import cal_inf_loss
 
 # (Bq, Bk, D, labels, symmetric): labels "diag" (None), "perm" (a permutation) or "random" (any column).
 CASES = (

@@ -8,12 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infcl import InfCLIPLoss, cal_inf_loss
-from infcl.backends import resolve_backend, unavailable_reason
-from infcl.backends.torch_tiles import TORCH_TILES
-from infcl.masks import guide_threshold
-from infcl.stats import InfLossStats
-from support import (
+from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
     assert_no_worse,
@@ -22,6 +17,11 @@ from support import (
     masked_loss_truth,
     reduce_masked_truth,
 )
+from infcl import InfCLIPLoss, cal_inf_loss
+from infcl.backends import resolve_backend, unavailable_reason
+from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.masks import guide_threshold
+from infcl.stats import InfLossStats
 
 # "torch-tiny": the torch tiles shrunk so that every block spans many tiles (masks cut across tile edges).
 # "cpu": the native kernel, skipped where it is not built. "triton": the Triton kernels on these CPU tensors,
@@ -314,6 +314,7 @@ def test_native_across_tiles_matches_reference(shape, mode, kind, classes, dtype
 POSITIVE_RUNS_BATCH = 4608
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ("mean", "sum"))
 def test_native_positive_runs_match_reference(mode):
     name = _use("cpu")
@@ -335,6 +336,7 @@ def test_native_positive_runs_match_reference(mode):
         assert_close_verbose(g, t, atol, rtol, f"{b} {mode} {what}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", (600, POSITIVE_RUNS_BATCH))
 @pytest.mark.parametrize("mode", MODES)
 def test_native_masks_do_not_depend_on_the_thread_count(mode, batch):
@@ -522,6 +524,7 @@ def test_confident_batch(backend, mode, dtype, classes):
 # --- the Triton kernels' custom ops ------------------------------------------------------------------
 
 
+@pytest.mark.interpreter
 @pytest.mark.skipif(not TRITON or not hasattr(torch.library, "opcheck"), reason="interpreted Triton, torch >= 2.4")
 def test_triton_masked_ops_pass_opcheck():
     """The masked custom ops' schemas, fake impls and mutation declarations hold (torch.library.opcheck)."""
@@ -546,6 +549,7 @@ def test_triton_masked_ops_pass_opcheck():
     )
 
 
+@pytest.mark.interpreter
 @pytest.mark.skipif(not TRITON, reason="interpreted Triton")
 def test_triton_masked_loss_under_torch_compile():
     """torch.compile traces the masked custom ops (fake impls) and gives the eager result bit for bit (as

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
+from helpers.support import PEAK_PROBE
 from infcl.backends.native import unavailable_reason
-from support import PEAK_PROBE
 
 _MEASURE = PEAK_PROBE + r"""
 import json, sys, torch

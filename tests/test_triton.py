@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 import torch
 
+from helpers.support import TOLERANCE, assert_close_verbose, assert_no_worse, grads_of, vanilla_loss
 from infcl import cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
 from infcl.backends.base import Block
-from support import TOLERANCE, assert_close_verbose, assert_no_worse, grads_of, vanilla_loss
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason("triton", torch.device("cuda" if torch.cuda.is_available() else "cpu")) is not None,
