@@ -66,6 +66,7 @@ with triton_compile.compile_only(90):  # sm_90's default configs, as on an H100
 """
 
 
+@pytest.mark.compile
 def test_triton_mask_methods_count_the_masked_kernels_products():
     # Run apart: the compile-only stand-in stays Triton's active driver once set.
     import json
