@@ -33,8 +33,9 @@ FILE_KINDS = {
     "test_masks_ring.py": "distributed",
     "test_hf_trainer.py": "distributed",
 }
-# Whole files that are slow for what they measure or build (peak memory at B in the thousands, wheels,
-# training runs in subprocesses), without being one of the kinds above.
+# Whole files that are slow for what they measure, build or run (peak memory at B in the thousands, wheels,
+# the benchmark's CLI, sentence-transformers' own models and trainer, training runs in subprocesses), without
+# being one of the kinds above.
 SLOW_FILES = {
     "test_memory.py",
     "test_masks_memory.py",
@@ -42,6 +43,9 @@ SLOW_FILES = {
     "test_packaging.py",
     "test_open_clip_train.py",
     "test_st_loss_bench.py",
+    "test_bench_masks.py",
+    "test_bench_smoke.py",
+    "test_sentence_transformers.py",
 }
 SLOW_KINDS = ("interpreter", "compile", "distributed")
 
