@@ -3,7 +3,7 @@ on a machine without a GPU.
 
 For each target (sm_90, sm_80, sm_100 where the wheel's ptxas knows it) and operand type, the public calls
 ``cal_inf_loss(symmetric=True)`` and ``cal_siglip_loss`` with ``backend="triton"`` run forward and
-backward compile-only (``tests/triton_compile.py``: a stand-in driver names the target, every launch
+backward compile-only (``tests/helpers/triton_compile.py``: a stand-in driver names the target, every launch
 compiles instead of running), at D = 512 and B = 16384 and 65536, so the kernels, their default configs and
 their launch grids are exactly what the API launches. One row per (target, dtype, kernel): softmax
 ``forward``, ``dq``, ``dk``; ``siglip_forward``, ``siglip_backward``.
@@ -72,7 +72,7 @@ from typing import Dict, List, Optional, Tuple
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
-import triton_compile  # noqa: E402  (the compile-only driver, shared with the API compile check)
+from helpers import triton_compile  # noqa: E402  (the compile-only driver, shared with the API compile check)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 TARGETS = (90, 80, 100)

@@ -1,6 +1,14 @@
-import os
-import sys
+"""What every test file shares: the interpreter switch, the markers by kind, and the common fixtures.
 
+Markers (registered in pyproject.toml): ``interpreter`` (Triton kernels run by TRITON_INTERPRET=1),
+``compile`` (kernels compiled for a GPU target, no launch), ``distributed`` (spawned gloo ranks) and
+``slow`` (every test of those three kinds, plus the few heavy ones marked where they are defined).
+``python -m pytest tests -q -m "not slow"`` is the inner loop; the plain command runs everything.
+"""
+
+import os
+
+import pytest
 import torch
 
 # Without a GPU, test the Triton kernels through Triton's interpreter (CPU tensors). Triton 3.9 reads
@@ -9,5 +17,77 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Make `import support` work from any test module.
-sys.path.insert(0, os.path.dirname(__file__))
+from helpers import truth  # noqa: E402
+from helpers.support import DTYPE_TOLERANCES, tiled_backends  # noqa: E402  (after TRITON_INTERPRET)
+
+# Whole files of one kind. Tests of these kinds elsewhere carry the marker themselves, or are found below:
+# a parameter naming the "triton" backend (interpreted here) or the module fixture ``spawned`` (gloo ranks).
+FILE_KINDS = {
+    "test_triton.py": "interpreter",
+    "test_siglip_triton.py": "interpreter",
+    "test_triton_api_compile.py": "compile",
+    "test_triton_compile.py": "compile",
+    "test_static_report.py": "compile",
+    "test_ring.py": "distributed",
+    "test_siglip_ring.py": "distributed",
+    "test_masks_ring.py": "distributed",
+    "test_hf_trainer.py": "distributed",
+}
+# Whole files that are slow for what they measure, build or run (peak memory at B in the thousands, wheels,
+# the benchmark's CLI, sentence-transformers' own models and trainer, training runs in subprocesses), without
+# being one of the kinds above.
+SLOW_FILES = {
+    "test_memory.py",
+    "test_masks_memory.py",
+    "test_siglip_memory.py",
+    "test_packaging.py",
+    "test_open_clip_train.py",
+    "test_st_loss_bench.py",
+    "test_bench_masks.py",
+    "test_bench_smoke.py",
+    "test_sentence_transformers.py",
+}
+SLOW_KINDS = ("interpreter", "compile", "distributed")
+
+
+def _interpreted(item) -> bool:
+    params = getattr(item, "callspec", None)
+    return (
+        os.environ.get("TRITON_INTERPRET") == "1"
+        and params is not None
+        and any(isinstance(v, str) and v.startswith("triton") for v in params.params.values())
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = FILE_KINDS.get(item.path.name)
+        if kind:
+            item.add_marker(kind)
+        if _interpreted(item):
+            item.add_marker("interpreter")
+        if "spawned" in getattr(item, "fixturenames", ()):
+            item.add_marker("distributed")
+        if item.path.name in SLOW_FILES or any(item.get_closest_marker(k) for k in SLOW_KINDS):
+            item.add_marker("slow")
+
+
+# ---- fixtures -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=[d for d, _, _ in DTYPE_TOLERANCES], ids=lambda d: str(d).replace("torch.", ""))
+def dtype_tolerance(request):
+    """(dtype, atol, rtol) of every dtype, with its tolerance against the float64 truth."""
+    return next(t for t in DTYPE_TOLERANCES if t[0] == request.param)
+
+
+@pytest.fixture(params=tiled_backends())
+def tiled_backend(request):
+    """Every non-reference backend that runs natively on CPU tensors here (torch tiles; native where built)."""
+    return request.param
+
+
+@pytest.fixture
+def float64_truth():
+    """The float64 truth written without infcl: tests/helpers/truth.py (``losses``, ``directions``)."""
+    return truth

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import infcl
+from helpers.support import assert_close_verbose, vanilla_loss
 from infcl import InfCLIPLoss, cal_inf_loss, cal_inf_loss_reference
 from infcl.backends import resolve_backend
-from support import assert_close_verbose, vanilla_loss
 
 
 def _features(b=40, d=24, seed=0, dtype=torch.float32):

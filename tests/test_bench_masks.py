@@ -56,8 +56,8 @@ def test_bench_ids_on_the_native_kernel_against_its_own_plain_run(tmp_path, monk
 
 _TRITON_GEMMS = r"""
 import json, sys, torch
-sys.path[:0] = [".", "tests"]
-import triton_compile
+sys.path[:0] = [".", "tests"]  # run from the repository root: bench and the tests' helpers
+from helpers import triton_compile
 from bench.methods import gemm_equivalents
 with triton_compile.compile_only(90):  # sm_90's default configs, as on an H100
     device, names = torch.device("cuda"), ("triton", "triton+ids", "triton+guide")
@@ -66,6 +66,7 @@ with triton_compile.compile_only(90):  # sm_90's default configs, as on an H100
 """
 
 
+@pytest.mark.compile
 def test_triton_mask_methods_count_the_masked_kernels_products():
     # Run apart: the compile-only stand-in stays Triton's active driver once set.
     import json

@@ -6,11 +6,11 @@ import inspect
 import pytest
 import torch
 
-from distill_ring_worker import MAIN_WORLD, RINGS, run_uneven, uneven_inputs
-from distributed import launch, results_by_ring
+from helpers.distributed import launch, results_by_ring
+from helpers.support import TOLERANCE, assert_close_verbose, open_clip_loss_module
 from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.distill import InfDistillClipLoss, cal_distill_loss
-from support import TOLERANCE, assert_close_verbose, open_clip_loss_module
+from workers.distill_ring_worker import MAIN_WORLD, RINGS, run_uneven, uneven_inputs
 
 TILES = ((None, None), (7, 11))
 # Normwise relative error bounds against the exact truth: float32 keeps ~|S| * eps of each logit.
@@ -200,7 +200,7 @@ def test_forward_accepts_open_clips_signature():
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     open_clip_loss_module()  # skips without open_clip
-    outcomes = launch(MAIN_WORLD, "distill_ring_worker", str(tmp_path_factory.mktemp("distill")),
+    outcomes = launch(MAIN_WORLD, "workers.distill_ring_worker", str(tmp_path_factory.mktemp("distill")),
                       pg_timeout_s=60.0, deadline_s=170.0)
     return results_by_ring(outcomes, RINGS)
 

@@ -22,10 +22,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.support import TOLERANCE, assert_close_verbose, assert_no_worse
 from infcl import GradCache, RandContext, cal_inf_loss, split_vlm_inputs
 from infcl.gradcache import auto_chunk, grad_cache
 from infcl.gradcache.inputs import get_rep, split_inputs
-from support import TOLERANCE, assert_close_verbose, assert_no_worse
 
 BATCH = 23  # prime: no chunk size below divides it
 FEAT, HIDDEN, EMBED = 6, 16, 8
@@ -931,6 +931,7 @@ def _run_spawned(job):
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
 
 
+@pytest.mark.distributed
 def test_ddp_no_sync_except_last_matches_uncached_step():
     results = _run_spawned(_ddp_results)
     chunks = -(-DDP_BATCH // DDP_CHUNK)
@@ -947,6 +948,7 @@ def test_ddp_no_sync_except_last_matches_uncached_step():
             assert_close_verbose(a, b, FP32_ATOL, FP32_RTOL, what="DDP gradient differs between ranks")
 
 
+@pytest.mark.distributed
 def test_fsdp_no_sync_except_last_matches_uncached_step():
     """FSDP1 (FullyShardedDataParallel.no_sync) and FSDP2 (set_requires_gradient_sync) on CPU + gloo:
     one reduce-scatter per tower with no_sync_except_last, one per chunk without, the same gradients."""

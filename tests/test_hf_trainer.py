@@ -1,14 +1,14 @@
 """examples/hf_trainer_clip.py: transformers' Trainer (on Accelerate, 2 gloo ranks) training a CLIPModel with
 infcl's loss, plain and under GradCache, gives every parameter the gradient of transformers' own materialized
-CLIP loss of the global batch (tests/hf_trainer_worker.py). Needs transformers and accelerate."""
+CLIP loss of the global batch (tests/workers/hf_trainer_worker.py). Needs transformers and accelerate."""
 
 import tempfile
 
 import pytest
 import torch
 
-from distributed import describe, launch
-from support import TOLERANCE, assert_close_verbose
+from helpers.distributed import describe, launch
+from helpers.support import TOLERANCE, assert_close_verbose
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -20,7 +20,7 @@ FP32 = TOLERANCE[torch.float32]
 @pytest.fixture(scope="module")
 def outcomes():
     with tempfile.TemporaryDirectory() as out_dir:
-        outcomes = launch(WORLD, "hf_trainer_worker", out_dir, pg_timeout_s=60.0, deadline_s=240.0)
+        outcomes = launch(WORLD, "workers.hf_trainer_worker", out_dir, pg_timeout_s=60.0, deadline_s=240.0)
     assert all(o.returncode == 0 and o.results is not None for o in outcomes), describe(outcomes)
     return outcomes
 

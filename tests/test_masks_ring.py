@@ -1,6 +1,6 @@
 """Issue 23 across ranks: ids, multiple positives and guides on gloo rings of 2 and 3 ranks vs one float64 process.
 
-One spawn of 3 processes (tests/masks_ring_worker.py) runs every case on both rings with every backend;
+One spawn of 3 processes (tests/workers/masks_ring_worker.py) runs every case on both rings with every backend;
 the tests only read the results. Uneven local batches, hard-negative columns, ids repeating across
 ranks, guide features passed per rank; labels are global. Convention as tests/test_ring.py: rank r
 returns its local loss, q_r.grad and k_r.grad are d(sum_s L_s)/d(rank r's copy), scale.grad is dL_r/dscale.
@@ -8,10 +8,10 @@ returns its local loss, q_r.grad and k_r.grad are d(sum_s L_s)/d(rank r's copy),
 
 import pytest
 
-import masks_ring_worker as worker
-from distributed import launch, results_by_ring
-from ring_worker import TINY_SUFFIX
-from support import TOLERANCE, assert_close_verbose, assert_ring_matches, tiled_backends
+from helpers.distributed import launch, results_by_ring
+from helpers.support import TOLERANCE, assert_close_verbose, assert_ring_matches, tiled_backends
+from workers import masks_ring_worker as worker
+from workers.ring_worker import TINY_SUFFIX
 
 # The reference, the torch tiles (also shrunk, so masks cut across tile edges) and the native kernel where built.
 BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX) + tuple(b for b in tiled_backends() if b != "torch")
@@ -23,7 +23,7 @@ DEADLINE_S = 300.0  # generous: only there so that a hang fails instead of block
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     outcomes = launch(
-        worker.MAIN_WORLD, "masks_ring_worker", str(tmp_path_factory.mktemp("masks_ring")), list(BACKENDS),
+        worker.MAIN_WORLD, "workers.masks_ring_worker", str(tmp_path_factory.mktemp("masks_ring")), list(BACKENDS),
         pg_timeout_s=PG_TIMEOUT_S, deadline_s=DEADLINE_S,
     )
     return results_by_ring(outcomes, worker.RINGS)

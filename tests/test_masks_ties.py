@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.support import TOLERANCE, assert_close_verbose, grads_of_inputs
 from infcl import cal_inf_loss
 from infcl.backends import unavailable_reason
 from infcl.backends.torch_tiles import TORCH_TILES
-from support import TOLERANCE, assert_close_verbose, grads_of_inputs
 
 NATIVE = unavailable_reason("cpu", torch.device("cpu")) is None
 TRITON = unavailable_reason("triton", torch.device("cpu")) is None
@@ -108,7 +108,7 @@ def test_gist_embed_loss_keeps_a_duplicate_text_like_sentence_transformers():
     from sentence_transformers.sentence_transformer import losses as st_losses
 
     import infcl.sentence_transformers as infcl_losses
-    from st_models import features, loss_and_grads, sentences, tiny_model
+    from helpers.st_models import features, loss_and_grads, sentences, tiny_model
 
     model, guide = tiny_model(), tiny_model(seed=7)
     model.eval()

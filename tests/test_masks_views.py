@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.support import TOLERANCE, assert_close_verbose, grads_of_inputs
 from infcl import cal_inf_loss
 from infcl.backends import unavailable_reason
-from support import TOLERANCE, assert_close_verbose, grads_of_inputs
 
 NATIVE = unavailable_reason("cpu", torch.device("cpu")) is None
 TRITON = unavailable_reason("triton", torch.device("cpu")) is None

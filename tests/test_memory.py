@@ -10,9 +10,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from support import PEAK_PROBE, tiled_backends
+from helpers.support import PEAK_PROBE
 
 _MEASURE = PEAK_PROBE + r"""
 import json, sys, torch
@@ -49,8 +47,8 @@ def peak_extra_bytes(b, d, backend, loss="clip", threads=2):
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]
 
 
-@pytest.mark.parametrize("backend", tiled_backends())
-def test_extra_memory_grows_linearly(backend):
+def test_extra_memory_grows_linearly(tiled_backend):
+    backend = tiled_backend
     extra = {b: peak_extra_bytes(b, DIM, backend) for b in BATCHES}
     inputs = {b: 2 * b * DIM * 4 for b in BATCHES}  # q and k in float32
     one_logits_matrix = {b: b * b * 4 for b in BATCHES}

@@ -1,6 +1,6 @@
 """InfCLIPLoss / InfSigLipLoss as drop-ins for open_clip's real ClipLoss / SigLipLoss call signatures.
 
-The ring runs (1 and 3 gloo ranks, tests/open_clip_worker.py) compare against open_clip's own
+The ring runs (1 and 3 gloo ranks, tests/workers/open_clip_worker.py) compare against open_clip's own
 ``ClipLoss(local_loss=True, gather_with_grad=True)``, loaded by file, with and without ``logit_bias``.
 """
 
@@ -9,10 +9,10 @@ import inspect
 import pytest
 import torch
 
-from distributed import launch, results_by_ring
+from helpers.distributed import launch, results_by_ring
+from helpers.support import TOLERANCE, assert_close_verbose, open_clip_loss_module, tiled_backends
 from infcl import InfCLIPLoss, InfSigLipLoss
-from open_clip_worker import FLAGS, MAIN_WORLD, RINGS
-from support import TOLERANCE, assert_close_verbose, open_clip_loss_module, tiled_backends
+from workers.open_clip_worker import FLAGS, MAIN_WORLD, RINGS
 
 BACKENDS = ("reference",) + tuple(tiled_backends())
 FP32 = TOLERANCE[torch.float32]
@@ -21,7 +21,7 @@ FP32 = TOLERANCE[torch.float32]
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     open_clip_loss_module()  # skips without open_clip
-    outcomes = launch(MAIN_WORLD, "open_clip_worker", str(tmp_path_factory.mktemp("open-clip")), list(BACKENDS),
+    outcomes = launch(MAIN_WORLD, "workers.open_clip_worker", str(tmp_path_factory.mktemp("open-clip")), list(BACKENDS),
                       pg_timeout_s=60.0, deadline_s=170.0)
     return results_by_ring(outcomes, RINGS)
 

@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import REPO_ROOT
+from helpers.distributed import REPO_ROOT
+from helpers.support import TOLERANCE, assert_close_verbose, open_clip_loss_module
 from infcl import InfCLIPLoss, InfSigLipLoss
 from infcl.distill import InfDistillClipLoss
 from infcl.open_clip_train import InfCoCaLoss, infcl_loss
-from support import TOLERANCE, assert_close_verbose, open_clip_loss_module
 
 FP32 = TOLERANCE[torch.float32]
 OPEN_CLIP_PYTHON = os.environ.get("INFCL_OPEN_CLIP_PYTHON")

@@ -1,6 +1,6 @@
-"""Property-based tests: inputs as users have them, on every backend, against a float64 truth written here.
+"""Property-based tests: inputs as users have them, on every backend, against a float64 truth written without infcl.
 
-The truth (:func:`truth_losses`) materializes the float64 logits and applies the rules of
+The truth (tests/helpers/truth.py, :func:`truth_losses`) materializes the float64 logits and applies the rules of
 ``infcl.masks`` row by row with nothing from infcl: positives, false-negative ids, the guide rule
 ``G[i, j] > G[i, label] - margin`` (or ``* (1 - margin)``) from one float64 matrix (so an exact duplicate
 ties its threshold), NaN for rows without a positive and for rows whose features or guide hold NaN/inf.
@@ -9,15 +9,14 @@ Drawn: shapes (B = 1, Bk >> Bq), layouts (transposed views, strided slices with 
 rows), ids as users hold them (a column of a metadata tensor, ``[::2]``, expanded; int32 / int64 /
 uint8), exact duplicates of rows and columns (ties in S and in G), all-same and all-distinct ids, rows
 without a positive, guides with negative scores, NaN / inf in features and guide, both margin
-strategies; every backend (the Triton kernels under TRITON_INTERPRET=1 on tiny shapes), and a few
-examples on gloo rings of 2 and 3 ranks with uneven shards.
+strategies; every backend (the Triton kernels under TRITON_INTERPRET=1 on tiny shapes). The ring part (1-3
+gloo ranks, uneven shards) is tests/test_properties_ring.py, against the same truth (tests/helpers/truth.py).
 
 Profiles (hypothesis): "ci" (default; a few examples per test, the file in about a minute on 2 cores)
 and "deep" (hundreds per test, for a release): ``INFCL_HYPOTHESIS_PROFILE=deep python -m pytest
 tests/test_properties.py``.
 """
 
-import math
 import os
 
 import pytest
@@ -26,10 +25,12 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from helpers.layouts import ids_as, view_as
+from helpers.support import assert_close_verbose, grads_of, tiled_backends, vanilla_loss
+from helpers.truth import truth_directions, truth_losses
 from infcl import InfCLIPLoss, InfSigLipLoss, cal_inf_loss, cal_siglip_loss
 from infcl.backends import unavailable_reason
 from infcl.backends.torch_tiles import TORCH_TILES
-from support import assert_close_verbose, grads_of, tiled_backends, vanilla_loss
 
 settings.register_profile(
     "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -57,71 +58,6 @@ def _backend(name, monkeypatch):
     return name
 
 
-# ---- the float64 truth -------------------------------------------------------------------------------
-
-
-def _exact_dot(a, b) -> float:
-    """a . b correctly rounded (math.fsum of float64 products, exact for float32 inputs): equal rows give
-    equal scores wherever they sit (a BLAS product of a matrix need not), so ties are exact."""
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return float("nan")
-    return math.fsum(x * y for x, y in zip(a.tolist(), b.tolist()))
-
-
-def _direction_truth(logits, labels, ids, other_ids, guide, other_guide, multi_positive, margin, strategy):
-    """Per-row losses [n] of ``logits`` [n, m] (float64), the rules of infcl.masks applied row by row."""
-    rows = []
-    for i in range(logits.shape[0]):
-        if multi_positive is None:
-            positive = {int(labels[i])}
-        else:
-            positive = {j for j in range(logits.shape[1]) if ids[i] == other_ids[j]}
-        excluded = set()
-        if ids is not None:
-            excluded |= {j for j in range(logits.shape[1]) if ids[i] == other_ids[j]}
-        poisoned = False
-        if guide is not None:
-            g = [_exact_dot(guide[i], other) for other in other_guide]
-            poisoned = not (torch.isfinite(guide[i]).all() and torch.isfinite(other_guide).all())
-            at = g[int(labels[i])]
-            threshold = at - margin if strategy == "absolute" else at * (1 - margin)
-            excluded |= {j for j in range(logits.shape[1]) if g[j] > threshold}
-        excluded -= positive
-        kept = [j for j in range(logits.shape[1]) if j not in excluded]
-        if not positive or poisoned:
-            rows.append(logits.new_tensor(float("nan")) + 0 * logits[i].sum())
-            continue
-        lse = torch.logsumexp(logits[i, kept], dim=0)
-        pos = sorted(positive)
-        if multi_positive == "sum":
-            rows.append(lse - torch.logsumexp(logits[i, pos], dim=0))
-        else:
-            rows.append(lse - logits[i, pos].mean())
-    return torch.stack(rows)
-
-
-def truth_directions(q, k, labels, scale, symmetric=False, q_ids=None, k_ids=None, multi_positive=None, guide=None,
-                     margin=0.0, strategy="absolute"):
-    """(rows [Bq], columns [Bk] or None): each direction's losses in float64 (differentiable in q, k, scale)."""
-    q, k = q.to(torch.float64), k.to(torch.float64)
-    logits = scale * q @ k.T
-    labels = torch.arange(q.shape[0]) if labels is None else labels.to(torch.int64)
-    q_ids = None if q_ids is None else [int(v) for v in q_ids.to(torch.int64)]
-    k_ids = None if k_ids is None else [int(v) for v in k_ids.to(torch.int64)]
-    gq, gk = (None, None) if guide is None else (guide[0].to(torch.float64), guide[1].to(torch.float64))
-    rows = _direction_truth(logits, labels, q_ids, k_ids, gq, gk, multi_positive, margin, strategy)
-    if not symmetric:
-        return rows, None
-    return rows, _direction_truth(logits.T, torch.argsort(labels), k_ids, q_ids, gk, gq, multi_positive, margin,
-                                  strategy)
-
-
-def truth_losses(*args, **kwargs):
-    """reduction="none" losses in float64: per row, or (symmetric) per pair (row i + column i) / 2."""
-    rows, cols = truth_directions(*args, **kwargs)
-    return rows if cols is None else (rows + cols) / 2
-
-
 # ---- inputs as users have them -------------------------------------------------------------------------
 
 
@@ -136,24 +72,6 @@ def _layout(t, kind):
         view.copy_(t)
         return view
     return t
-
-
-def _ids_as(values, kind, dtype):
-    """``values`` [n] (small non-negative ints) held as ``kind``: contiguous, a column of a metadata tensor,
-    every other entry of a longer tensor, or an expanded single id (then all the same)."""
-    n = values.shape[0]
-    values = values.to(dtype)
-    if kind == "meta":
-        meta = torch.zeros(n, 3, dtype=dtype)
-        meta[:, 1] = values
-        return meta[:, 1]
-    if kind == "strided":
-        longer = torch.zeros(2 * n, dtype=dtype)
-        longer[::2] = values
-        return longer[::2]
-    if kind == "expand":
-        return values[:1].expand(n)
-    return values
 
 
 @st.composite
@@ -201,7 +119,7 @@ def masked_problems(draw, max_b=7, max_extra=9, symmetric=None, id_layouts=("con
             k_vals[dst] = k_vals[src]
         dtype = draw(st.sampled_from(id_dtypes))  # int64 twice by default: casts copy the others
         layout = draw(st.sampled_from(id_layouts + (("expand",) if id_kind == "same" else ())))
-        q_ids, k_ids = _ids_as(q_vals, layout, dtype), _ids_as(k_vals, layout, dtype)
+        q_ids, k_ids = ids_as(q_vals, layout, dtype), ids_as(k_vals, layout, dtype)
     guide, margin, strategy = None, 0.0, "absolute"
     if ties or draw(st.booleans()):
         dg = 384 if ties else draw(st.sampled_from((1, 3, 32, 200)))  # wide guides: their products round
@@ -274,6 +192,9 @@ def test_guide_ties_match_truth(problem, backend, monkeypatch):
     _check_masked(problem, backend)
 
 
+@pytest.mark.interpreter
+@pytest.mark.slow
+@pytest.mark.interpreter
 @pytest.mark.skipif(not TRITON, reason="triton unavailable")
 @settings(max_examples=400 if DEEP else 6)
 @given(problem=masked_problems(max_b=4, max_extra=3, id_layouts=("meta", "strided"), id_dtypes=(torch.int64,)),
@@ -304,28 +225,17 @@ def plain_problems(draw):
     if draw(st.booleans()):
         k[bk // 2] = k[0]  # a duplicate column: a tie in S
     if labels is not None and draw(st.booleans()):
-        labels = _ids_as(labels, draw(st.sampled_from(("meta", "strided"))), torch.int64)
+        labels = ids_as(labels, draw(st.sampled_from(("meta", "strided"))), torch.int64)
     layout_q, layout_k = draw(st.sampled_from(("contiguous", "strided", "transposed"))), draw(
         st.sampled_from(("contiguous", "strided", "transposed")))
     scale = torch.tensor(draw(st.floats(0.0, 20.0)), dtype=torch.float64)
     return q, k, labels, scale, symmetric, draw(st.sampled_from(("mean", "sum", "none"))), (layout_q, layout_k)
 
 
-def _layout_any(t, kind):
-    n, d = t.shape
-    if kind == "transposed":
-        return t.T.contiguous().T
-    if kind == "strided":
-        big = torch.zeros(2 * n + 1, d + 3, dtype=t.dtype)
-        big[1::2, 2 : d + 2] = t
-        return big[1::2, 2 : d + 2]
-    return t
-
-
 @given(problem=plain_problems(), backend=st.sampled_from(tiled_backends()))
 def test_plain_loss_layouts_match_vanilla(problem, backend):
     q, k, labels, scale, symmetric, reduction, (lq, lk) = problem
-    q, k = _layout_any(q, lq), _layout_any(k, lk)
+    q, k = view_as(q, lq), view_as(k, lk)
     upstream = torch.rand(q.shape[0], dtype=torch.float64) + 0.5 if reduction == "none" else None
     plain = None if labels is None else labels.contiguous()
 
@@ -351,7 +261,7 @@ def _siglip_truth(q, k, scale, bias, labels):
 @given(problem=plain_problems(), backend=st.sampled_from(tiled_backends()))
 def test_siglip_layouts_match_truth(problem, backend):
     q, k, labels, scale, _, _, (lq, lk) = problem
-    q, k = _layout_any(q, lq), _layout_any(k, lk)
+    q, k = view_as(q, lq), view_as(k, lk)
     bias = torch.tensor(-3.0, dtype=torch.float64)
     got = cal_siglip_loss(q, k, scale, bias, labels, reduction="none", backend=backend)
     assert_close_verbose(got, _siglip_truth(q, k, scale, bias, labels), 1e-9, 1e-9, f"{backend} siglip")

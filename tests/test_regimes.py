@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infcl import cal_inf_loss
-from support import (
+from helpers.support import (
     EXACT_NORMWISE,
     assert_normwise,
     exact_softmax_truth,
@@ -26,6 +25,7 @@ from support import (
     tiled_backends,
     vanilla_loss,
 )
+from infcl import cal_inf_loss
 
 FACTOR = 2.0
 ULPS = 4

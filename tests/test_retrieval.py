@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import launch, results_by_ring
+from helpers.distributed import launch, results_by_ring
 from infcl.backends.rank_tiles import RANK_TILES
 from infcl.metrics import retrieval_metrics
-from retrieval_ring_worker import CASES, MAIN_WORLD, RINGS, global_inputs
+from workers.retrieval_ring_worker import CASES, MAIN_WORLD, RINGS, global_inputs
 
 DIRECTIONS = ("image_to_text", "text_to_image")
 # (tile_q, tile_k): the default tiles (one tile at these sizes) and tiles that cut every block unevenly.
@@ -195,7 +195,7 @@ def test_bad_input_names_the_argument(kwargs, error, match):
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    outcomes = launch(MAIN_WORLD, "retrieval_ring_worker", str(tmp_path_factory.mktemp("retrieval")),
+    outcomes = launch(MAIN_WORLD, "workers.retrieval_ring_worker", str(tmp_path_factory.mktemp("retrieval")),
                       pg_timeout_s=60.0, deadline_s=170.0)
     return results_by_ring(outcomes, RINGS)
 

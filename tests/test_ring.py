@@ -1,6 +1,6 @@
 """The ring over ranks: 2, 3 and 4 CPU processes (gloo) against one process in float64.
 
-One spawn of 4 processes runs every case and scenario on rings of 2, 3 and 4 ranks (tests/ring_worker.py:
+One spawn of 4 processes runs every case and scenario on rings of 2, 3 and 4 ranks (tests/workers/ring_worker.py:
 the smaller rings are subgroups) and writes all results; the tests below only read them. The failure
 scenarios each spawn their own group of 2 or 3 processes, which they break.
 
@@ -14,10 +14,10 @@ import re
 import pytest
 import torch
 
-import ring_cases
-from distributed import describe, launch, results_by_ring
-from ring_worker import FAILING_RANK, MAIN_WORLD, OVERLAP_CASES, RINGS, TINY_SUFFIX
-from support import TOLERANCE, assert_close_verbose, assert_ring_matches, tiled_backends
+from helpers import ring_cases
+from helpers.distributed import describe, launch, results_by_ring
+from helpers.support import TOLERANCE, assert_close_verbose, assert_ring_matches, tiled_backends
+from workers.ring_worker import FAILING_RANK, MAIN_WORLD, OVERLAP_CASES, RINGS, TINY_SUFFIX
 
 WORLDS = tuple(RINGS)
 BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX) + tuple(b for b in tiled_backends() if b != "torch")
@@ -36,7 +36,7 @@ def spawned(tmp_path_factory):
     """``spawned(world)`` -> the results of the ring of ``world`` ranks, one dict per group rank."""
     outcomes = launch(
         MAIN_WORLD,
-        "ring_worker",
+        "workers.ring_worker",
         str(tmp_path_factory.mktemp("ring")),
         ["main", *BACKENDS],
         pg_timeout_s=MAIN_PG_TIMEOUT_S,
@@ -170,7 +170,7 @@ def test_dead_or_hung_rank_raises_ring_error_on_the_others(tmp_path, scenario, w
     survivors = [r for r in range(world) if r != FAILING_RANK]
     outcomes = launch(
         world,
-        "ring_worker",
+        "workers.ring_worker",
         str(tmp_path),
         ["fail", scenario],
         pg_timeout_s=FAIL_PG_TIMEOUT_S,

@@ -1,7 +1,7 @@
 """infcl.sentence_transformers against sentence-transformers' own loss classes.
 
 Every comparison runs both losses on the same tiny random-init BERT SentenceTransformer (built
-offline, tests/st_models.py) and batch, and checks the loss and every parameter gradient to 1e-4
+offline, tests/helpers/st_models.py) and batch, and checks the loss and every parameter gradient to 1e-4
 relative (fp32). The model is in eval mode unless a test is about dropout.
 """
 
@@ -23,10 +23,10 @@ from sentence_transformers import util  # noqa: E402
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
 
 import infcl.sentence_transformers as infcl_losses  # noqa: E402
-from distributed import REPO_ROOT, describe, launch  # noqa: E402
-from st_models import batch, loss_and_grads, tiny_model  # noqa: E402
-from st_worker import CASES, UNEVEN_BATCHES  # noqa: E402
-from support import assert_close_verbose  # noqa: E402
+from helpers.distributed import REPO_ROOT, describe, launch  # noqa: E402
+from helpers.st_models import batch, loss_and_grads, tiny_model  # noqa: E402
+from helpers.support import assert_close_verbose  # noqa: E402
+from workers.st_worker import CASES, UNEVEN_BATCHES  # noqa: E402
 
 CLASSES = (
     "MultipleNegativesRankingLoss",
@@ -320,11 +320,12 @@ def test_import_infcl_does_not_import_sentence_transformers():
 # ---- across ranks -----------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_two_gloo_ranks_match_gather_across_devices():
     """Per-rank loss and gradients equal sentence-transformers' with gather_across_devices=True
     (all_gather with gradients) — and with a DDP-wrapped model, its synchronized gradients."""
     with tempfile.TemporaryDirectory() as out_dir:
-        outcomes = launch(2, "st_worker", out_dir, deadline_s=240.0)
+        outcomes = launch(2, "workers.st_worker", out_dir, deadline_s=240.0)
     assert all(o.returncode == 0 and o.results is not None for o in outcomes), describe(outcomes)
     for outcome in outcomes:
         for case in CASES:
@@ -349,7 +350,7 @@ def test_trainer_trains_with_the_cached_loss():
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
-    from st_models import sentences
+    from helpers.st_models import sentences
 
     model = tiny_model(seed=3)
     anchors, positives = sentences(32, 2, seed=6)

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import infcl.backends.torch_tiles as torch_tiles
-from infcl import InfSigLipLoss, cal_siglip_loss
-from support import (
+from helpers.support import (
     BF16_ROUTES,
     TOLERANCE,
     assert_close_verbose,
@@ -25,6 +24,7 @@ from support import (
     siglip_truth,
     tiled_backends,
 )
+from infcl import InfSigLipLoss, cal_siglip_loss
 
 GRAD_NAMES = ("loss", "dimage", "dtext", "dscale", "dbias")
 # (Bq, Bk, D, labels): labels "diag" (None), "perm" (a permutation) or "random" (any column, repeats allowed).

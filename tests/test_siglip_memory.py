@@ -5,7 +5,6 @@ the RSS high-water mark in a fresh process). Nothing here is timed.
 
 import pytest
 
-from support import tiled_backends
 from test_memory import peak_extra_bytes
 
 BATCH = 16384
@@ -22,8 +21,8 @@ def materialized():
     return extra
 
 
-@pytest.mark.parametrize("backend", tiled_backends())
-def test_peak_memory_is_a_tenth_of_the_materialized_loss(materialized, backend):
+def test_peak_memory_is_a_tenth_of_the_materialized_loss(materialized, tiled_backend):
+    backend = tiled_backend
     # The torch tiles on one thread: their memory does not depend on it, and on a busy machine the
     # OpenMP barriers of thousands of small tile ops make two threads several times slower.
     extra = peak_extra_bytes(BATCH, DIM, backend, "siglip", threads=1 if backend == "torch" else 2)

@@ -1,6 +1,6 @@
 """The sigmoid loss on the ring: 2, 3 and 4 CPU processes (gloo) against one float64 process and open_clip.
 
-One spawn of 4 processes (tests/siglip_ring_worker.py) runs everything on rings of 2, 3 and 4 ranks and
+One spawn of 4 processes (tests/workers/siglip_ring_worker.py) runs everything on rings of 2, 3 and 4 ranks and
 writes all results; the tests below only read them.
 
 Convention checked (as cal_inf_loss's, see README "Across ranks"): rank r returns the loss L_r of its rows
@@ -14,12 +14,12 @@ import functools
 import pytest
 import torch
 
-import ring_cases
-from distributed import launch, results_by_ring
+from helpers import ring_cases
+from helpers.distributed import launch, results_by_ring
+from helpers.support import TOLERANCE, assert_close_verbose, interpreting_triton, siglip_magnitudes, tiled_backends
 from infcl.backends import unavailable_reason
-from ring_worker import TINY_SUFFIX
-from siglip_ring_worker import MAIN_WORLD, OPEN_CLIP_IMPLS, RINGS
-from support import TOLERANCE, assert_close_verbose, interpreting_triton, siglip_magnitudes, tiled_backends
+from workers.ring_worker import TINY_SUFFIX
+from workers.siglip_ring_worker import MAIN_WORLD, OPEN_CLIP_IMPLS, RINGS
 
 WORLDS = tuple(RINGS)
 # Under the interpreter the Triton kernels run on CPU tensors; the ring's blocks are tiny, so they are cheap.
@@ -38,7 +38,7 @@ def spawned(tmp_path_factory):
     """``spawned(world)`` -> the results of the ring of ``world`` ranks, one dict per group rank."""
     outcomes = launch(
         MAIN_WORLD,
-        "siglip_ring_worker",
+        "workers.siglip_ring_worker",
         str(tmp_path_factory.mktemp("siglip-ring")),
         list(BACKENDS),
         pg_timeout_s=PG_TIMEOUT_S,

@@ -13,9 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infcl import cal_siglip_loss
-from infcl.backends import unavailable_reason
-from support import (
+from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
     assert_no_worse,
@@ -24,6 +22,8 @@ from support import (
     siglip_magnitudes,
     siglip_truth,
 )
+from infcl import cal_siglip_loss
+from infcl.backends import unavailable_reason
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

@@ -20,9 +20,9 @@ from sentence_transformers import util  # noqa: E402
 from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
 
 import infcl.sentence_transformers as infcl_losses  # noqa: E402
+from helpers.st_models import tiny_model  # noqa: E402
+from helpers.support import assert_close_verbose, assert_no_worse, tiled_backends  # noqa: E402
 from infcl.backends.torch_tiles import TORCH_TILES  # noqa: E402
-from st_models import tiny_model  # noqa: E402
-from support import assert_close_verbose, assert_no_worse, tiled_backends  # noqa: E402
 
 BATCH = 11
 DIM = 6

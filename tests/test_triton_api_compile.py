@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import pytest
 
-import triton_compile
+from helpers import triton_compile
 
 triton = pytest.importorskip("triton")
 torch = pytest.importorskip("torch")

@@ -6,7 +6,7 @@ the API check's full matrix.
 
 The kernels are compiled by Triton's real JIT (not the interpreter: the worker processes import
 infcl.kernels with TRITON_INTERPRET=0) through the real launchers, for GPU targets named to Triton by
-a compile-only driver (tests/triton_compile.py). ptxas (the one bundled with the triton wheel, with
+a compile-only driver (tests/helpers/triton_compile.py). ptxas (the one bundled with the triton wheel, with
 Triton's own allocation flags) reports registers and spills; Triton reports the shared memory. The
 checks: no compile error, no register spills, shared memory within the target's per-block limit, and
 no floating-point atomic in the PTX (the backward is atomic-free by design).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-import triton_compile
+from helpers import triton_compile
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("INFCL_COMPILE_FULL", "0") != "1",

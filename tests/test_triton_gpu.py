@@ -17,8 +17,8 @@ import importlib.util
 import pytest
 import torch
 
+from helpers.support import grads_of, vanilla_loss
 from infcl import cal_inf_loss
-from support import grads_of, vanilla_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

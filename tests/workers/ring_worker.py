@@ -1,10 +1,10 @@
-"""One rank of the ring tests, started by tests/test_ring.py through tests/distributed.py.
+"""One rank of the ring tests, started by tests/test_ring.py through tests/helpers/distributed.py.
 
-``python -m ring_worker main BACKEND...`` (4 processes) runs, on rings of 2, 3 and 4 ranks, every ring
+``python -m workers.ring_worker main BACKEND...`` (4 processes) runs, on rings of 2, 3 and 4 ranks, every ring
 case with every backend, the instrumented overlap runs, the D/dtype mismatch calls, the open_clip
 comparison and the DDP step, and writes all results in one file per rank: one spawn serves every
 assertion of tests/test_ring.py except the failure tests.
-``python -m ring_worker fail SCENARIO`` makes rank 1 die or hang and records what the other ranks see.
+``python -m workers.ring_worker fail SCENARIO`` makes rank 1 die or hang and records what the other ranks see.
 """
 
 import os
@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-import ring_cases
-from distributed import finish, init_worker, run_on_rings
+from helpers import ring_cases
+from helpers.distributed import finish, init_worker, run_on_rings
 from infcl import cal_inf_loss
 from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.ring import driver

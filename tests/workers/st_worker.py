@@ -1,4 +1,4 @@
-"""One rank of tests/test_sentence_transformers.py's gather_across_devices test (through tests/distributed.py).
+"""One rank of tests/test_sentence_transformers.py's gather_across_devices test (through tests/helpers/distributed.py).
 
 Every rank builds the same tiny model and its own batch, then runs sentence-transformers' loss and
 infcl's on it for each case in ``CASES``: (loss, parameter gradients) of both go back to the parent,
@@ -11,8 +11,8 @@ import warnings
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed import finish, init_worker
-from st_models import batch, features, loss_and_grads, sentences, tiny_model
+from helpers.distributed import finish, init_worker
+from helpers.st_models import batch, features, loss_and_grads, sentences, tiny_model
 
 RANK_BATCH = 5
 GTE = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")

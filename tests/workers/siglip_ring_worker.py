@@ -1,7 +1,7 @@
-"""One rank of the sigmoid-loss ring tests, started by tests/test_siglip_ring.py through tests/distributed.py.
+"""One rank of the sigmoid-loss ring tests, started by tests/test_siglip_ring.py through tests/helpers/distributed.py.
 
-``python -m siglip_ring_worker BACKEND...`` (4 processes) runs, on rings of 2, 3 and 4 ranks, every
-sigmoid ring case (tests/ring_cases.py) with every backend, open_clip's ``SigLipLoss(rank, world_size)``
+``python -m workers.siglip_ring_worker BACKEND...`` (4 processes) runs, on rings of 2, 3 and 4 ranks, every
+sigmoid ring case (tests/helpers/ring_cases.py) with every backend, open_clip's ``SigLipLoss(rank, world_size)``
 (loaded by file; dist_impl "bidir" and "shift") against ``InfSigLipLoss`` on the same features, one
 DDP step, and a call whose last rank has bad labels; all results go in one file per rank. The rings are
 the first W ranks: open_clip's exchanges name global ranks in the default group, so its ring of W must
@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-import ring_cases
-from bench import open_clip_loss
-from distributed import run_on_rings
+from helpers import open_clip_loss, ring_cases
+from helpers.distributed import run_on_rings
 from infcl import InfSigLipLoss, cal_siglip_loss
-from ring_worker import TINY_SUFFIX, run_cases
+from workers.ring_worker import TINY_SUFFIX, run_cases
 
 MAIN_WORLD = 4
 RINGS = {2: (0, 1), 3: (0, 1, 2), 4: (0, 1, 2, 3)}

@@ -1,4 +1,4 @@
-"""One rank of tests/test_hf_trainer.py (started through tests/distributed.py): examples/hf_trainer_clip.py's
+"""One rank of tests/test_hf_trainer.py (started through tests/helpers/distributed.py): examples/hf_trainer_clip.py's
 ``InfCLTrainer`` for one step on the global batch, plain and under GradCache, and the reference.
 
 Every rank builds the same tiny CLIPModel. The reference is transformers' own materialized CLIP loss
@@ -13,7 +13,7 @@ import sys
 import torch
 from transformers import CLIPModel, TrainerCallback
 
-from distributed import REPO_ROOT, finish, init_worker
+from helpers.distributed import REPO_ROOT, finish, init_worker
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
 from hf_trainer_clip import CLIPTowers, InfCLTrainer, RandomPairs, tiny_clip_config, training_arguments  # noqa: E402

@@ -1,6 +1,6 @@
 """Spawn a CPU (gloo) process group from pytest, and the worker-side start and clean exit.
 
-Parent side: :func:`launch` starts ``world`` worker processes (``python -m <module>``), each rank
+Parent side: :func:`launch` starts ``world`` worker processes (``python -m workers.<name>``), each rank
 writes its results with :func:`finish` to ``<out_dir>/rank<r>.pt``, and :func:`launch` returns what
 every rank wrote plus its exit code. The parent itself hosts the rendezvous ``TCPStore`` on
 127.0.0.1 with port 0, so the OS picks a free port and no other process can take it in between.
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the worker modules import helpers.*
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 
 # Environment variables that carry the rendezvous to a worker.

@@ -1,6 +1,6 @@
-"""One rank of the masked ring tests (issue 23), started by tests/test_masks_ring.py through tests/distributed.py.
+"""One rank of the masked ring tests (issue 23), started by tests/test_masks_ring.py through helpers/distributed.py.
 
-``python -m masks_ring_worker BACKEND...`` (3 processes) runs every case of :func:`mask_cases` on rings of 2
+``python -m workers.masks_ring_worker BACKEND...`` (3 processes) runs every case of :func:`mask_cases` on rings of 2
 and 3 ranks (the ring of 2 is a subgroup whose group ranks differ from the global ranks) with every backend
 (a name ending in ring_worker.TINY_SUFFIX: the torch tiles shrunk so each block spans several tiles) and
 writes the results. Each rank passes its local ids and guide features; labels are global. Ids come from
@@ -15,11 +15,11 @@ from typing import List, Optional
 
 import torch
 
-import ring_cases
-from distributed import run_on_rings
+from helpers import ring_cases
+from helpers.distributed import run_on_rings
+from helpers.support import masked_truth_directions, reduce_masked_truth
 from infcl import cal_inf_loss
-from ring_worker import run_cases
-from support import masked_truth_directions, reduce_masked_truth
+from workers.ring_worker import run_cases
 
 MAIN_WORLD = 3
 RINGS = {2: (1, 2), 3: (0, 1, 2)}

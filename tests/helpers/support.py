@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench import open_clip_loss
+from helpers import open_clip_loss
 from infcl.backends import unavailable_reason
 
 # Deliberately odd sizes: none is a multiple of a tile; 1 and D=1 are the degenerate ends.
@@ -135,7 +135,7 @@ def assert_close_verbose(actual, expected, atol, rtol, what="", magnitude=None):
 
 def assert_ring_matches(ranks, key, truth, atol, rtol, what):
     """Every rank's loss, dq, dk and own dscale of the run ``key`` (``results["cases"][key]`` per rank)
-    against the float64 ``truth`` (tests/ring_cases.py's Truth), and the dscale summed over ranks against
+    against the float64 ``truth`` (tests/helpers/ring_cases.py's Truth), and the dscale summed over ranks against
     the full derivative of the sum of every rank's loss."""
     for r, results in enumerate(ranks):
         got = results["cases"][key]
@@ -163,7 +163,7 @@ def interpreting_triton() -> bool:
 
 
 def open_clip_loss_module():
-    """open_clip's loss module loaded by file (see bench/open_clip_loss.py); skips the test without open_clip."""
+    """open_clip's loss module loaded by file (helpers/open_clip_loss.py); skips the test without open_clip."""
     module = open_clip_loss.load()
     if module is None:
         pytest.skip("open_clip is not installed")

@@ -1,6 +1,6 @@
-"""One rank of the distillation ring tests, started by tests/test_distill.py through tests/distributed.py.
+"""One rank of the distillation ring tests, started by tests/test_distill.py through tests/helpers/distributed.py.
 
-``python -m distill_ring_worker`` (3 processes): on rings of 1 and 3 ranks, open_clip's own
+``python -m workers.distill_ring_worker`` (3 processes): on rings of 1 and 3 ranks, open_clip's own
 ``DistillClipLoss(local_loss=True, gather_with_grad=True, rank, world_size)`` (loaded by file) and
 ``InfDistillClipLoss`` on the same shards, writing both losses and the student's gradients; on the ring
 of 3, ``cal_distill_loss`` with uneven shards (one direction, per-row losses) beside one process's result.
@@ -9,8 +9,8 @@ of 3, ``cal_distill_loss`` with uneven shards (one direction, per-row losses) be
 import torch
 import torch.nn.functional as F
 
-from bench import open_clip_loss
-from distributed import run_on_rings
+from helpers import open_clip_loss
+from helpers.distributed import run_on_rings
 from infcl.distill import InfDistillClipLoss, cal_distill_loss
 
 MAIN_WORLD = 3

@@ -1,6 +1,6 @@
-"""One rank of the retrieval ring test, started by tests/test_retrieval.py through tests/distributed.py.
+"""One rank of the retrieval ring test, started by tests/test_retrieval.py through tests/helpers/distributed.py.
 
-``python -m retrieval_ring_worker`` (2 processes) runs every case of :func:`cases` on the ring of 2 ranks with
+``python -m workers.retrieval_ring_worker`` (2 processes) runs every case of :func:`cases` on the ring of 2 ranks with
 the rank tiles shrunk (each block spans several tiles) and writes each rank's metrics and local ranks.
 The cases are global inputs (:func:`global_inputs`) cut into uneven shards: the test compares with a
 float64 argsort truth of the whole set.
@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from distributed import run_on_rings
+from helpers.distributed import run_on_rings
 from infcl.backends.rank_tiles import RANK_TILES
 from infcl.metrics import retrieval_metrics
 

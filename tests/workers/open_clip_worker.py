@@ -1,6 +1,6 @@
-"""One rank of the open_clip ClipLoss drop-in test, started by tests/test_open_clip.py through tests/distributed.py.
+"""One rank of the open_clip ClipLoss drop-in test, started by tests/test_open_clip.py through helpers/distributed.py.
 
-``python -m open_clip_worker BACKEND...`` (3 processes) runs, on rings of 1 and 3 ranks, open_clip's real
+``python -m workers.open_clip_worker BACKEND...`` (3 processes) runs, on rings of 1 and 3 ranks, open_clip's real
 ``ClipLoss(local_loss=True, gather_with_grad=True, rank, world_size)`` (loaded by file) and
 ``InfCLIPLoss`` with every backend on the same shards, with and without ``logit_bias``, and writes each
 loss and the gradients of image, text, logit_scale and logit_bias. Then open_clip's other
@@ -13,8 +13,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench import open_clip_loss
-from distributed import run_on_rings
+from helpers import open_clip_loss
+from helpers.distributed import run_on_rings
 from infcl import InfCLIPLoss
 
 MAIN_WORLD = 3
