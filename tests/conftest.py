@@ -28,10 +28,13 @@ FILE_KINDS = {
     "test_triton_api_compile.py": "compile",
     "test_triton_compile.py": "compile",
     "test_static_report.py": "compile",
+    "test_beyond_compile.py": "compile",
     "test_ring.py": "distributed",
     "test_siglip_ring.py": "distributed",
     "test_masks_ring.py": "distributed",
     "test_hf_trainer.py": "distributed",
+    "test_hf_accelerate_launch.py": "distributed",
+    "test_open_clip_distill_flags.py": "distributed",
 }
 # Whole files that are slow for what they measure, build or run (peak memory at B in the thousands, wheels,
 # the benchmark's CLI, sentence-transformers' own models and trainer, training runs in subprocesses), without

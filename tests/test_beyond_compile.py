@@ -1,12 +1,12 @@
 """The Triton kernels of retrieval_metrics and cal_distill_loss compile for a GPU through the public calls
-(compile-only, as tests/test_triton_api_compile.py does for the losses; the calls: tests/beyond_compile.py):
+(compile-only, as tests/test_triton_api_compile.py does for the losses; the calls: tests/helpers/beyond_compile.py):
 both rank passes with labels, ids and any_positive, the distillation loss's forward and backward symmetric
 and one-directional, on sm_90 in bf16 and fp32 (INFCL_COMPILE_FULL=1: tf32, fp16, fp64 and sm_80 too),
 without spills, within shared memory, without float atomics."""
 
 import pytest
 
-import beyond_compile
+from helpers import beyond_compile
 
 triton = pytest.importorskip("triton")
 

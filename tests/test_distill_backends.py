@@ -6,9 +6,9 @@ every block into several ragged tiles of each backend."""
 import pytest
 import torch
 
+from helpers.support import TOLERANCE, assert_close_verbose
 from infcl.backends import unavailable_reason
 from infcl.distill import InfDistillClipLoss, cal_distill_loss
-from support import TOLERANCE, assert_close_verbose
 from test_distill import NORMWISE, _features, _run, normwise, truth
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

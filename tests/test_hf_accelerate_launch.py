@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from distributed import REPO_ROOT
+from helpers.distributed import REPO_ROOT
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -41,7 +41,7 @@ CONFIDENT_SCALE = 40.0  # gaps of tens of logits between a positive and the rest
 CONFIDENT_BOUND = {torch.float32: 1e-5, torch.float64: 1e-12}
 # (name, kwargs builder): ids drawn from few classes (many duplicates), from a guide, or both.
 N_CLASSES = 5
-# The native kernel hands dS to its bfloat16 GEMMs rounded to bfloat16 (csrc/infcl_cpu.cpp), masks or not,
+# The native kernel hands dS to its bfloat16 GEMMs rounded to bfloat16 (csrc/softmax_backward.cpp), masks or not,
 # where the reference and the torch tiles keep it in float32; on the cancelling sums of dq and dk that
 # rounding exceeds TOLERANCE's elementwise bound (its plain loss does the same). Its bfloat16 outputs are
 # held instead, like its plain loss's in test_native.py, to this multiple of the reference backend's own
@@ -306,7 +306,7 @@ def test_native_across_tiles_matches_reference(shape, mode, kind, classes, dtype
 
 
 # Above 16 column groups (Bq > 4096: 256-row tiles, one group each) the native symmetric forward keeps the
-# columns' positives per run of column groups, and the threads take whole runs (csrc/infcl_cpu.cpp,
+# columns' positives per run of column groups, and the threads take whole runs (csrc/softmax_forward.cpp,
 # MAX_POSITIVE_GROUPS): 4608 rows are 18 groups in 9 runs of 2.
 POSITIVE_RUNS_BATCH = 4608
 

@@ -1,14 +1,14 @@
 """InfDistillClipLoss against open_clip's DistillClipLoss for each (local_loss, gather_with_grad) setting that
-``python -m infcl.open_clip_train --distill-model ...`` passes on, on 2 gloo ranks (tests/open_clip_distill_worker.py):
+``python -m infcl.open_clip_train --distill-model ...`` passes on, on 2 gloo ranks (tests/workers/open_clip_distill_worker.py):
 per rank both losses and the feature gradients equal theirs; the scale gradient's average over the ranks (what
 DDP applies) equals theirs."""
 
 import pytest
 import torch
 
-from distributed import launch, results_by_ring
-from open_clip_distill_worker import FLAGS, RINGS, WORLD
-from support import TOLERANCE, assert_close_verbose, open_clip_loss_module
+from helpers.distributed import launch, results_by_ring
+from helpers.support import TOLERANCE, assert_close_verbose, open_clip_loss_module
+from workers.open_clip_distill_worker import FLAGS, RINGS, WORLD
 
 FP32 = TOLERANCE[torch.float32]
 
@@ -16,7 +16,7 @@ FP32 = TOLERANCE[torch.float32]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     open_clip_loss_module()  # skips without open_clip
-    outcomes = launch(WORLD, "open_clip_distill_worker", str(tmp_path_factory.mktemp("distill")),
+    outcomes = launch(WORLD, "workers.open_clip_distill_worker", str(tmp_path_factory.mktemp("distill")),
                       pg_timeout_s=60.0, deadline_s=170.0)
     return results_by_ring(outcomes, RINGS)(WORLD)
 

@@ -7,7 +7,7 @@ This module imports nothing from infcl or triton at the top (the workers set TRI
 import os
 from typing import Dict, List, NamedTuple
 
-import triton_compile
+from helpers import triton_compile
 
 # Rows per side: ragged for every block size (triton_compile's); the one-direction and any-positive calls
 # take more columns than rows.

@@ -1,6 +1,6 @@
 """One rank of the open_clip DistillClipLoss flags test, started by tests/test_open_clip_distill_flags.py.
 
-``python -m open_clip_distill_worker`` (2 processes) runs open_clip's real ``DistillClipLoss`` (loaded by file)
+``python -m workers.open_clip_distill_worker`` (2 processes) runs open_clip's real ``DistillClipLoss`` (loaded by file)
 and :class:`infcl.distill.InfDistillClipLoss` with each ``(local_loss, gather_with_grad)`` setting that
 ``infcl.open_clip_train`` passes on (FLAGS) on the same shards, and writes both losses and the gradients of the
 student's image, text and logit_scale.
@@ -9,8 +9,8 @@ student's image, text and logit_scale.
 import torch
 import torch.nn.functional as F
 
-from bench import open_clip_loss
-from distributed import run_on_rings
+from helpers import open_clip_loss
+from helpers.distributed import run_on_rings
 from infcl.distill import InfDistillClipLoss
 
 WORLD = 2
