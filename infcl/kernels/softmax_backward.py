@@ -353,7 +353,7 @@ def _dk_kernel(
 # ---- configs ------------------------------------------------------------------------------------
 # Per (architecture family, operand class), as softmax_forward.DEFAULT_CONFIGS (not tuned on a GPU;
 # every variant compiles without spills, checked by tests/test_triton_api_compile.py). On tensor cores
-# both kernels are built on the forward's S tile (configs.SCORE_TILES, RAGGED_D_SCORE_TILES at ragged D):
+# both kernels are built on the forward's S tile (configs.score_tile, ragged or not):
 # the same BLOCK_M, BLOCK_N and num_warps, so S comes from the same MMA instruction in the same layout as
 # the forward's (see tiles.py; bench.static checks it in the compiled code). FMA products (ieee, fp64) have
 # no such constraint. ``block_out``: the dq (dk) slice a program holds in registers, BLOCK_M (BLOCK_N) rows

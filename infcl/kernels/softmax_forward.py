@@ -331,7 +331,7 @@ def _forward_rows(
 # Not tuned on a GPU (none was available): chosen so that every variant compiles without spills and
 # within shared memory, which tests/test_triton_api_compile.py checks for every family of
 # configs.ARCH_FAMILIES. On tensor cores each is built on the S tile of configs.SCORE_TILES (whole-chunk D)
-# or configs.RAGGED_D_SCORE_TILES (ragged D), as are the dq and dk kernels' (softmax_backward), so the three
+# or configs.score_tile(..., ragged=True) (ragged D), as are the dq and dk kernels' (softmax_backward), so the three
 # compute S with the same MMA instruction and layout (bench.static checks it in the compiled code); only the
 # pipeline depth and maxnreg are the forward's own.
 _WHOLE = {key: score_tile(*key) for key in SCORE_TILES}
@@ -360,7 +360,7 @@ DEFAULT_CONFIGS = {
        for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
 }
 # Where D is not a whole number of feature chunks (configs.ragged_d; ops.arch_tiling picks these): the
-# families whose S tile differs there, on their RAGGED_D_SCORE_TILES tile.
+# families whose S tile differs there, on their ragged-D S tile (configs.score_tile).
 RAGGED_D_CONFIGS = {
     key: replace(DEFAULT_CONFIGS[key], block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps)
     for key, tile in _RAGGED.items() if tile != _WHOLE[key]
@@ -371,7 +371,7 @@ RAGGED_D_CONFIGS.update({
     for arch in (86, 120) for klass in ("mma", "tf32")
 })
 if TRITON_VERSION < (3, 3):
-    # Triton 3.2's ragged-D tiles (128 x 32, configs.RAGGED_D_SCORE_TILES) spill with a third stage.
+    # Triton 3.2's ragged-D tiles (128 x 32, configs.score_tile) spill with a third stage.
     RAGGED_D_CONFIGS.update({key: replace(cfg, num_stages=2) for key, cfg in RAGGED_D_CONFIGS.items()})
 
 # With mask options (ids, a guide) each tile also holds the positives and exclusions, the guide scores and
