@@ -33,9 +33,10 @@ of its rows and columns and, with a guide, the guide scores of one more product 
 stats treat an all-excluded line as the empty set, and the masked dS keeps every positive's entry a
 single expm1.
 
-Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (set by
-``triton.heuristics`` in the kernels) say a block can be ragged, rows past the end are clamped to the
-last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
+Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (constexprs the
+launchers compute, :func:`infcl.kernels.kernel_args.even_blocks` / ``feature_chunks``: a triton.heuristics
+wrapper is not a kernel torch.library.wrap_triton accepts) say a block can be ragged, rows past the end are
+clamped to the last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
 """
 
 import triton
