@@ -212,8 +212,8 @@ def ragged_d(dim: Optional[int], klass: str, chunk_d: Optional[int] = None) -> b
 def score_tile(arch: int, klass: str, ragged: bool = False) -> ScoreTile:
     """The S tile of the plain softmax kernels for architecture family ``arch`` and tensor-core class ``klass``
     ("mma": bf16/fp16, "tf32"), at a ragged D (:func:`ragged_d`) or not. The forward, dq and dk configs of the
-    plain loss are all built on it (:mod:`infcl.kernels.tiling`). Chosen to compile without spills in all three kernels (tests/test_triton_api_compile.py;
-    bench.static reports the figures), not timed on a GPU."""
+    plain loss are all built on it (:mod:`infcl.kernels.tiling`). Chosen to compile without spills in all three
+    kernels (tests/test_triton_api_compile.py; bench.static reports the figures), not timed on a GPU."""
     if klass not in TENSOR_CORE_CLASSES or arch not in (80, 86, 90, 100, 120):
         raise KeyError((arch, klass))
     if arch in (90, 100) and TRITON_VERSION < (3, 3):

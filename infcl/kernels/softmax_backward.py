@@ -95,14 +95,17 @@ def _tile_grads(s, is_pos, has_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.
 
 
 @triton.jit
-def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
+                       m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
                        SYMMETRIC: tl.constexpr, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr):
-    """:func:`_tile_grads` with masks (:func:`infcl.kernels.tiles.masked_softmax_grad`); (a, b) are each
-    row's (column's) positives: their count ("mean") or global stats ("sum")."""
-    ds_row = masked_softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], a_r[:, None], b_r[:, None], positive,
+    """:func:`_tile_grads` with masks (:func:`infcl.kernels.tiles.masked_softmax_grad`); (count, max, rel) are
+    each row's (column's) positives: their count ("mean") or their global stats ("sum")."""
+    ds_row = masked_softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], pos_count_r[:, None], pos_max_r[:, None],
+                                 pos_rel_r[:, None], positive,
                                  excluded_rows, POSITIVES, EXCLUDES)
     if SYMMETRIC:
-        ds_col = masked_softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], a_c[None, :], b_c[None, :],
+        ds_col = masked_softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], pos_count_c[None, :],
+                                     pos_max_c[None, :], pos_rel_c[None, :],
                                      positive, excluded_cols, POSITIVES, EXCLUDES)
     else:
         ds_col = 0.0
@@ -111,18 +114,22 @@ def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r,
 
 @triton.jit
 def _load_positives(pos_ptr, idx, n, stride_stat, stride_elem, POSITIVES: tl.constexpr, MASK: tl.constexpr):
-    """(a, b) of the rows (columns) ``idx``: (count, unused) for "mean", (max, rel) of the positives for
-    "sum"; past ``n`` a count of 1 and zero stats (those entries' dS is 0 anyway)."""
+    """(pos_count, pos_max, pos_rel) of the rows (columns) ``idx``: the positives' count for "mean", their
+    global stats (max, rel) for "sum" (the others are placeholders, never read); past ``n`` a count of 1 and
+    zero stats (those entries' dS is 0 anyway)."""
     if POSITIVES == MEAN_POSITIVES:
-        a = load_vector(pos_ptr, idx, n, stride_elem, 1.0, MASK)
-        b = a  # unused
+        pos_count = load_vector(pos_ptr, idx, n, stride_elem, 1.0, MASK)
+        pos_max = pos_count  # unused
+        pos_rel = pos_count
     elif POSITIVES == SUM_POSITIVES:
-        a = load_vector(pos_ptr, idx, n, stride_elem, 0.0, MASK)
-        b = load_vector(pos_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+        pos_max = load_vector(pos_ptr, idx, n, stride_elem, 0.0, MASK)
+        pos_rel = load_vector(pos_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+        pos_count = pos_max  # unused
     else:
-        a = idx  # unused: one positive per row
-        b = idx
-    return a, b
+        pos_count = idx  # unused: one positive per row
+        pos_max = idx
+        pos_rel = idx
+    return pos_count, pos_max, pos_rel
 
 
 @triton.jit
@@ -195,7 +202,9 @@ def _dq_kernel(
     if HAS_IDS or HAS_GUIDE:
         q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
         row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-        a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
+        pos_count_r, pos_max_r, pos_rel_r = _load_positives(
+            row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M
+        )
     if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
         if SYMMETRIC:
@@ -226,16 +235,19 @@ def _dq_kernel(
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         if HAS_IDS or HAS_GUIDE:
             if SYMMETRIC:
-                a_c, b_c = _load_positives(col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N)
+                pos_count_c, pos_max_c, pos_rel_c = _load_positives(
+                    col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N
+                )
             else:
-                a_c, b_c = a_r, b_r  # unused
+                pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
             positive, excluded_rows, excluded_cols = block_masks(
                 gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
                 stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
                 BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
             )
             ds_row, ds_col = _masked_tile_grads(
-                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
+                m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
                 SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
@@ -292,7 +304,9 @@ def _dk_kernel(
         m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
     if HAS_IDS or HAS_GUIDE:
         if SYMMETRIC:
-            a_c, b_c = _load_positives(col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N)
+            pos_count_c, pos_max_c, pos_rel_c = _load_positives(
+                col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N
+            )
     if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
         factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
         if SYMMETRIC:
@@ -320,16 +334,19 @@ def _dk_kernel(
         if HAS_IDS or HAS_GUIDE:
             q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
             row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-            a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
+            pos_count_r, pos_max_r, pos_rel_r = _load_positives(
+                row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M
+            )
             if not SYMMETRIC:
-                a_c, b_c = a_r, b_r  # unused
+                pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
             positive, excluded_rows, excluded_cols = block_masks(
                 gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
                 stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
                 BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
             )
             ds_row, ds_col = _masked_tile_grads(
-                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
+                m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
                 SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
