@@ -196,9 +196,10 @@ def _tiled_gemms(device, dtype, dim):  # the torch tiles and the native kernel: 
 
 
 def _triton_gemms(device, dtype, dim, masked=False, guide=False):
+    from infcl.kernels.configs import torch_matmul_precision
     from infcl.kernels.ops import gemm_equivalents
 
-    precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    precision = torch_matmul_precision()
     return gemm_equivalents(dim, dtype, device, precision, masked, guide)
 
 

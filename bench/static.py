@@ -372,25 +372,32 @@ def parse_tile(spec: str) -> Tuple[str, Tuple[int, ...]]:
 
 @contextlib.contextmanager
 def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple[int, ...]]):
-    """The default configs of ``arch`` and the dtype's operand class, at whole-chunk and ragged D alike,
-    replaced by ``tiles`` (parse_tile's values; unnamed fields keep the default's), restored on exit (workers
-    run several jobs). A candidate for one kernel alone gives it another S tile than the others'."""
+    """The plain-loss configs of ``arch`` and the dtype's operand class, at whole-chunk and ragged D alike,
+    replaced by ``tiles`` (parse_tile's values; unnamed fields keep the default's): the functions of
+    :mod:`infcl.kernels.tiling` wrapped for that (arch, class), restored on exit (workers run several jobs). A
+    candidate for one kernel alone gives it another S tile than the others'."""
     import torch
 
-    from infcl.kernels import sigmoid, softmax_backward, softmax_forward
+    from infcl.kernels import sigmoid, tiling
     from infcl.kernels.configs import TileConfig, operand_class
 
     klass = operand_class(getattr(torch, dtype), precision)
-    key = (arch, klass)
-    tables = {"forward": (softmax_forward.DEFAULT_CONFIGS, softmax_forward.RAGGED_D_CONFIGS),
-              "dq": (softmax_backward.DQ_CONFIGS, softmax_backward.RAGGED_D_DQ_CONFIGS),
-              "dk": (softmax_backward.DK_CONFIGS, softmax_backward.RAGGED_D_DK_CONFIGS)}
-    saved = {name: (whole[key], ragged.get(key)) for name, (whole, ragged) in tables.items()}
+    functions = {"forward": "forward_config", "dq": "dq_config", "dk": "dk_config"}
+    saved = {name: getattr(tiling, function) for name, function in functions.items()}
     saved_siglip = sigmoid.DEFAULT_TILINGS[klass]
     names = [f.name for f in fields(TileConfig)]
 
     def config(default, values):
         return replace(default, **dict(zip(names, values)))
+
+    def overridden(default_of, values):
+        def config_of(arch_, klass_, ragged=False, masks=None):
+            default = default_of(arch_, klass_, ragged, masks)
+            if (arch_, klass_) != (arch, klass) or masks is not None:
+                return default
+            return config(default, values)
+
+        return config_of
 
     try:
         for name, values in tiles.items():
@@ -398,17 +405,11 @@ def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple
                 cfg = config(saved_siglip.forward, values)
                 sigmoid.DEFAULT_TILINGS[klass] = replace(saved_siglip, forward=cfg, dq=cfg, dk=cfg)
             else:
-                whole, ragged = tables[name]
-                whole[key] = config(saved[name][0], values)
-                ragged[key] = config(saved[name][1] or saved[name][0], values)
+                setattr(tiling, functions[name], overridden(saved[name], values))
         yield
     finally:
-        for name, (whole, ragged) in tables.items():
-            whole[key] = saved[name][0]
-            if saved[name][1] is None:
-                ragged.pop(key, None)
-            else:
-                ragged[key] = saved[name][1]
+        for name, function in functions.items():
+            setattr(tiling, function, saved[name])
         sigmoid.DEFAULT_TILINGS[klass] = saved_siglip
 
 

@@ -17,8 +17,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .backends.base import BlockBackend, accum_dtype
-from .losses.sigmoid import SigmoidRing, SigmoidUpstream
-from .losses.softmax import GuideScores, MaskedSoftmaxRing, SoftmaxRing
+from .losses.sigmoid import SigmoidSteps, SigmoidUpstream
+from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout
@@ -83,12 +83,12 @@ class InfLossFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
 
 
-def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxRing:
+def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
     """The softmax loss's ring steps: plain, or with the mask options (the guide thresholds found first,
     :class:`GuideScores`)."""
     masks = plan.masks
     if masks is None:
-        return SoftmaxRing(plan.symmetric)
+        return SoftmaxSteps(plan.symmetric)
     guide_q = guide_k = row_threshold = col_threshold = None
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
@@ -98,7 +98,7 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxRing:
         row_threshold = guide_threshold(rows.score, masks.margin, masks.strategy)
         if plan.symmetric:
             col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy)
-    return MaskedSoftmaxRing(
+    return MaskedSoftmaxSteps(
         plan.symmetric, masks.multi_positive, masks.q_ids, masks.k_ids, guide_q, guide_k, row_threshold, col_threshold
     )
 
@@ -109,7 +109,7 @@ class SigmoidLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, bias, labels, plan: LossPlan):
         scale_t, bias_t = device_scale(scale, q), device_scale(bias, q)
-        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidRing(bias_t), plan.backend, plan.layout)
+        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidSteps(bias_t), plan.backend, plan.layout)
         ctx.save_for_backward(q, k, scale_t, bias_t, labels)
         ctx.plan = plan
         ctx.param_meta = (_param_meta(scale), _param_meta(bias))
@@ -122,7 +122,7 @@ class SigmoidLossFunction(torch.autograd.Function):
         q, k, scale_t, bias_t, labels = ctx.saved_tensors
         # The upstream gradient of a mean is an expanded (stride 0) vector: an O(B) copy makes it plain.
         rows = SigmoidUpstream(g_row.to(scale_t.dtype).contiguous())
-        ring = SigmoidRing(bias_t)
+        ring = SigmoidSteps(bias_t)
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, None)
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None

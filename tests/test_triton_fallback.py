@@ -1,7 +1,7 @@
 """Where the Triton kernels cannot run on a CUDA device (no triton, a ROCm GPU, an architecture with no
 compiled configs), backend="auto" falls back to the torch tiles with one warning naming why, and
 backend="triton" raises that reason before any launch. The device facts come from Triton's active driver
-(``infcl.kernels.configs.target_facts``), so these tests replace that answer."""
+(``infcl.kernels.target.target_facts``), so these tests replace that answer."""
 
 import warnings
 
@@ -14,6 +14,7 @@ from infcl.backends import resolve_backend
 pytest.importorskip("triton")
 from infcl.backends import triton_backend  # noqa: E402
 from infcl.kernels import configs  # noqa: E402
+from infcl.kernels import target as kernel_target  # noqa: E402
 from infcl.kernels.configs import TargetFacts  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
@@ -33,7 +34,7 @@ def target(monkeypatch):
 
     def use(facts):
         monkeypatch.setattr(triton_backend, "target_facts", lambda: facts)
-        monkeypatch.setattr(configs, "target_facts", lambda: facts)
+        monkeypatch.setattr(kernel_target, "target_facts", lambda: facts)  # configs re-exports it
 
     return use
 

@@ -1,5 +1,8 @@
-"""Host-side launch settings shared by the kernels: tile configs, the feature chunking, dtype options,
-the target architecture, and how a block is split into programs.
+"""The kernels' tile configs (:class:`TileConfig`, :class:`ScoreTile`, :class:`Tiling`), the operand classes and
+their feature chunking, the S tile of each architecture family (:func:`score_tile`), and the installed Triton's
+facts (version, interpreter). Beside it, one concern each: :mod:`.tiling` (which configs a call takes),
+:mod:`.kernel_args` (dtype options, mask arguments, shape flags), :mod:`.target` (the GPU),
+:mod:`.autotune` and :mod:`.split_plan`; their names are importable from here too.
 
 Chosen on the host and handed to the kernels as constexprs:
 - ACC: the accumulation dtype (tl.float64 for float64 inputs, else tl.float32).
@@ -11,16 +14,12 @@ Chosen on the host and handed to the kernels as constexprs:
   both backward kernels sum S over the same chunks (bit-identical S; see :mod:`infcl.kernels.tiles`).
 """
 
-import copy
-import functools
-import math
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import triton
-import triton.language as tl
 
 # The installed Triton's (major, minor): a few configs work around older compilers' bugs.
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
@@ -210,403 +209,78 @@ def ragged_d(dim: Optional[int], klass: str, chunk_d: Optional[int] = None) -> b
     return dim is not None and dim > chunk_d and dim % chunk_d != 0
 
 
-# The S tile of the plain softmax kernels per (architecture family, tensor-core class), for whole-chunk D
-# (SCORE_TILES) and, where it differs, ragged D (RAGGED_D_SCORE_TILES). The forward, dq and dk configs are all
-# built on it (softmax_forward.DEFAULT_CONFIGS, softmax_backward.DQ_CONFIGS / DK_CONFIGS and their RAGGED_D_
-# tables). Chosen to compile without spills in all three kernels (tests/test_triton_api_compile.py; bench.static
-# reports the figures), not timed on a GPU:
-SCORE_TILES = {
-    # sm_90: 64 x 64 on two warp groups, S on wgmma m64n32k16 (each group 32 columns), in every kernel, and
-    # the dk product (M = 64) on wgmma too. 128 x 64 (m64n64 per group) spills the dq kernel 12-20 B at
-    # every pipeline depth with bf16 or fp16 (D = 256 / 512, 128-wide slices; ptxas 13).
-    **{(90, klass): ScoreTile(64, 64, 8) for klass in TENSOR_CORE_CLASSES},
-    # sm_100: tcgen05 M = 64; ptxas 13 spills the 128 x 64 forward and dk.
-    **{(100, klass): ScoreTile(64, 32, 8) for klass in TENSOR_CORE_CLASSES},
-    # mma.sync families: 64 x 32 on 8 warps, the most the backward's 256-column slices fit beside.
-    **{(arch, klass): ScoreTile(64, 32, 8) for arch in (80, 86, 120) for klass in TENSOR_CORE_CLASSES},
-}
-RAGGED_D_SCORE_TILES = {
-    # sm_90 bf16/fp16: at ragged D the 64 x 64 dq and dk spill 64-104 B with 256-wide slices (D = 1000); 64 x 32
-    # fits (128-wide slices would fit 64 x 64 at twice the S recomputations).
-    (90, "mma"): ScoreTile(64, 32, 8),
-}
-if TRITON_VERSION < (3, 3):
-    # Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion in the dq
-    # kernel), so on sm_90 / sm_100 every S tile there keeps one warp group per 64 rows: 128 x 64 at whole-chunk
-    # D, 128 x 32 at ragged D (its kernels need more registers than 3.9's; softmax_backward narrows the slices).
-    SCORE_TILES.update({(arch, klass): ScoreTile(128, 64, 8) for arch in (90, 100) for klass in TENSOR_CORE_CLASSES})
-    RAGGED_D_SCORE_TILES.update(
-        {(arch, klass): ScoreTile(128, 32, 8) for arch in (90, 100) for klass in TENSOR_CORE_CLASSES}
-    )
-
-
 def score_tile(arch: int, klass: str, ragged: bool = False) -> ScoreTile:
-    """The S tile of the plain softmax kernels for family ``arch`` and tensor-core class ``klass``, at a
-    ragged D (:func:`ragged_d`) or not."""
-    if ragged:
-        return RAGGED_D_SCORE_TILES.get((arch, klass), SCORE_TILES[arch, klass])
-    return SCORE_TILES[arch, klass]
+    """The S tile of the plain softmax kernels for architecture family ``arch`` and tensor-core class ``klass``
+    ("mma": bf16/fp16, "tf32"), at a ragged D (:func:`ragged_d`) or not. The forward, dq and dk configs of the
+    plain loss are all built on it (:mod:`infcl.kernels.tiling`). Chosen to compile without spills in all three
+    kernels (tests/test_triton_api_compile.py; bench.static reports the figures), not timed on a GPU."""
+    if klass not in TENSOR_CORE_CLASSES or arch not in (80, 86, 90, 100, 120):
+        raise KeyError((arch, klass))
+    if arch in (90, 100) and TRITON_VERSION < (3, 3):
+        # Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion in the
+        # dq kernel), so every S tile there keeps one warp group per 64 rows (its kernels need more registers
+        # than 3.9's; softmax_backward narrows the slices).
+        return ScoreTile(128, 32, 8) if ragged else ScoreTile(128, 64, 8)
+    if arch == 90:
+        if ragged and klass == "mma":
+            # bf16/fp16 at ragged D: the 64 x 64 dq and dk spill 64-104 B with 256-wide slices (D = 1000);
+            # 64 x 32 fits (128-wide slices would fit 64 x 64 at twice the S recomputations).
+            return ScoreTile(64, 32, 8)
+        # 64 x 64 on two warp groups, S on wgmma m64n32k16 (each group 32 columns), in every kernel, and the
+        # dk product (M = 64) on wgmma too. 128 x 64 (m64n64 per group) spills the dq kernel 12-20 B at every
+        # pipeline depth with bf16 or fp16 (D = 256 / 512, 128-wide slices; ptxas 13).
+        return ScoreTile(64, 64, 8)
+    if arch == 100:
+        # tcgen05 M = 64; ptxas 13 spills the 128 x 64 forward and dk.
+        return ScoreTile(64, 32, 8)
+    # The mma.sync families (sm_80, sm_86, sm_120): 64 x 32 on 8 warps, the most the backward's 256-column
+    # slices fit beside.
+    return ScoreTile(64, 32, 8)
 
 
-def torch_matmul_precision() -> str:
-    """"tf32" where torch's own float32 CUDA matmuls run in TF32, else "ieee". ``allow_tf32`` first (torch.compile
-    traces it; on torch 2.9+ it reflects ``fp32_precision`` too), and where reading it raises (torch 2.9+ after
-    TF32 was set through ``torch.backends.cuda.matmul.fp32_precision`` or ``torch.backends.fp32_precision``),
-    ``fp32_precision``, which then says "tf32"."""
-    matmul = torch.backends.cuda.matmul
-    try:
-        return "tf32" if matmul.allow_tf32 else "ieee"
-    except RuntimeError:  # mixed legacy and new TF32 settings
-        return "tf32" if matmul.fp32_precision == "tf32" else "ieee"
-
-
-# TF32 keeps float32's top 19 bits (sign, 8 exponent bits, 10 mantissa bits): the low 13 go.
-_TF32_DROPPED = 13
-
-
-def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` rounded to TF32, to nearest with ties away from zero (PTX ``cvt.rna.tf32.f32``), as
-    float32 values whose low 13 bits are 0; NaN stays NaN, a value past TF32's largest rounds to inf. On the
-    bits: add half of the dropped part's unit, then clear the dropped bits (sign-magnitude, so the carry
-    rounds the magnitude; a mantissa carry steps the exponent, which is the correct rounding)."""
-    rounded = x.view(torch.int32) + (1 << (_TF32_DROPPED - 1))
-    rounded.bitwise_and_(-(1 << _TF32_DROPPED))
-    return torch.where(torch.isnan(x), x, rounded.view(torch.float32))
-
-
-def tf32_operands(precision: str, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """``tensors`` as the products' operands at tl.dot ``precision``: at "tf32", float32 tensors rounded to
-    TF32 (:func:`round_to_tf32`; O(B * D) copies), else unchanged. The tensor cores read only an operand's
-    top 19 bits, i.e. truncate it: every product of two positive operands comes out low by ~2**-11 of
-    itself, so a confident row's positive logit and with it the loss carry a bias (8.7e-3 of the loss on
-    an H100, against torch's 6.8e-5: cuBLAS rounds). Rounded once here, the operands are exact in TF32
-    and the products unbiased; dS is rounded the same way in the kernels (:func:`tiles.dot_operand`)."""
-    if precision != "tf32":
-        return tensors
-    return tuple(round_to_tf32(t) if t.dtype == torch.float32 else t for t in tensors)
-
-
-def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
-    """The dtype-dependent constexprs (ACC, UPCAST, PRECISION) for inputs of ``dtype``."""
-    if precision is not None and precision not in DOT_PRECISIONS:
-        raise ValueError(f"precision must be None or one of {DOT_PRECISIONS}, got {precision!r}")
-    if dtype == torch.float32 and not INTERPRETED:
-        if precision is None:
-            precision = torch_matmul_precision()
-    else:
-        precision = "ieee"
-    return {
-        "ACC": tl.float64 if dtype == torch.float64 else tl.float32,
-        "UPCAST": INTERPRETED and dtype in (torch.bfloat16, torch.float16),
-        "PRECISION": precision,
-    }
-
-
-def branch_positives(dtype: torch.dtype, precision: Optional[str] = None) -> bool:
-    """BRANCH_POSITIVES, a softmax kernel constexpr: whether the positives' work (the positive logit, dS's
-    expm1) sits on a uniform branch taken only by the tiles that may hold a positive (tiles.holds_positive).
-    On tensor cores from Triton 3.3; not for the FMA classes (ieee, fp64), at their register limit, nor under
-    Triton 3.2, where the branch spills (12-668 B in dk); always under the interpreter, which tests it."""
-    tensor_cores = operand_class(dtype, precision) in TENSOR_CORE_CLASSES
-    return INTERPRETED or (tensor_cores and TRITON_VERSION >= (3, 3))
-
-
-# ---- the mask options (infcl.masks) ----------------------------------------------------------------
-
-# POSITIVES, the kernels' positives kind: one per row (``pos``; multi_positive None), or every column
-# with the row's id, "mean" or "sum" (see tiles.ONE_POSITIVE).
-POSITIVES = {None: 0, "mean": 1, "sum": 2}
-
-
-def guide_precision(dtype: torch.dtype, precision: Optional[str], guide_float64: bool) -> str:
-    """tl.dot's input precision for the guide scores G = guide_q @ guide_k.T (float32 guides, float32
-    sums), next to features of ``dtype`` at ``precision``: "tf32" where the features' products run on
-    tensor cores (bfloat16 / float16, or float32 at tf32), "ieee" (FMA) where they do not (float32
-    "ieee", float64, the interpreter), float64 guides in float64.
-
-    tf32 keeps 10 mantissa bits: a guide that was bfloat16 or float16 features (as a guide model's
-    usually are) is multiplied exactly, its scores those of float32 products; a float32 guide's features
-    are rounded to 10 bits, which moves a score by ~1e-3 of |G| and can flip only exclusions that close
-    to their threshold. An FMA guide GEMM would cost ~16 times a bfloat16 one and the registers of the
-    features' own tiles.
-    """
-    if guide_float64 or INTERPRETED or dtype == torch.float64:
-        return "ieee"
-    if dtype == torch.float32:
-        return launch_options(dtype, precision)["PRECISION"]
-    return "tf32"
-
-
-@dataclass(frozen=True)
-class MaskInputs:
-    """One block's mask inputs for the softmax kernels (the :class:`infcl.backends.base.Block` fields of the
-    same names), None where unused: ids [Bq] / [Bk] int64, guide features [Bq, D'] / [Bk, D'] in the guide's
-    accumulation dtype (float32, or float64) and the thresholds [Bq] / [Bk] in that dtype."""
-
-    q_ids: Optional[torch.Tensor] = None
-    k_ids: Optional[torch.Tensor] = None
-    guide_q: Optional[torch.Tensor] = None
-    guide_k: Optional[torch.Tensor] = None
-    row_threshold: Optional[torch.Tensor] = None
-    col_threshold: Optional[torch.Tensor] = None  # symmetric only
-    multi_positive: Optional[str] = None
-
-    @property
-    def masked(self) -> bool:
-        return self.q_ids is not None or self.guide_q is not None
-
-    def kernel_args(self, dtype: torch.dtype, precision: Optional[str]) -> dict:
-        """The kernels' mask arguments by keyword for features of ``dtype`` at ``precision``: the pointers
-        (None where absent), the guide width and strides, and the constexprs HAS_IDS, HAS_GUIDE, POSITIVES
-        and the guide GEMM's BLOCK_G, EVEN_G, GUIDE_ACC and GUIDE_PRECISION. With no masks every flag is
-        False and nothing is read.
-
-        The guide GEMM (:func:`guide_precision`) runs on the tensor cores wherever the features' products
-        do, and its feature chunk is its operand class's (:data:`FEATURE_CHUNKS`): a function of D' and
-        the dtypes alone, so the forward and both backward kernels sum each guide score over the same
-        chunks and find the same exclusions.
-        """
-        gq, gk = self.guide_q, self.guide_k
-        has_guide = gq is not None
-        dim = gq.shape[1] if has_guide else 0
-        guide_float64 = has_guide and gq.dtype == torch.float64
-        guide_acc = tl.float64 if guide_float64 else tl.float32
-        precision = guide_precision(dtype, precision, guide_float64)
-        klass = operand_class(torch.float64 if guide_float64 else torch.float32, precision)
-        block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[klass][1])
-        return dict(
-            q_ids_ptr=self.q_ids, k_ids_ptr=self.k_ids, gq_ptr=gq, gk_ptr=gk, row_thr_ptr=self.row_threshold,
-            col_thr_ptr=self.col_threshold, DG=dim,
-            stride_gq0=gq.stride(0) if has_guide else 0, stride_gq1=gq.stride(1) if has_guide else 0,
-            stride_gk0=gk.stride(0) if has_guide else 0, stride_gk1=gk.stride(1) if has_guide else 0,
-            HAS_IDS=self.q_ids is not None, HAS_GUIDE=has_guide, POSITIVES=POSITIVES[self.multi_positive],
-            BLOCK_G=block_g, EVEN_G=dim % block_g == 0, GUIDE_ACC=guide_acc, GUIDE_PRECISION=precision,
-        )
-
-
-NO_MASKS = MaskInputs()
-
-
-# Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the
-# elementwise math); the one product that must not be contracted, S = raw * scale, is an explicit
-# mul.rn (tiles.scale_scores). Saying so explicitly also keeps Triton 3.9 from warning about its default.
-# (maxnreg is per config: TileConfig.max_registers.)
-COMPILE_OPTIONS = {"enable_fp_fusion": True}
-
-
-# The largest block side any config uses is 2**MAX_BLOCK_LOG2 (the autotune key's divisibility range).
-MAX_BLOCK_LOG2 = 8
-
-
-def _twos(n: int) -> int:
-    """How many times 2 divides n, capped at MAX_BLOCK_LOG2 (n % 2**j == 0 for every block 2**j up to it)."""
-    return min((n & -n).bit_length() - 1, MAX_BLOCK_LOG2) if n else MAX_BLOCK_LOG2
-
-
-def autotune_bucket(n_q: int, n_k: int) -> int:
-    """Autotuning key: the target's architecture family (one process may drive GPUs of several), the
-    power-of-two buckets of Bq and Bk (a new bucket re-tunes, a new size does not), and their
-    divisibility by the block sides (which sets each config's EVEN_M / EVEN_N)."""
-    buckets = 64 * max(n_q - 1, 1).bit_length() + max(n_k - 1, 1).bit_length()
-    span = MAX_BLOCK_LOG2 + 1
-    return ((target_family() * 4096 + buckets) * span + _twos(n_q)) * span + _twos(n_k)
-
-
-# ---- the target ---------------------------------------------------------------------------------
-
-# The architecture families with their own default configs, each named by its first member, and the
-# compute capabilities they cover. Every family's configs are compiled by tests/test_triton_api_compile.py;
-# a GPU outside them (sm_75, a ROCm GPU) has no compiled configs, so "auto" runs it on the torch tiles.
-ARCH_FAMILIES = {
-    80: ((8, 0),),  # A100: 163 KiB of shared memory per block
-    86: ((8, 6), (8, 7), (8, 9)),  # consumer Ampere / Ada: 99 KiB, fewer registers per SM than sm_80
-    90: ((9, 0),),  # H100 / H200: wgmma, 227 KiB
-    100: ((10, 0), (10, 3)),  # B200 / B300: tcgen05, 227 KiB
-    120: ((12, 0), (12, 1)),  # RTX 50xx / DGX Spark: mma.sync like sm_89, 99 KiB
+# Every (architecture family, tensor-core class) with an S tile: the keys of the per-family config tables.
+SCORE_TILES = {
+    (arch, klass): score_tile(arch, klass) for arch in (90, 100, 80, 86, 120) for klass in TENSOR_CORE_CLASSES
 }
-_FAMILY_OF = {capability: family for family, caps in ARCH_FAMILIES.items() for capability in caps}
 
 
-def arch_key(capability: Tuple[int, int]) -> Optional[int]:
-    """The default-config family (a key of :data:`ARCH_FAMILIES`) of a CUDA compute capability, or None
-    for an architecture infcl has no compiled configs for."""
-    return _FAMILY_OF.get(tuple(capability))
-
-
-@dataclass(frozen=True)
-class TargetFacts:
-    """What Triton's active driver says about the GPU it compiles for and launches on."""
-
-    backend: str  # "cuda" or "hip" (Triton's GPUTarget.backend)
-    arch: object  # the compute capability as an int (90 for sm_90), or a gfx name on ROCm
-    sms: int  # streaming multiprocessors, for the split plans
-    device_type: str  # the torch device type of the tensors it launches on ("cuda")
-
-    @property
-    def capability(self) -> Optional[Tuple[int, int]]:
-        return divmod(self.arch, 10) if self.backend == "cuda" and isinstance(self.arch, int) else None
-
-    @property
-    def family(self) -> Optional[int]:
-        return arch_key(self.capability) if self.capability is not None else None
-
-
-# Under the interpreter: sm_90's configs (unused: the interpreter takes its own tiling) and one "SM".
-INTERPRETER_FACTS = TargetFacts("cuda", 90, 1, "cpu")
-
-
-@functools.lru_cache(maxsize=None)
-def _driver_facts(active, device: int) -> TargetFacts:
-    target = active.get_current_target()
-    sms = active.utils.get_device_properties(device)["multiprocessor_count"]
-    # Triton < 3.3's drivers do not name their torch device; those drive CUDA (or ROCm's "cuda") tensors.
-    torch_device = getattr(active, "get_active_torch_device", None)
-    device_type = torch_device().type if torch_device is not None else "cuda"
-    return TargetFacts(target.backend, target.arch, sms, device_type)
-
-
-def target_facts() -> TargetFacts:
-    """The target of Triton's active driver: the device a launch compiles for (its current device).
-    Raises whatever the driver raises where there is no GPU."""
-    if INTERPRETED:
-        return INTERPRETER_FACTS
-    from triton.runtime import driver
-
-    active = driver.active
-    return _driver_facts(active, active.get_current_device())
-
-
-def unsupported_reason(facts: TargetFacts) -> Optional[str]:
-    """None if infcl has compiled configs for ``facts``' target, else a sentence saying why not."""
-    if facts.backend != "cuda":
-        return (
-            f"infcl's Triton configs are compiled for NVIDIA GPUs only; Triton's target is {facts.backend} "
-            f"{facts.arch}"
-        )
-    if facts.family is None:
-        known = ", ".join(f"sm_{a}{b}" for caps in ARCH_FAMILIES.values() for a, b in caps)
-        return f"infcl has no compiled Triton configs for sm_{facts.arch} (it has them for {known})"
-    return None
-
-
-def target_family() -> int:
-    """The default-config family of the active target; a clear error (never a KeyError mid-launch)
-    where there is none."""
-    facts = target_facts()
-    why = unsupported_reason(facts)
-    if why is not None:
-        raise RuntimeError(f"backend 'triton': {why}")
-    return facts.family
-
-
-def _as_triton(tile: TileConfig) -> triton.Config:
-    # EVEN_M / EVEN_N depend on the block sizes, so they travel with the config: False (masked, right
-    # for any size) in the declared space, set per call by the prune step (:func:`autotune_space`).
-    return triton.Config({"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "EVEN_M": False, "EVEN_N": False},
-                         **tile.launch_options())
-
-
-def autotune_space(by_key: Dict[Tuple[int, str, bool], List[TileConfig]]):
-    """(triton.Configs, early_config_prune) for one autotuned kernel whose search space depends on the
-    architecture family, the operand class and whether D is ragged (:func:`ragged_d`: the S tile may differ):
-    the union of every list, pruned at tuning time to the call's own (family, class, ragged) list, each with
-    the call's EVEN_M / EVEN_N (the tuning key, :func:`autotune_bucket`, holds the sizes' divisibility, and D,
-    so a cached choice fits every call of its key)."""
-    configs, owners = [], []
-    for key, tiles in by_key.items():
-        for tile in tiles:
-            configs.append(_as_triton(tile))
-            owners.append(key)
-
-    def prune(candidates, named_args, **kwargs):
-        args = {**named_args, **kwargs}  # keyword launches: the arguments arrive as kwargs
-        q = args["q_ptr"]
-        klass = operand_class(q.dtype, args.get("PRECISION"))
-        key = (target_family(), klass, ragged_d(args["D"], klass))
-        out = []
-        for config, owner in zip(configs, owners):
-            if owner == key and any(config is c for c in candidates):
-                config = copy.copy(config)
-                config.kwargs = {**config.kwargs, **even_blocks(args["n_q"], args["n_k"], config.kwargs["BLOCK_M"],
-                                                               config.kwargs["BLOCK_N"])}
-                out.append(config)
-        return out
-
-    return configs, prune
-
-
-def lazy_autotune(kernel, by_key: Dict[Tuple[int, str, bool], List[TileConfig]], key: List[str], **buffers):
-    """A function returning the @triton.jit ``kernel`` autotuned over :func:`autotune_space` (``buffers``:
-    restore_value / reset_to_zero), built on its first call: Triton < 3.4's autotune decorator asks the
-    active GPU driver for a benchmarker when it is applied, which fails on a machine without a GPU."""
-
-    @functools.lru_cache(maxsize=None)
-    def build():
-        configs, prune = autotune_space(by_key)
-        prune_by = {"early_config_prune": prune}
-        return triton.autotune(configs=configs, key=key, prune_configs_by=prune_by, **buffers)(kernel)
-
-    return build
-
-
-def neighbours(default: TileConfig) -> List[TileConfig]:
-    """An autotune list around a default config: itself and one more pipeline stage. The S tile (BLOCK_M,
-    BLOCK_N, num_warps) is never varied: the forward and the backward are tuned apart, and a different tile
-    in one of them could change S's MMA instruction and so its bits (:class:`ScoreTile`)."""
-    return [default, replace(default, num_stages=default.num_stages + 1)]
-
-
-# ---- splitting a block into programs ------------------------------------------------------------
-
-# Programs to aim for per SM: two resident programs hide each other's loads and tails.
-PROGRAMS_PER_SM = 2
-# Bounds on the per-split buffers, so extra memory stays linear in B: the forward's row partials
-# are [3, splits, Bq] and the symmetric column partials [2, groups, Bk]; the backward's partial dq
-# (dk) is [backward_splits, Bq (Bk), D], so it splits only a few ways.
-MAX_SPLITS = 16
-MAX_GROUPS = 32
-MAX_BACKWARD_SPLITS = 4
-
-
-@dataclass(frozen=True)
-class ForwardPlan:
-    groups: int  # grid axis 0: row groups (one row block each, unless symmetric)
-    splits: int  # grid axis 1: contiguous shares of the k blocks
-
-
-def plan_forward(n_q: int, n_k: int, tiling: Tiling, symmetric: bool, sms: int, row_tiles: int = 1) -> ForwardPlan:
-    """How many programs share the forward: every unit of ``row_tiles`` row blocks its own program (one
-    direction) or at most MAX_GROUPS row groups (symmetric: each group keeps its own column partials),
-    times as many k splits as fit PROGRAMS_PER_SM programs per SM in one wave: rounded down, since rounding
-    up adds a second wave of a few programs (32 groups on 132 SMs: 9 splits are 288 programs, 1.09 waves,
-    the second nearly empty; 8 are 256, 0.97). Independent of the autotuned block sizes: a program whose
-    share is empty writes the empty stats."""
-    cfg = tiling.forward
-    n_rb, n_cb = triton.cdiv(triton.cdiv(n_q, cfg.block_m), row_tiles), triton.cdiv(n_k, cfg.block_n)
-    groups = tiling.groups or (min(n_rb, MAX_GROUPS) if symmetric else n_rb)
-    splits = tiling.splits or min(max(PROGRAMS_PER_SM * sms // groups, 1), n_cb, MAX_SPLITS)
-    return ForwardPlan(groups, splits)
-
-
-def plan_backward_splits(n_owned: int, n_other: int, slices: int, tiling: Tiling, sms: int) -> int:
-    """k (q) splits of the dq (dk) kernel: more than 1 only when the owned blocks times the D slices
-    leave SMs idle."""
-    if tiling.backward_splits is not None:
-        return tiling.backward_splits
-    programs = n_owned * slices
-    return min(max(math.ceil(PROGRAMS_PER_SM * sms / programs), 1), n_other, MAX_BACKWARD_SPLITS)
-
-
-# Shape flags every kernel takes as constexprs, computed by the launcher (a triton.heuristics wrapper
-# is not a kernel torch.library.wrap_triton accepts): where a block cannot be ragged its loads and
-# stores go unmasked.
-
-
-def even_blocks(n_q: int, n_k: int, block_m: int, block_n: int) -> dict:
-    """EVEN_M / EVEN_N: whether Bq (Bk) is a whole number of row (column) blocks."""
-    return {"EVEN_M": n_q % block_m == 0, "EVEN_N": n_k % block_n == 0}
-
-
-def feature_chunks(dim: int, block_d: int) -> dict:
-    """ONE_CHUNK: D fits one feature chunk (held in registers); EVEN_D: D is a whole number of chunks."""
-    return {"ONE_CHUNK": dim <= block_d, "EVEN_D": dim % block_d == 0}
+# The launch settings that live in their own modules, importable from here as before.
+from .autotune import (  # noqa: E402,F401
+    MAX_BLOCK_LOG2,
+    autotune_bucket,
+    autotune_space,
+    lazy_autotune,
+    neighbours,
+)
+from .kernel_args import (  # noqa: E402,F401
+    COMPILE_OPTIONS,
+    NO_MASKS,
+    POSITIVES,
+    MaskInputs,
+    branch_positives,
+    even_blocks,
+    feature_chunks,
+    guide_precision,
+    launch_options,
+    round_to_tf32,
+    tf32_operands,
+    torch_matmul_precision,
+)
+from .split_plan import (  # noqa: E402,F401
+    MAX_BACKWARD_SPLITS,
+    MAX_GROUPS,
+    MAX_SPLITS,
+    PROGRAMS_PER_SM,
+    ForwardPlan,
+    plan_backward_splits,
+    plan_forward,
+)
+from .target import (  # noqa: E402,F401
+    ARCH_FAMILIES,
+    INTERPRETER_FACTS,
+    TargetFacts,
+    arch_key,
+    target_facts,
+    target_family,
+    unsupported_reason,
+)

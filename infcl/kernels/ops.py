@@ -41,17 +41,15 @@ import torch
 from ..masks import MASKED_ROWS
 from . import guide_scores, sigmoid, softmax_backward, softmax_forward
 from .configs import (
-    FEATURE_CHUNKS,
     INTERPRETED,
     INTERPRETER_TILING,
     MaskInputs,
     Tiling,
     autotuning,
-    operand_class,
-    ragged_d,
     target_facts,
     target_family,
 )
+from .tiling import plain_tiling, tiling_for  # noqa: F401  (plain_tiling: re-exported)
 
 Tensor = torch.Tensor
 
@@ -62,52 +60,11 @@ def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim
     (the interpreter's big tiles under TRITON_INTERPRET=1)."""
     if INTERPRETED:
         return INTERPRETER_TILING
-    return arch_tiling(target_family(), dtype, precision, dim, masked, guide)
+    return tiling_for(target_family(), dtype, precision, dim, masked, guide)
 
 
-def arch_tiling(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None,
-                masked: bool = False, guide: bool = False) -> Tiling:
-    """The default configs for architecture family ``arch`` (a key of :data:`configs.ARCH_FAMILIES`);
-    a ``dim`` wider than one feature chunk and not a whole number of them (:func:`configs.ragged_d`) takes
-    the ragged-D configs where the family has them (:data:`softmax_forward.RAGGED_D_CONFIGS`,
-    :data:`softmax_backward.RAGGED_D_DQ_CONFIGS` / ``RAGGED_D_DK_CONFIGS``). On tensor cores the three are
-    built on one S tile, :func:`configs.score_tile`, so S has the same MMA instruction and layout in every
-    kernel (tests/test_static_report.py checks the tables and the compiled code). ``masked`` (mask
-    options): the masked configs (:data:`softmax_forward.MASKED_CONFIGS`; the backward's
-    ``MASKED_DQ_CONFIGS`` / ``MASKED_DK_CONFIGS`` with a ``guide``, and ``MASKED_RAGGED_D_CONFIGS``
-    at ragged D; ``IDS_DQ_CONFIGS`` / ``IDS_DK_CONFIGS``
-    without), with one feature chunk as the most a program holds in registers."""
-    klass = operand_class(dtype, precision)
-    if masked:
-        chunk_d = FEATURE_CHUNKS[klass][1]
-        prefix = "MASKED" if guide else "IDS"
-        chunk_d = softmax_forward.MASKED_CHUNK_D.get((arch, klass), chunk_d)
-        dq = getattr(softmax_backward, f"{prefix}_DQ_CONFIGS")[arch, klass]
-        dk = getattr(softmax_backward, f"{prefix}_DK_CONFIGS")[arch, klass]
-        if guide and ragged_d(dim, klass, chunk_d):
-            dq = softmax_backward.MASKED_RAGGED_D_CONFIGS.get((arch, klass), dq)
-            dk = softmax_backward.MASKED_RAGGED_D_CONFIGS.get((arch, klass), dk)
-        return Tiling(
-            forward=softmax_forward.MASKED_CONFIGS[arch, klass],
-            dq=dq,
-            dk=dk,
-            resident_d=chunk_d,
-            chunk_d=chunk_d,
-        )
-    return plain_tiling(arch, klass, dim)
-
-
-def plain_tiling(arch: int, klass: str, dim: Optional[int] = None) -> Tiling:
-    """:func:`arch_tiling` of the plain loss for operand class ``klass`` (:func:`configs.operand_class`)."""
-    resident_d, chunk_d = FEATURE_CHUNKS[klass]
-    key, ragged = (arch, klass), ragged_d(dim, klass)
-    forward = softmax_forward.DEFAULT_CONFIGS[key]
-    dq, dk = softmax_backward.DQ_CONFIGS[key], softmax_backward.DK_CONFIGS[key]
-    if ragged:
-        forward = softmax_forward.RAGGED_D_CONFIGS.get(key, forward)
-        dq = softmax_backward.RAGGED_D_DQ_CONFIGS.get(key, dq)
-        dk = softmax_backward.RAGGED_D_DK_CONFIGS.get(key, dk)
-    return Tiling(forward=forward, dq=dq, dk=dk, resident_d=resident_d, chunk_d=chunk_d)
+# The name the tests, bench.static and tools know the tiling function by (infcl.kernels.tiling.tiling_for).
+arch_tiling = tiling_for
 
 
 def _tiling(tiling: List[int], q: Tensor, precision: str, masked: bool = False,

@@ -35,7 +35,6 @@ ceil(D / BLOCK_OUT) slices, each recomputing S: 2 * slices + 2. With the forward
 loss at D <= BLOCK_OUT (Inf-CL: 5 for one direction, 10 for the symmetric loss).
 """
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -46,7 +45,6 @@ from .configs import (
     ARCH_FAMILIES,
     COMPILE_OPTIONS,
     NO_MASKS,
-    SCORE_TILES,
     TENSOR_CORE_CLASSES,
     TRITON_VERSION,
     MaskInputs,
@@ -60,7 +58,6 @@ from .configs import (
     lazy_autotune,
     neighbours,
     plan_backward_splits,
-    score_tile,
     tf32_operands,
 )
 from .tiles import (
@@ -82,6 +79,7 @@ from .tiles import (
     softmax_grad,
     tile_dot,
 )
+from .tiling import dk_config, dq_config
 
 
 @triton.jit
@@ -97,14 +95,17 @@ def _tile_grads(s, is_pos, has_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.
 
 
 @triton.jit
-def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
+                       m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
                        SYMMETRIC: tl.constexpr, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr):
-    """:func:`_tile_grads` with masks (:func:`infcl.kernels.tiles.masked_softmax_grad`); (a, b) are each
-    row's (column's) positives: their count ("mean") or global stats ("sum")."""
-    ds_row = masked_softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], a_r[:, None], b_r[:, None], positive,
+    """:func:`_tile_grads` with masks (:func:`infcl.kernels.tiles.masked_softmax_grad`); (count, max, rel) are
+    each row's (column's) positives: their count ("mean") or their global stats ("sum")."""
+    ds_row = masked_softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], pos_count_r[:, None], pos_max_r[:, None],
+                                 pos_rel_r[:, None], positive,
                                  excluded_rows, POSITIVES, EXCLUDES)
     if SYMMETRIC:
-        ds_col = masked_softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], a_c[None, :], b_c[None, :],
+        ds_col = masked_softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], pos_count_c[None, :],
+                                     pos_max_c[None, :], pos_rel_c[None, :],
                                      positive, excluded_cols, POSITIVES, EXCLUDES)
     else:
         ds_col = 0.0
@@ -113,18 +114,22 @@ def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r,
 
 @triton.jit
 def _load_positives(pos_ptr, idx, n, stride_stat, stride_elem, POSITIVES: tl.constexpr, MASK: tl.constexpr):
-    """(a, b) of the rows (columns) ``idx``: (count, unused) for "mean", (max, rel) of the positives for
-    "sum"; past ``n`` a count of 1 and zero stats (those entries' dS is 0 anyway)."""
+    """(pos_count, pos_max, pos_rel) of the rows (columns) ``idx``: the positives' count for "mean", their
+    global stats (max, rel) for "sum" (the others are placeholders, never read); past ``n`` a count of 1 and
+    zero stats (those entries' dS is 0 anyway)."""
     if POSITIVES == MEAN_POSITIVES:
-        a = load_vector(pos_ptr, idx, n, stride_elem, 1.0, MASK)
-        b = a  # unused
+        pos_count = load_vector(pos_ptr, idx, n, stride_elem, 1.0, MASK)
+        pos_max = pos_count  # unused
+        pos_rel = pos_count
     elif POSITIVES == SUM_POSITIVES:
-        a = load_vector(pos_ptr, idx, n, stride_elem, 0.0, MASK)
-        b = load_vector(pos_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+        pos_max = load_vector(pos_ptr, idx, n, stride_elem, 0.0, MASK)
+        pos_rel = load_vector(pos_ptr + stride_stat, idx, n, stride_elem, 0.0, MASK)
+        pos_count = pos_max  # unused
     else:
-        a = idx  # unused: one positive per row
-        b = idx
-    return a, b
+        pos_count = idx  # unused: one positive per row
+        pos_max = idx
+        pos_rel = idx
+    return pos_count, pos_max, pos_rel
 
 
 @triton.jit
@@ -197,7 +202,9 @@ def _dq_kernel(
     if HAS_IDS or HAS_GUIDE:
         q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
         row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-        a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
+        pos_count_r, pos_max_r, pos_rel_r = _load_positives(
+            row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M
+        )
     if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
         if SYMMETRIC:
@@ -228,16 +235,19 @@ def _dq_kernel(
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         if HAS_IDS or HAS_GUIDE:
             if SYMMETRIC:
-                a_c, b_c = _load_positives(col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N)
+                pos_count_c, pos_max_c, pos_rel_c = _load_positives(
+                    col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N
+                )
             else:
-                a_c, b_c = a_r, b_r  # unused
+                pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
             positive, excluded_rows, excluded_cols = block_masks(
                 gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
                 stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
                 BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
             )
             ds_row, ds_col = _masked_tile_grads(
-                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
+                m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
                 SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
@@ -294,7 +304,9 @@ def _dk_kernel(
         m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_cs0, stride_cs1, stride_gc, not EVEN_N)
     if HAS_IDS or HAS_GUIDE:
         if SYMMETRIC:
-            a_c, b_c = _load_positives(col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N)
+            pos_count_c, pos_max_c, pos_rel_c = _load_positives(
+                col_pos_ptr, cols, n_k, stride_cp0, stride_cp1, POSITIVES, not EVEN_N
+            )
     if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
         factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
         if SYMMETRIC:
@@ -322,16 +334,19 @@ def _dk_kernel(
         if HAS_IDS or HAS_GUIDE:
             q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
             row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-            a_r, b_r = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M)
+            pos_count_r, pos_max_r, pos_rel_r = _load_positives(
+                row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M
+            )
             if not SYMMETRIC:
-                a_c, b_c = a_r, b_r  # unused
+                pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
             positive, excluded_rows, excluded_cols = block_masks(
                 gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
                 stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
                 BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
             )
             ds_row, ds_col = _masked_tile_grads(
-                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, a_r, b_r, m_c, r_c, g_c, a_c, b_c,
+                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
+                m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
                 SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
@@ -351,119 +366,16 @@ def _dk_kernel(
 
 
 # ---- configs ------------------------------------------------------------------------------------
-# Per (architecture family, operand class), as softmax_forward.DEFAULT_CONFIGS (not tuned on a GPU;
-# every variant compiles without spills, checked by tests/test_triton_api_compile.py). On tensor cores
-# both kernels are built on the forward's S tile (configs.SCORE_TILES, RAGGED_D_SCORE_TILES at ragged D):
-# the same BLOCK_M, BLOCK_N and num_warps, so S comes from the same MMA instruction in the same layout as
-# the forward's (see tiles.py; bench.static checks it in the compiled code). FMA products (ieee, fp64) have
-# no such constraint. ``block_out``: the dq (dk) slice a program holds in registers, BLOCK_M (BLOCK_N) rows
-# x block_out fp32 columns: 64 x 256 (or 128 x 128) over 8 warps is 64 registers a thread, the most that
-# leaves room for the S and dS tiles without spilling.
-_WHOLE = {key: score_tile(*key) for key in SCORE_TILES}
-_RAGGED = {key: score_tile(*key, ragged=True) for key in SCORE_TILES}
-DQ_CONFIGS = {
-    # sm_90 and sm_100: 3 stages of the S chunks fit the registers and shared memory.
-    **{(arch, "mma"): _WHOLE[arch, "mma"].config(num_stages=3) for arch in (90, 100)},
-    # sm_80 and the 99 KiB families: ptxas 12's allocator needs the third stage's registers back.
-    **{(arch, "mma"): _WHOLE[arch, "mma"].config(max_registers=255) for arch in (80, 86, 120)},
-    # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not. sm_86 / sm_120 (ptxas 13) cap the tf32
-    # tiles below their need unless told 255: dq spilled 8 B on sm_120 at D = 1, dk 24 B with labels on sm_86
-    # at D = 256-768 and on sm_120 at D = 40.
-    **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128) for arch in (90, 100)},
-    **{(arch, "tf32"): _WHOLE[arch, "tf32"].config(block_out=128, max_registers=255) for arch in (86, 120)},
-    (80, "tf32"): _WHOLE[80, "tf32"].config(),
-    # FMA products (fp32 "ieee", fp64): 32-row blocks on 4 warps over 16-feature chunks, maxnreg 255
-    # (as in the forward); fp64 owns 16 columns and 64-wide slices for twice the bytes per entry.
-    **{(arch, "ieee"): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=255)
-       for arch in ARCH_FAMILIES},
-    **{(arch, "fp64"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
-       for arch in ARCH_FAMILIES},
-}
-# The dk kernel is the dq kernel with the roles of q and k swapped (its accumulator has BLOCK_N rows).
-DK_CONFIGS = {
-    **DQ_CONFIGS,
-    # sm_86 / sm_120 (ptxas 13): fp16's dS normalization spills 32 owned rows at 256 columns (8 B at D = 512).
-    **{(arch, "mma"): replace(DQ_CONFIGS[arch, "mma"], block_out=128) for arch in (86, 120)},
-    # sm_100's fp16 dk (the dS normalization beside the positives' branch): ptxas 13 caps it at 128 registers and
-    # spills 8-12 B unless told 255.
-    (100, "mma"): replace(DQ_CONFIGS[100, "mma"], max_registers=255),
-}
-# Where D is not a whole number of feature chunks (configs.ragged_d; ops.arch_tiling picks these), the last
-# chunk's masked loads need registers the accumulator holds: on the families whose S tile differs there (sm_90
-# bf16/fp16: 64 x 32 with 256-wide slices) and where the slice narrows: sm_80 (ptxas 12) spills the dq kernel
-# 104 B at 256 columns and, with fp16's dS normalization, dk 32 B; sm_86 / sm_120's dq (ptxas 13) spills 8 B at
-# maxnreg 255; 128-wide slices fit.
-RAGGED_D_DQ_CONFIGS = {
-    (90, "mma"): _RAGGED[90, "mma"].config(num_stages=3),
-    **{(80, klass): replace(DQ_CONFIGS[80, klass], block_out=128) for klass in TENSOR_CORE_CLASSES},
-    **{(arch, "mma"): replace(DQ_CONFIGS[arch, "mma"], block_out=128) for arch in (86, 120)},
-}
-RAGGED_D_DK_CONFIGS = {
-    (90, "mma"): _RAGGED[90, "mma"].config(num_stages=3),
-    (80, "mma"): replace(DK_CONFIGS[80, "mma"], block_out=128),
-}
-if TRITON_VERSION < (3, 3):
-    # Triton 3.2 (configs.SCORE_TILES: 128 x 64 tiles at whole-chunk D, 128 x 32 at ragged D on sm_90 / sm_100)
-    # needs more registers than 3.9 for the same tiles: the slices narrow to 64 (128 spills dk 16-112 B at
-    # D = 512 and 784-1224 B at ragged D, with one stage there).
-    for arch in (90, 100):
-        for klass in TENSOR_CORE_CLASSES:
-            DQ_CONFIGS[arch, klass] = _WHOLE[arch, klass].config(block_out=64)
-            DK_CONFIGS[arch, klass] = _WHOLE[arch, klass].config(block_out=64)
-            RAGGED_D_DQ_CONFIGS[arch, klass] = _RAGGED[arch, klass].config(block_out=64)
-            RAGGED_D_DK_CONFIGS[arch, klass] = _RAGGED[arch, klass].config(num_stages=1, block_out=64)
-# With mask options, as softmax_forward.MASKED_CONFIGS: smaller tiles and slices that compile without spills.
-# Tensor cores with maxnreg 255, as the forward's MASKED_CONFIGS: ptxas otherwise caps the masked kernels at
-# 128 registers on sm_86 and spills.
-MASKED_DQ_CONFIGS = {
-    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=128, max_registers=255)
-       for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
-    **{(arch, "ieee"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
-       for arch in ARCH_FAMILIES},
-    **{(arch, "fp64"): TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=255)
-       for arch in ARCH_FAMILIES},
-}
-MASKED_DK_CONFIGS = dict(MASKED_DQ_CONFIGS)
-# sm_120 (ptxas 13): float16's dk with ids and a guide ("mean", D = 1000) spills 16 B at 255 registers with two
-# stages; one fits.
-MASKED_DK_CONFIGS[120, "mma"] = TileConfig(
-    block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=128, max_registers=255
-)
-# sm_80 (ptxas 12): float16's dS normalization spills the dq kernel at ragged D; one stage, 64-wide slices fit.
-MASKED_DQ_CONFIGS[80, "mma"] = TileConfig(
-    block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=64, max_registers=255
-)
-# sm_90 / sm_100 bf16/fp16 with a guide: 256-wide slices, as the plain and ids-only kernels, so a guide
-# recomputes S and its scores in as many slices as the plain loss recomputes S (2 + 2 at D = 512, not
-# 4 + 4); they compile without spills at D = 256, 512, 768 (ptxas 13). At ragged D the masked last chunk
-# spills dq 36-152 B (ids, a guide and "sum") and fp16's dk 88 B ("mean") there, so both keep 128-wide
-# slices (MASKED_RAGGED_D_CONFIGS, picked by ops.arch_tiling as the plain RAGGED_D_* configs).
-_GUIDE_WIDE = {
-    (arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256, max_registers=255)
-    for arch in (90, 100)
-}
-MASKED_DQ_CONFIGS.update(_GUIDE_WIDE)
-MASKED_DK_CONFIGS.update(_GUIDE_WIDE)
-MASKED_RAGGED_D_CONFIGS = {key: replace(config, block_out=128) for key, config in _GUIDE_WIDE.items()}
-# Ids without a guide (no guide scores in the tile): bf16/fp16 fit the plain kernels' 256-wide slices, so ids
-# cost the backward no S recomputation beyond the plain loss's (sm_80: one stage, and maxnreg 255: at D = 40
-# ptxas 12 caps float16's dk at 128 registers and spills).
-IDS_DQ_CONFIGS = {
-    **MASKED_DQ_CONFIGS,
-    **{(arch, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2, block_out=256, max_registers=255)
-       for arch in ARCH_FAMILIES},
-    (80, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, block_out=256, max_registers=255),
-}
-IDS_DK_CONFIGS = {**MASKED_DK_CONFIGS, **{key: IDS_DQ_CONFIGS[key] for key in IDS_DQ_CONFIGS if key[1] == "mma"}}
-if TRITON_VERSION < (3, 3):
-    # As softmax_forward.MASKED_CONFIGS there (Triton 3.2 aborts on 64 rows over two warp groups): 128 rows on 8
-    # warps, one stage and 64-wide slices, ids or a guide, ragged D or not (wider ones spill 300-3000 B).
-    _TRITON_32 = {(arch, "mma"): TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1, block_out=64,
-                                            max_registers=255) for arch in (90, 100)}
-    for _table in (MASKED_DQ_CONFIGS, MASKED_DK_CONFIGS, MASKED_RAGGED_D_CONFIGS, IDS_DQ_CONFIGS,
-                   IDS_DK_CONFIGS):
-        _table.update(_TRITON_32)
+# Each call's configs: infcl.kernels.tiling.dq_config / dk_config (one function each for every family, operand
+# class, D and mask option). Below, the autotuner's search spaces, built around those defaults.
 
+# The (architecture family, operand class) pairs with configs, in the order the autotuner lists them.
+CONFIG_KEYS = (
+    *((arch, "mma") for arch in (90, 100, 80, 86, 120)),
+    *((arch, "tf32") for arch in (90, 100, 86, 120, 80)),
+    *((arch, "ieee") for arch in ARCH_FAMILIES),
+    *((arch, "fp64") for arch in ARCH_FAMILIES),
+)
 # The search space under INFCL_AUTOTUNE=1, per kernel (keyed by D, dtypes, precision, the loss
 # direction and the size bucket; pruned at tuning time to the call's (arch, class, ragged D) list): each
 # default and one more stage; never another S tile (configs.neighbours). The slice width is not searched:
@@ -479,18 +391,18 @@ def _keep(key, config: TileConfig, default: TileConfig) -> bool:
     return key[1] in TENSOR_CORE_CLASSES or config == default
 
 
-def _space(whole, ragged):
-    """{(arch, class, ragged D): [configs]} around the defaults ``whole`` and, at ragged D, ``ragged``."""
+def _space(config_of):
+    """{(arch, class, ragged D): [configs]} around the defaults ``config_of(arch, class, ragged)``."""
     out = {}
-    for key, cfg in whole.items():
+    for key in CONFIG_KEYS:
         for is_ragged in (False, True):
-            default = ragged.get(key, cfg) if is_ragged else cfg
+            default = config_of(*key, is_ragged)
             out[(*key, is_ragged)] = [c for c in neighbours(default) if _keep((*key, is_ragged), c, default)]
     return out
 
 
-DQ_AUTOTUNE_CONFIGS = _space(DQ_CONFIGS, RAGGED_D_DQ_CONFIGS)
-DK_AUTOTUNE_CONFIGS = _space(DK_CONFIGS, RAGGED_D_DK_CONFIGS)
+DQ_AUTOTUNE_CONFIGS = _space(dq_config)
+DK_AUTOTUNE_CONFIGS = _space(dk_config)
 # The smallest BLOCK_M any config uses: the dq kernel's scale-gradient buffer has a slot per program.
 _MIN_BLOCK_M = min(c.block_m for tiles in DQ_AUTOTUNE_CONFIGS.values() for c in tiles)
 _KEY = ["D", "SYMMETRIC", "PRECISION", "BUCKET"]

@@ -32,7 +32,6 @@ sync); pos [Bq] int64, the column of each row's positive in this block or -1. Na
 stats for that row and every column it meets, as F.cross_entropy does.
 """
 
-from dataclasses import replace
 from typing import Optional, Tuple
 
 import torch
@@ -45,9 +44,7 @@ from .configs import (
     ARCH_FAMILIES,
     COMPILE_OPTIONS,
     NO_MASKS,
-    SCORE_TILES,
     TENSOR_CORE_CLASSES,
-    TRITON_VERSION,
     MaskInputs,
     TileConfig,
     Tiling,
@@ -59,7 +56,6 @@ from .configs import (
     lazy_autotune,
     neighbours,
     plan_forward,
-    score_tile,
     tf32_operands,
 )
 from .tiles import (
@@ -82,6 +78,7 @@ from .tiles import (
     score_pair,
     tile_rest_stats,
 )
+from .tiling import forward_config
 
 
 @triton.jit
@@ -327,83 +324,15 @@ def _forward_rows(
 
 
 # ---- configs ------------------------------------------------------------------------------------
-# Defaults per (architecture family, operand class); see configs.arch_key and configs.operand_class.
-# Not tuned on a GPU (none was available): chosen so that every variant compiles without spills and
-# within shared memory, which tests/test_triton_api_compile.py checks for every family of
-# configs.ARCH_FAMILIES. On tensor cores each is built on the S tile of configs.SCORE_TILES (whole-chunk D)
-# or configs.RAGGED_D_SCORE_TILES (ragged D), as are the dq and dk kernels' (softmax_backward), so the three
-# compute S with the same MMA instruction and layout (bench.static checks it in the compiled code); only the
-# pipeline depth and maxnreg are the forward's own.
-_WHOLE = {key: score_tile(*key) for key in SCORE_TILES}
-_RAGGED = {key: score_tile(*key, ragged=True) for key in SCORE_TILES}
-# The plain symmetric forward on tensor cores walks pairs of row blocks (TileConfig.row_tiles); under Triton
-# 3.2 (128-row S tiles on sm_90 / sm_100) a pair spills 80-120 B, so one row block at a time there.
-ROW_PAIRS = 2 if TRITON_VERSION >= (3, 3) else 1
-DEFAULT_CONFIGS = {
-    # sm_90: 3 stages of q/k chunks (48 KiB of shared memory).
-    (90, "mma"): _WHOLE[90, "mma"].config(num_stages=3, row_tiles=ROW_PAIRS),
-    # sm_100 (ptxas 13) and the 99 KiB families: maxnreg 255, or ptxas caps registers and spills at ragged D.
-    (100, "mma"): _WHOLE[100, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
-    (80, "mma"): _WHOLE[80, "mma"].config(num_stages=3, row_tiles=ROW_PAIRS),
-    (86, "mma"): _WHOLE[86, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
-    (120, "mma"): _WHOLE[120, "mma"].config(max_registers=255, row_tiles=ROW_PAIRS),
-    # tf32: fp32 operands in 32-feature chunks; a third stage pushes sm_90's registers into spills.
-    (90, "tf32"): _WHOLE[90, "tf32"].config(row_tiles=ROW_PAIRS),
-    (100, "tf32"): _WHOLE[100, "tf32"].config(row_tiles=ROW_PAIRS),
-    (80, "tf32"): _WHOLE[80, "tf32"].config(num_stages=3, row_tiles=ROW_PAIRS),
-    (86, "tf32"): _WHOLE[86, "tf32"].config(max_registers=255, row_tiles=ROW_PAIRS),
-    (120, "tf32"): _WHOLE[120, "tf32"].config(row_tiles=ROW_PAIRS),
-    # FMA products (fp32 "ieee", fp64) hold operand fragments in registers: 32 x 32 tiles on 4 warps
-    # over 16-feature chunks, with maxnreg 255 so ptxas does not spill to fit more blocks per SM. Each
-    # entry is a sum in K order whatever the tile, so their tiles need not match the backward's.
-    **{(arch, klass): TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=255)
-       for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")},
-}
-# Where D is not a whole number of feature chunks (configs.ragged_d; ops.arch_tiling picks these): the
-# families whose S tile differs there, on their RAGGED_D_SCORE_TILES tile.
-RAGGED_D_CONFIGS = {
-    key: replace(DEFAULT_CONFIGS[key], block_m=tile.block_m, block_n=tile.block_n, num_warps=tile.num_warps)
-    for key, tile in _RAGGED.items() if tile != _WHOLE[key]
-}
-# sm_86 / sm_120 (ptxas caps them at 255 registers): a pair of row blocks spills 20-40 B at ragged D.
-RAGGED_D_CONFIGS.update({
-    (arch, klass): replace(RAGGED_D_CONFIGS.get((arch, klass), DEFAULT_CONFIGS[arch, klass]), row_tiles=1)
-    for arch in (86, 120) for klass in ("mma", "tf32")
-})
-if TRITON_VERSION < (3, 3):
-    # Triton 3.2's ragged-D tiles (128 x 32, configs.RAGGED_D_SCORE_TILES) spill with a third stage.
-    RAGGED_D_CONFIGS.update({key: replace(cfg, num_stages=2) for key, cfg in RAGGED_D_CONFIGS.items()})
+# Each call's config: infcl.kernels.tiling.forward_config (one function for every family, operand class, D and
+# mask option). Below, the autotuner's search space, built around those defaults.
 
-# With mask options (ids, a guide) each tile also holds the positives and exclusions, the guide scores and
-# their GEMM's pipeline, and the symmetric loss merges six column partials instead of two: the plain
-# tiles spill there. Masked calls take these (and, in all three kernels, one feature chunk as the most
-# held in registers: ops.arch_tiling), sized to compile without spills (checked by
-# tests/test_triton_api_compile.py), not tuned on a GPU; the autotuner does not search them.
-MASKED_CONFIGS = {
-    # Tensor cores: 64-row tiles (as the backward's: the same MMA instruction) of 16 columns, one stage (a
-    # second spills on sm_90 at ragged D); maxnreg 255 (ptxas caps them at 128 registers on sm_86 and spills).
-    **{(arch, klass): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, max_registers=255)
-       for arch in ARCH_FAMILIES for klass in ("mma", "tf32")},
-    # FMA products: the plain 32 x 32 tiles halved in columns; fp64 (twice the registers an entry) 16 x 16.
-    **{(arch, "ieee"): TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, max_registers=255)
-       for arch in ARCH_FAMILIES},
-    **{(arch, "fp64"): TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, max_registers=255)
-       for arch in ARCH_FAMILIES},
-    # sm_120 (ptxas 13): the symmetric forward with a guide spills 24-80 B at D = 1000 even at maxnreg 255 on
-    # 64-feature chunks; on 32-feature chunks (MASKED_CHUNK_D) it fits.
-    (120, "mma"): TileConfig(block_m=64, block_n=16, num_warps=8, num_stages=1, max_registers=255),
-}
-# The feature chunk of masked calls where it is not the operand class's (configs.FEATURE_CHUNKS): one chunk
-# is all a masked program holds in registers, and the guide's tiles sit beside it.
-MASKED_CHUNK_D = {(120, "mma"): 32}
-# Triton 3.2 aborts compiling the masked bf16/fp16 tiles above for sm_90 / sm_100 (the LLVM assertion of
-# the 64-row wgmma accumulator split over two warp groups, as the plain dq kernel and the sigmoid loss): 128
-# rows on the same 8 warps (one warp group per 64), over 32-feature chunks; the backward's masked configs
-# follow (softmax_backward). The symmetric forward with ids, a guide and "sum" still spills 116 B there.
-if TRITON_VERSION < (3, 3):
-    MASKED_CONFIGS.update({(arch, "mma"): TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1,
-                                                     max_registers=255) for arch in (90, 100)})
-    MASKED_CHUNK_D.update({(arch, "mma"): 32 for arch in (90, 100)})
+# The (architecture family, operand class) pairs with configs, in the order the autotuner lists them.
+CONFIG_KEYS = (
+    *((arch, "mma") for arch in (90, 100, 80, 86, 120)),
+    *((arch, "tf32") for arch in (90, 100, 80, 86, 120)),
+    *((arch, klass) for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")),
+)
 
 
 def _keep(key, config: TileConfig) -> bool:
@@ -411,15 +340,11 @@ def _keep(key, config: TileConfig) -> bool:
     stage on sm_80 (ptxas 12), a third on sm_100 / sm_120 and on sm_90 / sm_100 tf32 spill, so those
     defaults are searched alone. The FMA classes (ieee, fp64) sit at their register limit already, so they
     keep their default alone."""
-    default = DEFAULT_CONFIGS[key[:2]]
+    default = forward_config(*key[:2])
     more_stages = ((80, "mma"), (100, "mma"), (120, "mma"), (90, "tf32"), (100, "tf32"))
     if key[:2] in more_stages and config.num_stages > default.num_stages:
         return False
     return key[1] in TENSOR_CORE_CLASSES or config == default
-
-
-def _defaults(ragged: bool):
-    return {key: (RAGGED_D_CONFIGS.get(key, cfg) if ragged else cfg) for key, cfg in DEFAULT_CONFIGS.items()}
 
 
 # The search space under INFCL_AUTOTUNE=1 (keyed by D, dtypes, precision, the loss direction and the
@@ -427,8 +352,8 @@ def _defaults(ragged: bool):
 # stage, less what _keep drops; never another S tile (configs.neighbours). Opt-in: it benchmarks every
 # config on each new key.
 AUTOTUNE_CONFIGS = {
-    (*key, ragged): [c for c in neighbours(config) if _keep((*key, ragged), c)]
-    for ragged in (False, True) for key, config in _defaults(ragged).items()
+    (*key, ragged): [c for c in neighbours(forward_config(*key, ragged)) if _keep((*key, ragged), c)]
+    for ragged in (False, True) for key in CONFIG_KEYS
 }
 
 # Every buffer a trial writes: the row partials are overwritten whole, the column partials are

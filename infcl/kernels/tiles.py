@@ -33,9 +33,10 @@ of its rows and columns and, with a guide, the guide scores of one more product 
 stats treat an all-excluded line as the empty set, and the masked dS keeps every positive's entry a
 single expm1.
 
-Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (set by
-``triton.heuristics`` in the kernels) say a block can be ragged, rows past the end are clamped to the
-last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
+Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (constexprs the
+launchers compute, :func:`infcl.kernels.kernel_args.even_blocks` / ``feature_chunks``: a triton.heuristics
+wrapper is not a kernel torch.library.wrap_triton accepts) say a block can be ragged, rows past the end are
+clamped to the last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
 """
 
 import triton
@@ -540,14 +541,17 @@ def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: 
 
 
 @triton.jit
-def masked_softmax_grad(s, m, r, g, a, b, positive, excluded, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr):
+def masked_softmax_grad(s, m, r, g, pos_count, pos_max, pos_rel, positive, excluded, POSITIVES: tl.constexpr,
+                        EXCLUDES: tl.constexpr):
     """g * (P - Y) for a tile with masks: P = exp((s - m) - r) off the exclusions and 0 on them; m, r, g and
-    the positives' (a, b) come broadcast like :func:`softmax_grad`'s stats. Y, and a positive's entry:
+    the positives' count or stats come broadcast like :func:`softmax_grad`'s stats (each only where its
+    POSITIVES reads it). Y, and a positive's entry:
 
     - ONE_POSITIVE: the one-hot of ``positive``; g * expm1(x) there, picked out per row (as softmax_grad);
-    - MEAN_POSITIVES (a = |P|): 1 / |P| on the positives; (p - 1/c) = expm1(x + log c) / c;
-    - SUM_POSITIVES (a, b = the positives' global max and log-sum): the softmax over P; p - y = y * expm1(d)
-      with y = exp((s - a) - b) and d = (a - m) + (b - r) <= 0, the log of the positives' share.
+    - MEAN_POSITIVES (``pos_count`` c = |P|): 1 / c on the positives; (p - 1/c) = expm1(x + log c) / c;
+    - SUM_POSITIVES (``pos_max``, ``pos_rel``: the positives' global max and log-sum relative to it): the
+      softmax over P; p - y = y * expm1(d) with y = exp((s - pos_max) - pos_rel) and
+      d = (pos_max - m) + (pos_rel - r) <= 0, the log of the positives' share.
 
     Never a difference of two rounded probabilities, so a confident row keeps its digits.
     """
@@ -559,7 +563,7 @@ def masked_softmax_grad(s, m, r, g, a, b, positive, excluded, POSITIVES: tl.cons
         x_pos = tl.sum(tl.where(positive, x, 0.0), axis=1)
         at_pos = expm1(x_pos)[:, None]
     elif POSITIVES == MEAN_POSITIVES:
-        at_pos = expm1(x + tl.log(a)) / a
+        at_pos = expm1(x + tl.log(pos_count)) / pos_count
     else:
-        at_pos = exp((s - a) - b) * expm1((a - m) + (b - r))
+        at_pos = exp((s - pos_max) - pos_rel) * expm1((pos_max - m) + (pos_rel - r))
     return g * tl.where(positive, at_pos, p)

@@ -33,7 +33,7 @@ class SigmoidUpstream(NamedTuple):
     grad: Tensor
 
 
-class SigmoidRing(SummedParts):
+class SigmoidSteps(SummedParts):
     """:class:`infcl.ring.driver.RingLoss` for the sigmoid loss with this call's ``bias`` (0-d, on the features'
     device)."""
 
@@ -54,3 +54,7 @@ class SigmoidRing(SummedParts):
     ) -> ParamGrads:
         own = backend.sigmoid_backward_block(replace(block, g_row=rows.grad, bias=self.bias), dq, dk)
         return ParamGrads(own=own, owner=torch.zeros_like(own))
+
+
+# The per-loss step strategies' former names (they run with or without a ring).
+SigmoidRing = SigmoidSteps

@@ -17,7 +17,7 @@ rows change meaning between phases:
 Losses: row_i = (m_i - pos_i) + r_i, which is never negative (pos_i is one of the tile values the
 max was taken over, and r_i >= 0).
 
-With mask options (:mod:`infcl.masks`), :class:`MaskedSoftmaxRing`: the forward moves
+With mask options (:mod:`infcl.masks`), :class:`MaskedSoftmaxSteps`: the forward moves
 :class:`MaskedPartials` (stats, the positives' stats, their logits' sum and their count) for rows and
 columns alike (the tiles find each column's positives themselves, so nothing is scattered), the ids, guide
 features and column thresholds travel with k (``k_side``), and the backward moves :class:`MaskedUpstream`
@@ -103,7 +103,7 @@ class SoftmaxPartials(NamedTuple):
         return row_info(self.positive >= self.stats[MAX], self.positive, torch.ones_like(self.positive))
 
 
-class SoftmaxRing:
+class SoftmaxSteps:
     """:class:`infcl.ring.driver.RingLoss` for the softmax loss, one direction or symmetric."""
 
     n_params = 1
@@ -205,7 +205,7 @@ class GuideScores(SummedParts):
         guide_q, guide_k, pos = block.q, block.k, block.pos
         score = backend.guide_label_scores(guide_q, guide_k, pos, self.feature_dtype)
         # NaN or inf in a guide row leaves that row's exclusions undefined: a NaN score (so a NaN threshold,
-        # which MaskedSoftmaxRing turns into a NaN loss) for each row and column whose exclusions it decides.
+        # which MaskedSoftmaxSteps turns into a NaN loss) for each row and column whose exclusions it decides.
         bad_q, bad_k = _not_finite(guide_q), _not_finite(guide_k)
         rows = GuideScore(score + _nan_where(bad_q | bad_k.any()))
         if not self.symmetric:
@@ -288,7 +288,7 @@ def _poison(part: "MaskedPartials", threshold: Optional[Tensor]) -> None:
         part.stats[MAX].add_(torch.where(torch.isnan(threshold), float("nan"), 0.0))
 
 
-class MaskedSoftmaxRing(SoftmaxRing):
+class MaskedSoftmaxSteps(SoftmaxSteps):
     """:class:`infcl.ring.driver.RingLoss` for the softmax loss with mask options; the rows' ids, guide
     features and thresholds stay here, the columns' travel with k (``k_side``)."""
 
@@ -335,3 +335,8 @@ class MaskedSoftmaxRing(SoftmaxRing):
 
     def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> MaskedUpstream:
         return MaskedPartials(*saved).upstream(grad)
+
+
+# The per-loss step strategies' former names (they run with or without a ring).
+SoftmaxRing = SoftmaxSteps
+MaskedSoftmaxRing = MaskedSoftmaxSteps
