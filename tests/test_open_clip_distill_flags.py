@@ -1,7 +1,7 @@
 """InfDistillClipLoss against open_clip's DistillClipLoss for each (local_loss, gather_with_grad) setting that
-``python -m infcl.open_clip_train --distill-model ...`` passes on, on 2 gloo ranks (tests/workers/open_clip_distill_worker.py):
-per rank both losses and the feature gradients equal theirs; the scale gradient's average over the ranks (what
-DDP applies) equals theirs."""
+``python -m infcl.open_clip_train --distill-model ...`` passes on, on 2 gloo ranks
+(tests/workers/open_clip_distill_worker.py): per rank both losses and the feature gradients equal theirs; the
+scale gradient's average over the ranks (what DDP applies) equals theirs."""
 
 import pytest
 import torch

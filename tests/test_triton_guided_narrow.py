@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.support import TOLERANCE, assert_close_verbose, grads_of_inputs
 from infcl import cal_inf_loss
 from infcl.backends import unavailable_reason
-from helpers.support import TOLERANCE, assert_close_verbose, grads_of_inputs
 
 TRITON = unavailable_reason("triton", torch.device("cpu")) is None
 DIM, GUIDE_DIM = 64, 384
@@ -62,7 +62,7 @@ def test_interpreted_guided_bf16_narrow_features(b, symmetric, monkeypatch):
 
 def _compile(b: int, symmetric: bool):
     """Compile-only (sm_90) of the public call; rows of (kernel, constexprs, resources)."""
-    import triton_compile
+    from helpers import triton_compile
 
     with triton_compile.compile_only(90) as (compiled, start):
         q, k, guide = _case(b)
@@ -76,7 +76,7 @@ def _compile(b: int, symmetric: bool):
 
 @pytest.mark.skipif(not TRITON, reason="Triton unavailable")
 def test_guided_bf16_narrow_features_compile_for_sm90():
-    import triton_compile
+    from helpers import triton_compile
 
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, context, initializer=triton_compile.init_worker) as pool:
