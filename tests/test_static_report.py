@@ -69,8 +69,9 @@ def test_configs_share_one_score_tile():
     """Every default and autotune config of the three softmax kernels on tensor cores is built on the one S
     tile of its (family, class, ragged D): the same BLOCK_M, BLOCK_N and num_warps (so the same MMA)."""
     from infcl.kernels import softmax_backward, softmax_forward
-    from infcl.kernels.configs import ARCH_FAMILIES, TENSOR_CORE_CLASSES, score_tile
+    from infcl.kernels.configs import TENSOR_CORE_CLASSES, score_tile
     from infcl.kernels.ops import plain_tiling
+    from infcl.kernels.target import ARCH_FAMILIES
 
     for arch in ARCH_FAMILIES:
         for klass in TENSOR_CORE_CLASSES:

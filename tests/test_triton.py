@@ -518,7 +518,7 @@ def test_unavailable_reason_is_a_sentence_elsewhere():
 
 
 def test_bad_launch_options_raise():
-    from infcl.kernels.configs import launch_options
+    from infcl.kernels.kernel_args import launch_options
 
     with pytest.raises(ValueError, match="block_m"):
         TileConfig(block_m=8, block_n=64)
@@ -546,7 +546,7 @@ def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
 def test_round_to_tf32_is_nearest_ties_away():
     """configs.round_to_tf32 (the tf32 products' operands) against a float64 rounding: random values over
     the whole range, subnormals, exact ties both ways, the largest float (inf), inf and NaN."""
-    from infcl.kernels.configs import round_to_tf32
+    from infcl.kernels.kernel_args import round_to_tf32
 
     gen = torch.Generator().manual_seed(0)
     mantissas = torch.rand(4000, generator=gen, dtype=torch.float64) + 1
@@ -570,7 +570,7 @@ def test_round_to_tf32_is_nearest_ties_away():
 def test_float32_precision_follows_torchs_setting(monkeypatch):
     """None resolves to torch's float32 matmul precision, set either way: the legacy allow_tf32 or (torch
     2.9+) fp32_precision, whose "tf32" makes reading allow_tf32 raise."""
-    from infcl.kernels.configs import torch_matmul_precision
+    from infcl.kernels.kernel_args import torch_matmul_precision
 
     matmul = torch.backends.cuda.matmul
     monkeypatch.setattr(matmul, "allow_tf32", True)

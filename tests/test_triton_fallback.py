@@ -13,9 +13,8 @@ from infcl.backends import resolve_backend
 
 pytest.importorskip("triton")
 from infcl.backends import triton_backend  # noqa: E402
-from infcl.kernels import configs  # noqa: E402
 from infcl.kernels import target as kernel_target  # noqa: E402
-from infcl.kernels.configs import TargetFacts  # noqa: E402
+from infcl.kernels.target import TargetFacts
 
 CUDA = torch.device("cuda", 0)
 SUPPORTED = TargetFacts("cuda", 90, 132, "cuda")
@@ -91,10 +90,10 @@ def test_kernel_configs_of_an_unsupported_target_raise_clearly(target):
     """Below the backend choice too: asking for the family's configs raises the reason, never a KeyError."""
     target(CASES["turing"][0])
     with pytest.raises(RuntimeError, match="no compiled Triton configs for sm_75"):
-        configs.target_family()
+        kernel_target.target_family()
 
 
 @pytest.mark.parametrize("capability, family", [((8, 0), 80), ((8, 6), 86), ((8, 9), 86), ((9, 0), 90),
                                                 ((10, 0), 100), ((12, 0), 120), ((7, 5), None), ((11, 0), None)])
 def test_arch_families(capability, family):
-    assert configs.arch_key(capability) == family
+    assert kernel_target.arch_key(capability) == family

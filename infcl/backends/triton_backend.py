@@ -26,13 +26,8 @@ from .torch_tiles import TORCH_TILES
 
 try:
     from ..kernels import INTERPRETED, Tiling, backward_block, forward_block, interpret_requested
-    from ..kernels.configs import (
-        DOT_PRECISIONS,
-        FLOAT64_DOT,
-        target_facts,
-        torch_matmul_precision,
-        unsupported_reason,
-    )
+    from ..kernels.configs import DOT_PRECISIONS, FLOAT64_DOT
+    from ..kernels.kernel_args import torch_matmul_precision
     from ..kernels.ops import (
         guide_label_scores,
         masked_backward_block,
@@ -40,6 +35,7 @@ try:
         sigmoid_backward_block,
         sigmoid_forward_block,
     )
+    from ..kernels.target import target_facts, unsupported_reason
 except Exception as err:  # triton missing or broken (or a driver error): the backend reports why instead
     _IMPORT_ERROR: Optional[Exception] = err
 else:

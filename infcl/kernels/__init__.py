@@ -14,7 +14,8 @@ Importing this package needs triton; whether the kernels are interpreted (TRITON
 tensors) is fixed when it is imported.
 """
 
-from .configs import INTERPRETED, INTERPRETER_TILING, TileConfig, Tiling, interpret_requested
+from .configs import INTERPRETER_TILING, TileConfig, Tiling
+from .env import INTERPRETED, interpret_requested
 from .ops import backward_block, default_tiling, forward_block
 
 __all__ = [

@@ -2,7 +2,7 @@
 their feature chunking, the S tile of each architecture family (:func:`score_tile`), and the installed Triton's
 facts (version, interpreter). Beside it, one concern each: :mod:`.tiling` (which configs a call takes),
 :mod:`.kernel_args` (dtype options, mask arguments, shape flags), :mod:`.target` (the GPU),
-:mod:`.autotune` and :mod:`.split_plan`; their names are importable from here too.
+:mod:`.autotune` and :mod:`.split_plan`; :mod:`.env` holds the environment flags.
 
 Chosen on the host and handed to the kernels as constexprs:
 - ACC: the accumulation dtype (tl.float64 for float64 inputs, else tl.float32).
@@ -14,7 +14,6 @@ Chosen on the host and handed to the kernels as constexprs:
   both backward kernels sum S over the same chunks (bit-identical S; see :mod:`infcl.kernels.tiles`).
 """
 
-import os
 from dataclasses import dataclass, fields, replace
 from typing import List, Optional
 
@@ -32,18 +31,7 @@ DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
 MIN_DOT = 16
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def interpret_requested() -> bool:
-    """Whether TRITON_INTERPRET asks for the interpreter now (compare :data:`INTERPRETED`)."""
-    return _env_flag("TRITON_INTERPRET")
-
-
-# Read once, at import: @triton.jit builds interpreted kernels only if TRITON_INTERPRET is set *when
-# the decorator runs*, i.e. when the kernel modules are imported.
-INTERPRETED = interpret_requested()
+from .env import INTERPRETED, _env_flag, interpret_requested  # noqa: E402,F401  (re-exported)
 
 
 def autotuning() -> bool:
@@ -245,42 +233,3 @@ SCORE_TILES = {
 
 
 # The launch settings that live in their own modules, importable from here as before.
-from .autotune import (  # noqa: E402,F401
-    MAX_BLOCK_LOG2,
-    autotune_bucket,
-    autotune_space,
-    lazy_autotune,
-    neighbours,
-)
-from .kernel_args import (  # noqa: E402,F401
-    COMPILE_OPTIONS,
-    NO_MASKS,
-    POSITIVES,
-    MaskInputs,
-    branch_positives,
-    even_blocks,
-    feature_chunks,
-    guide_precision,
-    launch_options,
-    round_to_tf32,
-    tf32_operands,
-    torch_matmul_precision,
-)
-from .split_plan import (  # noqa: E402,F401
-    MAX_BACKWARD_SPLITS,
-    MAX_GROUPS,
-    MAX_SPLITS,
-    PROGRAMS_PER_SM,
-    ForwardPlan,
-    plan_backward_splits,
-    plan_forward,
-)
-from .target import (  # noqa: E402,F401
-    ARCH_FAMILIES,
-    INTERPRETER_FACTS,
-    TargetFacts,
-    arch_key,
-    target_facts,
-    target_family,
-    unsupported_reason,
-)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..backends.base import Block, Tensor
 from ..losses.distill import DistillPartials, DistillUpstream, Teacher
-from .configs import COMPILE_OPTIONS, launch_options, tf32_operands
+from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
 from .rank import beyond_tiling, on_torch_tiles, program_lines, tile_at
 from .tiles import (
     check_blocks,

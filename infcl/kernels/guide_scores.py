@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import MIN_DOT, MaskInputs
+from .configs import MIN_DOT
+from .kernel_args import MaskInputs
 from .tiles import load_vector, score_tile
 
 Tensor = torch.Tensor

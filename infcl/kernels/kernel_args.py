@@ -10,15 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import (
-    DOT_PRECISIONS,
-    FEATURE_CHUNKS,
-    INTERPRETED,
-    MIN_DOT,
-    TENSOR_CORE_CLASSES,
-    TRITON_VERSION,
-    operand_class,
-)
+from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, TRITON_VERSION, operand_class
+from .env import INTERPRETED
 
 
 def torch_matmul_precision() -> str:

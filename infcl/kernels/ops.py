@@ -40,15 +40,10 @@ import torch
 
 from ..masks import MASKED_ROWS
 from . import guide_scores, sigmoid, softmax_backward, softmax_forward
-from .configs import (
-    INTERPRETED,
-    INTERPRETER_TILING,
-    MaskInputs,
-    Tiling,
-    autotuning,
-    target_facts,
-    target_family,
-)
+from .configs import INTERPRETER_TILING, Tiling, autotuning
+from .env import INTERPRETED
+from .kernel_args import MaskInputs
+from .target import target_facts, target_family
 from .tiling import plain_tiling, tiling_for  # noqa: F401  (plain_tiling: re-exported)
 
 Tensor = torch.Tensor

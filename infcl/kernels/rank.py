@@ -27,17 +27,10 @@ import triton.language as tl
 
 from ..backends.base import Block, Tensor
 from ..backends.rank_tiles import NO_INDEX, Ahead, Best
-from .configs import (
-    COMPILE_OPTIONS,
-    FLOAT64_DOT,
-    INTERPRETED,
-    TileConfig,
-    Tiling,
-    launch_options,
-    operand_class,
-    target_family,
-    tf32_operands,
-)
+from .configs import FLOAT64_DOT, TileConfig, Tiling, operand_class
+from .env import INTERPRETED
+from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
+from .target import target_family
 from .tiles import check_blocks, load_vector, positive_span, score_chunks
 
 # The tiles of both APIs beyond the losses (these ranks and the distillation loss, :mod:`.distill`), per

@@ -31,18 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import (
-    COMPILE_OPTIONS,
-    INTERPRETED,
-    INTERPRETER_TILING,
-    TRITON_VERSION,
-    TileConfig,
-    Tiling,
-    launch_options,
-    operand_class,
-    target_family,
-    tf32_operands,
-)
+from .configs import INTERPRETER_TILING, TRITON_VERSION, TileConfig, Tiling, operand_class
+from .env import INTERPRETED
+from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
+from .target import target_family
 from .tiles import MIN_DOT, dot_operand, load_tile, score_tile, tile_dot
 
 # The tilings used when the backend pins none, per operand class (configs.operand_class), the same on

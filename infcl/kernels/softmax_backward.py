@@ -41,25 +41,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import (
-    ARCH_FAMILIES,
+from .autotune import autotune_bucket, lazy_autotune, neighbours
+from .configs import TENSOR_CORE_CLASSES, TRITON_VERSION, TileConfig, Tiling
+from .kernel_args import (
     COMPILE_OPTIONS,
     NO_MASKS,
-    TENSOR_CORE_CLASSES,
-    TRITON_VERSION,
     MaskInputs,
-    TileConfig,
-    Tiling,
-    autotune_bucket,
     branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
-    lazy_autotune,
-    neighbours,
-    plan_backward_splits,
     tf32_operands,
 )
+from .split_plan import plan_backward_splits
+from .target import ARCH_FAMILIES
 from .tiles import (
     MEAN_POSITIVES,
     ONE_POSITIVE,

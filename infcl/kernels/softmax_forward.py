@@ -40,24 +40,20 @@ import triton.language as tl
 
 from ..lse import MAX, REL, lse_merge
 from ..masks import MASKED_ROWS, POS_MAX, POS_REL, merge_masked
-from .configs import (
-    ARCH_FAMILIES,
+from .autotune import autotune_bucket, lazy_autotune, neighbours
+from .configs import TENSOR_CORE_CLASSES, TileConfig, Tiling
+from .kernel_args import (
     COMPILE_OPTIONS,
     NO_MASKS,
-    TENSOR_CORE_CLASSES,
     MaskInputs,
-    TileConfig,
-    Tiling,
-    autotune_bucket,
     branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
-    lazy_autotune,
-    neighbours,
-    plan_forward,
     tf32_operands,
 )
+from .split_plan import plan_forward
+from .target import ARCH_FAMILIES
 from .tiles import (
     ONE_POSITIVE,
     block_masks,

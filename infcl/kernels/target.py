@@ -5,7 +5,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .configs import INTERPRETED
+from .env import INTERPRETED
 
 # The architecture families with their own default configs, each named by its first member, and the
 # compute capabilities they cover. Every family's configs are compiled by tests/test_triton_api_compile.py;

@@ -42,7 +42,7 @@ clamped to the last one and masked out of every result, and features past D read
 import triton
 import triton.language as tl
 
-from .configs import INTERPRETED
+from .env import INTERPRETED
 
 # tl.dot needs every side of both operands to be at least 16 (the MMA instruction shapes).
 MIN_DOT = tl.constexpr(16)

@@ -289,8 +289,9 @@ def variants() -> List[Variant]:
     import torch
 
     from infcl.kernels import softmax_backward, softmax_forward
-    from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, arch_key, operand_class
+    from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, operand_class
     from infcl.kernels.ops import arch_tiling
+    from infcl.kernels.target import arch_key
 
     out = []
 
