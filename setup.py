@@ -20,8 +20,7 @@ setup(
     name="infcl",
     version="0.1.0",
     description=(
-        "Exact contrastive (InfoNCE / CLIP) losses with memory linear in the batch: "
-        "tiled kernels and a ring over ranks"
+        "Exact contrastive (InfoNCE / CLIP) losses with memory linear in the batch: tiled kernels and a ring over ranks"
     ),
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

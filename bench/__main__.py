@@ -59,9 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--preset", choices=sorted(PRESETS) + [GPU_FIRST], default="default",
-                   help=f"embedded sweep(s) to run; {GPU_FIRST}: the bounded first GPU run (python -m bench.gpu_first "
-                   "--help for its options)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS) + [GPU_FIRST],
+        default="default",
+        help=f"embedded sweep(s) to run; {GPU_FIRST}: the bounded first GPU run (python -m bench.gpu_first "
+        "--help for its options)",
+    )
     p.add_argument(
         "--loss",
         choices=LOSSES,
@@ -83,11 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     direction.add_argument("--one-direction", dest="symmetric", action="store_false", help="the q->k loss only")
     p.add_argument(
-        "--ids", action="store_true",
+        "--ids",
+        action="store_true",
         help="also each listed mask-capable backend with false-negative ids (torch+ids, cpu+ids)",
     )
     p.add_argument(
-        "--guide", action="store_true",
+        "--guide",
+        action="store_true",
         help="also each listed mask-capable backend with a guide of width D (torch+guide, cpu+guide)",
     )
     p.add_argument("--memory-only", action="store_true", default=None, help="peak memory only, one run each")
@@ -166,8 +172,10 @@ def route_rates(args, sweeps) -> Dict[Tuple[str, int], Dict[str, float]]:
                 rates[sw.dtype, dim] = probed
                 if len(probed) > 1:
                     shown = ", ".join(f"{route} {rate:.3g} GFLOP/s" for route, rate in probed.items())
-                    print(f"bench: {sw.dtype} D={dim} matmul routes: {shown} -> the bound takes {best_route(probed)}",
-                          file=sys.stderr)
+                    print(
+                        f"bench: {sw.dtype} D={dim} matmul routes: {shown} -> the bound takes {best_route(probed)}",
+                        file=sys.stderr,
+                    )
     return rates
 
 
@@ -181,8 +189,10 @@ def _too_slow(job: Job, rates: Dict[str, float], budget_s: float):
     total = run_s * (job.warmup + job.repeats + 1)  # + the memory run
     if total <= budget_s:
         return None
-    return (f"estimated >= {total:.3g} s ({job.warmup + job.repeats + 1} runs at {rates[route]:.3g} GFLOP/s, "
-            f"{route} matmul) > --time-budget {budget_s:g} s")
+    return (
+        f"estimated >= {total:.3g} s ({job.warmup + job.repeats + 1} runs at {rates[route]:.3g} GFLOP/s, "
+        f"{route} matmul) > --time-budget {budget_s:g} s"
+    )
 
 
 def plan(args, sweeps, rates=None) -> Tuple[List[Job], List[Dict]]:

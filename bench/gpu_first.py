@@ -74,16 +74,48 @@ MIB = 2**20
 FILES = {
     "steps.csv": ("step", "status", "rc", "wall_s", "timeout_s", "note"),
     "env.csv": ("key", "value"),
-    "speed.csv": ("method", "batch", "dim", "dtype", "status", "time_ms", "time_min_ms", "repeats", "peak_mib",
-                  "gemm_tflops", "bound_ms", "x_bound", "first_call_s", "sm_clock_mhz", "note"),
+    "speed.csv": (
+        "method",
+        "batch",
+        "dim",
+        "dtype",
+        "status",
+        "time_ms",
+        "time_min_ms",
+        "repeats",
+        "peak_mib",
+        "gemm_tflops",
+        "bound_ms",
+        "x_bound",
+        "first_call_s",
+        "sm_clock_mhz",
+        "note",
+    ),
     "kernels.csv": ("target", "dtype", "D", "batch", "kernel", "method", "calls_per_step", "measured_ms", "source"),
-    "correctness.csv": ("case", "batch", "dtype", "symmetric", "status", "loss_err", "dq_err", "dk_err",
-                        "dscale_err", "dbias_err", "vanilla_err", "tolerance", "within_tol", "within_vanilla",
-                        "bit_identical", "first_call_s", "note"),
+    "correctness.csv": (
+        "case",
+        "batch",
+        "dtype",
+        "symmetric",
+        "status",
+        "loss_err",
+        "dq_err",
+        "dk_err",
+        "dscale_err",
+        "dbias_err",
+        "vanilla_err",
+        "tolerance",
+        "within_tol",
+        "within_vanilla",
+        "bit_identical",
+        "first_call_s",
+        "note",
+    ),
 }
 
 
 # ---- the plan and the stage runner ---------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Step:
@@ -107,9 +139,13 @@ def plan(out: Path, repeats: int = REPEATS, steps: Optional[Sequence[str]] = Non
         (Step("env", _own("env", out), STEP_TIMEOUTS["env"]),),
         (Step("speed", _own("speed", out, "--repeats", str(repeats)), STEP_TIMEOUTS["speed"]),),
         (Step("kernels", _own("kernels", out), STEP_TIMEOUTS["kernels"]),),
-        (*(Step(f"correctness-{part}", _own("correctness", out, "--part", part), STEP_TIMEOUTS["correctness"])
-           for part in CORRECTNESS_PARTS),
-         Step("static", _own("static", out), STEP_TIMEOUTS["static"])),
+        (
+            *(
+                Step(f"correctness-{part}", _own("correctness", out, "--part", part), STEP_TIMEOUTS["correctness"])
+                for part in CORRECTNESS_PARTS
+            ),
+            Step("static", _own("static", out), STEP_TIMEOUTS["static"]),
+        ),
     ]
     if steps is not None:
         keep = set(steps)
@@ -163,8 +199,15 @@ def _run_stages(stages, out: Path, end: float, after_stage, logs: Path) -> None:
         left = end - time.monotonic()
         if left < 5:
             for step in stage:
-                append_row(out / "steps.csv", {"step": step.name, "status": "skipped", "timeout_s": 0,
-                                               "note": "the run's budget (--budget-s) is spent"})
+                append_row(
+                    out / "steps.csv",
+                    {
+                        "step": step.name,
+                        "status": "skipped",
+                        "timeout_s": 0,
+                        "note": "the run's budget (--budget-s) is spent",
+                    },
+                )
             continue
         running = []
         for step in stage:
@@ -182,10 +225,22 @@ def _run_stages(stages, out: Path, end: float, after_stage, logs: Path) -> None:
             log.close()
             with open(out / "logs.txt", "a") as f:
                 f.write(f"==== {step.name}: {status} ====\n{(logs / f'{step.name}.log').read_text(errors='replace')}\n")
-            append_row(out / "steps.csv", {"step": step.name, "status": status, "rc": rc, "timeout_s": timeout,
-                                           "wall_s": time.monotonic() - start, "note": note})
-            print(f"gpu-first: {step.name}: {status} ({time.monotonic() - start:.0f} s) {note}", file=sys.stderr,
-                  flush=True)
+            append_row(
+                out / "steps.csv",
+                {
+                    "step": step.name,
+                    "status": status,
+                    "rc": rc,
+                    "timeout_s": timeout,
+                    "wall_s": time.monotonic() - start,
+                    "note": note,
+                },
+            )
+            print(
+                f"gpu-first: {step.name}: {status} ({time.monotonic() - start:.0f} s) {note}",
+                file=sys.stderr,
+                flush=True,
+            )
         if after_stage is not None:
             after_stage()
 
@@ -197,6 +252,7 @@ def _last_line(path: Path) -> str:
 
 # ---- the steps (each in its own process) -------------------------------------------------------------
 
+
 def step_env(out: Path) -> None:
     import importlib.metadata
 
@@ -204,8 +260,11 @@ def step_env(out: Path) -> None:
 
     props = torch.cuda.get_device_properties(0)
     rows = {
-        "device": props.name, "capability": f"{props.major}{props.minor}", "sms": props.multi_processor_count,
-        "memory_gib": f"{props.total_memory / 2**30:.1f}", "torch": torch.__version__,
+        "device": props.name,
+        "capability": f"{props.major}{props.minor}",
+        "sms": props.multi_processor_count,
+        "memory_gib": f"{props.total_memory / 2**30:.1f}",
+        "torch": torch.__version__,
         "cuda": torch.version.cuda,
     }
     for package in ("triton", "inf_cl"):
@@ -230,8 +289,12 @@ def _run(cmd: List[str]) -> str:
 def _clock_probe():
     """nvidia-smi sampling the SM clock while the GPU runs (started before a timed loop, read after)."""
     try:
-        return subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
     except OSError:
         return None
 
@@ -297,9 +360,14 @@ def time_step(step, repeats: int) -> Dict:
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop))
-    return {"first_call_s": first, "time_ms": statistics.median(times), "time_min_ms": min(times),
-            "repeats": repeats, "peak_mib": (torch.cuda.max_memory_allocated() - base) / MIB,
-            "sm_clock_mhz": _clock_read(probe)}
+    return {
+        "first_call_s": first,
+        "time_ms": statistics.median(times),
+        "time_min_ms": min(times),
+        "repeats": repeats,
+        "peak_mib": (torch.cuda.max_memory_allocated() - base) / MIB,
+        "sm_clock_mhz": _clock_read(probe),
+    }
 
 
 def step_speed(out: Path, batches=SPEED_BATCHES, repeats: int = REPEATS) -> None:
@@ -309,14 +377,29 @@ def step_speed(out: Path, batches=SPEED_BATCHES, repeats: int = REPEATS) -> None
 
     device = torch.device("cuda")
     rate = gemm_tflops()
-    append_row(out / "speed.csv", {"method": "torch.mm bf16 (q @ k.T)", "batch": GEMM_BATCH, "dim": DIM,
-                                   "dtype": "bfloat16", "status": "ok", "gemm_tflops": rate})
+    append_row(
+        out / "speed.csv",
+        {
+            "method": "torch.mm bf16 (q @ k.T)",
+            "batch": GEMM_BATCH,
+            "dim": DIM,
+            "dtype": "bfloat16",
+            "status": "ok",
+            "gemm_tflops": rate,
+        },
+    )
     memory = torch.cuda.get_device_properties(0).total_memory
     for batch in batches:
         bound_ms = 1e3 * 5 * 2.0 * batch * batch * DIM / (rate * 1e12)
         for name in SPEED_METHODS:
-            row = {"method": name, "batch": batch, "dim": DIM, "dtype": "bfloat16", "gemm_tflops": rate,
-                   "bound_ms": bound_ms}
+            row = {
+                "method": name,
+                "batch": batch,
+                "dim": DIM,
+                "dtype": "bfloat16",
+                "gemm_tflops": rate,
+                "bound_ms": bound_ms,
+            }
             reason = METHODS[name].unavailable_for("clip", device, DIM)
             if name == "vanilla" and 5 * batch * batch * 2 > VANILLA_MEMORY_SHARE * memory:
                 reason = f"its ~5 [B, B] bf16 buffers exceed {VANILLA_MEMORY_SHARE:g} of the device's memory"
@@ -373,19 +456,33 @@ def step_kernels(out: Path, batches=KERNEL_BATCHES) -> None:
     for name, method, kernels, batch in runs:
         q, k, scale = make_inputs(batch, DIM, torch.bfloat16, device)
         times = profile_kernels(_fwd_bwd(METHODS[name].loss, q, k, scale), PROFILED_STEPS)
-        common = {"target": target, "dtype": "bf16", "D": DIM, "batch": batch, "method": method,
-                  "source": f"torch.profiler, {PROFILED_STEPS} steps"}
+        common = {
+            "target": target,
+            "dtype": "bf16",
+            "D": DIM,
+            "batch": batch,
+            "method": method,
+            "source": f"torch.profiler, {PROFILED_STEPS} steps",
+        }
         for kernel in kernels:
             calls, ms = times.get(kernel, (None, None))
             append_row(out / "kernels.csv", {**common, "kernel": kernel, "calls_per_step": calls, "measured_ms": ms})
         found = [times[kernel] for kernel in kernels if kernel in times]
-        append_row(out / "kernels.csv", {**common, "kernel": f"{method} total", "calls_per_step": 1,
-                                         "measured_ms": sum(calls * ms for calls, ms in found)})
+        append_row(
+            out / "kernels.csv",
+            {
+                **common,
+                "kernel": f"{method} total",
+                "calls_per_step": 1,
+                "measured_ms": sum(calls * ms for calls, ms in found),
+            },
+        )
         q = k = scale = None
         torch.cuda.empty_cache()
 
 
 # ---- correctness ----------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Case:
@@ -399,8 +496,11 @@ def correctness_cases(part: str, batches=CHECK_BATCHES) -> List[Case]:
     """The cases of one correctness process: an operand type's plain cases, or the options (bf16)."""
     if part in REL_TOL:
         return [Case("plain", b, part, sym) for b in batches for sym in (True, False)]
-    return [Case("labels", batches[0], "bfloat16", False), Case("ids+guide", batches[0], "bfloat16"),
-            *(Case("siglip", b, "bfloat16") for b in batches)]
+    return [
+        Case("labels", batches[0], "bfloat16", False),
+        Case("ids+guide", batches[0], "bfloat16"),
+        *(Case("siglip", b, "bfloat16") for b in batches),
+    ]
 
 
 def _case_inputs(case: Case, seed: int = 0):
@@ -424,6 +524,7 @@ def _losses(case: Case, q):
 
     batch = case.batch
     if case.name == "siglip":
+
         def siglip(backend):
             return lambda q_, k_, s, b: cal_siglip_loss(q_, k_, s, b, backend=backend)
 
@@ -438,13 +539,15 @@ def _losses(case: Case, q):
     if case.name == "ids+guide":
         gen = torch.Generator(device=q.device).manual_seed(2)
         ids = torch.arange(batch, device=q.device) // IDS_PER_CLASS
-        guide = tuple(F.normalize(torch.randn(batch, GUIDE_DIM, device=q.device, generator=gen), dim=1).to(q.dtype)
-                      for _ in "qk")
+        guide = tuple(
+            F.normalize(torch.randn(batch, GUIDE_DIM, device=q.device, generator=gen), dim=1).to(q.dtype) for _ in "qk"
+        )
         options = {"q_ids": ids, "k_ids": ids, "guide": guide, "guide_margin": GUIDE_MARGIN}
 
     def infcl(backend):
-        return lambda q_, k_, s, b: cal_inf_loss(q_, k_, labels, s, symmetric=case.symmetric, backend=backend,
-                                                 **options)
+        return lambda q_, k_, s, b: cal_inf_loss(
+            q_, k_, labels, s, symmetric=case.symmetric, backend=backend, **options
+        )
 
     def vanilla(q_, k_, s, b):
         logits = s * q_ @ k_.T
@@ -490,9 +593,13 @@ def check_case(case: Case) -> Dict:
     truth = _grads(truth_fn, q.double(), k.double(), scale.double(), bias.double())
     used = GRADS if case.name == "siglip" else GRADS[:4]
     errors = {name: _rel(a, e) for name, a, e in zip(GRADS, ours, truth) if name in used}
-    row = {**{f"{name}_err": value for name, value in errors.items()}, "first_call_s": first,
-           "bit_identical": all(torch.equal(a, b) for a, b in zip(ours, again)),
-           "tolerance": REL_TOL[case.dtype], "within_tol": max(errors.values()) <= REL_TOL[case.dtype]}
+    row = {
+        **{f"{name}_err": value for name, value in errors.items()},
+        "first_call_s": first,
+        "bit_identical": all(torch.equal(a, b) for a, b in zip(ours, again)),
+        "tolerance": REL_TOL[case.dtype],
+        "within_tol": max(errors.values()) <= REL_TOL[case.dtype],
+    }
     if vanilla_fn is not None:
         theirs = _grads(vanilla_fn, q, k, scale, bias)
         vanilla = {name: _rel(a, e) for name, a, e in zip(GRADS, theirs, truth) if name in used}
@@ -505,10 +612,15 @@ def step_correctness(out: Path, part: str, batches=CHECK_BATCHES) -> None:
     import torch
 
     if part == "options":
-        append_row(out / "correctness.csv", {
-            "case": "S bits forward vs dq vs dk", "status": "skipped",
-            "note": "no hook exposes S from the kernels; bench.static checks that the three compile S from one "
-                    "MMA layout (tests/test_static_report.py)"})
+        append_row(
+            out / "correctness.csv",
+            {
+                "case": "S bits forward vs dq vs dk",
+                "status": "skipped",
+                "note": "no hook exposes S from the kernels; bench.static checks that the three compile S from one "
+                "MMA layout (tests/test_static_report.py)",
+            },
+        )
     for case in correctness_cases(part, batches):
         row = {"case": case.name, "batch": case.batch, "dtype": case.dtype, "symmetric": case.symmetric}
         try:
@@ -525,8 +637,22 @@ def static_command(out: Path, report: Path) -> Tuple[str, ...]:
     with the device's SM count, the GEMM rate and the SM clock under load the speed step measured, compared
     with kernels.csv."""
     env = dict(_read(out / "env.csv", ("key", "value")))
-    cmd = [sys.executable, "-m", "bench.static", "--targets", env.get("capability", "90"), "--losses", "clip",
-           "--no-plot", "--out", str(report), "--name", "static", "--measured", str(out / "kernels.csv")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.static",
+        "--targets",
+        env.get("capability", "90"),
+        "--losses",
+        "clip",
+        "--no-plot",
+        "--out",
+        str(report),
+        "--name",
+        "static",
+        "--measured",
+        str(out / "kernels.csv"),
+    ]
     if env.get("sms"):
         cmd += ["--sms", env["sms"]]
     speed = _read(out / "speed.csv")
@@ -551,6 +677,7 @@ def step_static(out: Path) -> int:
 
 
 # ---- the summary -------------------------------------------------------------------------------------------
+
 
 def _read(path: Path, columns=None) -> List:
     if not path.exists():
@@ -585,8 +712,11 @@ def model_for_summary(out: Path) -> Tuple[List[Dict], str]:
         return [], "no static model"
     env = dict(_read(out / "env.csv", ("key", "value")))
     device = static.DEVICES[90]
-    rates = [float(r["gemm_tflops"]) for r in _read(out / "speed.csv")
-             if r["method"].startswith("torch.mm") and r["gemm_tflops"]]
+    rates = [
+        float(r["gemm_tflops"])
+        for r in _read(out / "speed.csv")
+        if r["method"].startswith("torch.mm") and r["gemm_tflops"]
+    ]
     if env.get("sms"):
         device = static.replace(device, sms=int(env["sms"]))
     if rates:
@@ -603,8 +733,9 @@ def model_for_summary(out: Path) -> Tuple[List[Dict], str]:
 def write_summary(out: Path) -> Path:
     """summary.md: the run's tables, from whatever CSVs exist so far."""
     env = dict(_read(out / "env.csv", ("key", "value")))
-    head = ", ".join(f"{k} {env[k]}" for k in ("device", "sms", "torch", "cuda", "triton", "inf_cl", "infcl_commit")
-                     if k in env)
+    head = ", ".join(
+        f"{k} {env[k]}" for k in ("device", "sms", "torch", "cuda", "triton", "inf_cl", "infcl_commit") if k in env
+    )
     parts = [f"# gpu-first: {head or 'no env yet'}", ""]
     if env.get("driver, max SM clock, power limit"):
         parts += [f"driver, max SM clock, power limit: {env['driver, max SM clock, power limit']}", ""]
@@ -619,13 +750,28 @@ def write_summary(out: Path) -> Path:
             if r["method"].startswith("torch.mm"):
                 continue
             x_vanilla = float(r["time_ms"]) / vanilla[r["batch"]] if r["time_ms"] and r["batch"] in vanilla else None
-            rows.append([r["batch"], r["method"], _num(r["time_ms"], "{:.1f}") if r["status"] == "ok" else r["status"],
-                         _num(x_vanilla, "{:.2f}"), _num(r["x_bound"], "{:.2f}"), _num(r["peak_mib"], "{:.0f}"),
-                         _num(r["first_call_s"], "{:.1f}"), _num(r["sm_clock_mhz"], "{:.0f}"), r["note"][:80]])
+            rows.append(
+                [
+                    r["batch"],
+                    r["method"],
+                    _num(r["time_ms"], "{:.1f}") if r["status"] == "ok" else r["status"],
+                    _num(x_vanilla, "{:.2f}"),
+                    _num(r["x_bound"], "{:.2f}"),
+                    _num(r["peak_mib"], "{:.0f}"),
+                    _num(r["first_call_s"], "{:.1f}"),
+                    _num(r["sm_clock_mhz"], "{:.0f}"),
+                    r["note"][:80],
+                ]
+            )
         rate = f"{float(gemm[0]['gemm_tflops']):.0f} TFLOP/s" if gemm and gemm[0]["gemm_tflops"] else "?"
-        parts += [f"## Speed: bf16, D = {DIM}, symmetric, forward + backward (CUDA events, median); bf16 GEMM {rate}",
-                  "", _table(["B", "method", "ms", "x vanilla", "x 5-GEMM bound", "peak MiB", "first call s",
-                              "SM MHz", "note"], rows), ""]
+        parts += [
+            f"## Speed: bf16, D = {DIM}, symmetric, forward + backward (CUDA events, median); bf16 GEMM {rate}",
+            "",
+            _table(
+                ["B", "method", "ms", "x vanilla", "x 5-GEMM bound", "peak MiB", "first call s", "SM MHz", "note"], rows
+            ),
+            "",
+        ]
     kernels = _read(out / "kernels.csv")
     if kernels:
         models, source = model_for_summary(out)
@@ -637,36 +783,97 @@ def write_summary(out: Path) -> Path:
             error = "-"
             if serial and r["measured_ms"]:
                 error = f"{100 * (float(serial) / float(r['measured_ms']) - 1):+.0f}%"
-            rows.append([r["batch"], r["kernel"], _num(r["calls_per_step"], "{:.0f}"), _num(r["measured_ms"], "{:.2f}"),
-                         _num(serial, "{:.2f}"), _num(bound, "{:.2f}"), m.get("limiter", "-"), error])
-        parts += ["## Per kernel (torch.profiler, ms per call) beside the static model", "", f"model: {source}", "",
-                  _table(["B", "kernel", "calls/step", "measured", "model (serial)", "model (max)", "limiter",
-                          "error"], rows), ""]
+            rows.append(
+                [
+                    r["batch"],
+                    r["kernel"],
+                    _num(r["calls_per_step"], "{:.0f}"),
+                    _num(r["measured_ms"], "{:.2f}"),
+                    _num(serial, "{:.2f}"),
+                    _num(bound, "{:.2f}"),
+                    m.get("limiter", "-"),
+                    error,
+                ]
+            )
+        parts += [
+            "## Per kernel (torch.profiler, ms per call) beside the static model",
+            "",
+            f"model: {source}",
+            "",
+            _table(
+                ["B", "kernel", "calls/step", "measured", "model (serial)", "model (max)", "limiter", "error"], rows
+            ),
+            "",
+        ]
     checks = _read(out / "correctness.csv")
     if checks:
-        rows = [[r["case"], r["batch"], r["dtype"], {"True": "sym", "False": "one"}.get(r["symmetric"], "-"),
-                 r["status"] if r["status"] != "ok" else "",
-                 *[_num(r[f"{n}_err"], "{:.1e}") for n in GRADS], _num(r["vanilla_err"], "{:.1e}"),
-                 r["within_tol"], r["within_vanilla"], r["bit_identical"], _num(r["first_call_s"], "{:.1f}"),
-                 r["note"][:80]] for r in checks]
-        parts += ["## Correctness: relative 2-norm error against float64 (infcl's torch tiles in float64)", "",
-                  f"within tol: max error <= {REL_TOL}; within vanilla: each <= 2 x torch's own + 2^-9", "",
-                  _table(["case", "B", "dtype", "dir", "status", *GRADS, "vanilla worst", "within tol",
-                          "within vanilla", "rerun identical", "first call s", "note"], rows), ""]
-    firsts = [[f"{r['method']} bf16 symmetric fwd+bwd, B={r['batch']}", _num(r["first_call_s"], "{:.2f}"),
-               _num(float(r["time_ms"]) / 1e3, "{:.3f}"), _num(float(r["first_call_s"]) - float(r["time_ms"]) / 1e3,
-                                                              "{:.2f}")]
-              for r in speed if r["status"] == "ok" and r["first_call_s"] and r["batch"] == str(SPEED_BATCHES[0])]
+        rows = [
+            [
+                r["case"],
+                r["batch"],
+                r["dtype"],
+                {"True": "sym", "False": "one"}.get(r["symmetric"], "-"),
+                r["status"] if r["status"] != "ok" else "",
+                *[_num(r[f"{n}_err"], "{:.1e}") for n in GRADS],
+                _num(r["vanilla_err"], "{:.1e}"),
+                r["within_tol"],
+                r["within_vanilla"],
+                r["bit_identical"],
+                _num(r["first_call_s"], "{:.1f}"),
+                r["note"][:80],
+            ]
+            for r in checks
+        ]
+        parts += [
+            "## Correctness: relative 2-norm error against float64 (infcl's torch tiles in float64)",
+            "",
+            f"within tol: max error <= {REL_TOL}; within vanilla: each <= 2 x torch's own + 2^-9",
+            "",
+            _table(
+                [
+                    "case",
+                    "B",
+                    "dtype",
+                    "dir",
+                    "status",
+                    *GRADS,
+                    "vanilla worst",
+                    "within tol",
+                    "within vanilla",
+                    "rerun identical",
+                    "first call s",
+                    "note",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    firsts = [
+        [
+            f"{r['method']} bf16 symmetric fwd+bwd, B={r['batch']}",
+            _num(r["first_call_s"], "{:.2f}"),
+            _num(float(r["time_ms"]) / 1e3, "{:.3f}"),
+            _num(float(r["first_call_s"]) - float(r["time_ms"]) / 1e3, "{:.2f}"),
+        ]
+        for r in speed
+        if r["status"] == "ok" and r["first_call_s"] and r["batch"] == str(SPEED_BATCHES[0])
+    ]
     if firsts:
-        parts += ["## First call (Triton's compile, or Inf-CL's and its process group's start) less a warm call", "",
-                  _table(["what", "first call s", "warm s", "difference s"], firsts),
-                  "", "The correctness table's first calls include the compile of each case's kernels.", ""]
+        parts += [
+            "## First call (Triton's compile, or Inf-CL's and its process group's start) less a warm call",
+            "",
+            _table(["what", "first call s", "warm s", "difference s"], firsts),
+            "",
+            "The correctness table's first calls include the compile of each case's kernels.",
+            "",
+        ]
     path = out / "summary.md"
     path.write_text("\n".join(parts))
     return path
 
 
 # ---- the command line --------------------------------------------------------------------------------------
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_first", description=__doc__.split("\n\n")[0])
@@ -685,9 +892,13 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.step:
-        step = {"env": lambda: step_env(out), "speed": lambda: step_speed(out, repeats=args.repeats),
-                "kernels": lambda: step_kernels(out), "correctness": lambda: step_correctness(out, args.part),
-                "static": lambda: step_static(out)}[args.step]
+        step = {
+            "env": lambda: step_env(out),
+            "speed": lambda: step_speed(out, repeats=args.repeats),
+            "kernels": lambda: step_kernels(out),
+            "correctness": lambda: step_correctness(out, args.part),
+            "static": lambda: step_static(out),
+        }[args.step]
         return step() or 0
     stages = plan(out, args.repeats, args.steps.replace(",", " ").split() if args.steps else None)
     for i, stage in enumerate(stages, 1):

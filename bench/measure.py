@@ -89,8 +89,13 @@ def time_step(step: Step, device: torch.device, warmup: int, repeats: int) -> Li
     return time_interleaved({"step": step}, device, warmup, repeats)["step"]
 
 
-def time_interleaved(steps: Dict[str, Step], device: torch.device, warmup: int, repeats: int,
-                     progress: Optional[Callable[[str], None]] = None) -> Dict[str, List[float]]:
+def time_interleaved(
+    steps: Dict[str, Step],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Dict[str, List[float]]:
     """``time_step`` for several steps, their runs taken in turn (a, b, a, b, ...): each name's timed runs.
     ``progress``, when given, gets one line per round once the rounds so far have taken PROGRESS_AFTER_S."""
     times = {name: [] for name in steps}

@@ -186,7 +186,10 @@ class Method:
 
 def _infcl_method(backend: str) -> Method:
     return Method(
-        backend, _infcl_loss(backend), lambda device, dim: unavailable_reason(backend, device), tiled=True,
+        backend,
+        _infcl_loss(backend),
+        lambda device, dim: unavailable_reason(backend, device),
+        tiled=True,
         siglip=_infcl_siglip(backend),
     )
 
@@ -220,8 +223,9 @@ _GEMMS = {
 }
 
 
-def gemm_equivalents(name: str, loss: str, mode: str, device: torch.device, dtype: torch.dtype, dim: int,
-                     symmetric: bool) -> Optional[int]:
+def gemm_equivalents(
+    name: str, loss: str, mode: str, device: torch.device, dtype: torch.dtype, dim: int, symmetric: bool
+) -> Optional[int]:
     """The products ``name`` spends on the contrastive loss in ``mode`` (None for the sigmoid loss)."""
     if loss != "clip":
         return None
@@ -239,8 +243,12 @@ METHODS = {
         _infcl_method("triton"),
         Method("inf-cl", inf_cl_loss, _inf_cl_unavailable, tiled=True),
         *(
-            Method(f"{backend}+{option}", _masked_loss(backend, option),
-                   lambda device, dim, backend=backend: unavailable_reason(backend, device), tiled=True)
+            Method(
+                f"{backend}+{option}",
+                _masked_loss(backend, option),
+                lambda device, dim, backend=backend: unavailable_reason(backend, device),
+                tiled=True,
+            )
             for backend in MASKED_BACKENDS
             for option in ("ids", "guide")
         ),

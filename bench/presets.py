@@ -42,12 +42,30 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
         Sweep(batch_sizes=(65536,), dims=(256,), modes=("forward+backward",), memory_only=True),
     ),
     "gpu": (
-        Sweep(batch_sizes=GPU_BATCHES, dims=(512,), dtype="bfloat16", modes=("forward+backward",),
-              methods=GPU_METHODS, accuracy=True),
-        Sweep(batch_sizes=GPU_BATCHES[:3], dims=(1024,), dtype="bfloat16", modes=("forward+backward",),
-              methods=GPU_METHODS, accuracy=True),
-        Sweep(batch_sizes=GPU_BATCHES[:3], dims=(512,), dtype="float32", modes=("forward+backward",),
-              methods=GPU_METHODS, accuracy=True),
+        Sweep(
+            batch_sizes=GPU_BATCHES,
+            dims=(512,),
+            dtype="bfloat16",
+            modes=("forward+backward",),
+            methods=GPU_METHODS,
+            accuracy=True,
+        ),
+        Sweep(
+            batch_sizes=GPU_BATCHES[:3],
+            dims=(1024,),
+            dtype="bfloat16",
+            modes=("forward+backward",),
+            methods=GPU_METHODS,
+            accuracy=True,
+        ),
+        Sweep(
+            batch_sizes=GPU_BATCHES[:3],
+            dims=(512,),
+            dtype="float32",
+            modes=("forward+backward",),
+            methods=GPU_METHODS,
+            accuracy=True,
+        ),
     ),
 }
 

@@ -43,8 +43,15 @@ COLUMNS = (
 # Columns the CSV keeps and the printed table leaves out: where it ran, spreads, and the raw rates behind
 # the ratios it shows.
 CSV_ONLY = (
-    "device", "device_name", "time_min_s", "repeats", "gemm_bound_s", "gemm_gflops", "gemm_equivalents",
-    "loss_rel_error", "threads",
+    "device",
+    "device_name",
+    "time_min_s",
+    "repeats",
+    "gemm_bound_s",
+    "gemm_gflops",
+    "gemm_equivalents",
+    "loss_rel_error",
+    "threads",
 )
 # Shown in the table only when some row has them (the mask options' cost against the plain tiles).
 PLAIN_RATIOS = ("time_vs_plain", "memory_vs_plain")

@@ -79,8 +79,9 @@ def _backends(args) -> list:
 
 
 def ratio(args) -> list:
-    image, text, t_image, t_text = (t.to(args.device) for t in (*_features(args.n, args.dim),
-                                                                *_features(args.n, args.dim, seed=1)))
+    image, text, t_image, t_text = (
+        t.to(args.device) for t in (*_features(args.n, args.dim), *_features(args.n, args.dim, seed=1))
+    )
     gemm = _best_of(lambda: gemm_equivalent(image, text), args.repeats)
     rows = [("gemm-equivalent (torch tiles' products)", gemm, 1.0, 1.0)]
     for backend in _backends(args):

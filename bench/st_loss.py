@@ -92,13 +92,16 @@ def loss_steps(option: str, batch: int, dim: int, backend: str):
     kwargs = OPTIONS[option]
     if kwargs is None:
         return None, _gist_step(base, embeddings(batch, dim // 2, seed=1), backend)
-    losses = (st_losses.MultipleNegativesRankingLoss(model, **kwargs),
-              inf_losses.MultipleNegativesRankingLoss(model, **kwargs, backend=backend))
+    losses = (
+        st_losses.MultipleNegativesRankingLoss(model, **kwargs),
+        inf_losses.MultipleNegativesRankingLoss(model, **kwargs, backend=backend),
+    )
 
     def step(loss):
         def run():
             leaves = [e.clone().requires_grad_() for e in base]
             loss.compute_loss_from_embeddings(leaves, None).backward()
+
         return run
 
     return step(losses[0]), step(losses[1])
@@ -109,8 +112,18 @@ def _gist_step(base, guide, backend: str):
 
     def ours():
         leaves = [e.clone().requires_grad_() for e in base]
-        gist_loss(leaves[0], leaves[1:], guide[0], guide[1:], temperature=0.01, margin_strategy="absolute",
-                  margin=0.1, contrast_anchors=True, contrast_positives=True, backend=backend).backward()
+        gist_loss(
+            leaves[0],
+            leaves[1:],
+            guide[0],
+            guide[1:],
+            temperature=0.01,
+            margin_strategy="absolute",
+            margin=0.1,
+            contrast_anchors=True,
+            contrast_positives=True,
+            backend=backend,
+        ).backward()
 
     return ours
 
@@ -128,11 +141,19 @@ def run_option(option: str, batch: int, dim: int, repeats: int, backends: Sequen
             best[name] = (min(best[name][0], seconds), max(best[name][1], peak))
     rows = []
     for backend in backends:
-        row = {"option": option, "batch": batch, "backend": backend, "ours_s": best[backend][0],
-               "ours_mib": best[backend][1] / MIB}
+        row = {
+            "option": option,
+            "batch": batch,
+            "backend": backend,
+            "ours_s": best[backend][0],
+            "ours_mib": best[backend][1] / MIB,
+        }
         if steps["theirs"] is not None:
-            row.update(theirs_s=best["theirs"][0], theirs_mib=best["theirs"][1] / MIB,
-                       ratio=best[backend][0] / best["theirs"][0])
+            row.update(
+                theirs_s=best["theirs"][0],
+                theirs_mib=best["theirs"][1] / MIB,
+                ratio=best[backend][0] / best["theirs"][0],
+            )
         rows.append(row)
     return rows
 
@@ -149,9 +170,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# sentence-transformers loss stage, D={args.dim}, triplets, fp32, infcl backends {args.backend}, "
-          f"best of {args.repeats} alternating; {cpu_name()}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()[0]:.1f} at the start")
+    print(
+        f"# sentence-transformers loss stage, D={args.dim}, triplets, fp32, infcl backends {args.backend}, "
+        f"best of {args.repeats} alternating; {cpu_name()}, {torch.get_num_threads()} threads, "
+        f"load average {os.getloadavg()[0]:.1f} at the start"
+    )
     print("| option | B | backend | theirs s | ours s | ours / theirs | theirs MiB | ours MiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
@@ -159,15 +182,22 @@ def main(argv=None) -> None:
         for option in args.options:
             for row in run_option(option, batch, args.dim, args.repeats, args.backend):
                 rows.append(row)
-                theirs = ("—", "—", "—") if "theirs_s" not in row else (
-                    f"{row['theirs_s']:.3f}", f"{row['ratio']:.2f}", f"{row['theirs_mib']:.0f}")
-                print(f"| {option} | {batch} | {row['backend']} | {theirs[0]} | {row['ours_s']:.3f} | {theirs[1]} | "
-                      f"{theirs[2]} | {row['ours_mib']:.0f} |", flush=True)
+                theirs = (
+                    ("—", "—", "—")
+                    if "theirs_s" not in row
+                    else (f"{row['theirs_s']:.3f}", f"{row['ratio']:.2f}", f"{row['theirs_mib']:.0f}")
+                )
+                print(
+                    f"| {option} | {batch} | {row['backend']} | {theirs[0]} | {row['ours_s']:.3f} | {theirs[1]} | "
+                    f"{theirs[2]} | {row['ours_mib']:.0f} |",
+                    flush=True,
+                )
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["option", "batch", "backend", "theirs_s", "ours_s", "ratio",
-                                                   "theirs_mib", "ours_mib"])
+            writer = csv.DictWriter(
+                f, fieldnames=["option", "batch", "backend", "theirs_s", "ours_s", "ratio", "theirs_mib", "ours_mib"]
+            )
             writer.writeheader()
             writer.writerows(rows)
 

@@ -117,6 +117,7 @@ def occupancy(regs: int, warps: int, smem: int, arch: int) -> Tuple[int, str]:
 
 # ---- reading the compiled code ----------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Dialect:
     """How to read one listing: its labels, branches, and the instructions counted."""
@@ -204,13 +205,19 @@ def tile_loop_counts(listing: str, dialect: Dialect, n_chunks: int, peeled: bool
     def weighted(pattern=None):
         return sum(w for i, w in weight.items() if pattern is None or pattern.search(instrs[i]))
 
-    return {"static": tile[1] - tile[0] + 1, "instr": weighted(), "mufu": weighted(dialect.mufu),
-            "ex2": weighted(dialect.ex2), "shfl": weighted(dialect.shfl)}
+    return {
+        "static": tile[1] - tile[0] + 1,
+        "instr": weighted(),
+        "mufu": weighted(dialect.mufu),
+        "ex2": weighted(dialect.ex2),
+        "shfl": weighted(dialect.shfl),
+    }
 
 
 def mma_kinds(ptx: str, sass: Optional[str]) -> Dict[str, str]:
     """{"mma_ptx": "wgmma.m64n64k16:12 ...", "mma_sass": "HGMMA.64x64x16:12 ...", "mma_sync": count in the PTX,
     "wgmma": count of wgmma/tcgen05 in the PTX}."""
+
     def tally(names):
         out: Dict[str, int] = {}
         for name in names:
@@ -346,6 +353,7 @@ def modelled_bytes_flops(kernel: str, c: Dict, dim: int, elt: int) -> Tuple[floa
 
 # ---- one target ------------------------------------------------------------------------------------
 
+
 def _config(kernel: str, c: Dict) -> str:
     out = f"{c['BLOCK_M']}x{c['BLOCK_N']} d{c['BLOCK_D']}"
     if c.get("ROW_TILES", 1) > 1:
@@ -364,8 +372,9 @@ def parse_tile(spec: str) -> Tuple[str, Tuple[int, ...]]:
     kernel, _, config = spec.partition("=")
     match = re.fullmatch(r"(\d+)x(\d+)((?::\d+){0,3})", config)
     if kernel not in TILE_KERNELS or not match:
-        raise ValueError(f"--tile must be KERNEL=MxN[:warps[:stages[:block_out]]] with KERNEL in {TILE_KERNELS}, "
-                         f"got {spec!r}")
+        raise ValueError(
+            f"--tile must be KERNEL=MxN[:warps[:stages[:block_out]]] with KERNEL in {TILE_KERNELS}, got {spec!r}"
+        )
     rest = [int(x) for x in match.group(3).split(":")[1:]]
     return kernel, (int(match.group(1)), int(match.group(2)), *rest)
 
@@ -439,9 +448,17 @@ def without_positives():
             module.holds_positive = fn
 
 
-def report_target(arch: int, dtype: str, precision: str, dim: int = DIM, batches=BATCHES,
-                  entries=ENTRIES, tiles: Optional[Dict[str, Tuple[int, ...]]] = None,
-                  no_positive: bool = False, sms: Optional[int] = None) -> List[Dict]:
+def report_target(
+    arch: int,
+    dtype: str,
+    precision: str,
+    dim: int = DIM,
+    batches=BATCHES,
+    entries=ENTRIES,
+    tiles: Optional[Dict[str, Tuple[int, ...]]] = None,
+    no_positive: bool = False,
+    sms: Optional[int] = None,
+) -> List[Dict]:
     """Compile both losses' calls for ``arch`` at each batch of ``batches`` (with ``tiles`` in place of the
     default configs, and with ``no_positive`` as :func:`without_positives`) on a stand-in GPU of ``sms`` SMs
     (default: the target's flagship); one row per kernel. Runs in a worker process
@@ -458,8 +475,9 @@ def _report_target(arch, dtype, precision, dim, batches, entries, sms) -> List[D
     elt = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     for batch in batches:
         for entry in entries:
-            call = triton_compile.Call(arch, entry, dtype, precision, dim, batch, batch,
-                                       symmetric=entry == "cal_inf_loss")
+            call = triton_compile.Call(
+                arch, entry, dtype, precision, dim, batch, batch, symmetric=entry == "cal_inf_loss"
+            )
             torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
             with triton_compile.compile_only(arch, sms=sms) as (compiled, start):
                 q, k, labels = triton_compile._inputs(call)
@@ -500,7 +518,9 @@ def _compiled_figures(arch, fn, kernel, log, n_chunks: int, entries: int, peeled
     per_entry = 32 * warps / entries
     ctas, limiter = occupancy(usage["regs"], warps, usage["smem"], arch)
     return {
-        "warps": warps, "stages": kernel.metadata.num_stages, **mma_kinds(ptx, sass),
+        "warps": warps,
+        "stages": kernel.metadata.num_stages,
+        **mma_kinds(ptx, sass),
         "listing": "sass" if sass else "ptx",
         "loop_static": loop["static"] if loop else None,
         "instr_per_tile": loop["instr"] if loop else None,
@@ -508,8 +528,12 @@ def _compiled_figures(arch, fn, kernel, log, n_chunks: int, entries: int, peeled
         "mufu_per_entry": loop["mufu"] * per_entry if loop else None,
         "ex2_per_entry": loop["ex2"] * per_entry if loop else None,
         "shfl_per_entry": loop["shfl"] * per_entry if loop else None,
-        "regs": usage["regs"], "spill_bytes": usage["spill_bytes"], "smem": usage["smem"],
-        "smem_limit": usage["smem_limit"], "ctas_per_sm": ctas, "cta_limiter": limiter,
+        "regs": usage["regs"],
+        "spill_bytes": usage["spill_bytes"],
+        "smem": usage["smem"],
+        "smem_limit": usage["smem_limit"],
+        "ctas_per_sm": ctas,
+        "cta_limiter": limiter,
     }
 
 
@@ -518,10 +542,12 @@ def _per_entry_model(row: Dict, nbytes: float, flops: float, entries: int, slice
     and over every D slice: what the time model (:func:`model_kernel`) reads."""
     per_entry = row["instr_per_entry"]
     return {
-        "tile_bytes": nbytes, "flop_per_byte": flops / nbytes if nbytes else math.inf,
+        "tile_bytes": nbytes,
+        "flop_per_byte": flops / nbytes if nbytes else math.inf,
         "slices": slices,
         "instr_per_entry_all_slices": per_entry * slices if per_entry is not None else None,
-        "flops_per_entry": flops * slices / entries, "l2_bytes_per_entry": nbytes * slices / entries,
+        "flops_per_entry": flops * slices / entries,
+        "l2_bytes_per_entry": nbytes * slices / entries,
     }
 
 
@@ -533,8 +559,13 @@ def _kernel_row(arch, dtype, precision, dim, name, fn, kernel, log, launch, elt,
     product_m = min(launch["BLOCK_M"], launch["BLOCK_N"]) if name == "dk" else launch["BLOCK_M"]
     layouts = score_mma_layouts(kernel.asm["ttgir"], score_lines())
     row = {
-        "target": f"sm_{arch}", "dtype": _dtype_label(dtype, precision), "D": dim, "kernel": name,
-        "config": _config(name, launch), "min_mma_m": product_m, "calls": 1,
+        "target": f"sm_{arch}",
+        "dtype": _dtype_label(dtype, precision),
+        "D": dim,
+        "kernel": name,
+        "config": _config(name, launch),
+        "min_mma_m": product_m,
+        "calls": 1,
         # S's MMA ops: their instruction, how many distinct layouts (1: the first chunk's is the others'), and
         # a digest of the layouts to compare across kernels (the forward's, dq's and dk's S must be one).
         "s_mma": " | ".join(mma_instruction(layout) for layout in layouts) or "-",
@@ -604,9 +635,19 @@ def report_inf_cl(arch: int, dim: int = DIM, batches=BATCHES, sms: Optional[int]
             if name not in rows:
                 bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
                 figures = _compiled_figures(arch, fn, kernel, log, dim // head, bm * bn, peeled=False)
-                row = {"target": f"sm_{arch}", "dtype": "fp32-tf32", "D": dim, "kernel": name,
-                       "config": f"{bm}x{bn} d{head}", "min_mma_m": min(bm, bn), "calls": INF_CL_CALLS,
-                       "s_mma": "-", "s_layouts": 0, "s_layout": "-", **figures}
+                row = {
+                    "target": f"sm_{arch}",
+                    "dtype": "fp32-tf32",
+                    "D": dim,
+                    "kernel": name,
+                    "config": f"{bm}x{bn} d{head}",
+                    "min_mma_m": min(bm, bn),
+                    "calls": INF_CL_CALLS,
+                    "s_mma": "-",
+                    "s_layouts": 0,
+                    "s_layout": "-",
+                    **figures,
+                }
                 rows[name] = {**row, **_per_entry_model(row, *inf_cl_bytes_flops(name, bm, bn, dim, 4), bm * bn, 1)}
             _add_launch(rows[name], batch, launch, sms)
     return list(rows.values())
@@ -622,17 +663,27 @@ def inf_cl_installed() -> bool:
     return importlib.util.find_spec("inf_cl") is not None
 
 
-def run(targets=TARGETS, dtypes=(BF16,), dims=(DIM,), batches=BATCHES, entries=ENTRIES, workers: int = WORKERS,
-        tiles: Optional[Dict[str, Tuple[int, ...]]] = None, no_positive: bool = True, inf_cl: bool = False,
-        sms: Optional[int] = None) -> List[Dict]:
+def run(
+    targets=TARGETS,
+    dtypes=(BF16,),
+    dims=(DIM,),
+    batches=BATCHES,
+    entries=ENTRIES,
+    workers: int = WORKERS,
+    tiles: Optional[Dict[str, Tuple[int, ...]]] = None,
+    no_positive: bool = True,
+    inf_cl: bool = False,
+    sms: Optional[int] = None,
+) -> List[Dict]:
     """Every (target, dtype) of the report in spawned workers (which import infcl with TRITON_INTERPRET=0), one
     process per job; targets whose ptxas the wheel lacks are skipped. ``no_positive``: the softmax kernels
     also compiled as :func:`without_positives`, their figures in the ``*_no_pos`` columns. ``inf_cl``: also
     Inf-CL's kernels (:func:`report_inf_cl`) at each D. ``sms``: the stand-in GPU's SM count (default: each
     target's flagship), which the launch plans read."""
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, context, initializer=triton_compile.init_worker,
-                                                max_tasks_per_child=1) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        workers, context, initializer=triton_compile.init_worker, max_tasks_per_child=1
+    ) as pool:
         known = [arch for arch in targets if pool.submit(triton_compile.ptxas_knows, arch).result()]
         cases = [(arch, dtype, precision, dim) for arch in known for dtype, precision in dtypes for dim in dims]
         jobs = [pool.submit(report_target, *case, batches, entries, tiles, False, sms) for case in cases]
@@ -650,6 +701,7 @@ def run(targets=TARGETS, dtypes=(BF16,), dims=(DIM,), batches=BATCHES, entries=E
 
 
 # ---- the time model ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Device:
@@ -678,10 +730,20 @@ _GEMM_FRACTION = H100.tflops / 989.4
 _L2_BYTES_PER_SM_CLK = H100.l2_tbs * 1e12 / (H100.sms * H100.clock_ghz * 1e9)
 DEVICES = {
     90: H100,
-    80: Device("A100 SXM (assumed)", LIMITS[80].sms, 1.41, round(_GEMM_FRACTION * 312, 1),
-               round(_L2_BYTES_PER_SM_CLK * LIMITS[80].sms * 1.41e-3, 2)),
-    100: Device("B200 (assumed)", LIMITS[100].sms, 1.8, round(_GEMM_FRACTION * 2250, 1),
-                round(_L2_BYTES_PER_SM_CLK * LIMITS[100].sms * 1.8e-3, 2)),
+    80: Device(
+        "A100 SXM (assumed)",
+        LIMITS[80].sms,
+        1.41,
+        round(_GEMM_FRACTION * 312, 1),
+        round(_L2_BYTES_PER_SM_CLK * LIMITS[80].sms * 1.41e-3, 2),
+    ),
+    100: Device(
+        "B200 (assumed)",
+        LIMITS[100].sms,
+        1.8,
+        round(_GEMM_FRACTION * 2250, 1),
+        round(_L2_BYTES_PER_SM_CLK * LIMITS[100].sms * 1.8e-3, 2),
+    ),
 }
 # The batches the model reports, and the GEMM-equivalents (2 B^2 D flops each) of the bound: S, and in the
 # backward S again, dq and dk.
@@ -735,7 +797,8 @@ def model_kernel(row: Dict, batch: int, device: Device) -> Dict:
     tail = math.ceil(waves) / waves if waves else 1.0
     return {
         **{f"{name}_ms": value for name, value in terms.items()},
-        "waves": waves, "tail": tail,
+        "waves": waves,
+        "tail": tail,
         "bound_ms": tail * max(terms.values()),
         "serial_ms": tail * (terms["tensor"] + max(terms["issue"], terms["mufu"]) + terms["l2"]),
         "limiter": max(terms, key=terms.get),
@@ -745,8 +808,12 @@ def model_kernel(row: Dict, batch: int, device: Device) -> Dict:
 MODEL_KERNELS = ("forward", "dq", "dk", "inf-cl forward", "inf-cl dq", "inf-cl dk")
 
 
-def model_rows(rows: List[Dict], batches=MODEL_BATCHES, devices: Optional[Dict[int, Device]] = None,
-               measured: Optional[Dict[Tuple, float]] = None) -> List[Dict]:
+def model_rows(
+    rows: List[Dict],
+    batches=MODEL_BATCHES,
+    devices: Optional[Dict[int, Device]] = None,
+    measured: Optional[Dict[Tuple, float]] = None,
+) -> List[Dict]:
     """The time model of every softmax kernel row (infcl's forward, dq, dk; Inf-CL's) at each batch, then a
     total per (target, dtype, D, batch, method): the symmetric loss's forward + backward, Inf-CL's kernels
     counted twice (two calls), beside the bound of :data:`BOUND_GEMMS` GEMMs at the tensor rate.
@@ -766,15 +833,38 @@ def model_rows(rows: List[Dict], batches=MODEL_BATCHES, devices: Optional[Dict[i
             # Measured rows carry the loss's input dtype: Inf-CL's kernels run fp32 (tf32 products) on bf16 inputs.
             inputs = "bf16" if method == "inf-cl" else row["dtype"]
             key = (row["target"], inputs, int(row["D"]), batch)
-            model = {"target": row["target"], "device": device.name, "dtype": row["dtype"], "D": int(row["D"]),
-                     "kernel": row["kernel"], "batch": batch, "calls": int(row.get("calls") or 1),
-                     **model_kernel(row, batch, device)}
+            model = {
+                "target": row["target"],
+                "device": device.name,
+                "dtype": row["dtype"],
+                "D": int(row["D"]),
+                "kernel": row["kernel"],
+                "batch": batch,
+                "calls": int(row.get("calls") or 1),
+                **model_kernel(row, batch, device),
+            }
             out.append(_with_measured(model, measured.get((*key, row["kernel"]))))
-            total = totals.setdefault((*key, method), {
-                "target": row["target"], "device": device.name, "dtype": inputs, "D": int(row["D"]),
-                "kernel": f"{method} total", "batch": batch, "calls": 1, "bound_ms": 0.0, "serial_ms": 0.0,
-                "gemm_bound_ms": 1e3 * BOUND_GEMMS * 2.0 * batch * batch * int(row["D"]) / tensor_rate(device, "bf16"),
-            })
+            total = totals.setdefault(
+                (*key, method),
+                {
+                    "target": row["target"],
+                    "device": device.name,
+                    "dtype": inputs,
+                    "D": int(row["D"]),
+                    "kernel": f"{method} total",
+                    "batch": batch,
+                    "calls": 1,
+                    "bound_ms": 0.0,
+                    "serial_ms": 0.0,
+                    "gemm_bound_ms": 1e3
+                    * BOUND_GEMMS
+                    * 2.0
+                    * batch
+                    * batch
+                    * int(row["D"])
+                    / tensor_rate(device, "bf16"),
+                },
+            )
             for name in ("bound_ms", "serial_ms"):
                 total[name] += model["calls"] * model[name]
         for key, total in totals.items():
@@ -785,8 +875,11 @@ def model_rows(rows: List[Dict], batches=MODEL_BATCHES, devices: Optional[Dict[i
 
 def _with_measured(model: Dict, measured_ms: Optional[float]) -> Dict:
     if measured_ms:
-        model.update(measured_ms=measured_ms, serial_error=model["serial_ms"] / measured_ms - 1,
-                     bound_error=model["bound_ms"] / measured_ms - 1)
+        model.update(
+            measured_ms=measured_ms,
+            serial_error=model["serial_ms"] / measured_ms - 1,
+            bound_error=model["bound_ms"] / measured_ms - 1,
+        )
     return model
 
 
@@ -794,8 +887,11 @@ def read_measured(path: Path) -> Dict[Tuple, float]:
     """{(target, dtype, D, batch, kernel): measured ms} from a CSV with those columns and ``measured_ms``
     (bench/results/gpu-h100-kernels.csv; python -m bench.gpu_first's kernels.csv)."""
     with open(path, newline="") as f:
-        return {(r["target"], r["dtype"], int(r["D"]), int(r["batch"]), r["kernel"]): float(r["measured_ms"])
-                for r in csv.DictReader(f) if r.get("measured_ms")}
+        return {
+            (r["target"], r["dtype"], int(r["D"]), int(r["batch"]), r["kernel"]): float(r["measured_ms"])
+            for r in csv.DictReader(f)
+            if r.get("measured_ms")
+        }
 
 
 def read_rows(path: Path) -> List[Dict]:
@@ -805,21 +901,53 @@ def read_rows(path: Path) -> List[Dict]:
 
 
 def format_model(models: List[Dict]) -> str:
-    heads = ["target", "device", "D", "kernel", "B", "calls", "tensor", "issue", "mufu", "L2", "tail", "bound (max)",
-             "estimate (serial)", "limiter", "measured", "error", "x 5-GEMM bound"]
+    heads = [
+        "target",
+        "device",
+        "D",
+        "kernel",
+        "B",
+        "calls",
+        "tensor",
+        "issue",
+        "mufu",
+        "L2",
+        "tail",
+        "bound (max)",
+        "estimate (serial)",
+        "limiter",
+        "measured",
+        "error",
+        "x 5-GEMM bound",
+    ]
     cells = [heads]
     for m in models:
         error = f"{100 * m['serial_error']:+.0f}% (max {100 * m['bound_error']:+.0f}%)" if "serial_error" in m else "-"
-        cells.append([m["target"], m["device"], str(m["D"]), m["kernel"], str(m["batch"]), str(m["calls"]),
-                      *[_fmt(m.get(f"{t}_ms"), 2) for t in MODEL_TERMS], _fmt(m.get("tail"), 2),
-                      _fmt(m["bound_ms"], 1), _fmt(m["serial_ms"], 1), m.get("limiter", "-"),
-                      _fmt(m.get("measured_ms"), 1), error, _fmt(m.get("x_gemm_bound"), 2)])
+        cells.append(
+            [
+                m["target"],
+                m["device"],
+                str(m["D"]),
+                m["kernel"],
+                str(m["batch"]),
+                str(m["calls"]),
+                *[_fmt(m.get(f"{t}_ms"), 2) for t in MODEL_TERMS],
+                _fmt(m.get("tail"), 2),
+                _fmt(m["bound_ms"], 1),
+                _fmt(m["serial_ms"], 1),
+                m.get("limiter", "-"),
+                _fmt(m.get("measured_ms"), 1),
+                error,
+                _fmt(m.get("x_gemm_bound"), 2),
+            ]
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
     lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(heads))).rstrip() for c in cells]
     return "time model, ms per launch (docs/benchmarks.md, 'The time model'):\n" + "\n".join(lines)
 
 
 # ---- output ----------------------------------------------------------------------------------------
+
 
 def _fmt(value, digits=1) -> str:
     if value is None:
@@ -830,20 +958,51 @@ def _fmt(value, digits=1) -> str:
 
 
 def format_table(rows: List[Dict], batches=BATCHES) -> str:
-    heads = ["target", "dtype", "kernel", "config", "warps", "mma (sass, or ptx)", "instr/entry", "no pos.",
-             "slices", "mufu/entry", "no pos.", "shfl/entry", "regs", "spill", "smem KiB", "CTAs/SM",
-             *[f"waves B={b}" for b in batches],
-             "flop/byte"]
+    heads = [
+        "target",
+        "dtype",
+        "kernel",
+        "config",
+        "warps",
+        "mma (sass, or ptx)",
+        "instr/entry",
+        "no pos.",
+        "slices",
+        "mufu/entry",
+        "no pos.",
+        "shfl/entry",
+        "regs",
+        "spill",
+        "smem KiB",
+        "CTAs/SM",
+        *[f"waves B={b}" for b in batches],
+        "flop/byte",
+    ]
     cells = [heads]
     for r in rows:
         mma = r["mma_sass"] if r["mma_sass"] != "n/a" else r["mma_ptx"]
-        cells.append([r["target"], r["dtype"], r["kernel"], r["config"], str(r["warps"]), mma,
-                      _fmt(r["instr_per_entry"]), _fmt(r.get("instr_per_entry_no_pos")), str(r["slices"]),
-                      _fmt(r["mufu_per_entry"], 2), _fmt(r.get("mufu_per_entry_no_pos"), 2),
-                      _fmt(r["shfl_per_entry"], 2),
-                      str(r["regs"]), str(r["spill_bytes"]), f"{r['smem'] / 1024:.0f}",
-                      f"{r['ctas_per_sm']} ({r['cta_limiter']})",
-                      *[_fmt(r.get(f"waves@{b}"), 2) for b in batches], _fmt(r["flop_per_byte"])])
+        cells.append(
+            [
+                r["target"],
+                r["dtype"],
+                r["kernel"],
+                r["config"],
+                str(r["warps"]),
+                mma,
+                _fmt(r["instr_per_entry"]),
+                _fmt(r.get("instr_per_entry_no_pos")),
+                str(r["slices"]),
+                _fmt(r["mufu_per_entry"], 2),
+                _fmt(r.get("mufu_per_entry_no_pos"), 2),
+                _fmt(r["shfl_per_entry"], 2),
+                str(r["regs"]),
+                str(r["spill_bytes"]),
+                f"{r['smem'] / 1024:.0f}",
+                f"{r['ctas_per_sm']} ({r['cta_limiter']})",
+                *[_fmt(r.get(f"waves@{b}"), 2) for b in batches],
+                _fmt(r["flop_per_byte"]),
+            ]
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
     return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(heads))).rstrip() for c in cells)
 
@@ -858,9 +1017,11 @@ def write_csv(rows: List[Dict], path: Path) -> None:
 
 
 # The plot's panels: (CSV column, axis label).
-PLOT_PANELS = (("instr_per_entry_all_slices", "lane instructions per S entry (all D slices)"),
-               ("mufu_per_entry", "MUFU per S entry (per D slice in dq/dk)"),
-               ("flop_per_byte", "modelled L2 flop/byte"))
+PLOT_PANELS = (
+    ("instr_per_entry_all_slices", "lane instructions per S entry (all D slices)"),
+    ("mufu_per_entry", "MUFU per S entry (per D slice in dq/dk)"),
+    ("flop_per_byte", "modelled L2 flop/byte"),
+)
 
 
 def write_plot(rows: List[Dict], path: Path) -> None:
@@ -898,8 +1059,11 @@ MEASURED = DEFAULT_OUT / "gpu-h100-kernels.csv"
 def devices_from(args) -> Dict[int, Device]:
     """Each target's :data:`DEVICES` entry with the options given (``--sms``, ``--tflops``, ...) replacing its
     fields, on every target."""
-    given = {name: getattr(args, name) for name in ("sms", "clock_ghz", "tflops", "l2_tbs", "issue_per_clk",
-                                                    "mufu_per_clk") if getattr(args, name) is not None}
+    given = {
+        name: getattr(args, name)
+        for name in ("sms", "clock_ghz", "tflops", "l2_tbs", "issue_per_clk", "mufu_per_clk")
+        if getattr(args, name) is not None
+    }
     return {arch: replace(device, **given) for arch, device in DEVICES.items()}
 
 
@@ -908,11 +1072,20 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="compute capabilities, e.g. 90,80")
     parser.add_argument("--tf32", action="store_true", help="also fp32 inputs with tf32 products")
     parser.add_argument("--dims", default=str(DIM), help="feature dims, e.g. 512,1000 (1000: ragged chunks)")
-    parser.add_argument("--tile", action="append", default=[], metavar="KERNEL=MxN[:warps[:stages[:out]]]",
-                        help=f"replace a default config ({', '.join(TILE_KERNELS)}) on every target; repeatable")
+    parser.add_argument(
+        "--tile",
+        action="append",
+        default=[],
+        metavar="KERNEL=MxN[:warps[:stages[:out]]]",
+        help=f"replace a default config ({', '.join(TILE_KERNELS)}) on every target; repeatable",
+    )
     parser.add_argument("--losses", default="clip,siglip", help="clip (cal_inf_loss), siglip (cal_siglip_loss)")
-    parser.add_argument("--inf-cl", action=argparse.BooleanOptionalAction, default=None,
-                        help="also Inf-CL's kernels, compile-only (default: when inf_cl is importable)")
+    parser.add_argument(
+        "--inf-cl",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also Inf-CL's kernels, compile-only (default: when inf_cl is importable)",
+    )
     parser.add_argument("--from-csv", type=Path, help="rerun the time model on a stored report CSV, no compile")
     model = parser.add_argument_group("the time model (default: each target's DEVICES entry; H100 SXM for sm_90)")
     model.add_argument("--model-batches", default=",".join(map(str, MODEL_BATCHES)), help="B of the time model")
@@ -922,8 +1095,12 @@ def main(argv=None) -> None:
     model.add_argument("--l2-tbs", type=float, help="L2 operand bandwidth, TB/s")
     model.add_argument("--issue-per-clk", type=int, help="lane instructions issued per SM per clock")
     model.add_argument("--mufu-per-clk", type=int, help="MUFU results per SM per clock")
-    model.add_argument("--measured", type=Path, default=MEASURED if MEASURED.exists() else None,
-                       help="per-kernel times to compare with (CSV: target,dtype,D,batch,kernel,measured_ms)")
+    model.add_argument(
+        "--measured",
+        type=Path,
+        default=MEASURED if MEASURED.exists() else None,
+        help="per-kernel times to compare with (CSV: target,dtype,D,batch,kernel,measured_ms)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--name", default="static", help="CSV / plot file name (without .csv / .png)")
     parser.add_argument("--no-plot", action="store_true")
@@ -950,8 +1127,16 @@ def main(argv=None) -> None:
     else:
         inf_cl = inf_cl_installed() if args.inf_cl is None else args.inf_cl
         batches = tuple(sorted(set(BATCHES) | set(model_batches)))
-        rows = run(targets, (BF16, TF32) if args.tf32 else (BF16,), dims, batches, entries, tiles=tiles,
-                   inf_cl=inf_cl, sms=args.sms)
+        rows = run(
+            targets,
+            (BF16, TF32) if args.tf32 else (BF16,),
+            dims,
+            batches,
+            entries,
+            tiles=tiles,
+            inf_cl=inf_cl,
+            sms=args.sms,
+        )
         print(format_table(rows, batches))
         write_csv(rows, path)
         print(f"wrote {path}")

@@ -44,8 +44,9 @@ def tiles_step(q, k, scale, backend: TorchTilesBackend) -> Step:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.tile_sizes", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.tile_sizes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -61,8 +62,10 @@ def main(argv=None) -> None:
     gemm = measure_gemm(args.batch, args.dim, DTYPES[args.dtype], device, warmup=1, repeats=args.repeats)
     bound = gemm_bound_seconds(args.batch, args.dim, MODE, gemm["gflops"] * 1e9)
     print(f"{cpu_name()}, {torch.get_num_threads()} thread(s)")
-    print(f"B={args.batch} D={args.dim} {args.dtype} symmetric {MODE}; "
-          f"GEMM {gemm['gflops']:.1f} GFLOP/s, 4-GEMM bound {bound:.3f} s; current default {TILE_Q}x{TILE_K}")
+    print(
+        f"B={args.batch} D={args.dim} {args.dtype} symmetric {MODE}; "
+        f"GEMM {gemm['gflops']:.1f} GFLOP/s, 4-GEMM bound {bound:.3f} s; current default {TILE_Q}x{TILE_K}"
+    )
     print(f"{'tile_q':>7} {'tile_k':>7} {'tile_KiB':>9} {'time_s':>8} {'vs_bound':>9}")
     results = []
     for tq in args.tile_q:

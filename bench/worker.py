@@ -73,18 +73,29 @@ def _run_method(job: Job) -> Dict:
         # Their dtype is the job's route (bench.gemm): never a slow one that would load the cores between
         # the method's runs.
         gemm = gemm_steps(job.batch, job.dim, route_dtype(job.route()), device)
-        times = time_interleaved({"method": step, **gemm}, device, job.warmup, job.repeats,
-                                 progress=lambda line: print(f"  {job.label()}: {line}", file=sys.stderr, flush=True))
+        times = time_interleaved(
+            {"method": step, **gemm},
+            device,
+            job.warmup,
+            job.repeats,
+            progress=lambda line: print(f"  {job.label()}: {line}", file=sys.stderr, flush=True),
+        )
         method_times = times.pop("method")
         rates = gemm_rates(job.batch, job.dim, times)
-        result.update(time_s=median(method_times), time_min_s=min(method_times), gemm_gflops=rates["gflops"],
-                      gemm_route=job.route(),
-                      gemm_equivalents=gemm_equivalents(job.method, job.loss, job.mode, device, DTYPES[job.dtype],
-                                                        job.dim, job.symmetric))
+        result.update(
+            time_s=median(method_times),
+            time_min_s=min(method_times),
+            gemm_gflops=rates["gflops"],
+            gemm_route=job.route(),
+            gemm_equivalents=gemm_equivalents(
+                job.method, job.loss, job.mode, device, DTYPES[job.dtype], job.dim, job.symmetric
+            ),
+        )
     if job.accuracy:
         del step
-        result.update(errors_vs_float64(job.method, job.loss, job.batch, job.dim, DTYPES[job.dtype], device,
-                                        job.symmetric))
+        result.update(
+            errors_vs_float64(job.method, job.loss, job.batch, job.dim, DTYPES[job.dtype], device, job.symmetric)
+        )
     return result
 
 

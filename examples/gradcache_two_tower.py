@@ -40,8 +40,13 @@ class ImageTower(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.GELU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.GELU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(16, EMBED_DIM))
 
@@ -120,16 +125,19 @@ def main():
     elapsed = time.perf_counter() - start
     gc_peak = peak_rss_mib()
     print(f"loss per step: {' '.join(f'{x:.3f}' for x in losses)}")
-    print(f"GradCache: {elapsed / args.steps:.2f} s/step, peak RSS {gc_peak:.0f} MiB "
-          f"(+{gc_peak - baseline:.0f} MiB over the {baseline:.0f} MiB baseline)")
+    print(
+        f"GradCache: {elapsed / args.steps:.2f} s/step, peak RSS {gc_peak:.0f} MiB "
+        f"(+{gc_peak - baseline:.0f} MiB over the {baseline:.0f} MiB baseline)"
+    )
 
     if args.compare_plain:
         images, tokens = batches[-1]
         optimizer.zero_grad(set_to_none=True)
         objective(image_tower(images), text_tower(tokens)).backward()
         plain_peak = peak_rss_mib()
-        print(f"plain full-batch step: peak RSS {plain_peak:.0f} MiB "
-              f"(+{plain_peak - baseline:.0f} MiB over the baseline)")
+        print(
+            f"plain full-batch step: peak RSS {plain_peak:.0f} MiB (+{plain_peak - baseline:.0f} MiB over the baseline)"
+        )
 
 
 if __name__ == "__main__":

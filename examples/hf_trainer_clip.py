@@ -99,9 +99,12 @@ class InfCLTrainer(Trainer):
         as DDP averages the towers' gradients."""
         logit_scale = self.accelerator.unwrap_model(model).clip.logit_scale
         scale_leaf = logit_scale.detach().requires_grad_()
-        grad_cache = GradCache([model, model], self.gradcache_chunk,
-                               lambda image, text: self.clip_loss(image, text, scale_leaf.exp()),
-                               get_rep_fn=tower_embedding)
+        grad_cache = GradCache(
+            [model, model],
+            self.gradcache_chunk,
+            lambda image, text: self.clip_loss(image, text, scale_leaf.exp()),
+            get_rep_fn=tower_embedding,
+        )
         chunks = [grad_cache.split_inputs(x, self.gradcache_chunk) for x in (images, texts)]
         reps, rows, states = [], [], []
         for tower_chunks in chunks:
@@ -115,8 +118,14 @@ class InfCLTrainer(Trainer):
 
         def replay(upstream: torch.Tensor) -> None:
             for i, (tower_chunks, grad, tower_rows, tower_states) in enumerate(zip(chunks, cache, rows, states)):
-                grad_cache.forward_backward(model, tower_chunks, (grad * upstream).split(tower_rows), tower_states,
-                                            no_sync_except_last=synced, sync_last_chunk=i == len(chunks) - 1)
+                grad_cache.forward_backward(
+                    model,
+                    tower_chunks,
+                    (grad * upstream).split(tower_rows),
+                    tower_states,
+                    no_sync_except_last=synced,
+                    sync_last_chunk=i == len(chunks) - 1,
+                )
             scale_grad = scale_leaf.grad * upstream
             if synced:
                 dist.all_reduce(scale_grad)
@@ -144,18 +153,30 @@ class RandomPairs(torch.utils.data.Dataset):
         return self.pixel_values.shape[0]
 
     def __getitem__(self, i: int) -> dict:
-        return {"pixel_values": self.pixel_values[i], "input_ids": self.input_ids[i],
-                "attention_mask": self.attention_mask[i]}
+        return {
+            "pixel_values": self.pixel_values[i],
+            "input_ids": self.input_ids[i],
+            "attention_mask": self.attention_mask[i],
+        }
 
 
 def training_arguments(output_dir: str, per_device_batch: int, steps: int, **overrides) -> TrainingArguments:
     # A ddp_backend makes Accelerate expect a process group: only under a launcher of several processes.
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    settings = dict(output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=steps,
-                    learning_rate=1e-3, use_cpu=True, ddp_backend="gloo" if distributed else None, report_to=[],
-                    save_strategy="no",
-                    logging_steps=1, remove_unused_columns=False, dataloader_drop_last=True,
-                    ddp_find_unused_parameters=True)  # GradCache's chunks run one tower at a time
+    settings = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device_batch,
+        max_steps=steps,
+        learning_rate=1e-3,
+        use_cpu=True,
+        ddp_backend="gloo" if distributed else None,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        remove_unused_columns=False,
+        dataloader_drop_last=True,
+        ddp_find_unused_parameters=True,
+    )  # GradCache's chunks run one tower at a time
     settings.update(overrides)
     return TrainingArguments(**settings)
 

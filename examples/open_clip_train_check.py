@@ -92,18 +92,59 @@ def make_model_dir(root: str) -> str:
 def trainer_args(root: str, csv: str, model_dir: str, world: int, steps: int, name: str, extra) -> list:
     per_epoch = 4  # steps per epoch: the CSV holds 4 global batches
     return [
-        "--model", f"local-dir:{model_dir}", "--train-data", csv, "--dataset-type", "csv",
-        "--batch-size", str(GLOBAL_BATCH // world), "--epochs", str(steps // per_epoch),
-        "--opt", "timm/sgd", "--lr", "0.05",
-        "--warmup", "1", "--wd", "0.1", "--workers", "0", "--device", "cpu", "--precision", "fp32",
-        "--seed", "0", "--log-every-n-steps", "1", "--save-frequency", str(steps // per_epoch),
-        "--logs", os.path.join(root, "logs"), "--name", name, "--report-to", "", *extra,
+        "--model",
+        f"local-dir:{model_dir}",
+        "--train-data",
+        csv,
+        "--dataset-type",
+        "csv",
+        "--batch-size",
+        str(GLOBAL_BATCH // world),
+        "--epochs",
+        str(steps // per_epoch),
+        "--opt",
+        "timm/sgd",
+        "--lr",
+        "0.05",
+        "--warmup",
+        "1",
+        "--wd",
+        "0.1",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--seed",
+        "0",
+        "--log-every-n-steps",
+        "1",
+        "--save-frequency",
+        str(steps // per_epoch),
+        "--logs",
+        os.path.join(root, "logs"),
+        "--name",
+        name,
+        "--report-to",
+        "",
+        *extra,
     ]
 
 
 def run(world: int, impl: str, args: list) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           HERE, "--worker", impl, "--", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        HERE,
+        "--worker",
+        impl,
+        "--",
+        *args,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{impl} on {world} rank(s) failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
@@ -139,10 +180,15 @@ def compare(root: str, world: int, steps: int, extra) -> bool:
     # open_clip clamps logit_scale (the log of the scale) to [0, log 100]: relative to 1 where it reached 0.
     scale_theirs = w_theirs["logit_scale"]
     scale_rel = float((w_ours["logit_scale"] - scale_theirs).abs() / scale_theirs.abs().clamp_min(1))
-    print(f"  final weights: |ours - theirs| / |theirs| = {diff / norm:.2e} over the model, {scale_rel:.2e} for "
-          f"logit_scale; tolerance {WEIGHT_RTOL:g}")
-    same_curve = len(theirs) == len(ours) and len(theirs) % steps == 0 and all(
-        math.isclose(a, b, rel_tol=LOGGED_RTOL) for a, b in zip(theirs, ours))
+    print(
+        f"  final weights: |ours - theirs| / |theirs| = {diff / norm:.2e} over the model, {scale_rel:.2e} for "
+        f"logit_scale; tolerance {WEIGHT_RTOL:g}"
+    )
+    same_curve = (
+        len(theirs) == len(ours)
+        and len(theirs) % steps == 0
+        and all(math.isclose(a, b, rel_tol=LOGGED_RTOL) for a, b in zip(theirs, ours))
+    )
     trained = theirs[0] != theirs[steps - 1]  # a run whose loss never moved would compare equal trivially
     ok = same_curve and trained and diff / norm <= WEIGHT_RTOL and scale_rel <= WEIGHT_RTOL
     print(f"  {'same' if ok else 'DIFFERENT'}")

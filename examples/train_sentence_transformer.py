@@ -252,7 +252,7 @@ def run_in_fresh_process(name, argv):
         [sys.executable, os.path.abspath(__file__), *argv, "--loss", name], check=True, capture_output=True, text=True
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
 def report(results, args):

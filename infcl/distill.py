@@ -213,8 +213,14 @@ class InfDistillClipLoss(InfCLIPLoss):
         if world > 1 and not self.gather_with_grad:  # the global loss through this rank's features only
             student = tuple(scale_gradient(x, 1.0 / world) for x in student)
         distill = cal_distill_loss(
-            *student, dist_image_features, dist_text_features, logit_scale, dist_logit_scale,
-            symmetric=True, group=self.group, backend=self._distill_backend(),
+            *student,
+            dist_image_features,
+            dist_text_features,
+            logit_scale,
+            dist_logit_scale,
+            symmetric=True,
+            group=self.group,
+            backend=self._distill_backend(),
         )
         if world > 1 and not self.local_loss:  # the value open_clip's global-by-global logits give
             distill = distill + (_rows_mean(distill.detach(), image_features.shape[0], ring) - distill.detach())

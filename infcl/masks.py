@@ -62,7 +62,7 @@ class MaskOptions:
 
     @property
     def loss_kind(self) -> str:
-        """"sum" (lse of the positives) or "mean" (mean of the positives' logits; one positive is its own mean)."""
+        """ "sum" (lse of the positives) or "mean" (mean of the positives' logits; one positive is its own mean)."""
         return "sum" if self.multi_positive == "sum" else "mean"
 
 

@@ -125,7 +125,6 @@ def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class _GradScale(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor

@@ -35,8 +35,15 @@ class InfCoCaLoss(nn.Module):
     asks for), the caption loss being the token cross-entropy that ignores ``pad_id``, as open_clip's.
     """
 
-    def __init__(self, caption_loss_weight: float, clip_loss_weight: float, pad_id: int = COCA_PAD_ID,
-                 local_loss: bool = False, gather_with_grad: bool = False, **clip_kwargs):
+    def __init__(
+        self,
+        caption_loss_weight: float,
+        clip_loss_weight: float,
+        pad_id: int = COCA_PAD_ID,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
+        **clip_kwargs,
+    ):
         super().__init__()
         self.clip_loss_weight, self.caption_loss_weight, self.pad_id = clip_loss_weight, caption_loss_weight, pad_id
         self.clip = InfCLIPLoss(local_loss=local_loss, gather_with_grad=gather_with_grad, **clip_kwargs)
@@ -63,13 +70,20 @@ def infcl_loss(args) -> nn.Module:
     """
     if args.horovod:
         raise ValueError("infcl.open_clip_train: --horovod is not supported; infcl's ring runs over torch.distributed")
-    clip_flags = {"local_loss": args.local_loss, "gather_with_grad": args.gather_with_grad,
-                  "rank": args.rank, "world_size": args.world_size}
+    clip_flags = {
+        "local_loss": args.local_loss,
+        "gather_with_grad": args.gather_with_grad,
+        "rank": args.rank,
+        "world_size": args.world_size,
+    }
     if args.distill:
         return InfDistillClipLoss(cache_labels=True, **clip_flags)
     if "coca" in args.model.lower():
-        return InfCoCaLoss(caption_loss_weight=args.coca_caption_loss_weight,
-                           clip_loss_weight=args.coca_contrastive_loss_weight, **clip_flags)
+        return InfCoCaLoss(
+            caption_loss_weight=args.coca_caption_loss_weight,
+            clip_loss_weight=args.coca_contrastive_loss_weight,
+            **clip_flags,
+        )
     if args.siglip:
         return InfSigLipLoss(rank=args.rank, world_size=args.world_size, dist_impl=args.loss_dist_impl)
     return InfCLIPLoss(**clip_flags)

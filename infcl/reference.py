@@ -138,4 +138,3 @@ def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout):
     logits = scale.to(acc) * q.to(acc) @ k_all.T + bias.to(acc)
     signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
     return -F.logsigmoid(signs * logits).sum(dim=1)
-

@@ -18,8 +18,16 @@ def _rows(path):
 def test_dry_run_plans_every_step_and_writes_the_headers(tmp_path, capsys):
     assert gpu_first.main(["--dry-run", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    for step in ("env", "speed", "kernels", "correctness-bfloat16", "correctness-float16", "correctness-tf32",
-                 "correctness-options", "static"):
+    for step in (
+        "env",
+        "speed",
+        "kernels",
+        "correctness-bfloat16",
+        "correctness-float16",
+        "correctness-tf32",
+        "correctness-options",
+        "static",
+    ):
         assert f": {step} (timeout" in printed, step
     for name, columns in gpu_first.FILES.items():
         with open(tmp_path / name, newline="") as f:
@@ -46,8 +54,10 @@ def _python(code):
 
 def test_run_stages_records_a_failure_and_a_timeout_and_goes_on(tmp_path):
     stages = [
-        (gpu_first.Step("fails", _python("import sys; print('it broke'); sys.exit(3)"), 30),
-         gpu_first.Step("hangs", _python("import time; time.sleep(60)"), 1)),
+        (
+            gpu_first.Step("fails", _python("import sys; print('it broke'); sys.exit(3)"), 30),
+            gpu_first.Step("hangs", _python("import time; time.sleep(60)"), 1),
+        ),
         (gpu_first.Step("works", _python("print('fine')"), 30),),
     ]
     summaries = []
@@ -76,18 +86,38 @@ def test_summary_from_appended_rows_with_the_stored_model(tmp_path):
     gpu_first.append_row(out / "env.csv", {"key": "device", "value": "NVIDIA H100 80GB HBM3"})
     gpu_first.append_row(out / "env.csv", {"key": "sms", "value": 132})
     speed = {"batch": 32768, "dim": 512, "dtype": "bfloat16", "status": "ok", "bound_ms": 7.3}
-    gpu_first.append_row(out / "speed.csv", {"method": "torch.mm bf16 (q @ k.T)", "gemm_tflops": 750.0,
-                                             **speed})
+    gpu_first.append_row(out / "speed.csv", {"method": "torch.mm bf16 (q @ k.T)", "gemm_tflops": 750.0, **speed})
     gpu_first.append_row(out / "speed.csv", {"method": "triton", "time_ms": 47.9, "x_bound": 6.5, **speed})
-    gpu_first.append_row(out / "speed.csv", {"method": "triton", "time_ms": 12.0, "first_call_s": 20.012,
-                                             **speed, "batch": 16384})
+    gpu_first.append_row(
+        out / "speed.csv", {"method": "triton", "time_ms": 12.0, "first_call_s": 20.012, **speed, "batch": 16384}
+    )
     gpu_first.append_row(out / "speed.csv", {"method": "vanilla", "time_ms": 31.8, "x_bound": 4.4, **speed})
     for kernel, ms in (("forward", 7.2), ("dq", 20.2), ("dk", 18.6)):
-        gpu_first.append_row(out / "kernels.csv", {"target": "sm_90", "dtype": "bf16", "D": 512, "batch": 32768,
-                                                   "kernel": kernel, "calls_per_step": 1, "measured_ms": ms})
-    gpu_first.append_row(out / "correctness.csv", {"case": "plain", "batch": 4096, "dtype": "float16",
-                                                   "symmetric": True, "status": "ok", "dq_err": 8.2e-3,
-                                                   "within_tol": False, "bit_identical": True})
+        gpu_first.append_row(
+            out / "kernels.csv",
+            {
+                "target": "sm_90",
+                "dtype": "bf16",
+                "D": 512,
+                "batch": 32768,
+                "kernel": kernel,
+                "calls_per_step": 1,
+                "measured_ms": ms,
+            },
+        )
+    gpu_first.append_row(
+        out / "correctness.csv",
+        {
+            "case": "plain",
+            "batch": 4096,
+            "dtype": "float16",
+            "symmetric": True,
+            "status": "ok",
+            "dq_err": 8.2e-3,
+            "within_tol": False,
+            "bit_identical": True,
+        },
+    )
     text = gpu_first.write_summary(out).read_text()
     assert "NVIDIA H100 80GB HBM3" in text
     assert "| 32768 | triton | 47.9 | 1.51 |" in text  # x vanilla = 47.9 / 31.8

@@ -11,8 +11,26 @@ from bench.__main__ import main
 def test_bench_ids_and_guide_rows(tmp_path, monkeypatch, capsys):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.setenv(var, "1")
-    argv = ["--batch-sizes", "64", "--dims", "8", "--repeats", "1", "--methods", "vanilla", "--modes",
-            "forward+backward", "--ids", "--guide", "--threads", "1", "--out", str(tmp_path), "--name", "masks"]
+    argv = [
+        "--batch-sizes",
+        "64",
+        "--dims",
+        "8",
+        "--repeats",
+        "1",
+        "--methods",
+        "vanilla",
+        "--modes",
+        "forward+backward",
+        "--ids",
+        "--guide",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "masks",
+    ]
     assert main(argv) == 0
     assert "time_vs_plain" in capsys.readouterr().out
     with open(tmp_path / "masks.csv", newline="") as f:
@@ -41,8 +59,25 @@ def test_bench_ids_on_the_native_kernel_against_its_own_plain_run(tmp_path, monk
         pytest.skip(f"native kernel unavailable: {unavailable_reason(torch.device('cpu'))}")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.setenv(var, "1")
-    argv = ["--batch-sizes", "64", "--dims", "8", "--repeats", "1", "--methods", "cpu", "--modes", "forward+backward",
-            "--ids", "--threads", "1", "--out", str(tmp_path), "--name", "native-masks"]
+    argv = [
+        "--batch-sizes",
+        "64",
+        "--dims",
+        "8",
+        "--repeats",
+        "1",
+        "--methods",
+        "cpu",
+        "--modes",
+        "forward+backward",
+        "--ids",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "native-masks",
+    ]
     assert main(argv) == 0
     with open(tmp_path / "native-masks.csv", newline="") as f:
         rows = {r["method"]: r for r in csv.DictReader(f)}
@@ -75,8 +110,13 @@ def test_triton_mask_methods_count_the_masked_kernels_products():
     from pathlib import Path
 
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", _TRITON_GEMMS], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", _TRITON_GEMMS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert out.returncode == 0, out.stderr
     counts = json.loads(out.stdout.strip().splitlines()[-1])
     # D = 256: one 256-wide dq (dk) slice each, ids or not: S once forward, S twice and two products backward.

@@ -23,8 +23,24 @@ METHODS = ("torch", "vanilla")
 def test_bench_cli_writes_csv_and_plot(tmp_path, monkeypatch, capsys, loss, symmetric):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.setenv(var, "1")  # the CLI sets these for its workers; restored afterwards
-    argv = ["--batch-sizes", "64", "--dims", "8", "--repeats", "1", "--methods", ",".join(METHODS),
-            "--threads", "1", "--out", str(tmp_path), "--name", "smoke", "--loss", loss]
+    argv = [
+        "--batch-sizes",
+        "64",
+        "--dims",
+        "8",
+        "--repeats",
+        "1",
+        "--methods",
+        ",".join(METHODS),
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "smoke",
+        "--loss",
+        loss,
+    ]
     assert main(argv) == 0
     assert "wrote" in capsys.readouterr().out
 
@@ -47,8 +63,25 @@ def test_bench_cli_writes_csv_and_plot(tmp_path, monkeypatch, capsys, loss, symm
 def _run(tmp_path, monkeypatch, *extra):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.setenv(var, "1")
-    argv = ["--batch-sizes", "64", "--dims", "8", "--repeats", "1", "--modes", "forward", "--methods",
-            ",".join(METHODS), "--threads", "1", "--out", str(tmp_path), "--name", "smoke", *extra]
+    argv = [
+        "--batch-sizes",
+        "64",
+        "--dims",
+        "8",
+        "--repeats",
+        "1",
+        "--modes",
+        "forward",
+        "--methods",
+        ",".join(METHODS),
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "smoke",
+        *extra,
+    ]
     assert main(argv) == 0
     with open(tmp_path / "smoke.csv", newline="") as f:
         return list(csv.DictReader(f))

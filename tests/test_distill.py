@@ -74,11 +74,13 @@ def normwise(got, want):
 def _features(n, m, d, d_teacher, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
-    k = torch.nn.functional.normalize(q[torch.arange(m) % n] + 0.3 * torch.randn(m, d, generator=gen,
-                                                                                 dtype=torch.float64), dim=1)
+    k = torch.nn.functional.normalize(
+        q[torch.arange(m) % n] + 0.3 * torch.randn(m, d, generator=gen, dtype=torch.float64), dim=1
+    )
     tq = torch.nn.functional.normalize(torch.randn(n, d_teacher, generator=gen, dtype=torch.float64), dim=1)
-    tk = torch.nn.functional.normalize(tq[torch.arange(m) % n] + 0.3 * torch.randn(m, d_teacher, generator=gen,
-                                                                                   dtype=torch.float64), dim=1)
+    tk = torch.nn.functional.normalize(
+        tq[torch.arange(m) % n] + 0.3 * torch.randn(m, d_teacher, generator=gen, dtype=torch.float64), dim=1
+    )
     return tuple(x.to(dtype) for x in (q, k, tq, tk))
 
 
@@ -106,10 +108,14 @@ def test_matches_float64_truth(tiles, dtype, symmetric, reduction):
     n, m = (29, 29) if symmetric else (23, 31)  # one direction: extra columns are allowed
     q, k, tq, tk = _features(n, m, 9, 5, dtype, 1)
     per_item = torch.randn(n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    upstream = {"mean": torch.full((n,), 1 / n, dtype=torch.float64), "sum": torch.ones(n, dtype=torch.float64),
-                "none": per_item}[reduction]
-    loss, dq, dk, dscale = _run(q, k, tq, tk, 12.0, 20.0, per_item if reduction == "none" else None,
-                                symmetric=symmetric, reduction=reduction)
+    upstream = {
+        "mean": torch.full((n,), 1 / n, dtype=torch.float64),
+        "sum": torch.ones(n, dtype=torch.float64),
+        "none": per_item,
+    }[reduction]
+    loss, dq, dk, dscale = _run(
+        q, k, tq, tk, 12.0, 20.0, per_item if reduction == "none" else None, symmetric=symmetric, reduction=reduction
+    )
     items, want_dq, want_dk, want_dscale = truth(q, k, tq, tk, 12.0, 20.0, symmetric, upstream)
     want_loss = {"mean": items.mean(), "sum": items.sum(), "none": items}[reduction]
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -133,8 +139,9 @@ def test_confident_teacher_and_student(tiles, dtype, margin):
     q, k, tq = (x.to(dtype) for x in (q, k, tq))
     scale, teacher_scale = margin, 1.3 * margin
     loss, dq, dk, dscale = _run(q, k, tq, tq, scale, teacher_scale)
-    items, want_dq, want_dk, want_dscale = truth(q, k, tq, tq, scale, teacher_scale,
-                                                 upstream=torch.full((n,), 1 / n, dtype=torch.float64))
+    items, want_dq, want_dk, want_dscale = truth(
+        q, k, tq, tq, scale, teacher_scale, upstream=torch.full((n,), 1 / n, dtype=torch.float64)
+    )
     assert float(items.mean()) < 1e-6, "the case must be confident"
     assert abs(float(loss) - float(items.mean())) <= NORMWISE[dtype] * float(items.mean())
     for name, got, want in (("dq", dq, want_dq), ("dk", dk, want_dk), ("dscale", dscale, want_dscale)):
@@ -142,8 +149,9 @@ def test_confident_teacher_and_student(tiles, dtype, margin):
     # open_clip's formula under autograd in the same dtype: never closer to the truth than we are.
     plain = q.clone().requires_grad_()
     s, t = scale * plain @ k.T, teacher_scale * tq @ tq.T
-    ((-(t.softmax(1) * s.log_softmax(1)).sum(1).mean() - (t.T.softmax(1) * s.T.log_softmax(1)).sum(1).mean()) / 2
-     ).backward()
+    (
+        (-(t.softmax(1) * s.log_softmax(1)).sum(1).mean() - (t.T.softmax(1) * s.T.log_softmax(1)).sum(1).mean()) / 2
+    ).backward()
     ours, theirs = normwise(dq, want_dq), normwise(plain.grad, want_dq)
     assert ours <= theirs + NORMWISE[dtype], f"infcl {ours:.2e}, open_clip's formula {theirs:.2e}"
 
@@ -152,8 +160,9 @@ def test_huge_logits(tiles):
     """Logits of +-1e4 (scale 1e4 on unit features): nothing overflows, float64 truth to round-off."""
     q, k, tq, tk = _features(17, 17, 6, 6, torch.float64, 4)
     loss, dq, dk, dscale = _run(q, k, tq, tk, 1e4, 3e3)
-    items, want_dq, want_dk, want_dscale = truth(q, k, tq, tk, 1e4, 3e3,
-                                                 upstream=torch.full((17,), 1 / 17, dtype=torch.float64))
+    items, want_dq, want_dk, want_dscale = truth(
+        q, k, tq, tk, 1e4, 3e3, upstream=torch.full((17,), 1 / 17, dtype=torch.float64)
+    )
     assert torch.isfinite(loss) and abs(float(loss - items.mean())) <= 1e-10 * float(items.mean())
     for name, got, want in (("dq", dq, want_dq), ("dk", dk, want_dk), ("dscale", dscale, want_dscale)):
         assert normwise(got, want) < 1e-9, f"{name}: {normwise(got, want)}"
@@ -185,8 +194,15 @@ def test_teacher_gets_no_gradient_and_nan_propagates():
     ],
 )
 def test_bad_input_names_the_argument(kwargs, error, match):
-    args = {"student_q": torch.randn(4, 6), "student_k": torch.randn(4, 6), "teacher_q": torch.randn(4, 3),
-            "teacher_k": torch.randn(4, 3), "scale": 10.0, "teacher_scale": 10.0, **kwargs}
+    args = {
+        "student_q": torch.randn(4, 6),
+        "student_k": torch.randn(4, 6),
+        "teacher_q": torch.randn(4, 3),
+        "teacher_k": torch.randn(4, 3),
+        "scale": 10.0,
+        "teacher_scale": 10.0,
+        **kwargs,
+    }
     with pytest.raises(error, match=match):
         cal_distill_loss(**args)
 
@@ -200,8 +216,13 @@ def test_forward_accepts_open_clips_signature():
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     open_clip_loss_module()  # skips without open_clip
-    outcomes = launch(MAIN_WORLD, "workers.distill_ring_worker", str(tmp_path_factory.mktemp("distill")),
-                      pg_timeout_s=60.0, deadline_s=170.0)
+    outcomes = launch(
+        MAIN_WORLD,
+        "workers.distill_ring_worker",
+        str(tmp_path_factory.mktemp("distill")),
+        pg_timeout_s=60.0,
+        deadline_s=170.0,
+    )
     return results_by_ring(outcomes, RINGS)
 
 
@@ -232,8 +253,9 @@ def test_ring_matches_one_process(spawned):
 def test_cuda_matches_truth(dtype):
     q, k, tq, tk = _features(3000, 3000, 64, 48, dtype, 12)
     loss, dq, dk, dscale = _run(*(x.cuda() for x in (q, k, tq, tk)), 30.0, 50.0)
-    items, want_dq, want_dk, want_dscale = truth(q, k, tq, tk, 30.0, 50.0,
-                                                 upstream=torch.full((3000,), 1 / 3000, dtype=torch.float64))
+    items, want_dq, want_dk, want_dscale = truth(
+        q, k, tq, tk, 30.0, 50.0, upstream=torch.full((3000,), 1 / 3000, dtype=torch.float64)
+    )
     assert abs(float(loss) - float(items.mean())) <= NORMWISE[dtype] * float(items.mean())
     for name, got, want in (("dq", dq, want_dq), ("dk", dk, want_dk), ("dscale", dscale, want_dscale)):
         assert normwise(got.cpu(), want) < NORMWISE[dtype], f"{name}: {normwise(got.cpu(), want)}"

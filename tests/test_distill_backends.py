@@ -47,8 +47,15 @@ def test_matches_float64_truth(backend, dtype, symmetric):
     m = n if symmetric else n + n // 3
     q, k, tq, tk = _features(n, m, 9, 5, dtype, 1)
     upstream = torch.randn(n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    got = _run(*_on_device(q, k, tq, tk), 12.0, 20.0, upstream.to(DEVICE), symmetric=symmetric, reduction="none",
-               backend=backend)
+    got = _run(
+        *_on_device(q, k, tq, tk),
+        12.0,
+        20.0,
+        upstream.to(DEVICE),
+        symmetric=symmetric,
+        reduction="none",
+        backend=backend,
+    )
     want = truth(q, k, tq, tk, 12.0, 20.0, symmetric, upstream)
     assert got[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     atol, rtol = TOLERANCE[dtype]
@@ -97,8 +104,13 @@ def test_bfloat16_no_worse_than_torch(backend):
     assert normwise(got[3].cpu(), want[3]) < 1e-5
     plain_q, plain_k = q.clone().requires_grad_(), k.clone().requires_grad_()
     s, t = 20.0 * plain_q @ plain_k.T, 30.0 * tq @ tk.T
-    ((-(t.softmax(1) * s.float().log_softmax(1)).sum(1).mean()
-      - (t.T.softmax(1) * s.float().T.log_softmax(1)).sum(1).mean()) / 2).backward()
+    (
+        (
+            -(t.softmax(1) * s.float().log_softmax(1)).sum(1).mean()
+            - (t.T.softmax(1) * s.float().T.log_softmax(1)).sum(1).mean()
+        )
+        / 2
+    ).backward()
     for name, g, plain, w in (("dq", got[1], plain_q.grad, want[1]), ("dk", got[2], plain_k.grad, want[2])):
         ours, theirs = normwise(g.cpu(), w), normwise(plain, w)
         assert ours <= theirs, f"{name}: infcl {ours:.2e}, open_clip's formula in bfloat16 {theirs:.2e}"
@@ -129,7 +141,6 @@ def test_reference_is_not_a_backend_of_the_distillation_loss():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         features = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 2), torch.randn(4, 2))
         cal_distill_loss(*features, backend="reference")
-
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -30,10 +30,31 @@ def free_port() -> int:
 @pytest.mark.slow  # two fresh transformers processes behind Accelerate's launcher: ~30 s on 2 quiet cores
 def test_accelerate_launch_trains_on_two_ranks_with_gradcache(tmp_path):
     script = os.path.join(REPO_ROOT, "examples", "hf_trainer_clip.py")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()),
-           script, "--steps", "1", "--per-device-batch", "6", "--gradcache-chunk", "4", "--output-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        script,
+        "--steps",
+        "1",
+        "--per-device-batch",
+        "6",
+        "--gradcache-chunk",
+        "4",
+        "--output-dir",
+        str(tmp_path),
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -112,8 +112,21 @@ def _restore_tiles():
         BACKEND.tiling = None
 
 
-def _masked_in_dtype(q, k, labels, scale, *, symmetric=False, reduction="mean", q_ids=None, k_ids=None,
-                     multi_positive=None, guide=None, guide_margin=0.0, guide_margin_strategy="absolute"):
+def _masked_in_dtype(
+    q,
+    k,
+    labels,
+    scale,
+    *,
+    symmetric=False,
+    reduction="mean",
+    q_ids=None,
+    k_ids=None,
+    multi_positive=None,
+    guide=None,
+    guide_margin=0.0,
+    guide_margin_strategy="absolute",
+):
     """The masked loss as torch computes it in q's dtype on dense [Bq, Bk] masks (logits, log-sum-exp and
     their gradients in bfloat16 / float16): the low-precision baseline of the Triton kernels, whose
     tensor-core products take dS rounded to the inputs' dtype (as in tests/test_triton.py). The masks are
@@ -145,19 +158,23 @@ def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=No
     scale = torch.tensor(SCALE, dtype=torch.float64)
     truth = grads_of_inputs(
         lambda a, b, s: masked_loss_truth(a, b, labels, s, symmetric=symmetric, reduction=reduction, **opts),
-        (q.double(), k.double(), scale), upstream,
+        (q.double(), k.double(), scale),
+        upstream,
     )
     name = _use(backend)
     got = grads_of_inputs(
         lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=symmetric, reduction=reduction, backend=name, **opts),
-        (q, k, scale.to(dtype)), upstream,
+        (q, k, scale.to(dtype)),
+        upstream,
     )
     atol, rtol = TOLERANCE[dtype]
     if backend == "cpu" and dtype == torch.bfloat16:
         ref = grads_of_inputs(
-            lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=symmetric, reduction=reduction, backend="reference",
-                                         **opts),
-            (q, k, scale.to(dtype)), upstream,
+            lambda a, b, s: cal_inf_loss(
+                a, b, labels, s, symmetric=symmetric, reduction=reduction, backend="reference", **opts
+            ),
+            (q, k, scale.to(dtype)),
+            upstream,
         )
         for name, g, r, t in zip(("loss", "dq", "dk", "dscale"), got, ref, truth):
             err, ref_err = (float((x.double() - t).abs().nan_to_num(0.0).max()) for x in (g, r))
@@ -169,7 +186,8 @@ def _check(backend, q, k, labels, opts, symmetric, reduction, dtype, upstream=No
         # dS meets the tensor cores in the inputs' dtype: no worse than torch's own loss in that dtype.
         lowp = grads_of_inputs(
             lambda a, b, s: _masked_in_dtype(a, b, labels, s, symmetric=symmetric, reduction=reduction, **opts),
-            (q, k, scale.to(dtype)), upstream,
+            (q, k, scale.to(dtype)),
+            upstream,
         )
         for name, g, t, e in zip(("loss", "dq", "dk", "dscale"), got, lowp, truth):
             assert_no_worse(g, t, e, atol, rtol, f"{what} {name}")
@@ -190,8 +208,18 @@ def test_matches_truth(backend, mode, kind, symmetric, dtype):
     opts = _options(kind, mode, q_ids, k_ids, guide)
     upstream = torch.linspace(-0.5, 1.5, 23, dtype=torch.float64)
     for reduction in ("mean", "sum", "none"):
-        _check(backend, q, k, labels, opts, symmetric, reduction, dtype,
-               upstream if reduction == "none" else None, f"{backend} {kind} {mode} sym={symmetric} {reduction}")
+        _check(
+            backend,
+            q,
+            k,
+            labels,
+            opts,
+            symmetric,
+            reduction,
+            dtype,
+            upstream if reduction == "none" else None,
+            f"{backend} {kind} {mode} sym={symmetric} {reduction}",
+        )
 
 
 @pytest.mark.parametrize("backend", MASK_BACKENDS)
@@ -234,12 +262,31 @@ def test_all_ids_equal(backend, symmetric):
     )
     assert_close_verbose(alone, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "None: loss 0")
     # "sum": the positives are every column, so lse - lse = 0; "mean": lse - mean of the row.
-    summed = cal_inf_loss(q, k, labels, SCALE, symmetric=symmetric, reduction="none", q_ids=same, k_ids=same,
-                          multi_positive="sum", backend=name)
+    summed = cal_inf_loss(
+        q,
+        k,
+        labels,
+        SCALE,
+        symmetric=symmetric,
+        reduction="none",
+        q_ids=same,
+        k_ids=same,
+        multi_positive="sum",
+        backend=name,
+    )
     assert_close_verbose(summed, torch.zeros(11, dtype=torch.float64), 1e-12, 0, "sum: loss 0")
     for mode in MODES:
-        _check(backend, q, k, labels, {"q_ids": same, "k_ids": same, "multi_positive": mode}, symmetric, "mean",
-               torch.float64, what=f"all equal {mode}")
+        _check(
+            backend,
+            q,
+            k,
+            labels,
+            {"q_ids": same, "k_ids": same, "multi_positive": mode},
+            symmetric,
+            "mean",
+            torch.float64,
+            what=f"all equal {mode}",
+        )
 
 
 @pytest.mark.parametrize("backend", MASK_BACKENDS)
@@ -286,19 +333,23 @@ NATIVE_TILED = {"sym": (600, 600, True), "hardneg": (300, 1100, False)}
 def test_native_across_tiles_matches_reference(shape, mode, kind, classes, dtype):
     name = _use("cpu")
     bq, bk, symmetric = NATIVE_TILED[shape]
-    q, k, labels, q_ids, k_ids, guide = _inputs(bq, bk, d=16, dtype=torch.float64, seed=29, classes=classes,
-                                                labels="perm" if symmetric else "random")
+    q, k, labels, q_ids, k_ids, guide = _inputs(
+        bq, bk, d=16, dtype=torch.float64, seed=29, classes=classes, labels="perm" if symmetric else "random"
+    )
     opts = _options(kind, mode, q_ids, k_ids, guide)
     scale = torch.tensor(SCALE, dtype=torch.float64)
     upstream = torch.rand(bq, generator=torch.Generator().manual_seed(2), dtype=torch.float64) - 0.25
     truth = grads_of_inputs(
-        lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=symmetric, reduction="none", backend="reference",
-                                     **opts),
-        (q, k, scale), upstream,
+        lambda a, b, s: cal_inf_loss(
+            a, b, labels, s, symmetric=symmetric, reduction="none", backend="reference", **opts
+        ),
+        (q, k, scale),
+        upstream,
     )
     got = grads_of_inputs(
         lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=symmetric, reduction="none", backend=name, **opts),
-        (q.to(dtype), k.to(dtype), scale.to(dtype)), upstream,
+        (q.to(dtype), k.to(dtype), scale.to(dtype)),
+        upstream,
     )
     atol, rtol = TOLERANCE[dtype]
     for what, g, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
@@ -322,9 +373,11 @@ def test_native_positive_runs_match_reference(mode):
     upstream = torch.rand(b, generator=torch.Generator().manual_seed(3), dtype=torch.float64) - 0.25
     truth, got = (
         grads_of_inputs(
-            lambda a, c, s, backend=backend: cal_inf_loss(a, c, labels, s, symmetric=True, reduction="none",
-                                                          backend=backend, **opts),
-            (q, k, scale), upstream,
+            lambda a, c, s, backend=backend: cal_inf_loss(
+                a, c, labels, s, symmetric=True, reduction="none", backend=backend, **opts
+            ),
+            (q, k, scale),
+            upstream,
         )
         for backend in ("reference", name)
     )
@@ -370,8 +423,11 @@ BAD_INPUTS = (
     ({"q_ids": torch.arange(6, device="meta"), "k_ids": torch.arange(6)}, ValueError, "q_ids must be on q's device"),
     ({"q_ids": torch.arange(6)}, ValueError, "q_ids was given without k_ids"),
     ({"multi_positive": "mean"}, ValueError, "multi_positive='mean' needs q_ids and k_ids"),
-    ({"q_ids": torch.arange(6), "k_ids": torch.arange(6), "multi_positive": "max"}, ValueError,
-     "multi_positive must be one of"),
+    (
+        {"q_ids": torch.arange(6), "k_ids": torch.arange(6), "multi_positive": "max"},
+        ValueError,
+        "multi_positive must be one of",
+    ),
     ({"guide": (torch.randn(5, 3), torch.randn(6, 3))}, ValueError, "guide.0. must have one row per row of q"),
     ({"guide": (torch.randn(6, 3), torch.randn(7, 3))}, ValueError, "guide.1. must have one row per row of k"),
     ({"guide": (torch.randn(6, 3), torch.randn(6, 4))}, ValueError, "same non-zero width"),
@@ -477,8 +533,19 @@ def test_clip_loss_module_takes_the_mask_options():
     k_ids = q_ids  # paired images and texts share their ids
     module = InfCLIPLoss(multi_positive="sum", guide_margin=0.2, guide_margin_strategy="relative")
     got = module(q, k, torch.tensor(SCALE, dtype=torch.float64), q_ids=q_ids, k_ids=k_ids, guide=guide)
-    want = masked_loss_truth(q, k, None, SCALE, symmetric=True, q_ids=q_ids, k_ids=k_ids, multi_positive="sum",
-                             guide=guide, guide_margin=0.2, guide_margin_strategy="relative")
+    want = masked_loss_truth(
+        q,
+        k,
+        None,
+        SCALE,
+        symmetric=True,
+        q_ids=q_ids,
+        k_ids=k_ids,
+        multi_positive="sum",
+        guide=guide,
+        guide_margin=0.2,
+        guide_margin_strategy="relative",
+    )
     assert_close_verbose(got, want, 1e-10, 1e-10, "InfCLIPLoss with masks")
     plain = InfCLIPLoss(backend="torch")
     assert torch.equal(plain(q, k, SCALE, q_ids=torch.arange(12), k_ids=torch.arange(12)), plain(q, k, SCALE)), (
@@ -515,8 +582,9 @@ def test_confident_batch(backend, mode, dtype, classes):
             (q, k, scale),
         )
         got = grads_of_inputs(
-            lambda a, b, s_, sym=symmetric: cal_inf_loss(a, b, labels, s_, symmetric=sym, reduction="sum", backend=name,
-                                                         **opts),
+            lambda a, b, s_, sym=symmetric: cal_inf_loss(
+                a, b, labels, s_, symmetric=sym, reduction="sum", backend=name, **opts
+            ),
             (q.to(dtype), k.to(dtype), scale.to(dtype)),
         )
         assert_normwise(got, truth, CONFIDENT_BOUND[dtype], f"confident {mode} sym={symmetric}")
@@ -538,15 +606,31 @@ def test_triton_masked_ops_pass_opcheck():
     row_thr, col_thr = torch.randn(bq, generator=gen), torch.randn(bk, generator=gen)
     tiling = _triton_tiny().to_ints()
     masks = (q_ids, k_ids, gq, gk, row_thr, col_thr, "sum")
-    torch.library.opcheck(torch.ops.infcl.triton_masked_forward_block.default,
-                          (q, k, scale, pos, True, *masks, "ieee", tiling))
+    torch.library.opcheck(
+        torch.ops.infcl.triton_masked_forward_block.default, (q, k, scale, pos, True, *masks, "ieee", tiling)
+    )
     stats = torch.stack((torch.full((bq,), 3.0), torch.full((bq,), 0.5)))
     col_stats = torch.stack((torch.full((bk,), 3.0), torch.full((bk,), 0.5)))
     grads = (torch.randn(bq, generator=gen), torch.randn(bk, generator=gen))
     torch.library.opcheck(
         torch.ops.infcl.triton_masked_backward_block.default,
-        (q, k, scale, pos, stats, grads[0], col_stats, grads[1], stats, col_stats, *masks, torch.zeros(bq, d),
-         torch.zeros(bk, d), "ieee", tiling),
+        (
+            q,
+            k,
+            scale,
+            pos,
+            stats,
+            grads[0],
+            col_stats,
+            grads[1],
+            stats,
+            col_stats,
+            *masks,
+            torch.zeros(bq, d),
+            torch.zeros(bk, d),
+            "ieee",
+            tiling,
+        ),
     )
 
 

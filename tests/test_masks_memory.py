@@ -18,7 +18,9 @@ import torch
 from helpers.support import PEAK_PROBE
 from infcl.backends.native import unavailable_reason
 
-_MEASURE = PEAK_PROBE + r"""
+_MEASURE = (
+    PEAK_PROBE
+    + r"""
 import json, sys, torch
 from infcl import cal_inf_loss
 b, d, masked, backend, positives = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], sys.argv[5]
@@ -38,6 +40,7 @@ loss_fn(64).backward()  # warm up thread pools and allocators on a small problem
 q.grad = k.grad = scale.grad = None
 print(json.dumps({"extra_bytes": peak_extra_bytes(lambda: loss_fn(b).backward())}))
 """
+)
 
 # The issue's B = 16384 on the native kernel (seconds): below it its column partials (O(groups * Bk), the
 # groups growing with B up to 64) are too small beside the per-thread tiles for the ratio to see them. The
@@ -59,7 +62,10 @@ def _peak_extra_bytes(masked: bool, backend: str, positives: str = "mean") -> in
     env = dict(os.environ, OMP_NUM_THREADS="2", **MALLOC_ENV)
     out = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(BATCH[backend]), str(DIM), "1" if masked else "0", backend, positives],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]

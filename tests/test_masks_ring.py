@@ -23,8 +23,12 @@ DEADLINE_S = 300.0  # generous: only there so that a hang fails instead of block
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     outcomes = launch(
-        worker.MAIN_WORLD, "workers.masks_ring_worker", str(tmp_path_factory.mktemp("masks_ring")), list(BACKENDS),
-        pg_timeout_s=PG_TIMEOUT_S, deadline_s=DEADLINE_S,
+        worker.MAIN_WORLD,
+        "workers.masks_ring_worker",
+        str(tmp_path_factory.mktemp("masks_ring")),
+        list(BACKENDS),
+        pg_timeout_s=PG_TIMEOUT_S,
+        deadline_s=DEADLINE_S,
     )
     return results_by_ring(outcomes, worker.RINGS)
 

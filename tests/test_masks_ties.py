@@ -61,12 +61,16 @@ def _compare(backend, q, k, guide, symmetric=False, margin=0.0):
     atol, rtol = TOLERANCE[torch.float32]
 
     def loss(be):
-        return lambda q_, k_: cal_inf_loss(q_, k_, None, 10.0, symmetric=symmetric, guide=guide,
-                                           guide_margin=margin, reduction="none", backend=be)
+        return lambda q_, k_: cal_inf_loss(
+            q_, k_, None, 10.0, symmetric=symmetric, guide=guide, guide_margin=margin, reduction="none", backend=be
+        )
 
     upstream = torch.linspace(0.5, 1.5, q.shape[0])
-    for name, ours, ref in zip(("loss", "dq", "dk"), grads_of_inputs(loss(backend), (q, k), upstream),
-                               grads_of_inputs(loss("reference"), (q, k), upstream)):
+    for name, ours, ref in zip(
+        ("loss", "dq", "dk"),
+        grads_of_inputs(loss(backend), (q, k), upstream),
+        grads_of_inputs(loss("reference"), (q, k), upstream),
+    ):
         assert_close_verbose(ours, ref, atol, rtol, f"{backend} {name}")
 
 

@@ -34,8 +34,9 @@ def test_triton_guide_ties_match_reference(dtype, tf32, symmetric, monkeypatch):
     # The reference's float64 thresholds and scores on the guide as the kernels round it: tf32 keeps 10 bits.
     ref_guide = tuple(g.double() for g in guide)
     ours = cal_inf_loss(q, k, None, 10.0, symmetric=symmetric, guide=guide, reduction="none", backend="triton")
-    ref = cal_inf_loss(q.double(), k.double(), None, 10.0, symmetric=symmetric, guide=ref_guide, reduction="none",
-                       backend="reference")
+    ref = cal_inf_loss(
+        q.double(), k.double(), None, 10.0, symmetric=symmetric, guide=ref_guide, reduction="none", backend="reference"
+    )
     # A dropped duplicate moves its row by ~log 2; rounding of features moves it by ~1e-2 at most in bf16.
     assert (ours.double() - ref).abs().max() < 0.1, (ours.double() - ref).abs().max()
 

@@ -46,8 +46,9 @@ def test_id_views_give_the_contiguous_ids_loss(backend, mode):
         assert not ids.is_contiguous(), name
 
         def loss(ids_):
-            return lambda q_, k_: cal_inf_loss(q_, k_, None, 10.0, q_ids=ids_, k_ids=ids_, multi_positive=mode,
-                                               reduction="none", backend=backend)
+            return lambda q_, k_: cal_inf_loss(
+                q_, k_, None, 10.0, q_ids=ids_, k_ids=ids_, multi_positive=mode, reduction="none", backend=backend
+            )
 
         ours = grads_of_inputs(loss(ids), (q, k))
         plain = grads_of_inputs(loss(ids.contiguous()), (q, k))

@@ -12,7 +12,9 @@ import sys
 
 from helpers.support import PEAK_PROBE
 
-_MEASURE = PEAK_PROBE + r"""
+_MEASURE = (
+    PEAK_PROBE
+    + r"""
 import json, sys, torch
 from infcl import cal_inf_loss, cal_siglip_loss
 b, d, backend, loss_name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -30,6 +32,7 @@ loss_fn(q[:64], k[:64], scale).backward()
 q.grad = k.grad = scale.grad = None
 print(json.dumps({"extra_bytes": peak_extra_bytes(lambda: loss_fn(q, k, scale).backward())}))
 """
+)
 
 # D is small on purpose: the flops (and the test's time) scale with D, a B x B matrix does not.
 BATCHES = (2048, 4096, 8192)
@@ -40,7 +43,10 @@ def peak_extra_bytes(b, d, backend, loss="clip", threads=2):
     """Peak extra RSS of one forward + backward of ``loss`` ("clip" or "siglip") in a fresh process."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(b), str(d), backend, loss], capture_output=True, text=True, env=env,
+        [sys.executable, "-c", _MEASURE, str(b), str(d), backend, loss],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr

@@ -219,8 +219,9 @@ def test_strided_dq_dk_accumulate_in_place():
     pos = _diagonal_pos(100, 90)
     scale = torch.tensor(2.0)
     rows, cols = native.BACKEND.forward_block(Block(q=q, k=k, scale=scale, pos=pos), True)
-    block = Block(q=q, k=k, scale=scale, pos=pos, row_stats=rows[:2], g_row=torch.rand(100),
-                  col_stats=cols, g_col=torch.rand(90))
+    block = Block(
+        q=q, k=k, scale=scale, pos=pos, row_stats=rows[:2], g_row=torch.rand(100), col_stats=cols, g_col=torch.rand(90)
+    )
     dq_t, dk_t = torch.ones(8, 100), torch.ones(8, 90)
     native.BACKEND.backward_block(block, dq_t.T, dk_t.T)
     # The same kernel into contiguous buffers: the strides change where the sums land, never their bits.
@@ -322,8 +323,12 @@ def test_confident_pairs_keep_their_digits(dtype, rtol, symmetric):
     s = torch.tensor(100.0)
     fn = lambda a, b, c: cal_inf_loss(a, b, scale=c, symmetric=symmetric, reduction="sum", backend="cpu")  # noqa: E731
     got = grads_of(fn, q, k, s)
-    truth = grads_of(lambda a, b, c: vanilla_loss(a, b, scale=c, symmetric=symmetric, reduction="sum"),
-                     q.double(), k.double(), s.double())
+    truth = grads_of(
+        lambda a, b, c: vanilla_loss(a, b, scale=c, symmetric=symmetric, reduction="sum"),
+        q.double(),
+        k.double(),
+        s.double(),
+    )
     for name, a, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
         assert_close_verbose(a, t, rtol * float(t.abs().max()), 10 * rtol, name)
 
@@ -342,7 +347,9 @@ def test_backward_recomputes_the_forwards_logits_bit_for_bit(dtype, symmetric, t
     with _threads(threads):
         loss, dq, dk, dscale = grads_of(
             lambda a, b, c: cal_inf_loss(a, b, scale=c, symmetric=symmetric, reduction="sum", backend="cpu"),
-            q, q.clone(), torch.tensor(100.0, dtype=accum_dtype(dtype)),
+            q,
+            q.clone(),
+            torch.tensor(100.0, dtype=accum_dtype(dtype)),
         )
     assert float(loss) == 0.0
     for name, grad in (("dq", dq), ("dk", dk), ("dscale", dscale)):
@@ -430,10 +437,16 @@ def test_thread_counts_match_vanilla(threads):
     q, k = _features(1100, 1100, ODD_DIMS[2], torch.float32)
     scale = torch.tensor(SCALE)
     with _threads(threads):
-        got = grads_of(lambda a, c, s: cal_inf_loss(a, c, scale=s, symmetric=True, backend="cpu"),
-                       q, k, scale, torch.tensor(0.7))
-    truth = grads_of(lambda a, c, s: vanilla_loss(a, c, scale=s, symmetric=True),
-                     q.double(), k.double(), scale.double(), torch.tensor(0.7))
+        got = grads_of(
+            lambda a, c, s: cal_inf_loss(a, c, scale=s, symmetric=True, backend="cpu"), q, k, scale, torch.tensor(0.7)
+        )
+    truth = grads_of(
+        lambda a, c, s: vanilla_loss(a, c, scale=s, symmetric=True),
+        q.double(),
+        k.double(),
+        scale.double(),
+        torch.tensor(0.7),
+    )
     for name, a, t in zip(("loss", "dq", "dk", "dscale"), got, truth):
         assert_close_verbose(a, t, *TOLERANCE[torch.float32], f"{name} threads={threads}")
 
@@ -460,8 +473,10 @@ def test_thread_count_may_change_between_forward_and_backward(dtype, symmetric):
     for threads in (1, 3):
         with _threads(threads):
             same = grads_of(loss_of, q, k, scale)
-            mixed = (forward_2.detach(), *torch.autograd.grad(forward_2, leaves, torch.ones_like(forward_2),
-                                                               retain_graph=True))
+            mixed = (
+                forward_2.detach(),
+                *torch.autograd.grad(forward_2, leaves, torch.ones_like(forward_2), retain_graph=True),
+            )
         for name, a, b in zip(("loss", "dq", "dk", "dscale"), mixed, same):
             assert torch.equal(a, b), f"{name}: forward on 2 threads, backward on {threads} != {threads} throughout"
         assert_normwise(mixed, truth, EXACT_NORMWISE[dtype], f"backward on {threads} threads")

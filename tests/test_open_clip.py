@@ -21,8 +21,14 @@ FP32 = TOLERANCE[torch.float32]
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     open_clip_loss_module()  # skips without open_clip
-    outcomes = launch(MAIN_WORLD, "workers.open_clip_worker", str(tmp_path_factory.mktemp("open-clip")), list(BACKENDS),
-                      pg_timeout_s=60.0, deadline_s=170.0)
+    outcomes = launch(
+        MAIN_WORLD,
+        "workers.open_clip_worker",
+        str(tmp_path_factory.mktemp("open-clip")),
+        list(BACKENDS),
+        pg_timeout_s=60.0,
+        deadline_s=170.0,
+    )
     return results_by_ring(outcomes, RINGS)
 
 
@@ -55,8 +61,10 @@ def test_clip_loss_flags_match_open_clip(spawned, world, local_loss, gather_with
         want, got = (results[(name, local_loss, gather_with_grad)] for name in ("open_clip", "torch"))
         for key in ("loss", "image", "text"):
             assert_close_verbose(got[key], want[key], *FP32, f"world={world} rank={rank} {key}")
-    want, got = (torch.stack([r[(name, local_loss, gather_with_grad)]["scale"] for r in ranks]).mean(0)
-                 for name in ("open_clip", "torch"))
+    want, got = (
+        torch.stack([r[(name, local_loss, gather_with_grad)]["scale"] for r in ranks]).mean(0)
+        for name in ("open_clip", "torch")
+    )
     assert_close_verbose(got, want, *FP32, f"world={world} mean scale gradient")
 
 
@@ -75,8 +83,12 @@ def test_clip_forward_accepts_open_clip_signature():
     ours = list(inspect.signature(InfCLIPLoss.forward).parameters)
     assert ours[: len(theirs)] == theirs
     image, text = torch.randn(6, 8), torch.randn(6, 8)
-    model_out = {"image_features": image, "text_features": text, "logit_scale": torch.tensor(10.0),
-                 "logit_bias": torch.tensor(-3.0)}
+    model_out = {
+        "image_features": image,
+        "text_features": text,
+        "logit_scale": torch.tensor(10.0),
+        "logit_bias": torch.tensor(-3.0),
+    }
     loss = InfCLIPLoss()(**model_out)
     assert_close_verbose(loss, InfCLIPLoss()(image, text, torch.tensor(10.0)), 0.0, 0.0, "bias cancels")
 

@@ -16,8 +16,13 @@ FP32 = TOLERANCE[torch.float32]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     open_clip_loss_module()  # skips without open_clip
-    outcomes = launch(WORLD, "workers.open_clip_distill_worker", str(tmp_path_factory.mktemp("distill")),
-                      pg_timeout_s=60.0, deadline_s=170.0)
+    outcomes = launch(
+        WORLD,
+        "workers.open_clip_distill_worker",
+        str(tmp_path_factory.mktemp("distill")),
+        pg_timeout_s=60.0,
+        deadline_s=170.0,
+    )
     return results_by_ring(outcomes, RINGS)(WORLD)
 
 

@@ -34,9 +34,19 @@ OPEN_CLIP_PYTHON = os.environ.get("INFCL_OPEN_CLIP_PYTHON")
 
 def trainer_args(**overrides) -> argparse.Namespace:
     """open_clip_train's parsed arguments that create_loss reads, at open_clip's defaults, after init_distributed."""
-    args = dict(distill=False, model="ViT-B-32", coca_caption_loss_weight=2.0, coca_contrastive_loss_weight=1.0,
-                siglip=False, loss_dist_impl=None, local_loss=False, gather_with_grad=False, rank=0, world_size=1,
-                horovod=False)
+    args = dict(
+        distill=False,
+        model="ViT-B-32",
+        coca_caption_loss_weight=2.0,
+        coca_contrastive_loss_weight=1.0,
+        siglip=False,
+        loss_dist_impl=None,
+        local_loss=False,
+        gather_with_grad=False,
+        rank=0,
+        world_size=1,
+        horovod=False,
+    )
     args.update(overrides)
     return argparse.Namespace(**args)
 
@@ -62,8 +72,9 @@ def test_clip_arguments_give_open_clip_loss(local_loss, gather_with_grad):
     ours = infcl_loss(args)
     assert type(ours) is InfCLIPLoss
     assert (ours.local_loss, ours.gather_with_grad) == (local_loss, gather_with_grad)
-    theirs = open_clip_loss_module().ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad,
-                                              cache_labels=True, rank=0, world_size=1)
+    theirs = open_clip_loss_module().ClipLoss(
+        local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=True, rank=0, world_size=1
+    )
     for name, got, want in zip(("loss", "image", "text", "scale"), loss_and_grads(ours), loss_and_grads(theirs)):
         assert_close_verbose(got, want, *FP32, name)
 
@@ -74,8 +85,11 @@ def test_siglip_arguments_give_open_clip_loss(dist_impl):
     assert type(ours) is InfSigLipLoss
     theirs = open_clip_loss_module().SigLipLoss(rank=0, world_size=1, dist_impl=dist_impl)
     bias = torch.tensor(-3.0)
-    for name, got, want in zip(("loss", "image", "text", "scale"), loss_and_grads(ours, logit_bias=bias),
-                               loss_and_grads(theirs, logit_bias=bias)):
+    for name, got, want in zip(
+        ("loss", "image", "text", "scale"),
+        loss_and_grads(ours, logit_bias=bias),
+        loss_and_grads(theirs, logit_bias=bias),
+    ):
         assert_close_verbose(got, want, *FP32, name)
     with pytest.raises(ValueError, match="dist_impl"):
         infcl_loss(trainer_args(siglip=True, loss_dist_impl="ring"))
@@ -107,8 +121,9 @@ def test_distill_arguments_give_open_clip_loss(local_loss):
     ours = infcl_loss(args)
     assert type(ours) is InfDistillClipLoss
     assert (ours.local_loss, ours.gather_with_grad) == (local_loss, local_loss)
-    theirs = open_clip_loss_module().DistillClipLoss(local_loss=local_loss, gather_with_grad=local_loss,
-                                                     cache_labels=True, rank=0, world_size=1)
+    theirs = open_clip_loss_module().DistillClipLoss(
+        local_loss=local_loss, gather_with_grad=local_loss, cache_labels=True, rank=0, world_size=1
+    )
     image, text = (x.detach() for x in features(seed=1))
     teacher = dict(dist_image_features=image, dist_text_features=text, dist_logit_scale=torch.tensor(9.0))
     results = [loss_and_grads(fn, **teacher) for fn in (ours, theirs)]

@@ -120,12 +120,17 @@ def test_wheel_and_sdist_carry_the_native_sources(tmp_path):
     # No build isolation: the installed setuptools builds it, offline and in seconds.
     wheel_build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(source)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert wheel_build.returncode == 0, wheel_build.stdout + wheel_build.stderr
     sdist_build = subprocess.run(
         [sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({str(dist)!r})"],
-        cwd=source, capture_output=True, text=True, timeout=300,
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert sdist_build.returncode == 0, sdist_build.stdout + sdist_build.stderr
 

@@ -33,11 +33,17 @@ from infcl.backends import unavailable_reason
 from infcl.backends.torch_tiles import TORCH_TILES
 
 settings.register_profile(
-    "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+    "ci",
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
     derandomize=True,
 )
 settings.register_profile(
-    "deep", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+    "deep",
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("INFCL_HYPOTHESIS_PROFILE", "ci"))
 DEEP = os.environ.get("INFCL_HYPOTHESIS_PROFILE") == "deep"
@@ -75,8 +81,15 @@ def _layout(t, kind):
 
 
 @st.composite
-def masked_problems(draw, max_b=7, max_extra=9, symmetric=None, id_layouts=("contiguous", "meta", "strided"),
-                    ties=False, id_dtypes=ID_DTYPES[:1] + ID_DTYPES):
+def masked_problems(
+    draw,
+    max_b=7,
+    max_extra=9,
+    symmetric=None,
+    id_layouts=("contiguous", "meta", "strided"),
+    ties=False,
+    id_dtypes=ID_DTYPES[:1] + ID_DTYPES,
+):
     """(q, k, labels, scale, symmetric, options) of the masked loss; ``id_layouts``: how ids may be held
     (only views: ids are always given); ``ties``: always a wide guide at margin 0 with duplicated columns."""
     symmetric = draw(st.booleans()) if symmetric is None else symmetric
@@ -97,8 +110,10 @@ def masked_problems(draw, max_b=7, max_extra=9, symmetric=None, id_layouts=("con
     lab = torch.arange(bq) if labels is None else labels
     # Exact duplicates: columns copying a row's labelled column (the same text twice), rows copying rows.
     n_dups = draw(st.integers(1 if ties else 0, 3))
-    dups = [(int(torch.randint(0, bk, (1,), generator=gen)), int(torch.randint(0, bk, (1,), generator=gen)))
-            for _ in range(n_dups)]
+    dups = [
+        (int(torch.randint(0, bk, (1,), generator=gen)), int(torch.randint(0, bk, (1,), generator=gen)))
+        for _ in range(n_dups)
+    ]
     for dst, src in dups:
         k[dst] = k[src]
     for dst, src in dups:
@@ -143,8 +158,14 @@ def masked_problems(draw, max_b=7, max_extra=9, symmetric=None, id_layouts=("con
     q = _layout(q, draw(st.sampled_from(("contiguous", "strided", "transposed"))))
     k = _layout(k, draw(st.sampled_from(("contiguous", "strided", "transposed"))))
     scale = draw(st.sampled_from((1.0, 7.0, 20.0)))
-    options = dict(q_ids=q_ids, k_ids=k_ids, multi_positive=multi_positive, guide=guide, guide_margin=margin,
-                   guide_margin_strategy=strategy)
+    options = dict(
+        q_ids=q_ids,
+        k_ids=k_ids,
+        multi_positive=multi_positive,
+        guide=guide,
+        guide_margin=margin,
+        guide_margin_strategy=strategy,
+    )
     return q, k, labels, scale, symmetric, options
 
 
@@ -157,9 +178,19 @@ def _check_masked(problem, backend):
         return cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction="none", backend=backend, **options)
 
     def truth(q_, k_, s_):
-        return truth_losses(q_, k_, labels, s_, symmetric, options["q_ids"], options["k_ids"],
-                            options["multi_positive"], options["guide"], options["guide_margin"],
-                            options["guide_margin_strategy"])
+        return truth_losses(
+            q_,
+            k_,
+            labels,
+            s_,
+            symmetric,
+            options["q_ids"],
+            options["k_ids"],
+            options["multi_positive"],
+            options["guide"],
+            options["guide_margin"],
+            options["guide_margin_strategy"],
+        )
 
     got = grads_of(ours, q, k, scale_t.to(torch.float32), upstream)
     want = grads_of(truth, q, k, scale_t, upstream)
@@ -197,8 +228,10 @@ def test_guide_ties_match_truth(problem, backend, monkeypatch):
 @pytest.mark.interpreter
 @pytest.mark.skipif(not TRITON, reason="triton unavailable")
 @settings(max_examples=400 if DEEP else 6)
-@given(problem=masked_problems(max_b=4, max_extra=3, id_layouts=("meta", "strided"), id_dtypes=(torch.int64,)),
-       ties=masked_problems(ties=True))
+@given(
+    problem=masked_problems(max_b=4, max_extra=3, id_layouts=("meta", "strided"), id_dtypes=(torch.int64,)),
+    ties=masked_problems(ties=True),
+)
 def test_masked_losses_match_truth_triton(problem, ties):
     _check_masked(problem, "triton")
     _check_masked(ties, "triton")
@@ -226,8 +259,10 @@ def plain_problems(draw):
         k[bk // 2] = k[0]  # a duplicate column: a tie in S
     if labels is not None and draw(st.booleans()):
         labels = ids_as(labels, draw(st.sampled_from(("meta", "strided"))), torch.int64)
-    layout_q, layout_k = draw(st.sampled_from(("contiguous", "strided", "transposed"))), draw(
-        st.sampled_from(("contiguous", "strided", "transposed")))
+    layout_q, layout_k = (
+        draw(st.sampled_from(("contiguous", "strided", "transposed"))),
+        draw(st.sampled_from(("contiguous", "strided", "transposed"))),
+    )
     scale = torch.tensor(draw(st.floats(0.0, 20.0)), dtype=torch.float64)
     return q, k, labels, scale, symmetric, draw(st.sampled_from(("mean", "sum", "none"))), (layout_q, layout_k)
 
@@ -245,8 +280,9 @@ def test_plain_loss_layouts_match_vanilla(problem, backend):
     def truth(q_, k_, s_):
         return vanilla_loss(q_, k_, plain, s_, symmetric, reduction)
 
-    for name, g, w in zip(("loss", "dq", "dk", "dscale"), grads_of(ours, q, k, scale, upstream),
-                          grads_of(truth, q, k, scale, upstream)):
+    for name, g, w in zip(
+        ("loss", "dq", "dk", "dscale"), grads_of(ours, q, k, scale, upstream), grads_of(truth, q, k, scale, upstream)
+    ):
         assert_close_verbose(g, w, 1e-9, 1e-9, f"{backend} {name}")
 
 
@@ -276,12 +312,26 @@ def test_drop_ins_match_truth(problem, backend, monkeypatch):
     finite = torch.isfinite(q).all() and torch.isfinite(k).all()
     assume(finite and (guide is None or all(torch.isfinite(g).all() for g in guide)))
     backend = _backend(backend, monkeypatch)
-    loss = InfCLIPLoss(backend=backend, multi_positive=options["multi_positive"], guide_margin=options["guide_margin"],
-                       guide_margin_strategy=options["guide_margin_strategy"])
+    loss = InfCLIPLoss(
+        backend=backend,
+        multi_positive=options["multi_positive"],
+        guide_margin=options["guide_margin"],
+        guide_margin_strategy=options["guide_margin_strategy"],
+    )
     got = loss(q, k, torch.tensor(scale), q_ids=options["q_ids"], k_ids=options["k_ids"], guide=guide)
-    rows, cols = truth_directions(q, k, None, scale, True, options["q_ids"], options["k_ids"],
-                                  options["multi_positive"], guide, options["guide_margin"],
-                                  options["guide_margin_strategy"])
+    rows, cols = truth_directions(
+        q,
+        k,
+        None,
+        scale,
+        True,
+        options["q_ids"],
+        options["k_ids"],
+        options["multi_positive"],
+        guide,
+        options["guide_margin"],
+        options["guide_margin_strategy"],
+    )
     both = torch.cat((rows, cols))
     assume(not torch.isnan(both).all())
     assert_close_verbose(got, both[~torch.isnan(both)].mean(), ATOL, RTOL, "InfCLIPLoss")

@@ -24,8 +24,14 @@ ATOL, RTOL = 2e-5, 2e-5  # float32 inputs against the float64 truth, as tests/te
 def spawned(request, tmp_path_factory):
     """(world, every rank's results) of one launch of ``world`` ranks."""
     world = request.param
-    outcomes = launch(world, "workers.properties_ring_worker", str(tmp_path_factory.mktemp(f"props{world}")),
-                      [str(CASES)], pg_timeout_s=60.0, deadline_s=240.0)
+    outcomes = launch(
+        world,
+        "workers.properties_ring_worker",
+        str(tmp_path_factory.mktemp(f"props{world}")),
+        [str(CASES)],
+        pg_timeout_s=60.0,
+        deadline_s=240.0,
+    )
     if not all(o.returncode == 0 and o.results is not None for o in outcomes):
         pytest.fail(f"ring workers failed:\n{describe(outcomes)}")
     return world, [o.results for o in outcomes]
@@ -37,8 +43,18 @@ def _truth(case, world, float64_truth):
     scale = torch.tensor(case.scale, dtype=torch.float64, requires_grad=True)
     o = case.options
     rows, cols = float64_truth.truth_directions(
-        q, k, case.labels, scale, case.symmetric, o["q_ids"], o["k_ids"], o["multi_positive"], o["guide"],
-        o.get("guide_margin", 0.0), o.get("guide_margin_strategy", "absolute"))
+        q,
+        k,
+        case.labels,
+        scale,
+        case.symmetric,
+        o["q_ids"],
+        o["k_ids"],
+        o["multi_positive"],
+        o["guide"],
+        o.get("guide_margin", 0.0),
+        o.get("guide_margin_strategy", "absolute"),
+    )
     losses, weighted = [], []
     for r in range(world):
         qs = slice(case.q_offsets[r], case.q_offsets[r] + case.q_sizes[r])
@@ -62,8 +78,10 @@ def test_ring_cases_match_float64_truth(spawned, backend, float64_truth):
     world, ranks = spawned
     for index in range(CASES):
         case = draw_case(world, index)
-        what = (f"case {index} world={world} {backend} sizes q={case.q_sizes} k={case.k_sizes} "
-                f"sym={case.symmetric} {case.reduction} layouts={case.layouts} mp={case.options['multi_positive']}")
+        what = (
+            f"case {index} world={world} {backend} sizes q={case.q_sizes} k={case.k_sizes} "
+            f"sym={case.symmetric} {case.reduction} layouts={case.layouts} mp={case.options['multi_positive']}"
+        )
         truth = _truth(case, world, float64_truth)
         for r, results in enumerate(ranks):
             got = results[index, backend]

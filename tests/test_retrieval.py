@@ -68,8 +68,10 @@ def assert_same(got, ranks, want_ranks, what=""):
     for name, want in zip(DIRECTIONS, want_ranks):
         assert torch.equal(torch.isnan(ranks[name]), torch.isnan(want)), f"{what} {name} NaN rows"
         diff = (ranks[name] != want) & ~torch.isnan(want)
-        assert not bool(diff.any()), f"{what} {name}: rows {diff.nonzero().flatten()[:8].tolist()} ranks " \
+        assert not bool(diff.any()), (
+            f"{what} {name}: rows {diff.nonzero().flatten()[:8].tolist()} ranks "
             f"{ranks[name][diff][:8].tolist()} != {want[diff][:8].tolist()}"
+        )
     want_metrics = truth_metrics(want_ranks)
     assert list(got) == list(want_metrics), what
     for key, value in want_metrics.items():
@@ -195,8 +197,13 @@ def test_bad_input_names_the_argument(kwargs, error, match):
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    outcomes = launch(MAIN_WORLD, "workers.retrieval_ring_worker", str(tmp_path_factory.mktemp("retrieval")),
-                      pg_timeout_s=60.0, deadline_s=170.0)
+    outcomes = launch(
+        MAIN_WORLD,
+        "workers.retrieval_ring_worker",
+        str(tmp_path_factory.mktemp("retrieval")),
+        pg_timeout_s=60.0,
+        deadline_s=170.0,
+    )
     return results_by_ring(outcomes, RINGS)
 
 

@@ -117,7 +117,6 @@ def test_reference_is_not_a_backend_of_the_ranks():
         retrieval_metrics(torch.randn(4, 3), torch.randn(4, 3), backend="reference")
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
 def test_triton_on_a_gpu_at_size(dtype):

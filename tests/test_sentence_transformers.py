@@ -117,7 +117,8 @@ HARDNESS = {None: 0.0, "in_batch_negatives": 9.0, "hard_negatives": 5.0, "all_ne
 
 @pytest.mark.parametrize("hardness_mode", HARDNESS)
 @pytest.mark.parametrize(
-    "directions", [GTE_DIRECTIONS, ("query_to_doc", "query_to_query"), ("query_to_doc", "doc_to_doc")],
+    "directions",
+    [GTE_DIRECTIONS, ("query_to_doc", "query_to_query"), ("query_to_doc", "doc_to_doc")],
     ids=["gte", "q2d+q2q", "q2d+d2d"],
 )
 @pytest.mark.parametrize("columns", ["pairs", "two-negatives"])
@@ -125,21 +126,42 @@ HARDNESS = {None: 0.0, "in_batch_negatives": 9.0, "hard_negatives": 5.0, "all_ne
 def test_same_type_directions_and_hardness(model, name, columns, directions, hardness_mode):
     """query_to_query / doc_to_doc (their self and own-document entries left out) and every hardness
     mode, one joint softmax; every direction subset and option on random embeddings: tests/test_st_objective.py."""
-    compare(model, name, COLUMNS[columns], directions=directions, hardness_mode=hardness_mode,
-            hardness_strength=HARDNESS[hardness_mode])
+    compare(
+        model,
+        name,
+        COLUMNS[columns],
+        directions=directions,
+        hardness_mode=hardness_mode,
+        hardness_strength=HARDNESS[hardness_mode],
+    )
 
 
 @pytest.mark.parametrize("hardness_mode", list(HARDNESS)[1:])
 @pytest.mark.parametrize("columns", ["pairs", "two-negatives"])
 @pytest.mark.parametrize("name", CLASSES[:2])
 def test_hardness_per_direction(model, name, columns, hardness_mode):
-    compare(model, name, COLUMNS[columns], directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction",
-            hardness_mode=hardness_mode, hardness_strength=HARDNESS[hardness_mode])
+    compare(
+        model,
+        name,
+        COLUMNS[columns],
+        directions=("query_to_doc", "doc_to_query"),
+        partition_mode="per_direction",
+        hardness_mode=hardness_mode,
+        hardness_strength=HARDNESS[hardness_mode],
+    )
 
 
 def test_hardness_with_dot_product(model):
-    compare(model, CLASSES[1], 4, similarity_fct=util.dot_score, scale=1.0, directions=GTE_DIRECTIONS,
-            hardness_mode="all_negatives", hardness_strength=3.0)
+    compare(
+        model,
+        CLASSES[1],
+        4,
+        similarity_fct=util.dot_score,
+        scale=1.0,
+        directions=GTE_DIRECTIONS,
+        hardness_mode="all_negatives",
+        hardness_strength=3.0,
+    )
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
@@ -162,8 +184,12 @@ def test_backend_without_masks_runs_the_masked_calls_on_torch(model, backend):
 
 GIST_CLASSES = ("GISTEmbedLoss", "CachedGISTEmbedLoss")
 # The tiny guide's similarities lie in ~[0.75, 0.99]: these margins leave out some in-batch candidates, not all.
-GIST_MARGINS = {"absolute-0": ("absolute", 0.0), "absolute-0.02": ("absolute", 0.02),
-                "relative-0.02": ("relative", 0.02), "relative-neg": ("relative", -0.01)}
+GIST_MARGINS = {
+    "absolute-0": ("absolute", 0.0),
+    "absolute-0.02": ("absolute", 0.02),
+    "relative-0.02": ("relative", 0.02),
+    "relative-neg": ("relative", -0.01),
+}
 GIST_CONTRAST = {"both": (True, True), "anchors": (True, False), "positives": (False, True), "neither": (False, False)}
 
 
@@ -182,8 +208,16 @@ def guide():
 def test_gist_matches_sentence_transformers(model, guide, name, columns, margin, contrast):
     strategy, value = GIST_MARGINS[margin]
     anchors, positives = GIST_CONTRAST[contrast]
-    compare(model, name, COLUMNS[columns], guide=guide, margin_strategy=strategy, margin=value,
-            contrast_anchors=anchors, contrast_positives=positives)
+    compare(
+        model,
+        name,
+        COLUMNS[columns],
+        guide=guide,
+        margin_strategy=strategy,
+        margin=value,
+        contrast_anchors=anchors,
+        contrast_positives=positives,
+    )
 
 
 @pytest.mark.parametrize("name", GIST_CLASSES)
@@ -191,8 +225,11 @@ def test_matryoshka_wraps_gist(model, guide, name):
     """MatryoshkaLoss truncates the embeddings GIST's loss gets (the cached one through calculate_loss)."""
     features = batch(model, BATCH, 3, seed=4)
     results = [
-        loss_and_grads(st_losses.MatryoshkaLoss(model, make(module, name, model, guide=guide, margin=0.01), [16, 8, 4]),
-                       model, features)
+        loss_and_grads(
+            st_losses.MatryoshkaLoss(model, make(module, name, model, guide=guide, margin=0.01), [16, 8, 4]),
+            model,
+            features,
+        )
         for module in (infcl_losses, st_losses)
     ]
     assert_same(*results, what=f"MatryoshkaLoss({name})")
@@ -384,8 +421,22 @@ def test_example_script_trains_both_losses_alike():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     args = example.parse_args(
-        ["--batch-size", "32", "--mini-batch-size", "8", "--steps", "2", "--hidden", "32", "--layers", "1",
-         "--vocab", "100", "--backend", "torch"]
+        [
+            "--batch-size",
+            "32",
+            "--mini-batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--vocab",
+            "100",
+            "--backend",
+            "torch",
+        ]
     )
     theirs, ours = results = [example.train(name, args) for name in example.LOSSES]
     example.report(results, args)

@@ -29,8 +29,12 @@ DIM = 6
 REL_TOL = 1e-10  # float64 against float64: round-off only
 EXTRA_DIRECTIONS = ("query_to_query", "doc_to_query", "doc_to_doc")
 DIRECTION_SETS = [("query_to_doc",) + extra for r in range(4) for extra in itertools.combinations(EXTRA_DIRECTIONS, r)]
-HARDNESS = {"none": (None, 0.0), "in_batch": ("in_batch_negatives", 9.0), "hard": ("hard_negatives", 5.0),
-            "all": ("all_negatives", 3.0)}
+HARDNESS = {
+    "none": (None, 0.0),
+    "in_batch": ("in_batch_negatives", 9.0),
+    "hard": ("hard_negatives", 5.0),
+    "all": ("all_negatives", 3.0),
+}
 NEGATIVES = (0, 1, 3)
 # Tiles smaller than the padded calls' blocks, so masks and positives cut across tile edges.
 SMALL_TILES = (4, 9)
@@ -89,30 +93,50 @@ def compare_mnrl(model, columns, seed, **kwargs):
 @pytest.mark.parametrize("negatives", NEGATIVES)
 def test_joint_directions_and_hardness(model, negatives, directions, hardness):
     mode, strength = HARDNESS[hardness]
-    compare_mnrl(model, 2 + negatives, seed=negatives, directions=directions, hardness_mode=mode,
-                 hardness_strength=strength)
+    compare_mnrl(
+        model, 2 + negatives, seed=negatives, directions=directions, hardness_mode=mode, hardness_strength=strength
+    )
 
 
 @pytest.mark.parametrize("hardness", HARDNESS)
 @pytest.mark.parametrize("negatives", NEGATIVES)
 def test_per_direction_with_hardness(model, negatives, hardness):
     mode, strength = HARDNESS[hardness]
-    compare_mnrl(model, 2 + negatives, seed=10 + negatives, directions=("query_to_doc", "doc_to_query"),
-                 partition_mode="per_direction", hardness_mode=mode, hardness_strength=strength)
+    compare_mnrl(
+        model,
+        2 + negatives,
+        seed=10 + negatives,
+        directions=("query_to_doc", "doc_to_query"),
+        partition_mode="per_direction",
+        hardness_mode=mode,
+        hardness_strength=strength,
+    )
 
 
 @pytest.mark.parametrize("hardness", ["in_batch", "all"])
 def test_dot_product_and_another_scale(model, hardness):
     """The hardness penalty is alpha * stop_grad(similarity), whatever the similarity and the scale."""
     mode, strength = HARDNESS[hardness]
-    compare_mnrl(model, 4, seed=20, similarity_fct=util.dot_score, scale=0.7, directions=DIRECTION_SETS[-1],
-                 hardness_mode=mode, hardness_strength=strength)
+    compare_mnrl(
+        model,
+        4,
+        seed=20,
+        similarity_fct=util.dot_score,
+        scale=0.7,
+        directions=DIRECTION_SETS[-1],
+        hardness_mode=mode,
+        hardness_strength=strength,
+    )
 
 
 # ---- GIST ------------------------------------------------------------------------------------------
 
-MARGINS = {"absolute-0": ("absolute", 0.0), "absolute-0.3": ("absolute", 0.3), "relative-0.4": ("relative", 0.4),
-           "relative-neg": ("relative", -0.3)}
+MARGINS = {
+    "absolute-0": ("absolute", 0.0),
+    "absolute-0.3": ("absolute", 0.3),
+    "relative-0.4": ("relative", 0.4),
+    "relative-neg": ("relative", -0.3),
+}
 CONTRAST = {"both": (True, True), "anchors": (True, False), "positives": (False, True), "neither": (False, False)}
 GUIDE_DIM = 5
 
@@ -130,8 +154,9 @@ def gist(module, model, **kwargs):
 def test_gist(model, negatives, margin, contrast):
     strategy, value = MARGINS[margin]
     anchors, positives = CONTRAST[contrast]
-    kwargs = dict(margin_strategy=strategy, margin=value, contrast_anchors=anchors, contrast_positives=positives,
-                  temperature=0.1)
+    kwargs = dict(
+        margin_strategy=strategy, margin=value, contrast_anchors=anchors, contrast_positives=positives, temperature=0.1
+    )
     inputs = embeddings(2 + negatives, seed=30 + negatives)
     guides = embeddings(2 + negatives, seed=40 + negatives, dim=GUIDE_DIM)
     g = util.cos_sim(guides[0], guides[1])
@@ -183,15 +208,19 @@ def test_no_tensor_has_batch_squared_elements(model, loss):
     inputs = [torch.randn(MEMORY_BATCH, MEMORY_DIM, generator=gen) for _ in range(5)]  # 3 negative columns
     guides = [torch.randn(MEMORY_BATCH, MEMORY_DIM, generator=gen) for _ in range(5)]
     if loss == "gist":
+
         def run(module):
             objective = gist(module, model, margin=0.1)
             objective.mini_batch_size = MEMORY_BATCH
             return lambda e: objective.calculate_loss([[x] for x in e], [[x] for x in guides])
     else:
+
         def run(module):
-            objective = mnrl(module, model, directions=DIRECTION_SETS[-1], hardness_mode="in_batch_negatives",
-                             hardness_strength=9.0)
+            objective = mnrl(
+                module, model, directions=DIRECTION_SETS[-1], hardness_mode="in_batch_negatives", hardness_strength=9.0
+            )
             return lambda e: objective.compute_loss_from_embeddings(e, None)
+
     square = MEMORY_BATCH * MEMORY_BATCH
     assert largest_tensor(run(st_losses), inputs) >= square, "the probe must see sentence-transformers' B x N block"
     assert largest_tensor(run(infcl_losses), inputs) < square
@@ -201,8 +230,13 @@ def confident_triplets(dim=64, noise=0.05, seed=3):
     """Unit anchors, positives close to them, unrelated negatives: rows whose loss is ~1e-6 .. 1e-3."""
     gen = torch.Generator().manual_seed(seed)
     anchors = torch.randn(BATCH, dim, generator=gen, dtype=torch.float64)
-    positives = anchors + noise * anchors.norm(dim=1, keepdim=True) * torch.randn(BATCH, dim, generator=gen,
-                                                                                 dtype=torch.float64) / dim**0.5
+    positives = (
+        anchors
+        + noise
+        * anchors.norm(dim=1, keepdim=True)
+        * torch.randn(BATCH, dim, generator=gen, dtype=torch.float64)
+        / dim**0.5
+    )
     negatives = torch.randn(BATCH, dim, generator=gen, dtype=torch.float64)
     return [anchors, positives, negatives]
 
@@ -221,8 +255,11 @@ def test_in_batch_hardness_confident_rows_keep_their_digits(model, backend, hard
             loss.backend = backend
         return loss_and_grads(lambda e: loss.compute_loss_from_embeddings(e, None), [x.to(dtype) for x in inputs])
 
-    truth, vanilla, ours = run(st_losses, torch.float64), run(st_losses, torch.float32), run(infcl_losses,
-                                                                                             torch.float32)
+    truth, vanilla, ours = (
+        run(st_losses, torch.float64),
+        run(st_losses, torch.float32),
+        run(infcl_losses, torch.float32),
+    )
     assert 1e-7 < float(truth[0]) < 1e-2, f"not the confident regime: loss {float(truth[0])}"
     assert_no_worse(ours[0], vanilla[0], truth[0], 0.0, 1e-5, what=f"{hardness} loss")
     for i, (g, lowp, ref) in enumerate(zip(ours[1], vanilla[1], truth[1])):

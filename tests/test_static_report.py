@@ -80,8 +80,11 @@ def test_configs_share_one_score_tile():
                 tiling = plain_tiling(arch, klass, dim)
                 for name, cfg in (("forward", tiling.forward), ("dq", tiling.dq), ("dk", tiling.dk)):
                     assert cfg.score_tile == tile, (arch, klass, dim, name, cfg)
-                spaces = (softmax_forward.AUTOTUNE_CONFIGS, softmax_backward.DQ_AUTOTUNE_CONFIGS,
-                          softmax_backward.DK_AUTOTUNE_CONFIGS)
+                spaces = (
+                    softmax_forward.AUTOTUNE_CONFIGS,
+                    softmax_backward.DQ_AUTOTUNE_CONFIGS,
+                    softmax_backward.DK_AUTOTUNE_CONFIGS,
+                )
                 for space in spaces:
                     assert space[arch, klass, ragged], (arch, klass, ragged)
                     assert {cfg.score_tile for cfg in space[arch, klass, ragged]} == {tile}, (arch, klass, ragged)
@@ -162,19 +165,24 @@ def test_score_mma_layouts_reads_the_score_product_and_its_layouts():
 
 
 def test_mma_instruction_names():
-    assert static.mma_instruction("tc_gen5_mma #ttng.tensor_memory_encoding<blockM = 64, blockN = 32, colStride = 1>") \
+    assert (
+        static.mma_instruction("tc_gen5_mma #ttng.tensor_memory_encoding<blockM = 64, blockN = 32, colStride = 1>")
         == "tcgen05 m64n32"
+    )
     v2 = "dot #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [4, 2], instrShape = [16, 8]}>"
     assert static.mma_instruction(v2) == "mma.sync m16n8 4x2"
 
 
-@pytest.mark.parametrize("regs, warps, smem, expected", [
-    (128, 8, 0, (2, "regs")),  # 128 x 256 threads = 32768 registers: two CTAs in 65536
-    (168, 4, 0, (3, "regs")),  # 168 x 32 = 5376 per warp: 12 warps fit, 3 CTAs of 4
-    (32, 4, 100 * 1024, (2, "smem")),  # 101 KiB per CTA with the reserved KiB: two in 228 KiB
-    (16, 4, 0, (16, "warps")),  # 16 registers: 128 warps' worth, but 64 warps per SM
-    (16, 1, 0, (32, "ctas")),
-])
+@pytest.mark.parametrize(
+    "regs, warps, smem, expected",
+    [
+        (128, 8, 0, (2, "regs")),  # 128 x 256 threads = 32768 registers: two CTAs in 65536
+        (168, 4, 0, (3, "regs")),  # 168 x 32 = 5376 per warp: 12 warps fit, 3 CTAs of 4
+        (32, 4, 100 * 1024, (2, "smem")),  # 101 KiB per CTA with the reserved KiB: two in 228 KiB
+        (16, 4, 0, (16, "warps")),  # 16 registers: 128 warps' worth, but 64 warps per SM
+        (16, 1, 0, (32, "ctas")),
+    ],
+)
 def test_occupancy(regs, warps, smem, expected):
     assert static.occupancy(regs, warps, smem, 90) == expected
 
@@ -189,12 +197,22 @@ def test_parse_tile():
 
 # ---- the time model --------------------------------------------------------------------------------------
 # A made-up device with round figures, and a kernel row with round per-entry figures.
-DEVICE = static.Device("test", sms=100, clock_ghz=1.0, tflops=1000.0, l2_tbs=1.0, issue_per_clk=128,
-                       mufu_per_clk=16)
-ROW = {"target": "sm_90", "dtype": "bf16", "D": 512, "kernel": "dq", "slices": 2, "ctas_per_sm": 1,
-       "flops_per_entry": 3072.0, "l2_bytes_per_entry": 80.0, "instr_per_entry_all_slices": 200.0,
-       "instr_per_entry_all_slices_no_pos": 128.0, "mufu_per_entry": 2.5, "mufu_per_entry_no_pos": 2.0,
-       "programs@1000": 150}
+DEVICE = static.Device("test", sms=100, clock_ghz=1.0, tflops=1000.0, l2_tbs=1.0, issue_per_clk=128, mufu_per_clk=16)
+ROW = {
+    "target": "sm_90",
+    "dtype": "bf16",
+    "D": 512,
+    "kernel": "dq",
+    "slices": 2,
+    "ctas_per_sm": 1,
+    "flops_per_entry": 3072.0,
+    "l2_bytes_per_entry": 80.0,
+    "instr_per_entry_all_slices": 200.0,
+    "instr_per_entry_all_slices_no_pos": 128.0,
+    "mufu_per_entry": 2.5,
+    "mufu_per_entry_no_pos": 2.0,
+    "programs@1000": 150,
+}
 
 
 def test_model_kernel_terms():
@@ -223,8 +241,9 @@ def test_model_rows_totals_and_measured_errors():
     forward = {**ROW, "kernel": "forward", "slices": 1, "flops_per_entry": 1024.0, "l2_bytes_per_entry": 24.0}
     theirs = {**ROW, "kernel": "inf-cl dq", "dtype": "fp32-tf32", "calls": 2}
     measured = {("sm_90", "bf16", 512, 1000, "dq"): 1.0, ("sm_90", "bf16", 512, 1000, "inf-cl total"): 3.0}
-    models = static.model_rows([ROW, forward, theirs, {**ROW, "kernel": "siglip_forward"}], (1000,),
-                               {90: DEVICE}, measured)
+    models = static.model_rows(
+        [ROW, forward, theirs, {**ROW, "kernel": "siglip_forward"}], (1000,), {90: DEVICE}, measured
+    )
     by = {m["kernel"]: m for m in models}
     assert set(by) == {"dq", "forward", "inf-cl dq", "infcl total", "inf-cl total"}  # siglip is not modelled
     assert by["dq"]["serial_error"] == pytest.approx(by["dq"]["serial_ms"] / 1.0 - 1)

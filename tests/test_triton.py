@@ -415,9 +415,15 @@ def _random_block(bq, bk, dim, symmetric, seed, dtype=torch.float64, strided=Fal
 @pytest.mark.parametrize("tiling", (GPU_LIKE, SPLIT, SINGLE), ids=("gpu-like", "split", "single-row-blocks"))
 @pytest.mark.parametrize(
     "bq,bk,dim,symmetric,strided",
-    ((33, 50, 40, True, False), (33, 50, 72, False, True), (45, 70, 200, True, True), (1, 17, 3, False, False),
-     # 128 rows: a whole pair of row blocks; 200: two pairs, the second's second block past the end
-     (128, 130, 72, True, False), (200, 210, 40, True, True)),
+    (
+        (33, 50, 40, True, False),
+        (33, 50, 72, False, True),
+        (45, 70, 200, True, True),
+        (1, 17, 3, False, False),
+        # 128 rows: a whole pair of row blocks; 200: two pairs, the second's second block past the end
+        (128, 130, 72, True, False),
+        (200, 210, 40, True, True),
+    ),
 )
 def test_blocks_match_torch_tiles(tiling, bq, bk, dim, symmetric, strided):
     """forward_block / backward_block alone equal the torch tiles (the reference of the contract),

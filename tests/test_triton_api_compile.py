@@ -51,8 +51,10 @@ def _summary(results) -> str:
         smem = [r["smem"] / 1024 for r in rows.values()]
         spills = sum(1 for r in rows.values() if r["spill_bytes"])
         limit = next(iter(rows.values()))["smem_limit"] // 1024
-        lines.append(f"{arch:7} {kernel:16} {len(rows):7d} {min(regs):4d}-{max(regs):<4d} "
-                     f"{min(smem):5.0f}-{max(smem):<5.0f} {limit:5d} {spills:6d}")
+        lines.append(
+            f"{arch:7} {kernel:16} {len(rows):7d} {min(regs):4d}-{max(regs):<4d} "
+            f"{min(smem):5.0f}-{max(smem):<5.0f} {limit:5d} {spills:6d}"
+        )
     return "\n".join(lines)
 
 
@@ -80,20 +82,27 @@ def test_every_call_compiles(results):
 
 
 def test_no_register_spills(results):
-    spills = {f"{call} {row['kernel']}: {row['spill_bytes']} bytes ({row['regs']} registers)"
-              for call, row in _kernels(results) if row["spill_bytes"]}
+    spills = {
+        f"{call} {row['kernel']}: {row['spill_bytes']} bytes ({row['regs']} registers)"
+        for call, row in _kernels(results)
+        if row["spill_bytes"]
+    }
     assert not spills, "\n".join(sorted(spills))
 
 
 def test_shared_memory_within_target_limit(results):
-    over = {f"{call} {row['kernel']}: {row['smem']} > {row['smem_limit']} bytes"
-            for call, row in _kernels(results) if row["smem"] > row["smem_limit"]}
+    over = {
+        f"{call} {row['kernel']}: {row['smem']} > {row['smem_limit']} bytes"
+        for call, row in _kernels(results)
+        if row["smem"] > row["smem_limit"]
+    }
     assert not over, "\n".join(sorted(over))
 
 
 def test_no_float_atomics(results):
-    atomics = {f"{call} {row['kernel']}: {row['float_atomics']}" for call, row in _kernels(results)
-               if row["float_atomics"]}
+    atomics = {
+        f"{call} {row['kernel']}: {row['float_atomics']}" for call, row in _kernels(results) if row["float_atomics"]
+    }
     assert not atomics, "\n".join(sorted(atomics))
 
 

@@ -31,8 +31,9 @@ import pytest
 from helpers import triton_compile
 
 triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(os.environ.get("INFCL_COMPILE_FULL", "0") != "1",
-                                reason="launcher-level table: INFCL_COMPILE_FULL=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("INFCL_COMPILE_FULL", "0") != "1", reason="launcher-level table: INFCL_COMPILE_FULL=1"
+)
 
 WORKERS = 2
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "infcl" / "kernels"
@@ -55,8 +56,15 @@ def _compile(variant):
 def _format(rows) -> str:
     heads = ("variant", "kernel", "warps", "regs", "spill bytes", "smem KiB", "limit KiB")
     cells = [heads] + [
-        (r["variant"], r["kernel"], str(r.get("num_warps", "")), str(r.get("regs", "")), str(r.get("spill_bytes", "")),
-         f"{r['smem'] / 1024:.1f}" if "smem" in r else "", f"{r['smem_limit'] / 1024:.0f}" if "smem" in r else "")
+        (
+            r["variant"],
+            r["kernel"],
+            str(r.get("num_warps", "")),
+            str(r.get("regs", "")),
+            str(r.get("spill_bytes", "")),
+            f"{r['smem'] / 1024:.1f}" if "smem" in r else "",
+            f"{r['smem_limit'] / 1024:.0f}" if "smem" in r else "",
+        )
         for r in rows
     ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
@@ -93,14 +101,20 @@ def test_every_variant_compiles(report):
 
 
 def test_no_register_spills(report):
-    spills = [f"{r['variant']} {r['kernel']}: {r['spill_bytes']} bytes ({r['regs']} registers)"
-              for r in report if r.get("spill_bytes")]
+    spills = [
+        f"{r['variant']} {r['kernel']}: {r['spill_bytes']} bytes ({r['regs']} registers)"
+        for r in report
+        if r.get("spill_bytes")
+    ]
     assert not spills, "\n".join(spills)
 
 
 def test_shared_memory_within_target_limit(report):
-    over = [f"{r['variant']} {r['kernel']}: {r['smem']} > {r['smem_limit']} bytes"
-            for r in report if "smem" in r and r["smem"] > r["smem_limit"]]
+    over = [
+        f"{r['variant']} {r['kernel']}: {r['smem']} > {r['smem_limit']} bytes"
+        for r in report
+        if "smem" in r and r["smem"] > r["smem_limit"]
+    ]
     assert not over, "\n".join(over)
 
 

@@ -93,7 +93,18 @@ def test_kernel_configs_of_an_unsupported_target_raise_clearly(target):
         kernel_target.target_family()
 
 
-@pytest.mark.parametrize("capability, family", [((8, 0), 80), ((8, 6), 86), ((8, 9), 86), ((9, 0), 90),
-                                                ((10, 0), 100), ((12, 0), 120), ((7, 5), None), ((11, 0), None)])
+@pytest.mark.parametrize(
+    "capability, family",
+    [
+        ((8, 0), 80),
+        ((8, 6), 86),
+        ((8, 9), 86),
+        ((9, 0), 90),
+        ((10, 0), 100),
+        ((12, 0), 120),
+        ((7, 5), None),
+        ((11, 0), None),
+    ],
+)
 def test_arch_families(capability, family):
     assert kernel_target.arch_key(capability) == family

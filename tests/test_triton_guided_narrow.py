@@ -51,8 +51,16 @@ def test_interpreted_guided_bf16_narrow_features(b, symmetric, monkeypatch):
     upstream = torch.linspace(0.5, 1.5, b)
 
     def loss(backend, cast):
-        return lambda q_, k_: cal_inf_loss(cast(q_), cast(k_), None, 10.0, symmetric=symmetric, reduction="none",
-                                           guide=tuple(cast(g) for g in guide), backend=backend)
+        return lambda q_, k_: cal_inf_loss(
+            cast(q_),
+            cast(k_),
+            None,
+            10.0,
+            symmetric=symmetric,
+            reduction="none",
+            guide=tuple(cast(g) for g in guide),
+            backend=backend,
+        )
 
     ours = grads_of_inputs(loss("triton", lambda t: t), (q, k), upstream)
     ref = grads_of_inputs(loss("reference", torch.Tensor.double), (q, k), upstream)
@@ -70,8 +78,10 @@ def _compile(b: int, symmetric: bool):
         k.requires_grad_()
         cal_inf_loss(q, k, None, 10.0, symmetric=symmetric, backend="triton", guide=guide).backward()
         launches = list(zip(compiled[start:], triton_compile._RECORDER.launches[start:]))
-    return [(triton_compile._kernel_name(fn), launch, triton_compile._resources(fn, kernel, log, 90))
-            for (fn, kernel, log), launch in launches]
+    return [
+        (triton_compile._kernel_name(fn), launch, triton_compile._resources(fn, kernel, log, 90))
+        for (fn, kernel, log), launch in launches
+    ]
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton unavailable")

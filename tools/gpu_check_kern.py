@@ -34,8 +34,7 @@ KERNELS = ("_forward_kernel", "_dq_kernel", "_dk_kernel")
 def _inputs(batch, dim, dtype, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(batch, dim, device=device, generator=gen), dim=1)
-    k = torch.nn.functional.normalize(q + 0.5 * torch.randn(batch, dim, device=device, generator=gen) / dim**0.5,
-                                      dim=1)
+    k = torch.nn.functional.normalize(q + 0.5 * torch.randn(batch, dim, device=device, generator=gen) / dim**0.5, dim=1)
     return q.to(dtype), k.to(dtype)
 
 
@@ -63,16 +62,26 @@ def errors(batch, dim, device):
         q, k = _inputs(batch, dim, dtype, device)
         scale = torch.tensor(SCALE, device=device)
         ours = _grads(lambda a, b, s: cal_inf_loss(a, b, None, s, symmetric=True, backend="triton"), q, k, scale)
-        truth = _grads(lambda a, b, s: cal_inf_loss(a, b, None, s, symmetric=True, backend="torch"),
-                       q.double(), k.double(), scale.double())
+        truth = _grads(
+            lambda a, b, s: cal_inf_loss(a, b, None, s, symmetric=True, backend="torch"),
+            q.double(),
+            k.double(),
+            scale.double(),
+        )
         theirs = _grads(_vanilla, q, k, scale)
         out[name] = {
             n: {"ours": _rel(a, e), "vanilla": _rel(t, e), "floor": _rel(e.to(a.dtype), e)}
             for n, a, t, e in zip(NAMES, ours, theirs, truth)
         }
         torch.backends.cuda.matmul.allow_tf32 = False
-        print(f"{name:9} " + "  ".join(f"{n}: ours {v['ours']:.2e} vanilla {v['vanilla']:.2e} floor {v['floor']:.2e}"
-                                       for n, v in out[name].items()), flush=True)
+        print(
+            f"{name:9} "
+            + "  ".join(
+                f"{n}: ours {v['ours']:.2e} vanilla {v['vanilla']:.2e} floor {v['floor']:.2e}"
+                for n, v in out[name].items()
+            ),
+            flush=True,
+        )
     return out
 
 
@@ -106,8 +115,11 @@ def profile(batch, dim):
                 total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
                 per_kernel[kernel] = per_kernel.get(kernel, 0.0) + total / 1000 / reps  # us -> ms per call
     out = {"batch": batch, "dim": dim, "wall_ms": wall, "kernel_ms": per_kernel}
-    print(f"B={batch} D={dim} bf16 symmetric fwd+bwd: {wall:.2f} ms; " +
-          ", ".join(f"{k} {v:.2f} ms" for k, v in per_kernel.items()), flush=True)
+    print(
+        f"B={batch} D={dim} bf16 symmetric fwd+bwd: {wall:.2f} ms; "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in per_kernel.items()),
+        flush=True,
+    )
     return out
 
 
@@ -120,8 +132,10 @@ def main():
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     began = time.time()
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-              "torch": torch.__version__}
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+    }
     try:
         import triton
 

@@ -49,8 +49,10 @@ def main() -> None:
         row = triton_compile._resources(fn, kernel, log, args.arch)
         flags = {key: value for key, value in launch.items() if key.isupper() or key in ("grid", "D", "DG")}
         print(f"{i} {name}: {flags}")
-        print(f"   regs {row['regs']}, spills {row['spill_bytes']} B, smem {row['smem']} B, "
-              f"{row['num_warps']} warps, {row['num_stages']} stages")
+        print(
+            f"   regs {row['regs']}, spills {row['spill_bytes']} B, smem {row['smem']} B, "
+            f"{row['num_warps']} warps, {row['num_stages']} stages"
+        )
         if args.asm:
             os.makedirs(args.asm, exist_ok=True)
             for ext in ("ttgir", "ptx", "llir"):

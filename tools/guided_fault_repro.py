@@ -52,13 +52,25 @@ def _pin(tiling: str, dtype: torch.dtype, dim: int) -> None:
     if tiling == "chunk32":
         base = replace(base, resident_d=32, chunk_d=32)
     else:
-        base = replace(base, forward=replace(base.forward, num_warps=4), dq=replace(base.dq, num_warps=4),
-                       dk=replace(base.dk, num_warps=4))
+        base = replace(
+            base,
+            forward=replace(base.forward, num_warps=4),
+            dq=replace(base.dq, num_warps=4),
+            dk=replace(base.dk, num_warps=4),
+        )
     triton_backend.BACKEND.tiling = base
 
 
-def run(scores: str, b: int, dtype_name: str, dim: int = 64, guide_dim: int = 384, symmetric: bool = False,
-        tiling: str = "default", guide_cast: bool = False) -> float:
+def run(
+    scores: str,
+    b: int,
+    dtype_name: str,
+    dim: int = 64,
+    guide_dim: int = 384,
+    symmetric: bool = False,
+    tiling: str = "default",
+    guide_cast: bool = False,
+) -> float:
     from infcl import cal_inf_loss
     from infcl.backends import triton_backend
 

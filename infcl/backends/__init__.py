@@ -97,8 +97,10 @@ def resolve_backend(backend, device: torch.device, guided: bool = False) -> str:
             return "torch"
         why = unavailable_reason(preferred, device)
         if why is None and preferred == "triton" and guided:
-            _warn_once("infcl: backend='auto' runs a guided loss on the torch tiles, not the Triton kernels "
-                       "(a known fault of the guided Triton kernel; pass backend='triton' to run it anyway)")
+            _warn_once(
+                "infcl: backend='auto' runs a guided loss on the torch tiles, not the Triton kernels "
+                "(a known fault of the guided Triton kernel; pass backend='triton' to run it anyway)"
+            )
             return "torch"
         if why is None:
             return preferred

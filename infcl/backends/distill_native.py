@@ -20,16 +20,34 @@ class NativeDistill:
     name = "cpu"
 
     def distill_forward_block(self, block: Block, teacher: Teacher, symmetric: bool):
-        rows, cols = torch_ops().distill_forward_block(block.q, block.k, float(block.scale), teacher.q, teacher.k,
-                                                       float(teacher.scale), symmetric)
+        rows, cols = torch_ops().distill_forward_block(
+            block.q, block.k, float(block.scale), teacher.q, teacher.k, float(teacher.scale), symmetric
+        )
         return partials(rows), (partials(cols) if symmetric else None)
 
-    def distill_backward_block(self, block: Block, teacher: Teacher, rows: DistillUpstream,
-                               cols: Optional[DistillUpstream], dq: Tensor, dk: Tensor) -> Tensor:
+    def distill_backward_block(
+        self,
+        block: Block,
+        teacher: Teacher,
+        rows: DistillUpstream,
+        cols: Optional[DistillUpstream],
+        dq: Tensor,
+        dk: Tensor,
+    ) -> Tensor:
         col_stats = None if cols is None else torch.cat((cols.student, cols.teacher))
         return torch_ops().distill_backward_block(
-            block.q, block.k, float(block.scale), teacher.q, teacher.k, float(teacher.scale),
-            torch.cat((rows.student, rows.teacher)), rows.grad, col_stats, None if cols is None else cols.grad, dq, dk,
+            block.q,
+            block.k,
+            float(block.scale),
+            teacher.q,
+            teacher.k,
+            float(teacher.scale),
+            torch.cat((rows.student, rows.teacher)),
+            rows.grad,
+            col_stats,
+            None if cols is None else cols.grad,
+            dq,
+            dk,
         )
 
 

@@ -73,7 +73,12 @@ class DistillTiles:
         return rows, cols
 
     def distill_backward_block(
-        self, block: Block, teacher: Teacher, rows: DistillUpstream, cols: Optional[DistillUpstream], dq: Tensor,
+        self,
+        block: Block,
+        teacher: Teacher,
+        rows: DistillUpstream,
+        cols: Optional[DistillUpstream],
+        dq: Tensor,
         dk: Tensor,
     ) -> Tensor:
         walk = _Walk(block, TORCH_TILES.tiles(block.q.device))

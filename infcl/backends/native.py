@@ -40,8 +40,18 @@ class NativeBackend:
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         if block.masked:
             rows, cols = torch.ops.infcl.masked_forward_block(
-                block.q, block.k, float(block.scale), block.pos, bool(symmetric), block.multi_positive,
-                block.q_ids, block.k_ids, block.guide_q, block.guide_k, block.row_threshold, block.col_threshold,
+                block.q,
+                block.k,
+                float(block.scale),
+                block.pos,
+                bool(symmetric),
+                block.multi_positive,
+                block.q_ids,
+                block.k_ids,
+                block.guide_q,
+                block.guide_k,
+                block.row_threshold,
+                block.col_threshold,
             )
         else:
             rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(symmetric))
@@ -54,14 +64,39 @@ class NativeBackend:
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         if block.masked:
             return torch.ops.infcl.masked_backward_block(
-                block.q, block.k, float(block.scale), block.pos, block.row_stats, block.g_row,
-                block.col_stats, block.g_col, block.multi_positive, block.q_ids, block.k_ids,
-                block.guide_q, block.guide_k, block.row_threshold, block.col_threshold,
-                block.row_pos_count, block.row_pos_stats, block.col_pos_count, block.col_pos_stats, dq, dk,
+                block.q,
+                block.k,
+                float(block.scale),
+                block.pos,
+                block.row_stats,
+                block.g_row,
+                block.col_stats,
+                block.g_col,
+                block.multi_positive,
+                block.q_ids,
+                block.k_ids,
+                block.guide_q,
+                block.guide_k,
+                block.row_threshold,
+                block.col_threshold,
+                block.row_pos_count,
+                block.row_pos_stats,
+                block.col_pos_count,
+                block.col_pos_stats,
+                dq,
+                dk,
             )
         return torch.ops.infcl.backward_block(
-            block.q, block.k, float(block.scale), block.pos, block.row_stats, block.g_row,
-            block.col_stats, block.g_col, dq, dk,
+            block.q,
+            block.k,
+            float(block.scale),
+            block.pos,
+            block.row_stats,
+            block.g_row,
+            block.col_stats,
+            block.g_col,
+            dq,
+            dk,
         )
 
     # --- the sigmoid (SigLIP) loss: csrc/infcl_siglip.cpp (contract: infcl.backends.base) ------------

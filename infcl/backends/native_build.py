@@ -235,16 +235,37 @@ def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk)
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
-def _masked_forward_fake(q, k, scale, pos, symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold,
-                         col_threshold):
+def _masked_forward_fake(
+    q, k, scale, pos, symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold
+):
     acc = accum_dtype(q.dtype)
     rows = q.new_empty(MASKED_ROWS, q.shape[0], dtype=acc)
     return rows, q.new_empty(MASKED_ROWS, k.shape[0] if symmetric else 0, dtype=acc)
 
 
-def _masked_backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, multi_positive, q_ids, k_ids, guide_q,
-                          guide_k, row_threshold, col_threshold, row_pos_count, row_pos_stats, col_pos_count,
-                          col_pos_stats, dq, dk):
+def _masked_backward_fake(
+    q,
+    k,
+    scale,
+    pos,
+    row_stats,
+    g_row,
+    col_stats,
+    g_col,
+    multi_positive,
+    q_ids,
+    k_ids,
+    guide_q,
+    guide_k,
+    row_threshold,
+    col_threshold,
+    row_pos_count,
+    row_pos_stats,
+    col_pos_count,
+    col_pos_stats,
+    dq,
+    dk,
+):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
@@ -265,8 +286,9 @@ def _distill_forward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, symm
     return q.new_empty(5, q.shape[0], dtype=acc), q.new_empty(5, k.shape[0] if symmetric else 0, dtype=acc)
 
 
-def _distill_backward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, row_stats, g_row, col_stats, g_col, dq,
-                           dk):
+def _distill_backward_fake(
+    q, k, scale, teacher_q, teacher_k, teacher_scale, row_stats, g_row, col_stats, g_col, dq, dk
+):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
@@ -287,4 +309,3 @@ def register_fakes() -> None:
     """Register :data:`FAKES` for the loaded library's ops (registering again replaces them)."""
     for op, fake in FAKES.items():
         torch.library.register_fake(op, fake)
-

@@ -20,8 +20,9 @@ class NativeRanks:
         excluding = block.q_ids is not None and not block.multi_positive  # duplicates of the positive left out
         ids = (block.q_ids, block.k_ids) if excluding else (None, None)
         col_score, col_best = (None, None) if cols is None else (cols.score, cols.index)
-        out = torch_ops().rank_ahead_counts(block.q, block.k, rows.score, rows.index, col_score, col_best,
-                                            row_index, col_index, *ids)
+        out = torch_ops().rank_ahead_counts(
+            block.q, block.k, rows.score, rows.index, col_score, col_best, row_index, col_index, *ids
+        )
         return Ahead(*out[:2]), (Ahead(*out[2:]) if cols is not None else None)
 
 

@@ -172,8 +172,9 @@ class RankTiles:
             bad = torch.isfinite(s).logical_not_()
             out_rows.nonfinite[tile.rows] += bad.sum(dim=1)
             if cols is not None:
-                _ahead(ahead, s, cols.score[None, tile.cols], cols.index[None, tile.cols], row_index[tile.rows, None],
-                       same)
+                _ahead(
+                    ahead, s, cols.score[None, tile.cols], cols.index[None, tile.cols], row_index[tile.rows, None], same
+                )
                 out_cols.ahead[tile.cols] += ahead.sum(dim=0)
                 out_cols.nonfinite[tile.cols] += bad.sum(dim=0)
         return out_rows, out_cols
@@ -218,8 +219,16 @@ def _ahead(out: Tensor, s: Tensor, score: Tensor, index: Tensor, other_index: Te
     return out
 
 
-def _label_bests(rows: Best, cols: Optional[Best], s: Tensor, inside: Tensor, idx: Tensor, tile: _Tile,
-                 row_index: Tensor, col_index: Tensor) -> None:
+def _label_bests(
+    rows: Best,
+    cols: Optional[Best],
+    s: Tensor,
+    inside: Tensor,
+    idx: Tensor,
+    tile: _Tile,
+    row_index: Tensor,
+    col_index: Tensor,
+) -> None:
     """One positive per row (``block.pos``): its score off the tile, and for the columns the same entry
     (labels are a permutation, so a column has at most one such row)."""
     score = s.gather(1, idx).squeeze(1)
@@ -241,8 +250,9 @@ def _label_bests(rows: Best, cols: Optional[Best], s: Tensor, inside: Tensor, id
     _merge_tile(cols, Best(*(t[:n] for t in col_found)), tile.cols)
 
 
-def _id_bests(rows: Best, cols: Optional[Best], s: Tensor, positive: Tensor, tile: _Tile,
-              row_index: Tensor, col_index: Tensor) -> None:
+def _id_bests(
+    rows: Best, cols: Optional[Best], s: Tensor, positive: Tensor, tile: _Tile, row_index: Tensor, col_index: Tensor
+) -> None:
     """Every same-id entry is a positive: the best of them per row (and column)."""
     values = s.masked_fill(~positive, float("-inf"))
     for dim, index, where in ((1, col_index[None, tile.cols], tile.rows), (0, row_index[tile.rows, None], tile.cols)):

@@ -155,7 +155,13 @@ def _tile_masks(block: Block, tile: _Tile, symmetric: bool) -> _TileMasks:
 
 
 def _masked_partials(
-    acc: Tensor, s: Tensor, masks: _TileMasks, excluded: Optional[Tensor], kept: Tensor, scratch: Tensor, dim: int,
+    acc: Tensor,
+    s: Tensor,
+    masks: _TileMasks,
+    excluded: Optional[Tensor],
+    kept: Tensor,
+    scratch: Tensor,
+    dim: int,
     kind: str,
 ) -> None:
     """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
@@ -219,7 +225,12 @@ def _col_positives(block: Block, tile: _Tile) -> _Positives:
 
 
 def _probabilities(
-    out: Tensor, s: Tensor, masks: _TileMasks, excluded: Optional[Tensor], stats: Tensor, g: Tensor,
+    out: Tensor,
+    s: Tensor,
+    masks: _TileMasks,
+    excluded: Optional[Tensor],
+    stats: Tensor,
+    g: Tensor,
     pos: Optional[_Positives],
 ) -> Tensor:
     """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them; ``stats``,
@@ -295,14 +306,24 @@ class TorchTilesBackend:
             s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
             masks = _tile_masks(block, tile, symmetric)
             ds = _probabilities(
-                tile.view(ds_buf), s, masks, masks.excluded, block.row_stats[:, tile.rows, None],
-                block.g_row[tile.rows, None], None if single else _row_positives(block, tile),
+                tile.view(ds_buf),
+                s,
+                masks,
+                masks.excluded,
+                block.row_stats[:, tile.rows, None],
+                block.g_row[tile.rows, None],
+                None if single else _row_positives(block, tile),
             )
             dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
             if symmetric:
                 pc = _probabilities(
-                    tile.view(col_buf), s, masks, masks.col_excluded, block.col_stats[:, None, tile.cols],
-                    block.g_col[None, tile.cols], None if single else _col_positives(block, tile),
+                    tile.view(col_buf),
+                    s,
+                    masks,
+                    masks.col_excluded,
+                    block.col_stats[:, None, tile.cols],
+                    block.g_col[None, tile.cols],
+                    None if single else _col_positives(block, tile),
                 )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)

@@ -101,8 +101,15 @@ class TritonBackend:
         """The masked ops' mask arguments: (q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold,
         multi_positive as a string)."""
         col_threshold = block.col_threshold if symmetric else None
-        return (block.q_ids, block.k_ids, block.guide_q, block.guide_k, block.row_threshold, col_threshold,
-                block.multi_positive or "")
+        return (
+            block.q_ids,
+            block.k_ids,
+            block.guide_q,
+            block.guide_k,
+            block.row_threshold,
+            col_threshold,
+            block.multi_positive or "",
+        )
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         if self._on_torch_tiles(block):
@@ -115,9 +122,20 @@ class TritonBackend:
             else:  # one positive per row: pos
                 row_positives = col_positives = None
             return masked_backward_block(
-                block.q, block.k, block.scale, block.pos, block.row_stats, block.g_row, block.col_stats, block.g_col,
-                row_positives, col_positives if block.symmetric else None,
-                *self._masks(block, block.symmetric), dq, dk, *self._options(),
+                block.q,
+                block.k,
+                block.scale,
+                block.pos,
+                block.row_stats,
+                block.g_row,
+                block.col_stats,
+                block.g_col,
+                row_positives,
+                col_positives if block.symmetric else None,
+                *self._masks(block, block.symmetric),
+                dq,
+                dk,
+                *self._options(),
             )
         return backward_block(
             block.q,

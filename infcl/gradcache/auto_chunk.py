@@ -65,9 +65,7 @@ def default_budget(device: Optional[torch.device]) -> int:
     if device is not None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * CUDA_FREE_FRACTION)
-    raise ValueError(
-        "chunk_sizes='auto' needs memory_budget=<bytes> on devices other than CUDA (no free-memory query)"
-    )
+    raise ValueError("chunk_sizes='auto' needs memory_budget=<bytes> on devices other than CUDA (no free-memory query)")
 
 
 def auto_chunk_size(
@@ -102,6 +100,13 @@ def auto_chunk_size(
     logger.debug(
         "GradCache auto chunk for %s: %.0f activation bytes/sample + %.0f fixed (probes of %d and %d), "
         "budget %d bytes -> chunk %d of %d",
-        what, per_sample, fixed, rows, 2 * rows, budget, chunk, total,
+        what,
+        per_sample,
+        fixed,
+        rows,
+        2 * rows,
+        budget,
+        chunk,
+        total,
     )
     return chunk

@@ -127,9 +127,7 @@ def get_rep(output: Any, field: Optional[str] = None) -> torch.Tensor:
     if field is not None:
         value = _field(output, field)
         if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"rep_field={field!r}: the model output ({type(output).__name__}) has no tensor {field!r}"
-            )
+            raise TypeError(f"rep_field={field!r}: the model output ({type(output).__name__}) has no tensor {field!r}")
         return value
     value = _field(output, "sentence_embedding")
     if isinstance(value, torch.Tensor):

@@ -45,7 +45,7 @@ def _unwrap_compiled(model: nn.Module) -> nn.Module:
 
 
 def sync_kind(model: nn.Module) -> Optional[str]:
-    """"ddp", "fsdp" (FSDP1), "fsdp2", or None for a module whose gradients nothing synchronizes."""
+    """ "ddp", "fsdp" (FSDP1), "fsdp2", or None for a module whose gradients nothing synchronizes."""
     model = _unwrap_compiled(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "ddp"

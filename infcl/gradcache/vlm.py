@@ -112,8 +112,7 @@ def split_vlm_inputs(
         patches = grid.to(torch.int64).prod(dim=1).tolist()
         if pixels.dim() == 0 or pixels.shape[0] != sum(patches):
             raise ValueError(
-                f"{px_key} has shape {tuple(pixels.shape)} but {grid_key} gives sum(t*h*w) = {sum(patches)} "
-                "patch rows"
+                f"{px_key} has shape {tuple(pixels.shape)} but {grid_key} gives sum(t*h*w) = {sum(patches)} patch rows"
             )
         arg, per_sample = per_sample_args[grid_key]
         item_offsets = _offsets(_per_sample_counts(grid_key, len(patches), samples, per_sample, arg))
@@ -126,4 +125,3 @@ def split_vlm_inputs(
                 if key in batch:
                     chunk[key] = batch[key][first:last]
     return [{key: chunk[key] for key in batch if key in chunk} for chunk in chunks]
-

@@ -34,8 +34,9 @@ def autotune_bucket(n_q: int, n_k: int) -> int:
 def _as_triton(tile: TileConfig) -> triton.Config:
     # EVEN_M / EVEN_N depend on the block sizes, so they travel with the config: False (masked, right
     # for any size) in the declared space, set per call by the prune step (:func:`autotune_space`).
-    return triton.Config({"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "EVEN_M": False, "EVEN_N": False},
-                         **tile.launch_options())
+    return triton.Config(
+        {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "EVEN_M": False, "EVEN_N": False}, **tile.launch_options()
+    )
 
 
 def autotune_space(by_key: Dict[Tuple[int, str, bool], List[TileConfig]]):
@@ -59,8 +60,10 @@ def autotune_space(by_key: Dict[Tuple[int, str, bool], List[TileConfig]]):
         for config, owner in zip(configs, owners):
             if owner == key and any(config is c for c in candidates):
                 config = copy.copy(config)
-                config.kwargs = {**config.kwargs, **even_blocks(args["n_q"], args["n_k"], config.kwargs["BLOCK_M"],
-                                                               config.kwargs["BLOCK_N"])}
+                config.kwargs = {
+                    **config.kwargs,
+                    **even_blocks(args["n_q"], args["n_k"], config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]),
+                }
                 out.append(config)
         return out
 

@@ -99,11 +99,11 @@ class ScoreTile:
     block_n: int
     num_warps: int
 
-    def config(self, num_stages: int = 2, block_out: int = 256, max_registers: int = 0, row_tiles: int = 1
-               ) -> TileConfig:
+    def config(
+        self, num_stages: int = 2, block_out: int = 256, max_registers: int = 0, row_tiles: int = 1
+    ) -> TileConfig:
         """A kernel's config on this S tile."""
-        return TileConfig(self.block_m, self.block_n, self.num_warps, num_stages, block_out, max_registers,
-                          row_tiles)
+        return TileConfig(self.block_m, self.block_n, self.num_warps, num_stages, block_out, max_registers, row_tiles)
 
 
 @dataclass(frozen=True)

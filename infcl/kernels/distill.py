@@ -51,16 +51,80 @@ from .tiles import (
 
 
 @triton.jit
-def _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
-           stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr,
-           ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _tiles(
+    q_ptr,
+    k_ptr,
+    tq_ptr,
+    tk_ptr,
+    params_ptr,
+    rows,
+    cols,
+    n_q,
+    n_k,
+    D,
+    DT,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_tq0,
+    stride_tq1,
+    stride_tk0,
+    stride_tk1,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """(raw, s, t) of the tile q[rows] x k[cols]: raw = q @ k.T, s = scale * raw and t = teacher_scale *
     tq @ tk.T, -inf outside the block. Every kernel forms them here."""
-    raw = score_chunks(q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                       BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION)
-    t_raw = score_chunks(tq_ptr, tk_ptr, rows, cols, n_q, n_k, DT, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
-                         BLOCK_M, BLOCK_N, BLOCK_DT, True, True, True, ACC, UPCAST, PRECISION)
+    raw = score_chunks(
+        q_ptr,
+        k_ptr,
+        rows,
+        cols,
+        n_q,
+        n_k,
+        D,
+        stride_q0,
+        stride_q1,
+        stride_k0,
+        stride_k1,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        True,
+        True,
+        True,
+        ACC,
+        UPCAST,
+        PRECISION,
+    )
+    t_raw = score_chunks(
+        tq_ptr,
+        tk_ptr,
+        rows,
+        cols,
+        n_q,
+        n_k,
+        DT,
+        stride_tq0,
+        stride_tq1,
+        stride_tk0,
+        stride_tk1,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_DT,
+        True,
+        True,
+        True,
+        ACC,
+        UPCAST,
+        PRECISION,
+    )
     s = masked_scores(raw, tl.load(params_ptr), rows, cols, n_q, n_k, True, True)
     t = masked_scores(t_raw, tl.load(params_ptr + 1), rows, cols, n_q, n_k, True, True)
     return raw, s, t
@@ -76,10 +140,32 @@ def _cross_rescaled(cross, m, rest_t, m_t, new_m, new_m_t):
 
 @triton.jit
 def _distill_forward_kernel(
-    q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, out_ptr, n_q, n_k, D, DT,
-    stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
-    BY_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DT: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    tq_ptr,
+    tk_ptr,
+    params_ptr,
+    out_ptr,
+    n_q,
+    n_k,
+    D,
+    DT,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_tq0,
+    stride_tq1,
+    stride_tk0,
+    stride_tk1,
+    BY_COLUMN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
@@ -89,9 +175,34 @@ def _distill_forward_kernel(
     m, rest, m_t, rest_t, cross = zero - float("inf"), zero - 1.0, zero - float("inf"), zero - 1.0, zero
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
-        raw, s, t = _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
-                           stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0,
-                           stride_tk1, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, ACC, UPCAST, PRECISION)
+        raw, s, t = _tiles(
+            q_ptr,
+            k_ptr,
+            tq_ptr,
+            tk_ptr,
+            params_ptr,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            DT,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            stride_tq0,
+            stride_tq1,
+            stride_tk0,
+            stride_tk1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DT,
+            ACC,
+            UPCAST,
+            PRECISION,
+        )
         tile_m, tile_rest = tile_rest_stats(s, AXIS)
         tile_m_t, tile_rest_t = tile_rest_stats(t, AXIS)
         if BY_COLUMN:
@@ -102,8 +213,9 @@ def _distill_forward_kernel(
         tile_cross = tl.sum(tl.where(inside, weights * gaps, 0.0), axis=AXIS)  # >= 0: no cancellation
         new_m = tl.maximum(m, tile_m)
         new_m_t = tl.maximum(m_t, tile_m_t)
-        cross = (_cross_rescaled(cross, m, rest_t, m_t, new_m, new_m_t)
-                 + _cross_rescaled(tile_cross, tile_m, tile_rest_t, tile_m_t, new_m, new_m_t))
+        cross = _cross_rescaled(cross, m, rest_t, m_t, new_m, new_m_t) + _cross_rescaled(
+            tile_cross, tile_m, tile_rest_t, tile_m_t, new_m, new_m_t
+        )
         m, rest = merge_rest_stats(m, rest, tile_m, tile_rest)
         m_t, rest_t = merge_rest_stats(m_t, rest_t, tile_m_t, tile_rest_t)
     ok = lines < n_lines
@@ -138,13 +250,41 @@ def _probability_gap(s, t, stats_ptr, idx, n, g_ptr, ROWS: tl.constexpr):
 
 @triton.jit
 def _distill_backward_kernel(
-    q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr, grad_ptr,
-    partials_ptr, n_q, n_k, D, DT,
-    stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0, stride_tk1,
-    stride_grad0, stride_grad1,
-    BY_COLUMN: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_OUT: tl.constexpr, ACC: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    tq_ptr,
+    tk_ptr,
+    params_ptr,
+    row_stats_ptr,
+    g_row_ptr,
+    col_stats_ptr,
+    g_col_ptr,
+    grad_ptr,
+    partials_ptr,
+    n_q,
+    n_k,
+    D,
+    DT,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_tq0,
+    stride_tq1,
+    stride_tk0,
+    stride_tk1,
+    stride_grad0,
+    stride_grad1,
+    BY_COLUMN: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DT: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     pid = tl.program_id(0).to(tl.int64)
@@ -155,9 +295,34 @@ def _distill_backward_kernel(
     dscale_cols = tl.zeros([BLOCK_M], ACC)
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
-        raw, s, t = _tiles(q_ptr, k_ptr, tq_ptr, tk_ptr, params_ptr, rows, cols, n_q, n_k, D, DT,
-                           stride_q0, stride_q1, stride_k0, stride_k1, stride_tq0, stride_tq1, stride_tk0,
-                           stride_tk1, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DT, ACC, UPCAST, PRECISION)
+        raw, s, t = _tiles(
+            q_ptr,
+            k_ptr,
+            tq_ptr,
+            tk_ptr,
+            params_ptr,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            DT,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            stride_tq0,
+            stride_tq1,
+            stride_tk0,
+            stride_tk1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DT,
+            ACC,
+            UPCAST,
+            PRECISION,
+        )
         inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
         ds = tl.where(inside, _probability_gap(s, t, row_stats_ptr, rows, n_q, g_row_ptr, True), 0.0)
         if not BY_COLUMN:
@@ -196,11 +361,30 @@ def _launch_args(block: Block, teacher: Teacher, precision):
     # Tensors, not launch arguments: a Python float would be rounded to float32.
     params = torch.stack((block.scale.to(acc), teacher.scale.to(device=q.device, dtype=acc)))
     args = dict(
-        q_ptr=q, k_ptr=k, tq_ptr=tq, tk_ptr=tk, params_ptr=params, n_q=q.shape[0], n_k=k.shape[0], D=q.shape[1],
-        DT=tq.shape[1], stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
-        stride_tq0=tq.stride(0), stride_tq1=tq.stride(1), stride_tk0=tk.stride(0), stride_tk1=tk.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(q.shape[1]),
-        BLOCK_DT=tiling.block_d(tq.shape[1]), **cfg.launch_options(), **opts, **COMPILE_OPTIONS,
+        q_ptr=q,
+        k_ptr=k,
+        tq_ptr=tq,
+        tk_ptr=tk,
+        params_ptr=params,
+        n_q=q.shape[0],
+        n_k=k.shape[0],
+        D=q.shape[1],
+        DT=tq.shape[1],
+        stride_q0=q.stride(0),
+        stride_q1=q.stride(1),
+        stride_k0=k.stride(0),
+        stride_k1=k.stride(1),
+        stride_tq0=tq.stride(0),
+        stride_tq1=tq.stride(1),
+        stride_tk0=tk.stride(0),
+        stride_tk1=tk.stride(1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=tiling.block_d(q.shape[1]),
+        BLOCK_DT=tiling.block_d(tq.shape[1]),
+        **cfg.launch_options(),
+        **opts,
+        **COMPILE_OPTIONS,
     )
     return args, tiling, acc
 
@@ -209,8 +393,10 @@ def distill_forward(block: Block, teacher: Teacher, symmetric: bool, precision=N
     """(rows, cols or None) :class:`DistillPartials` of the block (see :mod:`infcl.losses.distill`)."""
     args, tiling, acc = _launch_args(block, teacher, precision)
     out = []
-    for by_column, n, block_size in ((False, args["n_q"], tiling.forward.block_m),
-                                     (True, args["n_k"], tiling.forward.block_n))[: 2 if symmetric else 1]:
+    for by_column, n, block_size in (
+        (False, args["n_q"], tiling.forward.block_m),
+        (True, args["n_k"], tiling.forward.block_n),
+    )[: 2 if symmetric else 1]:
         packed = torch.empty(5, n, dtype=acc, device=block.q.device)
         _distill_forward_kernel[(triton.cdiv(n, block_size),)](out_ptr=packed, BY_COLUMN=by_column, **args)
         stats = torch.stack((packed[0], packed[1].log1p()))  # rest -> r = log1p(rest) (-inf for the empty set)
@@ -219,8 +405,9 @@ def distill_forward(block: Block, teacher: Teacher, symmetric: bool, precision=N
     return out[0], (out[1] if symmetric else None)
 
 
-def distill_backward(block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor,
-                     precision=None) -> Tensor:
+def distill_backward(
+    block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor, precision=None
+) -> Tensor:
     """Accumulate dq and dk (accumulation dtype, any strides) in place; return dscale [2] (the rows' term,
     the columns' term)."""
     args, tiling, acc = _launch_args(block, teacher, precision)
@@ -235,9 +422,18 @@ def distill_backward(block: Block, teacher: Teacher, rows: DistillUpstream, cols
     # dq from the row walk, dk from the column walk (one direction: of the rows' term alone)
     for by_column, grad, programs in ((False, dq, row_programs), (True, dk, triton.cdiv(args["n_k"], cfg.block_n))):
         _distill_backward_kernel[(programs, triton.cdiv(dim, block_out))](
-            row_stats_ptr=row_stats, g_row_ptr=g_row, col_stats_ptr=col_stats, g_col_ptr=g_col, grad_ptr=grad,
-            partials_ptr=partials, stride_grad0=grad.stride(0), stride_grad1=grad.stride(1), BY_COLUMN=by_column,
-            SYMMETRIC=cols is not None, BLOCK_OUT=block_out, **args,
+            row_stats_ptr=row_stats,
+            g_row_ptr=g_row,
+            col_stats_ptr=col_stats,
+            g_col_ptr=g_col,
+            grad_ptr=grad,
+            partials_ptr=partials,
+            stride_grad0=grad.stride(0),
+            stride_grad1=grad.stride(1),
+            BY_COLUMN=by_column,
+            SYMMETRIC=cols is not None,
+            BLOCK_OUT=block_out,
+            **args,
         )
     return partials.sum(dim=0)
 
@@ -259,8 +455,9 @@ class TritonDistill:
             return DISTILL_TILES.distill_forward_block(block, teacher, symmetric)
         return distill_forward(block, teacher, symmetric, self.precision)
 
-    def distill_backward_block(self, block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor,
-                               dk: Tensor) -> Tensor:
+    def distill_backward_block(
+        self, block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor
+    ) -> Tensor:
         if on_torch_tiles(block.q.dtype):
             from ..backends.distill_tiles import DISTILL_TILES
 

@@ -31,16 +31,49 @@ BLOCK_ROWS = max(64, MIN_DOT)
 
 @triton.jit
 def _guide_label_scores_kernel(
-    gq_ptr, gk_ptr, pos_ptr, out_ptr, n_q, n_k, DG, stride_gq0, stride_gq1, stride_gk0, stride_gk1, stride_pos,
-    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_M: tl.constexpr, EVEN_G: tl.constexpr,
-    GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+    gq_ptr,
+    gk_ptr,
+    pos_ptr,
+    out_ptr,
+    n_q,
+    n_k,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
+    stride_pos,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pos = load_vector(pos_ptr, rows, n_q, stride_pos, -1, not EVEN_M)
     cols = tl.where(pos >= 0, pos, 0)  # a row whose labelled column is in another block reads column 0
     scores = score_tile(
-        gq_ptr, gk_ptr, rows, cols, n_q, n_k, DG, stride_gq0, stride_gq1, stride_gk0, stride_gk1,
-        BLOCK_M, BLOCK_M, BLOCK_G, not EVEN_M, False, not EVEN_G, GUIDE_ACC, False, GUIDE_PRECISION,
+        gq_ptr,
+        gk_ptr,
+        rows,
+        cols,
+        n_q,
+        n_k,
+        DG,
+        stride_gq0,
+        stride_gq1,
+        stride_gk0,
+        stride_gk1,
+        BLOCK_M,
+        BLOCK_M,
+        BLOCK_G,
+        not EVEN_M,
+        False,
+        not EVEN_G,
+        GUIDE_ACC,
+        False,
+        GUIDE_PRECISION,
     )
     diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
     score = tl.sum(tl.where(diagonal, scores, 0.0), axis=1)
@@ -48,8 +81,14 @@ def _guide_label_scores_kernel(
     tl.store(out_ptr + rows.to(tl.int64), score, mask=rows < n_q)
 
 
-def guide_label_scores(guide_q: Tensor, guide_k: Tensor, pos: Tensor, dtype: torch.dtype,
-                       precision: Optional[str], wrap=lambda kernel: kernel) -> Tensor:
+def guide_label_scores(
+    guide_q: Tensor,
+    guide_k: Tensor,
+    pos: Tensor,
+    dtype: torch.dtype,
+    precision: Optional[str],
+    wrap=lambda kernel: kernel,
+) -> Tensor:
     """``[Bq]`` G[i, pos[i]] (0 where pos[i] < 0) in the guide's accumulation dtype, as the masked kernels
     for features of ``dtype`` at ``precision`` compute it; guide_q [Bq, D'], guide_k [Bk, D'] in that dtype,
     any strides; pos [Bq] integer, any stride."""
@@ -57,10 +96,23 @@ def guide_label_scores(guide_q: Tensor, guide_k: Tensor, pos: Tensor, dtype: tor
     n_q = guide_q.shape[0]
     out = torch.empty(n_q, dtype=guide_q.dtype, device=guide_q.device)
     wrap(_guide_label_scores_kernel)[(triton.cdiv(n_q, BLOCK_ROWS),)](
-        gq_ptr=guide_q, gk_ptr=guide_k, pos_ptr=pos, out_ptr=out, n_q=n_q, n_k=guide_k.shape[0], DG=args["DG"],
-        stride_gq0=args["stride_gq0"], stride_gq1=args["stride_gq1"], stride_gk0=args["stride_gk0"],
-        stride_gk1=args["stride_gk1"], stride_pos=pos.stride(0), BLOCK_M=BLOCK_ROWS, BLOCK_G=args["BLOCK_G"],
-        EVEN_M=n_q % BLOCK_ROWS == 0, EVEN_G=args["EVEN_G"], GUIDE_ACC=args["GUIDE_ACC"],
+        gq_ptr=guide_q,
+        gk_ptr=guide_k,
+        pos_ptr=pos,
+        out_ptr=out,
+        n_q=n_q,
+        n_k=guide_k.shape[0],
+        DG=args["DG"],
+        stride_gq0=args["stride_gq0"],
+        stride_gq1=args["stride_gq1"],
+        stride_gk0=args["stride_gk0"],
+        stride_gk1=args["stride_gk1"],
+        stride_pos=pos.stride(0),
+        BLOCK_M=BLOCK_ROWS,
+        BLOCK_G=args["BLOCK_G"],
+        EVEN_M=n_q % BLOCK_ROWS == 0,
+        EVEN_G=args["EVEN_G"],
+        GUIDE_ACC=args["GUIDE_ACC"],
         GUIDE_PRECISION=args["GUIDE_PRECISION"],
     )
     return out

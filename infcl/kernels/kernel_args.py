@@ -15,7 +15,7 @@ from .env import INTERPRETED
 
 
 def torch_matmul_precision() -> str:
-    """"tf32" where torch's own float32 CUDA matmuls run in TF32, else "ieee". ``allow_tf32`` first (torch.compile
+    """ "tf32" where torch's own float32 CUDA matmuls run in TF32, else "ieee". ``allow_tf32`` first (torch.compile
     traces it; on torch 2.9+ it reflects ``fp32_precision`` too), and where reading it raises (torch 2.9+ after
     TF32 was set through ``torch.backends.cuda.matmul.fp32_precision`` or ``torch.backends.fp32_precision``),
     ``fp32_precision``, which then says "tf32"."""
@@ -141,12 +141,24 @@ class MaskInputs:
         klass = operand_class(torch.float64 if guide_float64 else torch.float32, precision)
         block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[klass][1])
         return dict(
-            q_ids_ptr=self.q_ids, k_ids_ptr=self.k_ids, gq_ptr=gq, gk_ptr=gk, row_thr_ptr=self.row_threshold,
-            col_thr_ptr=self.col_threshold, DG=dim,
-            stride_gq0=gq.stride(0) if has_guide else 0, stride_gq1=gq.stride(1) if has_guide else 0,
-            stride_gk0=gk.stride(0) if has_guide else 0, stride_gk1=gk.stride(1) if has_guide else 0,
-            HAS_IDS=self.q_ids is not None, HAS_GUIDE=has_guide, POSITIVES=POSITIVES[self.multi_positive],
-            BLOCK_G=block_g, EVEN_G=dim % block_g == 0, GUIDE_ACC=guide_acc, GUIDE_PRECISION=precision,
+            q_ids_ptr=self.q_ids,
+            k_ids_ptr=self.k_ids,
+            gq_ptr=gq,
+            gk_ptr=gk,
+            row_thr_ptr=self.row_threshold,
+            col_thr_ptr=self.col_threshold,
+            DG=dim,
+            stride_gq0=gq.stride(0) if has_guide else 0,
+            stride_gq1=gq.stride(1) if has_guide else 0,
+            stride_gk0=gk.stride(0) if has_guide else 0,
+            stride_gk1=gk.stride(1) if has_guide else 0,
+            HAS_IDS=self.q_ids is not None,
+            HAS_GUIDE=has_guide,
+            POSITIVES=POSITIVES[self.multi_positive],
+            BLOCK_G=block_g,
+            EVEN_G=dim % block_g == 0,
+            GUIDE_ACC=guide_acc,
+            GUIDE_PRECISION=precision,
         )
 
 

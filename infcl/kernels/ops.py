@@ -48,8 +48,15 @@ from .tiling import plain_tiling, tiling_for  # noqa: F401  (plain_tiling: re-ex
 
 Tensor = torch.Tensor
 
-def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim: Optional[int] = None,
-                   masked: bool = False, guide: bool = False) -> Tiling:
+
+def default_tiling(
+    device: torch.device,
+    dtype: torch.dtype,
+    precision: str,
+    dim: Optional[int] = None,
+    masked: bool = False,
+    guide: bool = False,
+) -> Tiling:
     """The default configs of the softmax kernels for inputs of ``dtype`` (and feature width ``dim``, when
     known; ``masked``: with mask options, ``guide`` among them) on the active target's architecture family
     (the interpreter's big tiles under TRITON_INTERPRET=1)."""
@@ -62,31 +69,65 @@ def default_tiling(device: torch.device, dtype: torch.dtype, precision: str, dim
 arch_tiling = tiling_for
 
 
-def _tiling(tiling: List[int], q: Tensor, precision: str, masked: bool = False,
-            guide: bool = False) -> Tuple[Tiling, bool]:
+def _tiling(
+    tiling: List[int], q: Tensor, precision: str, masked: bool = False, guide: bool = False
+) -> Tuple[Tiling, bool]:
     """(the Tiling to use, whether to autotune): the autotuner searches the plain kernels' configs only."""
     if tiling:
         return Tiling.from_ints(tiling), False
     return default_tiling(q.device, q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
 
 
-def _forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, precision: str,
-             tiling: List[int]) -> Tuple[Tensor, Tensor]:
+def _forward(
+    q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, precision: str, tiling: List[int]
+) -> Tuple[Tensor, Tensor]:
     chosen, autotune = _tiling(tiling, q, precision)
     rows, cols = softmax_forward.softmax_forward(
-        q, k, scale, pos.contiguous(), symmetric, chosen, precision or None, autotune,
-        sms=target_facts().sms, wrap=_WRAP,
+        q,
+        k,
+        scale,
+        pos.contiguous(),
+        symmetric,
+        chosen,
+        precision or None,
+        autotune,
+        sms=target_facts().sms,
+        wrap=_WRAP,
     )
     return rows, (cols if cols is not None else rows.new_empty(2, 0))
 
 
-def _backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tensor, g_row: Tensor,
-              col_stats: Optional[Tensor], g_col: Optional[Tensor], dq: Tensor, dk: Tensor, precision: str,
-              tiling: List[int]) -> Tensor:
+def _backward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    row_stats: Tensor,
+    g_row: Tensor,
+    col_stats: Optional[Tensor],
+    g_col: Optional[Tensor],
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
     chosen, autotune = _tiling(tiling, q, precision)
     return softmax_backward.softmax_backward(
-        q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
-        autotune, sms=target_facts().sms, wrap=_WRAP,
+        q,
+        k,
+        scale,
+        pos.contiguous(),
+        row_stats,
+        g_row,
+        col_stats,
+        g_col,
+        dq,
+        dk,
+        chosen,
+        precision or None,
+        autotune,
+        sms=target_facts().sms,
+        wrap=_WRAP,
     )
 
 
@@ -97,51 +138,123 @@ def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 def _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive: str) -> MaskInputs:
     """The kernels read ids and thresholds with stride 1: a view (``meta[:, 1]``, ``ids[::2]``, an expanded
     id) is copied (O(B)); the guide features go with their strides."""
-    return MaskInputs(_contiguous(q_ids), _contiguous(k_ids), guide_q, guide_k, _contiguous(row_threshold),
-                      _contiguous(col_threshold), multi_positive or None)
+    return MaskInputs(
+        _contiguous(q_ids),
+        _contiguous(k_ids),
+        guide_q,
+        guide_k,
+        _contiguous(row_threshold),
+        _contiguous(col_threshold),
+        multi_positive or None,
+    )
 
 
-def _masked_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, q_ids: Optional[Tensor],
-                    k_ids: Optional[Tensor], guide_q: Optional[Tensor], guide_k: Optional[Tensor],
-                    row_threshold: Optional[Tensor], col_threshold: Optional[Tensor], multi_positive: str,
-                    precision: str, tiling: List[int]) -> Tuple[Tensor, Tensor]:
+def _masked_forward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    symmetric: bool,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    guide_q: Optional[Tensor],
+    guide_k: Optional[Tensor],
+    row_threshold: Optional[Tensor],
+    col_threshold: Optional[Tensor],
+    multi_positive: str,
+    precision: str,
+    tiling: List[int],
+) -> Tuple[Tensor, Tensor]:
     chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
     masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     rows, cols = softmax_forward.softmax_forward(
-        q, k, scale, pos.contiguous(), symmetric, chosen, precision or None, autotune, sms=target_facts().sms,
-        wrap=_WRAP, masks=masks,
+        q,
+        k,
+        scale,
+        pos.contiguous(),
+        symmetric,
+        chosen,
+        precision or None,
+        autotune,
+        sms=target_facts().sms,
+        wrap=_WRAP,
+        masks=masks,
     )
     return rows, (cols if cols is not None else rows.new_empty(MASKED_ROWS, 0))
 
 
-def _masked_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, row_stats: Tensor, g_row: Tensor,
-                     col_stats: Optional[Tensor], g_col: Optional[Tensor], row_positives: Optional[Tensor],
-                     col_positives: Optional[Tensor], q_ids: Optional[Tensor], k_ids: Optional[Tensor],
-                     guide_q: Optional[Tensor], guide_k: Optional[Tensor], row_threshold: Optional[Tensor],
-                     col_threshold: Optional[Tensor], multi_positive: str, dq: Tensor, dk: Tensor, precision: str,
-                     tiling: List[int]) -> Tensor:
+def _masked_backward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    row_stats: Tensor,
+    g_row: Tensor,
+    col_stats: Optional[Tensor],
+    g_col: Optional[Tensor],
+    row_positives: Optional[Tensor],
+    col_positives: Optional[Tensor],
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    guide_q: Optional[Tensor],
+    guide_k: Optional[Tensor],
+    row_threshold: Optional[Tensor],
+    col_threshold: Optional[Tensor],
+    multi_positive: str,
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
     chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
     masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     return softmax_backward.softmax_backward(
-        q, k, scale, pos.contiguous(), row_stats, g_row, col_stats, g_col, dq, dk, chosen, precision or None,
-        autotune, sms=target_facts().sms, wrap=_WRAP, masks=masks, row_positives=row_positives,
+        q,
+        k,
+        scale,
+        pos.contiguous(),
+        row_stats,
+        g_row,
+        col_stats,
+        g_col,
+        dq,
+        dk,
+        chosen,
+        precision or None,
+        autotune,
+        sms=target_facts().sms,
+        wrap=_WRAP,
+        masks=masks,
+        row_positives=row_positives,
         col_positives=col_positives,
     )
 
 
-def _guide_label_scores(guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype,
-                        precision: str) -> Tensor:
+def _guide_label_scores(
+    guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype, precision: str
+) -> Tensor:
     return guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=_WRAP)
 
 
-def _sigmoid_forward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str,
-                     tiling: List[int]) -> Tensor:
+def _sigmoid_forward(
+    q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str, tiling: List[int]
+) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
     return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=_WRAP)
 
 
-def _sigmoid_backward(q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, g_row: Tensor, dq: Tensor,
-                      dk: Tensor, precision: str, tiling: List[int]) -> Tensor:
+def _sigmoid_backward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bias: Tensor,
+    g_row: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
     return sigmoid.siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=_WRAP)
 
@@ -158,15 +271,49 @@ def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk,
     return dq.new_empty(2)
 
 
-def _masked_forward_fake(q, k, scale, pos, symmetric, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold,
-                         multi_positive, precision, tiling):
+def _masked_forward_fake(
+    q,
+    k,
+    scale,
+    pos,
+    symmetric,
+    q_ids,
+    k_ids,
+    guide_q,
+    guide_k,
+    row_threshold,
+    col_threshold,
+    multi_positive,
+    precision,
+    tiling,
+):
     cols = k.shape[0] if symmetric else 0
     return q.new_empty(MASKED_ROWS, q.shape[0], dtype=_accum(q)), q.new_empty(MASKED_ROWS, cols, dtype=_accum(q))
 
 
-def _masked_backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, row_positives, col_positives, q_ids,
-                          k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive, dq, dk, precision,
-                          tiling):
+def _masked_backward_fake(
+    q,
+    k,
+    scale,
+    pos,
+    row_stats,
+    g_row,
+    col_stats,
+    g_col,
+    row_positives,
+    col_positives,
+    q_ids,
+    k_ids,
+    guide_q,
+    guide_k,
+    row_threshold,
+    col_threshold,
+    multi_positive,
+    dq,
+    dk,
+    precision,
+    tiling,
+):
     return dq.new_empty(2)
 
 
@@ -203,9 +350,7 @@ def _register(name: str, impl, fake, mutates: Tuple[str, ...] = ()):
 forward_block = _register("triton_forward_block", _forward, _forward_fake)
 backward_block = _register("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
 masked_forward_block = _register("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
-masked_backward_block = _register(
-    "triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk")
-)
+masked_backward_block = _register("triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk"))
 guide_label_scores = _register("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
 sigmoid_forward_block = _register("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
 sigmoid_backward_block = _register(
@@ -213,8 +358,14 @@ sigmoid_backward_block = _register(
 )
 
 
-def gemm_equivalents(dim: int, dtype: torch.dtype, device: torch.device, precision: str = "ieee",
-                     masked: bool = False, guide: bool = False) -> Tuple[int, int]:
+def gemm_equivalents(
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    precision: str = "ieee",
+    masked: bool = False,
+    guide: bool = False,
+) -> Tuple[int, int]:
     """(forward, backward) GEMM-equivalents (each 2 * Bq * Bk * D flops) with the device's default tiling,
     for either loss: forward 1 (S once; the column stats come from the same tiles), backward S once per
     dq (dk) slice and the product once: 4 while D fits one slice (256 columns by default). ``masked``: the

@@ -39,11 +39,9 @@ from .tiles import check_blocks, load_vector, positive_span, score_chunks
 # hold the same registers (an S tile, an operand chunk, a gradient slice); not tuned on a GPU. The
 # interpreter takes small tiles, so that the small shapes of the tests cut into several ragged blocks.
 TILINGS = {
-    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32,
-                  chunk_d=32),
+    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32, chunk_d=32),
     # maxnreg 255: ptxas caps the rank kernels at 128 registers on sm_80 and spills 36 B.
-    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32, max_registers=255),) * 3, resident_d=32,
-                   chunk_d=32),
+    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32, max_registers=255),) * 3, resident_d=32, chunk_d=32),
     "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
@@ -108,10 +106,31 @@ def tile_at(lines, o0, BY_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 @triton.jit
 def _best_positives_kernel(
-    q_ptr, k_ptr, pos_ptr, q_ids_ptr, k_ids_ptr, row_index_ptr, col_index_ptr, score_ptr, best_ptr, count_ptr,
-    n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-    BY_COLUMN: tl.constexpr, ANY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    q_ids_ptr,
+    k_ids_ptr,
+    row_index_ptr,
+    col_index_ptr,
+    score_ptr,
+    best_ptr,
+    count_ptr,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BY_COLUMN: tl.constexpr,
+    ANY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
@@ -133,8 +152,26 @@ def _best_positives_kernel(
             holds = (hi >= c0) & (lo < c0 + BLOCK_N)
         if holds:
             raw = score_chunks(
-                q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+                q_ptr,
+                k_ptr,
+                rows,
+                cols,
+                n_q,
+                n_k,
+                D,
+                stride_q0,
+                stride_q1,
+                stride_k0,
+                stride_k1,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                True,
+                True,
+                True,
+                ACC,
+                UPCAST,
+                PRECISION,
             )  # pass 2 forms exactly this tile
             values = tl.where(positive, raw, float("-inf"))
             if BY_COLUMN:
@@ -159,10 +196,31 @@ def _best_positives_kernel(
 
 @triton.jit
 def _ahead_counts_kernel(
-    q_ptr, k_ptr, score_ptr, best_ptr, q_ids_ptr, k_ids_ptr, row_index_ptr, col_index_ptr, ahead_ptr,
-    nonfinite_ptr, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-    BY_COLUMN: tl.constexpr, EXCLUDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    score_ptr,
+    best_ptr,
+    q_ids_ptr,
+    k_ids_ptr,
+    row_index_ptr,
+    col_index_ptr,
+    ahead_ptr,
+    nonfinite_ptr,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BY_COLUMN: tl.constexpr,
+    EXCLUDE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
@@ -175,8 +233,26 @@ def _ahead_counts_kernel(
         row_ids = _line_ids(q_ids_ptr, rows, n_q, EXCLUDE)
         col_ids = _line_ids(k_ids_ptr, cols, n_k, EXCLUDE)
         raw = score_chunks(
-            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+            q_ptr,
+            k_ptr,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            True,
+            True,
+            ACC,
+            UPCAST,
+            PRECISION,
         )  # bit-identical to pass 1's tile
         inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
         if EXCLUDE:
@@ -214,15 +290,36 @@ def _common(q: Tensor, k: Tensor, precision):
     tiling = beyond_tiling(q.dtype, opts["PRECISION"])
     cfg = tiling.forward
     args = dict(
-        q_ptr=q, k_ptr=k, n_q=q.shape[0], n_k=k.shape[0], D=q.shape[1], stride_q0=q.stride(0),
-        stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(q.shape[1]), **cfg.launch_options(), **opts, **COMPILE_OPTIONS,
+        q_ptr=q,
+        k_ptr=k,
+        n_q=q.shape[0],
+        n_k=k.shape[0],
+        D=q.shape[1],
+        stride_q0=q.stride(0),
+        stride_q1=q.stride(1),
+        stride_k0=k.stride(0),
+        stride_k1=k.stride(1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=tiling.block_d(q.shape[1]),
+        **cfg.launch_options(),
+        **opts,
+        **COMPILE_OPTIONS,
     )
     return args, tiling
 
 
-def best_positives(q: Tensor, k: Tensor, pos: Tensor, row_index: Tensor, col_index: Tensor, symmetric: bool,
-                   q_ids=None, k_ids=None, precision=None):
+def best_positives(
+    q: Tensor,
+    k: Tensor,
+    pos: Tensor,
+    row_index: Tensor,
+    col_index: Tensor,
+    symmetric: bool,
+    q_ids=None,
+    k_ids=None,
+    precision=None,
+):
     """Pass 1: (rows, cols or None), each a :class:`Best`; with ``q_ids`` / ``k_ids`` every same-id entry is a
     positive, else ``pos`` (the column in k of each row's positive, -1 elsewhere)."""
     args, tiling = _common(q, k, precision)
@@ -230,32 +327,50 @@ def best_positives(q: Tensor, k: Tensor, pos: Tensor, row_index: Tensor, col_ind
     ids = dict(q_ids_ptr=q_ids if q_ids is not None else pos, k_ids_ptr=k_ids if k_ids is not None else pos)
     out = []
     for by_column, n, grid in _walks(q, k, symmetric, tiling):
-        best = Best(torch.empty(n, dtype=acc, device=q.device), torch.empty(n, dtype=torch.int64, device=q.device),
-                    torch.empty(n, dtype=torch.int64, device=q.device))
+        best = Best(
+            torch.empty(n, dtype=acc, device=q.device),
+            torch.empty(n, dtype=torch.int64, device=q.device),
+            torch.empty(n, dtype=torch.int64, device=q.device),
+        )
         _best_positives_kernel[(grid,)](
-            pos_ptr=pos.contiguous(), row_index_ptr=row_index.contiguous(), col_index_ptr=col_index.contiguous(),
-            score_ptr=best.score, best_ptr=best.index, count_ptr=best.count, BY_COLUMN=by_column,
-            ANY=q_ids is not None, **ids, **args,
+            pos_ptr=pos.contiguous(),
+            row_index_ptr=row_index.contiguous(),
+            col_index_ptr=col_index.contiguous(),
+            score_ptr=best.score,
+            best_ptr=best.index,
+            count_ptr=best.count,
+            BY_COLUMN=by_column,
+            ANY=q_ids is not None,
+            **ids,
+            **args,
         )
         out.append(best)
     return out[0], (out[1] if symmetric else None)
 
 
-def ahead_counts(q: Tensor, k: Tensor, rows: Best, cols, row_index: Tensor, col_index: Tensor, q_ids=None,
-                 k_ids=None, precision=None):
+def ahead_counts(
+    q: Tensor, k: Tensor, rows: Best, cols, row_index: Tensor, col_index: Tensor, q_ids=None, k_ids=None, precision=None
+):
     """Pass 2: (rows, cols or None), each an :class:`Ahead`; with ``q_ids`` / ``k_ids`` the entries with the
     row's id are never ahead."""
     args, tiling = _common(q, k, precision)
-    ids = dict(q_ids_ptr=q_ids if q_ids is not None else row_index,
-               k_ids_ptr=k_ids if k_ids is not None else col_index)
+    ids = dict(q_ids_ptr=q_ids if q_ids is not None else row_index, k_ids_ptr=k_ids if k_ids is not None else col_index)
     out = []
     for (by_column, n, grid), best in zip(_walks(q, k, cols is not None, tiling), (rows, cols)):
-        counts = Ahead(torch.empty(n, dtype=torch.int64, device=q.device),
-                       torch.empty(n, dtype=torch.int64, device=q.device))
+        counts = Ahead(
+            torch.empty(n, dtype=torch.int64, device=q.device), torch.empty(n, dtype=torch.int64, device=q.device)
+        )
         _ahead_counts_kernel[(grid,)](
-            score_ptr=best.score.contiguous(), best_ptr=best.index.contiguous(), row_index_ptr=row_index.contiguous(),
-            col_index_ptr=col_index.contiguous(), ahead_ptr=counts.ahead, nonfinite_ptr=counts.nonfinite,
-            BY_COLUMN=by_column, EXCLUDE=q_ids is not None, **ids, **args,
+            score_ptr=best.score.contiguous(),
+            best_ptr=best.index.contiguous(),
+            row_index_ptr=row_index.contiguous(),
+            col_index_ptr=col_index.contiguous(),
+            ahead_ptr=counts.ahead,
+            nonfinite_ptr=counts.nonfinite,
+            BY_COLUMN=by_column,
+            EXCLUDE=q_ids is not None,
+            **ids,
+            **args,
         )
         out.append(counts)
     return out[0], (out[1] if cols is not None else None)

@@ -114,11 +114,24 @@ def _add_rows(dst_ptr, rows, feats, n_rows, D, stride0, stride1, value):
 
 @triton.jit
 def _siglip_forward_kernel(
-    q_ptr, k_ptr, pos_ptr, params_ptr, out_ptr,
-    n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    params_ptr,
+    out_ptr,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
     tl.static_assert(BLOCK_N >= MIN_DOT)
@@ -133,8 +146,26 @@ def _siglip_forward_kernel(
     for n0 in range(0, n_k, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         raw = score_tile(
-            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+            q_ptr,
+            k_ptr,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            True,
+            True,
+            ACC,
+            UPCAST,
+            PRECISION,
         )
         t = _margins(raw, cols[None, :] == pos[:, None], scale, bias)
         total += tl.sum(tl.where(cols[None, :] < n_k, _softplus(t), 0.0), axis=1)
@@ -143,12 +174,30 @@ def _siglip_forward_kernel(
 
 @triton.jit
 def _siglip_backward_kernel(
-    own_ptr, other_ptr, pos_ptr, g_ptr, params_ptr, grad_ptr, partials_ptr,
-    n_own, n_other, D,
-    stride_own0, stride_own1, stride_other0, stride_other1, stride_grad0, stride_grad1,
-    OWNS_Q: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    own_ptr,
+    other_ptr,
+    pos_ptr,
+    g_ptr,
+    params_ptr,
+    grad_ptr,
+    partials_ptr,
+    n_own,
+    n_other,
+    D,
+    stride_own0,
+    stride_own1,
+    stride_other0,
+    stride_other1,
+    stride_grad0,
+    stride_grad1,
+    OWNS_Q: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """grad[own rows] += scale * dL @ other, where own/other are q/k (OWNS_Q) or k/q. ``pos`` and ``g``
     are per q row: the owned rows' (OWNS_Q) or the walked ones'. ONE_CHUNK: D <= BLOCK_D."""
@@ -170,8 +219,26 @@ def _siglip_backward_kernel(
         cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         col_ok = cols < n_other
         raw = score_tile(
-            own_ptr, other_ptr, rows, cols, n_own, n_other, D, stride_own0, stride_own1, stride_other0, stride_other1,
-            BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ACC, UPCAST, PRECISION,
+            own_ptr,
+            other_ptr,
+            rows,
+            cols,
+            n_own,
+            n_other,
+            D,
+            stride_own0,
+            stride_own1,
+            stride_other0,
+            stride_other1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            True,
+            True,
+            True,
+            ACC,
+            UPCAST,
+            PRECISION,
         )
         if OWNS_Q:
             is_pos = cols[None, :] == row_pos[:, None]
@@ -228,17 +295,31 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
     cfg = tiling.forward
     out = torch.empty(n_q, dtype=acc, device=q.device)
     wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, cfg.block_m),)](
-        q_ptr=q, k_ptr=k, pos_ptr=pos.contiguous(), params_ptr=_params(scale, bias, acc), out_ptr=out,
-        n_q=n_q, n_k=k.shape[0], D=dim,
-        stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=tiling.block_d(dim), **cfg.launch_options(), **opts,
+        q_ptr=q,
+        k_ptr=k,
+        pos_ptr=pos.contiguous(),
+        params_ptr=_params(scale, bias, acc),
+        out_ptr=out,
+        n_q=n_q,
+        n_k=k.shape[0],
+        D=dim,
+        stride_q0=q.stride(0),
+        stride_q1=q.stride(1),
+        stride_k0=k.stride(0),
+        stride_k1=k.stride(1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=tiling.block_d(dim),
+        **cfg.launch_options(),
+        **opts,
         **COMPILE_OPTIONS,
     )
     return out
 
 
-def siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, tiling: Tiling = None, precision=None,
-                    wrap=lambda kernel: kernel) -> torch.Tensor:
+def siglip_backward(
+    q, k, scale, pos, bias, g_row, dq, dk, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel
+) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
     :func:`siglip_forward`."""
@@ -254,15 +335,33 @@ def siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, tiling: Tiling = None
     programs = triton.cdiv(n_q, cfg.block_m)
     partials = torch.zeros(programs, 2, dtype=acc, device=q.device)
     common = dict(
-        pos_ptr=pos, g_ptr=g_row, params_ptr=params, partials_ptr=partials, D=dim,
-        ONE_CHUNK=dim <= chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=chunk,
-        **cfg.launch_options(), **opts, **COMPILE_OPTIONS,
+        pos_ptr=pos,
+        g_ptr=g_row,
+        params_ptr=params,
+        partials_ptr=partials,
+        D=dim,
+        ONE_CHUNK=dim <= chunk,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=chunk,
+        **cfg.launch_options(),
+        **opts,
+        **COMPILE_OPTIONS,
     )
     for owner, other, grad, n_own, n_other, owns_q in ((q, k, dq, n_q, n_k, True), (k, q, dk, n_k, n_q, False)):
         wrap(_siglip_backward_kernel)[(triton.cdiv(n_own, cfg.block_m),)](
-            own_ptr=owner, other_ptr=other, grad_ptr=grad, n_own=n_own, n_other=n_other,
-            stride_own0=owner.stride(0), stride_own1=owner.stride(1), stride_other0=other.stride(0),
-            stride_other1=other.stride(1), stride_grad0=grad.stride(0), stride_grad1=grad.stride(1),
-            OWNS_Q=owns_q, **common,
+            own_ptr=owner,
+            other_ptr=other,
+            grad_ptr=grad,
+            n_own=n_own,
+            n_other=n_other,
+            stride_own0=owner.stride(0),
+            stride_own1=owner.stride(1),
+            stride_other0=other.stride(0),
+            stride_other1=other.stride(1),
+            stride_grad0=grad.stride(0),
+            stride_grad1=grad.stride(1),
+            OWNS_Q=owns_q,
+            **common,
         )
     return partials.sum(dim=0)

@@ -90,18 +90,56 @@ def _tile_grads(s, is_pos, has_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.
 
 
 @triton.jit
-def _masked_tile_grads(s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
-                       m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
-                       SYMMETRIC: tl.constexpr, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr):
+def _masked_tile_grads(
+    s,
+    positive,
+    excluded_rows,
+    excluded_cols,
+    m_r,
+    r_r,
+    g_r,
+    pos_count_r,
+    pos_max_r,
+    pos_rel_r,
+    m_c,
+    r_c,
+    g_c,
+    pos_count_c,
+    pos_max_c,
+    pos_rel_c,
+    SYMMETRIC: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    EXCLUDES: tl.constexpr,
+):
     """:func:`_tile_grads` with masks (:func:`infcl.kernels.tiles.masked_softmax_grad`); (count, max, rel) are
     each row's (column's) positives: their count ("mean") or their global stats ("sum")."""
-    ds_row = masked_softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], pos_count_r[:, None], pos_max_r[:, None],
-                                 pos_rel_r[:, None], positive,
-                                 excluded_rows, POSITIVES, EXCLUDES)
+    ds_row = masked_softmax_grad(
+        s,
+        m_r[:, None],
+        r_r[:, None],
+        g_r[:, None],
+        pos_count_r[:, None],
+        pos_max_r[:, None],
+        pos_rel_r[:, None],
+        positive,
+        excluded_rows,
+        POSITIVES,
+        EXCLUDES,
+    )
     if SYMMETRIC:
-        ds_col = masked_softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], pos_count_c[None, :],
-                                     pos_max_c[None, :], pos_rel_c[None, :],
-                                     positive, excluded_cols, POSITIVES, EXCLUDES)
+        ds_col = masked_softmax_grad(
+            s,
+            m_c[None, :],
+            r_c[None, :],
+            g_c[None, :],
+            pos_count_c[None, :],
+            pos_max_c[None, :],
+            pos_rel_c[None, :],
+            positive,
+            excluded_cols,
+            POSITIVES,
+            EXCLUDES,
+        )
     else:
         ds_col = 0.0
     return ds_row, ds_col
@@ -143,8 +181,22 @@ def _inverse(factor):
 
 
 @triton.jit
-def _store_slice(ptr, rows, feats, n_rows, D, stride_r, stride_f, acc, scale, factor, NORMALIZE: tl.constexpr,
-                 ADD: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_FEATS: tl.constexpr):
+def _store_slice(
+    ptr,
+    rows,
+    feats,
+    n_rows,
+    D,
+    stride_r,
+    stride_f,
+    acc,
+    scale,
+    factor,
+    NORMALIZE: tl.constexpr,
+    ADD: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_FEATS: tl.constexpr,
+):
     """ptr[rows, feats] (+)= scale * acc (times each row's dS factor): the program's one write of its
     gradient slice."""
     if NORMALIZE:
@@ -166,21 +218,73 @@ def _store_slice(ptr, rows, feats, n_rows, D, stride_r, stride_f, acc, scale, fa
 
 @triton.jit
 def _dq_kernel(
-    q_ptr, k_ptr, scale_ptr, pos_ptr, row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr, g_max_ptr,
-    out_ptr, dscale_ptr,
-    n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1,
-    stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
-    stride_out_split, stride_out0, stride_out1,
-    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, row_pos_ptr, col_pos_ptr, DG,
-    stride_gq0, stride_gq1, stride_gk0, stride_gk1, stride_rp0, stride_rp1, stride_cp0, stride_cp1,
-    SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    scale_ptr,
+    pos_ptr,
+    row_stats_ptr,
+    g_row_ptr,
+    col_stats_ptr,
+    g_col_ptr,
+    g_max_ptr,
+    out_ptr,
+    dscale_ptr,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_rs0,
+    stride_rs1,
+    stride_gr,
+    stride_cs0,
+    stride_cs1,
+    stride_gc,
+    stride_out_split,
+    stride_out0,
+    stride_out1,
+    q_ids_ptr,
+    k_ids_ptr,
+    gq_ptr,
+    gk_ptr,
+    row_thr_ptr,
+    col_thr_ptr,
+    row_pos_ptr,
+    col_pos_ptr,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
+    stride_rp0,
+    stride_rp1,
+    stride_cp0,
+    stride_cp1,
+    SYMMETRIC: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ADD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
-    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    BRANCH_POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
@@ -218,8 +322,29 @@ def _dq_kernel(
     for cb in range(cb_lo, cb_hi):
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
         raw, k_tile = block_scores(
-            q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+            q_ptr,
+            k_ptr,
+            q_res,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            ONE_CHUNK,
+            True,
+            not EVEN_M,
+            not EVEN_N,
+            not EVEN_D,
+            ACC,
+            UPCAST,
+            PRECISION,
         )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if SYMMETRIC:
@@ -236,18 +361,69 @@ def _dq_kernel(
             else:
                 pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
             positive, excluded_rows, excluded_cols = block_masks(
-                gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
-                stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
-                BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+                gq_ptr,
+                gk_ptr,
+                rows,
+                cols,
+                pos,
+                q_ids,
+                k_ids_ptr,
+                row_thr,
+                col_thr_ptr,
+                n_q,
+                n_k,
+                DG,
+                stride_gq0,
+                stride_gq1,
+                stride_gk0,
+                stride_gk1,
+                HAS_IDS,
+                HAS_GUIDE,
+                POSITIVES,
+                SYMMETRIC,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_G,
+                EVEN_M,
+                EVEN_N,
+                EVEN_G,
+                GUIDE_ACC,
+                GUIDE_PRECISION,
             )
             ds_row, ds_col = _masked_tile_grads(
-                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
-                m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
-                SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
+                s,
+                positive,
+                excluded_rows,
+                excluded_cols,
+                m_r,
+                r_r,
+                g_r,
+                pos_count_r,
+                pos_max_r,
+                pos_rel_r,
+                m_c,
+                r_c,
+                g_c,
+                pos_count_c,
+                pos_max_c,
+                pos_rel_c,
+                SYMMETRIC,
+                POSITIVES,
+                HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
-            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
-                                         BLOCK_N, BRANCH_POSITIVES), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+            ds_row, ds_col = _tile_grads(
+                s,
+                cols[None, :] == pos[:, None],
+                holds_positive(pos_lo, pos_hi, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
+                m_r,
+                r_r,
+                g_r,
+                m_c,
+                r_c,
+                g_c,
+                SYMMETRIC,
+            )
         dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
         if SYMMETRIC:
@@ -260,8 +436,22 @@ def _dq_kernel(
         else:
             k_out = load_tile(k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, False)
         acc = tile_dot(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION), k_out, acc, UPCAST, PRECISION)
-    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, rows, out_feats, n_q, D, stride_out0, stride_out1,
-                 acc, scale, factor, NORMALIZE, ADD, not EVEN_M, not EVEN_OUT)
+    _store_slice(
+        out_ptr + split.to(tl.int64) * stride_out_split,
+        rows,
+        out_feats,
+        n_q,
+        D,
+        stride_out0,
+        stride_out1,
+        acc,
+        scale,
+        factor,
+        NORMALIZE,
+        ADD,
+        not EVEN_M,
+        not EVEN_OUT,
+    )
     if out_slice == 0:
         slot = dscale_ptr + 2 * (rb.to(tl.int64) * tl.num_programs(2) + split)
         tl.store(slot, tl.sum(dscale_row, axis=0))
@@ -270,21 +460,72 @@ def _dq_kernel(
 
 @triton.jit
 def _dk_kernel(
-    q_ptr, k_ptr, scale_ptr, pos_ptr, row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr, g_max_ptr,
+    q_ptr,
+    k_ptr,
+    scale_ptr,
+    pos_ptr,
+    row_stats_ptr,
+    g_row_ptr,
+    col_stats_ptr,
+    g_col_ptr,
+    g_max_ptr,
     out_ptr,
-    n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1,
-    stride_rs0, stride_rs1, stride_gr, stride_cs0, stride_cs1, stride_gc,
-    stride_out_split, stride_out0, stride_out1,
-    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, row_pos_ptr, col_pos_ptr, DG,
-    stride_gq0, stride_gq1, stride_gk0, stride_gk1, stride_rp0, stride_rp1, stride_cp0, stride_cp1,
-    SYMMETRIC: tl.constexpr, NORMALIZE: tl.constexpr, ADD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_OUT: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_rs0,
+    stride_rs1,
+    stride_gr,
+    stride_cs0,
+    stride_cs1,
+    stride_gc,
+    stride_out_split,
+    stride_out0,
+    stride_out1,
+    q_ids_ptr,
+    k_ids_ptr,
+    gq_ptr,
+    gk_ptr,
+    row_thr_ptr,
+    col_thr_ptr,
+    row_pos_ptr,
+    col_pos_ptr,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
+    stride_rp0,
+    stride_rp1,
+    stride_cp0,
+    stride_cp1,
+    SYMMETRIC: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    ADD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
-    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    BRANCH_POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
@@ -320,8 +561,29 @@ def _dk_kernel(
         m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_rs0, stride_rs1, stride_gr, not EVEN_M)
         pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
         raw, q_tile = block_scores(
-            q_ptr, k_ptr, k_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, False, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+            q_ptr,
+            k_ptr,
+            k_res,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            ONE_CHUNK,
+            False,
+            not EVEN_M,
+            not EVEN_N,
+            not EVEN_D,
+            ACC,
+            UPCAST,
+            PRECISION,
         )
         s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
         if not SYMMETRIC:
@@ -335,19 +597,70 @@ def _dk_kernel(
             if not SYMMETRIC:
                 pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
             positive, excluded_rows, excluded_cols = block_masks(
-                gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
-                stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
-                BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+                gq_ptr,
+                gk_ptr,
+                rows,
+                cols,
+                pos,
+                q_ids,
+                k_ids_ptr,
+                row_thr,
+                col_thr_ptr,
+                n_q,
+                n_k,
+                DG,
+                stride_gq0,
+                stride_gq1,
+                stride_gk0,
+                stride_gk1,
+                HAS_IDS,
+                HAS_GUIDE,
+                POSITIVES,
+                SYMMETRIC,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_G,
+                EVEN_M,
+                EVEN_N,
+                EVEN_G,
+                GUIDE_ACC,
+                GUIDE_PRECISION,
             )
             ds_row, ds_col = _masked_tile_grads(
-                s, positive, excluded_rows, excluded_cols, m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r,
-                m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c,
-                SYMMETRIC, POSITIVES, HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
+                s,
+                positive,
+                excluded_rows,
+                excluded_cols,
+                m_r,
+                r_r,
+                g_r,
+                pos_count_r,
+                pos_max_r,
+                pos_rel_r,
+                m_c,
+                r_c,
+                g_c,
+                pos_count_c,
+                pos_max_c,
+                pos_rel_c,
+                SYMMETRIC,
+                POSITIVES,
+                HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
             )
         else:
             pos_lo, pos_hi = positive_span(pos)
-            ds_row, ds_col = _tile_grads(s, cols[None, :] == pos[:, None], holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
-                                         BLOCK_N, BRANCH_POSITIVES), m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC)
+            ds_row, ds_col = _tile_grads(
+                s,
+                cols[None, :] == pos[:, None],
+                holds_positive(pos_lo, pos_hi, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
+                m_r,
+                r_r,
+                g_r,
+                m_c,
+                r_c,
+                g_c,
+                SYMMETRIC,
+            )
         ds = ds_row + ds_col
         if NORMALIZE:
             ds = ds * _inverse(factor)[None, :]
@@ -356,8 +669,22 @@ def _dk_kernel(
         else:
             q_out = load_tile(q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, False)
         acc = tile_dot(tl.trans(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION)), q_out, acc, UPCAST, PRECISION)
-    _store_slice(out_ptr + split.to(tl.int64) * stride_out_split, cols, out_feats, n_k, D, stride_out0, stride_out1,
-                 acc, scale, factor, NORMALIZE, ADD, not EVEN_N, not EVEN_OUT)
+    _store_slice(
+        out_ptr + split.to(tl.int64) * stride_out_split,
+        cols,
+        out_feats,
+        n_k,
+        D,
+        stride_out0,
+        stride_out1,
+        acc,
+        scale,
+        factor,
+        NORMALIZE,
+        ADD,
+        not EVEN_N,
+        not EVEN_OUT,
+    )
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -421,7 +748,11 @@ def _launch(kernel, autotuned, grid, args: dict, cfg: TileConfig, autotune: bool
     else:
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
         wrap(kernel)[grid(blocks)](
-            **blocks, **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n), BUCKET=0, **cfg.launch_options(), **args,
+            **blocks,
+            **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n),
+            BUCKET=0,
+            **cfg.launch_options(),
+            **args,
         )
 
 
@@ -474,13 +805,34 @@ def softmax_backward(
     g_max = torch.stack([g.abs().amax() for g in (g_row, g_col) if g is not None]) if normalize else None
     block_d = tiling.block_d(dim)
     common = dict(
-        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, row_stats_ptr=row_stats, g_row_ptr=g_row,
-        col_stats_ptr=col_stats, g_col_ptr=g_col, g_max_ptr=g_max, n_q=n_q, n_k=n_k, D=dim,
-        stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
-        stride_rs0=row_stats.stride(0), stride_rs1=row_stats.stride(1), stride_gr=g_row.stride(0),
-        stride_cs0=col_stats.stride(0) if symmetric else 0, stride_cs1=col_stats.stride(1) if symmetric else 0,
-        stride_gc=g_col.stride(0) if symmetric else 0, SYMMETRIC=symmetric, NORMALIZE=normalize, BLOCK_D=block_d,
-        **feature_chunks(dim, block_d), **opts, **masks.kernel_args(q.dtype, precision),
+        q_ptr=q,
+        k_ptr=k,
+        scale_ptr=scale,
+        pos_ptr=pos,
+        row_stats_ptr=row_stats,
+        g_row_ptr=g_row,
+        col_stats_ptr=col_stats,
+        g_col_ptr=g_col,
+        g_max_ptr=g_max,
+        n_q=n_q,
+        n_k=n_k,
+        D=dim,
+        stride_q0=q.stride(0),
+        stride_q1=q.stride(1),
+        stride_k0=k.stride(0),
+        stride_k1=k.stride(1),
+        stride_rs0=row_stats.stride(0),
+        stride_rs1=row_stats.stride(1),
+        stride_gr=g_row.stride(0),
+        stride_cs0=col_stats.stride(0) if symmetric else 0,
+        stride_cs1=col_stats.stride(1) if symmetric else 0,
+        stride_gc=g_col.stride(0) if symmetric else 0,
+        SYMMETRIC=symmetric,
+        NORMALIZE=normalize,
+        BLOCK_D=block_d,
+        **feature_chunks(dim, block_d),
+        **opts,
+        **masks.kernel_args(q.dtype, precision),
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         **_positive_args("row_pos_ptr", "stride_rp0", "stride_rp1", row_positives),
         **_positive_args("col_pos_ptr", "stride_cp0", "stride_cp1", col_positives),
@@ -498,8 +850,14 @@ def softmax_backward(
         out = grad if splits == 1 else torch.empty(splits, *grad.shape, dtype=acc, device=grad.device)
         out_strides = (0, *grad.stride()) if splits == 1 else out.stride()
         args = dict(
-            common, out_ptr=out, stride_out_split=out_strides[0], stride_out0=out_strides[1],
-            stride_out1=out_strides[2], ADD=splits == 1, BLOCK_OUT=block_out, EVEN_OUT=dim % block_out == 0,
+            common,
+            out_ptr=out,
+            stride_out_split=out_strides[0],
+            stride_out0=out_strides[1],
+            stride_out1=out_strides[2],
+            ADD=splits == 1,
+            BLOCK_OUT=block_out,
+            EVEN_OUT=dim % block_out == 0,
         )
         if which == "dq":
             n_rows_max = triton.cdiv(n_q, min(_MIN_BLOCK_M, cfg.block_m) if autotune else cfg.block_m)

@@ -86,8 +86,9 @@ def _store_vector(ptr, idx, n, value, MASK: tl.constexpr):
 
 
 @triton.jit
-def _merge_masked_columns(col_part, stride_stat, cols, n_k, s_cols, kept, positive, POSITIVES: tl.constexpr,
-                          MASK: tl.constexpr):
+def _merge_masked_columns(
+    col_part, stride_stat, cols, n_k, s_cols, kept, positive, POSITIVES: tl.constexpr, MASK: tl.constexpr
+):
     """Merge one tile's masked column partials (stats of ``kept``, the positives of ``positive``) into the
     group's [6, Bk] partials: read, merged, written back (the group's program owns them)."""
     col_max, col_rest = kept_rest_stats(kept, 0)
@@ -140,11 +141,36 @@ def _store_rows(row_out, stride_stat, rows, n_q, run_max, run_rest, pos_logit, M
 
 @triton.jit
 def _symmetric_pair(
-    q_ptr, k_ptr, pos_ptr, row_out, col_part, scale, rows0, cb_lo, cb_hi, n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat, stride_cols_stat,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    MASK_M0: tl.constexpr, MASK_M1: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    row_out,
+    col_part,
+    scale,
+    rows0,
+    cb_lo,
+    cb_hi,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_rows_stat,
+    stride_cols_stat,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    MASK_M0: tl.constexpr,
+    MASK_M1: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BRANCH_POSITIVES: tl.constexpr,
 ):
     """The plain symmetric forward over two row blocks at once (rows0 and the BLOCK_M rows after them;
     MASK_M1: the second may reach past n_q): each k block's two S tiles (:func:`score_pair`, each the one
@@ -172,18 +198,49 @@ def _symmetric_pair(
     for cb in range(cb_lo, cb_hi):
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
         raw0, raw1 = score_pair(
-            q_ptr, k_ptr, q_res0, q_res1, rows0, rows1, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0,
-            stride_k1, BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, MASK_M0, MASK_M1, MASK_N, MASK_D, ACC, UPCAST, PRECISION,
+            q_ptr,
+            k_ptr,
+            q_res0,
+            q_res1,
+            rows0,
+            rows1,
+            cols,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            ONE_CHUNK,
+            MASK_M0,
+            MASK_M1,
+            MASK_N,
+            MASK_D,
+            ACC,
+            UPCAST,
+            PRECISION,
         )
         # Row stats see only real columns, column stats only real rows (as the single tile's).
         run_max0, run_rest0, pos_logit0 = _fold_rows(
-            masked_scores(raw0, scale, rows0, cols, n_q, n_k, False, MASK_N), cols, pos0,
-            holds_positive(pos_lo0, pos_hi0, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES), run_max0, run_rest0,
+            masked_scores(raw0, scale, rows0, cols, n_q, n_k, False, MASK_N),
+            cols,
+            pos0,
+            holds_positive(pos_lo0, pos_hi0, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
+            run_max0,
+            run_rest0,
             pos_logit0,
         )
         run_max1, run_rest1, pos_logit1 = _fold_rows(
-            masked_scores(raw1, scale, rows1, cols, n_q, n_k, False, MASK_N), cols, pos1,
-            holds_positive(pos_lo1, pos_hi1, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES), run_max1, run_rest1,
+            masked_scores(raw1, scale, rows1, cols, n_q, n_k, False, MASK_N),
+            cols,
+            pos1,
+            holds_positive(pos_lo1, pos_hi1, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
+            run_max1,
+            run_rest1,
             pos_logit1,
         )
         col_max, col_rest = pair_column_stats(
@@ -197,19 +254,55 @@ def _symmetric_pair(
 
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, scale_ptr, pos_ptr, rows_ptr, cols_ptr,
-    n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1,
-    stride_rows_stat, stride_rows_split, stride_cols_stat, stride_cols_group,
-    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, DG,
-    stride_gq0, stride_gq1, stride_gk0, stride_gk1,
+    q_ptr,
+    k_ptr,
+    scale_ptr,
+    pos_ptr,
+    rows_ptr,
+    cols_ptr,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_rows_stat,
+    stride_rows_split,
+    stride_cols_stat,
+    stride_cols_group,
+    q_ids_ptr,
+    k_ids_ptr,
+    gq_ptr,
+    gk_ptr,
+    row_thr_ptr,
+    col_thr_ptr,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
     SYMMETRIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
-    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
-    ROW_TILES: tl.constexpr, EVEN_PAIRS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    BRANCH_POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
+    ROW_TILES: tl.constexpr,
+    EVEN_PAIRS: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
@@ -225,33 +318,144 @@ def _forward_kernel(
         rows = rb * (ROW_TILES * BLOCK_M) + tl.arange(0, BLOCK_M)
         if ROW_TILES == 2:
             _symmetric_pair(
-                q_ptr, k_ptr, pos_ptr, row_out, cols_ptr + group.to(tl.int64) * stride_cols_group, scale, rows,
-                cb_lo, cb_hi, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat,
-                stride_cols_stat, BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, not EVEN_M, not (EVEN_M and EVEN_PAIRS),
-                not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION, BRANCH_POSITIVES,
+                q_ptr,
+                k_ptr,
+                pos_ptr,
+                row_out,
+                cols_ptr + group.to(tl.int64) * stride_cols_group,
+                scale,
+                rows,
+                cb_lo,
+                cb_hi,
+                n_q,
+                n_k,
+                D,
+                stride_q0,
+                stride_q1,
+                stride_k0,
+                stride_k1,
+                stride_rows_stat,
+                stride_cols_stat,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                ONE_CHUNK,
+                not EVEN_M,
+                not (EVEN_M and EVEN_PAIRS),
+                not EVEN_N,
+                not EVEN_D,
+                ACC,
+                UPCAST,
+                PRECISION,
+                BRANCH_POSITIVES,
             )
         else:
             _forward_rows(
-                q_ptr, k_ptr, pos_ptr, row_out, cols_ptr, scale, rows, group, cb_lo, cb_hi, n_q, n_k, D,
-                stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat, stride_cols_stat, stride_cols_group,
-                q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, DG,
-                stride_gq0, stride_gq1, stride_gk0, stride_gk1, SYMMETRIC,
-                BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, EVEN_M, EVEN_N, EVEN_D, ACC, UPCAST, PRECISION,
-                HAS_IDS, HAS_GUIDE, POSITIVES, BRANCH_POSITIVES, BLOCK_G, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+                q_ptr,
+                k_ptr,
+                pos_ptr,
+                row_out,
+                cols_ptr,
+                scale,
+                rows,
+                group,
+                cb_lo,
+                cb_hi,
+                n_q,
+                n_k,
+                D,
+                stride_q0,
+                stride_q1,
+                stride_k0,
+                stride_k1,
+                stride_rows_stat,
+                stride_cols_stat,
+                stride_cols_group,
+                q_ids_ptr,
+                k_ids_ptr,
+                gq_ptr,
+                gk_ptr,
+                row_thr_ptr,
+                col_thr_ptr,
+                DG,
+                stride_gq0,
+                stride_gq1,
+                stride_gk0,
+                stride_gk1,
+                SYMMETRIC,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                ONE_CHUNK,
+                EVEN_M,
+                EVEN_N,
+                EVEN_D,
+                ACC,
+                UPCAST,
+                PRECISION,
+                HAS_IDS,
+                HAS_GUIDE,
+                POSITIVES,
+                BRANCH_POSITIVES,
+                BLOCK_G,
+                EVEN_G,
+                GUIDE_ACC,
+                GUIDE_PRECISION,
             )
 
 
 @triton.jit
 def _forward_rows(
-    q_ptr, k_ptr, pos_ptr, row_out, cols_ptr, scale, rows, group, cb_lo, cb_hi, n_q, n_k, D,
-    stride_q0, stride_q1, stride_k0, stride_k1, stride_rows_stat, stride_cols_stat, stride_cols_group,
-    q_ids_ptr, k_ids_ptr, gq_ptr, gk_ptr, row_thr_ptr, col_thr_ptr, DG,
-    stride_gq0, stride_gq1, stride_gk0, stride_gk1, SYMMETRIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, BRANCH_POSITIVES: tl.constexpr,
-    BLOCK_G: tl.constexpr, EVEN_G: tl.constexpr, GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    row_out,
+    cols_ptr,
+    scale,
+    rows,
+    group,
+    cb_lo,
+    cb_hi,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_rows_stat,
+    stride_cols_stat,
+    stride_cols_group,
+    q_ids_ptr,
+    k_ids_ptr,
+    gq_ptr,
+    gk_ptr,
+    row_thr_ptr,
+    col_thr_ptr,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    BRANCH_POSITIVES: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
 ):
     """One row block's pass over the k blocks [cb_lo, cb_hi): its rows' stats (stored to ``row_out``) and,
     symmetric, the group's column partials; with mask options the masked rows of :mod:`infcl.masks`."""
@@ -274,16 +478,62 @@ def _forward_rows(
     for cb in range(cb_lo, cb_hi):
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
         raw, _ = block_scores(
-            q_ptr, k_ptr, q_res, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, ONE_CHUNK, True, not EVEN_M, not EVEN_N, not EVEN_D, ACC, UPCAST, PRECISION,
+            q_ptr,
+            k_ptr,
+            q_res,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            ONE_CHUNK,
+            True,
+            not EVEN_M,
+            not EVEN_N,
+            not EVEN_D,
+            ACC,
+            UPCAST,
+            PRECISION,
         )
         # Row stats see only real columns; padded rows are finite (zero features) and never stored.
         s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
         if HAS_IDS or HAS_GUIDE:
             positive, excluded_rows, excluded_cols = block_masks(
-                gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
-                stride_gq0, stride_gq1, stride_gk0, stride_gk1, HAS_IDS, HAS_GUIDE, POSITIVES, SYMMETRIC,
-                BLOCK_M, BLOCK_N, BLOCK_G, EVEN_M, EVEN_N, EVEN_G, GUIDE_ACC, GUIDE_PRECISION,
+                gq_ptr,
+                gk_ptr,
+                rows,
+                cols,
+                pos,
+                q_ids,
+                k_ids_ptr,
+                row_thr,
+                col_thr_ptr,
+                n_q,
+                n_k,
+                DG,
+                stride_gq0,
+                stride_gq1,
+                stride_gk0,
+                stride_gk1,
+                HAS_IDS,
+                HAS_GUIDE,
+                POSITIVES,
+                SYMMETRIC,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_G,
+                EVEN_M,
+                EVEN_N,
+                EVEN_G,
+                GUIDE_ACC,
+                GUIDE_PRECISION,
             )
             kept = s_rows
             if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
@@ -294,8 +544,15 @@ def _forward_rows(
                 s_rows, positive, pos_max, pos_rest, pos_logit, pos_count, 1, POSITIVES
             )
         else:
-            run_max, run_rest, pos_logit = _fold_rows(s_rows, cols, pos, holds_positive(pos_lo, pos_hi, cb * BLOCK_N,
-                                                      BLOCK_N, BRANCH_POSITIVES), run_max, run_rest, pos_logit)
+            run_max, run_rest, pos_logit = _fold_rows(
+                s_rows,
+                cols,
+                pos,
+                holds_positive(pos_lo, pos_hi, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
+                run_max,
+                run_rest,
+                pos_logit,
+            )
         if SYMMETRIC:  # cols_ptr is an empty placeholder otherwise
             col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
             s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
@@ -303,8 +560,9 @@ def _forward_rows(
                 kept = s_cols
                 if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
                     kept = tl.where(excluded_cols, float("-inf"), s_cols)
-                _merge_masked_columns(col_part, stride_cols_stat, cols, n_k, s_cols, kept, positive, POSITIVES,
-                                      not EVEN_N)
+                _merge_masked_columns(
+                    col_part, stride_cols_stat, cols, n_k, s_cols, kept, positive, POSITIVES, not EVEN_N
+                )
             else:
                 col_max, col_rest = tile_rest_stats(s_cols, 0)
                 _merge_columns(col_part, stride_cols_stat, cols, n_k, col_max, col_rest, not EVEN_N)
@@ -349,13 +607,16 @@ def _keep(key, config: TileConfig) -> bool:
 # config on each new key.
 AUTOTUNE_CONFIGS = {
     (*key, ragged): [c for c in neighbours(forward_config(*key, ragged)) if _keep((*key, ragged), c)]
-    for ragged in (False, True) for key in CONFIG_KEYS
+    for ragged in (False, True)
+    for key in CONFIG_KEYS
 }
 
 # Every buffer a trial writes: the row partials are overwritten whole, the column partials are
 # read-merged-written from the host's empty stats, so both are restored between trials.
 _forward_autotuned = lazy_autotune(
-    _forward_kernel, AUTOTUNE_CONFIGS, key=["D", "SYMMETRIC", "PRECISION", "BUCKET"],
+    _forward_kernel,
+    AUTOTUNE_CONFIGS,
+    key=["D", "SYMMETRIC", "PRECISION", "BUCKET"],
     restore_value=["rows_ptr", "cols_ptr"],
 )
 
@@ -432,15 +693,32 @@ def softmax_forward(
     args = dict(
         # One direction: an empty placeholder for the column partials, never read (Triton 3.2's autotuner
         # clones every restore_value argument, and fails on None).
-        q_ptr=q, k_ptr=k, scale_ptr=scale, pos_ptr=pos, rows_ptr=rows, cols_ptr=rows[:, :0] if cols is None else cols,
-        n_q=n_q, n_k=n_k, D=dim,
-        stride_q0=q.stride(0), stride_q1=q.stride(1), stride_k0=k.stride(0), stride_k1=k.stride(1),
-        stride_rows_stat=rows.stride(0), stride_rows_split=rows.stride(1),
-        stride_cols_stat=cols.stride(0) if symmetric else 0, stride_cols_group=cols.stride(1) if symmetric else 0,
-        SYMMETRIC=symmetric, BLOCK_D=block_d, **feature_chunks(dim, block_d), **opts, ROW_TILES=row_tiles,
+        q_ptr=q,
+        k_ptr=k,
+        scale_ptr=scale,
+        pos_ptr=pos,
+        rows_ptr=rows,
+        cols_ptr=rows[:, :0] if cols is None else cols,
+        n_q=n_q,
+        n_k=n_k,
+        D=dim,
+        stride_q0=q.stride(0),
+        stride_q1=q.stride(1),
+        stride_k0=k.stride(0),
+        stride_k1=k.stride(1),
+        stride_rows_stat=rows.stride(0),
+        stride_rows_split=rows.stride(1),
+        stride_cols_stat=cols.stride(0) if symmetric else 0,
+        stride_cols_group=cols.stride(1) if symmetric else 0,
+        SYMMETRIC=symmetric,
+        BLOCK_D=block_d,
+        **feature_chunks(dim, block_d),
+        **opts,
+        ROW_TILES=row_tiles,
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         EVEN_PAIRS=triton.cdiv(n_q, tiling.forward.block_m) % row_tiles == 0,
-        **masks.kernel_args(q.dtype, precision), **COMPILE_OPTIONS,
+        **masks.kernel_args(q.dtype, precision),
+        **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)
     if autotune:
@@ -448,8 +726,12 @@ def softmax_forward(
     else:
         cfg = tiling.forward
         wrap(_forward_kernel)[grid](
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n), BUCKET=0,
-            **cfg.launch_options(), **args,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n),
+            BUCKET=0,
+            **cfg.launch_options(),
+            **args,
         )
     positives = ("sum" if masks.multi_positive == "sum" else "mean") if masks.masked else None
     results = []

@@ -73,8 +73,7 @@ def unsupported_reason(facts: TargetFacts) -> Optional[str]:
     """None if infcl has compiled configs for ``facts``' target, else a sentence saying why not."""
     if facts.backend != "cuda":
         return (
-            f"infcl's Triton configs are compiled for NVIDIA GPUs only; Triton's target is {facts.backend} "
-            f"{facts.arch}"
+            f"infcl's Triton configs are compiled for NVIDIA GPUs only; Triton's target is {facts.backend} {facts.arch}"
         )
     if facts.family is None:
         known = ", ".join(f"sm_{a}{b}" for caps in ARCH_FAMILIES.values() for a, b in caps)

@@ -60,8 +60,18 @@ def check_blocks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
-def load_tile(ptr, rows, cols, n_rows, n_cols, stride_r, stride_c, RAGGED_ROWS: tl.constexpr,
-              RAGGED_COLS: tl.constexpr, ZERO_COLS: tl.constexpr = True):
+def load_tile(
+    ptr,
+    rows,
+    cols,
+    n_rows,
+    n_cols,
+    stride_r,
+    stride_c,
+    RAGGED_ROWS: tl.constexpr,
+    RAGGED_COLS: tl.constexpr,
+    ZERO_COLS: tl.constexpr = True,
+):
     """The [len(rows), len(cols)] tile ptr[rows, cols] of an (n_rows x n_cols) strided matrix.
 
     Past the last row the tile repeats row n_rows - 1 (finite data; callers mask those rows out of
@@ -108,16 +118,24 @@ def dot_operand(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
     truncate it, a bias of ~2**-11 in every entry (q and k come rounded the same way,
     :func:`infcl.kernels.configs.tf32_operands`)."""
     if PTX and PRECISION == "tf32":
-        y = tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1)
+        y = tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         y = x.to(dtype)
     return y
 
 
 @triton.jit
-def score_resident(q_tile, k_tile, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def score_resident(
+    q_tile,
+    k_tile,
+    D,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """raw = q_tile @ k_tile.T for one feature chunk: q_tile [BLOCK_M, BLOCK_D], k_tile [BLOCK_N, BLOCK_D],
     D <= BLOCK_D.
 
@@ -152,9 +170,27 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
 
 
 @triton.jit
-def chunk_dot(q_ptr, k_ptr, rows, cols, d0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-              BLOCK_D: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr, acc,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def chunk_dot(
+    q_ptr,
+    k_ptr,
+    rows,
+    cols,
+    d0,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BLOCK_D: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    acc,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """acc + q[rows, d0 : d0 + BLOCK_D] @ k[cols, d0 : d0 + BLOCK_D].T: one feature chunk of S (features past D
     read 0), the step of :func:`score_chunks` and :func:`score_tile`."""
     feats = d0 + tl.arange(0, BLOCK_D)
@@ -165,10 +201,26 @@ def chunk_dot(q_ptr, k_ptr, rows, cols, d0, n_q, n_k, D, stride_q0, stride_q1, s
 
 @triton.jit
 def score_chunks(
-    q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    rows,
+    cols,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM): the
     softmax kernels' S.
@@ -182,35 +234,129 @@ def score_chunks(
     """
     raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     for d0 in range(0, D, BLOCK_D):
-        raw = chunk_dot(q_ptr, k_ptr, rows, cols, d0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                        BLOCK_D, MASK_M, MASK_N, MASK_D, raw, UPCAST, PRECISION)
+        raw = chunk_dot(
+            q_ptr,
+            k_ptr,
+            rows,
+            cols,
+            d0,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_D,
+            MASK_M,
+            MASK_N,
+            MASK_D,
+            raw,
+            UPCAST,
+            PRECISION,
+        )
     return raw
 
 
 @triton.jit
 def score_tile(
-    q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    rows,
+    cols,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM), with
     the first chunk's product peeled before the loop: the sigmoid kernels' S (their configs are sized on
     this form; the softmax kernels use :func:`score_chunks`)."""
-    raw = chunk_dot(q_ptr, k_ptr, rows, cols, 0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                    BLOCK_D, MASK_M, MASK_N, MASK_D, tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC), UPCAST, PRECISION)
+    raw = chunk_dot(
+        q_ptr,
+        k_ptr,
+        rows,
+        cols,
+        0,
+        n_q,
+        n_k,
+        D,
+        stride_q0,
+        stride_q1,
+        stride_k0,
+        stride_k1,
+        BLOCK_D,
+        MASK_M,
+        MASK_N,
+        MASK_D,
+        tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC),
+        UPCAST,
+        PRECISION,
+    )
     for d0 in range(BLOCK_D, D, BLOCK_D):
-        raw = chunk_dot(q_ptr, k_ptr, rows, cols, d0, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-                        BLOCK_D, MASK_M, MASK_N, MASK_D, raw, UPCAST, PRECISION)
+        raw = chunk_dot(
+            q_ptr,
+            k_ptr,
+            rows,
+            cols,
+            d0,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_D,
+            MASK_M,
+            MASK_N,
+            MASK_D,
+            raw,
+            UPCAST,
+            PRECISION,
+        )
     return raw
 
 
 @triton.jit
 def score_pair(
-    q_ptr, k_ptr, q_res0, q_res1, rows0, rows1, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    MASK_M0: tl.constexpr, MASK_M1: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    q_res0,
+    q_res1,
+    rows0,
+    rows1,
+    cols,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    MASK_M0: tl.constexpr,
+    MASK_M1: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """(raw0, raw1): the S tiles of two row blocks, q[rows0] @ k[cols].T and q[rows1] @ k[cols].T, for the
     symmetric forward's pairs of row blocks; each k chunk is loaded once for both.
@@ -239,10 +385,29 @@ def score_pair(
 
 @triton.jit
 def block_scores(
-    q_ptr, k_ptr, resident, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    Q_RESIDENT: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
-    ACC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    resident,
+    rows,
+    cols,
+    n_q,
+    n_k,
+    D,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    Q_RESIDENT: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """(raw, chunk) for the tile q[rows] x k[cols], the one call every kernel's loop makes.
 
@@ -260,8 +425,26 @@ def block_scores(
             raw = score_resident(chunk, resident, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
     else:
         raw = score_chunks(
-            q_ptr, k_ptr, rows, cols, n_q, n_k, D, stride_q0, stride_q1, stride_k0, stride_k1,
-            BLOCK_M, BLOCK_N, BLOCK_D, MASK_M, MASK_N, MASK_D, ACC, UPCAST, PRECISION,
+            q_ptr,
+            k_ptr,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            D,
+            stride_q0,
+            stride_q1,
+            stride_k0,
+            stride_k1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            MASK_M,
+            MASK_N,
+            MASK_D,
+            ACC,
+            UPCAST,
+            PRECISION,
         )
         chunk = raw  # unused
     return raw, chunk
@@ -281,8 +464,9 @@ def exp(x):
     gradient by less than float32 keeps (relative to the row's, or the gradient's, norm). The same
     approximation (MUFU.EX2, ~2 ulp) otherwise. float64 and the interpreter: tl.exp."""
     if PTX and x.dtype == tl.float32:
-        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * LOG2E], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+        y = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * LOG2E], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         y = tl.exp(x)
     return y
@@ -389,11 +573,13 @@ def scale_scores(raw, scale):
     would make the backward's S - m differ from the forward's at the maximum.) numpy never contracts."""
     if PTX:
         if raw.dtype == tl.float64:
-            s = tl.inline_asm_elementwise("mul.rn.f64 $0, $1, $2;", "=d,d,d", [raw, scale], dtype=tl.float64,
-                                          is_pure=True, pack=1)
+            s = tl.inline_asm_elementwise(
+                "mul.rn.f64 $0, $1, $2;", "=d,d,d", [raw, scale], dtype=tl.float64, is_pure=True, pack=1
+            )
         else:
-            s = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [raw, scale], dtype=tl.float32,
-                                          is_pure=True, pack=1)
+            s = tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=r,r,r", [raw, scale], dtype=tl.float32, is_pure=True, pack=1
+            )
     else:
         s = raw * scale
     return s
@@ -430,9 +616,24 @@ SUM_POSITIVES = tl.constexpr(2)
 
 
 @triton.jit
-def tile_masks(rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr, n_q, n_k,
-               HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, SYMMETRIC: tl.constexpr,
-               MASK_M: tl.constexpr, MASK_N: tl.constexpr):
+def tile_masks(
+    rows,
+    cols,
+    pos,
+    q_ids,
+    k_ids,
+    scores,
+    row_thr,
+    col_thr,
+    n_q,
+    n_k,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+):
     """(positive, excluded_rows, excluded_cols) [BLOCK_M, BLOCK_N] bool of one tile (see infcl.masks).
 
     positive: the one-hot of ``pos`` (ONE_POSITIVE) or q_ids[i] == k_ids[j] on the block's real rows and
@@ -484,26 +685,82 @@ def load_optional(ptr, idx, n, PRESENT: tl.constexpr, MASK: tl.constexpr):
 
 @triton.jit
 def block_masks(
-    gq_ptr, gk_ptr, rows, cols, pos, q_ids, k_ids_ptr, row_thr, col_thr_ptr, n_q, n_k, DG,
-    stride_gq0, stride_gq1, stride_gk0, stride_gk1,
-    HAS_IDS: tl.constexpr, HAS_GUIDE: tl.constexpr, POSITIVES: tl.constexpr, SYMMETRIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_G: tl.constexpr,
-    GUIDE_ACC: tl.constexpr, GUIDE_PRECISION: tl.constexpr,
+    gq_ptr,
+    gk_ptr,
+    rows,
+    cols,
+    pos,
+    q_ids,
+    k_ids_ptr,
+    row_thr,
+    col_thr_ptr,
+    n_q,
+    n_k,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
 ):
     """One tile's (positive, excluded_rows, excluded_cols) (:func:`infcl.kernels.tiles.tile_masks`): the
     columns' ids and, with a guide, the guide scores (one GEMM over D') and the columns' thresholds."""
     k_ids = load_optional(k_ids_ptr, cols, n_k, HAS_IDS, not EVEN_N)
     if HAS_GUIDE:
         scores = score_tile(
-            gq_ptr, gk_ptr, rows, cols, n_q, n_k, DG, stride_gq0, stride_gq1, stride_gk0, stride_gk1,
-            BLOCK_M, BLOCK_N, BLOCK_G, not EVEN_M, not EVEN_N, not EVEN_G, GUIDE_ACC, False, GUIDE_PRECISION,
+            gq_ptr,
+            gk_ptr,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            DG,
+            stride_gq0,
+            stride_gq1,
+            stride_gk0,
+            stride_gk1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_G,
+            not EVEN_M,
+            not EVEN_N,
+            not EVEN_G,
+            GUIDE_ACC,
+            False,
+            GUIDE_PRECISION,
         )
     else:
         scores = rows  # unused
     col_thr = load_optional(col_thr_ptr, cols, n_k, HAS_GUIDE and SYMMETRIC, not EVEN_N)
-    return tile_masks(rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr, n_q, n_k, HAS_IDS, HAS_GUIDE,
-                      POSITIVES, SYMMETRIC, not EVEN_M, not EVEN_N)
+    return tile_masks(
+        rows,
+        cols,
+        pos,
+        q_ids,
+        k_ids,
+        scores,
+        row_thr,
+        col_thr,
+        n_q,
+        n_k,
+        HAS_IDS,
+        HAS_GUIDE,
+        POSITIVES,
+        SYMMETRIC,
+        not EVEN_M,
+        not EVEN_N,
+    )
 
 
 @triton.jit
@@ -524,8 +781,7 @@ def merge_kept_stats(m, rest, t, rest_t):
 
 
 @triton.jit
-def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: tl.constexpr,
-                      POSITIVES: tl.constexpr):
+def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: tl.constexpr, POSITIVES: tl.constexpr):
     """Fold one tile's positives into the running (max, rest, sum, count) of each row (AXIS 1) or column
     (AXIS 0): their max (with "sum", their stats, rest as in :func:`tile_rest_stats`; else rest stays the
     empty set's -1), the sum of their logits and their number."""
@@ -541,8 +797,9 @@ def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: 
 
 
 @triton.jit
-def masked_softmax_grad(s, m, r, g, pos_count, pos_max, pos_rel, positive, excluded, POSITIVES: tl.constexpr,
-                        EXCLUDES: tl.constexpr):
+def masked_softmax_grad(
+    s, m, r, g, pos_count, pos_max, pos_rel, positive, excluded, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr
+):
     """g * (P - Y) for a tile with masks: P = exp((s - m) - r) off the exclusions and 0 on them; m, r, g and
     the positives' count or stats come broadcast like :func:`softmax_grad`'s stats (each only where its
     POSITIVES reads it). Y, and a positive's entry:

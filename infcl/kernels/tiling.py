@@ -175,8 +175,14 @@ def _masked_backward(arch: int, klass: str, ragged: bool, masks: str, dk: bool) 
         # sm_120 (ptxas 13): float16's dk with ids and a guide ("mean", D = 1000) spills 16 B at 255 registers
         # with two stages; one fits.
         stages = 1
-    return TileConfig(block_m=_MASKED_ROWS, block_n=_MASKED_COLS, num_warps=8, num_stages=stages,
-                      block_out=block_out, max_registers=255)
+    return TileConfig(
+        block_m=_MASKED_ROWS,
+        block_n=_MASKED_COLS,
+        num_warps=8,
+        num_stages=stages,
+        block_out=block_out,
+        max_registers=255,
+    )
 
 
 def chunking(arch: int, klass: str, masked: bool = False) -> tuple:
@@ -193,8 +199,9 @@ def chunking(arch: int, klass: str, masked: bool = False) -> tuple:
     return chunk_d, chunk_d
 
 
-def tiling_for(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None, masked: bool = False,
-               guide: bool = False) -> Tiling:
+def tiling_for(
+    arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None, masked: bool = False, guide: bool = False
+) -> Tiling:
     """The default tiling of the softmax kernels for architecture family ``arch``, inputs of ``dtype`` at tl.dot
     ``precision``, feature width ``dim`` (when known) and, ``masked``, mask options (``guide`` among them)."""
     klass = operand_class(dtype, precision)
@@ -202,13 +209,23 @@ def tiling_for(arch: int, dtype: torch.dtype, precision: str, dim: Optional[int]
     masks = ("guide" if guide else "ids") if masked else None
     # Ids alone never take the ragged-D slices (their 256-wide slices fit there too).
     ragged = ragged_d(dim, klass, chunk_d if masked else None) and masks != "ids"
-    return Tiling(forward=forward_config(arch, klass, ragged, masks), dq=dq_config(arch, klass, ragged, masks),
-                  dk=dk_config(arch, klass, ragged, masks), resident_d=resident_d, chunk_d=chunk_d)
+    return Tiling(
+        forward=forward_config(arch, klass, ragged, masks),
+        dq=dq_config(arch, klass, ragged, masks),
+        dk=dk_config(arch, klass, ragged, masks),
+        resident_d=resident_d,
+        chunk_d=chunk_d,
+    )
 
 
 def plain_tiling(arch: int, klass: str, dim: Optional[int] = None) -> Tiling:
     """:func:`tiling_for` of the plain loss for operand class ``klass``."""
     resident_d, chunk_d = chunking(arch, klass)
     ragged = ragged_d(dim, klass)
-    return Tiling(forward=forward_config(arch, klass, ragged), dq=dq_config(arch, klass, ragged),
-                  dk=dk_config(arch, klass, ragged), resident_d=resident_d, chunk_d=chunk_d)
+    return Tiling(
+        forward=forward_config(arch, klass, ragged),
+        dq=dq_config(arch, klass, ragged),
+        dk=dk_config(arch, klass, ragged),
+        resident_d=resident_d,
+        chunk_d=chunk_d,
+    )

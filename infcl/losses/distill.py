@@ -112,7 +112,13 @@ class DistillRing:
         return backend.distill_forward_block(block, self._teacher(k_side), self.symmetric)
 
     def backward_step(
-        self, backend, block: Block, rows: DistillUpstream, cols: Optional[DistillUpstream], dq: Tensor, dk: Tensor,
+        self,
+        backend,
+        block: Block,
+        rows: DistillUpstream,
+        cols: Optional[DistillUpstream],
+        dq: Tensor,
+        dk: Tensor,
         k_side=(),
     ) -> ParamGrads:
         dscale = backend.distill_backward_block(block, self._teacher(k_side), rows, cols, dq, dk)

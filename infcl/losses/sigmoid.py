@@ -49,7 +49,13 @@ class SigmoidSteps(SummedParts):
         return SigmoidPartials(backend.sigmoid_forward_block(replace(block, bias=self.bias))), None
 
     def backward_step(
-        self, backend: SigmoidBlockBackend, block: Block, rows: SigmoidUpstream, cols: None, dq: Tensor, dk: Tensor,
+        self,
+        backend: SigmoidBlockBackend,
+        block: Block,
+        rows: SigmoidUpstream,
+        cols: None,
+        dq: Tensor,
+        dk: Tensor,
         k_side=(),
     ) -> ParamGrads:
         own = backend.sigmoid_backward_block(replace(block, g_row=rows.grad, bias=self.bias), dq, dk)

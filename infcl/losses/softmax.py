@@ -134,8 +134,14 @@ class SoftmaxSteps:
         return upstream.block_fields(side)
 
     def backward_step(
-        self, backend: BlockBackend, block: Block, rows: SoftmaxUpstream, cols: Optional[SoftmaxUpstream],
-        dq: Tensor, dk: Tensor, k_side=(),
+        self,
+        backend: BlockBackend,
+        block: Block,
+        rows: SoftmaxUpstream,
+        cols: Optional[SoftmaxUpstream],
+        dq: Tensor,
+        dk: Tensor,
+        k_side=(),
     ) -> ParamGrads:
         fields = self._fields(rows, "row")
         if cols is not None:
@@ -160,6 +166,7 @@ class SoftmaxSteps:
 
 
 # --- the mask options (infcl.masks) ------------------------------------------------------------------
+
 
 class GuideScore(NamedTuple):
     """GuideScores' forward partial: ``[n]`` the guide score of each row's labelled column (0 where the

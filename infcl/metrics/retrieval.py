@@ -65,8 +65,9 @@ class AheadCounts(SummedParts):
     symmetric = True
     n_params = 0
 
-    def __init__(self, tiles: RankTiles, rows: Best, cols: Best, row_index: Tensor, col_index: Tensor, ids,
-                 any_positive: bool):
+    def __init__(
+        self, tiles: RankTiles, rows: Best, cols: Best, row_index: Tensor, col_index: Tensor, ids, any_positive: bool
+    ):
         self.tiles, self.rows, self.row_index = tiles, rows, row_index
         self.q_ids, k_ids = ids
         self.any_positive = any_positive
@@ -150,8 +151,11 @@ def retrieval_metrics(
         ids = (None, None) if masks is None else (masks.q_ids, masks.k_ids)
         labels_t = local_labels(labels, image)
     with torch.no_grad():
-        layout = exchange_layout(image, text, ring, labels_t, masks) if ring is not None else single_layout(
-            image.shape[0], text.shape[0], labels_t)
+        layout = (
+            exchange_layout(image, text, ring, labels_t, masks)
+            if ring is not None
+            else single_layout(image.shape[0], text.shape[0], labels_t)
+        )
         if any_positive:
             labels_t = torch.full((image.shape[0],), -1, dtype=torch.int64, device=image.device)
         else:
@@ -175,8 +179,10 @@ def _check_args(image, text, ks, q_ids, k_ids, labels, any_positive, return_rank
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if isinstance(ks, numbers.Integral):
         ks = (ks,)
-    if not isinstance(ks, (tuple, list)) or not ks or not all(
-        isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1 for k in ks
+    if (
+        not isinstance(ks, (tuple, list))
+        or not ks
+        or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1 for k in ks)
     ):
         raise ValueError(f"ks must be a non-empty tuple of positive ints, got {ks!r}")
     if any_positive and q_ids is None:
@@ -258,4 +264,3 @@ def _summary(name: str, rank: Tensor, valid: Tensor, ks) -> Dict[str, float]:
     for k in ks:
         out[f"{name}_R@{k}"] = float((kept < k).to(torch.float64).mean())
     return out
-

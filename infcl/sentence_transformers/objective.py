@@ -70,7 +70,7 @@ MIN_GUIDE_POSITIVE = 1e-12
 
 
 def similarity_kind(similarity_fct) -> str:
-    """"cosine" or "dot" for the similarity functions the loss maps onto; ValueError otherwise."""
+    """ "cosine" or "dot" for the similarity functions the loss maps onto; ValueError otherwise."""
     owner = getattr(similarity_fct, "__self__", None)
     if getattr(similarity_fct, "__name__", None) == "similarity" and hasattr(owner, "similarity_fn_name"):
         # model.similarity dispatches on the model's similarity_fn_name at call time: resolve it now.
@@ -202,9 +202,7 @@ def _prepare(embeddings: torch.Tensor, similarity: str) -> torch.Tensor:
 def _segments(parts: Sequence[Optional[torch.Tensor]], widths: Sequence[int]) -> torch.Tensor:
     """[B, sum(widths)]: the parts side by side, zeros where a part is None."""
     rows = next(p for p in parts if p is not None)
-    return torch.cat(
-        [p if p is not None else rows.new_zeros(rows.shape[0], w) for p, w in zip(parts, widths)], dim=1
-    )
+    return torch.cat([p if p is not None else rows.new_zeros(rows.shape[0], w) for p, w in zip(parts, widths)], dim=1)
 
 
 class _Keys:
@@ -297,8 +295,9 @@ def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch
     if hardness is None and terms <= {QUERY_TO_DOC, DOC_TO_QUERY}:  # no ids: the plain loss, any backend
         if terms == {QUERY_TO_DOC}:
             candidates = torch.cat(docs) if len(docs) > 1 else docs[0]
-            return cal_inf_loss(q, candidates, _positive_columns(q, candidates, group), scale, group=group,
-                                backend=backend)
+            return cal_inf_loss(
+                q, candidates, _positive_columns(q, candidates, group), scale, group=group, backend=backend
+            )
         return _padded_loss(q, docs, terms, None, alpha, scale, group, backend)
     if terms == {QUERY_TO_DOC} and hardness in IN_BATCH_HARDNESS:
         return _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend)
@@ -385,8 +384,9 @@ def _query_and_doc_rows_loss(q, docs, terms, scale, group, backend) -> torch.Ten
                 for index, column in enumerate(_columns(direction, q, docs)):
                     keys.add(column, own_excluded=direction.excludes_own(index, None))
         key_feats, ids, labels = keys.build(first_row)
-        row_losses.append(cal_inf_loss(rows, key_feats, labels, scale, reduction="none", group=group,
-                                       backend=backend, **ids))
+        row_losses.append(
+            cal_inf_loss(rows, key_feats, labels, scale, reduction="none", group=group, backend=backend, **ids)
+        )
     return torch.logaddexp(*row_losses).mean()
 
 
@@ -495,6 +495,13 @@ def gist_loss(
     first_row = _rows_before(b, group, a.device)
     labels = torch.arange(b, device=a.device) + first_row * len(blocks)  # the ap block leads every rank's keys
     return cal_inf_loss(
-        rows, keys, labels, 1.0 / temperature, guide=(guide_rows, guide_keys), guide_margin=margin,
-        guide_margin_strategy="absolute", group=group, backend=backend,
+        rows,
+        keys,
+        labels,
+        1.0 / temperature,
+        guide=(guide_rows, guide_keys),
+        guide_margin=margin,
+        guide_margin_strategy="absolute",
+        group=group,
+        backend=backend,
     )

@@ -36,8 +36,7 @@ def calls(full: bool) -> List[BeyondCall]:
     if full:
         dtypes += [("float32", "tf32"), ("float16", "ieee"), ("float64", "ieee")]
         archs.append(80)
-    return [BeyondCall(arch, kind, dtype, precision) for arch in archs for dtype, precision in dtypes
-            for kind in KINDS]
+    return [BeyondCall(arch, kind, dtype, precision) for arch in archs for dtype, precision in dtypes for kind in KINDS]
 
 
 def _run(call: BeyondCall) -> None:
@@ -60,8 +59,9 @@ def _run(call: BeyondCall) -> None:
     tq = torch.randn(ROWS, TEACHER_DIM, generator=gen).to(dtype)
     tk = torch.randn(cols, TEACHER_DIM, generator=gen).to(dtype)
     scale = torch.tensor(20.0, requires_grad=True)
-    loss = infcl.cal_distill_loss(q.requires_grad_(), k.requires_grad_(), tq, tk, scale, 30.0,
-                                  symmetric=not wide, backend="triton")
+    loss = infcl.cal_distill_loss(
+        q.requires_grad_(), k.requires_grad_(), tq, tk, scale, 30.0, symmetric=not wide, backend="triton"
+    )
     loss.backward()
 
 
@@ -84,8 +84,11 @@ def run_call(call: BeyondCall) -> Dict:
     except Exception as err:  # reported per call: one failure must not hide the others
         import traceback
 
-        return {"call": call.label(), "error": f"{type(err).__name__}: {str(err)[-1500:]}\n"
-                f"{''.join(traceback.format_exc().splitlines(True)[-6:])}"}
+        return {
+            "call": call.label(),
+            "error": f"{type(err).__name__}: {str(err)[-1500:]}\n"
+            f"{''.join(traceback.format_exc().splitlines(True)[-6:])}",
+        }
     return {"call": call.label(), "kernels": rows}
 
 

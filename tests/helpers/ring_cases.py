@@ -56,18 +56,53 @@ def ring_cases(world: int) -> List[RingCase]:
     base = RingCase("", world, even, even, True, "default", "mean", torch.float32, "unit")
     return [
         replace(base, name="sym-default-mean"),
-        replace(base, name="sym-perm-uneven-sum", q_sizes=uneven, k_sizes=uneven, labels="custom",
-                reduction="sum", upstream="scaled", noncontig=True),
-        replace(base, name="sym-default-uneven-none", q_sizes=uneven, k_sizes=uneven, reduction="none",
-                upstream="scaled"),
-        replace(base, name="sym-perm-uneven-mean-f64", q_sizes=uneven, k_sizes=uneven, labels="custom",
-                dtype=torch.float64, upstream="scaled"),
-        replace(base, name="one-default-uneven-mean", q_sizes=uneven, k_sizes=uneven, symmetric=False,
-                upstream="scaled"),
-        replace(base, name="one-custom-hardneg-none", q_sizes=uneven, k_sizes=hard, symmetric=False,
-                labels="custom", reduction="none", upstream="scaled"),
-        replace(base, name="one-custom-hardneg-sum-f64", q_sizes=uneven, k_sizes=hard, symmetric=False,
-                labels="custom", reduction="sum", dtype=torch.float64, upstream="scaled", noncontig=True),
+        replace(
+            base,
+            name="sym-perm-uneven-sum",
+            q_sizes=uneven,
+            k_sizes=uneven,
+            labels="custom",
+            reduction="sum",
+            upstream="scaled",
+            noncontig=True,
+        ),
+        replace(
+            base, name="sym-default-uneven-none", q_sizes=uneven, k_sizes=uneven, reduction="none", upstream="scaled"
+        ),
+        replace(
+            base,
+            name="sym-perm-uneven-mean-f64",
+            q_sizes=uneven,
+            k_sizes=uneven,
+            labels="custom",
+            dtype=torch.float64,
+            upstream="scaled",
+        ),
+        replace(
+            base, name="one-default-uneven-mean", q_sizes=uneven, k_sizes=uneven, symmetric=False, upstream="scaled"
+        ),
+        replace(
+            base,
+            name="one-custom-hardneg-none",
+            q_sizes=uneven,
+            k_sizes=hard,
+            symmetric=False,
+            labels="custom",
+            reduction="none",
+            upstream="scaled",
+        ),
+        replace(
+            base,
+            name="one-custom-hardneg-sum-f64",
+            q_sizes=uneven,
+            k_sizes=hard,
+            symmetric=False,
+            labels="custom",
+            reduction="sum",
+            dtype=torch.float64,
+            upstream="scaled",
+            noncontig=True,
+        ),
     ]
 
 
@@ -195,12 +230,34 @@ def sigmoid_cases(world: int) -> List[RingCase]:
     base = RingCase("", world, even, even, False, "default", "mean", torch.float32, "unit")
     return [
         replace(base, name="sig-default-mean"),
-        replace(base, name="sig-custom-hardneg-sum", q_sizes=uneven, k_sizes=hard, labels="custom", reduction="sum",
-                upstream="scaled", noncontig=True),
-        replace(base, name="sig-default-uneven-none-f64", q_sizes=uneven, k_sizes=uneven, reduction="none",
-                dtype=torch.float64, upstream="scaled"),
-        replace(base, name="sig-custom-hardneg-mean-f64", q_sizes=uneven, k_sizes=hard, labels="custom",
-                dtype=torch.float64, upstream="scaled"),
+        replace(
+            base,
+            name="sig-custom-hardneg-sum",
+            q_sizes=uneven,
+            k_sizes=hard,
+            labels="custom",
+            reduction="sum",
+            upstream="scaled",
+            noncontig=True,
+        ),
+        replace(
+            base,
+            name="sig-default-uneven-none-f64",
+            q_sizes=uneven,
+            k_sizes=uneven,
+            reduction="none",
+            dtype=torch.float64,
+            upstream="scaled",
+        ),
+        replace(
+            base,
+            name="sig-custom-hardneg-mean-f64",
+            q_sizes=uneven,
+            k_sizes=hard,
+            labels="custom",
+            dtype=torch.float64,
+            upstream="scaled",
+        ),
     ]
 
 
@@ -296,4 +353,3 @@ def siglip_mean_loss_grads(world: int) -> dict:
 
 def rank_slice(rank: int) -> slice:
     return slice(rank * PAIRS_PER_RANK, (rank + 1) * PAIRS_PER_RANK)
-

@@ -132,7 +132,6 @@ def assert_close_verbose(actual, expected, atol, rtol, what="", magnitude=None):
         )
 
 
-
 def assert_ring_matches(ranks, key, truth, atol, rtol, what):
     """Every rank's loss, dq, dk and own dscale of the run ``key`` (``results["cases"][key]`` per rank)
     against the float64 ``truth`` (tests/helpers/ring_cases.py's Truth), and the dscale summed over ranks against
@@ -143,6 +142,7 @@ def assert_ring_matches(ranks, key, truth, atol, rtol, what):
             assert_close_verbose(got[name], want[r], atol, rtol, f"{what} rank={r} {name}")
     total = sum(results["cases"][key]["dscale"].double() for results in ranks)
     assert_close_verbose(total, truth.dscale_full, atol, rtol, f"{what} sum of dscale")
+
 
 def assert_no_worse(ours, torch_lowp, truth, atol, rtol, what=""):
     """Low precision: |ours - truth| <= |torch_in_dtype - truth| + (atol + rtol*|truth|), elementwise."""
@@ -322,8 +322,18 @@ def _masked_direction_truth(logits, labels, ids, other_ids, scores, multi_positi
 
 
 def masked_truth_directions(
-    q, k, labels=None, scale=1.0, *, symmetric=False, q_ids=None, k_ids=None, multi_positive=None, guide=None,
-    guide_margin=0.0, guide_margin_strategy="absolute",
+    q,
+    k,
+    labels=None,
+    scale=1.0,
+    *,
+    symmetric=False,
+    q_ids=None,
+    k_ids=None,
+    multi_positive=None,
+    guide=None,
+    guide_margin=0.0,
+    guide_margin_strategy="absolute",
 ):
     """Issue 23's row losses [Bq] and, symmetric, column losses [Bk] (else None) in float64, differentiable
     in q, k and a tensor scale; NaN where a row (column) has no positive."""

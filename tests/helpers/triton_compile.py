@@ -377,9 +377,14 @@ class Call:
             self.dtype
         ]
         extra = "".join(
-            [" sym" if self.symmetric else "", " labels" if self.labels else "", " autotune" if self.autotune else "",
-             f" {self.masks}" if self.masks else "", f" {self.multi_positive}" if self.multi_positive else "",
-             f" tiling={'-'.join(map(str, self.tiling))}" if self.tiling else ""]
+            [
+                " sym" if self.symmetric else "",
+                " labels" if self.labels else "",
+                " autotune" if self.autotune else "",
+                f" {self.masks}" if self.masks else "",
+                f" {self.multi_positive}" if self.multi_positive else "",
+                f" tiling={'-'.join(map(str, self.tiling))}" if self.tiling else "",
+            ]
         )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
 
@@ -480,8 +485,9 @@ def mask_options(call: Call) -> Dict:
     gen = torch.Generator().manual_seed(1)
     opts = {"multi_positive": call.multi_positive or None}
     if call.masks in ("ids", "both"):
-        opts.update(q_ids=torch.randint(0, 7, (call.n_q,), generator=gen),
-                    k_ids=torch.randint(0, 7, (call.n_k,), generator=gen))
+        opts.update(
+            q_ids=torch.randint(0, 7, (call.n_q,), generator=gen), k_ids=torch.randint(0, 7, (call.n_k,), generator=gen)
+        )
     if call.masks in ("guide", "both"):
         dtype = getattr(torch, call.dtype)
         guide = [torch.randn(n, GUIDE_DIM, generator=gen).to(dtype) for n in (call.n_q, call.n_k)]
@@ -638,14 +644,23 @@ def big_tile_calls(arch: int = 90) -> List[Call]:
     big = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=1, block_out=128, max_registers=255)
     tiling = tuple(Tiling(forward=big, dq=big, dk=big, resident_d=128, chunk_d=64).to_ints())
     sizes = (RAGGED_BATCH, RAGGED_BATCH)
-    return [Call(arch, "cal_inf_loss", "bfloat16", "ieee", 128, *sizes, symmetric=True, tiling=tiling),
-            Call(arch, "cal_siglip_loss", "bfloat16", "ieee", 128, *sizes, tiling=tiling)]
+    return [
+        Call(arch, "cal_inf_loss", "bfloat16", "ieee", 128, *sizes, symmetric=True, tiling=tiling),
+        Call(arch, "cal_siglip_loss", "bfloat16", "ieee", 128, *sizes, tiling=tiling),
+    ]
 
 
 # The mask kinds of the check, (masks, multi_positive): ids alone (false negatives), several positives by
 # id ("mean", "sum"), a guide alone, and a guide with ids.
-MASK_KINDS = (("ids", ""), ("ids", "mean"), ("ids", "sum"), ("guide", ""), ("both", ""), ("both", "mean"),
-              ("both", "sum"))
+MASK_KINDS = (
+    ("ids", ""),
+    ("ids", "mean"),
+    ("ids", "sum"),
+    ("guide", ""),
+    ("both", ""),
+    ("both", "mean"),
+    ("both", "sum"),
+)
 
 
 def masked_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
@@ -695,8 +710,18 @@ def compile_training_step(arch: int, entry: str, masks: str = "", multi_positive
 
     os.environ["INFCL_AUTOTUNE"] = "0"
     torch.backends.cuda.matmul.allow_tf32 = False
-    call = Call(arch, entry, "bfloat16", "ieee", 64, RAGGED_BATCH, RAGGED_BATCH, symmetric=entry == "cal_inf_loss",
-                masks=masks, multi_positive=multi_positive)
+    call = Call(
+        arch,
+        entry,
+        "bfloat16",
+        "ieee",
+        64,
+        RAGGED_BATCH,
+        RAGGED_BATCH,
+        symmetric=entry == "cal_inf_loss",
+        masks=masks,
+        multi_positive=multi_positive,
+    )
     counter = CompileCounterWithBackend(aot_autograd(fw_compiler=keep, bw_compiler=keep))
     try:
         torch._dynamo.reset()

@@ -52,8 +52,19 @@ def _direction_truth(logits, labels, ids, other_ids, guide, other_guide, multi_p
     return torch.stack(rows)
 
 
-def truth_directions(q, k, labels, scale, symmetric=False, q_ids=None, k_ids=None, multi_positive=None, guide=None,
-                     margin=0.0, strategy="absolute"):
+def truth_directions(
+    q,
+    k,
+    labels,
+    scale,
+    symmetric=False,
+    q_ids=None,
+    k_ids=None,
+    multi_positive=None,
+    guide=None,
+    margin=0.0,
+    strategy="absolute",
+):
     """(rows [Bq], columns [Bk] or None): each direction's losses in float64 (differentiable in q, k, scale)."""
     q, k = q.to(torch.float64), k.to(torch.float64)
     logits = scale * q @ k.T
@@ -64,8 +75,9 @@ def truth_directions(q, k, labels, scale, symmetric=False, q_ids=None, k_ids=Non
     rows = _direction_truth(logits, labels, q_ids, k_ids, gq, gk, multi_positive, margin, strategy)
     if not symmetric:
         return rows, None
-    return rows, _direction_truth(logits.T, torch.argsort(labels), k_ids, q_ids, gk, gq, multi_positive, margin,
-                                  strategy)
+    return rows, _direction_truth(
+        logits.T, torch.argsort(labels), k_ids, q_ids, gk, gq, multi_positive, margin, strategy
+    )
 
 
 def truth_losses(*args, **kwargs):

@@ -28,8 +28,12 @@ def _unit(n, dim, gen):
 def _shard(world, rank):
     gen = torch.Generator().manual_seed(5 + world)
     n = world * PAIRS_PER_RANK
-    image, text, t_image, t_text = _unit(n, DIM, gen), _unit(n, DIM, gen), _unit(n, TEACHER_DIM, gen), _unit(
-        n, TEACHER_DIM, gen)
+    image, text, t_image, t_text = (
+        _unit(n, DIM, gen),
+        _unit(n, DIM, gen),
+        _unit(n, TEACHER_DIM, gen),
+        _unit(n, TEACHER_DIM, gen),
+    )
     rows = slice(rank * PAIRS_PER_RANK, (rank + 1) * PAIRS_PER_RANK)
     return image[rows], text[rows], t_image[rows], t_text[rows]
 
@@ -41,8 +45,14 @@ def _step(loss_fn, world, rank):
     scale = torch.tensor(LOGIT_SCALE, requires_grad=True)
     out = loss_fn(image, text, scale, t_image, t_text, torch.tensor(TEACHER_SCALE), output_dict=True)
     (out["contrastive_loss"] + out["distill_loss"]).backward()
-    return {"keys": sorted(out), **{key: value.detach() for key, value in out.items()}, "image": image.grad,
-            "text": text.grad, "scale": scale.grad, "teacher_grad": t_image.grad}
+    return {
+        "keys": sorted(out),
+        **{key: value.detach() for key, value in out.items()},
+        "image": image.grad,
+        "text": text.grad,
+        "scale": scale.grad,
+        "teacher_grad": t_image.grad,
+    }
 
 
 def uneven_inputs():

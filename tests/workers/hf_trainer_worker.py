@@ -38,8 +38,9 @@ def fresh_model() -> CLIPTowers:
 def reference(data: RandomPairs) -> dict:
     """transformers' CLIP loss (the B x B logits) of the whole batch and its gradients, one process."""
     model = fresh_model()
-    out = model.clip(pixel_values=data.pixel_values, input_ids=data.input_ids, attention_mask=data.attention_mask,
-                     return_loss=True)
+    out = model.clip(
+        pixel_values=data.pixel_values, input_ids=data.input_ids, attention_mask=data.attention_mask, return_loss=True
+    )
     out.loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -47,8 +48,14 @@ def reference(data: RandomPairs) -> dict:
 def trainer_step(data: RandomPairs, out_dir: str, chunk) -> dict:
     capture = GradientsBeforeStep()
     args = training_arguments(out_dir, PER_RANK, 1, max_grad_norm=0.0, learning_rate=0.0, logging_steps=100)
-    trainer = InfCLTrainer(model=fresh_model(), args=args, train_dataset=data, gradcache_chunk=chunk,
-                           infcl_backend="torch", callbacks=[capture])
+    trainer = InfCLTrainer(
+        model=fresh_model(),
+        args=args,
+        train_dataset=data,
+        gradcache_chunk=chunk,
+        infcl_backend="torch",
+        callbacks=[capture],
+    )
     trainer.train()
     return capture.grads
 
@@ -56,8 +63,13 @@ def trainer_step(data: RandomPairs, out_dir: str, chunk) -> dict:
 def main() -> None:
     rank, world = init_worker()
     # Accelerate (inside TrainingArguments / Trainer) reads the launcher's variables and uses the started group.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ["INFCL_TEST_PORT"])
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ["INFCL_TEST_PORT"],
+    )
     data = RandomPairs(PER_RANK * world)
     out_dir = os.path.join(os.environ["INFCL_TEST_OUT"], f"trainer{rank}")
     results = {"world": world, "reference": reference(data), "plain": trainer_step(data, out_dir, None)}

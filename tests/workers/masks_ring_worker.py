@@ -41,15 +41,42 @@ def mask_cases(world: int) -> List[MaskRingCase]:
     base = MaskRingCase("", world, uneven, uneven, True, "default", "mean", torch.float64, "scaled")
     return [
         replace(base, name="m-sym-mean-ids", multi_positive="mean"),
-        replace(base, name="m-sym-none-ids-guide-abs-sum", labels="custom", reduction="sum", guide="absolute",
-                noncontig=True),
+        replace(
+            base,
+            name="m-sym-none-ids-guide-abs-sum",
+            labels="custom",
+            reduction="sum",
+            guide="absolute",
+            noncontig=True,
+        ),
         replace(base, name="m-sym-sum-partnerless-mean", multi_positive="sum", partnerless=True),
-        replace(base, name="m-sym-mean-guide-rel-none-f32", multi_positive="mean", guide="relative", reduction="none",
-                dtype=torch.float32),
-        replace(base, name="m-one-sum-hardneg-guide-rel-none", symmetric=False, k_sizes=hard, labels="custom",
-                multi_positive="sum", guide="relative", reduction="none"),
-        replace(base, name="m-one-guide-only-hardneg-mean", symmetric=False, k_sizes=hard, labels="custom",
-                ids=False, guide="absolute"),
+        replace(
+            base,
+            name="m-sym-mean-guide-rel-none-f32",
+            multi_positive="mean",
+            guide="relative",
+            reduction="none",
+            dtype=torch.float32,
+        ),
+        replace(
+            base,
+            name="m-one-sum-hardneg-guide-rel-none",
+            symmetric=False,
+            k_sizes=hard,
+            labels="custom",
+            multi_positive="sum",
+            guide="relative",
+            reduction="none",
+        ),
+        replace(
+            base,
+            name="m-one-guide-only-hardneg-mean",
+            symmetric=False,
+            k_sizes=hard,
+            labels="custom",
+            ids=False,
+            guide="absolute",
+        ),
     ]
 
 
@@ -104,8 +131,16 @@ def _run_case(case: MaskRingCase, backend, rank, group):
     opts = options(case, None if q_ids is None else q_ids[qs], None if k_ids is None else k_ids[ks], local_guide)
     scale = torch.tensor(ring_cases.SCALE, dtype=case.dtype, requires_grad=True)
     loss, stats = cal_inf_loss(
-        q, k, labels, scale, symmetric=case.symmetric, reduction=case.reduction, group=group, backend=backend,
-        return_stats=True, **opts,
+        q,
+        k,
+        labels,
+        scale,
+        symmetric=case.symmetric,
+        reduction=case.reduction,
+        group=group,
+        backend=backend,
+        return_stats=True,
+        **opts,
     )
     loss.backward(upstream.to(loss.dtype))
     dq, dk = (q_leaf.grad.T, k_leaf.grad.T) if case.noncontig else (q_leaf.grad, k_leaf.grad)

@@ -66,8 +66,11 @@ def draw_case(world: int, index: int) -> Case:
 
     symmetric = bool(pick((False, True)))
     q_sizes = tuple(int(n) for n in torch.randint(1, 6, (world,), generator=gen))
-    k_sizes = q_sizes if symmetric or pick((False, True)) else tuple(n + int(torch.randint(0, 4, (1,), generator=gen))
-                                                                     for n in q_sizes)
+    k_sizes = (
+        q_sizes
+        if symmetric or pick((False, True))
+        else tuple(n + int(torch.randint(0, 4, (1,), generator=gen)) for n in q_sizes)
+    )
     bq, bk, d = sum(q_sizes), sum(k_sizes), int(torch.randint(1, 7, (1,), generator=gen))
     q = F.normalize(torch.randn(bq, d, generator=gen), dim=1)
     k = F.normalize(torch.randn(bk, d, generator=gen), dim=1)
@@ -78,8 +81,10 @@ def draw_case(world: int, index: int) -> Case:
         labels = None if labels == "diagonal" else torch.randint(0, bk, (bq,), generator=gen)
     lab = torch.arange(bq) if labels is None else labels
     # Exact duplicates, across ranks too: columns copying a row's labelled column, rows copying rows.
-    dups = [(int(torch.randint(0, bk, (1,), generator=gen)), int(lab[int(torch.randint(0, bq, (1,), generator=gen))]))
-            for _ in range(int(torch.randint(0, 3, (1,), generator=gen)))]
+    dups = [
+        (int(torch.randint(0, bk, (1,), generator=gen)), int(lab[int(torch.randint(0, bq, (1,), generator=gen))]))
+        for _ in range(int(torch.randint(0, 3, (1,), generator=gen)))
+    ]
     for dst, src in dups:
         k[dst] = k[src]
         if dst < bq and src < bq:
@@ -103,10 +108,17 @@ def draw_case(world: int, index: int) -> Case:
         margin = pick((0.0, 0.0, 1.0)) if strategy == "absolute" else pick((0.0, 0.5))
         options.update(guide=(gq, gk), guide_margin=margin, guide_margin_strategy=strategy)
     return Case(
-        q=q, k=k, labels=labels, q_sizes=q_sizes, k_sizes=k_sizes, symmetric=symmetric,
-        reduction=pick(("mean", "sum", "none")), scale=float(pick((1.0, 7.0, 20.0))),
+        q=q,
+        k=k,
+        labels=labels,
+        q_sizes=q_sizes,
+        k_sizes=k_sizes,
+        symmetric=symmetric,
+        reduction=pick(("mean", "sum", "none")),
+        scale=float(pick((1.0, 7.0, 20.0))),
         upstream=torch.rand(bq, generator=gen, dtype=torch.float64) + 0.5,
-        options=options, layouts=(pick(LAYOUTS), pick(LAYOUTS), pick(("contiguous", "meta", "strided"))),
+        options=options,
+        layouts=(pick(LAYOUTS), pick(LAYOUTS), pick(("contiguous", "meta", "strided"))),
     )
 
 
@@ -135,8 +147,17 @@ def _run(case: Case, rank: int, backend: str) -> dict:
     if backend == "torch-tiny":
         TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
     try:
-        loss = cal_inf_loss(q, k, labels, scale, symmetric=case.symmetric, reduction=case.reduction,
-                            backend=backend.replace("-tiny", ""), group=None, **local_options(case, rank))
+        loss = cal_inf_loss(
+            q,
+            k,
+            labels,
+            scale,
+            symmetric=case.symmetric,
+            reduction=case.reduction,
+            backend=backend.replace("-tiny", ""),
+            group=None,
+            **local_options(case, rank),
+        )
         upstream = case.upstream[qs] if case.reduction == "none" else case.upstream[qs].sum()
         loss.backward(upstream.to(loss.dtype))
     finally:

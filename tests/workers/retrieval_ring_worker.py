@@ -69,9 +69,14 @@ def _shard(t, sizes, rank):
 def _run(case: RetrievalCase, rank: int, group):
     image, text, labels, q_ids, k_ids = global_inputs(case)
     metrics, ranks = retrieval_metrics(
-        _shard(image, case.q_sizes, rank), _shard(text, case.k_sizes, rank), _shard(labels, case.q_sizes, rank),
-        q_ids=_shard(q_ids, case.q_sizes, rank), k_ids=_shard(k_ids, case.k_sizes, rank),
-        any_positive=case.any_positive, return_ranks=True, group=group,
+        _shard(image, case.q_sizes, rank),
+        _shard(text, case.k_sizes, rank),
+        _shard(labels, case.q_sizes, rank),
+        q_ids=_shard(q_ids, case.q_sizes, rank),
+        k_ids=_shard(k_ids, case.k_sizes, rank),
+        any_positive=case.any_positive,
+        return_ranks=True,
+        group=group,
     )
     return {"metrics": metrics, "ranks": ranks}
 

@@ -49,8 +49,12 @@ CASES = {
     ),
     "mnrl-perdir-all-1neg": (
         "MultipleNegativesRankingLoss",
-        {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction",
-         "hardness_mode": "all_negatives", "hardness_strength": 3.0},
+        {
+            "directions": ("query_to_doc", "doc_to_query"),
+            "partition_mode": "per_direction",
+            "hardness_mode": "all_negatives",
+            "hardness_strength": 3.0,
+        },
         3,
         False,
     ),
@@ -108,8 +112,9 @@ def main():
         results["uneven"] = (ours(features(model, texts[rank]), None), theirs(features(model, whole), None))
     # The same with the ids and the copy guide of the padded call (global ids from uneven row offsets).
     ours = _make(infcl_losses, "MultipleNegativesRankingLoss", model, UNEVEN_PADDED, None)
-    theirs = _make(st_losses, "MultipleNegativesRankingLoss", model, dict(UNEVEN_PADDED, gather_across_devices=False),
-                   None)
+    theirs = _make(
+        st_losses, "MultipleNegativesRankingLoss", model, dict(UNEVEN_PADDED, gather_across_devices=False), None
+    )
     with torch.no_grad():
         results["uneven-padded"] = (ours(features(model, texts[rank]), None), theirs(features(model, whole), None))
 
