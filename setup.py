@@ -37,6 +37,7 @@ setup(
         "open_clip": ["open-clip-torch"],
         "dev": [
             "pytest>=7",
+            "pytest-xdist>=3",  # README's test command spreads the test files over 2 processes
             "ruff>=0.6",
             "hypothesis>=6",
             "pytest-benchmark>=4",
