@@ -223,21 +223,3 @@ def make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_ma
     if qi is None and gq is None:
         return None
     return MaskOptions(qi, ki, multi_positive, gq, gk, float(guide_margin), guide_margin_strategy)
-
-
-# The backends that the torch-tiles-only APIs (retrieval_metrics, cal_distill_loss) accept, and those they name
-# as not implemented for them (yet).
-TILES_ONLY_BACKENDS = ("auto", "torch")
-_TILES_NOT_YET = ("cpu", "triton", "reference")
-
-
-def check_tiles_backend(backend, api: str) -> None:
-    """``backend`` for an API that runs on the torch tiles only: "auto" / "torch", else NotImplementedError
-    naming the backend (one that exists elsewhere) or ValueError (an unknown name)."""
-    if backend in _TILES_NOT_YET:
-        raise NotImplementedError(
-            f"{api} runs on the torch tiles (backend='auto' or 'torch'); backend={backend!r} is not implemented "
-            f"for it yet"
-        )
-    if backend not in TILES_ONLY_BACKENDS:
-        raise ValueError(f"backend must be one of {TILES_ONLY_BACKENDS}, got {backend!r}")
