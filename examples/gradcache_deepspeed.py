@@ -1,6 +1,8 @@
 """GradCache under DeepSpeed ZeRO: the two-tower model of gradcache_two_tower.py, one ZeRO step per batch.
 
     torchrun --nproc_per_node 2 examples/gradcache_deepspeed.py [--zero-stage 2] [--batch 512] [--chunk 64]
+    PYTHONPATH=. /work/venvs/ds/bin/python -m torch.distributed.run --nproc_per_node 2 \
+        examples/gradcache_deepspeed.py         # here: the DeepSpeed venv, this checkout's infcl
 
 (in an environment with DeepSpeed; on CPUs DeepSpeed picks its CPU accelerator and this script gloo). Every rank
 embeds its ``--batch`` pairs ``--chunk`` rows at a time; ``cal_inf_loss``'s ring gives every rank's rows the
@@ -35,6 +37,9 @@ class TwoTowerClip(nn.Module):
     def __init__(self):
         super().__init__()
         self.image, self.text, self.objective = ImageTower(), TextTower(), ClipObjective()
+        # Shape [1], as open_clip's: DeepSpeed 0.19.8's initial broadcast views each parameter as bytes, which a
+        # 0-d parameter refuses ("self.dim() cannot be 0 to view Float as Byte").
+        self.objective.log_scale = nn.Parameter(self.objective.log_scale.detach().reshape(1))
 
 
 def main():
