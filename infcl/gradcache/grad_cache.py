@@ -204,7 +204,13 @@ class GradCache:
                         continue
                     with autocast_disabled({reps.device.type}):
                         surrogate = torch.dot(reps.flatten().float(), grad.flatten().float())
-                        surrogate.backward()
+                        self.chunk_backward(surrogate)
+
+    def chunk_backward(self, surrogate: torch.Tensor) -> None:
+        """Back-propagate one chunk's surrogate ``dot(reps, cached_gradient)`` (a 0-d float32 tensor) into the
+        model's parameters. Override it where a training engine owns the backward
+        (:class:`infcl.gradcache.deepspeed.DeepSpeedGradCache` sends it through ``engine.backward``)."""
+        surrogate.backward()
 
     # ---- one step --------------------------------------------------------------------------------
 
