@@ -1,13 +1,14 @@
 """The tiled pure-PyTorch backend: runs anywhere torch runs (CPU, CUDA, MPS), no compiler needed.
 
 Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward takes each tile's stats with
-:func:`infcl.lse.tile_stats` (the maximum's own exp(0) = 1 left out of ``rest`` by position, r = log1p(rest),
+:func:`infcl.lse.tile_stats` (the maximum's own exp(0) = 1 left out of ``rest`` by value, r = log1p(rest),
 so a confident row's r ~ 1e-20 keeps its digits), merges them into running row (and column) stats with
 :func:`infcl.lse.lse_merge`, and reads each row's positive logit off the tile that holds it; the backward
 recomputes each tile with the same operations (so S is bit-identical), forms dS = g * (P - Y) in the
 accumulation dtype — the positive's entry as ``g * expm1(x)`` = -g * rest / (1 + rest) for x = -r, never
-a difference with 1 — and accumulates dq, dk and the scale gradient as a sum of per-entry
-terms. Extra memory: the float32 (float64) copies of q and k plus a few tiles,
+a difference with 1 — and accumulates the scale gradient as a sum of per-entry terms and dq, dk
+by ``addmm_`` of scale * dS (no [tile, D] temporaries). Exponentials: :func:`infcl.lse.exp_`.
+Extra memory: the float32 (float64) copies of q and k plus a few tiles,
 O((Bq + Bk) * D + tile_q * tile_k), never O(Bq * Bk). No host synchronization: the scale stays a
 tensor and the positives are gathered with index arithmetic, never ``nonzero``.
 
