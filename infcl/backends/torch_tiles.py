@@ -29,11 +29,12 @@ from ..lse import MAX, REL, empty_stats, exp_, lse_merge, tile_stats
 from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
 from .base import Block, Tensor, accum_dtype
 
-# CPU tile sizes (4 MiB fp32 tiles; the backward holds four): on the 2-vCPU AMD EPYC family 25 model 1
-# (Zen 3, AVX2), B=4096, D=512, fp32 symmetric fwd+bwd, 512 x 1024 to 2048 x 2048 ran within the noise of each
-# other and 256 x 1024 10-20% slower (docs/benchmarks.md, issue 35). Every large tile op is one OpenMP region,
-# so fewer, larger tiles also mean fewer barriers to wait at when a neighbour holds the other core.
-CPU_TILES = (1024, 1024)
+# CPU tile sizes (1 MiB fp32 tiles; the backward holds four). On the 2-vCPU AMD EPYC family 25 model 1 (Zen 3,
+# AVX2), B=4096, D=512, fp32 symmetric fwd+bwd, 512 x 1024 to 2048 x 2048 ran 10-20% faster on 2 threads (MKL
+# splits a 256-row product badly over two threads) and within the noise on one, but their masked buffers come
+# within 1% of tests/test_masks_memory.py's one-B x B-bool-mask bound at B=4096 (15.8 of 16 MiB at 512 x 1024)
+# or break it (30 MiB at 1024 x 1024); see docs/benchmarks.md (issue 35).
+CPU_TILES = (256, 1024)
 # On a GPU each tile op is a kernel launch, so tiles must be large enough to fill the device: 2048 x 4096
 # fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
 # is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
