@@ -3,10 +3,10 @@
     python -m bench.tile_sizes                      # B=4096, D=512, fp32, symmetric fwd+bwd
     python -m bench.tile_sizes --batch 2048 --tile-q 128,256 --tile-k 512,1024 --threads 1
 
-Runs in one process (time only; a tile's memory is a few TILE_Q x TILE_K buffers, O(1) in B), calls
+Runs in one process (time only; a tile's memory is a few tile_q x tile_k buffers, O(1) in B), calls
 the autograd Function directly with a ``TorchTilesBackend(tile_q, tile_k)`` so that no registry entry
 changes, and prints one line per tile pair: median fwd+bwd seconds and time / (4-GEMM bound).
-The comment on TILE_Q / TILE_K in infcl/backends/torch_tiles.py cites this scan.
+The comment on CPU_TILES in infcl/backends/torch_tiles.py cites this scan.
 """
 
 import argparse
@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from infcl.backends.base import accum_dtype
-from infcl.backends.torch_tiles import TILE_K, TILE_Q, TorchTilesBackend
+from infcl.backends.torch_tiles import CPU_TILES, TorchTilesBackend
 from infcl.function import InfLossFunction, LossPlan
 from infcl.ring.layout import single_layout
 
@@ -64,7 +64,8 @@ def main(argv=None) -> None:
     print(f"{cpu_name()}, {torch.get_num_threads()} thread(s)")
     print(
         f"B={args.batch} D={args.dim} {args.dtype} symmetric {MODE}; "
-        f"GEMM {gemm['gflops']:.1f} GFLOP/s, 4-GEMM bound {bound:.3f} s; current default {TILE_Q}x{TILE_K}"
+        f"GEMM {gemm['gflops']:.1f} GFLOP/s, 4-GEMM bound {bound:.3f} s; "
+        f"current CPU default {CPU_TILES[0]}x{CPU_TILES[1]}"
     )
     print(f"{'tile_q':>7} {'tile_k':>7} {'tile_KiB':>9} {'time_s':>8} {'vs_bound':>9}")
     results = []

@@ -1,13 +1,14 @@
 """The tiled pure-PyTorch backend: runs anywhere torch runs (CPU, CUDA, MPS), no compiler needed.
 
 Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward takes each tile's stats with
-:func:`infcl.lse.tile_stats` (the maximum's own exp(0) = 1 left out of ``rest`` by position, r = log1p(rest),
+:func:`infcl.lse.tile_stats` (the maximum's own exp(0) = 1 left out of ``rest`` by value, r = log1p(rest),
 so a confident row's r ~ 1e-20 keeps its digits), merges them into running row (and column) stats with
 :func:`infcl.lse.lse_merge`, and reads each row's positive logit off the tile that holds it; the backward
 recomputes each tile with the same operations (so S is bit-identical), forms dS = g * (P - Y) in the
 accumulation dtype — the positive's entry as ``g * expm1(x)`` = -g * rest / (1 + rest) for x = -r, never
-a difference with 1 — and accumulates dq, dk and the scale gradient as a sum of per-entry
-terms. Extra memory: the float32 (float64) copies of q and k plus a few tiles,
+a difference with 1 — and accumulates the scale gradient as a sum of per-entry terms and dq, dk
+by ``addmm_`` of scale * dS (no [tile, D] temporaries). Exponentials: :func:`infcl.lse.exp_`.
+Extra memory: the float32 (float64) copies of q and k plus a few tiles,
 O((Bq + Bk) * D + tile_q * tile_k), never O(Bq * Bk). No host synchronization: the scale stays a
 tensor and the positives are gathered with index arithmetic, never ``nonzero``.
 
@@ -24,13 +25,15 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..lse import MAX, REL, empty_stats, lse_merge, tile_stats
+from ..lse import MAX, REL, empty_stats, exp_, lse_merge, tile_stats
 from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
 from .base import Block, Tensor, accum_dtype
 
-# CPU tile sizes, measured with `python -m bench.tile_sizes` (B=4096, D=512, fp32, symmetric fwd+bwd, 2
-# threads): 256 x 1024 (1 MiB fp32 tiles) ran within the noise of the best point, which needed 4x the tile
-# memory; tiles of 64 rows or 256 columns were 1.9-3.4x slower (figures in the README).
+# CPU tile sizes (1 MiB fp32 tiles; the backward holds four). On the 2-vCPU AMD EPYC family 25 model 1 (Zen 3,
+# AVX2), B=4096, D=512, fp32 symmetric fwd+bwd, 512 x 1024 to 2048 x 2048 ran 10-20% faster on 2 threads (MKL
+# splits a 256-row product badly over two threads) and within the noise on one, but their masked buffers come
+# within 1% of tests/test_masks_memory.py's one-B x B-bool-mask bound at B=4096 (15.8 of 16 MiB at 512 x 1024)
+# or break it (30 MiB at 1024 x 1024); see docs/benchmarks.md (issue 35).
 CPU_TILES = (256, 1024)
 # On a GPU each tile op is a kernel launch, so tiles must be large enough to fill the device: 2048 x 4096
 # fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
@@ -123,6 +126,11 @@ def _guide_tile(guide_q: Tensor, guide_k: Tensor, rows: slice, cols: slice) -> T
     """One tile's guide scores G = guide_q[rows] @ guide_k[cols].T: the one product both the masks and the
     guide thresholds (:meth:`TorchTilesBackend.guide_label_scores`) read, so that a tie compares equal."""
     return guide_q[rows] @ guide_k[cols].T
+
+
+def _plain_masks(block: Block, tile: _Tile) -> _TileMasks:
+    """What :func:`_tile_masks` gives a block without masks, without its steps: the positives by index."""
+    return _TileMasks(None, *_positives(block.pos, tile), None, None)
 
 
 def _tile_masks(block: Block, tile: _Tile, symmetric: bool) -> _TileMasks:
@@ -245,7 +253,7 @@ def _probabilities(
     x = torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
     if masks.positive is None:
         x_pos = x.gather(1, masks.idx)
-        x.exp_()
+        exp_(x)
         if excluded is not None:
             x.masked_fill_(excluded, 0.0)
         x.mul_(g)
@@ -255,8 +263,8 @@ def _probabilities(
         at_positives = torch.add(x, pos.count.log()).expm1_().div_(pos.count)
     else:
         share = (pos.stats[MAX] - stats[MAX]) + (pos.stats[REL] - stats[REL])
-        at_positives = torch.sub(s, pos.stats[MAX]).sub_(pos.stats[REL]).exp_().mul_(torch.expm1(share))
-    x.exp_()
+        at_positives = exp_(torch.sub(s, pos.stats[MAX]).sub_(pos.stats[REL])).mul_(torch.expm1(share))
+    exp_(x)
     if excluded is not None:
         x.masked_fill_(excluded, 0.0)
     return torch.where(masks.positive, at_positives, x, out=out).mul_(g)
@@ -281,13 +289,13 @@ class TorchTilesBackend:
         bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
         rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
         cols = empty_stats(bk, acc, dev) if symmetric else None
-        buf, scratch = walk.buffers(2)
+        buf, scratch, ones = walk.buffers(3)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the backward repeats exactly these two operations
-            lse_merge(rows[:2, tile.rows], tile_stats(s, 1, tile.view(scratch)))
+            lse_merge(rows[:2, tile.rows], tile_stats(s, 1, tile.view(scratch), tile.view(ones)))
             if symmetric:
-                lse_merge(cols[:, tile.cols], tile_stats(s, 0, tile.view(scratch)))
+                lse_merge(cols[:, tile.cols], tile_stats(s, 0, tile.view(scratch), tile.view(ones)))
             inside, idx = _positives(block.pos, tile)
             pos_row = rows[2, tile.rows]
             torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
@@ -303,8 +311,8 @@ class TorchTilesBackend:
         raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if symmetric else 3) + ([] if symmetric else [None])
         for tile in walk:
             raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
-            s = tile.view(s_buf).copy_(raw).mul_(scale)  # bit-identical to the forward's tile
-            masks = _tile_masks(block, tile, symmetric)
+            s = torch.mul(raw, scale, out=tile.view(s_buf))  # bit-identical to the forward's tile
+            masks = _tile_masks(block, tile, symmetric) if block.masked else _plain_masks(block, tile)
             ds = _probabilities(
                 tile.view(ds_buf),
                 s,
@@ -327,8 +335,11 @@ class TorchTilesBackend:
                 )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)
-            dq[tile.rows].addcmul_(ds @ tile.kj, scale)
-            dk[tile.cols].addcmul_(ds.T @ tile.qi, scale)
+            # scale * dS @ k as (scale * dS) @ k, accumulated by the products themselves (addmm_): one pass
+            # over the tile instead of two [tile, D] temporaries and a pass over each.
+            ds.mul_(scale)
+            dq[tile.rows].addmm_(ds, tile.kj)
+            dk[tile.cols].addmm_(ds.T, tile.qi)
         return dscale
 
     # --- the softmax loss with masks (infcl.masks; contract: infcl.backends.base) ---------------------
