@@ -17,6 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread per test process: the tests use small shapes, where torch's OpenMP pool on shared cores
+# mostly waits at its barriers (and CI's `-n 2` already runs a process per core). Tests of threading set their
+# own count and restore it; the spawned gloo ranks get OMP_NUM_THREADS=1 from helpers.distributed.
+torch.set_num_threads(1)
+
 from helpers import truth  # noqa: E402
 from helpers.support import DTYPE_TOLERANCES, tiled_backends  # noqa: E402  (after TRITON_INTERPRET)
 
