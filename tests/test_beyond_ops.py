@@ -44,3 +44,38 @@ def test_native_rank_ops_pass_opcheck(symmetric, with_ids):
 
     ops = torch_ops()
     _check_rank_ops(ops.rank_best_positives.default, ops.rank_ahead_counts.default, (), symmetric, with_ids)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="the Triton backend does not run here")
+@pytest.mark.parametrize("symmetric,with_ids", [(True, False), (False, True)])
+def test_triton_rank_ops_pass_opcheck(symmetric, with_ids):
+    import infcl.kernels.rank  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.infcl
+    best, ahead = ops.triton_rank_best_positives.default, ops.triton_rank_ahead_counts.default
+    _check_rank_ops(best, ahead, ("ieee",), symmetric, with_ids)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="the Triton backend does not run here")
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_triton_distill_ops_pass_opcheck(symmetric):
+    """Forward, then the backward on the forward's own stats (standing in for the global ones): dq and dk
+    mutated in place, dscale returned."""
+    import infcl.kernels.distill  # noqa: F401  (registers the ops)
+
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(BQ, DIM, generator=gen), torch.randn(BK, DIM, generator=gen)
+    tq, tk = torch.randn(BQ, TEACHER_DIM, generator=gen), torch.randn(BK, TEACHER_DIM, generator=gen)
+    q, k, tq, tk = (x.to(DEVICE) for x in (q, k, tq, tk))
+    scale, teacher_scale = torch.tensor(3.0, device=DEVICE), torch.tensor(4.0, device=DEVICE)
+    ops = torch.ops.infcl
+    forward = (q, k, scale, tq, tk, teacher_scale, symmetric, "ieee")
+    torch.library.opcheck(ops.triton_distill_forward_block.default, forward)
+    rows, cols = ops.triton_distill_forward_block(*forward)
+    g_row, g_col = torch.full((BQ,), 1 / BQ, device=DEVICE), torch.full((BK,), 1 / BK, device=DEVICE)
+    col_args = (cols[:4], g_col) if symmetric else (None, None)
+    grads = (torch.zeros(BQ, DIM, device=DEVICE), torch.zeros(BK, DIM, device=DEVICE))
+    backward = (q, k, scale, tq, tk, teacher_scale, rows[:4], g_row, *col_args, *grads, "ieee")
+    torch.library.opcheck(ops.triton_distill_backward_block.default, backward)
