@@ -36,9 +36,9 @@ import triton.language as tl
 from ..backends.base import Block, Tensor
 from ..backends.distill_native import partials
 from ..losses.distill import DistillUpstream, Teacher
-from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
+from .kernel_args import tf32_operands
 from .ops import _WRAP, _register
-from .rank import beyond_tiling, on_torch_tiles, program_lines, tile_at
+from .rank import launch_args, on_torch_tiles, program_lines, tile_at
 from .tiles import (
     check_blocks,
     dot_operand,
@@ -354,41 +354,23 @@ def _distill_backward_kernel(
 
 
 def _launch_args(q: Tensor, k: Tensor, scale: Tensor, tq: Tensor, tk: Tensor, teacher_scale: Tensor, precision):
-    """The kernels' common arguments (features, scales, strides, tiles), the tiling and the accumulation
-    dtype. The teacher's features come in the accumulation dtype (as the torch tiles take them)."""
-    opts = launch_options(q.dtype, precision)
-    q, k = tf32_operands(opts["PRECISION"], q, k)
-    tq, tk = tf32_operands(opts["PRECISION"], tq, tk)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    tiling = beyond_tiling(q.dtype, opts["PRECISION"])
-    cfg = tiling.forward
+    """The rank kernels' arguments (:func:`infcl.kernels.rank.launch_args`) plus the teacher's features (in the
+    accumulation dtype, as the torch tiles take them), the scales; the tiling and the accumulation dtype."""
+    args, tiling = launch_args(q, k, precision)
+    tq, tk = tf32_operands(args["PRECISION"], tq, tk)
+    acc = torch.float64 if args["q_ptr"].dtype == torch.float64 else torch.float32
     # Tensors, not launch arguments: a Python float would be rounded to float32.
     params = torch.stack((scale.to(acc), teacher_scale.to(device=q.device, dtype=acc)))
-    args = dict(
-        q_ptr=q,
-        k_ptr=k,
+    args.update(
         tq_ptr=tq,
         tk_ptr=tk,
         params_ptr=params,
-        n_q=q.shape[0],
-        n_k=k.shape[0],
-        D=q.shape[1],
         DT=tq.shape[1],
-        stride_q0=q.stride(0),
-        stride_q1=q.stride(1),
-        stride_k0=k.stride(0),
-        stride_k1=k.stride(1),
         stride_tq0=tq.stride(0),
         stride_tq1=tq.stride(1),
         stride_tk0=tk.stride(0),
         stride_tk1=tk.stride(1),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=tiling.block_d(q.shape[1]),
         BLOCK_DT=tiling.block_d(tq.shape[1]),
-        **cfg.launch_options(),
-        **opts,
-        **COMPILE_OPTIONS,
     )
     return args, tiling, acc
 
