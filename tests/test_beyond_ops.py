@@ -16,20 +16,20 @@ BQ, BK, DIM, TEACHER_DIM = 12, 14, 5, 3  # more columns than rows: the columns' 
 pytestmark = pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck: torch >= 2.4")
 
 
-def _rank_inputs(with_ids: bool):
-    """(q, k, pos, row_index, col_index, q_ids, k_ids) on DEVICE: every row's positive among the columns, a
+def _rank_inputs(with_ids: bool, device: torch.device):
+    """(q, k, pos, row_index, col_index, q_ids, k_ids) on ``device``: every row's positive among the columns, a
     block whose global columns start at 40."""
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(BQ, DIM, generator=gen), torch.randn(BK, DIM, generator=gen)
     pos, row_index, col_index = torch.arange(BQ), torch.arange(BQ), torch.arange(40, 40 + BK)
     ids = (torch.randint(0, 4, (BQ,), generator=gen), torch.randint(0, 4, (BK,), generator=gen))
     tensors = (q, k, pos, row_index, col_index, *(ids if with_ids else (None, None)))
-    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
+    return tuple(None if t is None else t.to(device) for t in tensors)
 
 
-def _check_rank_ops(best_op, ahead_op, extra, symmetric, with_ids):
+def _check_rank_ops(best_op, ahead_op, extra, symmetric, with_ids, device):
     """opcheck both passes; pass 2 takes pass 1's own thresholds. ``extra``: the arguments after the ids."""
-    q, k, pos, row_index, col_index, q_ids, k_ids = _rank_inputs(with_ids)
+    q, k, pos, row_index, col_index, q_ids, k_ids = _rank_inputs(with_ids, device)
     best_args = (q, k, pos, row_index, col_index, symmetric, q_ids, k_ids, *extra)
     torch.library.opcheck(best_op, best_args)
     row_score, row_best, _, col_score, col_best, _ = best_op(*best_args)
@@ -37,13 +37,14 @@ def _check_rank_ops(best_op, ahead_op, extra, symmetric, with_ids):
     torch.library.opcheck(ahead_op, (q, k, row_score, row_best, *cols, row_index, col_index, q_ids, k_ids, *extra))
 
 
-@pytest.mark.skipif(not NATIVE or DEVICE.type != "cpu", reason="the native kernel (CPU tensors) is not built here")
+@pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 @pytest.mark.parametrize("symmetric,with_ids", [(True, False), (False, True)])
 def test_native_rank_ops_pass_opcheck(symmetric, with_ids):
     from infcl.backends.rank_native import torch_ops
 
     ops = torch_ops()
-    _check_rank_ops(ops.rank_best_positives.default, ops.rank_ahead_counts.default, (), symmetric, with_ids)
+    best, ahead = ops.rank_best_positives.default, ops.rank_ahead_counts.default
+    _check_rank_ops(best, ahead, (), symmetric, with_ids, torch.device("cpu"))
 
 
 @pytest.mark.interpreter
@@ -54,7 +55,7 @@ def test_triton_rank_ops_pass_opcheck(symmetric, with_ids):
 
     ops = torch.ops.infcl
     best, ahead = ops.triton_rank_best_positives.default, ops.triton_rank_ahead_counts.default
-    _check_rank_ops(best, ahead, ("ieee",), symmetric, with_ids)
+    _check_rank_ops(best, ahead, ("ieee",), symmetric, with_ids, DEVICE)
 
 
 @pytest.mark.interpreter
