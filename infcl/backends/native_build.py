@@ -292,6 +292,16 @@ def _distill_backward_fake(
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
+def _rank_best_positives_fake(q, k, pos, row_index, col_index, symmetric, q_ids, k_ids):
+    acc, cols = accum_dtype(q.dtype), k.shape[0] if symmetric else 0
+    return tuple(q.new_empty(n, dtype=dtype) for n in (q.shape[0], cols) for dtype in (acc, torch.int64, torch.int64))
+
+
+def _rank_ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_index, col_index, q_ids, k_ids):
+    cols = k.shape[0] if col_score is not None else 0
+    return tuple(q.new_empty(n, dtype=torch.int64) for n in (q.shape[0], q.shape[0], cols, cols))
+
+
 FAKES = {
     "infcl::forward_block": _forward_fake,  # csrc/softmax_ops.cpp
     "infcl::backward_block": _backward_fake,
@@ -302,6 +312,8 @@ FAKES = {
     "infcl::sigmoid_backward_block": _sigmoid_backward_fake,
     "infcl::distill_forward_block": _distill_forward_fake,  # csrc/distill.cpp
     "infcl::distill_backward_block": _distill_backward_fake,
+    "infcl::rank_best_positives": _rank_best_positives_fake,  # csrc/retrieval.cpp
+    "infcl::rank_ahead_counts": _rank_ahead_counts_fake,
 }
 
 

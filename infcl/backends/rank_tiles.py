@@ -70,6 +70,10 @@ class Ahead(NamedTuple):
     ahead: Tensor  # [n] int64 entries ahead of the best positive
     nonfinite: Tensor  # [n] int64 the line's scores that are NaN or infinite
 
+    @classmethod
+    def empty(cls, n: int, device: torch.device) -> "Ahead":
+        return cls(torch.zeros(n, dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int64, device=device))
+
 
 def _tile_best(values: Tensor, index: Tensor, dim: int) -> Tuple[Tensor, Tensor]:
     """(max along ``dim``, the lowest ``index`` where it is reached) of a tile whose non-positives are -inf;

@@ -27,14 +27,18 @@ slice (S, T, the gradient product): 6 for a D of one slice, against 2 + 4 for th
 backends, the price of no atomics.
 """
 
+from typing import Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ..backends.base import Block, Tensor
-from ..losses.distill import DistillPartials, DistillUpstream, Teacher
-from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
-from .rank import beyond_tiling, on_torch_tiles, program_lines, tile_at
+from ..backends.distill_native import partials
+from ..losses.distill import DistillUpstream, Teacher
+from .kernel_args import tf32_operands
+from .ops import _WRAP, _register
+from .rank import launch_args, on_torch_tiles, program_lines, tile_at
 from .tiles import (
     check_blocks,
     dot_operand,
@@ -349,79 +353,86 @@ def _distill_backward_kernel(
         tl.store(partials_ptr + 2 * pid + 1, tl.sum(dscale_cols, axis=0), mask=first_slice)
 
 
-def _launch_args(block: Block, teacher: Teacher, precision):
-    """The kernels' common arguments (features, scales, strides, tiles), the tiling and the accumulation
-    dtype. The teacher's features come in the accumulation dtype (as the torch tiles take them)."""
-    opts = launch_options(block.q.dtype, precision)
-    q, k = tf32_operands(opts["PRECISION"], block.q, block.k)
-    tq, tk = tf32_operands(opts["PRECISION"], teacher.q, teacher.k)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    tiling = beyond_tiling(q.dtype, opts["PRECISION"])
-    cfg = tiling.forward
+def _launch_args(q: Tensor, k: Tensor, scale: Tensor, tq: Tensor, tk: Tensor, teacher_scale: Tensor, precision):
+    """The rank kernels' arguments (:func:`infcl.kernels.rank.launch_args`) plus the teacher's features (in the
+    accumulation dtype, as the torch tiles take them), the scales; the tiling and the accumulation dtype."""
+    args, tiling = launch_args(q, k, precision)
+    tq, tk = tf32_operands(args["PRECISION"], tq, tk)
+    acc = torch.float64 if args["q_ptr"].dtype == torch.float64 else torch.float32
     # Tensors, not launch arguments: a Python float would be rounded to float32.
-    params = torch.stack((block.scale.to(acc), teacher.scale.to(device=q.device, dtype=acc)))
-    args = dict(
-        q_ptr=q,
-        k_ptr=k,
+    params = torch.stack((scale.to(acc), teacher_scale.to(device=q.device, dtype=acc)))
+    args.update(
         tq_ptr=tq,
         tk_ptr=tk,
         params_ptr=params,
-        n_q=q.shape[0],
-        n_k=k.shape[0],
-        D=q.shape[1],
         DT=tq.shape[1],
-        stride_q0=q.stride(0),
-        stride_q1=q.stride(1),
-        stride_k0=k.stride(0),
-        stride_k1=k.stride(1),
         stride_tq0=tq.stride(0),
         stride_tq1=tq.stride(1),
         stride_tk0=tk.stride(0),
         stride_tk1=tk.stride(1),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=tiling.block_d(q.shape[1]),
         BLOCK_DT=tiling.block_d(tq.shape[1]),
-        **cfg.launch_options(),
-        **opts,
-        **COMPILE_OPTIONS,
     )
     return args, tiling, acc
 
 
-def distill_forward(block: Block, teacher: Teacher, symmetric: bool, precision=None):
-    """(rows, cols or None) :class:`DistillPartials` of the block (see :mod:`infcl.losses.distill`)."""
-    args, tiling, acc = _launch_args(block, teacher, precision)
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    teacher_q: Tensor,
+    teacher_k: Tensor,
+    teacher_scale: Tensor,
+    symmetric: bool,
+    precision: str,
+) -> Tuple[Tensor, Tensor]:
+    args, tiling, acc = _launch_args(q, k, scale, teacher_q, teacher_k, teacher_scale, precision or None)
     out = []
     for by_column, n, block_size in (
         (False, args["n_q"], tiling.forward.block_m),
         (True, args["n_k"], tiling.forward.block_n),
     )[: 2 if symmetric else 1]:
-        packed = torch.empty(5, n, dtype=acc, device=block.q.device)
-        _distill_forward_kernel[(triton.cdiv(n, block_size),)](out_ptr=packed, BY_COLUMN=by_column, **args)
-        stats = torch.stack((packed[0], packed[1].log1p()))  # rest -> r = log1p(rest) (-inf for the empty set)
-        teacher_stats = torch.stack((packed[2], packed[3].log1p()))
-        out.append(DistillPartials(stats, teacher_stats, packed[4]))
-    return out[0], (out[1] if symmetric else None)
+        packed = torch.empty(5, n, dtype=acc, device=q.device)
+        _WRAP(_distill_forward_kernel)[(triton.cdiv(n, block_size),)](out_ptr=packed, BY_COLUMN=by_column, **args)
+        packed[1:4:2].log1p_()  # rest -> r = log1p(rest) (-inf for the empty set), the student's and the teacher's
+        out.append(packed)
+    if not symmetric:
+        out.append(torch.empty(5, 0, dtype=acc, device=q.device))
+    return tuple(out)
 
 
-def distill_backward(
-    block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor, precision=None
+def _forward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, symmetric, precision):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(5, q.shape[0], dtype=acc), q.new_empty(5, k.shape[0] if symmetric else 0, dtype=acc)
+
+
+def _backward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    teacher_q: Tensor,
+    teacher_k: Tensor,
+    teacher_scale: Tensor,
+    row_stats: Tensor,
+    g_row: Tensor,
+    col_stats: Optional[Tensor],
+    g_col: Optional[Tensor],
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
 ) -> Tensor:
-    """Accumulate dq and dk (accumulation dtype, any strides) in place; return dscale [2] (the rows' term,
-    the columns' term)."""
-    args, tiling, acc = _launch_args(block, teacher, precision)
+    args, tiling, acc = _launch_args(q, k, scale, teacher_q, teacher_k, teacher_scale, precision or None)
     cfg, dim = tiling.dq, args["D"]
     block_out = tiling.block_out(cfg, dim)
-    row_stats = torch.cat((rows.student, rows.teacher)).to(acc).contiguous()
-    col_stats = row_stats if cols is None else torch.cat((cols.student, cols.teacher)).to(acc).contiguous()
-    g_row = rows.grad.to(acc).contiguous()
-    g_col = g_row if cols is None else cols.grad.to(acc).contiguous()
+    symmetric = col_stats is not None
+    row_stats = row_stats.to(acc).contiguous()
+    col_stats = col_stats.to(acc).contiguous() if symmetric else row_stats
+    g_row = g_row.to(acc).contiguous()
+    g_col = g_col.to(acc).contiguous() if symmetric else g_row
     row_programs = triton.cdiv(args["n_q"], cfg.block_m)
-    partials = torch.zeros(row_programs, 2, dtype=acc, device=block.q.device)
+    partials = torch.zeros(row_programs, 2, dtype=acc, device=q.device)
     # dq from the row walk, dk from the column walk (one direction: of the rows' term alone)
     for by_column, grad, programs in ((False, dq, row_programs), (True, dk, triton.cdiv(args["n_k"], cfg.block_n))):
-        _distill_backward_kernel[(programs, triton.cdiv(dim, block_out))](
+        _WRAP(_distill_backward_kernel)[(programs, triton.cdiv(dim, block_out))](
             row_stats_ptr=row_stats,
             g_row_ptr=g_row,
             col_stats_ptr=col_stats,
@@ -431,11 +442,56 @@ def distill_backward(
             stride_grad0=grad.stride(0),
             stride_grad1=grad.stride(1),
             BY_COLUMN=by_column,
-            SYMMETRIC=cols is not None,
+            SYMMETRIC=symmetric,
             BLOCK_OUT=block_out,
             **args,
         )
     return partials.sum(dim=0)
+
+
+def _backward_fake(
+    q, k, scale, teacher_q, teacher_k, teacher_scale, row_stats, g_row, col_stats, g_col, dq, dk, precision
+):
+    return q.new_empty(2, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+# The block steps as custom ops, registered as the loss kernels' are (:func:`.ops._register`), with the
+# native kernel's schemas (csrc/distill.cpp) but the scales as 0-d tensors (no host sync) and ``precision``
+# ("" for None): torch.ops.infcl.triton_distill_forward_block -> (rows [5, Bq], cols [5, Bk] or [5, 0]),
+# packed (m, r, mT, rT, cross); torch.ops.infcl.triton_distill_backward_block(..., row_stats [4, Bq]
+# (m, r, mT, rT), g_row, col_stats, g_col (None: one direction), dq!, dk!, precision) -> dscale [2].
+forward_op = _register("triton_distill_forward_block", _forward, _forward_fake)
+backward_op = _register("triton_distill_backward_block", _backward, _backward_fake, ("dq", "dk"))
+
+
+def distill_forward(block: Block, teacher: Teacher, symmetric: bool, precision=None):
+    """(rows, cols or None) :class:`DistillPartials` of the block (see :mod:`infcl.losses.distill`)."""
+    rows, cols = forward_op(
+        block.q, block.k, block.scale, teacher.q, teacher.k, teacher.scale, symmetric, precision or ""
+    )
+    return partials(rows), (partials(cols) if symmetric else None)
+
+
+def distill_backward(
+    block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor, precision=None
+) -> Tensor:
+    """Accumulate dq and dk (accumulation dtype, any strides) in place; return dscale [2] (the rows' term,
+    the columns' term)."""
+    return backward_op(
+        block.q,
+        block.k,
+        block.scale,
+        teacher.q,
+        teacher.k,
+        teacher.scale,
+        torch.cat((rows.student, rows.teacher)),
+        rows.grad,
+        None if cols is None else torch.cat((cols.student, cols.teacher)),
+        None if cols is None else cols.grad,
+        dq,
+        dk,
+        precision or "",
+    )
 
 
 class TritonDistill:

@@ -21,6 +21,8 @@ row and the column walks recompute every tile): 2 + the sliver, against 1 + the 
 and native backends (which count both directions from one tile), the price of no atomics.
 """
 
+from typing import Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,7 @@ from ..backends.rank_tiles import NO_INDEX, Ahead, Best
 from .configs import FLOAT64_DOT, TileConfig, Tiling, operand_class
 from .env import INTERPRETED
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
+from .ops import _WRAP, _register
 from .target import target_family
 from .tiles import check_blocks, load_vector, positive_span, score_chunks
 
@@ -284,7 +287,9 @@ def _walks(q: Tensor, k: Tensor, symmetric: bool, tiling: Tiling):
     return out
 
 
-def _common(q: Tensor, k: Tensor, precision):
+def launch_args(q: Tensor, k: Tensor, precision: Optional[str]) -> Tuple[dict, Tiling]:
+    """The launch arguments every rank and distillation kernel takes (q and k, their sizes and strides, the S
+    tile, tl.dot's precision, the compile options) and the tiling (:func:`beyond_tiling`)."""
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
     tiling = beyond_tiling(q.dtype, opts["PRECISION"])
@@ -309,6 +314,102 @@ def _common(q: Tensor, k: Tensor, precision):
     return args, tiling
 
 
+def _best_positives(
+    q: Tensor,
+    k: Tensor,
+    pos: Tensor,
+    row_index: Tensor,
+    col_index: Tensor,
+    symmetric: bool,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    precision: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    args, tiling = launch_args(q, k, precision or None)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ids = dict(q_ids_ptr=q_ids if q_ids is not None else pos, k_ids_ptr=k_ids if k_ids is not None else pos)
+    out = []
+    for by_column, n, grid in _walks(q, k, symmetric, tiling):
+        best = Best(
+            torch.empty(n, dtype=acc, device=q.device),
+            torch.empty(n, dtype=torch.int64, device=q.device),
+            torch.empty(n, dtype=torch.int64, device=q.device),
+        )
+        _WRAP(_best_positives_kernel)[(grid,)](
+            pos_ptr=pos.contiguous(),
+            row_index_ptr=row_index.contiguous(),
+            col_index_ptr=col_index.contiguous(),
+            score_ptr=best.score,
+            best_ptr=best.index,
+            count_ptr=best.count,
+            BY_COLUMN=by_column,
+            ANY=q_ids is not None,
+            **ids,
+            **args,
+        )
+        out.extend(best)
+    if not symmetric:
+        out.extend(Best.empty(0, acc, q.device))
+    return tuple(out)
+
+
+def _best_positives_fake(q, k, pos, row_index, col_index, symmetric, q_ids, k_ids, precision):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (*Best.empty(q.shape[0], acc, q.device), *Best.empty(k.shape[0] if symmetric else 0, acc, q.device))
+
+
+def _ahead_counts(
+    q: Tensor,
+    k: Tensor,
+    row_score: Tensor,
+    row_best: Tensor,
+    col_score: Optional[Tensor],
+    col_best: Optional[Tensor],
+    row_index: Tensor,
+    col_index: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    precision: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    args, tiling = launch_args(q, k, precision or None)
+    symmetric = col_score is not None
+    ids = dict(q_ids_ptr=q_ids if q_ids is not None else row_index, k_ids_ptr=k_ids if k_ids is not None else col_index)
+    out = []
+    for (by_column, n, grid), (score, best) in zip(
+        _walks(q, k, symmetric, tiling), ((row_score, row_best), (col_score, col_best))
+    ):
+        counts = Ahead.empty(n, q.device)
+        _WRAP(_ahead_counts_kernel)[(grid,)](
+            score_ptr=score.contiguous(),
+            best_ptr=best.contiguous(),
+            row_index_ptr=row_index.contiguous(),
+            col_index_ptr=col_index.contiguous(),
+            ahead_ptr=counts.ahead,
+            nonfinite_ptr=counts.nonfinite,
+            BY_COLUMN=by_column,
+            EXCLUDE=q_ids is not None,
+            **ids,
+            **args,
+        )
+        out.extend(counts)
+    if not symmetric:
+        out.extend(Ahead.empty(0, q.device))
+    return tuple(out)
+
+
+def _ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_index, col_index, q_ids, k_ids, precision):
+    return (*Ahead.empty(q.shape[0], q.device), *Ahead.empty(k.shape[0] if col_score is not None else 0, q.device))
+
+
+# The two passes as custom ops, registered as the loss kernels' block steps are (:func:`.ops._register`):
+# torch.ops.infcl.triton_rank_best_positives (the schema of the native kernel's rank_best_positives, plus
+# ``precision``: "" for None) -> (row score, index, count, column score, index, count; the columns' empty
+# unless symmetric), torch.ops.infcl.triton_rank_ahead_counts -> (row ahead, nonfinite, column ahead,
+# nonfinite). The ids are None unless they decide the positives (pass 1) or what is never ahead (pass 2).
+best_positives_op = _register("triton_rank_best_positives", _best_positives, _best_positives_fake)
+ahead_counts_op = _register("triton_rank_ahead_counts", _ahead_counts, _ahead_counts_fake)
+
+
 def best_positives(
     q: Tensor,
     k: Tensor,
@@ -322,30 +423,8 @@ def best_positives(
 ):
     """Pass 1: (rows, cols or None), each a :class:`Best`; with ``q_ids`` / ``k_ids`` every same-id entry is a
     positive, else ``pos`` (the column in k of each row's positive, -1 elsewhere)."""
-    args, tiling = _common(q, k, precision)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    ids = dict(q_ids_ptr=q_ids if q_ids is not None else pos, k_ids_ptr=k_ids if k_ids is not None else pos)
-    out = []
-    for by_column, n, grid in _walks(q, k, symmetric, tiling):
-        best = Best(
-            torch.empty(n, dtype=acc, device=q.device),
-            torch.empty(n, dtype=torch.int64, device=q.device),
-            torch.empty(n, dtype=torch.int64, device=q.device),
-        )
-        _best_positives_kernel[(grid,)](
-            pos_ptr=pos.contiguous(),
-            row_index_ptr=row_index.contiguous(),
-            col_index_ptr=col_index.contiguous(),
-            score_ptr=best.score,
-            best_ptr=best.index,
-            count_ptr=best.count,
-            BY_COLUMN=by_column,
-            ANY=q_ids is not None,
-            **ids,
-            **args,
-        )
-        out.append(best)
-    return out[0], (out[1] if symmetric else None)
+    out = best_positives_op(q, k, pos, row_index, col_index, symmetric, q_ids, k_ids, precision or "")
+    return Best(*out[:3]), (Best(*out[3:]) if symmetric else None)
 
 
 def ahead_counts(
@@ -353,27 +432,11 @@ def ahead_counts(
 ):
     """Pass 2: (rows, cols or None), each an :class:`Ahead`; with ``q_ids`` / ``k_ids`` the entries with the
     row's id are never ahead."""
-    args, tiling = _common(q, k, precision)
-    ids = dict(q_ids_ptr=q_ids if q_ids is not None else row_index, k_ids_ptr=k_ids if k_ids is not None else col_index)
-    out = []
-    for (by_column, n, grid), best in zip(_walks(q, k, cols is not None, tiling), (rows, cols)):
-        counts = Ahead(
-            torch.empty(n, dtype=torch.int64, device=q.device), torch.empty(n, dtype=torch.int64, device=q.device)
-        )
-        _ahead_counts_kernel[(grid,)](
-            score_ptr=best.score.contiguous(),
-            best_ptr=best.index.contiguous(),
-            row_index_ptr=row_index.contiguous(),
-            col_index_ptr=col_index.contiguous(),
-            ahead_ptr=counts.ahead,
-            nonfinite_ptr=counts.nonfinite,
-            BY_COLUMN=by_column,
-            EXCLUDE=q_ids is not None,
-            **ids,
-            **args,
-        )
-        out.append(counts)
-    return out[0], (out[1] if cols is not None else None)
+    col_score, col_best = (None, None) if cols is None else (cols.score, cols.index)
+    out = ahead_counts_op(
+        q, k, rows.score, rows.index, col_score, col_best, row_index, col_index, q_ids, k_ids, precision or ""
+    )
+    return Ahead(*out[:2]), (Ahead(*out[2:]) if cols is not None else None)
 
 
 class TritonRanks:
