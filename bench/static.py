@@ -388,21 +388,21 @@ def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple
     import torch
 
     from infcl.kernels import sigmoid, tiling
-    from infcl.kernels.configs import TileConfig, operand_class
+    from infcl.kernels.configs import TileConfig, operand_class_of
 
-    klass = operand_class(getattr(torch, dtype), precision)
+    operand_class = operand_class_of(getattr(torch, dtype), precision)
     functions = {"forward": "forward_config", "dq": "dq_config", "dk": "dk_config"}
     saved = {name: getattr(tiling, function) for name, function in functions.items()}
-    saved_siglip = sigmoid.DEFAULT_TILINGS[klass]
+    saved_siglip = sigmoid.DEFAULT_TILINGS[operand_class]
     names = [f.name for f in fields(TileConfig)]
 
     def config(default, values):
         return replace(default, **dict(zip(names, values)))
 
     def overridden(default_of, values):
-        def config_of(arch_, klass_, ragged=False, masks=None):
-            default = default_of(arch_, klass_, ragged, masks)
-            if (arch_, klass_) != (arch, klass) or masks is not None:
+        def config_of(arch_, operand_class_, ragged=False, masks=None):
+            default = default_of(arch_, operand_class_, ragged, masks)
+            if (arch_, operand_class_) != (arch, operand_class) or masks is not None:
                 return default
             return config(default, values)
 
@@ -412,14 +412,14 @@ def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple
         for name, values in tiles.items():
             if name == "siglip":
                 cfg = config(saved_siglip.forward, values)
-                sigmoid.DEFAULT_TILINGS[klass] = replace(saved_siglip, forward=cfg, dq=cfg, dk=cfg)
+                sigmoid.DEFAULT_TILINGS[operand_class] = replace(saved_siglip, forward=cfg, dq=cfg, dk=cfg)
             else:
                 setattr(tiling, functions[name], overridden(saved[name], values))
         yield
     finally:
         for name, function in functions.items():
             setattr(tiling, function, saved[name])
-        sigmoid.DEFAULT_TILINGS[klass] = saved_siglip
+        sigmoid.DEFAULT_TILINGS[operand_class] = saved_siglip
 
 
 @contextlib.contextmanager

@@ -74,20 +74,24 @@ def test_configs_share_one_score_tile():
     from infcl.kernels.target import ARCH_FAMILIES
 
     for arch in ARCH_FAMILIES:
-        for klass in TENSOR_CORE_CLASSES:
+        for operand_class in TENSOR_CORE_CLASSES:
             for dim, ragged in ((40, False), (512, False), (1000, True)):
-                tile = score_tile(arch, klass, ragged)
-                tiling = plain_tiling(arch, klass, dim)
+                tile = score_tile(arch, operand_class, ragged)
+                tiling = plain_tiling(arch, operand_class, dim)
                 for name, cfg in (("forward", tiling.forward), ("dq", tiling.dq), ("dk", tiling.dk)):
-                    assert cfg.score_tile == tile, (arch, klass, dim, name, cfg)
+                    assert cfg.score_tile == tile, (arch, operand_class, dim, name, cfg)
                 spaces = (
                     softmax_forward.AUTOTUNE_CONFIGS,
                     softmax_backward.DQ_AUTOTUNE_CONFIGS,
                     softmax_backward.DK_AUTOTUNE_CONFIGS,
                 )
                 for space in spaces:
-                    assert space[arch, klass, ragged], (arch, klass, ragged)
-                    assert {cfg.score_tile for cfg in space[arch, klass, ragged]} == {tile}, (arch, klass, ragged)
+                    assert space[arch, operand_class, ragged], (arch, operand_class, ragged)
+                    assert {cfg.score_tile for cfg in space[arch, operand_class, ragged]} == {tile}, (
+                        arch,
+                        operand_class,
+                        ragged,
+                    )
 
 
 def test_no_spills_and_shared_memory_within_limit(rows):

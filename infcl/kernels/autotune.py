@@ -9,7 +9,7 @@ from typing import Dict, List, Tuple
 
 import triton
 
-from .configs import TileConfig, operand_class, ragged_d
+from .configs import TileConfig, operand_class_of, ragged_d
 from .kernel_args import even_blocks
 from .target import target_family
 
@@ -54,8 +54,8 @@ def autotune_space(by_key: Dict[Tuple[int, str, bool], List[TileConfig]]):
     def prune(candidates, named_args, **kwargs):
         args = {**named_args, **kwargs}  # keyword launches: the arguments arrive as kwargs
         q = args["q_ptr"]
-        klass = operand_class(q.dtype, args.get("PRECISION"))
-        key = (target_family(), klass, ragged_d(args["D"], klass))
+        operand_class = operand_class_of(q.dtype, args.get("PRECISION"))
+        key = (target_family(), operand_class, ragged_d(args["D"], operand_class))
         out = []
         for config, owner in zip(configs, owners):
             if owner == key and any(config is c for c in candidates):

@@ -170,7 +170,7 @@ _BIG = TileConfig(block_m=128, block_n=128, block_out=1024)
 INTERPRETER_TILING = Tiling(forward=_BIG, dq=_BIG, dk=_BIG, resident_d=64, chunk_d=64)
 
 
-def operand_class(dtype: torch.dtype, precision: Optional[str]) -> str:
+def operand_class_of(dtype: torch.dtype, precision: Optional[str]) -> str:
     """What the products run on, which sets the tile sizes: "mma" (bf16/fp16 tensor cores), "tf32"
     (fp32 tensor cores: twice the bytes per operand), "ieee" (fp32 FMA: operands live in registers)
     or "fp64"."""
@@ -189,28 +189,28 @@ FEATURE_CHUNKS = {"mma": (128, 64), "tf32": (64, 32), "ieee": (16, 16), "fp64": 
 TENSOR_CORE_CLASSES = ("mma", "tf32")
 
 
-def ragged_d(dim: Optional[int], klass: str, chunk_d: Optional[int] = None) -> bool:
-    """Whether D = ``dim`` is wider than one feature chunk (``chunk_d``, else the one of ``klass``) and not a
+def ragged_d(dim: Optional[int], operand_class: str, chunk_d: Optional[int] = None) -> bool:
+    """Whether D = ``dim`` is wider than one feature chunk (``chunk_d``, else the one of ``operand_class``) and not a
     whole number of them: the last chunk's masked loads need registers, so such calls take the RAGGED_D
     configs (:func:`score_tile`)."""
-    chunk_d = chunk_d or FEATURE_CHUNKS[klass][1]
+    chunk_d = chunk_d or FEATURE_CHUNKS[operand_class][1]
     return dim is not None and dim > chunk_d and dim % chunk_d != 0
 
 
-def score_tile(arch: int, klass: str, ragged: bool = False) -> ScoreTile:
-    """The S tile of the plain softmax kernels for architecture family ``arch`` and tensor-core class ``klass``
+def score_tile(arch: int, operand_class: str, ragged: bool = False) -> ScoreTile:
+    """The S tile of the plain softmax kernels for architecture family ``arch`` and tensor-core class ``operand_class``
     ("mma": bf16/fp16, "tf32"), at a ragged D (:func:`ragged_d`) or not. The forward, dq and dk configs of the
     plain loss are all built on it (:mod:`infcl.kernels.tiling`). Chosen to compile without spills in all three
     kernels (tests/test_triton_api_compile.py; bench.static reports the figures), not timed on a GPU."""
-    if klass not in TENSOR_CORE_CLASSES or arch not in (80, 86, 90, 100, 120):
-        raise KeyError((arch, klass))
+    if operand_class not in TENSOR_CORE_CLASSES or arch not in (80, 86, 90, 100, 120):
+        raise KeyError((arch, operand_class))
     if arch in (90, 100) and TRITON_VERSION < (3, 3):
         # Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion in the
         # dq kernel), so every S tile there keeps one warp group per 64 rows (its kernels need more registers
         # than 3.9's; softmax_backward narrows the slices).
         return ScoreTile(128, 32, 8) if ragged else ScoreTile(128, 64, 8)
     if arch == 90:
-        if ragged and klass == "mma":
+        if ragged and operand_class == "mma":
             # bf16/fp16 at ragged D: the 64 x 64 dq and dk spill 64-104 B with 256-wide slices (D = 1000);
             # 64 x 32 fits (128-wide slices would fit 64 x 64 at twice the S recomputations).
             return ScoreTile(64, 32, 8)
@@ -228,7 +228,9 @@ def score_tile(arch: int, klass: str, ragged: bool = False) -> ScoreTile:
 
 # Every (architecture family, tensor-core class) with an S tile: the keys of the per-family config tables.
 SCORE_TILES = {
-    (arch, klass): score_tile(arch, klass) for arch in (90, 100, 80, 86, 120) for klass in TENSOR_CORE_CLASSES
+    (arch, operand_class): score_tile(arch, operand_class)
+    for arch in (90, 100, 80, 86, 120)
+    for operand_class in TENSOR_CORE_CLASSES
 }
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, TRITON_VERSION, operand_class
+from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, TRITON_VERSION, operand_class_of
 from .env import INTERPRETED
 
 
@@ -73,7 +73,7 @@ def branch_positives(dtype: torch.dtype, precision: Optional[str] = None) -> boo
     expm1) sits on a uniform branch taken only by the tiles that may hold a positive (tiles.holds_positive).
     On tensor cores from Triton 3.3; not for the FMA classes (ieee, fp64), at their register limit, nor under
     Triton 3.2, where the branch spills (12-668 B in dk); always under the interpreter, which tests it."""
-    tensor_cores = operand_class(dtype, precision) in TENSOR_CORE_CLASSES
+    tensor_cores = operand_class_of(dtype, precision) in TENSOR_CORE_CLASSES
     return INTERPRETED or (tensor_cores and TRITON_VERSION >= (3, 3))
 
 
@@ -138,8 +138,8 @@ class MaskInputs:
         guide_float64 = has_guide and gq.dtype == torch.float64
         guide_acc = tl.float64 if guide_float64 else tl.float32
         precision = guide_precision(dtype, precision, guide_float64)
-        klass = operand_class(torch.float64 if guide_float64 else torch.float32, precision)
-        block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[klass][1])
+        operand_class = operand_class_of(torch.float64 if guide_float64 else torch.float32, precision)
+        block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[operand_class][1])
         return dict(
             q_ids_ptr=self.q_ids,
             k_ids_ptr=self.k_ids,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..backends.base import Block, Tensor
 from ..backends.rank_tiles import NO_INDEX, Ahead, Best
-from .configs import FLOAT64_DOT, TileConfig, Tiling, operand_class
+from .configs import FLOAT64_DOT, TileConfig, Tiling, operand_class_of
 from .env import INTERPRETED
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
 from .ops import _WRAP, _register
@@ -37,7 +37,7 @@ from .target import target_family
 from .tiles import check_blocks, load_vector, positive_span, score_chunks
 
 # The tiles of both APIs beyond the losses (these ranks and the distillation loss, :mod:`.distill`), per
-# operand class (configs.operand_class): one S tile per class for every kernel, so S is the same bits in
+# operand class (configs.operand_class_of): one S tile per class for every kernel, so S is the same bits in
 # each. The sizes of the sigmoid kernels' defaults (:data:`infcl.kernels.sigmoid.DEFAULT_TILINGS`), which
 # hold the same registers (an S tile, an operand chunk, a gradient slice); not tuned on a GPU. The
 # interpreter takes small tiles, so that the small shapes of the tests cut into several ragged blocks.
@@ -62,9 +62,9 @@ def beyond_tiling(dtype: torch.dtype, precision: str) -> Tiling:
     registers, 12 B with 32-wide slices: its float32 teacher product runs on FMA units beside S)."""
     if INTERPRETED:
         return INTERPRETER_TILES
-    klass = operand_class(dtype, precision)
-    tiling = TILINGS[klass]
-    if klass == "mma" and target_family() != 90:
+    operand_class = operand_class_of(dtype, precision)
+    tiling = TILINGS[operand_class]
+    if operand_class == "mma" and target_family() != 90:
         tiling = TILINGS["tf32"]
     return tiling
 

@@ -31,13 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import INTERPRETER_TILING, TRITON_VERSION, TileConfig, Tiling, operand_class
+from .configs import INTERPRETER_TILING, TRITON_VERSION, TileConfig, Tiling, operand_class_of
 from .env import INTERPRETED
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
 from .target import target_family
 from .tiles import MIN_DOT, dot_operand, load_tile, score_tile, tile_dot
 
-# The tilings used when the backend pins none, per operand class (configs.operand_class), the same on
+# The tilings used when the backend pins none, per operand class (configs.operand_class_of), the same on
 # every architecture family. Not tuned on a GPU (none was available): the sizes that compile without
 # spills on sm_80, sm_86, sm_90, sm_100 and sm_120 (tests/test_triton_api_compile.py). The backward
 # holds a [BLOCK_M, chunk] gradient tile, the logit tile and an operand chunk in registers: bf16/fp16
@@ -71,10 +71,10 @@ def _pick(tiling, dtype, precision):
         return tiling
     if INTERPRETED:
         return INTERPRETER_TILING
-    klass = operand_class(dtype, precision)
-    if klass == "mma" and TRITON_VERSION < (3, 3) and target_family() in (90, 100):
+    operand_class = operand_class_of(dtype, precision)
+    if operand_class == "mma" and TRITON_VERSION < (3, 3) and target_family() in (90, 100):
         return WGMMA_TRITON_32_TILING
-    return DEFAULT_TILINGS[klass]
+    return DEFAULT_TILINGS[operand_class]
 
 
 @triton.jit

@@ -78,9 +78,28 @@ from .tiling import dk_config, dq_config
 
 
 @triton.jit
-def _tile_grads(s, is_pos, has_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.constexpr):
-    """(row part, column part) of dS for one tile; the column part is 0 for the one-directional loss.
-    ``has_pos``: whether the tile may hold a positive (:func:`infcl.kernels.tiles.holds_positive`)."""
+def _plain_tile_grads(
+    s,
+    cols,
+    col_start,
+    pos,
+    pos_lo,
+    pos_hi,
+    m_r,
+    r_r,
+    g_r,
+    m_c,
+    r_c,
+    g_c,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BRANCH_POSITIVES: tl.constexpr,
+):
+    """The plain path's (row part, column part) of dS for the tile of columns ``cols`` (from ``col_start``);
+    the column part is 0 for the one-directional loss. One positive per row, ``pos`` (-1: none), whose span
+    (``pos_lo``, ``pos_hi``) (:func:`infcl.kernels.tiles.positive_span`) tells whether the tile may hold one."""
+    is_pos = cols[None, :] == pos[:, None]
+    has_pos = holds_positive(pos_lo, pos_hi, col_start, BLOCK_N, BRANCH_POSITIVES)
     ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos, has_pos)
     if SYMMETRIC:
         ds_col = softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], is_pos, has_pos)
@@ -92,9 +111,22 @@ def _tile_grads(s, is_pos, has_pos, m_r, r_r, g_r, m_c, r_c, g_c, SYMMETRIC: tl.
 @triton.jit
 def _masked_tile_grads(
     s,
-    positive,
-    excluded_rows,
-    excluded_cols,
+    rows,
+    cols,
+    pos,
+    q_ids,
+    row_thr,
+    k_ids_ptr,
+    col_thr_ptr,
+    gq_ptr,
+    gk_ptr,
+    n_q,
+    n_k,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
     m_r,
     r_r,
     g_r,
@@ -108,11 +140,53 @@ def _masked_tile_grads(
     pos_max_c,
     pos_rel_c,
     SYMMETRIC: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
     POSITIVES: tl.constexpr,
-    EXCLUDES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
 ):
-    """:func:`_tile_grads` with masks (:func:`infcl.kernels.tiles.masked_softmax_grad`); (count, max, rel) are
-    each row's (column's) positives: their count ("mean") or their global stats ("sum")."""
+    """The masked path's (row part, column part) of dS for the tile (``rows``, ``cols``): the tile's positives
+    and exclusions (:func:`infcl.kernels.tiles.block_masks`, from the rows' ``q_ids`` and guide thresholds
+    ``row_thr`` and the columns' by pointer), then :func:`infcl.kernels.tiles.masked_softmax_grad`;
+    (pos_count, pos_max, pos_rel) are each row's (column's) positives: their count ("mean") or their global
+    stats ("sum") (:func:`_load_positives`)."""
+    positive, excluded_rows, excluded_cols = block_masks(
+        gq_ptr,
+        gk_ptr,
+        rows,
+        cols,
+        pos,
+        q_ids,
+        k_ids_ptr,
+        row_thr,
+        col_thr_ptr,
+        n_q,
+        n_k,
+        DG,
+        stride_gq0,
+        stride_gq1,
+        stride_gk0,
+        stride_gk1,
+        HAS_IDS,
+        HAS_GUIDE,
+        POSITIVES,
+        SYMMETRIC,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_G,
+        EVEN_M,
+        EVEN_N,
+        EVEN_G,
+        GUIDE_ACC,
+        GUIDE_PRECISION,
+    )
     ds_row = masked_softmax_grad(
         s,
         m_r[:, None],
@@ -124,7 +198,7 @@ def _masked_tile_grads(
         positive,
         excluded_rows,
         POSITIVES,
-        EXCLUDES,
+        HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
     )
     if SYMMETRIC:
         ds_col = masked_softmax_grad(
@@ -138,11 +212,33 @@ def _masked_tile_grads(
             positive,
             excluded_cols,
             POSITIVES,
-            EXCLUDES,
+            HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
         )
     else:
         ds_col = 0.0
     return ds_row, ds_col
+
+
+@triton.jit
+def _masked_rows(
+    q_ids_ptr,
+    row_thr_ptr,
+    row_pos_ptr,
+    rows,
+    n_q,
+    stride_rp0,
+    stride_rp1,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """The masked path's inputs of the rows ``rows``: (q_ids, row_thr, pos_count, pos_max, pos_rel), their ids
+    and guide thresholds (placeholders when absent) and their positives (:func:`_load_positives`)."""
+    q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, MASK)
+    row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, MASK)
+    pos_count, pos_max, pos_rel = _load_positives(row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, MASK)
+    return q_ids, row_thr, pos_count, pos_max, pos_rel
 
 
 @triton.jit
@@ -299,10 +395,18 @@ def _dq_kernel(
     pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
     pos_lo, pos_hi = positive_span(pos)
     if HAS_IDS or HAS_GUIDE:
-        q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-        row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-        pos_count_r, pos_max_r, pos_rel_r = _load_positives(
-            row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M
+        q_ids, row_thr, pos_count_r, pos_max_r, pos_rel_r = _masked_rows(
+            q_ids_ptr,
+            row_thr_ptr,
+            row_pos_ptr,
+            rows,
+            n_q,
+            stride_rp0,
+            stride_rp1,
+            HAS_IDS,
+            HAS_GUIDE,
+            POSITIVES,
+            not EVEN_M,
         )
     if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
         factor = tl.abs(g_r)
@@ -360,16 +464,17 @@ def _dq_kernel(
                 )
             else:
                 pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
-            positive, excluded_rows, excluded_cols = block_masks(
-                gq_ptr,
-                gk_ptr,
+            ds_row, ds_col = _masked_tile_grads(
+                s,
                 rows,
                 cols,
                 pos,
                 q_ids,
-                k_ids_ptr,
                 row_thr,
+                k_ids_ptr,
                 col_thr_ptr,
+                gq_ptr,
+                gk_ptr,
                 n_q,
                 n_k,
                 DG,
@@ -377,24 +482,6 @@ def _dq_kernel(
                 stride_gq1,
                 stride_gk0,
                 stride_gk1,
-                HAS_IDS,
-                HAS_GUIDE,
-                POSITIVES,
-                SYMMETRIC,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_G,
-                EVEN_M,
-                EVEN_N,
-                EVEN_G,
-                GUIDE_ACC,
-                GUIDE_PRECISION,
-            )
-            ds_row, ds_col = _masked_tile_grads(
-                s,
-                positive,
-                excluded_rows,
-                excluded_cols,
                 m_r,
                 r_r,
                 g_r,
@@ -408,14 +495,26 @@ def _dq_kernel(
                 pos_max_c,
                 pos_rel_c,
                 SYMMETRIC,
+                HAS_IDS,
+                HAS_GUIDE,
                 POSITIVES,
-                HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_G,
+                EVEN_M,
+                EVEN_N,
+                EVEN_G,
+                GUIDE_ACC,
+                GUIDE_PRECISION,
             )
         else:
-            ds_row, ds_col = _tile_grads(
+            ds_row, ds_col = _plain_tile_grads(
                 s,
-                cols[None, :] == pos[:, None],
-                holds_positive(pos_lo, pos_hi, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
+                cols,
+                cb * BLOCK_N,
+                pos,
+                pos_lo,
+                pos_hi,
                 m_r,
                 r_r,
                 g_r,
@@ -423,6 +522,8 @@ def _dq_kernel(
                 r_c,
                 g_c,
                 SYMMETRIC,
+                BLOCK_N,
+                BRANCH_POSITIVES,
             )
         dscale_row += tl.sum(ds_row * raw, axis=1)
         ds = ds_row
@@ -589,23 +690,32 @@ def _dk_kernel(
         if not SYMMETRIC:
             m_c, r_c, g_c = m_r, r_r, g_r  # unused
         if HAS_IDS or HAS_GUIDE:
-            q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-            row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-            pos_count_r, pos_max_r, pos_rel_r = _load_positives(
-                row_pos_ptr, rows, n_q, stride_rp0, stride_rp1, POSITIVES, not EVEN_M
+            q_ids, row_thr, pos_count_r, pos_max_r, pos_rel_r = _masked_rows(
+                q_ids_ptr,
+                row_thr_ptr,
+                row_pos_ptr,
+                rows,
+                n_q,
+                stride_rp0,
+                stride_rp1,
+                HAS_IDS,
+                HAS_GUIDE,
+                POSITIVES,
+                not EVEN_M,
             )
             if not SYMMETRIC:
                 pos_count_c, pos_max_c, pos_rel_c = pos_count_r, pos_max_r, pos_rel_r  # unused
-            positive, excluded_rows, excluded_cols = block_masks(
-                gq_ptr,
-                gk_ptr,
+            ds_row, ds_col = _masked_tile_grads(
+                s,
                 rows,
                 cols,
                 pos,
                 q_ids,
-                k_ids_ptr,
                 row_thr,
+                k_ids_ptr,
                 col_thr_ptr,
+                gq_ptr,
+                gk_ptr,
                 n_q,
                 n_k,
                 DG,
@@ -613,24 +723,6 @@ def _dk_kernel(
                 stride_gq1,
                 stride_gk0,
                 stride_gk1,
-                HAS_IDS,
-                HAS_GUIDE,
-                POSITIVES,
-                SYMMETRIC,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_G,
-                EVEN_M,
-                EVEN_N,
-                EVEN_G,
-                GUIDE_ACC,
-                GUIDE_PRECISION,
-            )
-            ds_row, ds_col = _masked_tile_grads(
-                s,
-                positive,
-                excluded_rows,
-                excluded_cols,
                 m_r,
                 r_r,
                 g_r,
@@ -644,15 +736,27 @@ def _dk_kernel(
                 pos_max_c,
                 pos_rel_c,
                 SYMMETRIC,
+                HAS_IDS,
+                HAS_GUIDE,
                 POSITIVES,
-                HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_G,
+                EVEN_M,
+                EVEN_N,
+                EVEN_G,
+                GUIDE_ACC,
+                GUIDE_PRECISION,
             )
         else:
             pos_lo, pos_hi = positive_span(pos)
-            ds_row, ds_col = _tile_grads(
+            ds_row, ds_col = _plain_tile_grads(
                 s,
-                cols[None, :] == pos[:, None],
-                holds_positive(pos_lo, pos_hi, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
+                cols,
+                cb * BLOCK_N,
+                pos,
+                pos_lo,
+                pos_hi,
                 m_r,
                 r_r,
                 g_r,
@@ -660,6 +764,8 @@ def _dk_kernel(
                 r_c,
                 g_c,
                 SYMMETRIC,
+                BLOCK_N,
+                BRANCH_POSITIVES,
             )
         ds = ds_row + ds_col
         if NORMALIZE:

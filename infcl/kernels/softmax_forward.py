@@ -585,7 +585,7 @@ def _forward_rows(
 CONFIG_KEYS = (
     *((arch, "mma") for arch in (90, 100, 80, 86, 120)),
     *((arch, "tf32") for arch in (90, 100, 80, 86, 120)),
-    *((arch, klass) for arch in ARCH_FAMILIES for klass in ("ieee", "fp64")),
+    *((arch, operand_class) for arch in ARCH_FAMILIES for operand_class in ("ieee", "fp64")),
 )
 
 

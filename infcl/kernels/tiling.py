@@ -8,7 +8,7 @@ version workarounds included; :func:`tiling_for` puts the three together with th
 shared memory on its family (tests/test_triton_api_compile.py; ``python -m bench.static`` reports the
 figures).
 
-The arguments: ``arch``, a family of :data:`configs.ARCH_FAMILIES`; ``klass``, :func:`configs.operand_class`
+The arguments: ``arch``, a family of :data:`configs.ARCH_FAMILIES`; ``operand_class``, :func:`configs.operand_class_of`
 ("mma": bf16/fp16 tensor cores, "tf32", "ieee": fp32 FMA, "fp64"); ``ragged``, D wider than one feature
 chunk and not a whole number of them (:func:`configs.ragged_d`: the last chunk's masked loads need
 registers); ``masks``, None for the plain loss, "ids" (ids without a guide) or "guide" (a guide, with or
@@ -32,7 +32,7 @@ from .configs import (
     TRITON_VERSION,
     TileConfig,
     Tiling,
-    operand_class,
+    operand_class_of,
     ragged_d,
     score_tile,
 )
@@ -50,33 +50,33 @@ _FMA = 255
 _MASKED_ROWS, _MASKED_COLS = 64, 16
 
 
-def forward_config(arch: int, klass: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
+def forward_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
     """The forward kernel's config."""
     if masks is not None:
         # Each tile also holds the positives, the exclusions, the guide scores and their GEMM's pipeline, and
         # the symmetric loss merges six column partials instead of two: one stage (a second spills on sm_90
         # at ragged D).
-        if klass == "ieee":  # the plain 32 x 32 tiles halved in columns
+        if operand_class == "ieee":  # the plain 32 x 32 tiles halved in columns
             return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, max_registers=_FMA)
-        if klass == "fp64":  # twice the registers an entry
+        if operand_class == "fp64":  # twice the registers an entry
             return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, max_registers=_FMA)
-        if _OLD_WGMMA and arch in (90, 100) and klass == "mma":  # 128 rows on the same 8 warps
+        if _OLD_WGMMA and arch in (90, 100) and operand_class == "mma":  # 128 rows on the same 8 warps
             return TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1, max_registers=255)
         return TileConfig(block_m=_MASKED_ROWS, block_n=_MASKED_COLS, num_warps=8, num_stages=1, max_registers=255)
-    if klass not in TENSOR_CORE_CLASSES:
+    if operand_class not in TENSOR_CORE_CLASSES:
         # 32 x 32 tiles on 4 warps over 16-feature chunks.
         return TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=_FMA)
-    tile = score_tile(arch, klass, ragged)
+    tile = score_tile(arch, operand_class, ragged)
     # The plain symmetric forward walks pairs of row blocks (TileConfig.row_tiles); under Triton 3.2 (128-row
     # S tiles on sm_90 / sm_100) a pair spills 80-120 B, and on sm_86 / sm_120 (ptxas caps them at 255
     # registers) a pair spills 20-40 B at ragged D, so one row block at a time there.
     row_tiles = 1 if _OLD_WGMMA or (ragged and arch in (86, 120)) else 2
-    if (arch, klass) in ((90, "mma"), (80, "mma"), (80, "tf32")):
+    if (arch, operand_class) in ((90, "mma"), (80, "mma"), (80, "tf32")):
         # sm_90: 3 stages of q/k chunks (48 KiB of shared memory); sm_80 likewise. Triton 3.2's ragged-D
         # tiles on sm_90 (128 x 32) spill with a third stage.
         stages = 2 if _OLD_WGMMA and ragged and arch == 90 else 3
         return tile.config(num_stages=stages, row_tiles=row_tiles)
-    if (arch, klass) in ((100, "mma"), (86, "mma"), (120, "mma"), (86, "tf32")):
+    if (arch, operand_class) in ((100, "mma"), (86, "mma"), (120, "mma"), (86, "tf32")):
         # sm_100 (ptxas 13) and the 99 KiB families: maxnreg 255, or ptxas caps registers and spills at
         # ragged D.
         return tile.config(max_registers=255, row_tiles=row_tiles)
@@ -85,25 +85,25 @@ def forward_config(arch: int, klass: str, ragged: bool = False, masks: Optional[
     return tile.config(row_tiles=row_tiles)
 
 
-def dq_config(arch: int, klass: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
+def dq_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
     """The dq kernel's config (the dk kernel's: :func:`dk_config`)."""
     if masks is not None:
-        return _masked_backward(arch, klass, ragged, masks, dk=False)
-    return _plain_dq(arch, klass, ragged)
+        return _masked_backward(arch, operand_class, ragged, masks, dk=False)
+    return _plain_dq(arch, operand_class, ragged)
 
 
-def _plain_dq(arch: int, klass: str, ragged: bool) -> TileConfig:
+def _plain_dq(arch: int, operand_class: str, ragged: bool) -> TileConfig:
     """The plain dq config, which the plain dk config starts from."""
-    if klass == "ieee":  # 32-row blocks on 4 warps over 16-feature chunks (as in the forward)
+    if operand_class == "ieee":  # 32-row blocks on 4 warps over 16-feature chunks (as in the forward)
         return TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=_FMA)
-    if klass == "fp64":  # 16 owned columns and 64-wide slices for twice the bytes per entry
+    if operand_class == "fp64":  # 16 owned columns and 64-wide slices for twice the bytes per entry
         return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=_FMA)
-    tile = score_tile(arch, klass, ragged)
+    tile = score_tile(arch, operand_class, ragged)
     if _OLD_WGMMA and arch in (90, 100):
         # Triton 3.2's 128-row tiles need more registers than 3.9's for the same work: the slices narrow
         # to 64 (128 spills dk 16-112 B at D = 512 and 784-1224 B at ragged D).
         return tile.config(block_out=64)
-    if klass == "mma":
+    if operand_class == "mma":
         if arch in (90, 100):
             # 3 stages of the S chunks fit the registers and shared memory (sm_90 at ragged D: on its
             # 64 x 32 ragged S tile).
@@ -122,56 +122,56 @@ def _plain_dq(arch: int, klass: str, ragged: bool) -> TileConfig:
     return tile.config(block_out=128 if ragged else 256)
 
 
-def dk_config(arch: int, klass: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
+def dk_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
     """The dk kernel's config: the dq kernel's with the roles of q and k swapped (its accumulator has BLOCK_N
     rows), and the differences below."""
     if masks is not None:
-        return _masked_backward(arch, klass, ragged, masks, dk=True)
-    dq = _plain_dq(arch, klass, ragged)
-    if klass not in TENSOR_CORE_CLASSES:
+        return _masked_backward(arch, operand_class, ragged, masks, dk=True)
+    dq = _plain_dq(arch, operand_class, ragged)
+    if operand_class not in TENSOR_CORE_CLASSES:
         return dq
     if _OLD_WGMMA and arch in (90, 100):
         return replace(dq, num_stages=1) if ragged else dq  # Triton 3.2 at ragged D: one stage
-    if klass == "mma" and arch in (86, 120):
+    if operand_class == "mma" and arch in (86, 120):
         # sm_86 / sm_120 (ptxas 13): fp16's dS normalization spills 32 owned rows at 256 columns (8 B at
         # D = 512).
         return replace(dq, block_out=128)
-    if (arch, klass) == (100, "mma"):
+    if (arch, operand_class) == (100, "mma"):
         # sm_100's fp16 dk (the dS normalization beside the positives' branch): ptxas 13 caps it at 128
         # registers and spills 8-12 B unless told 255.
         return replace(dq, max_registers=255)
-    if (arch, klass) == (80, "tf32") and ragged:
+    if (arch, operand_class) == (80, "tf32") and ragged:
         return replace(dq, block_out=256)  # dk fits sm_80's 256-wide tf32 slices at ragged D; dq does not
     return dq
 
 
-def _masked_backward(arch: int, klass: str, ragged: bool, masks: str, dk: bool) -> TileConfig:
+def _masked_backward(arch: int, operand_class: str, ragged: bool, masks: str, dk: bool) -> TileConfig:
     """dq (dk) with mask options: smaller tiles and slices than the plain kernels', as the forward's."""
-    if klass == "ieee":
+    if operand_class == "ieee":
         return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=_FMA)
-    if klass == "fp64":
+    if operand_class == "fp64":
         return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=_FMA)
-    if _OLD_WGMMA and arch in (90, 100) and klass == "mma":
+    if _OLD_WGMMA and arch in (90, 100) and operand_class == "mma":
         # As the masked forward under Triton 3.2: 128 rows on 8 warps, one stage and 64-wide slices, ids or a
         # guide, ragged D or not (wider ones spill 300-3000 B).
         return TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1, block_out=64, max_registers=255)
     stages, block_out = 2, 128
-    if klass == "mma" and masks == "ids":
+    if operand_class == "mma" and masks == "ids":
         # Ids without a guide (no guide scores in the tile) fit the plain kernels' 256-wide slices, so ids cost
         # the backward no S recomputation beyond the plain loss's (sm_80: one stage, and maxnreg 255: at D = 40
         # ptxas 12 caps float16's dk at 128 registers and spills).
         stages, block_out = (1 if arch == 80 else 2), 256
-    elif klass == "mma" and arch in (90, 100):
+    elif operand_class == "mma" and arch in (90, 100):
         # sm_90 / sm_100 with a guide: 256-wide slices, as the plain and ids-only kernels, so a guide recomputes
         # S and its scores in as many slices as the plain loss recomputes S (2 + 2 at D = 512, not 4 + 4). At
         # ragged D the masked last chunk spills dq 36-152 B (ids, a guide and "sum") and fp16's dk 88 B
         # ("mean") there, so both keep 128-wide slices.
         block_out = 128 if ragged else 256
-    elif klass == "mma" and arch == 80 and not dk:
+    elif operand_class == "mma" and arch == 80 and not dk:
         # sm_80 (ptxas 12): float16's dS normalization spills the dq kernel at ragged D; one stage, 64-wide
         # slices fit.
         stages, block_out = 1, 64
-    elif klass == "mma" and arch == 120 and dk:
+    elif operand_class == "mma" and arch == 120 and dk:
         # sm_120 (ptxas 13): float16's dk with ids and a guide ("mean", D = 1000) spills 16 B at 255 registers
         # with two stages; one fits.
         stages = 1
@@ -185,14 +185,14 @@ def _masked_backward(arch: int, klass: str, ragged: bool, masks: str, dk: bool) 
     )
 
 
-def chunking(arch: int, klass: str, masked: bool = False) -> tuple:
+def chunking(arch: int, operand_class: str, masked: bool = False) -> tuple:
     """(resident_d, chunk_d) of :class:`configs.Tiling`: the operand class's (:data:`configs.FEATURE_CHUNKS`),
     and with mask options one feature chunk as the most a program holds in registers (the guide's tiles sit
     beside it)."""
-    resident_d, chunk_d = FEATURE_CHUNKS[klass]
+    resident_d, chunk_d = FEATURE_CHUNKS[operand_class]
     if not masked:
         return resident_d, chunk_d
-    if klass == "mma" and (arch == 120 or (_OLD_WGMMA and arch in (90, 100))):
+    if operand_class == "mma" and (arch == 120 or (_OLD_WGMMA and arch in (90, 100))):
         # sm_120 (ptxas 13): the symmetric forward with a guide spills 24-80 B at D = 1000 even at maxnreg 255
         # on 64-feature chunks; on 32-feature chunks it fits (so do Triton 3.2's 128-row masked tiles).
         chunk_d = 32
@@ -204,28 +204,28 @@ def tiling_for(
 ) -> Tiling:
     """The default tiling of the softmax kernels for architecture family ``arch``, inputs of ``dtype`` at tl.dot
     ``precision``, feature width ``dim`` (when known) and, ``masked``, mask options (``guide`` among them)."""
-    klass = operand_class(dtype, precision)
-    resident_d, chunk_d = chunking(arch, klass, masked)
+    operand_class = operand_class_of(dtype, precision)
+    resident_d, chunk_d = chunking(arch, operand_class, masked)
     masks = ("guide" if guide else "ids") if masked else None
     # Ids alone never take the ragged-D slices (their 256-wide slices fit there too).
-    ragged = ragged_d(dim, klass, chunk_d if masked else None) and masks != "ids"
+    ragged = ragged_d(dim, operand_class, chunk_d if masked else None) and masks != "ids"
     return Tiling(
-        forward=forward_config(arch, klass, ragged, masks),
-        dq=dq_config(arch, klass, ragged, masks),
-        dk=dk_config(arch, klass, ragged, masks),
+        forward=forward_config(arch, operand_class, ragged, masks),
+        dq=dq_config(arch, operand_class, ragged, masks),
+        dk=dk_config(arch, operand_class, ragged, masks),
         resident_d=resident_d,
         chunk_d=chunk_d,
     )
 
 
-def plain_tiling(arch: int, klass: str, dim: Optional[int] = None) -> Tiling:
-    """:func:`tiling_for` of the plain loss for operand class ``klass``."""
-    resident_d, chunk_d = chunking(arch, klass)
-    ragged = ragged_d(dim, klass)
+def plain_tiling(arch: int, operand_class: str, dim: Optional[int] = None) -> Tiling:
+    """:func:`tiling_for` of the plain loss for ``operand_class``."""
+    resident_d, chunk_d = chunking(arch, operand_class)
+    ragged = ragged_d(dim, operand_class)
     return Tiling(
-        forward=forward_config(arch, klass, ragged),
-        dq=dq_config(arch, klass, ragged),
-        dk=dk_config(arch, klass, ragged),
+        forward=forward_config(arch, operand_class, ragged),
+        dq=dq_config(arch, operand_class, ragged),
+        dk=dk_config(arch, operand_class, ragged),
         resident_d=resident_d,
         chunk_d=chunk_d,
     )

@@ -118,7 +118,7 @@ class _KBlock(NamedTuple):
         return _KBlock(self.k.new_empty(n, *self.k.shape[1:]), cols, side)
 
 
-class _Leading:
+class _KBlockRelay:
     """Read-only block tensors that travel ahead of the compute, double buffered.
 
     :meth:`post` sends what this rank holds to rank + 1 and posts the receive of the next step's
@@ -147,7 +147,7 @@ class _Leading:
             self.current = self.next
 
 
-class _Trailing:
+class _PartialSumRelay:
     """Per-block partial sums that travel one step behind their block, on their own stream.
 
     At every step each rank merges its part for the block it holds into what arrived from rank - 1,
@@ -199,10 +199,10 @@ def ring_forward(
     columns and, for a symmetric loss, its own k rows' totals over every rank's rows."""
     rows = loss.init_rows(q.shape[0], accum_dtype(q.dtype), q.device)
     k_comm, col_comm = _comms(layout, "k-forward", "columns")
-    blocks = _Leading(layout, k_comm, "forward", _KBlock(k, None, tuple(loss.k_side)))
+    blocks = _KBlockRelay(layout, k_comm, "forward", _KBlock(k, None, tuple(loss.k_side)))
     columns = None
     if loss.symmetric:
-        columns = _Trailing(layout, col_comm, _resized, loss.merge, "forward", "column partials")
+        columns = _PartialSumRelay(layout, col_comm, _resized, loss.merge, "forward", "column partials")
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)
@@ -250,8 +250,8 @@ def ring_backward(
     dq = torch.zeros(q.shape[0], dim, dtype=acc, device=dev)
     own = torch.zeros(loss.n_params, dtype=acc, device=dev)
     k_comm, acc_comm = _comms(layout, "k-backward", "dk")
-    blocks = _Leading(layout, k_comm, "backward", _KBlock(k, cols, tuple(loss.k_side)))
-    grads = _Trailing(layout, acc_comm, _resized_grads, add_parts, "backward", "dk")
+    blocks = _KBlockRelay(layout, k_comm, "backward", _KBlock(k, cols, tuple(loss.k_side)))
+    grads = _PartialSumRelay(layout, acc_comm, _resized_grads, add_parts, "backward", "dk")
     for step in range(layout.world):
         offset, size = _block_span(layout, step)
         blocks.post(step)

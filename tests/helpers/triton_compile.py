@@ -289,7 +289,7 @@ def variants() -> List[Variant]:
     import torch
 
     from infcl.kernels import softmax_backward, softmax_forward
-    from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, operand_class
+    from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, operand_class_of
     from infcl.kernels.ops import arch_tiling
     from infcl.kernels.target import arch_key
 
@@ -307,9 +307,9 @@ def variants() -> List[Variant]:
             if dtype == "float64" and not FLOAT64_DOT:
                 continue  # Triton 3.2: float64 blocks run on the torch tiles, no kernel is launched
             torch_dtype = getattr(torch, dtype)
-            klass = operand_class(torch_dtype, precision)
+            operand_class = operand_class_of(torch_dtype, precision)
             default = arch_tiling(arch_key((arch // 10, arch % 10)), torch_dtype, precision)
-            resident_d = FEATURE_CHUNKS[klass][0]
+            resident_d = FEATURE_CHUNKS[operand_class][0]
             if arch == SMALL_TARGET:
                 add(arch, dtype, precision, shapes(resident_d, full=False), default, "default")
                 continue
@@ -318,7 +318,7 @@ def variants() -> List[Variant]:
             if dtype == "bfloat16":
                 continue  # the "mma" class's autotune configs are compiled at fp16 (dS normalization: more registers)
             # the autotune lists at the ragged D case (1000), around that D's defaults
-            key, ragged = (arch_key((arch // 10, arch % 10)), klass, True), [shapes(resident_d)[-1]]
+            key, ragged = (arch_key((arch // 10, arch % 10)), operand_class, True), [shapes(resident_d)[-1]]
             default = arch_tiling(key[0], torch_dtype, precision, ragged[0][0])
             for i, cfg in enumerate(softmax_forward.AUTOTUNE_CONFIGS[key]):
                 if cfg != default.forward:
