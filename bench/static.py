@@ -431,13 +431,13 @@ def without_positives():
     Only in a process of its own: Triton keys and checks a compiled kernel by the globals it used."""
     import triton
 
-    from infcl.kernels import softmax_backward, softmax_forward
+    from infcl.kernels import backward_tiles, softmax_forward
 
     @triton.jit
     def never(lo, hi, c0, BLOCK_N, BRANCH):
         return False
 
-    modules = (softmax_forward, softmax_backward)
+    modules = (softmax_forward, backward_tiles)
     saved = [module.holds_positive for module in modules]
     for module in modules:
         module.holds_positive = never
