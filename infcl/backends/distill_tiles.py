@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..losses.distill import DistillPartials, DistillUpstream, Teacher
-from ..lse import MAX, REL, tile_stats
+from ..lse import MAX, REL, exp_, tile_stats
 from .base import Block, Tensor
 from .torch_tiles import TORCH_TILES, _Walk
 
@@ -24,7 +24,7 @@ from .torch_tiles import TORCH_TILES, _Walk
 def _tile_partials(s: Tensor, t: Tensor, dim: int, scratch: Tensor, spare: Tensor) -> DistillPartials:
     """One tile's partials along ``dim`` (1: per row, 0: per column); ``scratch``, ``spare``: tile buffers."""
     student, teacher = tile_stats(s, dim, scratch), tile_stats(t, dim, scratch)
-    weights = torch.sub(t, teacher[MAX].unsqueeze(dim), out=scratch).exp_()
+    weights = exp_(torch.sub(t, teacher[MAX].unsqueeze(dim), out=scratch))
     gaps = torch.sub(student[MAX].unsqueeze(dim), s, out=spare)  # >= 0: no cancellation below
     return DistillPartials(student, teacher, weights.mul_(gaps).sum(dim=dim))
 
@@ -48,7 +48,7 @@ def _probability_gap(out: Tensor, s: Tensor, t: Tensor, student: Tensor, teacher
     b = torch.sub(t, teacher[MAX]).sub_(teacher[REL])
     top = torch.argmax(s, dim=dim, keepdim=True)
     exact = _gap_from_logs(a.gather(dim, top), b.gather(dim, top))
-    return a.exp_().sub_(b.exp_()).scatter_(dim, top, exact)
+    return exp_(a).sub_(exp_(b)).scatter_(dim, top, exact)
 
 
 class DistillTiles:
