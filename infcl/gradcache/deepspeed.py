@@ -1,4 +1,4 @@
-"""GradCache under DeepSpeed ZeRO: the chunks' backward passes are micro-steps of one DeepSpeed step.
+"""GradCache under DeepSpeed ZeRO: the chunks' backward passes accumulate into one DeepSpeed step, reduced once.
 
 ``cache_step(..., no_sync_except_last=True)`` cannot serve DeepSpeed: ``engine.no_sync()`` asserts that it is
 "incompatible with gradient partitioning logic of ZeRO stage 2/3", since ZeRO-2/3 reduce-scatter each gradient
