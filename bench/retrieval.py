@@ -1,7 +1,7 @@
 """Retrieval ranks and the distillation loss against the GEMM they are bound by, and the ranks at scale.
 
     python -m bench.retrieval ratio [--n 8192] [--dim 512] [--threads 2] [--backends torch,cpu]  # vs one GEMM
-    python -m bench.retrieval scale --n 65536 [--dim 512] [--backend cpu]  # time and peak memory of the ranks
+    python -m bench.retrieval scale --n 65536 [--dim 512] [--backend cpu] [--rows R]  # time, peak memory
     python -m bench.retrieval memory --n 8192 --method open_clip|infcl     # distillation fwd+bwd peak memory
 
 ``ratio``: in one process, the same sizes, min of ``--repeats``, each backend of ``--backends`` (default:
@@ -11,7 +11,10 @@ torch tiles' walk of S = q @ k.T doing nothing but the tile products, so each ra
 products per tile, student and teacher; backward: four, S and T again plus dq and dk; the Triton kernels
 recompute more, see their modules) cost against one GEMM's worth of products. ``scale``: one call of
 ``retrieval_metrics`` on N x N unit features, its wall time and the growth
-of the resident set's peak during it (VmHWM, reset first), beside the features' own size. ``memory``: the
+of the resident set's peak during it (VmHWM, reset first), beside the features' own size; with ``--rows R``
+only the first R images are ranked against all N texts (ids make each image's own text its positive), and
+the time is also scaled by N / R to the whole N x N (every tile costs the same), for sets too large to rank
+whole in the time at hand. ``memory``: the
 same peak growth for one forward and backward of open_clip's ``DistillClipLoss`` or ``InfDistillClipLoss``
 (one method per process, so that neither inherits the other's freed heap).
 Timings on a shared machine are noisy: compare the ratios within one run. Writes a CSV with ``--csv``.
@@ -116,6 +119,14 @@ def _rss() -> int:
 
 def scale(args) -> list:
     image, text = (t.to(args.device) for t in _features(args.n, args.dim))
+    rows = args.rows or args.n
+    if not 0 < rows <= args.n:
+        raise SystemExit(f"--rows must be in 1..--n ({args.n}), got {rows}")
+    image = image[:rows]
+    # A slice of rows: the first `rows` images against every text, each image's positive its own text
+    # (any_positive over ids; the texts past `rows` have no positive, so no rank). The call walks rows x n
+    # tiles, the whole set's n x n tiles in n / rows times the time.
+    slice_args = {} if rows == args.n else _slice_ids(rows, args.n, image.device)
     cuda = image.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -125,12 +136,24 @@ def scale(args) -> list:
         before = _rss()
         _peak_rss_reset()
     start = time.perf_counter()
-    metrics = retrieval_metrics(image, text, backend=args.backend)  # returns floats: synchronized
+    metrics = retrieval_metrics(image, text, backend=args.backend, **slice_args)  # floats: synchronized
     wall = time.perf_counter() - start
     growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
-    features = image.numel() * image.element_size() * 2
+    features = (image.numel() + text.numel()) * image.element_size()
     print({k: round(v, 6) for k, v in metrics.items()})
-    return [(f"retrieval_metrics {args.backend}", wall, growth / 2**20, features / 2**20)]
+    out = [(f"retrieval_metrics {args.backend} {rows} x {args.n}", wall, growth / 2**20, features / 2**20)]
+    if rows < args.n:
+        whole = wall * args.n / rows
+        out.append((f"  extrapolated {args.n} x {args.n} (x {args.n / rows:.1f})", whole, float("nan"), float("nan")))
+    return out
+
+
+def _slice_ids(rows: int, n: int, device) -> dict:
+    return {
+        "q_ids": torch.arange(rows, device=device),
+        "k_ids": torch.arange(n, device=device),
+        "any_positive": True,
+    }
 
 
 def memory(args) -> list:
@@ -165,6 +188,7 @@ def main() -> None:
     parser.add_argument("--method", choices=("open_clip", "infcl"), default="infcl", help="memory mode only")
     parser.add_argument("--n", type=int, default=8192, help="pairs (rows of image and of text)")
     parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=None, help="scale only: rank the first ROWS images against all n")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
