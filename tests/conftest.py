@@ -8,8 +8,13 @@ Markers (registered in pyproject.toml): ``interpreter`` (Triton kernels run by T
 
 import os
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning (libgomp reads this when torch loads it, so before the import;
+# spawned ranks and subprocesses inherit it). With a test process per core, the 2-thread tests' spinning
+# threads take the core the other process needs: test_memory's torch-tiles case took 3x the time under load.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU, test the Triton kernels through Triton's interpreter (CPU tensors). Triton 3.9 reads
 # TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when infcl.kernels is first imported, so
