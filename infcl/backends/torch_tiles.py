@@ -148,8 +148,7 @@ def _tile_masks(block: Block, tile: _Tile, symmetric: bool, scores_buf: Tensor) 
     if block.q_ids is not None:
         same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
     if block.multi_positive is None:
-        positive, (inside, idx) = None, _positives(block.pos, tile)
-        # the positive entries are taken out of the exclusions by index, below
+        positive, (inside, idx) = None, _positives(block.pos, tile)  # taken out of the exclusions by index
     else:
         positive, same, inside, idx = same, None, None, None  # every same-id column is a positive
     excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
