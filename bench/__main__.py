@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -255,6 +255,14 @@ def _progress(total: int):
     return tqdm(total=total, unit="config", file=sys.stderr, dynamic_ncols=True, disable=None)
 
 
+def load_average() -> Optional[float]:
+    """The 1-minute load average (None where the OS has none): other processes' share of the cores."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def run(jobs: List[Job], timeout_s: float) -> List[Dict]:
     """Run every job in its own process; returns one row per job."""
     rows = []
@@ -263,12 +271,15 @@ def run(jobs: List[Job], timeout_s: float) -> List[Dict]:
     for i, job in enumerate(jobs, 1):
         if bar is not None:
             bar.set_description(job.label())
+        before = load_average()
         result = run_isolated(job, timeout_s)
-        rows.append({**row_of(job), **result})
+        loads = [x for x in (before, load_average()) if x is not None]
+        rows.append({**row_of(job), **result, "load_avg": round(max(loads), 2) if loads else None})
         t = f"{result['time_s']:.4g} s, " if "time_s" in result else ""
         mem = f"{result['peak_extra_mib']:.1f} MiB" if "peak_extra_mib" in result else result.get("note", "")
         gemm = f", GEMM {result['gemm_gflops']:.1f} GFLOP/s" if "gemm_gflops" in result else ""
-        say(f"[{i}/{len(jobs)}] {job.label()}: {result['status']} {t}{mem}{gemm}")
+        load = f", load {max(loads):.2f}" if loads else ""
+        say(f"[{i}/{len(jobs)}] {job.label()}: {result['status']} {t}{mem}{gemm}{load}")
         if bar is not None:
             bar.update()
     if bar is not None:
@@ -303,7 +314,9 @@ def main(argv=None) -> int:
     machine = device_name(args.device)
     for row in rows:
         row["device_name"] = machine
-    where = f"{args.device} ({machine}), {args.threads} thread(s)"
+    loads = [r["load_avg"] for r in rows if r.get("load_avg") is not None]
+    load = f", load average {min(loads):.2f}-{max(loads):.2f}" if loads else ""
+    where = f"{args.device} ({machine}), {args.threads} thread(s){load}"
     print(format_table(rows, f"infcl bench '{name}' ({args.loss} loss) on {where}"))
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = args.out / f"{name}.csv", args.out / f"{name}.png"

@@ -36,12 +36,15 @@ COLUMNS = (
     "loss_rel_error",
     "grad_rel_error",
     "threads",
+    "load_avg",
     "note",
 )
 
 
 # Columns the CSV keeps and the printed table leaves out: where it ran, spreads, and the raw rates behind
-# the ratios it shows.
+# the ratios it shows. ``load_avg``: the higher of the 1-minute load averages at the job's start and end
+# (the table's title gives their range), the benchmark's own threads included (a quiet machine reads about
+# --threads at the end of a long job): on a shared machine a timing means little without it.
 CSV_ONLY = (
     "device",
     "device_name",
@@ -52,6 +55,7 @@ CSV_ONLY = (
     "gemm_equivalents",
     "loss_rel_error",
     "threads",
+    "load_avg",
 )
 # Shown in the table only when some row has them (the mask options' cost against the plain tiles).
 PLAIN_RATIOS = ("time_vs_plain", "memory_vs_plain")

@@ -76,8 +76,9 @@ def tile_stats(
     as any sum of the terms would have it), below 1 elsewhere, so floor() counts the ones, frac() leaves the
     rest, and rest = sum(frac) + (ones - 1): the other ties keep their exact 1s and a confident line's rest
     ~ 1e-20 never meets a 1. (No argmax: on CPU it costs more than the exp.) ``scratch`` and ``ones``:
-    optional buffers of s's shape and dtype. A NaN in a line makes its m and r NaN; a +inf makes its r NaN
-    (inf - inf), as ``F.cross_entropy`` gives.
+    optional buffers of s's shape and dtype; ``ones`` may be ``s`` itself, overwritten, where the caller
+    reads s no more (s is read only before the exponentials). A NaN in a line makes its m and r NaN; a +inf
+    makes its r NaN (inf - inf), as ``F.cross_entropy`` gives.
     """
     m = torch.amax(s, dim=dim, keepdim=True)
     terms = exp_(torch.sub(s, m, out=scratch))

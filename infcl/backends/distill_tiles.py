@@ -23,7 +23,7 @@ from .torch_tiles import TORCH_TILES, _Walk
 
 def _tile_partials(s: Tensor, t: Tensor, dim: int, scratch: Tensor, spare: Tensor) -> DistillPartials:
     """One tile's partials along ``dim`` (1: per row, 0: per column); ``scratch``, ``spare``: tile buffers."""
-    student, teacher = tile_stats(s, dim, scratch), tile_stats(t, dim, scratch)
+    student, teacher = tile_stats(s, dim, scratch, spare), tile_stats(t, dim, scratch, spare)
     weights = exp_(torch.sub(t, teacher[MAX].unsqueeze(dim), out=scratch))
     gaps = torch.sub(student[MAX].unsqueeze(dim), s, out=spare)  # >= 0: no cancellation below
     return DistillPartials(student, teacher, weights.mul_(gaps).sum(dim=dim))
@@ -36,16 +36,18 @@ def _gap_from_logs(a: Tensor, b: Tensor) -> Tensor:
     return torch.expm1(-d.abs()).mul_(torch.maximum(a, b).exp_()).mul_(torch.sign(d)).neg_()
 
 
-def _probability_gap(out: Tensor, s: Tensor, t: Tensor, student: Tensor, teacher: Tensor, dim: int) -> Tensor:
+def _probability_gap(
+    out: Tensor, s: Tensor, t: Tensor, student: Tensor, teacher: Tensor, dim: int, scratch: Tensor
+) -> Tensor:
     """out = softmax(S) - softmax(T) over the tile along ``dim`` (1: rows, 0: columns), from the global stats
-    broadcast to it ([2, n, 1] rows or [2, 1, n] columns).
+    broadcast to it ([2, n, 1] rows or [2, 1, n] columns); ``scratch``: a tile buffer.
 
     With a = (s - m) - r and b = (t - mT) - rT, out = exp(a) - exp(b). A plain difference loses digits only
     where both probabilities exceed 1/2, which makes the entry its line's maximum in S: each line's tile
     maximum is recomputed by :func:`_gap_from_logs` (there a = -r exactly when it is the global maximum).
     """
     a = torch.sub(s, student[MAX], out=out).sub_(student[REL])
-    b = torch.sub(t, teacher[MAX]).sub_(teacher[REL])
+    b = torch.sub(t, teacher[MAX], out=scratch).sub_(teacher[REL])
     top = torch.argmax(s, dim=dim, keepdim=True)
     exact = _gap_from_logs(a.gather(dim, top), b.gather(dim, top))
     return exp_(a).sub_(exp_(b)).scatter_(dim, top, exact)
@@ -90,14 +92,19 @@ class DistillTiles:
             s = tile.view(s_buf).copy_(raw).mul_(block.scale)  # bit-identical to the forward's tile
             t = torch.mm(tq[tile.rows], tk[tile.cols].T, out=tile.view(t_buf)).mul_(teacher.scale)
             r = tile.rows
-            ds = _probability_gap(tile.view(ds_buf), s, t, rows.student[:, r, None], rows.teacher[:, r, None], 1)
+            scratch_tile = tile.view(scratch)
+            ds = _probability_gap(
+                tile.view(ds_buf), s, t, rows.student[:, r, None], rows.teacher[:, r, None], 1, scratch_tile
+            )
             ds.mul_(rows.grad[r, None])
-            dscale[0] += torch.mul(ds, raw, out=tile.view(scratch)).sum()
+            dscale[0] += torch.mul(ds, raw, out=scratch_tile).sum()
             if cols is not None:
                 c = tile.cols
-                pc = _probability_gap(tile.view(col_buf), s, t, cols.student[:, None, c], cols.teacher[:, None, c], 0)
+                pc = _probability_gap(
+                    tile.view(col_buf), s, t, cols.student[:, None, c], cols.teacher[:, None, c], 0, scratch_tile
+                )
                 pc.mul_(cols.grad[None, c])
-                dscale[1] += torch.mul(pc, raw, out=tile.view(scratch)).sum()
+                dscale[1] += torch.mul(pc, raw, out=scratch_tile).sum()
                 ds.add_(pc)
             dq[tile.rows].addcmul_(ds @ tile.kj, block.scale)
             dk[tile.cols].addcmul_(ds.T @ tile.qi, block.scale)

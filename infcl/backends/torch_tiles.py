@@ -29,12 +29,13 @@ from ..lse import MAX, REL, empty_stats, exp_, lse_merge, tile_stats
 from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
 from .base import Block, Tensor, accum_dtype
 
-# CPU tile sizes (1 MiB fp32 tiles; the backward holds four). On the 2-vCPU AMD EPYC family 25 model 1 (Zen 3,
-# AVX2), B=4096, D=512, fp32 symmetric fwd+bwd, 512 x 1024 to 2048 x 2048 ran 10-20% faster on 2 threads (MKL
-# splits a 256-row product badly over two threads) and within the noise on one, but their masked buffers come
-# within 1% of tests/test_masks_memory.py's one-B x B-bool-mask bound at B=4096 (15.8 of 16 MiB at 512 x 1024)
-# or break it (30 MiB at 1024 x 1024); see docs/benchmarks.md (issue 35).
-CPU_TILES = (256, 1024)
+# CPU tile sizes (2 MiB fp32 tiles; the backward holds four). On the 2-vCPU AMD EPYC family 25 model 1 (Zen 3,
+# AVX2), B=4096, D=512, fp32 symmetric fwd+bwd, 512 x 1024 ran 10-20% faster than 256 x 1024 on 2 threads: MKL
+# splits a 256-row product badly over two threads, and dk's product (dS.T @ q) is only tile_q deep. Larger tiles
+# ran within the noise of 512 x 1024 there, and the masked loss's tile buffers and bool tiles must stay below
+# tests/test_masks_memory.py's one-B x B-bool-mask bound at B=4096 (13 of 16 MiB at 512 x 1024; 1024 x 1024's
+# four plain tile buffers alone are 16); see docs/benchmarks.md (issue 35).
+CPU_TILES = (512, 1024)
 # On a GPU each tile op is a kernel launch, so tiles must be large enough to fill the device: 2048 x 4096
 # fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
 # is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
@@ -122,10 +123,16 @@ class _TileMasks(NamedTuple):
     col_excluded: Optional[Tensor]
 
 
-def _guide_tile(guide_q: Tensor, guide_k: Tensor, rows: slice, cols: slice) -> Tensor:
+def _guide_tile(guide_q: Tensor, guide_k: Tensor, rows: slice, cols: slice, buf: Optional[Tensor] = None) -> Tensor:
     """One tile's guide scores G = guide_q[rows] @ guide_k[cols].T: the one product both the masks and the
-    guide thresholds (:meth:`TorchTilesBackend.guide_label_scores`) read, so that a tie compares equal."""
-    return guide_q[rows] @ guide_k[cols].T
+    guide thresholds (:meth:`TorchTilesBackend.guide_label_scores`) read, so that a tie compares equal.
+    ``buf``: a flat tile buffer to hold it, used where its dtype is the guide's (the same ``torch.mm``, into
+    a contiguous output either way)."""
+    gq, gk = guide_q[rows], guide_k[cols]
+    out = None
+    if buf is not None and buf.dtype == guide_q.dtype:
+        out = buf[: gq.shape[0] * gk.shape[0]].view(gq.shape[0], gk.shape[0])
+    return torch.mm(gq, gk.T, out=out)
 
 
 def _plain_masks(block: Block, tile: _Tile) -> _TileMasks:
@@ -133,31 +140,30 @@ def _plain_masks(block: Block, tile: _Tile) -> _TileMasks:
     return _TileMasks(None, *_positives(block.pos, tile), None, None)
 
 
-def _tile_masks(block: Block, tile: _Tile, symmetric: bool) -> _TileMasks:
-    """Form one tile's masks, in place where possible: the guide scores and a few bool tiles are all the
-    extra memory, and the scores die with this call."""
+def _tile_masks(block: Block, tile: _Tile, symmetric: bool, scores_buf: Tensor) -> _TileMasks:
+    """Form one tile's masks, in place where possible: at most three bool tiles are the extra memory (the ids'
+    matches and the guide's two threshold tests); the guide scores go to ``scores_buf``, a flat tile buffer
+    free until the caller's next use of it."""
     same = None
     if block.q_ids is not None:
         same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
     if block.multi_positive is None:
-        positive, (inside, idx) = None, _positives(block.pos, tile)
-        negative = None  # the positive entries are taken out of the exclusions by index, below
+        positive, (inside, idx) = None, _positives(block.pos, tile)  # taken out of the exclusions by index
     else:
         positive, same, inside, idx = same, None, None, None  # every same-id column is a positive
-        negative = ~positive
     excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
     col_excluded = excluded if symmetric else None
     if block.guide_q is not None:
-        scores = _guide_tile(block.guide_q, block.guide_k, tile.rows, tile.cols)
+        scores = _guide_tile(block.guide_q, block.guide_k, tile.rows, tile.cols, scores_buf)
         if symmetric:
             col_above = torch.gt(scores, block.col_threshold[None, tile.cols])
             col_excluded = col_above if excluded is None else col_above.logical_or_(excluded)
         above = torch.gt(scores, block.row_threshold[tile.rows, None])
         excluded = above if excluded is None else above.logical_or_(excluded)
     for mask in {id(m): m for m in (excluded, col_excluded) if m is not None}.values():
-        if negative is not None:
-            mask.logical_and_(negative)
-        else:  # a row's positive is never excluded
+        if positive is not None:  # a positive is never excluded
+            mask.masked_fill_(positive, False)
+        else:
             mask.scatter_(1, idx, mask.gather(1, idx).logical_and_(~inside[:, None]))
     return _TileMasks(positive, inside, idx, excluded, col_excluded)
 
@@ -174,25 +180,27 @@ def _masked_partials(
 ) -> None:
     """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
 
-    ``kept``: a tile buffer for s with the excluded entries at -inf; with nothing excluded it is s itself,
-    so the stats are the plain loss's bit for bit. ``scratch``: a tile buffer for :func:`infcl.lse.tile_stats`.
+    ``kept``: a tile buffer for s with the excluded entries at -inf (with nothing excluded, a copy of s, so
+    the stats are the plain loss's bit for bit). ``scratch``: a second tile buffer. No tile is allocated:
+    :func:`infcl.lse.tile_stats` counts its ones in ``kept`` (dead by then), and the positives are selected
+    by ``torch.where`` into the buffers and counted as floats (a bool tile's own sum widens it to int64).
     """
     neg_inf = float("-inf")
     kept.copy_(s)
     if excluded is not None:
         kept.masked_fill_(excluded, neg_inf)
-    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim, scratch))
+    lse_merge(acc[MAX : REL + 1], tile_stats(kept, dim, scratch, kept))
     if masks.positive is None:
         _single_positive_partials(acc, s, masks.inside, masks.idx, dim)
         return
-    negative = ~masks.positive
-    kept.copy_(s).masked_fill_(negative, neg_inf)  # the positives' logits
+    positive = masks.positive
+    kept = torch.where(positive, s, s.new_full((), neg_inf), out=kept)  # the positives' logits
     if kind == "sum":
-        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim, scratch))
+        lse_merge(acc[POS_MAX : POS_REL + 1], tile_stats(kept, dim, scratch, kept))
     else:
         torch.maximum(acc[POS_MAX], torch.amax(kept, dim=dim), out=acc[POS_MAX])
-    acc[POS_SUM] += kept.masked_fill_(negative, 0.0).sum(dim=dim)
-    acc[POS_COUNT] += masks.positive.sum(dim=dim)
+    acc[POS_SUM] += torch.where(positive, s, s.new_zeros(()), out=kept).sum(dim=dim)
+    acc[POS_COUNT] += scratch.copy_(positive).sum(dim=dim)
 
 
 def _single_positive_partials(acc: Tensor, s: Tensor, inside: Tensor, idx: Tensor, dim: int) -> None:
@@ -240,6 +248,7 @@ def _probabilities(
     stats: Tensor,
     g: Tensor,
     pos: Optional[_Positives],
+    scratch: Tensor,
 ) -> Tensor:
     """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them; ``stats``,
     ``g`` and ``pos`` are broadcast to the tile (rows: [n, 1]; columns: [1, n]). Y: the one-hot of the row's
@@ -249,6 +258,9 @@ def _probabilities(
     A positive's entry is never a difference of two rounded probabilities: p - 1 = expm1(x), p - 1/c =
     expm1(x + log c) / c and p - y = y * expm1(d) with d = (pm - m) + (pr - r), the log of the positives'
     share of the softmax.
+
+    ``scratch``: a tile view that holds the positives' entries (multiple positives only); it may be ``s``
+    itself where the caller reads s no more.
     """
     x = torch.sub(s, stats[MAX], out=out).sub_(stats[REL])
     if masks.positive is None:
@@ -260,10 +272,10 @@ def _probabilities(
         g_pos = g.expand_as(x).gather(1, masks.idx)
         return _replace_positives(x, masks.inside, masks.idx, g_pos * torch.expm1(x_pos))
     if pos.stats is None:
-        at_positives = torch.add(x, pos.count.log()).expm1_().div_(pos.count)
+        at_positives = torch.add(x, pos.count.log(), out=scratch).expm1_().div_(pos.count)
     else:
         share = (pos.stats[MAX] - stats[MAX]) + (pos.stats[REL] - stats[REL])
-        at_positives = exp_(torch.sub(s, pos.stats[MAX]).sub_(pos.stats[REL])).mul_(torch.expm1(share))
+        at_positives = exp_(torch.sub(s, pos.stats[MAX], out=scratch).sub_(pos.stats[REL])).mul_(torch.expm1(share))
     exp_(x)
     if excluded is not None:
         x.masked_fill_(excluded, 0.0)
@@ -312,7 +324,7 @@ class TorchTilesBackend:
         for tile in walk:
             raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
             s = torch.mul(raw, scale, out=tile.view(s_buf))  # bit-identical to the forward's tile
-            masks = _tile_masks(block, tile, symmetric) if block.masked else _plain_masks(block, tile)
+            masks = _tile_masks(block, tile, symmetric, ds_buf) if block.masked else _plain_masks(block, tile)
             ds = _probabilities(
                 tile.view(ds_buf),
                 s,
@@ -321,6 +333,7 @@ class TorchTilesBackend:
                 block.row_stats[:, tile.rows, None],
                 block.g_row[tile.rows, None],
                 None if single else _row_positives(block, tile),
+                tile.view(col_buf) if symmetric else s,  # the column pass's buffer, or s, read no more
             )
             dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
             if symmetric:
@@ -332,6 +345,7 @@ class TorchTilesBackend:
                     block.col_stats[:, None, tile.cols],
                     block.g_col[None, tile.cols],
                     None if single else _col_positives(block, tile),
+                    s,  # read no more
                 )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)
@@ -354,7 +368,7 @@ class TorchTilesBackend:
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             s.mul_(block.scale)  # the same tile as the plain forward's, bit for bit
-            masks = _tile_masks(block, tile, symmetric)
+            masks = _tile_masks(block, tile, symmetric, kept_buf)
             kept, spare = tile.view(kept_buf), tile.view(scratch)
             _masked_partials(rows[:, tile.rows], s, masks, masks.excluded, kept, spare, 1, kind)
             if symmetric:
