@@ -7,18 +7,9 @@ the plain and masked paths."""
 import triton
 import triton.language as tl
 
-from .tiles import (
-    MEAN_POSITIVES,
-    ONE_POSITIVE,
-    SUM_POSITIVES,
-    block_masks,
-    holds_positive,
-    load_optional,
-    load_tile,
-    load_vector,
-    masked_softmax_grad,
-    softmax_grad,
-)
+from .masked_tiles import MEAN_POSITIVES, ONE_POSITIVE, SUM_POSITIVES, block_masks, load_optional, masked_softmax_grad
+from .tile_stats import holds_positive, softmax_grad
+from .tiles import load_tile, load_vector
 
 
 @triton.jit
@@ -41,7 +32,7 @@ def _plain_tile_grads(
 ):
     """The plain path's (row part, column part) of dS for the tile of columns ``cols`` (from ``col_start``);
     the column part is 0 for the one-directional loss. One positive per row, ``pos`` (-1: none), whose span
-    (``pos_lo``, ``pos_hi``) (:func:`infcl.kernels.tiles.positive_span`) tells whether the tile may hold one."""
+    (``pos_lo``, ``pos_hi``) (:func:`infcl.kernels.tile_stats.positive_span`) tells whether the tile may hold one."""
     is_pos = cols[None, :] == pos[:, None]
     has_pos = holds_positive(pos_lo, pos_hi, col_start, BLOCK_N, BRANCH_POSITIVES)
     ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos, has_pos)
@@ -97,8 +88,8 @@ def _masked_tile_grads(
     GUIDE_PRECISION: tl.constexpr,
 ):
     """The masked path's (row part, column part) of dS for the tile (``rows``, ``cols``): the tile's positives
-    and exclusions (:func:`infcl.kernels.tiles.block_masks`, from the rows' ``q_ids`` and guide thresholds
-    ``row_thr`` and the columns' by pointer), then :func:`infcl.kernels.tiles.masked_softmax_grad`;
+    and exclusions (:func:`infcl.kernels.masked_tiles.block_masks`, from the rows' ``q_ids`` and guide thresholds
+    ``row_thr`` and the columns' by pointer), then :func:`infcl.kernels.masked_tiles.masked_softmax_grad`;
     (pos_count, pos_max, pos_rel) are each row's (column's) positives: their count ("mean") or their global
     stats ("sum") (:func:`_load_positives`)."""
     positive, excluded_rows, excluded_cols = block_masks(

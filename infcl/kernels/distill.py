@@ -10,7 +10,7 @@ T - mT are exact at a line's maxima.
 - :func:`_distill_forward_kernel`: a program owns BLOCK_M rows (``BY_COLUMN`` False) or BLOCK_N columns
   (True) and walks the other side's blocks, keeping per line the student's and the teacher's stats in
   rest form and cross = sum exp(T - mT) * (m - S), merged tile by tile with the one online merge of
-  the kernels (:func:`infcl.kernels.tiles.merge_rest_stats`) and cross rescaled beside it:
+  the kernels (:func:`infcl.kernels.tile_stats.merge_rest_stats`) and cross rescaled beside it:
   (cross + (M - m) * (1 + rest_T)) * exp(mT - MT) per side. The host turns rest into r = log1p(rest).
 - :func:`_distill_backward_kernel`: a program owns (BLOCK_M rows or BLOCK_N columns) x (a BLOCK_OUT slice
   of D), recomputes S and T per tile, forms dS = g_row (softmax_row(S) - softmax_row(T)) (+ the columns'
@@ -39,19 +39,8 @@ from ..losses.distill import DistillUpstream, Teacher
 from .kernel_args import tf32_operands
 from .ops import _WRAP, _register
 from .rank import launch_args, on_torch_tiles, program_lines, tile_at
-from .tiles import (
-    check_blocks,
-    dot_operand,
-    exp,
-    expm1,
-    load_tile,
-    load_vector,
-    masked_scores,
-    merge_rest_stats,
-    score_chunks,
-    tile_dot,
-    tile_rest_stats,
-)
+from .tile_stats import exp, expm1, merge_rest_stats, tile_rest_stats
+from .tiles import check_blocks, dot_operand, load_tile, load_vector, masked_scores, score_chunks, tile_dot
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """The guide score of each row's labelled column, G[i, pos[i]], by the masked kernels' own guide product.
 
 A row's guide threshold is compared with the guide scores the masked kernels form in every tile
-(:func:`infcl.kernels.tiles.block_masks`). For a tie to compare equal (a column that duplicates the
+(:func:`infcl.kernels.masked_tiles.block_masks`). For a tie to compare equal (a column that duplicates the
 labelled one, at margin 0), the threshold must come from the same arithmetic: the same
 :func:`infcl.kernels.tiles.score_tile` over D' in the same BLOCK_G chunks, at the same dot precision and
 accumulation dtype (all from :meth:`infcl.kernels.configs.MaskInputs.kernel_args`). Each program forms the

@@ -70,7 +70,7 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
 
 def branch_positives(dtype: torch.dtype, precision: Optional[str] = None) -> bool:
     """BRANCH_POSITIVES, a softmax kernel constexpr: whether the positives' work (the positive logit, dS's
-    expm1) sits on a uniform branch taken only by the tiles that may hold a positive (tiles.holds_positive).
+    expm1) sits on a uniform branch taken only by the tiles that may hold a positive (tile_stats.holds_positive).
     On tensor cores from Triton 3.3; not for the FMA classes (ieee, fp64), at their register limit, nor under
     Triton 3.2, where the branch spills (12-668 B in dk); always under the interpreter, which tests it."""
     tensor_cores = operand_class_of(dtype, precision) in TENSOR_CORE_CLASSES
@@ -80,7 +80,7 @@ def branch_positives(dtype: torch.dtype, precision: Optional[str] = None) -> boo
 # ---- the mask options (infcl.masks) ----------------------------------------------------------------
 
 # POSITIVES, the kernels' positives kind: one per row (``pos``; multi_positive None), or every column
-# with the row's id, "mean" or "sum" (see tiles.ONE_POSITIVE).
+# with the row's id, "mean" or "sum" (see masked_tiles.ONE_POSITIVE).
 POSITIVES = {None: 0, "mean": 1, "sum": 2}
 
 

@@ -10,7 +10,7 @@ output written by the one program that owns it.
 
 - :func:`_best_positives_kernel` (pass 1): per line, the best positive's score, its global index (the
   lowest among equal scores) and the number of positives; a tile that holds no positive is skipped on a
-  uniform branch (with labels: the rows' positive span, :func:`infcl.kernels.tiles.positive_span`; with
+  uniform branch (with labels: the rows' positive span, :func:`infcl.kernels.tile_stats.positive_span`; with
   ``ANY``: the ids of the tile's rows and columns).
 - :func:`_ahead_counts_kernel` (pass 2): per line, the entries ahead of its best (greater, or equal with
   a lower global index; with ``EXCLUDE`` never one with the row's id) and the number of NaN or infinite
@@ -34,7 +34,8 @@ from .env import INTERPRETED
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
 from .ops import _WRAP, _register
 from .target import target_family
-from .tiles import check_blocks, load_vector, positive_span, score_chunks
+from .tile_stats import positive_span
+from .tiles import check_blocks, load_vector, score_chunks
 
 # The tiles of both APIs beyond the losses (these ranks and the distillation loss, :mod:`.distill`), per
 # operand class (configs.operand_class_of): one S tile per class for every kernel, so S is the same bits in

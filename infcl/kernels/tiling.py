@@ -185,12 +185,19 @@ def _masked_backward(arch: int, operand_class: str, ragged: bool, masks: str, dk
     )
 
 
-def chunking(arch: int, operand_class: str, masked: bool = False) -> tuple:
-    """(resident_d, chunk_d) of :class:`configs.Tiling`: the operand class's (:data:`configs.FEATURE_CHUNKS`),
-    and with mask options one feature chunk as the most a program holds in registers (the guide's tiles sit
-    beside it)."""
+def chunking(arch: int, operand_class: str, masked: bool = False, dim: Optional[int] = None) -> tuple:
+    """(resident_d, chunk_d) of :class:`configs.Tiling` at D = ``dim`` (when known): the operand class's
+    (:data:`configs.FEATURE_CHUNKS`), wider on sm_90 where D is whole wide chunks, and with mask options one
+    feature chunk as the most a program holds in registers (the guide's tiles sit beside it)."""
     resident_d, chunk_d = FEATURE_CHUNKS[operand_class]
     if not masked:
+        if arch == 90 and operand_class == "mma" and not _OLD_WGMMA and _whole_chunks(dim, resident_d):
+            # sm_90 bf16/fp16 at D a multiple of 128 (beyond one chunk): S over 128-feature chunks, half the chunk
+            # loop's trips (bench.static at D = 512: lane instructions per S entry forward 61.9 -> 55.3, dq 87.6 ->
+            # 79.2, dk 83.4 -> 74.7 per slice; no spills; the forward's 162 registers leave one CTA per SM, not
+            # two). Elsewhere 64: at D = 1000 the masked last 128-chunk spills dq 68-100 B and the forward 12 B.
+            # Either way D is ragged for both chunks or for neither (configs.ragged_d), so the configs match.
+            return resident_d, resident_d
         return resident_d, chunk_d
     if operand_class == "mma" and (arch == 120 or (_OLD_WGMMA and arch in (90, 100))):
         # sm_120 (ptxas 13): the symmetric forward with a guide spills 24-80 B at D = 1000 even at maxnreg 255
@@ -199,13 +206,18 @@ def chunking(arch: int, operand_class: str, masked: bool = False) -> tuple:
     return chunk_d, chunk_d
 
 
+def _whole_chunks(dim: Optional[int], chunk_d: int) -> bool:
+    """Whether D = ``dim`` is more than one chunk of ``chunk_d`` features and a whole number of them."""
+    return dim is not None and dim > chunk_d and dim % chunk_d == 0
+
+
 def tiling_for(
     arch: int, dtype: torch.dtype, precision: str, dim: Optional[int] = None, masked: bool = False, guide: bool = False
 ) -> Tiling:
     """The default tiling of the softmax kernels for architecture family ``arch``, inputs of ``dtype`` at tl.dot
     ``precision``, feature width ``dim`` (when known) and, ``masked``, mask options (``guide`` among them)."""
     operand_class = operand_class_of(dtype, precision)
-    resident_d, chunk_d = chunking(arch, operand_class, masked)
+    resident_d, chunk_d = chunking(arch, operand_class, masked, dim)
     masks = ("guide" if guide else "ids") if masked else None
     # Ids alone never take the ragged-D slices (their 256-wide slices fit there too).
     ragged = ragged_d(dim, operand_class, chunk_d if masked else None) and masks != "ids"
@@ -220,7 +232,7 @@ def tiling_for(
 
 def plain_tiling(arch: int, operand_class: str, dim: Optional[int] = None) -> Tiling:
     """:func:`tiling_for` of the plain loss for ``operand_class``."""
-    resident_d, chunk_d = chunking(arch, operand_class)
+    resident_d, chunk_d = chunking(arch, operand_class, dim=dim)
     ragged = ragged_d(dim, operand_class)
     return Tiling(
         forward=forward_config(arch, operand_class, ragged),
