@@ -21,7 +21,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 # Largest shared memory a block may use (opt-in dynamic shared memory), bytes.
 SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
@@ -49,9 +49,7 @@ class Variant:
     origin: str  # "default" or "autotune #i"
 
     def label(self) -> str:
-        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[
-            self.dtype
-        ]
+        dtype = dtype_label(self.dtype, self.precision)
         sym = "sym" if self.symmetric else "one"
         return f"sm_{self.arch} {self.phase} {dtype} D={self.dim} B={self.batch} {sym} {self.origin}"
 
@@ -373,9 +371,7 @@ class Call:
     tiling: tuple = ()
 
     def label(self) -> str:
-        dtype = {"float32": f"fp32-{self.precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[
-            self.dtype
-        ]
+        dtype = dtype_label(self.dtype, self.precision)
         extra = "".join(
             [
                 " sym" if self.symmetric else "",
@@ -570,7 +566,7 @@ def run_call(call: Call) -> Dict:
 
 def api_calls(full: bool) -> List[Call]:
     """The calls of the check, per target whose ptxas the wheel has, per dtype (fp32 ieee / tf32, bf16,
-    fp16, fp64 where tl.dot has it).
+    fp16, fp64 where tl.dot has it; CI's subset per target: :func:`api_dtypes`).
 
     ``full``: every D of :data:`API_DIMS` for cal_inf_loss symmetric and cal_siglip_loss on a ragged
     batch and for cal_inf_loss one-directional with labels and Bk > Bq; an even batch; both modules; the
@@ -587,15 +583,12 @@ def api_calls(full: bool) -> List[Call]:
     """
     from infcl.kernels.configs import FLOAT64_DOT
 
-    dtypes = [("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee")]
-    if FLOAT64_DOT:
-        dtypes.append(("float64", "ieee"))
     out = []
     ragged, wide, even = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH), (EVEN_BATCH, EVEN_BATCH)
     for arch in API_TARGETS:
         if not ptxas_knows(arch):
             continue
-        for dtype, precision in dtypes:
+        for dtype, precision in api_dtypes(arch, full, FLOAT64_DOT):
 
             def add(entry, dims, sizes, arch=arch, dtype=dtype, precision=precision, **kw):
                 out.extend(Call(arch, entry, dtype, precision, dim, *sizes, **kw) for dim in dims)
@@ -633,6 +626,25 @@ def api_calls(full: bool) -> List[Call]:
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             out.extend(masked_calls(arch, dtype, precision, full))
     return out
+
+
+def dtype_label(dtype: str, precision: str) -> str:
+    """How a call's label names its (dtype, precision): fp32-ieee, fp32-tf32, bf16, fp16, fp64."""
+    return {"float32": f"fp32-{precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[dtype]
+
+
+def api_dtypes(arch: int, full: bool, float64_dot: bool) -> List[Tuple[str, str]]:
+    """The (dtype, precision) pairs :func:`api_calls` compiles on ``arch``: every one in a full run and on sm_90.
+    Elsewhere CI leaves out float16, which shares bfloat16's operand class, feature chunks, configs and MMA
+    shapes on every target (only the MMA's element type differs), and float64 beyond sm_80: its products are FMAs
+    on operands held in registers, so the later targets' tensor-core and shared-memory differences do not reach
+    it, and every target has sm_80's register file."""
+    dtypes = [("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee")]
+    if float64_dot:
+        dtypes.append(("float64", "ieee"))
+    if full or arch == 90:
+        return dtypes
+    return [(d, p) for d, p in dtypes if d != "float16" and (d != "float64" or arch == 80)]
 
 
 def big_tile_calls(arch: int = 90) -> List[Call]:
