@@ -193,10 +193,9 @@ def chunking(arch: int, operand_class: str, masked: bool = False, dim: Optional[
     if not masked:
         if arch == 90 and operand_class == "mma" and not _OLD_WGMMA and _whole_chunks(dim, resident_d):
             # sm_90 bf16/fp16 at D a multiple of 128 (beyond one chunk): S over 128-feature chunks, half the chunk
-            # loop's trips (bench.static at D = 512: lane instructions per S entry forward 61.9 -> 55.3, dq 87.6 ->
-            # 79.2, dk 83.4 -> 74.7 per slice; no spills; the forward's 162 registers leave one CTA per SM, not
-            # two). Elsewhere 64: at D = 1000 the masked last 128-chunk spills dq 68-100 B and the forward 12 B.
-            # Either way D is ragged for both chunks or for neither (configs.ragged_d), so the configs match.
+            # loop's trips, at one forward CTA per SM instead of two; at a ragged D the masked last 128-chunk
+            # spills, so 64 there. The figures: docs/kernels.md, "Toward the GEMM bound". Either way D is ragged
+            # for both chunks or for neither (configs.ragged_d), so the configs match.
             return resident_d, resident_d
         return resident_d, chunk_d
     if operand_class == "mma" and (arch == 120 or (_OLD_WGMMA and arch in (90, 100))):
