@@ -114,12 +114,14 @@ def _plain_dq(arch: int, operand_class: str, ragged: bool) -> TileConfig:
         return tile.config(max_registers=255, block_out=128 if ragged else 256)
     # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not. sm_86 / sm_120 (ptxas 13) cap the tf32
     # tiles below their need unless told 255: dq spilled 8 B on sm_120 at D = 1, dk 24 B with labels on sm_86
-    # at D = 256-768 and on sm_120 at D = 40. sm_80: 128-wide slices at ragged D (as bf16's).
+    # at D = 256-768 and on sm_120 at D = 40. sm_80: 128-wide slices at ragged D (as bf16's), and maxnreg 255:
+    # ptxas 12 capped dk at 80 registers (12 B spilled, D = 64) and dq at 128 (16 B, D = 96 / 128) with labels
+    # and Bk > Bq.
     if arch == 90:
         return tile.config(block_out=128)
     if arch in (86, 100, 120):
         return tile.config(block_out=128, max_registers=255)
-    return tile.config(block_out=128 if ragged else 256)
+    return tile.config(block_out=128 if ragged else 256, max_registers=255)
 
 
 def dk_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:

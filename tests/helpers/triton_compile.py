@@ -341,10 +341,11 @@ def variants() -> List[Variant]:
 
 # Targets in the API check; sm_100 and sm_120 only where the wheel's ptxas knows them.
 API_TARGETS = (90, 80, 86, 100, 120)
-# The feature dims of the check: D = 1 (one masked chunk), 40 (one chunk, not a multiple of 16), 256 /
-# 512 / 768 (whole chunks, one or several dq slices), 384 (whole chunks, a ragged last dq / dk slice: its
-# operand load is masked, not clamped) and 1000 (ragged chunks and slices).
-API_DIMS = (1, 40, 256, 384, 512, 768, 1000)
+# The feature dims of the check: D = 1 (one masked chunk), 40 (one chunk, not a multiple of 16), 128 (one
+# whole chunk of tensor cores' widest), 256 / 512 / 768 (whole chunks, one or several dq slices), 384 (whole
+# chunks, a ragged last dq / dk slice: its operand load is masked, not clamped) and 1000 (ragged chunks and
+# slices).
+API_DIMS = (1, 40, 128, 256, 384, 512, 768, 1000)
 # Batches: 100 rows (no block divides it) and 128 (every block divides it); Bk > Bq: 100 x 160.
 RAGGED_BATCH, EVEN_BATCH, WIDE_BATCH = 100, 128, 160
 # The guide's width in the masked calls: not a whole number of guide chunks (16 or 32), several of them.
