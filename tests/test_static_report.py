@@ -69,13 +69,14 @@ def test_configs_share_one_score_tile():
     """Every default and autotune config of the three softmax kernels on tensor cores is built on the one S
     tile of its (family, class, ragged D): the same BLOCK_M, BLOCK_N and num_warps (so the same MMA)."""
     from infcl.kernels import softmax_backward, softmax_forward
-    from infcl.kernels.configs import TENSOR_CORE_CLASSES, score_tile
+    from infcl.kernels.configs import TENSOR_CORE_CLASSES, ragged_d, score_tile
     from infcl.kernels.ops import plain_tiling
     from infcl.kernels.target import ARCH_FAMILIES
 
     for arch in ARCH_FAMILIES:
         for operand_class in TENSOR_CORE_CLASSES:
-            for dim, ragged in ((40, False), (512, False), (1000, True)):
+            for dim in (40, 512, 1000):  # 40 is ragged for tf32's 32-feature chunks, one chunk for bf16's
+                ragged = ragged_d(dim, operand_class)
                 tile = score_tile(arch, operand_class, ragged)
                 tiling = plain_tiling(arch, operand_class, dim)
                 for name, cfg in (("forward", tiling.forward), ("dq", tiling.dq), ("dk", tiling.dk)):

@@ -132,6 +132,16 @@ def test_float32_matches_vanilla(batch, dim):
 
 
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+def test_whole_chunks_with_a_ragged_last_slice(dtype):
+    """D = 96: three whole 32-wide chunks and dq / dk slices of 64 + 32, so the last slice's operand is a masked
+    load past D (the path D = 384 takes on sm_90's 128-wide chunks and 256-wide slices), on a ragged batch in
+    both directions."""
+    q, k, scale = _inputs(33, 33, 96, dtype=dtype)
+    ours, truth = _compare(q, k, scale, _labels(33, 33, True, seed=96), symmetric=True)
+    _assert_exact(ours, truth, dtype, "B=33 D=96 symmetric")
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
 def test_hard_negatives_with_labels(dtype):
     """Bk > Bq: the extra k rows are negatives only; labels point anywhere in [0, Bk)."""
     q, k, scale = _inputs(33, 150, 72, seed=3, dtype=dtype)

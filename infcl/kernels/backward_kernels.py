@@ -242,7 +242,11 @@ def _dq_kernel(
         if ONE_CHUNK:
             k_out = k_tile
         else:
-            k_out = load_tile(k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, False)
+            # A ragged last slice (EVEN_OUT False) reads zeros past D where D is whole chunks (a multiple of 16,
+            # which Triton specializes on, so the masked load stays vectorized); at ragged D it repeats the last
+            # column (:func:`load_tile`). Either way those columns are never stored. Clamped columns at D = 384
+            # spilled sm_90's dk 12-64 B.
+            k_out = load_tile(k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, EVEN_D)
         acc = tile_dot(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION), k_out, acc, UPCAST, PRECISION)
     _store_slice(
         out_ptr + split.to(tl.int64) * stride_out_split,
@@ -479,8 +483,8 @@ def _dk_kernel(
             ds = ds * _inverse(factor)[None, :]
         if ONE_CHUNK:
             q_out = q_tile
-        else:
-            q_out = load_tile(q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, False)
+        else:  # a ragged last slice as in _dq_kernel
+            q_out = load_tile(q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, EVEN_D)
         acc = tile_dot(tl.trans(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION)), q_out, acc, UPCAST, PRECISION)
     _store_slice(
         out_ptr + split.to(tl.int64) * stride_out_split,

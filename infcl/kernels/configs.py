@@ -219,8 +219,10 @@ def score_tile(arch: int, operand_class: str, ragged: bool = False) -> ScoreTile
         # pipeline depth with bf16 or fp16 (D = 256 / 512, 128-wide slices; ptxas 13).
         return ScoreTile(64, 64, 8)
     if arch == 100:
-        # tcgen05 M = 64; ptxas 13 spills the 128 x 64 forward and dk.
-        return ScoreTile(64, 32, 8)
+        # tcgen05 M = 64, as sm_90's 64 x 64 (S on one tcgen05 tile, and the dk product's M = 64 on tcgen05 too,
+        # where 32 rows fell back to mma.sync). At ragged D the 64 x 64 forward and dk spill 36-88 B (D = 1000):
+        # 64 x 32 there. ptxas 13 spills the 128 x 64 dq and dk.
+        return ScoreTile(64, 32, 8) if ragged else ScoreTile(64, 64, 8)
     # The mma.sync families (sm_80, sm_86, sm_120): 64 x 32 on 8 warps, the most the backward's 256-column
     # slices fit beside.
     return ScoreTile(64, 32, 8)

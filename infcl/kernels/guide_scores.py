@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .configs import MIN_DOT
-from .kernel_args import MaskInputs
+from .kernel_args import COMPILE_OPTIONS, MaskInputs
 from .tiles import load_vector, score_tile
 
 Tensor = torch.Tensor
@@ -114,5 +114,6 @@ def guide_label_scores(
         EVEN_G=args["EVEN_G"],
         GUIDE_ACC=args["GUIDE_ACC"],
         GUIDE_PRECISION=args["GUIDE_PRECISION"],
+        **COMPILE_OPTIONS,
     )
     return out

@@ -76,7 +76,7 @@ def forward_config(arch: int, operand_class: str, ragged: bool = False, masks: O
         # tiles on sm_90 (128 x 32) spill with a third stage.
         stages = 2 if _OLD_WGMMA and ragged and arch == 90 else 3
         return tile.config(num_stages=stages, row_tiles=row_tiles)
-    if (arch, operand_class) in ((100, "mma"), (86, "mma"), (120, "mma"), (86, "tf32")):
+    if (arch, operand_class) in ((100, "mma"), (100, "tf32"), (86, "mma"), (120, "mma"), (86, "tf32")):
         # sm_100 (ptxas 13) and the 99 KiB families: maxnreg 255, or ptxas caps registers and spills at
         # ragged D.
         return tile.config(max_registers=255, row_tiles=row_tiles)
@@ -114,12 +114,14 @@ def _plain_dq(arch: int, operand_class: str, ragged: bool) -> TileConfig:
         return tile.config(max_registers=255, block_out=128 if ragged else 256)
     # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not. sm_86 / sm_120 (ptxas 13) cap the tf32
     # tiles below their need unless told 255: dq spilled 8 B on sm_120 at D = 1, dk 24 B with labels on sm_86
-    # at D = 256-768 and on sm_120 at D = 40. sm_80: 128-wide slices at ragged D (as bf16's).
-    if arch in (90, 100):
+    # at D = 256-768 and on sm_120 at D = 40. sm_80: 128-wide slices at ragged D (as bf16's), and maxnreg 255:
+    # ptxas 12 capped dk at 80 registers (12 B spilled, D = 64) and dq at 128 (16 B, D = 96 / 128) with labels
+    # and Bk > Bq.
+    if arch == 90:
         return tile.config(block_out=128)
-    if arch in (86, 120):
+    if arch in (86, 100, 120):
         return tile.config(block_out=128, max_registers=255)
-    return tile.config(block_out=128 if ragged else 256)
+    return tile.config(block_out=128 if ragged else 256, max_registers=255)
 
 
 def dk_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
@@ -136,7 +138,7 @@ def dk_config(arch: int, operand_class: str, ragged: bool = False, masks: Option
         # sm_86 / sm_120 (ptxas 13): fp16's dS normalization spills 32 owned rows at 256 columns (8 B at
         # D = 512).
         return replace(dq, block_out=128)
-    if (arch, operand_class) == (100, "mma"):
+    if arch == 100:
         # sm_100's fp16 dk (the dS normalization beside the positives' branch): ptxas 13 caps it at 128
         # registers and spills 8-12 B unless told 255.
         return replace(dq, max_registers=255)
@@ -191,7 +193,7 @@ def chunking(arch: int, operand_class: str, masked: bool = False, dim: Optional[
     feature chunk as the most a program holds in registers (the guide's tiles sit beside it)."""
     resident_d, chunk_d = FEATURE_CHUNKS[operand_class]
     if not masked:
-        if arch == 90 and operand_class == "mma" and not _OLD_WGMMA and _whole_chunks(dim, resident_d):
+        if arch in (90, 100) and operand_class == "mma" and not _OLD_WGMMA and _whole_chunks(dim, resident_d):
             # sm_90 bf16/fp16 at D a multiple of 128 (beyond one chunk): S over 128-feature chunks, half the chunk
             # loop's trips, at one forward CTA per SM instead of two; at a ragged D the masked last 128-chunk
             # spills, so 64 there. The figures: docs/kernels.md, "Toward the GEMM bound". Either way D is ragged

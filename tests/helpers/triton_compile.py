@@ -341,9 +341,11 @@ def variants() -> List[Variant]:
 
 # Targets in the API check; sm_100 and sm_120 only where the wheel's ptxas knows them.
 API_TARGETS = (90, 80, 86, 100, 120)
-# The feature dims of the check: D = 1 (one masked chunk), 40 (one chunk, not a multiple of 16), 256 /
-# 512 / 768 (whole chunks, one or several dq slices) and 1000 (ragged chunks and slices).
-API_DIMS = (1, 40, 256, 512, 768, 1000)
+# The feature dims of the check: D = 1 (one masked chunk), 40 (one chunk, not a multiple of 16), 128 (one
+# whole chunk of tensor cores' widest), 256 / 512 / 768 (whole chunks, one or several dq slices), 384 (whole
+# chunks, a ragged last dq / dk slice: its operand load is masked, not clamped) and 1000 (ragged chunks and
+# slices).
+API_DIMS = (1, 40, 128, 256, 384, 512, 768, 1000)
 # Batches: 100 rows (no block divides it) and 128 (every block divides it); Bk > Bq: 100 x 160.
 RAGGED_BATCH, EVEN_BATCH, WIDE_BATCH = 100, 128, 160
 # The guide's width in the masked calls: not a whole number of guide chunks (16 or 32), several of them.
@@ -573,10 +575,11 @@ def api_calls(full: bool) -> List[Call]:
     autotuned path (each config of its search space compiled as a trial) for both directions.
 
     CI (not ``full``; D = 256 / 512 / 768 compile to the same kernels, so they stand in for each other):
-    on sm_90, D = 40, 512 and 1000 symmetric (512: several whole chunks, whose S tile is not ragged D's)
-    and sigmoid, D = 1 one-directional with labels and Bk > Bq, an even batch through both modules, and
-    the autotuned symmetric path at D = 1000; on the other targets the heaviest cases (symmetric at D = 40
-    and 1000, and 512 on tensor cores; sigmoid at 1000, ragged) and the autotuned symmetric path in bf16.
+    on sm_90, D = 40, 384, 512 and 1000 symmetric (512: several whole chunks, whose S tile is not ragged
+    D's; 384: the same with a ragged last slice) and sigmoid, D = 1 one-directional with labels and
+    Bk > Bq, an even batch through both modules, and the autotuned symmetric path at D = 1000; on the other
+    targets the heaviest cases (symmetric at D = 40 and 1000, and 384 on tensor cores; sigmoid at 1000,
+    ragged) and the autotuned symmetric path in bf16.
 
     The mask options (:func:`masked_calls`): ``full``, every mask kind on every target and dtype; CI,
     sm_90 and sm_80 in bf16 and fp32 (ieee; tf32 on sm_90 for the heaviest case).
@@ -605,7 +608,7 @@ def api_calls(full: bool) -> List[Call]:
                 add("cal_inf_loss", (1000,), ragged, autotune=True)
                 add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             elif arch == 90:
-                add("cal_inf_loss", (40, 512, 1000), ragged, symmetric=True)
+                add("cal_inf_loss", (40, 384, 512, 1000), ragged, symmetric=True)
                 # Block-multiple batches compile the unmasked (EVEN_M/N) loads: fewer registers go to
                 # masks, more to the pipeline, so a ragged D spills there first.
                 add("cal_inf_loss", (1000,), even, symmetric=True)
@@ -616,9 +619,10 @@ def api_calls(full: bool) -> List[Call]:
                 add("InfSigLipLoss", (256,), even)
                 add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             else:
-                # D = 512 on tensor cores: whole chunks beyond one, where the S tile is not ragged D's.
+                # D = 384 on tensor cores: whole chunks beyond one, where the S tile is not ragged D's, and a
+                # ragged last slice.
                 tensor_cores = dtype in ("bfloat16", "float16") or precision == "tf32"
-                add("cal_inf_loss", (40, 512, 1000) if tensor_cores else (40, 1000), ragged, symmetric=True)
+                add("cal_inf_loss", (40, 384, 1000) if tensor_cores else (40, 1000), ragged, symmetric=True)
                 add("cal_siglip_loss", (1000,), ragged)
                 add("cal_inf_loss", (1000,), even, symmetric=True)
                 add("cal_siglip_loss", (512, 1000), even)
