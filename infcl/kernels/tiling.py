@@ -112,11 +112,11 @@ def _plain_dq(arch: int, operand_class: str, ragged: bool) -> TileConfig:
         # ragged D sm_80 (ptxas 12) spills 104 B at 256 columns and sm_86 / sm_120 (ptxas 13) 8 B at maxnreg
         # 255: 128-wide slices fit.
         return tile.config(max_registers=255, block_out=128 if ragged else 256)
-    # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not. sm_86 / sm_120 (ptxas 13) cap the tf32
-    # tiles below their need unless told 255: dq spilled 8 B on sm_120 at D = 1, dk 24 B with labels on sm_86
-    # at D = 256-768 and on sm_120 at D = 40. sm_80: 128-wide slices at ragged D (as bf16's), and maxnreg 255:
-    # ptxas 12 capped dk at 80 registers (12 B spilled, D = 64) and dq at 128 (16 B, D = 96 / 128) with labels
-    # and Bk > Bq.
+    # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not. sm_86 / sm_100 / sm_120 (ptxas 13) cap the
+    # tf32 tiles below their need unless told 255: dq spilled 8 B on sm_120 at D = 1, dk 24 B with labels on sm_86
+    # at D = 256-768, on sm_120 at D = 40 and 8 B on sm_100's 64 x 64 at D = 256-768 (dk takes dq's). sm_80:
+    # 128-wide slices at ragged D (as bf16's), and maxnreg 255: ptxas 12 capped dk at 80 registers (12 B spilled,
+    # D = 64) and dq at 128 (16 B, D = 96 / 128) with labels and Bk > Bq.
     if arch == 90:
         return tile.config(block_out=128)
     if arch in (86, 100, 120):
@@ -138,7 +138,7 @@ def dk_config(arch: int, operand_class: str, ragged: bool = False, masks: Option
         # sm_86 / sm_120 (ptxas 13): fp16's dS normalization spills 32 owned rows at 256 columns (8 B at
         # D = 512).
         return replace(dq, block_out=128)
-    if arch == 100:
+    if (arch, operand_class) == (100, "mma"):
         # sm_100's fp16 dk (the dS normalization beside the positives' branch): ptxas 13 caps it at 128
         # registers and spills 8-12 B unless told 255.
         return replace(dq, max_registers=255)
