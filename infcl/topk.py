@@ -84,7 +84,9 @@ def topk_backend(backend, device: torch.device):
     (:data:`TOPK_TILES`), the native kernel or the Triton kernel (the same interface)."""
 
     def native():
-        return TOPK_TILES  # until the native kernel lands
+        from .backends.topk_native import NATIVE_TOPK
+
+        return NATIVE_TOPK
 
     def triton():
         from .backends.triton.topk import TRITON_TOPK

@@ -302,6 +302,15 @@ def _rank_ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_
     return tuple(q.new_empty(n, dtype=torch.int64) for n in (q.shape[0], q.shape[0], cols, cols))
 
 
+def _topk_block_fake(q, k, col_index, n, largest, pos, q_ids, k_ids):
+    rows = q.shape[0]
+    return (
+        q.new_empty(rows, n, dtype=accum_dtype(q.dtype)),
+        q.new_empty(rows, n, dtype=torch.int64),
+        q.new_empty(rows, dtype=torch.int64),
+    )
+
+
 FAKES = {
     "infcl::forward_block": _forward_fake,  # csrc/softmax_ops.cpp
     "infcl::backward_block": _backward_fake,
@@ -314,6 +323,7 @@ FAKES = {
     "infcl::distill_backward_block": _distill_backward_fake,
     "infcl::rank_best_positives": _rank_best_positives_fake,  # csrc/retrieval.cpp
     "infcl::rank_ahead_counts": _rank_ahead_counts_fake,
+    "infcl::topk_block": _topk_block_fake,  # csrc/topk.cpp
 }
 
 
