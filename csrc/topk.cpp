@@ -1,13 +1,15 @@
 // infcl native CPU kernel for the top-k search (infcl/topk.py; definitions, tie rule and the torch tiles'
 // version: infcl/backends/topk_tiles.py): each row's n best columns of one block of S = q @ k.T, no grad.
 //
-//   topk_block(q [Bq,D], k [Bk,D], col_index [Bk], n, largest, pos? [Bq], q_ids? [Bq], k_ids? [Bk])
-//       -> (key [Bq,n], index [Bq,n], nan [Bq])
-//     key: the row's n best keys, best first (key = score, or -score when not `largest`: exact, the order
-//     reversed and ties kept), in the accumulation dtype; index: their global column indices (col_index),
-//     NO_INDEX in a slot past the eligible columns (key -inf there); nan: the number of NaN scores among the
-//     row's eligible columns. Eligible: every column, less pos[i] (the column within the block of the row's
-//     positive, -1 for none; absent: none) and the columns with k_ids[j] == q_ids[i].
+//   topk_block_(q [Bq,D], k [Bk,D], col_index [Bk], key [Bq,n], index [Bq,n], nan [Bq], largest, pos? [Bq],
+//       q_ids? [Bq], k_ids? [Bk]) -> ()
+//     Continues each row's list, in place, with this block's columns: key/index hold the row's n best so
+//     far (from the previous blocks, or empty slots: key -inf, index NO_INDEX), any order, and leave with
+//     its n best over those and this block's eligible columns, best first. key = score, or -score when not
+//     `largest` (exact: the order reversed, ties kept), in the accumulation dtype; index: global column
+//     indices (col_index); nan += the NaN scores among the row's eligible columns. Eligible: every column,
+//     less pos[i] (the column within the block of the row's positive, -1 for none; absent: none) and the
+//     columns with k_ids[j] == q_ids[i].
 //
 // Order: key descending, then global index ascending. It is strict (indices are unique), so the n best are
 // the same set whatever order the entries are seen in: each row keeps a heap of its n best (the worst on
@@ -20,7 +22,8 @@
 // Parallel layout: the row tiles are split into lanes (common.h), one per thread; a row belongs to one lane
 // and so does its heap. Per tile row, one pass compares each key with the heap's worst (branch-free: most
 // entries of a long walk fall below it), and only the entries at or above it (and NaN) go to the heap.
-// Memory: one tile per lane, the Bq x n heaps (the output's size).
+// Memory: one tile per lane; the heaps are the caller's lists (a list of the previous blocks' best also
+// starts the walk at a higher floor).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,8 +34,6 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
-#include <tuple>
-#include <vector>
 
 #include "common.h"
 
@@ -43,48 +44,64 @@ namespace {
 // The index of an empty slot: larger than every global index, so any real entry beats it at -inf.
 constexpr int64_t NO_INDEX = std::numeric_limits<int64_t>::max();
 
-template <typename T>
-struct Entry {
-  T key;
-  int64_t index;
-};
-
-// The order of the lists: a higher key, then a lower index.
-template <typename T>
-inline bool better(const Entry<T>& a, const Entry<T>& b) {
-  return a.key > b.key || (a.key == b.key && a.index < b.index);
-}
-
-// One row's n best as a heap with the worst on top: heap[0] is beaten by every other entry.
+// One row's n best, kept in the caller's key and index arrays as a heap with the worst on top (every
+// entry beats its parent). Entries are ordered by a higher key, then a lower index.
 template <typename T>
 class RowHeap {
  public:
-  RowHeap(Entry<T>* slots, int64_t n) : heap_(slots), n_(n) {}
+  RowHeap(T* key, int64_t* index, int64_t n) : key_(key), index_(index), n_(n) {}
 
-  const Entry<T>& worst() const { return heap_[0]; }
+  // (k, i) beats the entry at `at`.
+  bool beats(T k, int64_t i, int64_t at) const { return k > key_[at] || (k == key_[at] && i < index_[at]); }
 
-  // Put `e` in place of the worst if it beats it.
-  void offer(const Entry<T>& e) {
-    if (!better(e, heap_[0])) return;
-    int64_t at = 0;
-    while (true) {  // sift down: move the worse child up while it is worse than e
-      const int64_t left = 2 * at + 1;
-      if (left >= n_) break;
-      int64_t child = left;
-      if (left + 1 < n_ && better(heap_[left], heap_[left + 1])) child = left + 1;
-      if (!better(e, heap_[child])) break;
-      heap_[at] = heap_[child];
-      at = child;
+  T floor() const { return key_[0]; }
+
+  // From a list in any order (the previous blocks' best first) to a heap.
+  void heapify() {
+    for (int64_t at = n_ / 2 - 1; at >= 0; --at) sift_down(at, key_[at], index_[at], n_);
+  }
+
+  // Put (k, i) in place of the worst if it beats it.
+  void offer(T k, int64_t i) {
+    if (beats(k, i, 0)) sift_down(0, k, i, n_);
+  }
+
+  // Back to a list, best first (a heap sort: the worst goes last).
+  void sort_best_first() {
+    for (int64_t end = n_ - 1; end > 0; --end) {
+      const T k = key_[end];
+      const int64_t i = index_[end];
+      key_[end] = key_[0];
+      index_[end] = index_[0];
+      sift_down(0, k, i, end);
     }
-    heap_[at] = e;
   }
 
  private:
-  Entry<T>* heap_;
+  // Place (k, i) at `at` or below it, within the first `size` slots: the worse child moves up while
+  // (k, i) beats it.
+  void sift_down(int64_t at, T k, int64_t i, int64_t size) {
+    while (true) {
+      int64_t child = 2 * at + 1;
+      if (child >= size) break;
+      if (child + 1 < size && beats(key_[child], index_[child], child + 1)) child += 1;
+      if (!beats(k, i, child)) break;
+      key_[at] = key_[child];
+      index_[at] = index_[child];
+      at = child;
+    }
+    key_[at] = k;
+    index_[at] = i;
+  }
+
+  T* key_;
+  int64_t* index_;
   int64_t n_;
 };
 
-template <typename T>
+// Rows per parallel task when the lists are turned into heaps and back (a few microseconds of work each).
+constexpr int64_t ROWS_PER_TASK = 256;
+
 struct Exclusions {
   const int64_t* pos;    // [Bq] column within the block to leave out, -1 for none; nullptr: none
   const int64_t* q_ids;  // [Bq] or nullptr
@@ -96,8 +113,11 @@ struct Exclusions {
 };
 
 template <typename T>
-void topk_impl(const ScoreOperands<T>& o, const int64_t* col_index, int64_t n, bool largest, const Exclusions<T>& ex,
-               Entry<T>* heaps, int64_t* nan) {
+void topk_impl(const ScoreOperands<T>& o, const int64_t* col_index, int64_t n, bool largest, const Exclusions& ex,
+               T* key_out, int64_t* index_out, int64_t* nan) {
+  at::parallel_for(0, o.bq, ROWS_PER_TASK, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) RowHeap<T>(key_out + i * n, index_out + i * n, n).heapify();
+  });
   const RowTiles tiles(o.bq);
   const int64_t lanes = lane_count(tiles);
   for_each_score_tile(o, tiles, lanes, [&](int64_t, int64_t i0, int64_t ni, int64_t j0, int64_t nj, auto scores) {
@@ -109,9 +129,9 @@ void topk_impl(const ScoreOperands<T>& o, const int64_t* col_index, int64_t n, b
     for (int64_t r = 0; r < ni; ++r) {
       const int64_t i = i0 + r;
       const T* key = tile + r * nj;
-      RowHeap<T> heap(heaps + i * n, n);
-      T floor = heap.worst().key;
-      // Entries below the worst cannot enter; NaN fails the test too, and is counted below.
+      RowHeap<T> heap(key_out + i * n, index_out + i * n, n);
+      T floor = heap.floor();
+      // Entries below the worst kept cannot enter; NaN fails the test too (and is counted below).
       int64_t reaching = 0;
 #pragma omp simd reduction(+ : reaching)
       for (int64_t c = 0; c < nj; ++c) reaching += !(key[c] < floor);
@@ -122,55 +142,44 @@ void topk_impl(const ScoreOperands<T>& o, const int64_t* col_index, int64_t n, b
           nan[i] += 1;
           continue;
         }
-        heap.offer({key[c], col_index[j0 + c]});
-        floor = heap.worst().key;
+        heap.offer(key[c], col_index[j0 + c]);
+        floor = heap.floor();
       }
     }
+  });
+  at::parallel_for(0, o.bq, ROWS_PER_TASK, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) RowHeap<T>(key_out + i * n, index_out + i * n, n).sort_best_first();
   });
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Op entry point.
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_block(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                          const at::Tensor& col_index_in, int64_t n, bool largest,
-                                                          const std::optional<at::Tensor>& pos_in,
-                                                          const std::optional<at::Tensor>& q_ids_in,
-                                                          const std::optional<at::Tensor>& k_ids_in) {
-  check_score_operands(q_in, k_in, "infcl native top-k");
-  TORCH_CHECK(n >= 1, "infcl native top-k: n must be >= 1, got ", n);
-  TORCH_CHECK(q_ids_in.has_value() == k_ids_in.has_value(), "infcl native top-k: q_ids and k_ids go together");
-  TORCH_CHECK(col_index_in.numel() == k_in.size(0), "infcl native top-k: col_index must have one entry per k row");
+void topk_block_(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& col_index_in, at::Tensor& key,
+                 at::Tensor& index, at::Tensor& nan, bool largest, const std::optional<at::Tensor>& pos_in,
+                 const std::optional<at::Tensor>& q_ids_in, const std::optional<at::Tensor>& k_ids_in) {
+  const char* op = "infcl native top-k";
+  check_score_operands(q_in, k_in, op);
+  TORCH_CHECK(q_ids_in.has_value() == k_ids_in.has_value(), op, ": q_ids and k_ids go together");
+  TORCH_CHECK(col_index_in.numel() == k_in.size(0), op, ": col_index must have one entry per k row");
   const auto acc = accumulation_type(q_in.scalar_type());
+  const int64_t bq = q_in.size(0), bk = k_in.size(0);
+  TORCH_CHECK(key.dim() == 2 && key.size(0) == bq && key.size(1) >= 1 && key.scalar_type() == acc &&
+                  key.is_contiguous(),
+              op, ": key must be a contiguous [Bq, n] tensor of the accumulation dtype, got ", key.sizes());
+  TORCH_CHECK(index.sizes() == key.sizes() && index.scalar_type() == at::kLong && index.is_contiguous(), op,
+              ": index must be a contiguous int64 tensor like key");
+  TORCH_CHECK(nan.dim() == 1 && nan.size(0) == bq && nan.scalar_type() == at::kLong && nan.is_contiguous(), op,
+              ": nan must be a contiguous int64 [Bq]");
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous();
-  const int64_t bq = q.size(0), bk = k.size(0);
   const at::Tensor col_index = as_longs(col_index_in);
   at::Tensor pos, q_ids, k_ids;
-  const int64_t* pi = optional_longs(pos_in, pos);
-  const int64_t* qi = optional_longs(q_ids_in, q_ids);
-  const int64_t* ki = optional_longs(k_ids_in, k_ids);
-  const auto ints = q.options().dtype(at::kLong);
-  at::Tensor key = at::empty({bq, n}, q.options()), index = at::empty({bq, n}, ints), nan = at::zeros({bq}, ints);
-  AT_DISPATCH_FLOATING_TYPES(acc, "topk_block", [&] {
-    using T = scalar_t;
-    std::vector<Entry<T>> heaps(bq * n, Entry<T>{-std::numeric_limits<T>::infinity(), NO_INDEX});
-    const ScoreOperands<T> o{q.data_ptr<T>(), k.data_ptr<T>(), bq, bk, q.size(1)};
-    topk_impl<T>(o, col_index.data_ptr<int64_t>(), n, largest, Exclusions<T>{pi, qi, ki}, heaps.data(),
-                 nan.data_ptr<int64_t>());
-    T* key_out = key.data_ptr<T>();
-    int64_t* index_out = index.data_ptr<int64_t>();
-    at::parallel_for(0, bq, 64, [&](int64_t first, int64_t last) {
-      for (int64_t i = first; i < last; ++i) {
-        Entry<T>* row = heaps.data() + i * n;
-        std::sort(row, row + n, better<T>);
-        for (int64_t s = 0; s < n; ++s) {
-          key_out[i * n + s] = row[s].key;
-          index_out[i * n + s] = row[s].index;
-        }
-      }
-    });
+  const Exclusions ex{optional_longs(pos_in, pos), optional_longs(q_ids_in, q_ids), optional_longs(k_ids_in, k_ids)};
+  AT_DISPATCH_FLOATING_TYPES(acc, "topk_block_", [&] {
+    const ScoreOperands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bq, bk, q.size(1)};
+    topk_impl<scalar_t>(o, col_index.data_ptr<int64_t>(), key.size(1), largest, ex, key.data_ptr<scalar_t>(),
+                        index.data_ptr<int64_t>(), nan.data_ptr<int64_t>());
   });
-  return {key, index, nan};
 }
 
 }  // namespace
@@ -179,10 +188,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_block(const at::Tensor& q_in
 // The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its op to it.
 TORCH_LIBRARY_FRAGMENT(infcl, m) {
   m.def(
-      "topk_block(Tensor q, Tensor k, Tensor col_index, int n, bool largest, Tensor? pos, Tensor? q_ids, "
-      "Tensor? k_ids) -> (Tensor, Tensor, Tensor)");
+      "topk_block_(Tensor q, Tensor k, Tensor col_index, Tensor(a!) key, Tensor(b!) index, Tensor(c!) nan, "
+      "bool largest, Tensor? pos, Tensor? q_ids, Tensor? k_ids) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(infcl, CPU, m) { m.impl("topk_block", &topk::topk_block); }
+TORCH_LIBRARY_IMPL(infcl, CPU, m) { m.impl("topk_block_", &topk::topk_block_); }
 
 }  // namespace infcl

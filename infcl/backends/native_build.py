@@ -323,7 +323,7 @@ FAKES = {
     "infcl::distill_backward_block": _distill_backward_fake,
     "infcl::rank_best_positives": _rank_best_positives_fake,  # csrc/retrieval.cpp
     "infcl::rank_ahead_counts": _rank_ahead_counts_fake,
-    "infcl::topk_block": _topk_block_fake,  # csrc/topk.cpp
+    "infcl::topk_block_": _topk_block_fake,  # csrc/topk.cpp
 }
 
 

@@ -1,5 +1,5 @@
 """The top-k search on the native CPU kernel (``csrc/topk.cpp``): the interface of
-:class:`infcl.backends.topk_tiles.TopKTiles` on the custom op ``torch.ops.infcl.topk_block`` (definitions
+:class:`infcl.backends.topk_tiles.TopKTiles` on the custom op ``torch.ops.infcl.topk_block_`` (definitions
 and tie rule: :mod:`infcl.backends.topk_tiles`)."""
 
 from .base import Block, Tensor
@@ -10,10 +10,9 @@ from .topk_tiles import Candidates
 class NativeTopK:
     name = "cpu"
 
-    def block_topk(self, block: Block, col_index: Tensor, n: int, largest: bool, exclude_positive: bool) -> Candidates:
+    def block_topk(self, block: Block, col_index: Tensor, found: Candidates, largest: bool, exclude_positive: bool):
         pos = block.pos if exclude_positive else None
-        found = torch_ops().topk_block(block.q, block.k, col_index, n, largest, pos, block.q_ids, block.k_ids)
-        return Candidates(*found)
+        torch_ops().topk_block_(block.q, block.k, col_index, *found, largest, pos, block.q_ids, block.k_ids)
 
 
 NATIVE_TOPK = NativeTopK()

@@ -3,12 +3,13 @@
 Per block (``Block.q`` the local rows, ``Block.k`` the held k block; no scale: the top-k of q @ k.T), with
 ``col_index`` the global indices of the block's columns (increasing):
 
-``block_topk(block, col_index, n, largest) -> Candidates``
-    per row, the n best of the block's eligible columns by (key desc, global index asc), where the key is
-    the score (``largest``) or its negation (exact: the order reversed, ties kept), and the number of NaN
-    scores among the eligible columns. Eligible: every column, less the row's positive (``block.pos``,
-    where ``exclude_positive``) and the columns with the row's id (``block.q_ids`` / ``block.k_ids``).
-    Slots past the eligible columns hold (-inf, :data:`NO_INDEX`).
+``block_topk(block, col_index, found, largest, exclude_positive) -> None``
+    continues ``found`` (:class:`Candidates` [Bq, n]: each row's n best so far) in place with the block's
+    eligible columns: each row leaves with its n best by (key desc, global index asc), best first, where
+    the key is the score (``largest``) or its negation (exact: the order reversed, ties kept), and with
+    the NaN scores among its eligible columns added to ``found.nan``. Eligible: every column, less the
+    row's positive (``block.pos``, where ``exclude_positive``) and the columns with the row's id
+    (``block.q_ids`` / ``block.k_ids``). Slots past the eligible columns hold (-inf, :data:`NO_INDEX`).
 
 The order is strict (global indices are unique), so the n best of a union are the n best of the n best
 of its parts, whatever the parts: :func:`merge_candidates` merges tiles, blocks and ring steps alike,
@@ -117,20 +118,19 @@ class TopKTiles:
     def __init__(self, tile_q: Optional[int] = None, tile_k: Optional[int] = None):
         self.tile_q, self.tile_k = tile_q, tile_k
 
-    def block_topk(self, block: Block, col_index: Tensor, n: int, largest: bool, exclude_positive: bool) -> Candidates:
+    def block_topk(self, block: Block, col_index: Tensor, found: Candidates, largest: bool, exclude_positive: bool):
         tq, tk = TORCH_TILES.tiles(block.q.device)
         walk = _Walk(block, (self.tile_q or tq, self.tile_k or tk))
         (buf,) = walk.buffers(1)
-        rows = []
+        n = found.key.shape[1]
         for tile in walk:
-            if tile.cols.start == 0:
-                rows.append(Candidates.empty(tile.qi.shape[0], n, walk.acc, walk.device))
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
             if not largest:
                 s.neg_()
-            found = tile_candidates(s, _eligible(block, tile, exclude_positive), col_index[tile.cols], n)
-            rows[-1] = merge_candidates(rows[-1], found)
-        return Candidates(*(torch.cat(parts) for parts in zip(*rows)))
+            part = tile_candidates(s, _eligible(block, tile, exclude_positive), col_index[tile.cols], n)
+            rows = Candidates(*(t[tile.rows] for t in found))
+            for mine, merged in zip(rows, merge_candidates(rows, part)):
+                mine.copy_(merged)
 
 
 TOPK_TILES = TopKTiles()

@@ -1,10 +1,12 @@
 """The top-k search's ring step (:func:`infcl.topk_scores`): each rank's rows against every k block, on the
 one ring loop (:func:`infcl.ring.driver.ring_forward`), forward only.
 
-At every step the backend returns the held block's n best columns per row (:class:`Candidates`, global
-indices: the block's ``col_index`` travels with k, and its ids where given) and the driver merges them into
-the row's list with :func:`infcl.backends.topk_tiles.merge_candidates`: after W steps each row holds its n
-best over the global k. Nothing travels home (the search is not symmetric).
+The rows' lists (:class:`Candidates`, global indices: the block's ``col_index`` travels with k, and its ids
+where given) stay on their rank; at every step the backend continues them in place with the held block's
+columns (so a later block starts from the best so far, and no second [Bq, n] list is made), which is the
+merge of :func:`infcl.backends.topk_tiles.merge_candidates` (the n best of a union are the n best of its
+parts' n best). After W steps each row holds its n best over the global k. Nothing travels home (the
+search is not symmetric).
 """
 
 from dataclasses import replace
@@ -14,7 +16,7 @@ import torch
 
 from ..backends.base import Block, Tensor, accum_dtype
 from ..backends.rank_tiles import NO_INDEX
-from ..backends.topk_tiles import Candidates, merge_candidates
+from ..backends.topk_tiles import Candidates
 from ..ring.driver import ring_forward
 from ..ring.layout import RingLayout
 
@@ -38,19 +40,20 @@ class TopKSearch:
         self.k_side = (col_index,) if k_ids is None else (col_index, k_ids)
 
     def init_rows(self, rows: int, dtype: torch.dtype, device: torch.device) -> Candidates:
-        return Candidates.empty(rows, self.n, dtype, device)
+        self.found = Candidates.empty(rows, self.n, dtype, device)
+        return self.found
 
     @staticmethod
     def merge(acc: Candidates, part: Candidates) -> None:
-        for mine, merged in zip(acc, merge_candidates(acc, part)):
-            mine.copy_(merged)
+        """Nothing left to do: each step continued ``acc`` itself (``part is acc``)."""
+        assert part is acc
 
     def forward_step(self, backend, block: Block, k_side=()):
         col_index, *k_ids = k_side
         if k_ids:
             block = replace(block, q_ids=self.q_ids, k_ids=k_ids[0])
-        found = self.impl.block_topk(block, col_index, self.n, self.largest, self.exclude_positive)
-        return found, None
+        self.impl.block_topk(block, col_index, self.found, self.largest, self.exclude_positive)
+        return self.found, None
 
 
 def ring_topk(
@@ -70,10 +73,10 @@ def ring_topk(
 
 
 def finish(found: Candidates, largest: bool) -> TopK:
-    """The public result: keys back to scores, empty slots to index -1 (score -inf, or +inf when not
-    ``largest``), and a row with a NaN among its eligible scores to NaN scores and index -1."""
-    scores = found.key if largest else found.key.neg()
+    """The public result, in place: keys back to scores, empty slots to index -1 (score -inf, or +inf when
+    not ``largest``), and a row with a NaN among its eligible scores to NaN scores and index -1."""
+    scores = found.key if largest else found.key.neg_()
     nan_row = (found.nan > 0)[:, None]
-    scores = scores.masked_fill(nan_row, float("nan"))
-    indices = found.index.masked_fill((found.index == NO_INDEX) | nan_row, -1)
+    scores.masked_fill_(nan_row, float("nan"))
+    indices = found.index.masked_fill_((found.index == NO_INDEX) | nan_row, -1)
     return TopK(scores, indices)
