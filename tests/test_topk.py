@@ -231,3 +231,15 @@ def test_bad_input_names_the_argument(case, error, match):
     args.update(case)
     with pytest.raises(error, match=match):
         topk_scores(args.pop("q"), args.pop("k"), args.pop("n"), **args)
+
+
+def test_triton_beyond_its_widest_list_runs_the_torch_tiles():
+    """n above the kernel's list width (infcl.kernels.topk.max_top): the triton backend runs the torch tiles."""
+    if "triton" not in BACKENDS:
+        pytest.skip("the Triton backend does not run here")
+    from infcl.kernels.topk import max_top
+
+    q, k = _exact_case(torch.float32, seed=11, bq=9, bk=90, dim=6)
+    n = max_top(torch.float32) + 1
+    got = topk_scores(q, k, n, backend="triton")
+    assert_topk(got, topk_truth(q, k, n), "triton n > max_top")

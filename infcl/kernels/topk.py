@@ -14,8 +14,9 @@ takes at most min(n, BLOCK_N) per tile, and after the first tiles of a long walk
 its product and a comparison. The order is strict, so the lists hold the exact n best whatever the
 tiles; :class:`infcl.backends.triton.topk.TritonTopK` sorts them best first.
 
-Registers: the list is BLOCK_TOP = next_power_of_2(n) wide (at most :data:`MAX_TOP`: beyond it the torch
-tiles run the search) beside the S tile; not tuned on a GPU.
+Registers: the list is BLOCK_TOP = next_power_of_2(n) wide (at most :func:`max_top`: beyond it the torch
+tiles run the search) beside the S tile; compiled (tests/test_triton_api_compile.py), not yet run or tuned
+on a GPU.
 """
 
 from typing import Optional
@@ -30,8 +31,18 @@ from .rank import launch_args
 from .tiles import check_blocks, load_vector, score_chunks
 
 # The widest list a program holds in registers beside its S tile (two [BLOCK_M, MAX_TOP] tensors, a key and
-# an int64 index); a larger n runs on the torch tiles.
-MAX_TOP = 128
+# an int64 index); a larger n runs on the torch tiles. ptxas (compile gate, D = 384): 128 spills on sm_90 in
+# every dtype; 64 fits at 196-254 registers except float64 on sm_90 (16 B spilled), whose keys are twice as
+# wide: float64 takes 32.
+MAX_TOP = 64
+MAX_TOP_FLOAT64 = 32
+
+
+def max_top(dtype: torch.dtype) -> int:
+    """The largest n the kernel takes for inputs of ``dtype``."""
+    return MAX_TOP_FLOAT64 if dtype == torch.float64 else MAX_TOP
+
+
 # rank_tiles.NO_INDEX where the kernel sees it (a module-level value inside @triton.jit must be a constexpr).
 EMPTY = tl.constexpr(NO_INDEX)
 
