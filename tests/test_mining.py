@@ -300,3 +300,25 @@ def test_import_infcl_does_not_import_sentence_transformers():
         "import sys, infcl, infcl.topk; assert not {'sentence_transformers', 'datasets'} & set(sys.modules), 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(as_triplets=False, margin=0.1),
+        dict(include_positives=True, range_min=1, range_max=10),
+        dict(output_format="n-tuple-scores", num_negatives=2),
+    ],
+)
+def test_same_warnings_and_report_as_upstream(kwargs, caplog, capsys):
+    """The deprecations and include_positives' notes are logged as upstream logs them; verbose prints the same."""
+    dataset, model, corpus = tie_free_data()
+    logged = {}
+    for name, function in (("upstream", st_util.mine_hard_negatives), ("ours", mine_hard_negatives)):
+        caplog.clear()
+        capsys.readouterr()
+        function(dataset, model, corpus=corpus, verbose=True, **kwargs)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        logged[name] = (warnings, capsys.readouterr().out)
+    assert logged["ours"] == logged["upstream"]
+    assert logged["ours"][0] and "Metric" in logged["ours"][1]

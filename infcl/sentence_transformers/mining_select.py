@@ -7,15 +7,19 @@ Input: ``[queries, window]`` corpus indices (``MISSING`` past the corpus' end) a
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .mining_plan import MiningPlan
 
 MISSING = -1  # topk_scores' index of an empty slot (and upstream's padding index)
 # Window entries compared with the padded positives per masking step (bools): 4 MiB whatever the data.
 MASK_STEP_ELEMENTS = 1 << 22
 
 
-def select_negatives(plan, scores, windows, positive_indices, pair_query, positive_scores):
+def select_negatives(plan: MiningPlan, scores, windows, positive_indices, pair_query, positive_scores):
     """Upstream's selection on the ``[queries, window]`` scores: ``(negatives, negative_scores, log_counters)``.
 
     Rules, in upstream's order: positives out (unless ``include_positives``); a candidate out if
