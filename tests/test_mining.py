@@ -322,3 +322,16 @@ def test_same_warnings_and_report_as_upstream(kwargs, caplog, capsys):
         logged[name] = (warnings, capsys.readouterr().out)
     assert logged["ours"] == logged["upstream"]
     assert logged["ours"][0] and "Metric" in logged["ours"][1]
+
+
+def test_named_columns_among_others():
+    """anchor_column_name / positive_column_name pick the columns; the others are not in the output."""
+    dataset, model, corpus = tie_free_data()
+    named = datasets.Dataset.from_dict(
+        {"id": list(range(len(dataset))), "doc": dataset["answer"], "question": dataset["query"]}
+    )
+    kwargs = dict(anchor_column_name="question", positive_column_name="doc", output_format="n-tuple", corpus=corpus)
+    random.seed(0)
+    upstream = st_util.mine_hard_negatives(named, model, verbose=False, **kwargs).to_dict()
+    ours = mine_hard_negatives(named, model, verbose=False, **kwargs).to_dict()
+    assert ours == upstream and list(ours)[:2] == ["question", "doc"]
