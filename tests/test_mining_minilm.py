@@ -125,7 +125,7 @@ CASES = {
 CROSS_ENCODER_CASES = {
     "cross-encoder-margin": ("small-multi", dict(relative_margin=0.01, range_max=9, output_format="n-tuple",
                                                  output_scores=True)),
-    "cross-encoder-min-score": ("small-multi", dict(min_score=0.45, range_min=1, range_max=8,
+    "cross-encoder-min-score": ("small-multi", dict(min_score=0.6, range_min=1, range_max=8,
                                                     output_format="labeled-pair", output_scores=True)),
     "cross-encoder-unused": ("small", dict(output_scores=True)),  # no bound: upstream does not rescore
 }  # fmt: skip
@@ -264,7 +264,7 @@ def test_cross_encoder_rescoring_as_upstream(case, model, cross_encoder, capsys)
     assert report == upstream_report
     assert len(ours) > 0
     # the cross-encoder decided: without it the rows differ (or, unused, do not)
-    without, _ = _run(mine_hard_negatives, dataset, model, corpus, capsys, **kwargs)
+    without, _ = _run(mine_hard_negatives, dataset, model, corpus, capsys, verbose=False, **kwargs)
     assert (without.to_dict() != ours.to_dict()) == rescored
 
 
