@@ -98,7 +98,7 @@ def mine_hard_negatives(
     returned ``datasets.Dataset`` has upstream's columns and rows. Extras (keyword-only):
 
     - ``backend``: the ``infcl.topk_scores`` backend of the corpus search (``"auto"``, ``"torch"``, ``"cpu"``,
-      ``"triton"``, ``"reference"``).
+      ``"triton"``).
     - ``score_dtype``: dtype of every score (search, window, positives). ``None`` keeps the embeddings' dtype
       (float32, as upstream); ``torch.float64`` decides near-ties as a float64 evaluation of the rules does.
 
