@@ -12,7 +12,8 @@ upstream's search as ``sentence_transformers.util.mine_hard_negatives(use_faiss=
 set's peak while it runs (VmHWM, reset first; on CUDA the allocator's peak) beside the embeddings' own size,
 and how many rows' index lists agree. ``--upstream-batch 0`` leaves upstream out (its chunk of
 ``batch x corpus`` float32 scores must fit in memory). ``ratio``: the native kernel (or ``--backend``)
-against the torch tiles' walk of S = q @ k.T doing nothing but the tile products. Writes a CSV with ``--csv``.
+against the torch tiles' walk of S = q @ k.T doing nothing but the tile products (the ranks' reference), and
+against one ``torch.mm`` of the whole S where it fits in 4 GiB. Writes a CSV with ``--csv``.
 Timings on a shared machine are noisy: compare the ratios within one run.
 
 Presets: ``cpu-100k`` (100k x 100k, D = 384, the native kernel), ``cpu-16k-1m`` (16k queries x 1M corpus;
@@ -35,6 +36,8 @@ from bench.machine import device_name
 from bench.retrieval import _peak_rss, _peak_rss_reset, _rss, gemm_equivalent
 from infcl import topk_scores
 
+# ratio's second reference, one torch.mm of the whole S, runs only where S takes at most this much.
+WHOLE_GEMM_BYTES = 4 * 2**30
 # n = 10: upstream's search returns range_max + max_positives columns, 5 at its defaults (3 negatives, one
 # positive); either method returns 12 bytes per row and column (the "returned lists" column).
 PRESETS = {
@@ -119,9 +122,13 @@ def ratio(args) -> list:
     queries = embeddings(args.queries, args.dim, 0, args.device)
     corpus = embeddings(args.corpus, args.dim, 1, args.device)
     gemm = min(_measured(lambda: gemm_equivalent(queries, corpus), device)[1] for _ in range(args.repeats))
+    rows = [("gemm-equivalent (torch tiles' products)", gemm, 1.0)]
+    if queries.shape[0] * corpus.shape[0] * 4 <= WHOLE_GEMM_BYTES:
+        whole = min(_measured(lambda: torch.mm(queries, corpus.T), device)[1] for _ in range(args.repeats))
+        rows.append(("one torch.mm of the whole S (O(Bq Bk) memory)", whole, whole / gemm))
     search = lambda: topk_scores(queries, corpus, args.n, backend=args.backend)  # noqa: E731
     ours = min(_measured(search, device)[1] for _ in range(args.repeats))
-    return [("gemm-equivalent (torch tiles' products)", gemm, 1.0), (f"topk_scores {args.backend}", ours, ours / gemm)]
+    return rows + [(f"topk_scores {args.backend}", ours, ours / gemm)]
 
 
 def main() -> None:
