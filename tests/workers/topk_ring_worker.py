@@ -1,9 +1,10 @@
 """One rank of the top-k ring test, started by tests/test_topk_ring.py through tests/helpers/distributed.py.
 
 ``python -m workers.topk_ring_worker`` (3 processes) runs every case of :data:`CASES` on the rings of 1, 2 and
-3 ranks (``RINGS``), on the torch tiles (shrunk: each block spans several ragged tiles) and the native kernel,
-each rank passing its uneven shard of the rows and of the corpus (:func:`shards`), and writes each rank's
-local result. The test compares the rows gathered in rank order with the float64 truth of the whole set.
+3 ranks (``RINGS``), on the torch tiles (shrunk: each block spans several ragged tiles), the native kernel and
+the Triton kernel (under the interpreter without a GPU: the ranks inherit TRITON_INTERPRET), each rank passing
+its uneven shard of the rows and of the corpus (``SHARDS``), and writes each rank's local result. The test
+compares the rows gathered in rank order with the float64 truth of the whole set.
 """
 
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from infcl.backends.topk_tiles import TOPK_TILES
 MAIN_WORLD = 3
 RINGS = {1: (0,), 2: (1, 2), 3: (0, 1, 2)}
 TINY_TILES = (5, 7)
-BACKENDS = ("torch",) + (("cpu",) if unavailable_reason("cpu", torch.device("cpu")) is None else ())
+BACKENDS = ("torch",) + tuple(
+    name for name in ("cpu", "triton") if unavailable_reason(name, torch.device("cpu")) is None
+)
 # Uneven shards per world size: (rows per rank, corpus rows per rank).
 SHARDS = {1: ((23,), (61,)), 2: ((15, 8), (10, 51)), 3: ((5, 11, 7), (30, 9, 22))}
 
