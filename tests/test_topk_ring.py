@@ -1,8 +1,8 @@
 """infcl.topk_scores around the ring: 1, 2 and 3 gloo ranks with uneven shards of the rows and the corpus,
-on the torch tiles and the native kernel; each rank's rows get their global top-n, the indices of the float64
-truth of the whole set at every world size, and where the products are exact (quarter features) the same
-score bits too (random float64 scores may differ in the last bits: BLAS blocks a product by its shape, and
-the shards cut the corpus into other tiles)."""
+on the torch tiles, the native kernel and the Triton kernel (interpreted without a GPU); each rank's rows
+get their global top-n: the indices of the float64 truth of the whole set at every world size, and where
+the products are exact (quarter features) the same score bits too (random float64 scores may differ in the
+last bits: BLAS blocks a product by its shape, and the shards cut the corpus into other tiles)."""
 
 import pytest
 import torch
