@@ -35,13 +35,16 @@ setup(
         # pulls torchvision, whose PyPI build must match the installed torch; the tests need only its loss
         # module, so README's Set up installs it with --no-deps instead of through this extra.
         "open_clip": ["open-clip-torch"],
+        # Lower bounds only, each what the tests need; no upper bound unless a known release breaks us (then
+        # with the reason beside it). CI (.ci/run) installs into a new virtualenv, so a new release of any of
+        # these shows up in the next CI run.
         "dev": [
-            "pytest>=7",
-            "pytest-xdist>=3",  # README's test command spreads the test files over 2 processes
-            "ruff>=0.6",
-            "hypothesis>=6",
+            "pytest>=7",  # pyproject.toml's `pythonpath` ini option (pytest 7.0)
+            "pytest-xdist>=3",  # README's test command spreads the test files over 2 processes (--dist loadfile)
+            "ruff>=0.6",  # `ruff format` and the [tool.ruff.lint] table
+            "hypothesis>=6",  # tests/test_properties*.py
             "pytest-benchmark>=4",
-            "matplotlib>=3.5",
+            "matplotlib>=3.5",  # bench's plot
             "tqdm>=4",
             TRITON,
             SENTENCE_TRANSFORMERS_TRAIN,

@@ -72,7 +72,8 @@ def cal_inf_loss(
             its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
-            its local shard and gets the loss of its local rows against the global batch.
+            its local shard and gets the loss of its local rows against the global batch. ``"local"``:
+            this rank's batch alone, with no ring, even under an initialized torch.distributed.
         backend: "auto" | "torch" | "cpu" | "triton" | "reference" (see :mod:`infcl.backends`);
             the environment variable INFCL_BACKEND overrides "auto". The ids, ``multi_positive`` and
             ``guide`` run on every backend.

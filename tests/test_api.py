@@ -210,3 +210,12 @@ def test_auto_runs_guided_losses_on_the_torch_tiles_on_cuda(monkeypatch):
         assert backends.resolve_backend("auto", cuda, guided=True) == "torch"
     assert backends.resolve_backend("triton", cuda, guided=True) == "triton"
     assert backends.resolve_backend("auto", torch.device("cpu"), guided=True) == "cpu"
+
+
+def test_group_local_runs_without_a_ring_and_other_strings_raise():
+    """``group="local"``: this process's batch alone (the drop-ins' open_clip default); any other string is
+    a ValueError naming ``group``."""
+    q, k = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    assert torch.equal(cal_inf_loss(q, k, group="local"), cal_inf_loss(q, k))
+    with pytest.raises(ValueError, match="group must be"):
+        cal_inf_loss(q, k, group="world")

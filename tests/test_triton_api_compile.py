@@ -10,8 +10,8 @@ driver is a stand-in (``triton_compile.CompileOnlyDriver``: a GPU target, 132 SM
 compiles instead of launching. ptxas (the wheel's, with Triton's flags) reports registers and spills.
 
 Targets: sm_90, sm_80, sm_86 (the 99 KiB family) and, where the wheel's ptxas knows them, sm_100 and
-sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere (without fp16 beyond sm_90, and fp32
-"ieee" and fp64 beyond sm_80: ``triton_compile.api_dtypes``), and the mask options (ids,
+sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere, in every dtype on every target
+(``triton_compile.api_dtypes``), and the mask options (ids,
 multi_positive, a guide) on sm_90 and sm_80 in bf16 and fp32; INFCL_COMPILE_FULL=1 runs every case (every
 mask kind too) on every target (``pytest -s`` prints the table either way; Triton's cache keeps compiled kernels
 across calls and runs).
