@@ -59,8 +59,8 @@ def test_default_drop_ins_match_open_clips_defaults(spawned, name):
     ranks = spawned(MAIN_WORLD)
     for rank, results in enumerate(ranks):
         want, got = (results[("defaults", name)][side] for side in ("open_clip", "infcl"))
-        for key in ("loss", "image", "text", "scale"):
-            assert_close_verbose(got[key], want[key], *FP32, f"{name} defaults rank={rank} {key}")
+        for key in ("loss", "image", "text", "scale"):  # ours in float32 against open_clip's formula in float64
+            assert_close_verbose(got[key].double(), want[key], *FP32, f"{name} defaults rank={rank} {key}")
     # Each rank's own batch: the three ranks' losses differ (a ring's global loss would be one value).
     assert len({float(r[("defaults", name)]["open_clip"]["loss"]) for r in ranks}) == len(ranks)
 

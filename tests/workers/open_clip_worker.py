@@ -84,22 +84,22 @@ def scenarios(rank, world, group, backends):
         ("distill", module.DistillClipLoss(), InfDistillClipLoss()),
     ):
         results[("defaults", name)] = {
-            "open_clip": _default_step(theirs, name, rank),
-            "infcl": _default_step(ours, name, rank),
+            "open_clip": _default_step(theirs, name, rank, torch.float64),  # upstream's formula, in float64
+            "infcl": _default_step(ours, name, rank, torch.float32),
         }
     return results
 
 
-def _default_step(loss_fn, name: str, rank: int):
+def _default_step(loss_fn, name: str, rank: int, dtype: torch.dtype):
     """Loss (summed terms) and gradients of one drop-in built with no arguments, on this rank's own batch of a
-    3-rank world (under the world group, never a subgroup: the defaults ignore the group)."""
-    image, text = (x.clone().requires_grad_() for x in _shard(MAIN_WORLD, rank))
-    scale = torch.tensor(LOGIT_SCALE, requires_grad=True)
+    3-rank world (under the world group, never a subgroup: the defaults ignore the group), in ``dtype``."""
+    image, text = (x.to(dtype).requires_grad_() for x in _shard(MAIN_WORLD, rank))
+    scale = torch.tensor(LOGIT_SCALE, dtype=dtype, requires_grad=True)
     if name == "siglip":
-        out = loss_fn(image, text, scale, torch.tensor(LOGIT_BIAS), output_dict=True)
+        out = loss_fn(image, text, scale, torch.tensor(LOGIT_BIAS, dtype=dtype), output_dict=True)
     elif name == "distill":
-        teacher = (x.flip(0) for x in _shard(MAIN_WORLD, rank))
-        out = loss_fn(image, text, scale, *teacher, torch.tensor(LOGIT_SCALE / 2), output_dict=True)
+        teacher = (x.flip(0).to(dtype) for x in _shard(MAIN_WORLD, rank))
+        out = loss_fn(image, text, scale, *teacher, torch.tensor(LOGIT_SCALE / 2, dtype=dtype), output_dict=True)
     else:
         out = loss_fn(image, text, scale, output_dict=True)
     loss = sum(out.values())
