@@ -34,6 +34,7 @@ compiled S layouts are checked by bench.static (tests/test_static_report.py).
 
 import argparse
 import csv
+import dataclasses
 import math
 import os
 import signal
@@ -718,9 +719,9 @@ def model_for_summary(out: Path) -> Tuple[List[Dict], str]:
         if r["method"].startswith("torch.mm") and r["gemm_tflops"]
     ]
     if env.get("sms"):
-        device = static.replace(device, sms=int(env["sms"]))
+        device = dataclasses.replace(device, sms=int(env["sms"]))
     if rates:
-        device = static.replace(device, tflops=rates[0])
+        device = dataclasses.replace(device, tflops=rates[0])
     rows = [r for r in static.read_rows(stored) if r["target"] == "sm_90" and r["D"] == str(DIM)]
     measured = static.read_measured(out / "kernels.csv") if (out / "kernels.csv").exists() else {}
     try:
