@@ -1,4 +1,4 @@
-"""The static performance report (bench/static.py) on sm_90 bf16 at D = 512 (whole feature chunks) and 1000
+"""The static performance report (bench/static/) on sm_90 bf16 at D = 512 (whole feature chunks) and 1000
 (ragged), compile-only, and what in it is structural: every kernel of both losses compiled and its tile loop
 found; S on wgmma; S from the same MMA ops in the same layouts in the softmax forward, dq and dk (the
 bit-identical S the backward relies on), one layout for every chunk; no mma.sync in a kernel whose products

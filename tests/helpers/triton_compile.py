@@ -399,7 +399,7 @@ def ptxas_knows(arch: int) -> bool:
 
 class _Recorder:
     """JITFunction.run replaced by a compile: each launch's compiled kernel with Triton's ptxas log, and
-    (in ``launches``, same order) its grid and scalar arguments (bench/static.py reads the block sizes)."""
+    (in ``launches``, same order) its grid and scalar arguments (bench/static reads the block sizes)."""
 
     def __init__(self):
         self.compiled = []
