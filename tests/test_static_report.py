@@ -70,8 +70,8 @@ def test_configs_share_one_score_tile():
     tile of its (family, class, ragged D): the same BLOCK_M, BLOCK_N and num_warps (so the same MMA)."""
     from infcl.kernels import softmax_backward, softmax_forward
     from infcl.kernels.configs import TENSOR_CORE_CLASSES, ragged_d, score_tile
-    from infcl.kernels.ops import plain_tiling
     from infcl.kernels.target import ARCH_FAMILIES
+    from infcl.kernels.tiling import plain_tiling
 
     for arch in ARCH_FAMILIES:
         for operand_class in TENSOR_CORE_CLASSES:

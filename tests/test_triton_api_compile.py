@@ -167,7 +167,7 @@ def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
     break, the kernels as triton_kernel_wrapper nodes in the forward and backward graphs, and the
     compiled step runs forward and backward compile-only."""
-    from infcl.kernels.ops import TRITON_OP
+    from infcl.kernels.registration import TRITON_OP
 
     with _pool() as pool:
         masks = ("both", "sum") if entry.endswith(" masked") else ("", "")  # ids and a guide, "sum"

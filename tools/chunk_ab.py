@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_check_kern
 
 from gpu_check_kern import profile  # noqa: E402
 
-from infcl.backends import triton_backend  # noqa: E402
+from infcl.backends import triton as triton_backend  # noqa: E402
 from infcl.kernels import ops  # noqa: E402
 
 DIM = 512

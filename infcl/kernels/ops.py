@@ -27,11 +27,7 @@ caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for t
 (:func:`default_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]`` (``[6, 0]``) when not
 wanted.
 
-Registration (:func:`_register`), by what the installed torch offers: ``torch.library.triton_op``, whose
-body launches each @triton.jit kernel (or triton.autotune of one) through ``wrap_triton`` (torch >= 2.6,
-compiled kernels: torch.compile traces into the kernels); else ``torch.library.custom_op`` with fake
-impls (torch >= 2.4, and always under the interpreter, whose kernels torch.compile cannot trace); else
-plain functions under the same names in this module.
+Registration: :func:`infcl.kernels.registration.register_op`, the one way every block step is registered.
 """
 
 from typing import List, Optional, Tuple
@@ -43,8 +39,9 @@ from . import guide_scores, sigmoid, softmax_backward, softmax_forward
 from .configs import INTERPRETER_TILING, Tiling, autotuning
 from .env import INTERPRETED
 from .kernel_args import MaskInputs
+from .registration import register_op, wrap
 from .target import target_facts, target_family
-from .tiling import plain_tiling, tiling_for  # noqa: F401  (plain_tiling: re-exported)
+from .tiling import tiling_for
 
 Tensor = torch.Tensor
 
@@ -63,10 +60,6 @@ def default_tiling(
     if INTERPRETED:
         return INTERPRETER_TILING
     return tiling_for(target_family(), dtype, precision, dim, masked, guide)
-
-
-# The name the tests, bench.static and tools know the tiling function by (infcl.kernels.tiling.tiling_for).
-arch_tiling = tiling_for
 
 
 def _tiling(
@@ -92,7 +85,7 @@ def _forward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
     )
     return rows, (cols if cols is not None else rows.new_empty(2, 0))
 
@@ -127,7 +120,7 @@ def _backward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
     )
 
 
@@ -177,7 +170,7 @@ def _masked_forward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
         masks=masks,
     )
     return rows, (cols if cols is not None else rows.new_empty(MASKED_ROWS, 0))
@@ -223,7 +216,7 @@ def _masked_backward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
         masks=masks,
         row_positives=row_positives,
         col_positives=col_positives,
@@ -233,14 +226,14 @@ def _masked_backward(
 def _guide_label_scores(
     guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype, precision: str
 ) -> Tensor:
-    return guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=_WRAP)
+    return guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=wrap)
 
 
 def _sigmoid_forward(
     q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str, tiling: List[int]
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=_WRAP)
+    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=wrap)
 
 
 def _sigmoid_backward(
@@ -256,7 +249,7 @@ def _sigmoid_backward(
     tiling: List[int],
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=_WRAP)
+    return sigmoid.siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=wrap)
 
 
 def _accum(q: Tensor) -> torch.dtype:
@@ -329,31 +322,15 @@ def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk, precision, til
     return dq.new_empty(2)
 
 
-# Whether the custom ops launch through wrap_triton (triton_op): compiled kernels on torch >= 2.6.
-TRITON_OP = not INTERPRETED and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
-# wrap_triton accepts a @triton.jit function or a triton.autotune of one; every launcher hands it those.
-_WRAP = torch.library.wrap_triton if TRITON_OP else (lambda kernel: kernel)
-
-
-def _register(name: str, impl, fake, mutates: Tuple[str, ...] = ()):
-    """``impl`` as the custom op ``infcl::<name>`` in the one way every block step is registered."""
-    qualname = f"infcl::{name}"
-    if TRITON_OP:
-        return torch.library.triton_op(qualname, impl, mutates_args=mutates)
-    if hasattr(torch.library, "custom_op"):
-        op = torch.library.custom_op(qualname, impl, mutates_args=mutates)
-        op.register_fake(fake)
-        return op
-    return impl  # torch < 2.4: no custom-op API worth the name; eager only
-
-
-forward_block = _register("triton_forward_block", _forward, _forward_fake)
-backward_block = _register("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
-masked_forward_block = _register("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
-masked_backward_block = _register("triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk"))
-guide_label_scores = _register("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
-sigmoid_forward_block = _register("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
-sigmoid_backward_block = _register(
+forward_block = register_op("triton_forward_block", _forward, _forward_fake)
+backward_block = register_op("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
+masked_forward_block = register_op("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
+masked_backward_block = register_op(
+    "triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk")
+)
+guide_label_scores = register_op("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
+sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
+sigmoid_backward_block = register_op(
     "triton_sigmoid_backward_block", _sigmoid_backward, _sigmoid_backward_fake, ("dq", "dk")
 )
 
