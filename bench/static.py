@@ -282,7 +282,7 @@ def score_mma_layouts(ttgir: str, score_lines: Tuple[str, range]) -> List[str]:
     """The layouts of the MMA ops that build S, one string per distinct layout: the op and its operand and
     result types with every layout alias expanded (the MMA version, warps per CTA and instruction shape, or
     the tensor-memory block; the operands' shared-memory or register layouts). S's ops are those whose source
-    location is ``score_lines`` (file name, lines): :func:`infcl.kernels.tiles.score_dot`'s tl.dot, which
+    location is ``score_lines`` (file name, lines): :func:`infcl.kernels.score_tiles.score_dot`'s tl.dot, which
     every kernel's S comes from, first chunk and later ones alike; the products (``tile_dot``) are left out."""
     aliases = {name: value for name, value in TTGIR_ALIAS.findall(ttgir) if not name.startswith("#loc")}
     locs = {name: value for name, value in TTGIR_ALIAS.findall(ttgir) if name.startswith("#loc")}
@@ -319,10 +319,10 @@ def mma_instruction(layout: str) -> str:
 
 
 def score_lines() -> Tuple[str, range]:
-    """(file name, line range) of :func:`infcl.kernels.tiles.score_dot`: where S's MMA op comes from."""
+    """(file name, line range) of :func:`infcl.kernels.score_tiles.score_dot`: where S's MMA op comes from."""
     import inspect
 
-    from infcl.kernels import tiles
+    from infcl.kernels import score_tiles as tiles
 
     source, start = inspect.getsourcelines(tiles.score_dot.fn)
     return Path(inspect.getsourcefile(tiles.score_dot.fn)).name, range(start, start + len(source))
@@ -431,7 +431,9 @@ def without_positives():
     Only in a process of its own: Triton keys and checks a compiled kernel by the globals it used."""
     import triton
 
-    from infcl.kernels import backward_tiles, forward_tiles, softmax_forward
+    from infcl.kernels import softmax_backward_tiles as backward_tiles
+    from infcl.kernels import softmax_forward
+    from infcl.kernels import softmax_forward_tiles as forward_tiles
 
     @triton.jit
     def never(lo, hi, c0, BLOCK_N, BRANCH):

@@ -141,6 +141,12 @@ class Block:
     def masked(self) -> bool:
         return self.q_ids is not None or self.guide_q is not None
 
+    @property
+    def upstream(self) -> tuple:
+        """(row_stats, g_row, col_stats, g_col): the backward's global stats and upstream gradients, in the order
+        every backward op takes them."""
+        return self.row_stats, self.g_row, self.col_stats, self.g_col
+
 
 class BlockBackend(Protocol):
     """The softmax (InfoNCE / CLIP) loss's block operations (see the module docstring); every backend has them."""

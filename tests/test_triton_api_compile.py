@@ -144,7 +144,7 @@ def test_masked_calls_cover_every_mask_kind(results):
 
 def test_big_one_chunk_tiles_compile():
     """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
-    sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (tiles.score_dot's [M, N, D]
+    sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (score_tiles.score_dot's [M, N, D]
     product) is traced on a GPU target. Compiling is the whole check: such a tile spills in the backward and
     is nobody's default."""
     with _pool() as pool:

@@ -87,7 +87,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _constant_for_compile(fn):
+def constant_for_compile(fn):
     """torch.compile runs ``fn`` while tracing and keeps its result as a constant (no graph break on the
     imports, driver queries and warnings inside); eager calls are unchanged.
 
@@ -101,7 +101,7 @@ def _constant_for_compile(fn):
     return fn
 
 
-@_constant_for_compile
+@constant_for_compile
 def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str:
     """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name for a call of
     ``kind`` (a key of :data:`AUTO`) on ``device``. An explicit backend that cannot run raises RuntimeError

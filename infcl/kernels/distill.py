@@ -3,9 +3,9 @@ the partials: :mod:`infcl.losses.distill`; the torch tiles' version: :mod:`infcl
 the backend object: :mod:`infcl.backends.triton.distill`).
 
 Each tile of the student's S = scale * q @ k.T is formed beside the same tile of the teacher's
-T = teacher_scale * tq @ tk.T, both by :func:`infcl.kernels.tiles.score_chunks` in the q-rows x k-rows
-orientation on one S tile config (:func:`infcl.kernels.rank.rank_tiling`) and scaled by one rounded
-multiply (:func:`infcl.kernels.tiles.masked_scores`), so every kernel forms the same bits and S - m,
+T = teacher_scale * tq @ tk.T, both by :func:`infcl.kernels.score_tiles.score_chunks` in the q-rows x k-rows
+orientation on one S tile config (:func:`infcl.kernels.tiling.rank_tiling`) and scaled by one rounded
+multiply (:func:`infcl.kernels.score_tiles.masked_scores`), so every kernel forms the same bits and S - m,
 T - mT are exact at a line's maxima.
 
 - :func:`_distill_forward_kernel`: a program owns BLOCK_M rows (``BY_COLUMN`` False) or BLOCK_N columns
@@ -38,8 +38,8 @@ from ..contract import Tensor
 from .kernel_args import tf32_operands
 from .rank import launch_args, program_lines, tile_at
 from .registration import register_op, wrap
+from .score_tiles import check_blocks, dot_operand, load_tile, load_vector, masked_scores, score_chunks, tile_dot
 from .tile_stats import exp, expm1, merge_rest_stats, tile_rest_stats
-from .tiles import check_blocks, dot_operand, load_tile, load_vector, masked_scores, score_chunks, tile_dot
 
 
 @triton.jit

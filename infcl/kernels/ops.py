@@ -15,7 +15,7 @@ tensors and ``multi_positive`` as "" (None), "mean" or "sum":
   dq!, dk!, precision, tiling) -> dscale``
 
 - ``torch.ops.infcl.triton_guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision) -> [Bq]``: each
-  row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.guide_scores`).
+  row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.softmax_guide_scores`).
 
 Sigmoid (SigLIP):
 - ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, precision, tiling) -> rows``
@@ -35,13 +35,12 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..masks import MASKED_ROWS
-from . import guide_scores, sigmoid, softmax_backward, softmax_forward
-from .configs import INTERPRETER_TILING, Tiling, autotuning
-from .env import INTERPRETED
+from . import sigmoid, softmax_backward, softmax_forward, softmax_guide_scores
+from .configs import Tiling, autotuning
 from .kernel_args import MaskInputs
 from .registration import register_op, wrap
-from .target import target_facts, target_family
-from .tiling import tiling_for
+from .target import target_facts
+from .tiling import target_tiling
 
 Tensor = torch.Tensor
 
@@ -55,11 +54,9 @@ def default_tiling(
     guide: bool = False,
 ) -> Tiling:
     """The default configs of the softmax kernels for inputs of ``dtype`` (and feature width ``dim``, when
-    known; ``masked``: with mask options, ``guide`` among them) on the active target's architecture family
-    (the interpreter's big tiles under TRITON_INTERPRET=1)."""
-    if INTERPRETED:
-        return INTERPRETER_TILING
-    return tiling_for(target_family(), dtype, precision, dim, masked, guide)
+    known; ``masked``: with mask options, ``guide`` among them) on the active target
+    (:func:`infcl.kernels.tiling.target_tiling`)."""
+    return target_tiling("softmax", dtype, precision, dim, masked, guide)
 
 
 def _tiling(
@@ -226,7 +223,7 @@ def _masked_backward(
 def _guide_label_scores(
     guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype, precision: str
 ) -> Tensor:
-    return guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=wrap)
+    return softmax_guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=wrap)
 
 
 def _sigmoid_forward(

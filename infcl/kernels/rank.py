@@ -3,7 +3,7 @@ tie rule: :mod:`infcl.contract`; the torch tiles' version: :mod:`infcl.backends.
 object: :mod:`infcl.backends.triton.rank`).
 
 Both passes cut S = q @ k.T into the same tiles (BLOCK_M q rows x BLOCK_N k rows, summed over the same
-BLOCK_D feature chunks by :func:`infcl.kernels.tiles.score_chunks`, always in that orientation, on one S
+BLOCK_D feature chunks by :func:`infcl.kernels.score_tiles.score_chunks`, always in that orientation, on one S
 tile config): every tile is the same bits in every kernel, so the best positive's score (pass 1) ties
 an exact duplicate in pass 2. Each kernel runs twice, ``BY_COLUMN`` False (a program owns BLOCK_M rows and
 walks the column blocks) and True (it owns BLOCK_N columns and walks the row blocks): no atomics, every
@@ -29,45 +29,15 @@ import triton
 import triton.language as tl
 
 from ..contract import NO_INDEX, Ahead, Best, Tensor
-from .configs import TileConfig, Tiling, operand_class_of
-from .env import INTERPRETED
+from .configs import Tiling
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
 from .registration import register_op, wrap
-from .target import target_family
+from .score_tiles import check_blocks, load_vector, score_chunks
 from .tile_stats import positive_span
-from .tiles import check_blocks, load_vector, score_chunks
-
-# The tiles of both APIs beyond the losses (these ranks and the distillation loss, :mod:`.distill`), per
-# operand class (configs.operand_class_of): one S tile per class for every kernel, so S is the same bits in
-# each. The sizes of the sigmoid kernels' defaults (:data:`infcl.kernels.sigmoid.DEFAULT_TILINGS`), which
-# hold the same registers (an S tile, an operand chunk, a gradient slice); not tuned on a GPU. The
-# interpreter takes small tiles, so that the small shapes of the tests cut into several ragged blocks.
-TILINGS = {
-    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32, chunk_d=32),
-    # maxnreg 255: ptxas caps the rank kernels at 128 registers on sm_80 and spills 36 B.
-    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32, max_registers=255),) * 3, resident_d=32, chunk_d=32),
-    "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
-    "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
-}
-INTERPRETER_TILES = Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32)
-
+from .tiling import target_tiling
 
 # infcl.contract.NO_INDEX where the kernels see it (a module-level value inside @triton.jit must be a constexpr).
 NO_BEST = tl.constexpr(NO_INDEX)
-
-
-def rank_tiling(dtype: torch.dtype, precision: str) -> Tiling:
-    """The tiling of the rank and distillation kernels for inputs of ``dtype`` at ``precision`` on the active
-    target: :data:`TILINGS`, except that off sm_90 bf16/fp16 take the tf32 class's 64 x 32 tiles and 32-wide
-    slices of D (the distillation backward's 64 x 64 tile, 64-wide slices, spills 32-68 B on sm_80 at 255
-    registers, 12 B with 32-wide slices: its float32 teacher product runs on FMA units beside S)."""
-    if INTERPRETED:
-        return INTERPRETER_TILES
-    operand_class = operand_class_of(dtype, precision)
-    tiling = TILINGS[operand_class]
-    if operand_class == "mma" and target_family() != 90:
-        tiling = TILINGS["tf32"]
-    return tiling
 
 
 @triton.jit
@@ -285,10 +255,10 @@ def _walks(q: Tensor, k: Tensor, symmetric: bool, tiling: Tiling):
 
 def launch_args(q: Tensor, k: Tensor, precision: Optional[str]) -> Tuple[dict, Tiling]:
     """The launch arguments every rank and distillation kernel takes (q and k, their sizes and strides, the S
-    tile, tl.dot's precision, the compile options) and the tiling (:func:`rank_tiling`)."""
+    tile, tl.dot's precision, the compile options) and the tiling (:func:`infcl.kernels.tiling.rank_tiling`)."""
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
-    tiling = rank_tiling(q.dtype, opts["PRECISION"])
+    tiling = target_tiling("rank", q.dtype, opts["PRECISION"])
     cfg = tiling.forward
     args = dict(
         q_ptr=q,

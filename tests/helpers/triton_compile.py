@@ -656,7 +656,7 @@ def api_dtypes(arch: int, full: bool, float64_dot: bool) -> List[Tuple[str, str]
 def big_tile_calls(arch: int = 90) -> List[Call]:
     """Pinned one-chunk tiles with more than 2**20 products per S tile (128 x 128 rows at D = 128), softmax
     (symmetric) and sigmoid, in bf16: a kernel's interpreter-only code must not be traced on a GPU target
-    (Triton caps a tensor at 2**20 entries, and tiles.score_dot's interpreter product is [M, N, D])."""
+    (Triton caps a tensor at 2**20 entries, and score_tiles.score_dot's interpreter product is [M, N, D])."""
     from infcl.kernels import TileConfig, Tiling
 
     big = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=1, block_out=128, max_registers=255)

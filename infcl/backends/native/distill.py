@@ -23,10 +23,7 @@ class NativeDistill:
             teacher.q,
             teacher.k,
             float(teacher.scale),
-            block.row_stats,
-            block.g_row,
-            block.col_stats,
-            block.g_col,
+            *block.upstream,
             dq,
             dk,
         )

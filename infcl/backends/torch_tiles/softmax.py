@@ -267,7 +267,7 @@ class SoftmaxTiles(TileSizes):
             dk[tile.cols].addmm_(ds.T, tile.qi)
         return dscale
 
-    # --- the softmax loss with masks (infcl.masks; contract: infcl.backends.base) ---------------------
+    # --- the softmax loss with masks (infcl.masks; contract: infcl.contract) ---------------------
     # GEMMs per block: as above, plus one guide GEMM (width D') per tile in each pass when a guide is given.
 
     def _masked_forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
@@ -287,7 +287,7 @@ class SoftmaxTiles(TileSizes):
         return rows, cols
 
     def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
-        """``[Bq]`` G[i, pos[i]] (0 where pos[i] < 0; contract: infcl.backends.base) read off the very tile
+        """``[Bq]`` G[i, pos[i]] (0 where pos[i] < 0; contract: infcl.contract) read off the very tile
         product the masks form (:func:`_guide_tile`, the same tile grid), only for the tiles that hold a
         positive. One host check per tile (this pass runs once per block, before the loss)."""
         tq, tk = self.tiles(guide_q.device)

@@ -9,7 +9,7 @@ import torch
 from ...kernels import INTERPRETED, Tiling
 from ...kernels.configs import DOT_PRECISIONS, FLOAT64_DOT
 from ...kernels.kernel_args import torch_matmul_precision
-from ..resolve import _constant_for_compile
+from ..resolve import constant_for_compile
 from ..torch_tiles import TORCH_TILES
 
 # Where a float64 block runs when the kernels cannot take it (:func:`on_torch_tiles`).
@@ -22,7 +22,7 @@ def on_torch_tiles(*dtypes: torch.dtype) -> bool:
     return torch.float64 in dtypes and not FLOAT64_DOT and not INTERPRETED
 
 
-@_constant_for_compile
+@constant_for_compile
 def _matmul_precision() -> str:
     """torch's float32 matmul precision, read outside torch.compile's graph (``fp32_precision`` is a C
     getter dynamo cannot trace): a constant of the compiled graph, as ``allow_tf32`` was."""

@@ -44,7 +44,7 @@ class TritonSoftmax(TritonOptions):
 
     def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
         """``[Bq]`` G[i, pos[i]] (contract: infcl.contract) by the masked kernels' guide product, at the
-        precision they take for features of ``feature_dtype`` (:mod:`infcl.kernels.guide_scores`)."""
+        precision they take for features of ``feature_dtype`` (:mod:`infcl.kernels.softmax_guide_scores`)."""
         if on_torch_tiles(feature_dtype, guide_q.dtype):
             return FALLBACK.guide_label_scores(guide_q, guide_k, pos, feature_dtype)
         return guide_label_scores(guide_q, guide_k, pos, feature_dtype, self._options()[0])
@@ -79,10 +79,7 @@ class TritonSoftmax(TritonOptions):
                 block.k,
                 block.scale,
                 block.pos,
-                block.row_stats,
-                block.g_row,
-                block.col_stats,
-                block.g_col,
+                *block.upstream,
                 row_positives,
                 col_positives if block.symmetric else None,
                 *self._masks(block, block.symmetric),
@@ -95,10 +92,7 @@ class TritonSoftmax(TritonOptions):
             block.k,
             block.scale,
             block.pos,
-            block.row_stats,
-            block.g_row,
-            block.col_stats,
-            block.g_col,
+            *block.upstream,
             dq,
             dk,
             *self._options(),
