@@ -13,7 +13,7 @@ a file per loss inside. ``backend="auto"`` reads :data:`AUTO`; where the backend
 device (triton missing, a ROCm GPU, an architecture with no compiled configs; the native kernel not built)
 it runs the torch tiles, and warns once for a CUDA device, naming why. ``INFCL_BACKEND=<name>`` overrides
 "auto" (never an explicit name). Float64 blocks on a Triton without a float64 ``tl.dot`` run on the torch
-tiles: the one rule is :func:`infcl.backends.triton.fallback.on_torch_tiles`.
+tiles: the one rule is :func:`infcl.backends.triton.options.on_torch_tiles`.
 
 Every backend runs the mask options of ``cal_inf_loss`` (ids, ``multi_positive``, ``guide``;
 :mod:`infcl.masks`); only a guide changes the choice (the "guided" row of :data:`AUTO`).
