@@ -23,7 +23,8 @@ tensors) is fixed when it is imported.
 
 from .configs import INTERPRETER_TILING, TileConfig, Tiling
 from .env import INTERPRETED, interpret_requested
-from .ops import backward_block, default_tiling, forward_block
+from .ops import backward_block, forward_block
+from .tiling import target_tiling
 
 __all__ = [
     "INTERPRETED",
@@ -31,7 +32,7 @@ __all__ = [
     "TileConfig",
     "Tiling",
     "backward_block",
-    "default_tiling",
     "forward_block",
     "interpret_requested",
+    "target_tiling",
 ]

@@ -24,8 +24,8 @@ Sigmoid (SigLIP):
 
 ``precision`` is tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"), resolved by the
 caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for the defaults
-(:func:`default_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]`` (``[6, 0]``) when not
-wanted.
+(:func:`infcl.kernels.tiling.target_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]``
+(``[6, 0]``) when not wanted.
 
 Registration: :func:`infcl.kernels.registration.register_op`, the one way every block step is registered.
 """
@@ -45,27 +45,13 @@ from .tiling import target_tiling
 Tensor = torch.Tensor
 
 
-def default_tiling(
-    device: torch.device,
-    dtype: torch.dtype,
-    precision: str,
-    dim: Optional[int] = None,
-    masked: bool = False,
-    guide: bool = False,
-) -> Tiling:
-    """The default configs of the softmax kernels for inputs of ``dtype`` (and feature width ``dim``, when
-    known; ``masked``: with mask options, ``guide`` among them) on the active target
-    (:func:`infcl.kernels.tiling.target_tiling`)."""
-    return target_tiling("softmax", dtype, precision, dim, masked, guide)
-
-
 def _tiling(
     tiling: List[int], q: Tensor, precision: str, masked: bool = False, guide: bool = False
 ) -> Tuple[Tiling, bool]:
     """(the Tiling to use, whether to autotune): the autotuner searches the plain kernels' configs only."""
     if tiling:
         return Tiling.from_ints(tiling), False
-    return default_tiling(q.device, q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
+    return target_tiling("softmax", q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
 
 
 def _forward(
@@ -344,7 +330,7 @@ def gemm_equivalents(
     for either loss: forward 1 (S once; the column stats come from the same tiles), backward S once per
     dq (dk) slice and the product once: 4 while D fits one slice (256 columns by default). ``masked``: the
     masked kernels' tiling; a ``guide`` (of width D) adds its scores' product wherever S is formed."""
-    tiling = default_tiling(device, dtype, precision, dim, masked, guide)
+    tiling = target_tiling("softmax", dtype, precision, dim, masked, guide)
     slices = [-(-dim // tiling.block_out(config, dim)) for config in (tiling.dq, tiling.dk)]
     per_score = 2 if guide else 1
     return per_score, sum(slices) * per_score + 2
