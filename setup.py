@@ -9,7 +9,7 @@ from setuptools import find_packages, setup
 # or ahead of time by `python -m infcl build`, so installing needs no compiler and no torch in pip's build
 # isolation.
 CSRC_PACKAGE = "infcl._csrc"
-CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native_build compiles every *.cpp it finds there
+CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native.build compiles every *.cpp it finds there
 
 TRITON = 'triton>=3.2; platform_system == "Linux" and platform_machine == "x86_64"'
 SENTENCE_TRANSFORMERS = "sentence-transformers>=5"

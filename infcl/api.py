@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .backends import block_backend, resolve_backend
+from .backends import backend_object, resolve_backend
 from .checks import (
     check_features,
     check_head_dim,
@@ -98,7 +98,7 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
-        name = resolve_backend(backend, q.device, guided=masks is not None and masks.has_guide)
+        name = resolve_backend(backend, q.device, "guided" if masks is not None and masks.has_guide else "softmax")
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)
@@ -115,7 +115,7 @@ def cal_inf_loss(
             q, k, scale_t, labels_t, symmetric, layout, masks
         )
     else:
-        plan = LossPlan(backend=block_backend(name), symmetric=symmetric, layout=layout, masks=masks)
+        plan = LossPlan(backend=backend_object(name), symmetric=symmetric, layout=layout, masks=masks)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
     if masks is None:

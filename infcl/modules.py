@@ -129,7 +129,7 @@ class InfCLIPLoss(nn.Module):
         if logit_bias is not None:
             loss = loss + _cancelled_bias(logit_bias, loss)
         if world > 1 and not self.local_loss:
-            loss = loss + (_rows_mean(loss.detach(), image_features.shape[0], ring) - loss.detach())
+            loss = loss + (rows_mean(loss.detach(), image_features.shape[0], ring) - loss.detach())
         return {"contrastive_loss": loss} if output_dict else loss
 
 
@@ -168,7 +168,7 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _rows_mean(loss: torch.Tensor, rows: int, ring) -> torch.Tensor:
+def rows_mean(loss: torch.Tensor, rows: int, ring) -> torch.Tensor:
     """Every rank's local (mean) loss averaged with its number of rows as weight: the global mean loss."""
     total = torch.stack([loss.double() * rows, torch.tensor(float(rows), dtype=torch.float64, device=loss.device)])
     dist.all_reduce(total, group=ring)

@@ -39,7 +39,7 @@ FILE_KINDS = {
     "test_triton_api_compile.py": "compile",
     "test_triton_compile.py": "compile",
     "test_static_report.py": "compile",
-    "test_beyond_compile.py": "compile",
+    "test_rank_distill_compile.py": "compile",
     "test_triton_guided_narrow.py": "compile",
     "test_ring.py": "distributed",
     "test_siglip_ring.py": "distributed",

@@ -16,14 +16,14 @@ import torch
 from helpers.support import TOLERANCE, assert_close_verbose, assert_no_worse, grads_of, vanilla_loss
 from infcl import cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
-from infcl.backends.base import Block
+from infcl.contract import Block
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason("triton", torch.device("cuda" if torch.cuda.is_available() else "cpu")) is not None,
     reason="triton backend unavailable here (no CUDA and TRITON_INTERPRET unset)",
 )
 
-from infcl.backends import triton_backend  # noqa: E402  (needs the skip above when triton is missing)
+from infcl.backends import triton as triton_backend  # noqa: E402  (needs the skip above when triton is missing)
 from infcl.backends.torch_tiles import TORCH_TILES  # noqa: E402
 from infcl.kernels import TileConfig, Tiling  # noqa: E402
 

@@ -144,7 +144,7 @@ def test_masked_calls_cover_every_mask_kind(results):
 
 def test_big_one_chunk_tiles_compile():
     """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
-    sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (tiles.score_dot's [M, N, D]
+    sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (score_tiles.score_dot's [M, N, D]
     product) is traced on a GPU target. Compiling is the whole check: such a tile spills in the backward and
     is nobody's default."""
     with _pool() as pool:
@@ -167,7 +167,7 @@ def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
     break, the kernels as triton_kernel_wrapper nodes in the forward and backward graphs, and the
     compiled step runs forward and backward compile-only."""
-    from infcl.kernels.ops import TRITON_OP
+    from infcl.kernels.registration import TRITON_OP
 
     with _pool() as pool:
         masks = ("both", "sum") if entry.endswith(" masked") else ("", "")  # ids and a guide, "sum"

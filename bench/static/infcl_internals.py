@@ -11,10 +11,10 @@ from typing import Dict, Tuple
 
 
 def score_lines() -> Tuple[str, range]:
-    """(file name, line range) of :func:`infcl.kernels.tiles.score_dot`: where S's MMA op comes from."""
+    """(file name, line range) of :func:`infcl.kernels.score_tiles.score_dot`: where S's MMA op comes from."""
     import inspect
 
-    from infcl.kernels import tiles
+    from infcl.kernels import score_tiles as tiles
 
     source, start = inspect.getsourcelines(tiles.score_dot.fn)
     return Path(inspect.getsourcefile(tiles.score_dot.fn)).name, range(start, start + len(source))
@@ -88,7 +88,9 @@ def without_positives():
     Only in a process of its own: Triton keys and checks a compiled kernel by the globals it used."""
     import triton
 
-    from infcl.kernels import backward_tiles, forward_tiles, softmax_forward
+    from infcl.kernels import softmax_backward_tiles as backward_tiles
+    from infcl.kernels import softmax_forward
+    from infcl.kernels import softmax_forward_tiles as forward_tiles
 
     @triton.jit
     def never(lo, hi, c0, BLOCK_N, BRANCH):

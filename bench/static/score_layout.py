@@ -48,7 +48,7 @@ def score_mma_layouts(ttgir: str, score_lines: Tuple[str, range]) -> List[str]:
     """The layouts of the MMA ops that build S, one string per distinct layout: the op and its operand and
     result types with every layout alias expanded (the MMA version, warps per CTA and instruction shape, or
     the tensor-memory block; the operands' shared-memory or register layouts). S's ops are those whose source
-    location is ``score_lines`` (file name, lines): :func:`infcl.kernels.tiles.score_dot`'s tl.dot, which
+    location is ``score_lines`` (file name, lines): :func:`infcl.kernels.score_tiles.score_dot`'s tl.dot, which
     every kernel's S comes from, first chunk and later ones alike; the products (``tile_dot``) are left out."""
     aliases = {name: value for name, value in TTGIR_ALIAS.findall(ttgir) if not name.startswith("#loc")}
     locs = {name: value for name, value in TTGIR_ALIAS.findall(ttgir) if name.startswith("#loc")}

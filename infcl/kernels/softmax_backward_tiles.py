@@ -7,9 +7,16 @@ the plain and masked paths."""
 import triton
 import triton.language as tl
 
-from .masked_tiles import MEAN_POSITIVES, ONE_POSITIVE, SUM_POSITIVES, block_masks, load_optional, masked_softmax_grad
+from .score_tiles import load_tile, load_vector
+from .softmax_mask_tiles import (
+    MEAN_POSITIVES,
+    ONE_POSITIVE,
+    SUM_POSITIVES,
+    block_masks,
+    load_optional,
+    masked_softmax_grad,
+)
 from .tile_stats import holds_positive, softmax_grad
-from .tiles import load_tile, load_vector
 
 
 @triton.jit
@@ -88,8 +95,8 @@ def _masked_tile_grads(
     GUIDE_PRECISION: tl.constexpr,
 ):
     """The masked path's (row part, column part) of dS for the tile (``rows``, ``cols``): the tile's positives
-    and exclusions (:func:`infcl.kernels.masked_tiles.block_masks`, from the rows' ``q_ids`` and guide thresholds
-    ``row_thr`` and the columns' by pointer), then :func:`infcl.kernels.masked_tiles.masked_softmax_grad`;
+    and exclusions (:func:`infcl.kernels.softmax_mask_tiles.block_masks`, from the rows' ``q_ids`` and guide thresholds
+    ``row_thr`` and the columns' by pointer), then :func:`infcl.kernels.softmax_mask_tiles.masked_softmax_grad`;
     (pos_count, pos_max, pos_rel) are each row's (column's) positives: their count ("mean") or their global
     stats ("sum") (:func:`_load_positives`)."""
     positive, excluded_rows, excluded_cols = block_masks(

@@ -40,7 +40,7 @@ def _check_rank_ops(best_op, ahead_op, extra, symmetric, with_ids, device):
 @pytest.mark.skipif(not NATIVE, reason="the native kernel is not built here")
 @pytest.mark.parametrize("symmetric,with_ids", [(True, False), (False, True)])
 def test_native_rank_ops_pass_opcheck(symmetric, with_ids):
-    from infcl.backends.rank_native import torch_ops
+    from infcl.backends.native.build import torch_ops
 
     ops = torch_ops()
     best, ahead = ops.rank_best_positives.default, ops.rank_ahead_counts.default

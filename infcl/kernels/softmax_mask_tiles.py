@@ -9,8 +9,8 @@ Compiled only where a launch sets HAS_IDS or HAS_GUIDE; the plain loss's kernels
 import triton
 import triton.language as tl
 
+from .score_tiles import load_vector, score_tile
 from .tile_stats import exp, expm1, kept_rest_stats, merge_kept_stats
-from .tiles import load_vector, score_tile
 
 # The POSITIVES constexpr (configs.POSITIVES): one positive per row at ``pos`` (multi_positive None),
 # or every column with the row's id, the loss taking their mean ("mean") or their log-sum-exp ("sum").

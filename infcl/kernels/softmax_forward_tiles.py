@@ -6,7 +6,8 @@ the stores of a finished row block, and the plain symmetric forward over a pair 
 import triton
 import triton.language as tl
 
-from .masked_tiles import positive_partials
+from .score_tiles import load_tile, load_vector, masked_scores, score_pair
+from .softmax_mask_tiles import positive_partials
 from .tile_stats import (
     holds_positive,
     kept_rest_stats,
@@ -16,7 +17,6 @@ from .tile_stats import (
     positive_span,
     tile_rest_stats,
 )
-from .tiles import load_tile, load_vector, masked_scores, score_pair
 
 
 @triton.jit

@@ -29,13 +29,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..masks import MASKED_ROWS
-from .base import accum_dtype
+from ...contract import accum_dtype
+from ...masks import MASKED_ROWS
 
 EXTENSION_PREFIX = "infcl_cpu"
 DISABLE_VAR = "INFCL_NATIVE"  # INFCL_NATIVE=0 turns the native backend off
 VERBOSE_VAR = "INFCL_VERBOSE_BUILD"  # INFCL_VERBOSE_BUILD=1 shows the compiler's command lines and output
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 # Where the sources may be, first match wins: inside the installed package (a wheel: setup.py's package_dir
 # maps csrc/ to infcl._csrc), then the checkout that holds the package (editable install or PYTHONPATH).
 SOURCE_DIRS = (PACKAGE_ROOT / "_csrc", PACKAGE_ROOT.parent / "csrc")
@@ -218,6 +218,14 @@ def load_error() -> Optional[str]:
         return reason
     register_fakes()
     return None
+
+
+def torch_ops():
+    """``torch.ops.infcl`` once the extension is loaded (built first if needed), else a RuntimeError saying why."""
+    why = load_error()
+    if why is not None:
+        raise RuntimeError(why)
+    return torch.ops.infcl
 
 
 # ---- the ops' fake (shape-only) impls ------------------------------------------------------------

@@ -23,7 +23,7 @@ wrapper is not a kernel torch.library.wrap_triton accepts) say a block can be ra
 clamped to the last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
 
 A tile's log-sum-exp stats and dS: :mod:`infcl.kernels.tile_stats`; the mask options formed inside a
-tile: :mod:`infcl.kernels.masked_tiles`.
+tile: :mod:`infcl.kernels.softmax_mask_tiles`.
 """
 
 import triton

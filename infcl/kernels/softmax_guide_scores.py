@@ -1,9 +1,9 @@
 """The guide score of each row's labelled column, G[i, pos[i]], by the masked kernels' own guide product.
 
 A row's guide threshold is compared with the guide scores the masked kernels form in every tile
-(:func:`infcl.kernels.masked_tiles.block_masks`). For a tie to compare equal (a column that duplicates the
+(:func:`infcl.kernels.softmax_mask_tiles.block_masks`). For a tie to compare equal (a column that duplicates the
 labelled one, at margin 0), the threshold must come from the same arithmetic: the same
-:func:`infcl.kernels.tiles.score_tile` over D' in the same BLOCK_G chunks, at the same dot precision and
+:func:`infcl.kernels.score_tiles.score_tile` over D' in the same BLOCK_G chunks, at the same dot precision and
 accumulation dtype (all from :meth:`infcl.kernels.configs.MaskInputs.kernel_args`). Each program forms the
 tile gq[rows] @ gk[pos[rows]].T and keeps its diagonal (every other entry is replaced by 0 before the
 sum, so the diagonal is read exactly); a dot's entry does not depend on where it sits in the tile.
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .configs import MIN_DOT
 from .kernel_args import COMPILE_OPTIONS, MaskInputs
-from .tiles import load_vector, score_tile
+from .score_tiles import load_vector, score_tile
 
 Tensor = torch.Tensor
 

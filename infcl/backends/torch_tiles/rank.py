@@ -1,4 +1,4 @@
-"""The retrieval ranks' two passes on the torch tiles (:mod:`infcl.metrics.retrieval`; any device).
+"""The retrieval ranks' two passes on the torch tiles (contract: :mod:`infcl.contract`; any device).
 
 A row's rank is the number of columns ahead of its best positive: scoring strictly higher, or equal
 and with a lower global column index (the order of a *stable* descending sort). The threshold (the
@@ -30,49 +30,12 @@ Memory: the block's q and k in the accumulation dtype (copies only for low-preci
 tiles, O(B) outputs.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .base import Block, Tensor
-from .torch_tiles import TORCH_TILES, _positives, _Tile, _Walk
-
-# The index of "no positive seen yet": larger than every global index, so any real one wins a tie.
-NO_INDEX = torch.iinfo(torch.int64).max
-
-
-class Best(NamedTuple):
-    """The best positive of ``n`` rows (or columns) over a set of columns (rows)."""
-
-    score: Tensor  # [n] accumulation dtype; -inf where none was seen
-    index: Tensor  # [n] int64 global index of the best positive (lowest among equal scores); NO_INDEX if none
-    count: Tensor  # [n] int64 number of positives seen
-
-    @classmethod
-    def empty(cls, n: int, dtype: torch.dtype, device: torch.device) -> "Best":
-        return cls(
-            torch.full((n,), float("-inf"), dtype=dtype, device=device),
-            torch.full((n,), NO_INDEX, dtype=torch.int64, device=device),
-            torch.zeros(n, dtype=torch.int64, device=device),
-        )
-
-    def merge_(self, part: "Best") -> None:
-        """Keep the better of two bests over disjoint sets, in place: the higher score, then the lower index."""
-        better = (part.score > self.score) | ((part.score == self.score) & (part.index < self.index))
-        torch.where(better, part.score, self.score, out=self.score)
-        torch.where(better, part.index, self.index, out=self.index)
-        self.count.add_(part.count)
-
-
-class Ahead(NamedTuple):
-    """Pass 2's counts of ``n`` rows (or columns): plain sums, merged by addition."""
-
-    ahead: Tensor  # [n] int64 entries ahead of the best positive
-    nonfinite: Tensor  # [n] int64 the line's scores that are NaN or infinite
-
-    @classmethod
-    def empty(cls, n: int, device: torch.device) -> "Ahead":
-        return cls(torch.zeros(n, dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int64, device=device))
+from ...contract import NO_INDEX, Ahead, Best, Block, Tensor
+from .walk import Tile, TileSizes, Walk, positives
 
 
 def _tile_best(values: Tensor, index: Tensor, dim: int) -> Tuple[Tensor, Tensor]:
@@ -90,17 +53,11 @@ def _merge_tile(acc: Best, part: Best, where) -> None:
     view.merge_(part)
 
 
-class RankTiles:
-    """The two passes on the torch tiles (tile sizes: :class:`infcl.backends.torch_tiles.TorchTilesBackend`)."""
+class RankTiles(TileSizes):
+    """The two passes on the torch tiles."""
 
-    name = "torch"
-
-    def __init__(self, tile_q: Optional[int] = None, tile_k: Optional[int] = None):
-        self.tile_q, self.tile_k = tile_q, tile_k
-
-    def _walk(self, block: Block) -> _Walk:
-        tq, tk = TORCH_TILES.tiles(block.q.device)
-        return _Walk(block, (self.tile_q or tq, self.tile_k or tk))
+    def _walk(self, block: Block) -> Walk:
+        return Walk(block, self.tiles(block.q.device))
 
     def best_positives(self, block: Block, row_index: Tensor, col_index: Tensor, symmetric: bool):
         walk = self._walk(block)
@@ -120,7 +77,7 @@ class RankTiles:
             if (tile.rows.start, tile.cols.start) not in holding:
                 continue
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
-            inside, idx = _positives(block.pos, tile)
+            inside, idx = positives(block.pos, tile)
             _label_bests(rows, cols, s, inside, idx, tile, row_index, col_index)
         return rows, cols
 
@@ -188,7 +145,7 @@ def _zero_counts(n: int, device: torch.device) -> "Ahead":
     return Ahead(*(torch.zeros(n, dtype=torch.int64, device=device) for _ in Ahead._fields))
 
 
-def _by_tile(local_row: Tensor, local_col: Tensor, walk: _Walk) -> dict:
+def _by_tile(local_row: Tensor, local_col: Tensor, walk: Walk) -> dict:
     """{(tile's first row, tile's first column): the lines in it}: group lines by the tile holding the entry
     (local_row[l], local_col[l]) of each line l (entries outside the block are dropped). ``local_row`` or
     ``local_col`` is the lines' own arange (rows or columns), the other their partner. One host read."""
@@ -229,7 +186,7 @@ def _label_bests(
     s: Tensor,
     inside: Tensor,
     idx: Tensor,
-    tile: _Tile,
+    tile: Tile,
     row_index: Tensor,
     col_index: Tensor,
 ) -> None:
@@ -255,7 +212,7 @@ def _label_bests(
 
 
 def _id_bests(
-    rows: Best, cols: Optional[Best], s: Tensor, positive: Tensor, tile: _Tile, row_index: Tensor, col_index: Tensor
+    rows: Best, cols: Optional[Best], s: Tensor, positive: Tensor, tile: Tile, row_index: Tensor, col_index: Tensor
 ) -> None:
     """Every same-id entry is a positive: the best of them per row (and column)."""
     values = s.masked_fill(~positive, float("-inf"))
@@ -265,6 +222,3 @@ def _id_bests(
         top, first = _tile_best(values, index, dim)
         count = positive.sum(dim=dim)
         _merge_tile(rows if dim == 1 else cols, Best(top, torch.where(count > 0, first, NO_INDEX), count), where)
-
-
-RANK_TILES = RankTiles()

@@ -1,5 +1,5 @@
 """Compile-only calls of retrieval_metrics and cal_distill_loss with backend="triton" for a GPU target, for
-tests/test_beyond_compile.py: the public call runs in a worker
+tests/test_rank_distill_compile.py: the public call runs in a worker
 process (TRITON_INTERPRET=0) under :func:`triton_compile.compile_only` (only Triton's active driver is a
 stand-in; every launch compiles instead of running), and each compiled kernel's resource row comes back.
 This module imports nothing from infcl or triton at the top (the workers set TRITON_INTERPRET first)."""

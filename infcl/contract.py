@@ -1,4 +1,10 @@
-"""The block contract: what a backend computes on one (local q rows) x (k block) pair.
+"""The block contract: what a backend computes on one (local q rows) x (k block) pair, for every API.
+
+The ground floor of the package (it imports only torch): the ring driver, the losses' steps and every
+backend (:mod:`infcl.backends`: ``torch_tiles/``, ``native/``, ``triton/``, a file per loss) meet here.
+One backend object per backend implements the block operations of the four APIs below (softmax,
+sigmoid, distillation, retrieval ranks); each returns packed rows, which the loss layer
+(:mod:`infcl.losses`) unpacks into its named tensors.
 
 The ring driver (:mod:`infcl.ring.driver`) owns the loop over k blocks and the reductions; a backend
 turns one block S = scale * q @ k.T into statistics (forward) and gradient contributions (backward)
@@ -59,10 +65,37 @@ positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks
     dL      = g_row * (sigmoid(L) - Y)     formed as g * sigmoid(L) off the positive, -g * sigmoid(-L) on it
     dq     += scale * dL @ k,   dk += scale * dL.T @ q
     dparams = (sum(dL * q @ k.T), sum(dL))     the scale and the bias gradient
+
+Distillation (open_clip's ``DistillClipLoss`` term; math: :mod:`infcl.losses.distill`) — the teacher's side of
+the block is a :class:`Teacher` (its features of the block's rows and columns, its scale):
+
+``distill_forward_block(block, teacher, symmetric) -> (rows [5, Bq], cols [5, Bk] or None)``
+    rows[0:2] = the student's stats of each row of S over this block's columns, rows[2:4] the teacher's of T,
+    rows[4] = sum_j exp(T_ij - mT_i) * (m_i - S_ij) over them (:data:`DISTILL_ROWS`); cols likewise per column
+
+``distill_backward_block(block, teacher, dq, dk) -> dscale [2]`` with the *global* stats ``row_stats`` [4, Bq]
+(the student's then the teacher's, rows 0:4 of the forward's), ``g_row`` and, symmetric, ``col_stats``, ``g_col``:
+    dS = g_row * (softmax_row(S) - softmax_row(T)) + g_col * (softmax_col(S) - softmax_col(T)), dq, dk and
+    dscale (the rows' term, the columns' term) as for the softmax loss
+
+Retrieval ranks (:func:`infcl.metrics.retrieval_metrics`; no scale: ranks of q @ k.T), two passes, with
+``row_index`` / ``col_index`` the global indices of the block's rows and columns:
+
+``best_positives(block, row_index, col_index, symmetric) -> (rows, cols or None)``, each a :class:`Best`:
+    the best positive's score and global index (the lowest index among equal scores) and the number of
+    positives, over this block, per row (and, ``symmetric``, per column). The positives: the one-hot of
+    ``block.pos`` (and, for the columns, the rows whose positive is that column), or, with
+    ``block.multi_positive``, every entry with ``q_ids[i] == k_ids[j]``.
+
+``ahead_counts(block, rows, cols, row_index, col_index) -> (rows, cols or None)``, each an :class:`Ahead`:
+    per row (column), the columns (rows) of the block ahead of its best positive (``rows`` / ``cols``: the
+    global :class:`Best` thresholds: scoring strictly higher, or equal with a lower global index), leaving out
+    the entries with the row's id when ids are given without ``multi_positive``, and how many of its scores
+    are not finite. The threshold and every score compared with it come from the same tile product.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Tuple
+from typing import NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -108,13 +141,25 @@ class Block:
     def masked(self) -> bool:
         return self.q_ids is not None or self.guide_q is not None
 
+    @property
+    def upstream(self) -> tuple:
+        """(row_stats, g_row, col_stats, g_col): the backward's global stats and upstream gradients, in the order
+        every backward op takes them."""
+        return self.row_stats, self.g_row, self.col_stats, self.g_col
+
 
 class BlockBackend(Protocol):
+    """The softmax (InfoNCE / CLIP) loss's block operations (see the module docstring); every backend has them."""
+
     name: str
 
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]: ...
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor: ...
+
+    def guide_label_scores(
+        self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype
+    ) -> Tensor: ...
 
 
 class SigmoidBlockBackend(Protocol):
@@ -125,3 +170,85 @@ class SigmoidBlockBackend(Protocol):
     def sigmoid_forward_block(self, block: Block) -> Tensor: ...
 
     def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor: ...
+
+
+# --- distillation ------------------------------------------------------------------------------------
+
+# Rows of a backend's distillation forward result ([5, n]): the student's stats (infcl.lse MAX, REL), the
+# teacher's, and the cross sum. The loss layer reads it as infcl.losses.distill.DistillPartials.
+STUDENT, TEACHER, CROSS = slice(0, 2), slice(2, 4), 4
+DISTILL_ROWS = 5
+
+
+class Teacher(NamedTuple):
+    """The teacher's side of one block: its row features, the held block's features and its scale."""
+
+    q: Tensor  # [Bq, D_T] accumulation dtype
+    k: Tensor  # [Bk, D_T] accumulation dtype
+    scale: Tensor  # 0-d accumulation dtype
+
+
+class DistillBlockBackend(Protocol):
+    """The distillation loss's block operations (see the module docstring)."""
+
+    name: str
+
+    def distill_forward_block(
+        self, block: Block, teacher: Teacher, symmetric: bool
+    ) -> Tuple[Tensor, Optional[Tensor]]: ...
+
+    def distill_backward_block(self, block: Block, teacher: Teacher, dq: Tensor, dk: Tensor) -> Tensor: ...
+
+
+# --- retrieval ranks ---------------------------------------------------------------------------------
+
+# The index of "no positive seen yet": larger than every global index, so any real one wins a tie.
+NO_INDEX = torch.iinfo(torch.int64).max
+
+
+class Best(NamedTuple):
+    """The best positive of ``n`` rows (or columns) over a set of columns (rows)."""
+
+    score: Tensor  # [n] accumulation dtype; -inf where none was seen
+    index: Tensor  # [n] int64 global index of the best positive (lowest among equal scores); NO_INDEX if none
+    count: Tensor  # [n] int64 number of positives seen
+
+    @classmethod
+    def empty(cls, n: int, dtype: torch.dtype, device: torch.device) -> "Best":
+        return cls(
+            torch.full((n,), float("-inf"), dtype=dtype, device=device),
+            torch.full((n,), NO_INDEX, dtype=torch.int64, device=device),
+            torch.zeros(n, dtype=torch.int64, device=device),
+        )
+
+    def merge_(self, part: "Best") -> None:
+        """Keep the better of two bests over disjoint sets, in place: the higher score, then the lower index."""
+        better = (part.score > self.score) | ((part.score == self.score) & (part.index < self.index))
+        torch.where(better, part.score, self.score, out=self.score)
+        torch.where(better, part.index, self.index, out=self.index)
+        self.count.add_(part.count)
+
+
+class Ahead(NamedTuple):
+    """Pass 2's counts of ``n`` rows (or columns): plain sums, merged by addition."""
+
+    ahead: Tensor  # [n] int64 entries ahead of the best positive
+    nonfinite: Tensor  # [n] int64 the line's scores that are NaN or infinite
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device) -> "Ahead":
+        return cls(torch.zeros(n, dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int64, device=device))
+
+
+class RankBlockBackend(Protocol):
+    """The retrieval ranks' two passes (see the module docstring)."""
+
+    name: str
+
+    def best_positives(
+        self, block: Block, row_index: Tensor, col_index: Tensor, symmetric: bool
+    ) -> Tuple[Best, Optional[Best]]: ...
+
+    def ahead_counts(
+        self, block: Block, rows: Best, cols: Optional[Best], row_index: Tensor, col_index: Tensor
+    ) -> Tuple[Ahead, Optional[Ahead]]: ...

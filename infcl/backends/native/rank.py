@@ -1,15 +1,15 @@
-"""The retrieval ranks' two passes on the native CPU kernel (``csrc/retrieval.cpp``): the interface of
-:class:`infcl.backends.rank_tiles.RankTiles` on the custom ops ``torch.ops.infcl.rank_best_positives`` and
-``torch.ops.infcl.rank_ahead_counts`` (definitions and tie rule: :mod:`infcl.backends.rank_tiles`)."""
+"""The retrieval ranks' two passes on the native CPU kernel (``csrc/retrieval.cpp``): the custom ops
+``torch.ops.infcl.rank_best_positives`` and ``torch.ops.infcl.rank_ahead_counts`` (contract and tie rule:
+:mod:`infcl.contract`, :mod:`infcl.backends.torch_tiles.rank`)."""
 
 from typing import Optional
 
-from .base import Block, Tensor
-from .rank_tiles import Ahead, Best
+from ...contract import Ahead, Best, Block, Tensor
+from .build import torch_ops
 
 
 class NativeRanks:
-    name = "cpu"
+    """The two passes on the custom ops."""
 
     def best_positives(self, block: Block, row_index: Tensor, col_index: Tensor, symmetric: bool):
         ids = (block.q_ids, block.k_ids) if block.multi_positive else (None, None)
@@ -24,18 +24,3 @@ class NativeRanks:
             block.q, block.k, rows.score, rows.index, col_score, col_best, row_index, col_index, *ids
         )
         return Ahead(*out[:2]), (Ahead(*out[2:]) if cols is not None else None)
-
-
-def torch_ops():
-    """``torch.ops.infcl`` once the extension is loaded (built first if needed), else a RuntimeError saying why."""
-    import torch
-
-    from .native_build import load_error
-
-    why = load_error()
-    if why is not None:
-        raise RuntimeError(why)
-    return torch.ops.infcl
-
-
-NATIVE_RANKS = NativeRanks()

@@ -1,12 +1,22 @@
 """The softmax backward's two kernels, launched by :func:`infcl.kernels.softmax_backward.softmax_backward`
 (whose module says what they compute): ``_dq_kernel`` (a program owns BLOCK_M rows of q and one slice of
 dq's feature columns) and ``_dk_kernel`` (BLOCK_N rows of k, one slice of dk); each walks its split of the
-other side's blocks and calls one per-tile helper of :mod:`infcl.kernels.backward_tiles`, plain or masked."""
+other side's blocks and calls one per-tile helper of :mod:`infcl.kernels.softmax_backward_tiles`, plain or masked."""
 
 import triton
 import triton.language as tl
 
-from .backward_tiles import (
+from .score_tiles import (
+    block_range,
+    block_scores,
+    check_blocks,
+    dot_operand,
+    load_tile,
+    load_vector,
+    masked_scores,
+    tile_dot,
+)
+from .softmax_backward_tiles import (
     _inverse,
     _load_positives,
     _load_stats,
@@ -16,7 +26,6 @@ from .backward_tiles import (
     _store_slice,
 )
 from .tile_stats import positive_span
-from .tiles import block_range, block_scores, check_blocks, dot_operand, load_tile, load_vector, masked_scores, tile_dot
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""The tiled pure-PyTorch backend: runs anywhere torch runs (CPU, CUDA, MPS), no compiler needed.
+"""The softmax (InfoNCE / CLIP) loss on the torch tiles (contract: :mod:`infcl.contract`), with the mask
+options (:mod:`infcl.masks`).
 
 Walks S = scale * q @ k.T in tile_q x tile_k tiles. The forward takes each tile's stats with
 :func:`infcl.lse.tile_stats` (the maximum's own exp(0) = 1 left out of ``rest`` by value, r = log1p(rest),
@@ -14,104 +15,23 @@ tensor and the positives are gathered with index arithmetic, never ``nonzero``.
 
 GEMM count per block (each a 2*Bq*Bk*D-flop product): forward 1 (S), backward 3 (S again, dq, dk),
 whether the loss is one-directional or symmetric.
-
-The sigmoid (SigLIP) loss walks the same tiles (``sigmoid_forward_block`` / ``sigmoid_backward_block``):
-each tile's logits scale * raw + bias with their sign flipped at the positive (the margins), their
-softplus summed per row in the forward and their sigmoid as dL in the backward; the same GEMM count.
 """
 
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from ..lse import MAX, REL, empty_stats, exp_, lse_merge, tile_stats
-from ..masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
-from .base import Block, Tensor, accum_dtype
-
-# CPU tile sizes (2 MiB fp32 tiles; the backward holds four). On the 2-vCPU AMD EPYC family 25 model 1 (Zen 3,
-# AVX2), B=4096, D=512, fp32 symmetric fwd+bwd, 512 x 1024 ran 10-20% faster than 256 x 1024 on 2 threads: MKL
-# splits a 256-row product badly over two threads, and dk's product (dS.T @ q) is only tile_q deep. Larger tiles
-# ran within the noise of 512 x 1024 there, and the masked loss's tile buffers and bool tiles must stay below
-# tests/test_masks_memory.py's one-B x B-bool-mask bound at B=4096 (13 of 16 MiB at 512 x 1024; 1024 x 1024's
-# four plain tile buffers alone are 16); see docs/benchmarks.md (issue 35).
-CPU_TILES = (512, 1024)
-# On a GPU each tile op is a kernel launch, so tiles must be large enough to fill the device: 2048 x 4096
-# fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
-# is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
-GPU_TILES = (2048, 4096)
-# F.softplus returns x itself above its threshold. The default, 20, drops log1p(e^-20) ~ 2e-9, which
-# float64 resolves; above 40, e^-x is below half an ulp of x even in float64, and below it exp(x) <= 2e17
-# is finite in every accumulation dtype.
-SOFTPLUS_THRESHOLD = 40.0
-
-
-class _Tile(NamedTuple):
-    """One tile of a block: its rows (of q) and columns (of k), and their features in the accumulation dtype."""
-
-    rows: slice
-    cols: slice
-    qi: Tensor  # [ni, D]
-    kj: Tensor  # [nj, D]
-
-    def view(self, buf: Tensor) -> Tensor:
-        """A contiguous [ni, nj] view at the start of a preallocated flat buffer."""
-        ni, nj = self.qi.shape[0], self.kj.shape[0]
-        return buf[: ni * nj].view(ni, nj)
-
-
-class _Walk:
-    """One block's q and k in the accumulation dtype, walked tile by tile, row tiles outer."""
-
-    def __init__(self, block: Block, tiles: Tuple[int, int]):
-        self.acc = accum_dtype(block.q.dtype)
-        self.q, self.k = block.q.to(self.acc), block.k.to(self.acc)
-        self.device = self.q.device
-        self.tq, self.tk = tiles
-
-    def zeros(self, *shape: int) -> Tensor:
-        return torch.zeros(*shape, dtype=self.acc, device=self.device)
-
-    def buffers(self, n: int):
-        """``n`` flat buffers, each large enough for one tile."""
-        numel = min(self.q.shape[0], self.tq) * min(self.k.shape[0], self.tk)
-        return [torch.empty(numel, dtype=self.acc, device=self.device) for _ in range(n)]
-
-    def __iter__(self):
-        for i0 in range(0, self.q.shape[0], self.tq):
-            rows = slice(i0, i0 + self.tq)
-            for j0 in range(0, self.k.shape[0], self.tk):
-                cols = slice(j0, j0 + self.tk)
-                yield _Tile(rows, cols, self.q[rows], self.k[cols])
-
-
-def _positives(pos: Tensor, tile: _Tile) -> Tuple[Tensor, Tensor]:
-    """(inside, idx): which of the tile's rows have their positive (``pos``: column in the block) among
-    the tile's columns, and its column in the tile (clamped to a valid index for the rest, whose
-    gathered values are then ignored)."""
-    nj = tile.kj.shape[0]
-    p = pos[tile.rows] - tile.cols.start
-    inside = (p >= 0) & (p < nj)
-    return inside, p.clamp(0, nj - 1)[:, None]
-
-
-def _margins(out: Tensor, raw: Tensor, block: Block, inside: Tensor, idx: Tensor) -> Tensor:
-    """out = -z * (scale * raw + bias): the sigmoid loss's logits, their sign flipped at the positives,
-    so that each entry's loss is softplus(out) and its derivative by the logit is -z * sigmoid(out)."""
-    torch.mul(raw, block.scale, out=out).add_(block.bias)
-    return _replace_positives(out, inside, idx, -out.gather(1, idx))
-
-
-def _replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor) -> Tensor:
-    """out[i, idx[i]] = values[i] for the rows whose positive lies in this tile (``inside``); in place."""
-    return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
+from ...contract import Block, Tensor
+from ...lse import MAX, REL, empty_stats, exp_, lse_merge, tile_stats
+from ...masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
+from .walk import Tile, TileSizes, Walk, positives, replace_positives
 
 
 class _TileMasks(NamedTuple):
     """One tile's positives and exclusions (see infcl.masks), [ni, nj] bool where a tile is needed.
 
     With one positive per row (``multi_positive`` None) the positives are ``inside`` / ``idx`` as for the
-    plain loss (:func:`_positives`) and ``positive`` is None: they are read and replaced by index, as the
+    plain loss (:func:`positives`) and ``positive`` is None: they are read and replaced by index, as the
     plain tiles do. ``excluded`` / ``col_excluded`` are None where nothing is excluded (or no column
     direction is wanted); the column direction differs from the rows' only by the guide thresholds.
     """
@@ -135,12 +55,12 @@ def _guide_tile(guide_q: Tensor, guide_k: Tensor, rows: slice, cols: slice, buf:
     return torch.mm(gq, gk.T, out=out)
 
 
-def _plain_masks(block: Block, tile: _Tile) -> _TileMasks:
+def _plain_masks(block: Block, tile: Tile) -> _TileMasks:
     """What :func:`_tile_masks` gives a block without masks, without its steps: the positives by index."""
-    return _TileMasks(None, *_positives(block.pos, tile), None, None)
+    return _TileMasks(None, *positives(block.pos, tile), None, None)
 
 
-def _tile_masks(block: Block, tile: _Tile, symmetric: bool, scores_buf: Tensor) -> _TileMasks:
+def _tile_masks(block: Block, tile: Tile, symmetric: bool, scores_buf: Tensor) -> _TileMasks:
     """Form one tile's masks, in place where possible: at most three bool tiles are the extra memory (the ids'
     matches and the guide's two threshold tests); the guide scores go to ``scores_buf``, a flat tile buffer
     free until the caller's next use of it."""
@@ -148,7 +68,7 @@ def _tile_masks(block: Block, tile: _Tile, symmetric: bool, scores_buf: Tensor) 
     if block.q_ids is not None:
         same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
     if block.multi_positive is None:
-        positive, (inside, idx) = None, _positives(block.pos, tile)  # taken out of the exclusions by index
+        positive, (inside, idx) = None, positives(block.pos, tile)  # taken out of the exclusions by index
     else:
         positive, same, inside, idx = same, None, None, None  # every same-id column is a positive
     excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
@@ -228,13 +148,13 @@ class _Positives(NamedTuple):
     stats: Optional[Tensor]  # [2, ...] global (max, rel) of the positives' logits, "sum"
 
 
-def _row_positives(block: Block, tile: _Tile) -> _Positives:
+def _row_positives(block: Block, tile: Tile) -> _Positives:
     if block.multi_positive == "sum":
         return _Positives(None, block.row_pos_stats[:, tile.rows, None])
     return _Positives(block.row_pos_count[tile.rows, None], None)
 
 
-def _col_positives(block: Block, tile: _Tile) -> _Positives:
+def _col_positives(block: Block, tile: Tile) -> _Positives:
     if block.multi_positive == "sum":
         return _Positives(None, block.col_pos_stats[:, None, tile.cols])
     return _Positives(block.col_pos_count[None, tile.cols], None)
@@ -270,7 +190,7 @@ def _probabilities(
             x.masked_fill_(excluded, 0.0)
         x.mul_(g)
         g_pos = g.expand_as(x).gather(1, masks.idx)
-        return _replace_positives(x, masks.inside, masks.idx, g_pos * torch.expm1(x_pos))
+        return replace_positives(x, masks.inside, masks.idx, g_pos * torch.expm1(x_pos))
     if pos.stats is None:
         at_positives = torch.add(x, pos.count.log(), out=scratch).expm1_().div_(pos.count)
     else:
@@ -282,22 +202,13 @@ def _probabilities(
     return torch.where(masks.positive, at_positives, x, out=out).mul_(g)
 
 
-class TorchTilesBackend:
-    name = "torch"
-
-    def __init__(self, tile_q: Optional[int] = None, tile_k: Optional[int] = None):
-        self.tile_q = tile_q
-        self.tile_k = tile_k
-
-    def tiles(self, device: torch.device) -> Tuple[int, int]:
-        """(tile_q, tile_k): the explicit sizes if given, else the device kind's defaults."""
-        tq, tk = CPU_TILES if device.type == "cpu" else GPU_TILES
-        return self.tile_q or tq, self.tile_k or tk
+class SoftmaxTiles(TileSizes):
+    """The softmax loss's block operations on the torch tiles (contract: :mod:`infcl.contract`)."""
 
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         if block.masked:
             return self._masked_forward_block(block, symmetric)
-        walk = _Walk(block, self.tiles(block.q.device))
+        walk = Walk(block, self.tiles(block.q.device))
         bq, bk, acc, dev = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device
         rows = torch.cat((empty_stats(bq, acc, dev), walk.zeros(1, bq)))
         cols = empty_stats(bk, acc, dev) if symmetric else None
@@ -308,7 +219,7 @@ class TorchTilesBackend:
             lse_merge(rows[:2, tile.rows], tile_stats(s, 1, tile.view(scratch), tile.view(ones)))
             if symmetric:
                 lse_merge(cols[:, tile.cols], tile_stats(s, 0, tile.view(scratch), tile.view(ones)))
-            inside, idx = _positives(block.pos, tile)
+            inside, idx = positives(block.pos, tile)
             pos_row = rows[2, tile.rows]
             torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
         return rows, cols
@@ -316,7 +227,7 @@ class TorchTilesBackend:
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         """The plain and the masked loss alike: without masks a tile's positives are its one-hots (by index)
         and nothing is excluded, so :func:`_probabilities` does exactly the plain loss's operations."""
-        walk = _Walk(block, self.tiles(block.q.device))
+        walk = Walk(block, self.tiles(block.q.device))
         scale, symmetric = block.scale, block.symmetric
         single = block.multi_positive is None
         dscale = walk.zeros(2)
@@ -356,11 +267,11 @@ class TorchTilesBackend:
             dk[tile.cols].addmm_(ds.T, tile.qi)
         return dscale
 
-    # --- the softmax loss with masks (infcl.masks; contract: infcl.backends.base) ---------------------
+    # --- the softmax loss with masks (infcl.masks; contract: infcl.contract) ---------------------
     # GEMMs per block: as above, plus one guide GEMM (width D') per tile in each pass when a guide is given.
 
     def _masked_forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        walk = _Walk(block, self.tiles(block.q.device))
+        walk = Walk(block, self.tiles(block.q.device))
         kind = "sum" if block.multi_positive == "sum" else "mean"
         rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
         cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if symmetric else None
@@ -376,7 +287,7 @@ class TorchTilesBackend:
         return rows, cols
 
     def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
-        """``[Bq]`` G[i, pos[i]] (0 where pos[i] < 0; contract: infcl.backends.base) read off the very tile
+        """``[Bq]`` G[i, pos[i]] (0 where pos[i] < 0; contract: infcl.contract) read off the very tile
         product the masks form (:func:`_guide_tile`, the same tile grid), only for the tiles that hold a
         positive. One host check per tile (this pass runs once per block, before the loss)."""
         tq, tk = self.tiles(guide_q.device)
@@ -392,38 +303,3 @@ class TorchTilesBackend:
                 idx = (p - j0).clamp(0, scores.shape[1] - 1)[:, None]
                 torch.where(inside, scores.gather(1, idx).squeeze(1), out, out=out)
         return score
-
-    # --- the sigmoid (SigLIP) loss (contract: infcl.backends.base) ------------------------------------
-    # GEMMs per block: forward 1 (the logits), backward 3 (the logits again, dq, dk).
-
-    def sigmoid_forward_block(self, block: Block) -> Tensor:
-        walk = _Walk(block, self.tiles(block.q.device))
-        rows = walk.zeros(walk.q.shape[0])
-        (buf,) = walk.buffers(1)
-        for tile in walk:
-            margins = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
-            _margins(margins, margins, block, *_positives(block.pos, tile))
-            rows[tile.rows] += F.softplus(margins, threshold=SOFTPLUS_THRESHOLD).sum(dim=1)
-        return rows
-
-    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
-        walk = _Walk(block, self.tiles(block.q.device))
-        dparams = walk.zeros(2)  # (scale, bias)
-        raw_buf, ds_buf = walk.buffers(2)
-        for tile in walk:
-            raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
-            inside, idx = _positives(block.pos, tile)
-            # dLoss/dL = -z * sigmoid(-z * L): sigmoid(L) off the positive, -sigmoid(-L) on it, both
-            # from sigmoid of the margin (never 1 - sigmoid: a confident positive keeps its digits).
-            ds = _margins(tile.view(ds_buf), raw, block, inside, idx).sigmoid_()
-            ds = _replace_positives(ds, inside, idx, -ds.gather(1, idx)).mul_(block.g_row[tile.rows, None])
-            # Cascade sums (torch.sum), not torch.dot: these terms do not cancel, so a running sum
-            # over the tile would lose ~sqrt(n) * eps of their total.
-            dparams[0] += torch.mul(ds, raw, out=raw).sum()
-            dparams[1] += ds.sum()
-            dq[tile.rows].addcmul_(ds @ tile.kj, block.scale)
-            dk[tile.cols].addcmul_(ds.T @ tile.qi, block.scale)
-        return dparams
-
-
-TORCH_TILES = TorchTilesBackend()
