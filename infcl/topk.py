@@ -1,9 +1,10 @@
 """``topk_scores``: each query's n best corpus columns of q @ k.T, exactly, without the Bq x Bk scores.
 
 The walk of the retrieval ranks (:mod:`infcl.metrics.retrieval`): the same tiles, the same products, on the
-one ring loop, with a short list per row instead of a count. The ring step is :mod:`infcl.losses.topk`;
-the arithmetic is the torch tiles' (:mod:`infcl.backends.topk_tiles`), the native kernel's
-(``csrc/topk.cpp``) or the Triton kernel's (:mod:`infcl.kernels.topk`). docs/topk.md has the rules.
+one ring loop, with a short list per row instead of a count. The ring step is :mod:`infcl.losses.topk`; the
+block operation (:mod:`infcl.contract`) is the torch tiles' (:mod:`infcl.backends.torch_tiles.topk`), the
+native kernel's (:mod:`infcl.backends.native.topk`, ``csrc/topk.cpp``) or the Triton kernel's
+(:mod:`infcl.backends.triton.topk`, :mod:`infcl.kernels.topk`). docs/topk.md has the rules.
 """
 
 import numbers
@@ -11,9 +12,8 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .backends.select import select_impl
-from .backends.topk_tiles import TOPK_TILES
-from .checks import _ids, _integer_rows, check_features
+from .backends import backend_for
+from .checks import check_features, integer_rows, make_ids
 from .losses.topk import TopK, ring_topk
 from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 
@@ -49,7 +49,7 @@ def topk_scores(
             passes its local rows and its shard of the corpus; column indices are global (a shard's
             columns follow those of the ranks before it) and each rank gets its rows' global n best.
         backend: "auto" (the native kernel for CPU tensors when it is built, else the torch tiles; on
-            CUDA the torch tiles until the Triton kernel has run on a GPU, :mod:`infcl.backends.select`;
+            CUDA the torch tiles until the Triton kernel has run on a GPU, :mod:`infcl.backends.resolve`;
             ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton"; "reference" raises
             NotImplementedError (it would hold S).
 
@@ -68,7 +68,7 @@ def topk_scores(
     ring = ring_group(group)
     with torch.no_grad(), rejected_everywhere(ring):
         n, labels_t, q_ids_t, k_ids_t = _check_args(q, k, n, labels, exclude_labels, q_ids, k_ids, largest)
-        impl = topk_backend(backend, q.device)
+        block_backend = backend_for(backend, q.device, "topk")
     with torch.no_grad():
         if ring is not None:
             layout = exchange_layout(q, k, ring, labels_t)
@@ -76,24 +76,7 @@ def topk_scores(
         else:
             layout = single_layout(q.shape[0], k.shape[0], labels_t)
         _check_label_range(layout)
-        return ring_topk(q, k, n, labels_t, q_ids_t, k_ids_t, largest, impl, layout)
-
-
-def topk_backend(backend, device: torch.device):
-    """:func:`topk_scores`' implementation for ``backend`` on ``device``: the torch tiles
-    (:data:`TOPK_TILES`), the native kernel or the Triton kernel (the same interface)."""
-
-    def native():
-        from .backends.topk_native import NATIVE_TOPK
-
-        return NATIVE_TOPK
-
-    def triton():
-        from .backends.triton.topk import TRITON_TOPK
-
-        return TRITON_TOPK
-
-    return select_impl(backend, device, "topk_scores", TOPK_TILES, native, triton)
+        return ring_topk(q, k, n, labels_t, q_ids_t, k_ids_t, largest, block_backend, layout)
 
 
 def _check_args(q, k, n, labels, exclude_labels, q_ids, k_ids, largest):
@@ -106,7 +89,7 @@ def _check_args(q, k, n, labels, exclude_labels, q_ids, k_ids, largest):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     bq = q.shape[0]
-    labels_t = _integer_rows(labels, "labels", bq, f"[Bq] = [{bq}] (one column per row of q {list(q.shape)})")
+    labels_t = integer_rows(labels, "labels", bq, f"[Bq] = [{bq}] (one column per row of q {list(q.shape)})")
     if exclude_labels and labels_t is None:
         raise ValueError("exclude_labels=True needs labels: the global column of each row's positive (-1: none)")
     if labels_t is not None and not exclude_labels:
@@ -115,8 +98,8 @@ def _check_args(q, k, n, labels, exclude_labels, q_ids, k_ids, largest):
         if labels_t.device != q.device:
             raise ValueError(f"labels must be on q's device {q.device}, got {labels_t.device}")
         labels_t = labels_t.to(torch.int64)
-    qi = _ids(q_ids, "q_ids", bq, q, "q")
-    ki = _ids(k_ids, "k_ids", k.shape[0], k, "k")
+    qi = make_ids(q_ids, "q_ids", bq, q, "q")
+    ki = make_ids(k_ids, "k_ids", k.shape[0], k, "k")
     if (qi is None) != (ki is None):
         given, missing = ("q_ids", "k_ids") if ki is None else ("k_ids", "q_ids")
         raise ValueError(f"{given} was given without {missing}: ids compare a row's id with a column's, pass both")

@@ -9,7 +9,7 @@ import torch
 from helpers.topk_truth import quarter_features, separated_rows, topk_truth
 from infcl import TopK, topk_scores
 from infcl.backends import unavailable_reason
-from infcl.backends.topk_tiles import TOPK_TILES
+from infcl.backends.torch_tiles import TORCH_TILES
 
 CPU = torch.device("cpu")
 # torch tiles at their default size (one tile at these shapes) and cut small and ragged; the native kernel;
@@ -24,8 +24,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def backend(request, monkeypatch):
     name = request.param
     if name == "torch-7x13":
-        monkeypatch.setattr(TOPK_TILES, "tile_q", 7)
-        monkeypatch.setattr(TOPK_TILES, "tile_k", 13)
+        monkeypatch.setattr(TORCH_TILES, "tile_q", 7)
+        monkeypatch.setattr(TORCH_TILES, "tile_k", 13)
         name = "torch"
     return name
 
@@ -202,6 +202,20 @@ def test_every_backend_and_thread_count_agree():
 def test_reference_is_not_a_backend():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         topk_scores(torch.randn(4, 3), torch.randn(5, 3), 2, backend="reference")
+
+
+def test_auto_follows_the_ranks_rule(monkeypatch):
+    """The resolver's "topk" row: the native kernel on CPU, the torch tiles on CUDA (the Triton kernel has not run
+    on a GPU) unless named; INFCL_BACKEND=reference runs the torch tiles, which materialize nothing either."""
+    from infcl.backends import resolve
+
+    monkeypatch.setattr(resolve, "unavailable_reason", lambda name, device: None)
+    monkeypatch.delenv("INFCL_BACKEND", raising=False)
+    assert resolve.resolve_backend("auto", torch.device("cpu"), "topk") == "cpu"
+    assert resolve.resolve_backend("auto", torch.device("cuda"), "topk") == "torch"
+    assert resolve.resolve_backend("triton", torch.device("cuda"), "topk") == "triton"
+    monkeypatch.setenv("INFCL_BACKEND", "reference")
+    assert resolve.resolve_backend("auto", torch.device("cpu"), "topk") == "torch"
 
 
 @pytest.mark.parametrize(

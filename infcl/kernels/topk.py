@@ -1,9 +1,10 @@
-"""The top-k search as a Triton kernel (``topk_scores(backend="triton")``; definitions, tie rule and the torch
-tiles' version: :mod:`infcl.backends.topk_tiles`).
+"""The top-k search as a Triton kernel (``topk_scores(backend="triton")``; definitions and tie rule:
+:mod:`infcl.contract`; the torch tiles' version: :mod:`infcl.backends.torch_tiles.topk`; the backend object:
+:mod:`infcl.backends.triton.topk`).
 
-A program owns BLOCK_M rows of the block and walks its column tiles (the ranks' S tiles,
-:func:`infcl.kernels.rank.beyond_tiling`, summed over the same BLOCK_D feature chunks by
-:func:`infcl.kernels.tiles.score_chunks`). Its rows' lists (the n best so far, any order) are loaded into
+A program owns BLOCK_M rows of the block and walks its column tiles (its S tile from
+:func:`infcl.kernels.tiling.topk_tiling`, summed over BLOCK_D feature chunks by
+:func:`infcl.kernels.score_tiles.score_chunks`). Its rows' lists (the n best so far, any order) are loaded into
 registers as a [BLOCK_M, BLOCK_TOP] list, continued tile by tile and stored back: no atomics, every output
 written by the one program that owns it.
 
@@ -25,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends.rank_tiles import NO_INDEX
-from .ops import _WRAP, _register
+from ..contract import NO_INDEX
 from .rank import launch_args
-from .tiles import check_blocks, load_vector, score_chunks
+from .registration import register_op, wrap
+from .score_tiles import check_blocks, load_vector, score_chunks
 
 # The widest list a program holds in registers beside its S tile (two [BLOCK_M, MAX_TOP] tensors, a key and
 # an int64 index); a larger n runs on the torch tiles. ptxas (compile gate, D = 384): 128 spills on sm_90 in
@@ -43,7 +44,7 @@ def max_top(dtype: torch.dtype) -> int:
     return MAX_TOP_FLOAT64 if dtype == torch.float64 else MAX_TOP
 
 
-# rank_tiles.NO_INDEX where the kernel sees it (a module-level value inside @triton.jit must be a constexpr).
+# infcl.contract.NO_INDEX where the kernel sees it (a module-level value inside @triton.jit must be a constexpr).
 EMPTY = tl.constexpr(NO_INDEX)
 
 
@@ -175,9 +176,9 @@ def _topk_block(
     k_ids: Optional[torch.Tensor],
     precision: str,
 ) -> None:
-    args, tiling = launch_args(q, k, precision or None)
+    args, tiling = launch_args(q, k, precision or None, family="topk")
     n_top = key.shape[1]
-    _WRAP(_topk_kernel)[(triton.cdiv(q.shape[0], tiling.forward.block_m),)](
+    wrap(_topk_kernel)[(triton.cdiv(q.shape[0], tiling.forward.block_m),)](
         col_index_ptr=col_index.contiguous(),
         pos_ptr=_contiguous(pos),
         q_ids_ptr=_contiguous(q_ids),
@@ -196,6 +197,7 @@ def _topk_block_fake(q, k, col_index, key, index, nan, largest, pos, q_ids, k_id
     return None
 
 
-# torch.ops.infcl.triton_topk_block_: the native kernel's topk_block_ (csrc/topk.cpp) plus ``precision`` ("" for
+# torch.ops.infcl.triton_topk_block_, registered as the loss kernels' block steps are
+# (:func:`.registration.register_op`): the native kernel's topk_block_ (csrc/topk.cpp) plus ``precision`` ("" for
 # None), continuing key / index / nan in place; the lists come back unsorted.
-topk_block_op = _register("triton_topk_block_", _topk_block, _topk_block_fake, mutates=("key", "index", "nan"))
+topk_block_op = register_op("triton_topk_block_", _topk_block, _topk_block_fake, mutates=("key", "index", "nan"))

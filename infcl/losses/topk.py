@@ -1,12 +1,12 @@
 """The top-k search's ring step (:func:`infcl.topk_scores`): each rank's rows against every k block, on the
-one ring loop (:func:`infcl.ring.driver.ring_forward`), forward only.
+one ring loop (:func:`infcl.ring.driver.ring_forward`), forward only, on a
+:class:`infcl.contract.TopKBlockBackend` (definitions and tie rule: :mod:`infcl.contract`).
 
-The rows' lists (:class:`Candidates`, global indices: the block's ``col_index`` travels with k, and its ids
-where given) stay on their rank; at every step the backend continues them in place with the held block's
-columns (so a later block starts from the best so far, and no second [Bq, n] list is made), which is the
-merge of :func:`infcl.backends.topk_tiles.merge_candidates` (the n best of a union are the n best of its
-parts' n best). After W steps each row holds its n best over the global k. Nothing travels home (the
-search is not symmetric).
+The rows' lists (:class:`infcl.contract.Candidates`, global indices: the block's ``col_index`` travels with
+k, and its ids where given) stay on their rank; at every step the backend continues them in place with the
+held block's columns (so a later block starts from the best so far, and no second [Bq, n] list is made),
+which merges the lists (the n best of a union are the n best of its parts' n best). After W steps each row
+holds its n best over the global k. Nothing travels home (the search is not symmetric).
 """
 
 from dataclasses import replace
@@ -14,9 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..backends.base import Block, Tensor, accum_dtype
-from ..backends.rank_tiles import NO_INDEX
-from ..backends.topk_tiles import Candidates
+from ..contract import NO_INDEX, Block, Candidates, Tensor, TopKBlockBackend, accum_dtype
 from ..ring.driver import ring_forward
 from ..ring.layout import RingLayout
 
@@ -34,8 +32,8 @@ class TopKSearch:
     symmetric = False
     n_params = 0
 
-    def __init__(self, impl, n: int, largest: bool, exclude_positive: bool, col_index: Tensor, q_ids, k_ids):
-        self.impl, self.n, self.largest, self.exclude_positive = impl, n, largest, exclude_positive
+    def __init__(self, n: int, largest: bool, exclude_positive: bool, col_index: Tensor, q_ids, k_ids):
+        self.n, self.largest, self.exclude_positive = n, largest, exclude_positive
         self.q_ids = q_ids
         self.k_side = (col_index,) if k_ids is None else (col_index, k_ids)
 
@@ -48,16 +46,24 @@ class TopKSearch:
         """Nothing left to do: each step continued ``acc`` itself (``part is acc``)."""
         assert part is acc
 
-    def forward_step(self, backend, block: Block, k_side=()):
+    def forward_step(self, backend: TopKBlockBackend, block: Block, k_side=()):
         col_index, *k_ids = k_side
         if k_ids:
             block = replace(block, q_ids=self.q_ids, k_ids=k_ids[0])
-        self.impl.block_topk(block, col_index, self.found, self.largest, self.exclude_positive)
+        backend.block_topk(block, col_index, self.found, self.largest, self.exclude_positive)
         return self.found, None
 
 
 def ring_topk(
-    q: Tensor, k: Tensor, n: int, labels: Optional[Tensor], q_ids, k_ids, largest: bool, impl, layout: RingLayout
+    q: Tensor,
+    k: Tensor,
+    n: int,
+    labels: Optional[Tensor],
+    q_ids,
+    k_ids,
+    largest: bool,
+    backend: TopKBlockBackend,
+    layout: RingLayout,
 ) -> TopK:
     """Each local row's n best global columns of q @ k.T (``labels``: the global column of each row's
     positive to leave out, -1 for none; None: leave none out)."""
@@ -66,9 +72,9 @@ def ring_topk(
     exclude_positive = labels is not None
     if labels is None:
         labels = torch.full((q.shape[0],), -1, dtype=torch.int64, device=dev)
-    search = TopKSearch(impl, n, largest, exclude_positive, col_index, q_ids, k_ids)
+    search = TopKSearch(n, largest, exclude_positive, col_index, q_ids, k_ids)
     one = torch.ones((), dtype=accum_dtype(q.dtype), device=dev)  # Block needs a scale; the search uses none
-    found, _ = ring_forward(q, k, one, labels, search, impl, layout)
+    found, _ = ring_forward(q, k, one, labels, search, backend, layout)
     return finish(found, largest)
 
 

@@ -16,7 +16,7 @@ from helpers.distributed import run_on_rings
 from helpers.topk_truth import quarter_features
 from infcl import topk_scores
 from infcl.backends import unavailable_reason
-from infcl.backends.topk_tiles import TOPK_TILES
+from infcl.backends.torch_tiles import TORCH_TILES
 
 MAIN_WORLD = 3
 RINGS = {1: (0,), 2: (1, 2), 3: (0, 1, 2)}
@@ -100,7 +100,7 @@ def _run(case: TopKCase, rank: int, world: int, group, backend: str):
 
 
 def scenarios(rank, world, group):
-    TOPK_TILES.tile_q, TOPK_TILES.tile_k = TINY_TILES
+    TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
     return {(case.name, backend): _run(case, rank, world, group, backend) for case in CASES for backend in BACKENDS}
 
 
