@@ -117,6 +117,26 @@ def _rss() -> int:
     return _status_bytes("VmRSS")
 
 
+def measured(fn, device: torch.device):
+    """(result, seconds, peak memory growth in bytes) of one call of ``fn`` on ``device``: CUDA's allocator peak
+    (synchronized before and after), else the process's peak resident set."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = _rss()
+        _peak_rss_reset()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
+    return out, wall, growth
+
+
 def scale(args) -> list:
     image, text = (t.to(args.device) for t in _features(args.n, args.dim))
     rows = args.rows or args.n
@@ -127,18 +147,9 @@ def scale(args) -> list:
     # (any_positive over ids; the texts past `rows` have no positive, so no rank). The call walks rows x n
     # tiles, the whole set's n x n tiles in n / rows times the time.
     slice_args = {} if rows == args.n else _slice_ids(rows, args.n, image.device)
-    cuda = image.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = _rss()
-        _peak_rss_reset()
-    start = time.perf_counter()
-    metrics = retrieval_metrics(image, text, backend=args.backend, **slice_args)  # floats: synchronized
-    wall = time.perf_counter() - start
-    growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
+    metrics, wall, growth = measured(
+        lambda: retrieval_metrics(image, text, backend=args.backend, **slice_args), image.device
+    )
     features = (image.numel() + text.numel()) * image.element_size()
     print({k: round(v, 6) for k, v in metrics.items()})
     out = [(f"retrieval_metrics {args.backend} {rows} x {args.n}", wall, growth / 2**20, features / 2**20)]

@@ -27,13 +27,12 @@ import csv
 import ctypes
 import ctypes.util
 import gc
-import time
 
 import torch
 import torch.nn.functional as F
 
 from bench.machine import device_name
-from bench.retrieval import _peak_rss, _peak_rss_reset, _rss, gemm_equivalent
+from bench.retrieval import gemm_equivalent, measured
 from infcl import topk_scores
 
 # ratio's second reference, one torch.mm of the whole S, runs only where S takes at most this much.
@@ -82,21 +81,7 @@ def _release() -> None:
 def _measured(fn, device: torch.device):
     """(result, seconds, peak growth in bytes) of one call of ``fn``."""
     _release()
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = _rss()
-        _peak_rss_reset()
-    start = time.perf_counter()
-    out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
-    return out, wall, growth
+    return measured(fn, device)
 
 
 def scale(args) -> list:
