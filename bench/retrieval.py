@@ -216,15 +216,21 @@ def main() -> None:
         header = ("what", "seconds", "peak growth MiB", "features MiB")
         rows = scale(args) if args.mode == "scale" else memory(args)
     print(f"N={args.n} D={args.dim} fp32 threads={args.threads} on {cpu}")
+    report(header, rows, args.csv, {"n": args.n, "dim": args.dim, "threads": args.threads, "cpu": cpu})
+
+
+def report(header: tuple, rows: list, csv_path, settings: dict) -> None:
+    """Print ``rows`` as a table under ``header``; with ``csv_path``, also write them there, each row led by the
+    run's ``settings`` (column name -> value)."""
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
             out = csv.writer(f)
-            out.writerow(("n", "dim", "threads", "cpu") + header)
+            out.writerow(tuple(settings) + header)
             for row in rows:
-                out.writerow((args.n, args.dim, args.threads, cpu) + tuple(row))
+                out.writerow(tuple(settings.values()) + tuple(row))
 
 
 def _cpu_name(device: str) -> str:

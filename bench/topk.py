@@ -23,7 +23,6 @@ batch: written for a GPU, never run on one yet).
 """
 
 import argparse
-import csv
 import ctypes
 import ctypes.util
 import gc
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.machine import device_name
-from bench.retrieval import gemm_equivalent, measured
+from bench.retrieval import gemm_equivalent, measured, report
 from infcl import topk_scores
 
 # ratio's second reference, one torch.mm of the whole S, runs only where S takes at most this much.
@@ -142,15 +141,8 @@ def main() -> None:
         rows = ratio(args)
     where = device_name(torch.device(args.device))
     print(f"{args.queries} x {args.corpus} D={args.dim} n={args.n} fp32 threads={args.threads} on {where}")
-    print(" | ".join(header))
-    for row in rows:
-        print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            out = csv.writer(f)
-            out.writerow(("queries", "corpus", "dim", "n", "threads", "device") + header)
-            for row in rows:
-                out.writerow((args.queries, args.corpus, args.dim, args.n, args.threads, where) + tuple(row))
+    settings = ("queries", "corpus", "dim", "n", "threads")
+    report(header, rows, args.csv, {**{name: getattr(args, name) for name in settings}, "device": where})
 
 
 if __name__ == "__main__":

@@ -245,24 +245,17 @@ def _embed(model, queries, corpus, *, batch_size, use_multi_process, verbose, ca
     if corpus_embeddings is None or query_embeddings is None:
         devices = None if isinstance(use_multi_process, bool) else use_multi_process
         pool = model.start_multi_process_pool(target_devices=devices) if use_multi_process else None
-        encode = dict(pool=pool, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
+        options = dict(pool=pool, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True)
+
+        def encode(method, texts, side: str):
+            prompt = dict(prompt_name=prompts[f"{side}_prompt_name"], prompt=prompts[f"{side}_prompt"])
+            return method(texts, **options, show_progress_bar=True, **prompt)
+
         try:
             if corpus_embeddings is None:
-                corpus_embeddings = model.encode_document(
-                    corpus,
-                    **encode,
-                    show_progress_bar=True,
-                    prompt_name=prompts["corpus_prompt_name"],
-                    prompt=prompts["corpus_prompt"],
-                )
+                corpus_embeddings = encode(model.encode_document, corpus, "corpus")
             if query_embeddings is None:
-                query_embeddings = model.encode_query(
-                    queries,
-                    **encode,
-                    show_progress_bar=True,
-                    prompt_name=prompts["query_prompt_name"],
-                    prompt=prompts["query_prompt"],
-                )
+                query_embeddings = encode(model.encode_query, queries, "query")
         finally:
             if use_multi_process:
                 model.stop_multi_process_pool(pool)
