@@ -4,6 +4,7 @@
 - "torch":     tiled pure PyTorch, any device.
 - "cpu":       the native C++ kernel (csrc/), CPU tensors.
 - "triton":    fused Triton kernels, CUDA tensors (or CPU tensors under TRITON_INTERPRET=1).
+- "chunked":   the exact chunked route (cuBLAS products with float32 scores, Triton passes; docs/chunked.md).
 "auto" picks triton for CUDA tensors when it can run there, the native kernel for CPU tensors when it is
 built, and the torch tiles otherwise; where a CUDA device cannot take the Triton kernels (triton missing,
 a ROCm GPU, an architecture with no compiled configs) it warns once, naming why.
@@ -23,12 +24,16 @@ import torch
 from .base import BlockBackend
 from .torch_tiles import TORCH_TILES
 
-BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
+BACKENDS = ("auto", "reference", "torch", "cpu", "triton", "chunked")
 ENV_VAR = "INFCL_BACKEND"
 
 # Optional backends live in their own modules, each exposing ``BACKEND`` and ``unavailable_reason(device)``
 # (None when usable on that device).
-_OPTIONAL = {"cpu": "infcl.backends.native", "triton": "infcl.backends.triton_backend"}
+_OPTIONAL = {
+    "cpu": "infcl.backends.native",
+    "triton": "infcl.backends.triton_backend",
+    "chunked": "infcl.backends.chunked",
+}
 
 
 _LOADED = {}  # name -> (module or None, why not): imported once, so a compiled call only reads a dict
