@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .backends import block_backend, resolve_backend
+from .backends.chunked.auto import auto_backend
 from .checks import (
     check_features,
     check_head_dim,
@@ -98,6 +99,8 @@ def cal_inf_loss(
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
         name = resolve_backend(backend, q.device, guided=masks is not None and masks.has_guide)
+        if backend == "auto":  # the chunked route where a GPU measured it faster (none yet: docs/chunked.md)
+            name = auto_backend(name, q, k, masks is not None)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)

@@ -5,8 +5,9 @@ the float32 scores of a chunk (4 bytes an entry), its dS (the operand's 2 bytes 
 results of the two backward products (C x D for dq, Bk x D for dk). ``entry_bytes`` is 6 for bf16/fp16 on a GPU
 (8 for float32); the CPU route holds its dS in float32 and its torch passes two more float32 buffers (16). The
 budget is ``ChunkedBackend(budget_mb=...)``, else the environment variable ``INFCL_CHUNK_BUDGET_MB``, else
-:data:`DEFAULT_BUDGET_MB`; C is the most rows that fit, rounded down to a multiple of :data:`ROW_ALIGN` on a GPU.
-Nothing here allocates Bq x Bk: C < Bq whenever the budget is below a whole block's workspace.
+:data:`DEFAULT_BUDGET_MB`; C is the most rows that fit, at most :data:`MAX_ROWS`, rounded down to a multiple of
+:data:`ROW_ALIGN` on a GPU. Nothing here allocates Bq x Bk: the workspace is bounded by the budget and by
+MAX_ROWS x Bk, whatever Bq.
 
 **Hand-offs.** The route runs the plain softmax loss in float32/bfloat16/float16. It hands a block to the fused
 kernels (:mod:`infcl.backends.triton_backend` on CUDA, the torch tiles elsewhere) when
@@ -14,8 +15,8 @@ kernels (:mod:`infcl.backends.triton_backend` on CUDA, the torch tiles elsewhere
 - the features are float64 (no cuBLAS out_dtype case, and no speed to win);
 - on CUDA, this torch has no ``torch.mm(..., out_dtype=torch.float32)`` (``aten::mm.dtype``, torch >= 2.8): bf16 /
   fp16 products would round S to the operand dtype, which is vanilla's error class (a one-time warning says so);
-- the budget does not fit :data:`MIN_CHUNK_ROWS` rows, or (on a GPU) the block has fewer than
-  :data:`MIN_BLOCK_ROWS` rows: below that the fused kernels' launch count and time are the smaller.
+- the budget fits no row, or (on a GPU) fewer than :data:`MIN_CHUNK_ROWS` rows, or the block has fewer than
+  :data:`MIN_BLOCK_ROWS` rows (GPU): below that the fused kernels' launch count and time are the smaller.
 An explicit ``chunk_rows`` skips the two size thresholds (tests, the A/B) but never the budget.
 """
 
@@ -35,6 +36,9 @@ DEFAULT_BUDGET_MB = 1024.0
 ROW_ALIGN = 64
 # Below 256 rows the products are too thin for cuBLAS's full rate and the launches per row too many (GPU).
 MIN_CHUNK_ROWS = 256
+# The most rows a chunk takes: 8192 on a GPU (the largest C the A/B measures; beyond it the products' rate is flat
+# and the workspace only grows); 128 on CPU (tests: 16 bytes an entry, so 16 MiB at Bk = 8192, near the torch tiles').
+MAX_ROWS = {"cuda": 8192, "cpu": 128}
 # Blocks of fewer rows run the fused kernels on a GPU (issue 45's smallest target is B = 16384; below a few
 # thousand rows the fused kernels' one launch per phase beats the route's five per chunk).
 MIN_BLOCK_ROWS = 4096
@@ -126,10 +130,12 @@ def plan_block(
     triton_passes = passes == "triton" or (passes is None and triton_runs)
     per_entry = entry_bytes(cuda, triton_passes, q.dtype)
     (n_q, dim), n_k = q.shape, k.shape[0]
-    rows = fitting_rows(n_q, n_k, dim, budget, per_entry, ROW_ALIGN if cuda else 1)
+    rows = min(
+        fitting_rows(n_q, n_k, dim, budget, per_entry, ROW_ALIGN if cuda else 1), MAX_ROWS["cuda" if cuda else "cpu"]
+    )
     if chunk_rows is not None:
         rows = min(rows, chunk_rows)
-    elif rows < min(MIN_CHUNK_ROWS, n_q) or (cuda and n_q < MIN_BLOCK_ROWS):
+    elif cuda and (rows < min(MIN_CHUNK_ROWS, n_q) or n_q < MIN_BLOCK_ROWS):
         rows = 0
     if rows < 1:
         return (
