@@ -33,9 +33,9 @@ from .tiles import PTX, masked_scores
 
 # The passes' tiles. Memory-bound: a 64 x 128 float32 tile (32 KiB) per load on 8 warps keeps enough bytes in
 # flight per SM; 64 rows make the column partials 8 bytes per (64 rows x column), 1/32 of the S read at 4 bytes.
-STATS_TILE = (64, 128, 8)  # (BLOCK_M, BLOCK_N, num_warps) of chunk_stats
+STATS_TILE = (64, 64, 8)  # (BLOCK_M, BLOCK_N, num_warps) of chunk_stats
 # The backward holds raw, s, dS and (symmetric) the column term at once: 32 rows keep it within registers.
-GRAD_TILE = (32, 128, 8)
+GRAD_TILE = (32, 64, 8)
 # Columns per program: 32 tiles of 128. At C = 2048, Bk = 65536 the stats grid is 32 x 16 = 512 programs
 # (about 4 per SM on 132 SMs); the rows' partials are then 16 per row, ~0.1% of the S bytes.
 SPLIT_TILES = 32
@@ -193,8 +193,8 @@ def _chunk_grad_kernel(
     r_row = tl.load(row_stats_ptr + stride_row_stat + rows, mask=row_in, other=0.0)[:, None]
     g_row = tl.load(g_row_ptr + rows, mask=row_in, other=0.0)[:, None]
     factor = tl.load(factor_ptr + rows.to(tl.int64) * stride_factor, mask=row_in, other=0.0)[:, None]
-    row_part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    col_part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    row_part = tl.zeros([BLOCK_M], tl.float32)  # the scale gradient's terms, summed per row
+    col_part = tl.zeros([BLOCK_M], tl.float32)
     first = split * SPLIT_TILES
     n_tiles = tl.minimum(SPLIT_TILES, tl.cdiv(n_cols, BLOCK_N) - first)
     for t in range(0, n_tiles):
@@ -205,14 +205,14 @@ def _chunk_grad_kernel(
         has_pos = holds_positive(lo, hi, c0, BLOCK_N, True)
         is_pos = cols[None, :] == pos[:, None]
         ds = softmax_grad(s, m_row, r_row, g_row, is_pos, has_pos)
-        row_part += ds * raw
+        row_part += tl.sum(ds * raw, axis=1)
         if SYMMETRIC:
             col_in = cols < n_cols
             m_col = tl.load(col_stats_ptr + cols, mask=col_in, other=0.0)[None, :]
             r_col = tl.load(col_stats_ptr + stride_col_stat + cols, mask=col_in, other=0.0)[None, :]
             g_col = tl.load(g_col_ptr + cols, mask=col_in, other=0.0)[None, :]
             dc = softmax_grad(s, m_col, r_col, g_col, is_pos, has_pos)
-            col_part += dc * raw
+            col_part += tl.sum(dc * raw, axis=1)
             ds += dc
         out = ds_ptr + rows[:, None].to(tl.int64) * stride_ds + cols[None, :]
         value = round_operand(ds * factor, OPERAND)
@@ -221,8 +221,8 @@ def _chunk_grad_kernel(
         else:
             tl.store(out, value, mask=row_in[:, None] & (cols[None, :] < n_cols))
     program = row_block * tl.num_programs(1) + split
-    tl.store(dscale_ptr + program, tl.sum(tl.sum(row_part, axis=1), axis=0))
-    tl.store(dscale_ptr + stride_dscale + program, tl.sum(tl.sum(col_part, axis=1), axis=0))
+    tl.store(dscale_ptr + program, tl.sum(row_part, axis=0))
+    tl.store(dscale_ptr + stride_dscale + program, tl.sum(col_part, axis=0))
 
 
 # ---- launchers ----------------------------------------------------------------------------------------
