@@ -272,7 +272,7 @@ def chunk_stats(
     block_m, block_n, warps = STATS_TILE
     row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
     rows = torch.empty(3, splits, n_rows, dtype=torch.float32, device=raw.device)
-    cols = torch.empty(2, row_blocks, n_cols, dtype=torch.float32, device=raw.device) if symmetric else rows[:, :0]
+    cols = torch.empty(2, row_blocks, n_cols, dtype=torch.float32, device=raw.device) if symmetric else None
     wrap(_chunk_stats_kernel)[(row_blocks, splits)](
         raw_ptr=raw,
         scale_ptr=scale,
@@ -284,8 +284,8 @@ def chunk_stats(
         stride_raw=raw.stride(0),
         stride_rows_stat=rows.stride(0),
         stride_rows_part=rows.stride(1),
-        stride_cols_stat=cols.stride(0),
-        stride_cols_part=cols.stride(1),
+        stride_cols_stat=cols.stride(0) if symmetric else 0,
+        stride_cols_part=cols.stride(1) if symmetric else 0,
         SYMMETRIC=symmetric,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -333,8 +333,8 @@ def chunk_grad(
         pos_ptr=pos,
         row_stats_ptr=row_stats,
         g_row_ptr=g_row,
-        col_stats_ptr=col_stats if symmetric else row_stats,
-        g_col_ptr=g_col if symmetric else g_row,
+        col_stats_ptr=col_stats,  # None (never traced) for the one-directional loss
+        g_col_ptr=g_col if symmetric else None,
         dscale_ptr=parts,
         n_rows=n_rows,
         n_cols=n_cols,
