@@ -233,7 +233,7 @@ def _chunk_plan(q, k) -> str:
     pos = torch.arange(q.shape[0], device=q.device)
     block = Block(q=q.detach(), k=k.detach(), scale=torch.ones((), device=q.device), pos=pos)
     plan = chunked.BACKEND.plan(block)
-    return plan if isinstance(plan, str) else f"C={plan.rows}"
+    return f"C={plan.rows}" if hasattr(plan, "rows") else plan.reason
 
 
 def step_speed(rows: Rows, sizes: Sizes, dry: bool) -> None:
@@ -345,8 +345,8 @@ def step_bits(rows: Rows, sizes: Sizes, dry: bool) -> None:
     q, k, scale = make_inputs(n, sizes.dim, torch.bfloat16, device)
     block = Block(q=q.detach(), k=k.detach(), scale=scale.detach(), pos=torch.arange(n, device=device))
     plan = chunked.BACKEND.plan(block)
-    if isinstance(plan, str):
-        rows.add(f"B={n}", "S bits", "-", "", plan)
+    if not hasattr(plan, "rows"):
+        rows.add(f"B={n}", "S bits", "-", "", plan.reason)
     else:
         products, same = Products(block, plan), True
         for c in plan.chunks(n):

@@ -157,7 +157,18 @@ def test_chunk_rows_shrink_to_the_budget():
         got = plan.plan_block(block, plan.budget_bytes(budget_mb), 10**6, "torch", False)
         used = plan.workspace_bytes(got.rows, 512, 16, per_entry)
         assert used <= budget_mb * 2**20 < plan.workspace_bytes(got.rows + 1, 512, 16, per_entry)
-    assert plan.plan_block(block, plan.budget_bytes(1e-3), 10**6, "torch", False).startswith("a block of")
+    assert plan.plan_block(block, plan.budget_bytes(1e-3), 10**6, "torch", False).reason.startswith("a block of")
+
+
+def test_no_out_dtype_hands_off_with_a_warning(monkeypatch):
+    """A torch without mm(..., out_dtype) on CUDA: bf16/fp16 blocks run the fused kernels, and the user hears of it
+    once; float32 needs no out_dtype and stays on the route."""
+    monkeypatch.setattr(plan, "mm_out_dtype_runs", lambda device: False)
+    bf16, fp32 = _block(64, 64, 8, torch.bfloat16), _block(64, 64, 8)
+    handoff = plan.plan_block(bf16, plan.budget_bytes(None), 32, None, True, cuda=True)
+    assert isinstance(handoff, plan.HandOff) and handoff.warn and "out_dtype" in handoff.reason
+    assert plan.plan_block(fp32, plan.budget_bytes(None), 32, None, True, cuda=True).rows == 32
+    assert not plan.plan_block(_block(64, 64, 8, torch.float64), 10**9, 32, None, True, cuda=True).warn
 
 
 def _peak_bytes(fn) -> int:
@@ -234,7 +245,7 @@ def test_handoffs_run_the_fused_route(case):
 
     with route(budget_mb=1e-4 if case == "budget" else None):
         if case == "budget":
-            assert isinstance(chunked.BACKEND.plan(_block(20, 20, 8)), str)
+            assert isinstance(chunked.BACKEND.plan(_block(20, 20, 8)), plan.HandOff)
         ours = grads_of(loss("chunked"), q, k, scale)
     _same(ours, grads_of(loss("torch"), q, k, scale))
 
@@ -246,3 +257,11 @@ def test_auto_keeps_todays_choice_until_measured():
     assert auto_backend("triton", q, q, False) == "triton"
     assert auto_backend("cpu", q, q, False) == "cpu"
     assert block_backend("chunked") is chunked.BACKEND
+
+
+def test_other_apis_name_the_argument():
+    from infcl import retrieval_metrics
+
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="backend='chunked'"):
+        retrieval_metrics(x, x, backend="chunked")

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from . import ENV_VAR, resolve_backend
+from . import ENV_VAR, resolve_backend, unavailable_reason
 
 
 def select_impl(backend, device: torch.device, api: str, torch_impl, native_loader, triton_loader):
@@ -26,7 +26,13 @@ def select_impl(backend, device: torch.device, api: str, torch_impl, native_load
             f"{api} has no backend='reference' (it would materialize the B x B scores); use 'auto', 'torch', "
             f"'cpu' or 'triton'"
         )
+    if backend == "chunked":  # the softmax loss's route (docs/chunked.md): no other API has a chunked pass
+        raise ValueError(
+            f"{api} has no backend='chunked' (the softmax loss's route); use 'auto', 'torch', 'cpu' or 'triton'"
+        )
     name = resolve_backend(backend, device)
+    if name == "chunked":  # INFCL_BACKEND=chunked: this API's own "auto" (the native kernel on CPU, else the tiles)
+        name = "cpu" if unavailable_reason("cpu", device) is None else "torch"
     if name == "triton" and backend == "auto" and not os.environ.get(ENV_VAR, "").strip():
         name = "torch"  # not yet run on a GPU: see the module docstring
     if name == "cpu":

@@ -23,7 +23,7 @@ An explicit ``chunk_rows`` skips the two size thresholds (tests, the A/B) but ne
 import functools
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -79,6 +79,14 @@ class ChunkPlan:
         return (slice(i, min(i + self.rows, n)) for i in range(0, n, self.rows))
 
 
+class HandOff(NamedTuple):
+    """Why a block runs on the fused kernels; ``warn``: a condition the user would want to hear of once (this torch
+    lacks what the route needs), not the route's own choice."""
+
+    reason: str
+    warn: bool = False
+
+
 def entry_bytes(cublas: bool, triton_passes: bool, operand: torch.dtype) -> int:
     """Workspace bytes per entry of a chunk's scores (see the module docstring)."""
     ds = torch.empty((), dtype=operand).element_size() if cublas else 4
@@ -110,22 +118,30 @@ def mm_out_dtype_runs(device: torch.device) -> bool:
 
 
 def plan_block(
-    block: Block, budget: int, chunk_rows: Optional[int], passes: Optional[str], triton_runs: bool
-) -> Union[ChunkPlan, str]:
-    """The block's :class:`ChunkPlan`, or a sentence saying why the fused kernels run it.
+    block: Block,
+    budget: int,
+    chunk_rows: Optional[int],
+    passes: Optional[str],
+    triton_runs: bool,
+    cuda: Optional[bool] = None,
+) -> Union[ChunkPlan, HandOff]:
+    """The block's :class:`ChunkPlan`, or the :class:`HandOff` saying why the fused kernels run it.
 
     ``triton_runs``: the Triton kernels launch on this device uncompiled by the interpreter (a GPU, or the
-    compile gate's stand-in), so the passes run as Triton kernels unless ``passes`` says "torch"."""
+    compile gate's stand-in), so the passes run as Triton kernels unless ``passes`` says "torch". ``cuda``: whether
+    the products run on cuBLAS (default: whether the features are CUDA tensors)."""
     q, k = block.q, block.k
     if block.masked:
-        return "the mask options (ids, multi_positive, guide) run on the fused kernels"
+        return HandOff("the mask options (ids, multi_positive, guide) run on the fused kernels")
     if q.dtype == torch.float64:
-        return "float64 runs on the fused kernels"
-    cuda = q.device.type == "cuda"
+        return HandOff("float64 runs on the fused kernels")
+    cuda = q.device.type == "cuda" if cuda is None else cuda
     if cuda and q.dtype != torch.float32 and not mm_out_dtype_runs(q.device):
-        return (
-            f"torch {torch.__version__} has no torch.mm(..., out_dtype=torch.float32) on CUDA (torch >= 2.8), "
-            f"so bf16/fp16 scores would be rounded to the operand dtype; the fused kernels run instead"
+        return HandOff(
+            f"infcl: backend='chunked' runs bf16/fp16 on the fused Triton kernels: torch {torch.__version__} has no "
+            f"torch.mm(..., out_dtype=torch.float32) on CUDA (torch >= 2.8), so the scores would be rounded to the "
+            f"operand dtype",
+            warn=True,
         )
     triton_passes = passes == "triton" or (passes is None and triton_runs)
     per_entry = entry_bytes(cuda, triton_passes, q.dtype)
@@ -138,7 +154,7 @@ def plan_block(
     elif cuda and (rows < min(MIN_CHUNK_ROWS, n_q) or n_q < MIN_BLOCK_ROWS):
         rows = 0
     if rows < 1:
-        return (
+        return HandOff(
             f"a block of {n_q} x {n_k} rows (D = {dim}) takes the fused kernels: the chunk budget of "
             f"{budget / 2**20:.0f} MiB ({ENV_BUDGET}) fits {max(rows, 0)} rows, or the block is small"
         )

@@ -28,7 +28,7 @@ import torch
 from ...lse import empty_stats, lse_merge
 from ..base import Block, Tensor
 from . import torch_passes
-from .plan import ChunkPlan, budget_bytes, plan_block
+from .plan import ChunkPlan, HandOff, budget_bytes, plan_block
 from .products import Products
 
 
@@ -94,9 +94,15 @@ class ChunkedBackend:
         self.passes = passes
 
     def plan(self, block: Block):
-        """The block's :class:`ChunkPlan`, or the sentence saying why the fused kernels run it."""
+        """The block's :class:`ChunkPlan`, or the :class:`HandOff` saying why the fused kernels run it (warned of
+        once where it is this torch's lack, not the route's choice)."""
         triton_runs = self.passes != "torch" and _triton_runs(block.q.device)
-        return plan_block(block, budget_bytes(self.budget_mb), self.chunk_rows, self.passes, triton_runs)
+        plan = plan_block(block, budget_bytes(self.budget_mb), self.chunk_rows, self.passes, triton_runs)
+        if isinstance(plan, HandOff) and plan.warn:
+            from .. import _warn_once
+
+            _warn_once(plan.reason)
+        return plan
 
     @staticmethod
     def _passes(plan: ChunkPlan):
@@ -108,7 +114,7 @@ class ChunkedBackend:
 
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         plan = self.plan(block)
-        if isinstance(plan, str):
+        if isinstance(plan, HandOff):
             return _fused(block.q.device).forward_block(block, symmetric)
         passes, products = self._passes(plan), Products(block, plan)
         (n_q, _), n_k, dev = block.q.shape, block.k.shape[0], block.q.device
@@ -126,7 +132,7 @@ class ChunkedBackend:
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         plan = self.plan(block)
-        if isinstance(plan, str):
+        if isinstance(plan, HandOff):
             return _fused(block.q.device).backward_block(block, dq, dk)
         passes, products = self._passes(plan), Products(block, plan)
         n_q, n_k, dev = block.q.shape[0], block.k.shape[0], block.q.device
