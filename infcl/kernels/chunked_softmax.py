@@ -232,6 +232,11 @@ def _even(n_rows: int, n_cols: int, block_m: int, block_n: int) -> dict:
     return {"EVEN_M": n_rows % block_m == 0, "EVEN_N": n_cols % block_n == 0}
 
 
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit stride in its last dim (the kernels read its rows so; a copy only for such a view)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _splits(n_cols: int, block_n: int) -> int:
     return triton.cdiv(triton.cdiv(n_cols, block_n), SPLIT_TILES)
 
@@ -269,6 +274,8 @@ def chunk_stats(
     0-d float32, ``pos`` [C] int64 (the positive's column, -1 for none). Writes ``rows_out`` [3, C] (max, r,
     positive logit or 0) and returns the chunk's column stats [2, Bk] (max, r) over its C rows, or None."""
     n_rows, n_cols = raw.shape
+    assert raw.stride(1) == 1 and rows_out.stride(1) == 1, "the passes read rows of contiguous columns"
+    pos = _unit(pos)
     block_m, block_n, warps = STATS_TILE
     row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
     rows = torch.empty(3, splits, n_rows, dtype=torch.float32, device=raw.device)
@@ -321,6 +328,10 @@ def chunk_grad(
     the scale gradient's (row, column) parts ``[2]``, sums of dS * raw. ``factor``: [C] or a 0-d tensor (the scale)
     read with stride 0. ``row_stats`` [2, C], ``g_row`` [C]; symmetric: ``col_stats`` [2, Bk], ``g_col`` [Bk]."""
     n_rows, n_cols = raw.shape
+    assert raw.stride(1) == 1 and ds.stride(1) == 1, "the passes read and write rows of contiguous columns"
+    pos, row_stats, g_row = _unit(pos), _unit(row_stats), _unit(g_row)
+    if col_stats is not None:
+        col_stats, g_col = _unit(col_stats), _unit(g_col)
     block_m, block_n, warps = GRAD_TILE
     row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
     parts = torch.empty(2, row_blocks * splits, dtype=torch.float32, device=raw.device)
