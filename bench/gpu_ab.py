@@ -226,12 +226,14 @@ def _methods(device: torch.device) -> Dict[str, Callable]:
     return out
 
 
-def _chunk_plan(q, k) -> str:
+def _chunk_plan(q, k, masked: bool = False) -> str:
+    """What backend="chunked" does with a block of these features: "C=<rows>", or why the fused kernels run it."""
     from infcl.backends import chunked
     from infcl.backends.base import Block
 
     pos = torch.arange(q.shape[0], device=q.device)
-    block = Block(q=q.detach(), k=k.detach(), scale=torch.ones((), device=q.device), pos=pos)
+    ids = {"q_ids": pos, "k_ids": pos} if masked else {}
+    block = Block(q=q.detach(), k=k.detach(), scale=torch.ones((), device=q.device), pos=pos, **ids)
     plan = chunked.BACKEND.plan(block)
     return f"C={plan.rows}" if hasattr(plan, "rows") else plan.reason
 
@@ -318,6 +320,7 @@ def step_errors(rows: Rows, sizes: Sizes, dry: bool) -> None:
         q, k, scale = make_inputs(n, sizes.dim, dtype, device, seed=1)
         torch.backends.cuda.matmul.allow_tf32 = tf32
         loss, vanilla = _case_losses(kw, siglip, dtype)
+        rows.add(name, "chunk plan", "fused (siglip)" if siglip else _chunk_plan(q, k, masked="guide" in kw))
         truth = _grads(loss("torch"), q.double(), k.double(), scale.double())
         runs = {"chunked": loss("chunked"), f"fused ({fused})": loss(fused)}
         if vanilla is not None:
@@ -420,7 +423,7 @@ STEPS = (
     ("gemm", step_gemm, 40),
     ("passes", step_passes, 30),
     ("speed", step_speed, 90),
-    ("errors", step_errors, 60),
+    ("errors", step_errors, 90),
     ("bits", step_bits, 30),
     ("million", step_million, 120),
     ("open-items", step_open_items, 240),
