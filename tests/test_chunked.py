@@ -265,3 +265,38 @@ def test_other_apis_name_the_argument():
     x = torch.randn(8, 4)
     with pytest.raises(ValueError, match="backend='chunked'"):
         retrieval_metrics(x, x, backend="chunked")
+
+
+def _tied(b, d, seed):
+    """Small-integer features with repeated rows: exact products in every dtype, rows whose maximum is shared by
+    several columns (the positive among them), and columns likewise."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-1, 2, (b, d), generator=gen).double()
+    k = q[torch.randint(0, b, (b,), generator=gen)]
+    k[::3] = q[::3]
+    return q, k
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_tied_maxima_are_counted_exactly(dtype):
+    """The scores are exact in both dtypes, so the losses (float32 stats) are the truth's to round-off; the
+    gradients too in float32 (bf16's are rounded to bf16 twice: dS and the result)."""
+    q, k = _tied(40, 6, seed=8)
+    scale = torch.tensor(3.0)
+    with route(chunk_rows=9):
+        ours = grads_of(_loss(None, True), q.to(dtype), k.to(dtype), scale)
+    want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, None, s_, True), q, k, scale.double())
+    checked = zip(("loss", "dq", "dk", "dscale"), ours, want)
+    for name, a, b in checked if dtype == torch.float32 else [next(checked)]:
+        assert_close_verbose(a, b, 1e-5, 1e-5, f"{dtype} {name}")
+
+
+def test_nan_features_give_nan_losses():
+    """A NaN in q makes its row's loss NaN (and, symmetric, every column's), as F.cross_entropy does."""
+    q, k, labels = features_and_labels(20, 20, 8, "perm", torch.float32, seed=10)
+    q[4, 2] = float("nan")
+    with route(chunk_rows=6):
+        rows = cal_inf_loss(q, k, labels, 5.0, reduction="none", backend="chunked")
+        pairs = cal_inf_loss(q, k, labels, 5.0, symmetric=True, reduction="none", backend="chunked")
+    assert torch.isnan(rows).tolist() == [i == 4 for i in range(20)]
+    assert bool(torch.isnan(pairs).all())

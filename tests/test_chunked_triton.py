@@ -128,3 +128,30 @@ def test_confident_rows_are_exact(kernels):
     finally:
         chunked.BACKEND = saved
     assert_normwise(ours, exact_softmax_truth(q, k, scale, labels, True), EXACT_NORMWISE[torch.float32], "confident")
+
+
+def test_tied_maxima_and_nan(kernels):
+    """Exact ties at the maxima (small-integer features, repeated rows) across row blocks, splits and chunks, and a
+    NaN feature's row, through the Triton passes."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randint(-1, 2, (70, 6), generator=gen).double()
+    k = q[torch.randint(0, 70, (70,), generator=gen)]
+    k[::3] = q[::3]
+    scale = torch.tensor(3.0)
+
+    def loss(q_, k_, s_):
+        return cal_inf_loss(q_, k_, None, s_, symmetric=True, reduction="none", backend="chunked")
+
+    saved = chunked.BACKEND
+    chunked.BACKEND = ChunkedBackend(chunk_rows=33, passes="triton")
+    try:
+        ours = grads_of(loss, q.float(), k.float(), scale)
+        bad = q.float().clone()
+        bad[5, 1] = float("nan")
+        rows = cal_inf_loss(bad, k.float(), None, 3.0, reduction="none", backend="chunked")
+    finally:
+        chunked.BACKEND = saved
+    want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, None, s_, True), q, k, scale.double())
+    for name, a, b in zip(("loss", "dq", "dk", "dscale"), ours, want):
+        assert_close_verbose(a, b, 1e-5, 1e-5, f"ties {name}")
+    assert torch.isnan(rows).tolist() == [i == 5 for i in range(70)]
