@@ -56,10 +56,15 @@ def _upstream(n, seed=3):
     return w
 
 
+# CPU tensors here; on a machine with a GPU also CUDA tensors (cuBLAS products with float32 output, Triton passes).
+DEVICES = ("cpu",) + (("cuda",) if torch.cuda.is_available() else ())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
 @pytest.mark.parametrize("bq,bk,rows", CHUNKINGS)
 @pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
-def test_against_float64_truth(dtype, bq, bk, rows, symmetric):
+def test_against_float64_truth(device, dtype, bq, bk, rows, symmetric):
     """Loss, dq, dk and the scale gradient against float64, under mixed-sign and zero upstream gradients, labels
     (a permutation, or any column with Bk > Bq), every chunking: no worse than torch's own loss in that dtype."""
     if symmetric and bq != bk:
@@ -68,7 +73,8 @@ def test_against_float64_truth(dtype, bq, bk, rows, symmetric):
     scale = torch.tensor(12.0)
     w = _upstream(bq)
     with route(chunk_rows=rows):
-        ours = grads_of(_loss(labels, symmetric), q, k, scale, w)
+        on = [t.to(device) for t in (q, k, scale)]
+        ours = [t.cpu() for t in grads_of(_loss(labels.to(device), symmetric), *on, w.to(device))]
     want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, labels, s_, symmetric), q, k, scale.double(), w)
     atol, rtol = TOLERANCE[dtype]
     if dtype == torch.float32:
