@@ -30,7 +30,8 @@ import torch
 from ..base import Block
 
 ENV_BUDGET = "INFCL_CHUNK_BUDGET_MB"
-# 1 GiB: the issue's target for extra memory at B = 65536 (C = 2688 rows at Bk = 65536, D = 512, bf16).
+# 1 GiB: the issue's target for extra memory at B = 65536. Bf16 at D = 512 it gives C = 2368 rows at
+# Bk = 65536, 5056 at 32768 and 8192 (the cap) at 16384.
 DEFAULT_BUDGET_MB = 1024.0
 # cuBLAS rates hold for M a multiple of 64 (its tiles' row counts); chunk starts stay 128-byte aligned for D >= 32.
 ROW_ALIGN = 64
