@@ -9,7 +9,7 @@ from setuptools import find_packages, setup
 # or ahead of time by `python -m infcl build`, so installing needs no compiler and no torch in pip's build
 # isolation.
 CSRC_PACKAGE = "infcl._csrc"
-CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native_build compiles every *.cpp it finds there
+CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native.build compiles every *.cpp it finds there
 
 TRITON = 'triton>=3.2; platform_system == "Linux" and platform_machine == "x86_64"'
 SENTENCE_TRANSFORMERS = "sentence-transformers>=5"
@@ -35,13 +35,16 @@ setup(
         # pulls torchvision, whose PyPI build must match the installed torch; the tests need only its loss
         # module, so README's Set up installs it with --no-deps instead of through this extra.
         "open_clip": ["open-clip-torch"],
+        # Lower bounds only, each what the tests need; no upper bound unless a known release breaks us (then
+        # with the reason beside it). CI (.ci/run) installs into a new virtualenv, so a new release of any of
+        # these shows up in the next CI run.
         "dev": [
-            "pytest>=7",
-            "pytest-xdist>=3",  # README's test command spreads the test files over 2 processes
-            "ruff>=0.6",
-            "hypothesis>=6",
+            "pytest>=7",  # pyproject.toml's `pythonpath` ini option (pytest 7.0)
+            "pytest-xdist>=3",  # README's test command spreads the test files over 2 processes (--dist loadfile)
+            "ruff>=0.6",  # `ruff format` and the [tool.ruff.lint] table
+            "hypothesis>=6",  # tests/test_properties*.py
             "pytest-benchmark>=4",
-            "matplotlib>=3.5",
+            "matplotlib>=3.5",  # bench's plot
             "tqdm>=4",
             TRITON,
             SENTENCE_TRANSFORMERS_TRAIN,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import infcl
-from infcl.backends import native_build
+from infcl.backends.native import build as native_build
 
 SCALE = 14.3  # exp(2.659), CLIP's initial logit scale
 TOLERANCE = (1e-5, 1e-4)  # (atol, rtol) for float32 against the float64 vanilla loss

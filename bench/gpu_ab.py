@@ -229,7 +229,7 @@ def _methods(device: torch.device) -> Dict[str, Callable]:
 def _chunk_plan(q, k, masked: bool = False) -> str:
     """What backend="chunked" does with a block of these features: "C=<rows>", or why the fused kernels run it."""
     from infcl.backends import chunked
-    from infcl.backends.base import Block
+    from infcl.contract import Block
 
     pos = torch.arange(q.shape[0], device=q.device)
     ids = {"q_ids": pos, "k_ids": pos} if masked else {}
@@ -341,7 +341,7 @@ def step_bits(rows: Rows, sizes: Sizes, dry: bool) -> None:
     from bench.methods import make_inputs
     from infcl import cal_inf_loss
     from infcl.backends import chunked
-    from infcl.backends.base import Block
+    from infcl.contract import Block
     from infcl.backends.chunked.products import Products
 
     device, n = _device(dry), sizes.bits

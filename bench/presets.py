@@ -32,6 +32,15 @@ ISSUE_BATCHES = (2048, 4096, 8192, 16384)
 # The GPU run: vanilla (until its logits no longer fit), Inf-CL and the Triton kernels, 8k .. 256k.
 GPU_BATCHES = (8192, 16384, 32768, 65536, 131072, 262144)
 GPU_METHODS = ("vanilla", "inf-cl", "triton")
+# The GPU run's sweep at D = 512 in bf16; the others are it at D = 1024, and in float32, up to 32k.
+GPU_SWEEP = Sweep(
+    batch_sizes=GPU_BATCHES,
+    dims=(512,),
+    dtype="bfloat16",
+    modes=("forward+backward",),
+    methods=GPU_METHODS,
+    accuracy=True,
+)
 
 PRESETS: Dict[str, Tuple[Sweep, ...]] = {
     "default": (Sweep(batch_sizes=(1024, 2048, 4096), dims=(256,), repeats=3),),
@@ -42,30 +51,9 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
         Sweep(batch_sizes=(65536,), dims=(256,), modes=("forward+backward",), memory_only=True),
     ),
     "gpu": (
-        Sweep(
-            batch_sizes=GPU_BATCHES,
-            dims=(512,),
-            dtype="bfloat16",
-            modes=("forward+backward",),
-            methods=GPU_METHODS,
-            accuracy=True,
-        ),
-        Sweep(
-            batch_sizes=GPU_BATCHES[:3],
-            dims=(1024,),
-            dtype="bfloat16",
-            modes=("forward+backward",),
-            methods=GPU_METHODS,
-            accuracy=True,
-        ),
-        Sweep(
-            batch_sizes=GPU_BATCHES[:3],
-            dims=(512,),
-            dtype="float32",
-            modes=("forward+backward",),
-            methods=GPU_METHODS,
-            accuracy=True,
-        ),
+        GPU_SWEEP,
+        replace(GPU_SWEEP, batch_sizes=GPU_BATCHES[:3], dims=(1024,)),
+        replace(GPU_SWEEP, batch_sizes=GPU_BATCHES[:3], dtype="float32"),
     ),
 }
 

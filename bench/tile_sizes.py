@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
-from infcl.backends.base import accum_dtype
 from infcl.backends.torch_tiles import CPU_TILES, TorchTilesBackend
+from infcl.contract import accum_dtype
 from infcl.function import InfLossFunction, LossPlan
 from infcl.ring.layout import single_layout
 

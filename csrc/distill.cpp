@@ -1,5 +1,5 @@
 // infcl native CPU kernel for the distillation loss (infcl/losses/distill.py has the math and the partials;
-// infcl/backends/distill_tiles.py the torch tiles' version): per block, the student's S = scale * q @ k.T
+// infcl/backends/torch_tiles/distill.py the torch tiles' version): per block, the student's S = scale * q @ k.T
 // beside the teacher's T = teacher_scale * tq @ tk.T, tile by tile, never whole.
 //
 //   distill_forward_block(q [Bq,D], k [Bk,D], scale, tq [Bq,DT], tk [Bk,DT], teacher_scale, symmetric)
@@ -387,7 +387,7 @@ at::Tensor distill_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
 }  // namespace
 }  // namespace distill
 
-// The namespace `infcl` is defined by csrc/infcl_cpu.cpp's TORCH_LIBRARY; this file adds its ops to it.
+// The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its ops to it.
 TORCH_LIBRARY_FRAGMENT(infcl, m) {
   m.def(
       "distill_forward_block(Tensor q, Tensor k, float scale, Tensor teacher_q, Tensor teacher_k, "

@@ -1,5 +1,5 @@
 // infcl native CPU kernel for the sigmoid (SigLIP) loss: the two block operations of the sigmoid contract
-// in infcl/backends/base.py, fused so that each logit tile comes from one BLAS call and is consumed while
+// in infcl/contract.py, fused so that each logit tile comes from one BLAS call and is consumed while
 // it is still in cache.
 //
 //   sigmoid_forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], bias) -> rows [Bq]

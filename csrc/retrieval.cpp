@@ -1,5 +1,6 @@
-// infcl native CPU kernel for the retrieval ranks (infcl/metrics/retrieval.py; the torch tiles' version and
-// the definitions are infcl/backends/rank_tiles.py): the two passes over the tiles of S = q @ k.T, no grad.
+// infcl native CPU kernel for the retrieval ranks (infcl/metrics/retrieval.py; the definitions are
+// infcl/contract.py, the torch tiles' version infcl/backends/torch_tiles/rank.py): the two passes over the
+// tiles of S = q @ k.T, no grad.
 //
 //   rank_best_positives(q [Bq,D], k [Bk,D], pos [Bq], row_index [Bq], col_index [Bk], symmetric,
 //       q_ids? [Bq], k_ids? [Bk]) -> (row_score, row_best, row_count, col_score, col_best, col_count)
@@ -307,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_ahead_counts(
 }  // namespace
 }  // namespace retrieval
 
-// The namespace `infcl` is defined by csrc/infcl_cpu.cpp's TORCH_LIBRARY; this file adds its ops to it.
+// The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its ops to it.
 TORCH_LIBRARY_FRAGMENT(infcl, m) {
   m.def(
       "rank_best_positives(Tensor q, Tensor k, Tensor pos, Tensor row_index, Tensor col_index, bool symmetric, "

@@ -1,4 +1,4 @@
-// The softmax (InfoNCE / CLIP) loss's native ops (contract: infcl/backends/base.py; design:
+// The softmax (InfoNCE / CLIP) loss's native ops (contract: infcl/contract.py; design:
 // docs/kernels.md, "Native CPU kernel"): each checks its inputs, lays them out as the kernel reads them
 // (prepared()) and calls softmax_forward.cpp's or softmax_backward.cpp's entry point.
 //

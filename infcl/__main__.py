@@ -16,7 +16,8 @@ from typing import List, Optional
 import torch
 
 import infcl
-from infcl.backends import BACKENDS, native_build, unavailable_reason
+from infcl.backends import BACKENDS, unavailable_reason
+from infcl.backends.native import build as native_build
 
 NOT_BUILT = (
     "not built yet: `python -m infcl build` compiles it once per machine and version of the sources "

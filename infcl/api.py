@@ -5,8 +5,7 @@ from typing import Optional
 
 import torch
 
-from .backends import block_backend, resolve_backend
-from .backends.chunked.auto import auto_backend
+from .backends import backend_object, measured_route, resolve_backend
 from .checks import (
     check_features,
     check_head_dim,
@@ -73,7 +72,8 @@ def cal_inf_loss(
             its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
-            its local shard and gets the loss of its local rows against the global batch.
+            its local shard and gets the loss of its local rows against the global batch. ``"local"``:
+            this rank's batch alone, with no ring, even under an initialized torch.distributed.
         backend: "auto" | "torch" | "cpu" | "triton" | "reference" (see :mod:`infcl.backends`);
             the environment variable INFCL_BACKEND overrides "auto". The ids, ``multi_positive`` and
             ``guide`` run on every backend.
@@ -98,9 +98,9 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
-        name = resolve_backend(backend, q.device, guided=masks is not None and masks.has_guide)
-        if backend == "auto":  # the chunked route where a GPU measured it faster (none yet: docs/chunked.md)
-            name = auto_backend(name, q, k, masks is not None)
+        name = resolve_backend(backend, q.device, "guided" if masks is not None and masks.has_guide else "softmax")
+        if backend == "auto" and masks is None:  # the chunked route where a GPU measured it faster (none yet)
+            name = measured_route(name, "softmax", q, k)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)
@@ -117,7 +117,7 @@ def cal_inf_loss(
             q, k, scale_t, labels_t, symmetric, layout, masks
         )
     else:
-        plan = LossPlan(backend=block_backend(name), symmetric=symmetric, layout=layout, masks=masks)
+        plan = LossPlan(backend=backend_object(name), symmetric=symmetric, layout=layout, masks=masks)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
     if masks is None:

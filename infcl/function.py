@@ -1,4 +1,5 @@
-"""The autograd Functions behind ``cal_inf_loss`` and ``cal_siglip_loss`` for every non-reference backend.
+"""The three autograd Functions behind ``cal_inf_loss``, ``cal_siglip_loss`` and ``cal_distill_loss`` for every
+non-reference backend, all on the one ring driver.
 
 :class:`InfLossFunction` (softmax): forward runs the ring driver with the softmax loss's block steps and
 returns per-row (and, for the symmetric loss, per-column) losses ``(max - positive) + rel``; it saves
@@ -8,6 +9,10 @@ gradients, per row and per column) to the driver, which recomputes the tiles.
 
 :class:`SigmoidLossFunction` (SigLIP): the same driver with the sigmoid loss's block steps; it saves
 only q, k, the labels, the scale and the bias (the backward needs no forward statistics).
+
+:class:`DistillLossFunction` (open_clip's distillation term): the same driver with the distillation loss's
+block steps (:mod:`infcl.losses.distill`); it saves q, k, the teacher's features and scale and the ``[4, n]``
+stats (the student's and the teacher's); the teacher gets no gradient.
 """
 
 from dataclasses import dataclass
@@ -16,7 +21,8 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backends.base import BlockBackend, accum_dtype
+from .contract import accum_dtype
+from .losses.distill import DistillSteps, DistillUpstream
 from .losses.sigmoid import SigmoidSteps, SigmoidUpstream
 from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
 from .masks import MaskOptions, guide_dtype, guide_threshold
@@ -28,10 +34,10 @@ from .ring.layout import RingLayout
 class LossPlan:
     """Everything about a call that is not a tensor: handed to the Function as one argument."""
 
-    backend: BlockBackend
+    backend: object  # the backend object (infcl.backends.resolve.backend_object): the loss's block operations
     symmetric: bool
     layout: RingLayout
-    masks: Optional[MaskOptions] = None  # the softmax loss's ids / multi-positive / guide options
+    masks: Optional[MaskOptions] = None  # the softmax loss's ids / multi-positive / guide options (softmax only)
 
 
 def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -126,3 +132,39 @@ class SigmoidLossFunction(torch.autograd.Function):
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, None)
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None
+
+
+class DistillLossFunction(torch.autograd.Function):
+    """(row losses [Bq], column losses [Bk] or empty) of the student against the teacher (see
+    ``cal_distill_loss``); the teacher's features and scale get no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, scale, teacher_q, teacher_k, teacher_scale, plan: LossPlan):
+        acc = accum_dtype(q.dtype)
+        scale_t = device_scale(scale, q)
+        teacher = (teacher_q.detach().to(acc), teacher_k.detach().to(acc), device_scale(teacher_scale, q))
+        ring = DistillSteps(plan.symmetric, *teacher)
+        labels = torch.full((q.shape[0],), -1, dtype=torch.int64, device=q.device)  # no positives: no one-hot
+        rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
+        row_loss = rows.losses()
+        col_loss = cols.losses() if plan.symmetric else row_loss.new_empty(0)
+        # The backward's global stats, packed as the backends take them: [4, n] (the student's, the teacher's).
+        saved = (torch.cat((rows.student, rows.teacher)),)
+        if plan.symmetric:
+            saved += (torch.cat((cols.student, cols.teacher)),)
+        ctx.save_for_backward(q, k, scale_t, *teacher, labels, *saved)
+        ctx.plan, ctx.scale_meta = plan, _param_meta(scale)
+        return row_loss, col_loss
+
+    @staticmethod
+    @once_differentiable  # the backward is itself a tiled loop: no double backward
+    def backward(ctx, g_row, g_col):
+        plan: LossPlan = ctx.plan
+        q, k, scale_t, tq, tk, tscale, labels, *saved = ctx.saved_tensors
+        acc = scale_t.dtype
+        rows = DistillUpstream(saved[0], g_row.to(acc).contiguous())
+        cols = DistillUpstream(saved[1], g_col.to(acc).contiguous()) if plan.symmetric else None
+        ring = DistillSteps(plan.symmetric, tq, tk, tscale)
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, cols)
+        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
+        return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None, None, None

@@ -16,7 +16,7 @@ Every place that combines two partial stats (over disjoint column sets) calls :f
 nothing in infcl writes ``log(exp(a) + exp(b))`` by hand.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -41,6 +41,29 @@ def lse_merge(acc: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     torch.logaddexp(shift_a, shift_b, out=r_a)
     m_a.copy_(new_max)
     return acc
+
+
+def _rescaled_cross(stats: torch.Tensor, teacher: torch.Tensor, cross: torch.Tensor, student_max, teacher_max):
+    """``cross`` relative to other maxima (>= these): (cross + (M - m) * exp(rT)) * exp(mT - MT); 0 if empty."""
+    m, (mt, rt) = stats[MAX], teacher
+    shifted = (cross + (student_max - m) * torch.exp(rt)) * torch.exp(mt - teacher_max)
+    return torch.where(m == float("-inf"), 0.0, shifted)
+
+
+def cross_merge_(acc: Sequence[torch.Tensor], part: Sequence[torch.Tensor]) -> None:
+    """Merge the distillation loss's partials ``part`` into ``acc`` in place, each (student stats ``[2, n]``,
+    teacher stats ``[2, n]``, cross ``[n]``) over disjoint sets of columns (:mod:`infcl.losses.distill`): both
+    stats by :func:`lse_merge`, each side's cross rescaled to the merged maxima (sums of non-negative terms)."""
+    student, teacher, cross = acc
+    p_student, p_teacher, p_cross = part
+    student_max = torch.maximum(student[MAX], p_student[MAX])
+    teacher_max = torch.maximum(teacher[MAX], p_teacher[MAX])
+    merged = _rescaled_cross(student, teacher, cross, student_max, teacher_max) + _rescaled_cross(
+        p_student, p_teacher, p_cross, student_max, teacher_max
+    )
+    cross.copy_(merged)
+    lse_merge(student, p_student)
+    lse_merge(teacher, p_teacher)
 
 
 def empty_stats(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ For row i and global column j, with ``same(i, j) = q_ids[i] == k_ids[j]`` (the s
   whose label is j (labels are a permutation).
 
 Everything here is O(B): ids and guide features travel with their rows, and every backend that supports
-these options forms P and E inside its tiles (``Block`` fields, :mod:`infcl.backends.base`).
+these options forms P and E inside its tiles (``Block`` fields, :mod:`infcl.contract`).
 """
 
 from dataclasses import dataclass

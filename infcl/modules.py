@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import cal_inf_loss
-from .ring.layout import ring_group
+from .ring.layout import LOCAL, ring_group
 from .siglip import cal_siglip_loss
 
 # open_clip's SigLipLoss(dist_impl=...) choices (None means its default, "bidir").
@@ -27,24 +27,36 @@ class InfCLIPLoss(nn.Module):
     bias gets its exact gradient, zero. It stays in the autograd graph (its ``.grad`` is a zero tensor,
     as with open_clip, not None) and a NaN or infinite bias makes the loss NaN, as it does upstream.
 
-    Under torch.distributed each rank passes its local features; the ring (``group``, default the
-    world) gives every rank's rows every rank's columns. open_clip's ``local_loss`` and
-    ``gather_with_grad`` select what it computes, as in open_clip's ``ClipLoss``:
+    The defaults are open_clip's, and so are the loss values and gradients they give. As with
+    ``ClipLoss``, the batch the loss sees is set by ``rank`` and ``world_size``:
 
-    - ``gather_with_grad=True`` (the defaults here): this rank's local loss (its rows and its columns
-      against the whole batch) with exact gathered gradients: image and text features get the gradient
-      of the sum of every rank's loss, ``logit_scale`` that of this rank's. ``local_loss=False`` only
-      changes the value returned: the global loss (every rank's, averaged by rank sizes), as open_clip's
-      global-by-global matrix gives it; the gradients are the same, so DDP's averaging gives the gradient
-      of the global loss either way.
-    - ``gather_with_grad=False, local_loss=False`` (open_clip's own defaults): the global loss, whose
-      gradient open_clip takes through this rank's own features only: ``1 / world`` of the gathered
-      gradient for the features, as here; ``logit_scale``'s DDP average is the same as open_clip's.
+    - ``world_size=1`` (the default) and no ``group``: this rank's features only, with no ring, even under an
+      initialized torch.distributed: what ``ClipLoss()`` computes there (each rank's local loss; DDP averages
+      the gradients). Changing ``ClipLoss()`` to ``InfCLIPLoss()`` changes nothing in training.
+    - ``world_size > 1`` (open_clip's trainer passes ``rank=args.rank, world_size=args.world_size``): the ring
+      over the world group, whose size and this process's rank must equal them (else ValueError).
+    - ``group=...`` (infcl's own argument): the ring over that group whatever ``world_size`` says (checked
+      against it when it is above 1).
+
+    On a ring, ``local_loss`` and ``gather_with_grad`` select what it computes, as in ``ClipLoss``. What
+    equals open_clip's, exactly: the loss value on every rank, and the image and text features' gradients on
+    every rank. ``logit_scale``'s gradient on each rank is that of this rank's local loss (its rows and
+    columns against the whole batch); open_clip's equals it with ``local_loss=True``, and with
+    ``local_loss=False`` (global-by-global logits) it is the global loss's on every rank. Their averages over
+    the ranks, what DDP applies, are equal in every setting (with equal local batches, as DDP has).
+
+    - ``gather_with_grad=True``: this rank's local loss with exact gathered gradients: the features get the
+      gradient of the sum of every rank's loss. ``local_loss=False`` returns the global loss (every rank's,
+      averaged by rank sizes) instead of the local one, with the same feature gradients.
+    - ``gather_with_grad=False, local_loss=False`` (open_clip's defaults): the global loss, whose gradient
+      open_clip takes through this rank's own features only: ``1 / world`` of the gathered gradient for the
+      features, as here. So a ring of W ranks trains at 1 / W of ``gather_with_grad=True``'s feature
+      gradients, as open_clip does.
     - ``gather_with_grad=False, local_loss=True`` with more than one rank raises ValueError: open_clip's
       gradient then drops the other ranks' terms of this rank's own loss, which the ring does not compute.
 
-    ``cache_labels``, ``rank`` and ``world_size`` are accepted for drop-in use and ignored (rank and world
-    come from ``group``); ``use_horovod=True`` raises.
+    ``cache_labels`` is accepted for drop-in use and ignored (no label matrix is built); ``use_horovod=True``
+    raises.
 
     The mask options of :func:`infcl.cal_inf_loss` (:mod:`infcl.masks`): ``multi_positive``,
     ``guide_margin`` and ``guide_margin_strategy`` are set here; the per-batch ``q_ids`` / ``k_ids`` (one id
@@ -53,8 +65,8 @@ class InfCLIPLoss(nn.Module):
 
     def __init__(
         self,
-        local_loss: bool = True,
-        gather_with_grad: bool = True,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
         cache_labels: bool = False,
         rank: int = 0,
         world_size: int = 1,
@@ -70,6 +82,7 @@ class InfCLIPLoss(nn.Module):
         if use_horovod:
             raise ValueError("InfCLIPLoss runs its ring over torch.distributed; use_horovod=True is not supported")
         self.local_loss, self.gather_with_grad = local_loss, gather_with_grad
+        self.rank, self.world_size = rank, world_size
         self.group = group
         self.backend = backend
         self.multi_positive = multi_positive
@@ -88,7 +101,8 @@ class InfCLIPLoss(nn.Module):
         k_ids: Optional[torch.Tensor] = None,
         guide=None,
     ):
-        ring = ring_group(self.group)
+        group = loss_group(self, "InfCLIPLoss")
+        ring = ring_group(group)
         world = 1 if ring is None else dist.get_world_size(ring)
         if world > 1 and not self.gather_with_grad:
             if self.local_loss:
@@ -103,7 +117,7 @@ class InfCLIPLoss(nn.Module):
             text_features,
             scale=logit_scale,
             symmetric=True,
-            group=self.group,
+            group=group,
             backend=self.backend,
             q_ids=q_ids,
             k_ids=k_ids,
@@ -115,8 +129,27 @@ class InfCLIPLoss(nn.Module):
         if logit_bias is not None:
             loss = loss + _cancelled_bias(logit_bias, loss)
         if world > 1 and not self.local_loss:
-            loss = loss + (_rows_mean(loss.detach(), image_features.shape[0], ring) - loss.detach())
+            loss = loss + (rows_mean(loss.detach(), image_features.shape[0], ring) - loss.detach())
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+def loss_group(module: nn.Module, name: str):
+    """The ``group`` argument a drop-in passes to its loss, from open_clip's ``rank`` and ``world_size`` and
+    infcl's ``group`` (the module's attributes): :data:`infcl.ring.layout.LOCAL` for ``world_size=1`` without
+    a group (open_clip's default: this rank's features only), else the group, checked against ``rank`` and
+    ``world_size`` when ``world_size > 1``."""
+    if module.group is None and module.world_size <= 1:
+        return LOCAL
+    if module.world_size > 1:
+        ring = ring_group(module.group)
+        world, rank = (1, 0) if ring is None else (dist.get_world_size(ring), dist.get_rank(ring))
+        if (world, rank) != (module.world_size, module.rank):
+            raise ValueError(
+                f"{name}(rank={module.rank}, world_size={module.world_size}) does not match the process group: "
+                f"this process is rank {rank} of {world}"
+                + ("" if ring is not None else " (torch.distributed is not initialized, or the group has one rank)")
+            )
+    return module.group
 
 
 def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -135,7 +168,7 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _rows_mean(loss: torch.Tensor, rows: int, ring) -> torch.Tensor:
+def rows_mean(loss: torch.Tensor, rows: int, ring) -> torch.Tensor:
     """Every rank's local (mean) loss averaged with its number of rows as weight: the global mean loss."""
     total = torch.stack([loss.double() * rows, torch.tensor(float(rows), dtype=torch.float64, device=loss.device)])
     dist.all_reduce(total, group=ring)
@@ -164,18 +197,19 @@ class InfSigLipLoss(nn.Module):
     (``logit_bias=None``: no bias). The loss is :func:`infcl.cal_siglip_loss` with its defaults: each
     row against every text, diagonal positives, the sum divided by the local batch size.
 
-    Under torch.distributed each rank passes its local features and gets exactly open_clip's
-    ``SigLipLoss(rank=r, world_size=W)`` value, its rows against every rank's text, with the same
-    gradients: image and text features get the gradient of the sum of all ranks' losses, logit_scale
+    The defaults are open_clip's, and so are the loss values and gradients they give: ``world_size=1`` (the
+    default) without a ``group`` compares this rank's features only, even under an initialized
+    torch.distributed, as ``SigLipLoss()`` does there. With ``world_size > 1`` (open_clip's trainer passes
+    ``rank=args.rank, world_size=args.world_size``) each rank passes its local features and gets exactly
+    open_clip's ``SigLipLoss(rank=r, world_size=W)`` value, its rows against every rank's text, with the
+    same gradients: image and text features get the gradient of the sum of all ranks' losses, logit_scale
     and logit_bias that of this rank's own loss, so DDP's averaging gives the global-mean gradient.
 
     open_clip's constructor arguments are accepted for drop-in use:
     - ``cache_labels``: ignored; no label matrix is ever built.
-    - ``rank``, ``world_size``: the ring runs over ``group`` (default: the world group when
-      torch.distributed is initialized) with that group's own rank and size. With ``world_size > 1``
-      they are checked against it at each call, and a mismatch raises ValueError. The default
-      ``world_size=1`` is not checked: under an initialized group of several ranks the loss still spans
-      the group (open_clip's SigLipLoss with world_size=1 would compare local features only).
+    - ``rank``, ``world_size``: with ``world_size > 1`` the ring runs over ``group`` (default: the world
+      group), whose size and this process's rank must equal them at each call (else ValueError).
+      ``group=...`` (infcl's own argument) rings over that group whatever ``world_size`` says.
     - ``dist_impl``: one of open_clip's ``None``, "bidir", "shift", "reduce", "gather" (anything else
       raises ValueError) and otherwise ignored: all four give the same loss and gradients, and infcl
       always uses its own ring, which passes text blocks to rank + 1 while it computes the current one.
@@ -206,18 +240,6 @@ class InfSigLipLoss(nn.Module):
         self.group = group
         self.backend = backend
 
-    def _check_ring(self) -> None:
-        if self.world_size <= 1:
-            return
-        ring = ring_group(self.group)
-        world, rank = (1, 0) if ring is None else (dist.get_world_size(ring), dist.get_rank(ring))
-        if (world, rank) != (self.world_size, self.rank):
-            raise ValueError(
-                f"InfSigLipLoss(rank={self.rank}, world_size={self.world_size}) does not match the process group: "
-                f"this process is rank {rank} of {world}"
-                + ("" if ring is not None else " (torch.distributed is not initialized, or the group has one rank)")
-            )
-
     def forward(
         self,
         image_features: torch.Tensor,
@@ -226,8 +248,8 @@ class InfSigLipLoss(nn.Module):
         logit_bias,
         output_dict: bool = False,
     ):
-        self._check_ring()
+        group = loss_group(self, "InfSigLipLoss")
         loss = cal_siglip_loss(
-            image_features, text_features, logit_scale, logit_bias, group=self.group, backend=self.backend
+            image_features, text_features, logit_scale, logit_bias, group=group, backend=self.backend
         )
         return {"contrastive_loss": loss} if output_dict else loss

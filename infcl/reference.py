@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .backends.base import accum_dtype
+from .contract import accum_dtype
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .ring.layout import RingLayout
 from .stats import row_info

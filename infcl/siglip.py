@@ -3,7 +3,7 @@
 import torch
 
 from .api import call_layout, reduce_losses
-from .backends import block_backend, resolve_backend
+from .backends import backend_object, resolve_backend
 from .checks import check_features, check_reduction, global_labels, local_labels, make_bias, make_scale
 from .function import LossPlan, SigmoidLossFunction
 from .reference import sigmoid_reference_losses
@@ -54,7 +54,7 @@ def cal_siglip_loss(
     with rejected_everywhere(ring):
         check_features(image, text, NAMES)
         check_reduction(reduction)
-        name = resolve_backend(backend, image.device)
+        name = resolve_backend(backend, image.device, "sigmoid")
         scale_t = make_scale(scale)
         bias_t = make_bias(bias)
         labels_t = local_labels(labels, image)
@@ -63,6 +63,6 @@ def cal_siglip_loss(
     if name == "reference":
         rows = sigmoid_reference_losses(image, text, scale_t, bias_t, labels_t, layout)
     else:
-        plan = LossPlan(backend=block_backend(name), symmetric=False, layout=layout)
+        plan = LossPlan(backend=backend_object(name), symmetric=False, layout=layout)
         rows = SigmoidLossFunction.apply(image, text, scale_t, bias_t, labels_t, plan)
     return reduce_losses(rows, reduction)

@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 
 from helpers import truth  # noqa: E402
 from helpers.support import DTYPE_TOLERANCES, tiled_backends  # noqa: E402  (after TRITON_INTERPRET)
+from helpers.torch_settings import float32_matmul as float32_matmul_settings  # noqa: E402
 
 # Whole files of one kind. Tests of these kinds elsewhere carry the marker themselves, or are found below:
 # a parameter naming the "triton" backend (interpreted here) or the module fixture ``spawned`` (gloo ranks).
@@ -38,7 +39,7 @@ FILE_KINDS = {
     "test_triton_api_compile.py": "compile",
     "test_triton_compile.py": "compile",
     "test_static_report.py": "compile",
-    "test_beyond_compile.py": "compile",
+    "test_rank_distill_compile.py": "compile",
     "test_triton_guided_narrow.py": "compile",
     "test_ring.py": "distributed",
     "test_siglip_ring.py": "distributed",
@@ -119,6 +120,19 @@ def dtype_tolerance(request):
 def tiled_backend(request):
     """Every non-reference backend that runs natively on CPU tensors here (torch tiles; native where built)."""
     return request.param
+
+
+@pytest.fixture
+def float32_matmul():
+    """Sets torch's TF32 flag for the test (``float32_matmul(True)``) and restores torch's float32 matmul
+    precision afterwards (``helpers.torch_settings``: never ``monkeypatch.setattr`` on torch's settings)."""
+    with float32_matmul_settings() as matmul:
+
+        def set_tf32(allow: bool):
+            matmul.allow_tf32 = allow
+            return matmul
+
+        yield set_tf32
 
 
 @pytest.fixture

@@ -183,7 +183,7 @@ def test_no_import_cycles():
 
 # What the reference must not share with what it checks: the API and the tiled path behind it.
 TILED_PATH = ("infcl.api", "infcl.function", "infcl.losses", "infcl.ring.driver", "infcl.ring.comm", "infcl.kernels")
-TILED_BACKENDS = ("infcl.backends.torch_tiles", "infcl.backends.native", "infcl.backends.triton_backend")
+TILED_BACKENDS = ("infcl.backends.torch_tiles", "infcl.backends.native", "infcl.backends.triton")
 
 
 def test_reference_imports_nothing_of_the_tiled_path():
@@ -199,7 +199,7 @@ def test_reference_imports_nothing_of_the_tiled_path():
 def test_auto_runs_guided_losses_on_the_torch_tiles_on_cuda(monkeypatch):
     """The guided Triton forward faulted on an H200 (README, "On a GPU"): "auto" keeps guided calls on the
     torch tiles on CUDA, with one warning; unguided calls and an explicit backend="triton" are unchanged."""
-    import infcl.backends as backends
+    from infcl.backends import resolve as backends
 
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
     monkeypatch.delenv("INFCL_BACKEND", raising=False)
@@ -207,6 +207,15 @@ def test_auto_runs_guided_losses_on_the_torch_tiles_on_cuda(monkeypatch):
     assert backends.resolve_backend("auto", cuda) == "triton"
     with pytest.warns(RuntimeWarning, match="guided loss on the torch tiles"):
         backends._WARNED.clear()
-        assert backends.resolve_backend("auto", cuda, guided=True) == "torch"
-    assert backends.resolve_backend("triton", cuda, guided=True) == "triton"
-    assert backends.resolve_backend("auto", torch.device("cpu"), guided=True) == "cpu"
+        assert backends.resolve_backend("auto", cuda, "guided") == "torch"
+    assert backends.resolve_backend("triton", cuda, "guided") == "triton"
+    assert backends.resolve_backend("auto", torch.device("cpu"), "guided") == "cpu"
+
+
+def test_group_local_runs_without_a_ring_and_other_strings_raise():
+    """``group="local"``: this process's batch alone (the drop-ins' open_clip default); any other string is
+    a ValueError naming ``group``."""
+    q, k = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    assert torch.equal(cal_inf_loss(q, k, group="local"), cal_inf_loss(q, k))
+    with pytest.raises(ValueError, match="group must be"):
+        cal_inf_loss(q, k, group="world")

@@ -21,10 +21,9 @@ from helpers.support import (
     vanilla_loss,
 )
 from infcl import cal_inf_loss, cal_siglip_loss
-from infcl.backends import block_backend, chunked
-from infcl.backends.base import Block
-from infcl.backends.chunked import ChunkedBackend, plan
-from infcl.backends.chunked.auto import MEASURED, auto_backend
+from infcl.backends import backend_object, chunked, measured_route, resolve
+from infcl.backends.chunked import ChunkedBackend, measured_faster, plan
+from infcl.contract import Block
 
 LOWP = (torch.float32, torch.bfloat16, torch.float16)
 FACTOR, ULPS = 2.0, 4  # as tests/test_regimes.py
@@ -257,20 +256,51 @@ def test_handoffs_run_the_fused_route(case):
 
 
 def test_auto_keeps_todays_choice_until_measured():
-    """The measured table is empty: auto's choice is the fused kernels' wherever they were chosen."""
-    assert MEASURED == {}
+    """The resolver's measured table is empty: auto's choice is AUTO's wherever it was made."""
+    assert resolve.CHUNKED_FROM == {}
     q = torch.zeros(70000, 4)
-    assert auto_backend("triton", q, q, False) == "triton"
-    assert auto_backend("cpu", q, q, False) == "cpu"
-    assert block_backend("chunked") is chunked.BACKEND
+    for name in ("triton", "cpu", "torch"):
+        assert measured_route(name, "softmax", q, q) == name
+    assert backend_object("chunked") is chunked.BACKEND
 
 
-def test_other_apis_name_the_argument():
-    from infcl import retrieval_metrics
+def test_a_measured_entry_takes_the_route(monkeypatch):
+    """With an entry, auto takes the route from its Bq on, for that family and dtype only, where the budget fits
+    MIN_CHUNK_ROWS rows; never for another kind of call, nor under INFCL_BACKEND."""
+    table = {(90, "bfloat16"): 16384}
+    big, small = torch.zeros(16384, 4, dtype=torch.bfloat16), torch.zeros(16383, 4, dtype=torch.bfloat16)
+    assert measured_faster(big, big, table, None, family=90)
+    assert not measured_faster(small, big, table, None, family=90)
+    assert not measured_faster(big, big, table, None, family=80)
+    assert not measured_faster(big.float(), big.float(), table, None, family=90)
+    assert not measured_faster(big, big, table, 1.0, family=90)  # 1 MiB fits no 256 rows of 16384 columns
+    monkeypatch.setattr(resolve, "CHUNKED_FROM", table)
+    monkeypatch.setattr(chunked, "measured_faster", lambda q, k, t, budget_mb: t is table)
+    assert measured_route("triton", "softmax", big, big) == "chunked"
+    assert measured_route("triton", "sigmoid", big, big) == "triton"
+    assert measured_route("cpu", "softmax", big, big) == "cpu"
+    monkeypatch.setenv(resolve.ENV_VAR, "triton")
+    assert measured_route("triton", "softmax", big, big) == "triton"
+
+
+@pytest.mark.parametrize("api", ("retrieval_metrics", "cal_distill_loss"))
+def test_other_apis_name_the_argument(api, monkeypatch):
+    """The ranks and the distillation loss have no chunked route: the resolver refuses the name, and
+    INFCL_BACKEND=chunked runs their own "auto" choice."""
+    import infcl
 
     x = torch.randn(8, 4)
-    with pytest.raises(ValueError, match="backend='chunked'"):
-        retrieval_metrics(x, x, backend="chunked")
+    call = {
+        "retrieval_metrics": lambda b: infcl.retrieval_metrics(x, x, backend=b),
+        "cal_distill_loss": lambda b: infcl.cal_distill_loss(x, x, x, x, 2.0, 3.0, backend=b),
+    }[api]
+    with pytest.raises(ValueError, match=f"{api} has no backend='chunked'"):
+        call("chunked")
+    kind = "rank" if api == "retrieval_metrics" else "distill"
+    own_auto = resolve.resolve_backend("auto", x.device, kind)
+    monkeypatch.setenv(resolve.ENV_VAR, "chunked")
+    assert resolve.resolve_backend("auto", x.device, kind) == own_auto
+    call("auto")
 
 
 def _tied(b, d, seed):

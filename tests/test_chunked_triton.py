@@ -32,7 +32,7 @@ def kernels(monkeypatch):
     """The passes' module with one tile a split, so that small chunks have several splits to merge."""
     from infcl.kernels import chunked_softmax
 
-    monkeypatch.setattr(chunked_softmax, "SPLIT_TILES", 1)
+    monkeypatch.setattr(chunked_softmax, "CHUNK_SPLIT_TILES", 1)
     return chunked_softmax
 
 

@@ -96,7 +96,7 @@ def _use(backend):
         TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
         return "torch"
     if backend == "triton":
-        from infcl.backends.triton_backend import BACKEND
+        from infcl.backends.triton import BACKEND
 
         BACKEND.tiling = _triton_tiny()
     return backend
@@ -108,7 +108,7 @@ def _restore_tiles():
     yield
     TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
     if TRITON:
-        from infcl.backends.triton_backend import BACKEND
+        from infcl.backends.triton import BACKEND
 
         BACKEND.tiling = None
 

@@ -28,8 +28,8 @@ def _duplicated(b, guide_dim, seed, dtype):
 @pytest.mark.parametrize("tf32", (False, True))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 @pytest.mark.parametrize("symmetric", (False, True))
-def test_triton_guide_ties_match_reference(dtype, tf32, symmetric, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+def test_triton_guide_ties_match_reference(dtype, tf32, symmetric, float32_matmul):
+    float32_matmul(tf32)
     (q, k), guide = _duplicated(1000, 384, 0, dtype)
     # The reference's float64 thresholds and scores on the guide as the kernels round it: tf32 keeps 10 bits.
     ref_guide = tuple(g.double() for g in guide)

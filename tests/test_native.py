@@ -32,9 +32,10 @@ from helpers.support import (
     vanilla_loss,
 )
 from infcl import cal_inf_loss
-from infcl.backends import native, native_build, resolve_backend, unavailable_reason
-from infcl.backends.base import Block, accum_dtype
+from infcl.backends import native, resolve_backend, unavailable_reason
+from infcl.backends.native import build as native_build
 from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.contract import Block, accum_dtype
 
 CPU = torch.device("cpu")
 NATIVE_REASON = unavailable_reason("cpu", CPU)
@@ -523,7 +524,7 @@ def test_failed_build_warns_once_and_auto_falls_back(monkeypatch):
 
     monkeypatch.setattr(native_build, "_build_and_load", broken_build)
     monkeypatch.delenv("INFCL_BACKEND", raising=False)
-    native.load_error.cache_clear()
+    native_build.load_error.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -537,7 +538,7 @@ def test_failed_build_warns_once_and_auto_falls_back(monkeypatch):
         ours = [w for w in caught if "native CPU kernel" in str(w.message)]
         assert len(ours) == 1, [str(w.message) for w in caught]
     finally:
-        native.load_error.cache_clear()  # the next caller reloads the real (cached) build
+        native_build.load_error.cache_clear()  # the next caller reloads the real (cached) build
 
 
 def test_cpu_backend_refuses_other_devices():

@@ -51,6 +51,20 @@ def test_clip_loss_matches_open_clip(spawned, world, with_bias):
                 assert float(want["bias"].abs()) < 1e-5, f"open_clip's dbias {want['bias']}"
 
 
+@pytest.mark.parametrize("name", ("clip", "siglip", "distill"))
+def test_default_drop_ins_match_open_clips_defaults(spawned, name):
+    """Built with no arguments, under an initialized 3-rank world: the drop-in's loss and every gradient equal
+    open_clip's built with none (``world_size=1``: each rank's local batch alone), rank by rank. Before, the
+    defaults ringed over the world and trained at another gradient scale than ``ClipLoss()``."""
+    ranks = spawned(MAIN_WORLD)
+    for rank, results in enumerate(ranks):
+        want, got = (results[("defaults", name)][side] for side in ("open_clip", "infcl"))
+        for key in ("loss", "image", "text", "scale"):  # ours in float32 against open_clip's formula in float64
+            assert_close_verbose(got[key].double(), want[key], *FP32, f"{name} defaults rank={rank} {key}")
+    # Each rank's own batch: the three ranks' losses differ (a ring's global loss would be one value).
+    assert len({float(r[("defaults", name)]["open_clip"]["loss"]) for r in ranks}) == len(ranks)
+
+
 @pytest.mark.parametrize("world", tuple(RINGS))
 @pytest.mark.parametrize("local_loss, gather_with_grad", FLAGS)
 def test_clip_loss_flags_match_open_clip(spawned, world, local_loss, gather_with_grad):

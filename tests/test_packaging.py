@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import infcl
-from infcl.backends import BACKENDS, native_build, resolve_backend, unavailable_reason
+from infcl.backends import BACKENDS, resolve_backend, unavailable_reason
+from infcl.backends.native import build as native_build
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -145,7 +146,7 @@ def test_wheel_and_sdist_carry_the_native_sources(tmp_path):
         wheel_metadata = archive.read(metadata_name).decode()
     for name in cpp:
         assert f"infcl/_csrc/{name}" in names
-    assert {"infcl/__main__.py", "infcl/backends/native_build.py"} <= names
+    assert {"infcl/__main__.py", "infcl/backends/native/build.py"} <= names
     assert not any(n.startswith("csrc/") for n in names)  # inside the package, not a top-level folder
     requires = re.findall(r"^Requires-Dist: (.*)$", wheel_metadata, re.MULTILINE)
     assert "torch>=2.1" in requires  # no upper bound

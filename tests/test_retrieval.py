@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers.distributed import launch, results_by_ring
-from infcl.backends.rank_tiles import RANK_TILES
+from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.metrics import retrieval_metrics
 from workers.retrieval_ring_worker import CASES, MAIN_WORLD, RINGS, global_inputs
 
@@ -23,8 +23,8 @@ TILES = ((None, None), (7, 13))
 @pytest.fixture(params=TILES, ids=lambda t: f"tiles{t[0]}x{t[1]}")
 def tiles(request, monkeypatch):
     monkeypatch.setenv("INFCL_BACKEND", "torch")  # "auto" would run the native kernel: these test the tiles
-    monkeypatch.setattr(RANK_TILES, "tile_q", request.param[0])
-    monkeypatch.setattr(RANK_TILES, "tile_k", request.param[1])
+    monkeypatch.setattr(TORCH_TILES, "tile_q", request.param[0])
+    monkeypatch.setattr(TORCH_TILES, "tile_k", request.param[1])
 
 
 def truth_ranks(scores, positive, excluded):

@@ -39,10 +39,10 @@ DIMS = (16, 40, 72, 200)  # 16: one exact chunk; 40: one masked chunk; 72, 200: 
 @pytest.fixture(autouse=True)
 def gpu_tiling(monkeypatch):
     """Every test with the GPU's tile sizes (the interpreter would otherwise pick one big tile)."""
-    from infcl.backends import triton_backend
-    from infcl.kernels import sigmoid
+    from infcl.backends import triton as triton_backend
+    from infcl.kernels.tiling import SIGMOID_TILINGS
 
-    monkeypatch.setattr(triton_backend.BACKEND, "tiling", sigmoid.DEFAULT_TILINGS["mma"])
+    monkeypatch.setattr(triton_backend.BACKEND, "tiling", SIGMOID_TILINGS["mma"])
 
 
 def _inputs(bq, bk, dim, dtype, seed=0):

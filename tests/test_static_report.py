@@ -1,4 +1,4 @@
-"""The static performance report (bench/static.py) on sm_90 bf16 at D = 512 (whole feature chunks) and 1000
+"""The static performance report (bench/static/) on sm_90 bf16 at D = 512 (whole feature chunks) and 1000
 (ragged), compile-only, and what in it is structural: every kernel of both losses compiled and its tile loop
 found; S on wgmma; S from the same MMA ops in the same layouts in the softmax forward, dq and dk (the
 bit-identical S the backward relies on), one layout for every chunk; no mma.sync in a kernel whose products
@@ -54,7 +54,7 @@ def test_scores_on_wgmma_and_no_mma_sync_where_every_product_allows_wgmma(rows):
 
 
 def test_scores_from_one_mma_layout_in_forward_dq_and_dk(rows):
-    """The bit-identical S premise, read from the compiled code: S's MMA ops (tiles.score_dot's tl.dot) have
+    """The bit-identical S premise, read from the compiled code: S's MMA ops (score_tiles.score_dot's tl.dot) have
     one layout in each softmax kernel (every feature chunk alike) and it is the same in all three."""
     for dim in DIMS:
         by_kernel = {r["kernel"]: r for r in rows if r["D"] == dim and r["kernel"] in SOFTMAX_KERNELS}
@@ -69,9 +69,9 @@ def test_configs_share_one_score_tile():
     """Every default and autotune config of the three softmax kernels on tensor cores is built on the one S
     tile of its (family, class, ragged D): the same BLOCK_M, BLOCK_N and num_warps (so the same MMA)."""
     from infcl.kernels import softmax_backward, softmax_forward
-    from infcl.kernels.configs import TENSOR_CORE_CLASSES, ragged_d, score_tile
-    from infcl.kernels.ops import plain_tiling
+    from infcl.kernels.configs import TENSOR_CORE_CLASSES, ragged_d
     from infcl.kernels.target import ARCH_FAMILIES
+    from infcl.kernels.tiling import plain_tiling, score_tile
 
     for arch in ARCH_FAMILIES:
         for operand_class in TENSOR_CORE_CLASSES:
@@ -148,8 +148,8 @@ TTGIR = """#loc = loc("/x/softmax_backward.py":1:1)
       %raw_1 = ttng.warp_group_dot %q1, %k1, %raw {isAsync = true} : !ttg.memdesc<64x64xbf16, #shared, #smem, \
 mutable, 3x64x64> * !ttg.memdesc<64x64xbf16, #shared, #smem, mutable> -> tensor<64x64xf32, #mma1> loc(#loc8)
     %acc = tt.dot %ds, %kout, %acc0 : tensor<64x64xbf16> * tensor<64x256xbf16> -> tensor<64x256xf32, #mma> loc(#loc9)
-#loc3 = loc("/y/infcl/kernels/tiles.py":11:16)
-#loc4 = loc("/y/infcl/kernels/tiles.py":40:11)
+#loc3 = loc("/y/infcl/kernels/score_tiles.py":11:16)
+#loc4 = loc("/y/infcl/kernels/score_tiles.py":40:11)
 #loc5 = loc("/x/softmax_backward.py":200:5)
 #loc6 = loc("raw"(#loc3))
 #loc7 = loc(callsite(#loc3 at #loc5))

@@ -16,14 +16,14 @@ import torch
 from helpers.support import TOLERANCE, assert_close_verbose, assert_no_worse, grads_of, vanilla_loss
 from infcl import cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
-from infcl.backends.base import Block
+from infcl.contract import Block
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason("triton", torch.device("cuda" if torch.cuda.is_available() else "cpu")) is not None,
     reason="triton backend unavailable here (no CUDA and TRITON_INTERPRET unset)",
 )
 
-from infcl.backends import triton_backend  # noqa: E402  (needs the skip above when triton is missing)
+from infcl.backends import triton as triton_backend  # noqa: E402  (needs the skip above when triton is missing)
 from infcl.backends.torch_tiles import TORCH_TILES  # noqa: E402
 from infcl.kernels import TileConfig, Tiling  # noqa: E402
 
@@ -583,24 +583,18 @@ def test_round_to_tf32_is_nearest_ties_away():
     assert torch.equal(round_to_tf32(strided), expected.view(-1, 2)[:, 0])
 
 
-def test_float32_precision_follows_torchs_setting(monkeypatch):
+def test_float32_precision_follows_torchs_setting(float32_matmul):
     """None resolves to torch's float32 matmul precision, set either way: the legacy allow_tf32 or (torch
     2.9+) fp32_precision, whose "tf32" makes reading allow_tf32 raise."""
     from infcl.kernels.kernel_args import torch_matmul_precision
 
-    matmul = torch.backends.cuda.matmul
-    monkeypatch.setattr(matmul, "allow_tf32", True)
+    matmul = float32_matmul(True)
     assert torch_matmul_precision() == "tf32" and triton_backend.TritonBackend()._options()[0] == "tf32"
-    monkeypatch.setattr(matmul, "allow_tf32", False)
+    float32_matmul(False)
     assert torch_matmul_precision() == "ieee"
-    try:
-        saved = matmul.fp32_precision
-    except AttributeError:
+    if not hasattr(matmul, "fp32_precision"):
         pytest.skip("torch < 2.9 has no fp32_precision")
-    try:
-        matmul.fp32_precision = "tf32"
-        assert torch_matmul_precision() == "tf32" and triton_backend.TritonBackend()._options()[0] == "tf32"
-        matmul.fp32_precision = "ieee"
-        assert torch_matmul_precision() == "ieee"
-    finally:
-        matmul.fp32_precision = saved
+    matmul.fp32_precision = "tf32"  # the fixture restores the saved precision, whichever API set it
+    assert torch_matmul_precision() == "tf32" and triton_backend.TritonBackend()._options()[0] == "tf32"
+    matmul.fp32_precision = "ieee"
+    assert torch_matmul_precision() == "ieee"

@@ -11,8 +11,8 @@ is a stand-in (``triton_compile.CompileOnlyDriver``: a GPU target, 132 SMs) and 
 launching. ptxas (the wheel's, with Triton's flags) reports registers and spills.
 
 Targets: sm_90, sm_80, sm_86 (the 99 KiB family) and, where the wheel's ptxas knows them, sm_100 and
-sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere (without fp16 beyond sm_90, and fp32
-"ieee" and fp64 beyond sm_80: ``triton_compile.api_dtypes``), and the mask options (ids,
+sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere, in every dtype on every target
+(``triton_compile.api_dtypes``), and the mask options (ids,
 multi_positive, a guide) on sm_90 and sm_80 in bf16 and fp32; INFCL_COMPILE_FULL=1 runs every case (every
 mask kind too) on every target (``pytest -s`` prints the table either way; Triton's cache keeps compiled kernels
 across calls and runs).
@@ -145,7 +145,7 @@ def test_masked_calls_cover_every_mask_kind(results):
 
 def test_big_one_chunk_tiles_compile():
     """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
-    sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (tiles.score_dot's [M, N, D]
+    sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (score_tiles.score_dot's [M, N, D]
     product) is traced on a GPU target. Compiling is the whole check: such a tile spills in the backward and
     is nobody's default."""
     with _pool() as pool:
@@ -168,7 +168,7 @@ def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
     break, the kernels as triton_kernel_wrapper nodes in the forward and backward graphs, and the
     compiled step runs forward and backward compile-only."""
-    from infcl.kernels.ops import TRITON_OP
+    from infcl.kernels.registration import TRITON_OP
 
     with _pool() as pool:
         masks = ("both", "sum") if entry.endswith(" masked") else ("", "")  # ids and a guide, "sum"

@@ -8,11 +8,11 @@ import warnings
 import pytest
 import torch
 
-from infcl import backends
+from infcl.backends import resolve as backends
 from infcl.backends import resolve_backend
 
 pytest.importorskip("triton")
-from infcl.backends import triton_backend  # noqa: E402
+from infcl.backends.triton import available as triton_backend  # noqa: E402
 from infcl.kernels import target as kernel_target  # noqa: E402
 from infcl.kernels.target import TargetFacts
 
@@ -70,7 +70,7 @@ def test_supported_target_picks_triton_silently(target):
 
 
 def test_no_triton_falls_back_with_its_import_error(target, monkeypatch):
-    monkeypatch.setattr(triton_backend, "_IMPORT_ERROR", ImportError("No module named 'triton'"))
+    monkeypatch.setattr(triton_backend, "IMPORT_ERROR", ImportError("No module named 'triton'"))
     name, messages = _resolve("auto")
     assert name == "torch" and len(messages) == 1 and "No module named 'triton'" in messages[0]
     with pytest.raises(RuntimeError, match="needs the triton package"):

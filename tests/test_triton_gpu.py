@@ -68,11 +68,11 @@ def _floor(a, e):
 
 
 @pytest.fixture(params=("bfloat16", "float16", "tf32", "ieee"))
-def precision(request, monkeypatch):
+def precision(request, float32_matmul):
     """(dtype name, dtype); tf32 and ieee are float32 with that tl.dot precision."""
     name = request.param
     if name in ("tf32", "ieee"):
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", name == "tf32")
+        float32_matmul(name == "tf32")
         return name, torch.float32
     return name, getattr(torch, name)
 

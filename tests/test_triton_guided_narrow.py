@@ -33,15 +33,15 @@ def _case(b: int, seed: int = 0):
 
 
 def _sm90_masked_tiling():
-    from infcl.kernels.ops import arch_tiling
+    from infcl.kernels.tiling import tiling_for
 
-    return arch_tiling(90, torch.bfloat16, "ieee", DIM, masked=True, guide=True)
+    return tiling_for(90, torch.bfloat16, "ieee", DIM, masked=True, guide=True)
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton unavailable")
 @pytest.mark.parametrize("b, symmetric", [(80, True), pytest.param(128, False, marks=pytest.mark.slow)])
 def test_interpreted_guided_bf16_narrow_features(b, symmetric, monkeypatch):
-    from infcl.backends import triton_backend
+    from infcl.backends import triton as triton_backend
 
     tiling = _sm90_masked_tiling()
     assert tiling.block_d(DIM) == DIM  # one resident feature chunk, as on the GPU

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_check_kern
 
 from gpu_check_kern import profile  # noqa: E402
 
-from infcl.backends import triton_backend  # noqa: E402
-from infcl.kernels import ops  # noqa: E402
+from infcl.backends import triton as triton_backend  # noqa: E402
+from infcl.kernels.tiling import target_tiling  # noqa: E402
 
 DIM = 512
 BATCHES = (32768, 65536)
@@ -29,7 +29,7 @@ BATCHES = (32768, 65536)
 def main():
     if not torch.cuda.is_available():
         raise SystemExit("tools/chunk_ab.py times kernels on a GPU; none is visible")
-    default = ops.default_tiling(torch.device("cuda"), torch.bfloat16, "ieee", DIM)
+    default = target_tiling("softmax", torch.bfloat16, "ieee", DIM)
     results = []
     for chunk_d in sorted({default.chunk_d, 64}, reverse=True):
         triton_backend.BACKEND.tiling = dataclasses.replace(default, chunk_d=chunk_d)

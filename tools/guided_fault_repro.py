@@ -43,12 +43,13 @@ CASES = [
 
 
 def _pin(tiling: str, dtype: torch.dtype, dim: int) -> None:
-    from infcl.backends import triton_backend
-    from infcl.kernels import ops
+    from infcl.backends import triton as triton_backend
+    from infcl.kernels.target import target_family
+    from infcl.kernels.tiling import tiling_for
 
     if tiling == "default":
         return
-    base = ops.arch_tiling(ops.target_family(), dtype, "ieee", dim, masked=True, guide=True)
+    base = tiling_for(target_family(), dtype, "ieee", dim, masked=True, guide=True)
     if tiling == "chunk32":
         base = replace(base, resident_d=32, chunk_d=32)
     else:
@@ -72,10 +73,11 @@ def run(
     guide_cast: bool = False,
 ) -> float:
     from infcl import cal_inf_loss
-    from infcl.backends import triton_backend
+    from infcl.backends import triton as triton_backend
+    from infcl.backends.torch_tiles import TORCH_TILES
 
     if scores == "torchscores":
-        tiles = triton_backend.TORCH_TILES
+        tiles = TORCH_TILES
         triton_backend.TritonBackend.guide_label_scores = lambda self, *args: tiles.guide_label_scores(*args)
     dtype = getattr(torch, dtype_name)
     _pin(tiling, dtype, dim)

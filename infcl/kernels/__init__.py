@@ -1,16 +1,21 @@
-"""Fused Triton kernels for both losses' block steps (``backend="triton"``), one module per loss and phase.
+"""The Triton kernels of every API, their launchers and their registration as custom ops (``backend="triton"``; the
+backend objects that call them: :mod:`infcl.backends.triton`). Named by loss and phase; nothing here imports
+from above but :mod:`infcl.contract` and the shared numerics (:mod:`infcl.lse`, :mod:`infcl.masks`).
 
-- :mod:`.softmax_forward`: the softmax (InfoNCE / CLIP) loss's row (and, symmetric, column) log-sum-exp
-  stats and positive logits, one pass (1 GEMM); its per-tile helpers in :mod:`.forward_tiles`.
-- :mod:`.softmax_backward`: its dq and dk kernels' launcher, deterministic, without atomics (4 GEMMs); the
-  kernels in :mod:`.backward_kernels`, their per-tile helpers in :mod:`.backward_tiles`.
-- :mod:`.sigmoid`: the sigmoid (SigLIP) loss's forward and backward kernels (1 + 4 GEMMs).
-- the jit helpers the kernels share: :mod:`.tiles` (tile loads, the S tile, the dq / dk products),
-  :mod:`.tile_stats` (exp, log-sum-exp stats and their merge, dS), :mod:`.masked_tiles` (the mask options).
-- :mod:`.configs`: launch settings (the target, tile configs, feature chunking, dtype options, split plans).
-- :mod:`.ops`: the custom ops ``torch.ops.infcl.triton_forward_block`` / ``triton_backward_block`` (with
-  mask options ``triton_masked_forward_block`` / ``triton_masked_backward_block``) /
-  ``triton_sigmoid_forward_block`` / ``triton_sigmoid_backward_block``, registered one way.
+- Softmax (InfoNCE / CLIP): :mod:`.softmax_forward` (the row (and, symmetric, column) log-sum-exp stats and
+  positive logits, one pass, 1 GEMM; its per-tile helpers in :mod:`.softmax_forward_tiles`);
+  :mod:`.softmax_backward` (the dq and dk launcher, deterministic, without atomics, 4 GEMMs; the kernels in
+  :mod:`.softmax_backward_kernels`, their per-tile helpers in :mod:`.softmax_backward_tiles`); the mask options'
+  tiles in :mod:`.softmax_mask_tiles`; the guide thresholds' pass in :mod:`.softmax_guide_scores`.
+- Sigmoid (SigLIP): :mod:`.sigmoid` (forward and backward kernels and launchers, 1 + 4 GEMMs).
+- Distillation: :mod:`.distill`; retrieval ranks: :mod:`.rank` (both with a ``BY_COLUMN`` constexpr).
+- The jit helpers every kernel shares: :mod:`.score_tiles` (tile loads, the S tile in its forms, the dq / dk
+  products), :mod:`.tile_stats` (exp, log-sum-exp stats and their merge, dS).
+- Which tile each kernel takes on each GPU: :mod:`.tiling` (the one tiling module); the config dataclasses:
+  :mod:`.configs`; launch arguments: :mod:`.kernel_args`; the GPU: :mod:`.target`; :mod:`.split_plan`,
+  :mod:`.autotune`, :mod:`.env`.
+- :mod:`.ops`: the softmax and sigmoid steps as the custom ops ``torch.ops.infcl.triton_*`` (the distillation
+  and rank ops are registered in their own modules), all through :func:`.registration.register_op`.
 
 Importing this package needs triton; whether the kernels are interpreted (TRITON_INTERPRET=1, CPU
 tensors) is fixed when it is imported.
@@ -18,7 +23,8 @@ tensors) is fixed when it is imported.
 
 from .configs import INTERPRETER_TILING, TileConfig, Tiling
 from .env import INTERPRETED, interpret_requested
-from .ops import backward_block, default_tiling, forward_block
+from .ops import backward_block, forward_block
+from .tiling import target_tiling
 
 __all__ = [
     "INTERPRETED",
@@ -26,7 +32,7 @@ __all__ = [
     "TileConfig",
     "Tiling",
     "backward_block",
-    "default_tiling",
     "forward_block",
     "interpret_requested",
+    "target_tiling",
 ]

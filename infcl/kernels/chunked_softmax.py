@@ -3,7 +3,7 @@
 The route walks a block's query rows in chunks of C rows; cuBLAS writes ``raw = q_c @ k.T`` (unscaled, float32,
 [C, Bk]) and these passes read it, once per phase:
 
-- :func:`chunk_stats` (forward): ``s = raw * scale`` (an explicit ``mul.rn``, :func:`tiles.scale_scores`), each
+- :func:`chunk_stats` (forward): ``s = raw * scale`` (an explicit ``mul.rn``, :func:`score_tiles.scale_scores`), each
   row's stats (max, rest) and positive logit, and (symmetric) each column's stats over the chunk's rows, in one
   read of ``raw``. Grid (row blocks, column splits): program (i, j) walks the BLOCK_N tiles of split j for the
   BLOCK_M rows of block i and stores its rows' partials per split and its columns' partials per row block (one
@@ -17,7 +17,7 @@ The route walks a block's query rows in chunks of C rows; cuBLAS writes ``raw = 
 
 Per S entry the forward reads 4 bytes and the backward reads 4 and writes the operand's 2 (bf16 / fp16); the
 partials add O((C / BLOCK_M) * Bk + (Bk / SPLIT) * C) per chunk. Under TRITON_INTERPRET=1 the same kernels run on
-CPU tensors (the tests), where :func:`tiles.scale_scores` and :func:`tile_stats.exp` take their numpy forms.
+CPU tensors (the tests), where :func:`score_tiles.scale_scores` and :func:`tile_stats.exp` take their numpy forms.
 """
 
 from typing import Optional, Tuple
@@ -28,19 +28,9 @@ import triton.language as tl
 
 from ..lse import REL
 from .kernel_args import COMPILE_OPTIONS
+from .score_tiles import PTX, masked_scores
 from .tile_stats import holds_positive, kept_rest_stats, merge_kept_stats, positive_span, softmax_grad
-from .tiles import PTX, masked_scores
-
-# The passes' tiles. Memory-bound: a 64 x 128 float32 tile (32 KiB) per load on 8 warps keeps enough bytes in
-# flight per SM; 64 rows make the column partials 8 bytes per (64 rows x column), 1/32 of the S read at 4 bytes.
-STATS_TILE = (64, 64, 8)  # (BLOCK_M, BLOCK_N, num_warps) of chunk_stats
-# The backward holds raw, s, dS and (symmetric) the column term at once: 32 rows keep it within registers.
-GRAD_TILE = (32, 64, 8)
-# Columns per program: 32 tiles of 128. At C = 2048, Bk = 65536 the stats grid is 32 x 16 = 512 programs
-# (about 4 per SM on 132 SMs); the rows' partials are then 16 per row, ~0.1% of the S bytes.
-SPLIT_TILES = 32
-# Entries per program of merge_parts.
-MERGE_BLOCK = 1024
+from .tiling import CHUNK_GRAD_TILE, CHUNK_MERGE_BLOCK, CHUNK_SPLIT_TILES, CHUNK_STATS_TILE
 
 
 @triton.jit
@@ -238,15 +228,15 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 
 
 def _splits(n_cols: int, block_n: int) -> int:
-    return triton.cdiv(triton.cdiv(n_cols, block_n), SPLIT_TILES)
+    return triton.cdiv(triton.cdiv(n_cols, block_n), CHUNK_SPLIT_TILES)
 
 
-def merge_parts(parts: torch.Tensor, out: torch.Tensor, wrap=lambda kernel: kernel) -> torch.Tensor:
+def merge_parts(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``parts`` [R, P, n] (R = 2 stats in rest form, or 3 with a summed row) merged over P in index order into
     ``out`` [R, n] (any row stride; the last dim contiguous), then rest -> r = log1p(rest) (the contract's form;
     the empty set's -1 becomes -inf). Returns ``out``."""
     n_stats, n_parts, n = parts.shape
-    wrap(_merge_parts_kernel)[(triton.cdiv(n, MERGE_BLOCK),)](
+    _merge_parts_kernel[(triton.cdiv(n, CHUNK_MERGE_BLOCK),)](
         parts_ptr=parts,
         out_ptr=out,
         n=n,
@@ -255,7 +245,7 @@ def merge_parts(parts: torch.Tensor, out: torch.Tensor, wrap=lambda kernel: kern
         stride_part=parts.stride(1),
         stride_out_stat=out.stride(0),
         HAS_SUM=n_stats == 3,
-        BLOCK=MERGE_BLOCK,
+        BLOCK=CHUNK_MERGE_BLOCK,
         **COMPILE_OPTIONS,
     )
     out[REL].log1p_()
@@ -268,7 +258,6 @@ def chunk_stats(
     pos: torch.Tensor,
     symmetric: bool,
     rows_out: torch.Tensor,
-    wrap=lambda kernel: kernel,
 ) -> Optional[torch.Tensor]:
     """The forward pass over one chunk. ``raw`` [C, Bk] float32 (row stride free, columns contiguous), ``scale``
     0-d float32, ``pos`` [C] int64 (the positive's column, -1 for none). Writes ``rows_out`` [3, C] (max, r,
@@ -276,11 +265,11 @@ def chunk_stats(
     n_rows, n_cols = raw.shape
     assert raw.stride(1) == 1 and rows_out.stride(1) == 1, "the passes read rows of contiguous columns"
     pos = _unit(pos)
-    block_m, block_n, warps = STATS_TILE
+    block_m, block_n = CHUNK_STATS_TILE.block_m, CHUNK_STATS_TILE.block_n
     row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
     rows = torch.empty(3, splits, n_rows, dtype=torch.float32, device=raw.device)
     cols = torch.empty(2, row_blocks, n_cols, dtype=torch.float32, device=raw.device) if symmetric else None
-    wrap(_chunk_stats_kernel)[(row_blocks, splits)](
+    _chunk_stats_kernel[(row_blocks, splits)](
         raw_ptr=raw,
         scale_ptr=scale,
         pos_ptr=pos,
@@ -296,15 +285,15 @@ def chunk_stats(
         SYMMETRIC=symmetric,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        SPLIT_TILES=SPLIT_TILES,
+        SPLIT_TILES=CHUNK_SPLIT_TILES,
         **_even(n_rows, n_cols, block_m, block_n),
-        num_warps=warps,
+        num_warps=CHUNK_STATS_TILE.num_warps,
         **COMPILE_OPTIONS,
     )
-    merge_parts(rows, rows_out, wrap)
+    merge_parts(rows, rows_out)
     if not symmetric:
         return None
-    return merge_parts(cols, torch.empty(2, n_cols, dtype=torch.float32, device=raw.device), wrap)
+    return merge_parts(cols, torch.empty(2, n_cols, dtype=torch.float32, device=raw.device))
 
 
 _OPERANDS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -321,7 +310,6 @@ def chunk_grad(
     col_stats: Optional[torch.Tensor],
     g_col: Optional[torch.Tensor],
     operand: torch.dtype,
-    wrap=lambda kernel: kernel,
 ) -> torch.Tensor:
     """The backward pass over one chunk: writes ``ds`` [C, Bk] = dS * factor rounded to ``operand`` (stored in
     ``ds``'s dtype: the operand's on a GPU, float32 holding the rounded values for the CPU products) and returns
@@ -332,11 +320,11 @@ def chunk_grad(
     pos, row_stats, g_row = _unit(pos), _unit(row_stats), _unit(g_row)
     if col_stats is not None:
         col_stats, g_col = _unit(col_stats), _unit(g_col)
-    block_m, block_n, warps = GRAD_TILE
+    block_m, block_n = CHUNK_GRAD_TILE.block_m, CHUNK_GRAD_TILE.block_n
     row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
     parts = torch.empty(2, row_blocks * splits, dtype=torch.float32, device=raw.device)
     symmetric = col_stats is not None
-    wrap(_chunk_grad_kernel)[(row_blocks, splits)](
+    _chunk_grad_kernel[(row_blocks, splits)](
         raw_ptr=raw,
         ds_ptr=ds,
         scale_ptr=scale,
@@ -359,9 +347,9 @@ def chunk_grad(
         OPERAND=_OPERANDS[operand],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        SPLIT_TILES=SPLIT_TILES,
+        SPLIT_TILES=CHUNK_SPLIT_TILES,
         **_even(n_rows, n_cols, block_m, block_n),
-        num_warps=warps,
+        num_warps=CHUNK_GRAD_TILE.num_warps,
         **COMPILE_OPTIONS,
     )
     return parts.sum(dim=1)
@@ -369,7 +357,7 @@ def chunk_grad(
 
 def pass_bytes(n_rows: int, n_cols: int, operand: torch.dtype, symmetric: bool) -> Tuple[int, int]:
     """HBM bytes (forward pass, backward pass) over one chunk, the partials included (the A/B's GB/s)."""
-    block_m, block_n, _ = STATS_TILE
+    block_m, block_n = CHUNK_STATS_TILE.block_m, CHUNK_STATS_TILE.block_n
     splits = _splits(n_cols, block_n)
     forward = n_rows * n_cols * 4 + 12 * splits * n_rows
     if symmetric:

@@ -1,6 +1,6 @@
 """The kernels' tile configs (:class:`TileConfig`, :class:`ScoreTile`, :class:`Tiling`), the operand classes and
-their feature chunking, the S tile of each architecture family (:func:`score_tile`), and the installed Triton's
-facts (version, interpreter). Beside it, one concern each: :mod:`.tiling` (which configs a call takes),
+their feature chunking, and the installed Triton's facts (version, interpreter). Beside it, one concern each:
+:mod:`.tiling` (which tile each kernel takes on each GPU),
 :mod:`.kernel_args` (dtype options, mask arguments, shape flags), :mod:`.target` (the GPU),
 :mod:`.autotune` and :mod:`.split_plan`; :mod:`.env` holds the environment flags.
 
@@ -9,9 +9,9 @@ Chosen on the host and handed to the kernels as constexprs:
 - PRECISION: tl.dot's input precision for float32 inputs, "tf32" or "ieee" (default: what torch's own
   float32 matmuls use, :func:`torch_matmul_precision`); always "ieee" for other dtypes and under the
   interpreter. At "tf32" the launchers round q and k to TF32 first (:func:`tf32_operands`).
-- UPCAST: True only under TRITON_INTERPRET=1 for bfloat16/float16 inputs (see :func:`tiles.tile_dot`).
+- UPCAST: True only under TRITON_INTERPRET=1 for bfloat16/float16 inputs (see :func:`score_tiles.tile_dot`).
 - BLOCK_D: the feature chunk of S, a function of D and the :class:`Tiling` only, so the forward and
-  both backward kernels sum S over the same chunks (bit-identical S; see :mod:`infcl.kernels.tiles`).
+  both backward kernels sum S over the same chunks (bit-identical S; see :mod:`infcl.kernels.score_tiles`).
 """
 
 from dataclasses import dataclass, fields, replace
@@ -19,6 +19,8 @@ from typing import List, Optional
 
 import torch
 import triton
+
+from .env import INTERPRETED, env_flag
 
 # The installed Triton's (major, minor): a few configs work around older compilers' bugs.
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
@@ -31,12 +33,9 @@ DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
 MIN_DOT = 16
 
 
-from .env import INTERPRETED, _env_flag, interpret_requested  # noqa: E402,F401  (re-exported)
-
-
 def autotuning() -> bool:
     """True when INFCL_AUTOTUNE=1 asks for the full search (never under the interpreter: no GPU timer)."""
-    return _env_flag(AUTOTUNE_ENV) and not INTERPRETED
+    return env_flag(AUTOTUNE_ENV) and not INTERPRETED
 
 
 def _power_of_two(name: str, value: int, least: int = MIN_DOT) -> None:
@@ -90,9 +89,9 @@ class ScoreTile:
     Triton picks the MMA instruction and the layout of ``tl.dot`` from these three (and the operand dtype):
     on sm_90, wgmma m64nNk16 with N = BLOCK_N, or BLOCK_N / 2 when 64 rows are split over two warp groups;
     tcgen05 with M = BLOCK_M on sm_100; mma.sync elsewhere. On tensor cores the forward, dq and dk kernels
-    therefore build their configs from one ScoreTile (:func:`score_tile`): their S comes from the same
-    instruction in the same layout by construction, so its entries are bit-identical (see
-    :mod:`infcl.kernels.tiles`); the pipeline depth, the dq / dk slice and maxnreg stay per kernel.
+    therefore build their configs from one ScoreTile (:func:`infcl.kernels.tiling.score_tile`): their S comes
+    from the same instruction in the same layout by construction, so its entries are bit-identical (see
+    :mod:`infcl.kernels.score_tiles`); the pipeline depth, the dq / dk slice and maxnreg stay per kernel.
     """
 
     block_m: int
@@ -164,7 +163,7 @@ class Tiling:
 # Under the interpreter a kernel costs ~1 ms of Python per tile operation whatever the tile's size,
 # while the flops are numpy's: few big tiles run fastest (B=1000, D=1000 takes minutes with a GPU's
 # 64-wide tiles, seconds with these). The interpreter's S product materializes [BLOCK_M, BLOCK_N, chunk]
-# (tiles.score_dot), and Triton caps a tensor at 2**20 entries: 128 x 128 x 64. Both losses' kernels
+# (score_tiles.score_dot), and Triton caps a tensor at 2**20 entries: 128 x 128 x 64. Both losses' kernels
 # use it when no tiling is pinned; tests pin GPU-like tilings explicitly.
 _BIG = TileConfig(block_m=128, block_n=128, block_out=1024)
 INTERPRETER_TILING = Tiling(forward=_BIG, dq=_BIG, dk=_BIG, resident_d=64, chunk_d=64)
@@ -192,48 +191,6 @@ TENSOR_CORE_CLASSES = ("mma", "tf32")
 def ragged_d(dim: Optional[int], operand_class: str, chunk_d: Optional[int] = None) -> bool:
     """Whether D = ``dim`` is wider than one feature chunk (``chunk_d``, else the one of ``operand_class``) and not a
     whole number of them: the last chunk's masked loads need registers, so such calls take the RAGGED_D
-    configs (:func:`score_tile`)."""
+    configs (:mod:`infcl.kernels.tiling`)."""
     chunk_d = chunk_d or FEATURE_CHUNKS[operand_class][1]
     return dim is not None and dim > chunk_d and dim % chunk_d != 0
-
-
-def score_tile(arch: int, operand_class: str, ragged: bool = False) -> ScoreTile:
-    """The S tile of the plain softmax kernels for architecture family ``arch`` and tensor-core class ``operand_class``
-    ("mma": bf16/fp16, "tf32"), at a ragged D (:func:`ragged_d`) or not. The forward, dq and dk configs of the
-    plain loss are all built on it (:mod:`infcl.kernels.tiling`). Chosen to compile without spills in all three
-    kernels (tests/test_triton_api_compile.py; bench.static reports the figures), not timed on a GPU."""
-    if operand_class not in TENSOR_CORE_CLASSES or arch not in (80, 86, 90, 100, 120):
-        raise KeyError((arch, operand_class))
-    if arch in (90, 100) and TRITON_VERSION < (3, 3):
-        # Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion in the
-        # dq kernel), so every S tile there keeps one warp group per 64 rows (its kernels need more registers
-        # than 3.9's; softmax_backward narrows the slices).
-        return ScoreTile(128, 32, 8) if ragged else ScoreTile(128, 64, 8)
-    if arch == 90:
-        if ragged and operand_class == "mma":
-            # bf16/fp16 at ragged D: the 64 x 64 dq and dk spill 64-104 B with 256-wide slices (D = 1000);
-            # 64 x 32 fits (128-wide slices would fit 64 x 64 at twice the S recomputations).
-            return ScoreTile(64, 32, 8)
-        # 64 x 64 on two warp groups, S on wgmma m64n32k16 (each group 32 columns), in every kernel, and the
-        # dk product (M = 64) on wgmma too. 128 x 64 (m64n64 per group) spills the dq kernel 12-20 B at every
-        # pipeline depth with bf16 or fp16 (D = 256 / 512, 128-wide slices; ptxas 13).
-        return ScoreTile(64, 64, 8)
-    if arch == 100:
-        # tcgen05 M = 64, as sm_90's 64 x 64 (S on one tcgen05 tile, and the dk product's M = 64 on tcgen05 too,
-        # where 32 rows fell back to mma.sync). At ragged D the 64 x 64 forward and dk spill 36-88 B (D = 1000):
-        # 64 x 32 there. ptxas 13 spills the 128 x 64 dq and dk.
-        return ScoreTile(64, 32, 8) if ragged else ScoreTile(64, 64, 8)
-    # The mma.sync families (sm_80, sm_86, sm_120): 64 x 32 on 8 warps, the most the backward's 256-column
-    # slices fit beside.
-    return ScoreTile(64, 32, 8)
-
-
-# Every (architecture family, tensor-core class) with an S tile: the keys of the per-family config tables.
-SCORE_TILES = {
-    (arch, operand_class): score_tile(arch, operand_class)
-    for arch in (90, 100, 80, 86, 120)
-    for operand_class in TENSOR_CORE_CLASSES
-}
-
-
-# The launch settings that live in their own modules, importable from here as before.

@@ -1,10 +1,11 @@
 """The distillation loss's block steps as Triton kernels (``cal_distill_loss(backend="triton")``; the math and
-the partials: :mod:`infcl.losses.distill`; the torch tiles' version: :mod:`infcl.backends.distill_tiles`).
+the partials: :mod:`infcl.losses.distill`; the torch tiles' version: :mod:`infcl.backends.torch_tiles.distill`;
+the backend object: :mod:`infcl.backends.triton.distill`).
 
 Each tile of the student's S = scale * q @ k.T is formed beside the same tile of the teacher's
-T = teacher_scale * tq @ tk.T, both by :func:`infcl.kernels.tiles.score_chunks` in the q-rows x k-rows
-orientation on one S tile config (:func:`infcl.kernels.rank.beyond_tiling`) and scaled by one rounded
-multiply (:func:`infcl.kernels.tiles.masked_scores`), so every kernel forms the same bits and S - m,
+T = teacher_scale * tq @ tk.T, both by :func:`infcl.kernels.score_tiles.score_chunks` in the q-rows x k-rows
+orientation on one S tile config (:func:`infcl.kernels.tiling.rank_tiling`) and scaled by one rounded
+multiply (:func:`infcl.kernels.score_tiles.masked_scores`), so every kernel forms the same bits and S - m,
 T - mT are exact at a line's maxima.
 
 - :func:`_distill_forward_kernel`: a program owns BLOCK_M rows (``BY_COLUMN`` False) or BLOCK_N columns
@@ -33,14 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends.base import Block, Tensor
-from ..backends.distill_native import partials
-from ..losses.distill import DistillUpstream, Teacher
+from ..contract import Tensor
 from .kernel_args import tf32_operands
-from .ops import _WRAP, _register
-from .rank import launch_args, on_torch_tiles, program_lines, tile_at
+from .rank import launch_args, program_lines, tile_at
+from .registration import register_op, wrap
+from .score_tiles import check_blocks, dot_operand, load_tile, load_vector, masked_scores, score_chunks, tile_dot
 from .tile_stats import exp, expm1, merge_rest_stats, tile_rest_stats
-from .tiles import check_blocks, dot_operand, load_tile, load_vector, masked_scores, score_chunks, tile_dot
 
 
 @triton.jit
@@ -381,7 +380,7 @@ def _forward(
         (True, args["n_k"], tiling.forward.block_n),
     )[: 2 if symmetric else 1]:
         packed = torch.empty(5, n, dtype=acc, device=q.device)
-        _WRAP(_distill_forward_kernel)[(triton.cdiv(n, block_size),)](out_ptr=packed, BY_COLUMN=by_column, **args)
+        wrap(_distill_forward_kernel)[(triton.cdiv(n, block_size),)](out_ptr=packed, BY_COLUMN=by_column, **args)
         packed[1:4:2].log1p_()  # rest -> r = log1p(rest) (-inf for the empty set), the student's and the teacher's
         out.append(packed)
     if not symmetric:
@@ -421,7 +420,7 @@ def _backward(
     partials = torch.zeros(row_programs, 2, dtype=acc, device=q.device)
     # dq from the row walk, dk from the column walk (one direction: of the rows' term alone)
     for by_column, grad, programs in ((False, dq, row_programs), (True, dk, triton.cdiv(args["n_k"], cfg.block_n))):
-        _WRAP(_distill_backward_kernel)[(programs, triton.cdiv(dim, block_out))](
+        wrap(_distill_backward_kernel)[(programs, triton.cdiv(dim, block_out))](
             row_stats_ptr=row_stats,
             g_row_ptr=g_row,
             col_stats_ptr=col_stats,
@@ -444,70 +443,10 @@ def _backward_fake(
     return q.new_empty(2, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-# The block steps as custom ops, registered as the loss kernels' are (:func:`.ops._register`), with the
+# The block steps as custom ops, registered as the loss kernels' are (:func:`.registration.register_op`), with the
 # native kernel's schemas (csrc/distill.cpp) but the scales as 0-d tensors (no host sync) and ``precision``
 # ("" for None): torch.ops.infcl.triton_distill_forward_block -> (rows [5, Bq], cols [5, Bk] or [5, 0]),
 # packed (m, r, mT, rT, cross); torch.ops.infcl.triton_distill_backward_block(..., row_stats [4, Bq]
 # (m, r, mT, rT), g_row, col_stats, g_col (None: one direction), dq!, dk!, precision) -> dscale [2].
-forward_op = _register("triton_distill_forward_block", _forward, _forward_fake)
-backward_op = _register("triton_distill_backward_block", _backward, _backward_fake, ("dq", "dk"))
-
-
-def distill_forward(block: Block, teacher: Teacher, symmetric: bool, precision=None):
-    """(rows, cols or None) :class:`DistillPartials` of the block (see :mod:`infcl.losses.distill`)."""
-    rows, cols = forward_op(
-        block.q, block.k, block.scale, teacher.q, teacher.k, teacher.scale, symmetric, precision or ""
-    )
-    return partials(rows), (partials(cols) if symmetric else None)
-
-
-def distill_backward(
-    block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor, precision=None
-) -> Tensor:
-    """Accumulate dq and dk (accumulation dtype, any strides) in place; return dscale [2] (the rows' term,
-    the columns' term)."""
-    return backward_op(
-        block.q,
-        block.k,
-        block.scale,
-        teacher.q,
-        teacher.k,
-        teacher.scale,
-        torch.cat((rows.student, rows.teacher)),
-        rows.grad,
-        None if cols is None else torch.cat((cols.student, cols.teacher)),
-        None if cols is None else cols.grad,
-        dq,
-        dk,
-        precision or "",
-    )
-
-
-class TritonDistill:
-    """The interface of :class:`infcl.backends.distill_tiles.DistillTiles` on these kernels (float64 on
-    Triton 3.2: the torch tiles). ``precision``: tl.dot's for float32 (None: torch's float32 matmul
-    precision)."""
-
-    name = "triton"
-
-    def __init__(self, precision=None):
-        self.precision = precision
-
-    def distill_forward_block(self, block: Block, teacher: Teacher, symmetric: bool):
-        if on_torch_tiles(block.q.dtype):
-            from ..backends.distill_tiles import DISTILL_TILES
-
-            return DISTILL_TILES.distill_forward_block(block, teacher, symmetric)
-        return distill_forward(block, teacher, symmetric, self.precision)
-
-    def distill_backward_block(
-        self, block: Block, teacher: Teacher, rows: DistillUpstream, cols, dq: Tensor, dk: Tensor
-    ) -> Tensor:
-        if on_torch_tiles(block.q.dtype):
-            from ..backends.distill_tiles import DISTILL_TILES
-
-            return DISTILL_TILES.distill_backward_block(block, teacher, rows, cols, dq, dk)
-        return distill_backward(block, teacher, rows, cols, dq, dk, self.precision)
-
-
-TRITON_DISTILL = TritonDistill()
+forward_op = register_op("triton_distill_forward_block", _forward, _forward_fake)
+backward_op = register_op("triton_distill_backward_block", _backward, _backward_fake, ("dq", "dk"))

@@ -4,13 +4,13 @@
 import os
 
 
-def _env_flag(name: str) -> bool:
+def env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def interpret_requested() -> bool:
     """Whether TRITON_INTERPRET asks for the interpreter now (compare :data:`INTERPRETED`)."""
-    return _env_flag("TRITON_INTERPRET")
+    return env_flag("TRITON_INTERPRET")
 
 
 # Read once, at import: @triton.jit builds interpreted kernels only if TRITON_INTERPRET is set *when

@@ -46,7 +46,7 @@ def tf32_operands(precision: str, *tensors: torch.Tensor) -> Tuple[torch.Tensor,
     top 19 bits, i.e. truncate it: every product of two positive operands comes out low by ~2**-11 of
     itself, so a confident row's positive logit and with it the loss carry a bias (8.7e-3 of the loss on
     an H100, against torch's 6.8e-5: cuBLAS rounds). Rounded once here, the operands are exact in TF32
-    and the products unbiased; dS is rounded the same way in the kernels (:func:`tiles.dot_operand`)."""
+    and the products unbiased; dS is rounded the same way in the kernels (:func:`score_tiles.dot_operand`)."""
     if precision != "tf32":
         return tensors
     return tuple(round_to_tf32(t) if t.dtype == torch.float32 else t for t in tensors)
@@ -80,7 +80,7 @@ def branch_positives(dtype: torch.dtype, precision: Optional[str] = None) -> boo
 # ---- the mask options (infcl.masks) ----------------------------------------------------------------
 
 # POSITIVES, the kernels' positives kind: one per row (``pos``; multi_positive None), or every column
-# with the row's id, "mean" or "sum" (see masked_tiles.ONE_POSITIVE).
+# with the row's id, "mean" or "sum" (see softmax_mask_tiles.ONE_POSITIVE).
 POSITIVES = {None: 0, "mean": 1, "sum": 2}
 
 
@@ -105,7 +105,7 @@ def guide_precision(dtype: torch.dtype, precision: Optional[str], guide_float64:
 
 @dataclass(frozen=True)
 class MaskInputs:
-    """One block's mask inputs for the softmax kernels (the :class:`infcl.backends.base.Block` fields of the
+    """One block's mask inputs for the softmax kernels (the :class:`infcl.contract.Block` fields of the
     same names), None where unused: ids [Bq] / [Bk] int64, guide features [Bq, D'] / [Bk, D'] in the guide's
     accumulation dtype (float32, or float64) and the thresholds [Bq] / [Bk] in that dtype."""
 

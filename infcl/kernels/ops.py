@@ -15,7 +15,7 @@ tensors and ``multi_positive`` as "" (None), "mean" or "sum":
   dq!, dk!, precision, tiling) -> dscale``
 
 - ``torch.ops.infcl.triton_guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision) -> [Bq]``: each
-  row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.guide_scores`).
+  row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.softmax_guide_scores`).
 
 Sigmoid (SigLIP):
 - ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, precision, tiling) -> rows``
@@ -24,14 +24,10 @@ Sigmoid (SigLIP):
 
 ``precision`` is tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"), resolved by the
 caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for the defaults
-(:func:`default_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]`` (``[6, 0]``) when not
-wanted.
+(:func:`infcl.kernels.tiling.target_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]``
+(``[6, 0]``) when not wanted.
 
-Registration (:func:`_register`), by what the installed torch offers: ``torch.library.triton_op``, whose
-body launches each @triton.jit kernel (or triton.autotune of one) through ``wrap_triton`` (torch >= 2.6,
-compiled kernels: torch.compile traces into the kernels); else ``torch.library.custom_op`` with fake
-impls (torch >= 2.4, and always under the interpreter, whose kernels torch.compile cannot trace); else
-plain functions under the same names in this module.
+Registration: :func:`infcl.kernels.registration.register_op`, the one way every block step is registered.
 """
 
 from typing import List, Optional, Tuple
@@ -39,34 +35,14 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..masks import MASKED_ROWS
-from . import guide_scores, sigmoid, softmax_backward, softmax_forward
-from .configs import INTERPRETER_TILING, Tiling, autotuning
-from .env import INTERPRETED
+from . import sigmoid, softmax_backward, softmax_forward, softmax_guide_scores
+from .configs import Tiling, autotuning
 from .kernel_args import MaskInputs
-from .target import target_facts, target_family
-from .tiling import plain_tiling, tiling_for  # noqa: F401  (plain_tiling: re-exported)
+from .registration import register_op, wrap
+from .target import target_facts
+from .tiling import target_tiling
 
 Tensor = torch.Tensor
-
-
-def default_tiling(
-    device: torch.device,
-    dtype: torch.dtype,
-    precision: str,
-    dim: Optional[int] = None,
-    masked: bool = False,
-    guide: bool = False,
-) -> Tiling:
-    """The default configs of the softmax kernels for inputs of ``dtype`` (and feature width ``dim``, when
-    known; ``masked``: with mask options, ``guide`` among them) on the active target's architecture family
-    (the interpreter's big tiles under TRITON_INTERPRET=1)."""
-    if INTERPRETED:
-        return INTERPRETER_TILING
-    return tiling_for(target_family(), dtype, precision, dim, masked, guide)
-
-
-# The name the tests, bench.static and tools know the tiling function by (infcl.kernels.tiling.tiling_for).
-arch_tiling = tiling_for
 
 
 def _tiling(
@@ -75,7 +51,7 @@ def _tiling(
     """(the Tiling to use, whether to autotune): the autotuner searches the plain kernels' configs only."""
     if tiling:
         return Tiling.from_ints(tiling), False
-    return default_tiling(q.device, q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
+    return target_tiling("softmax", q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
 
 
 def _forward(
@@ -92,7 +68,7 @@ def _forward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
     )
     return rows, (cols if cols is not None else rows.new_empty(2, 0))
 
@@ -127,7 +103,7 @@ def _backward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
     )
 
 
@@ -177,7 +153,7 @@ def _masked_forward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
         masks=masks,
     )
     return rows, (cols if cols is not None else rows.new_empty(MASKED_ROWS, 0))
@@ -223,7 +199,7 @@ def _masked_backward(
         precision or None,
         autotune,
         sms=target_facts().sms,
-        wrap=_WRAP,
+        wrap=wrap,
         masks=masks,
         row_positives=row_positives,
         col_positives=col_positives,
@@ -233,14 +209,14 @@ def _masked_backward(
 def _guide_label_scores(
     guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype, precision: str
 ) -> Tensor:
-    return guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=_WRAP)
+    return softmax_guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=wrap)
 
 
 def _sigmoid_forward(
     q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str, tiling: List[int]
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=_WRAP)
+    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=wrap)
 
 
 def _sigmoid_backward(
@@ -256,7 +232,7 @@ def _sigmoid_backward(
     tiling: List[int],
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=_WRAP)
+    return sigmoid.siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=wrap)
 
 
 def _accum(q: Tensor) -> torch.dtype:
@@ -329,31 +305,15 @@ def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk, precision, til
     return dq.new_empty(2)
 
 
-# Whether the custom ops launch through wrap_triton (triton_op): compiled kernels on torch >= 2.6.
-TRITON_OP = not INTERPRETED and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
-# wrap_triton accepts a @triton.jit function or a triton.autotune of one; every launcher hands it those.
-_WRAP = torch.library.wrap_triton if TRITON_OP else (lambda kernel: kernel)
-
-
-def _register(name: str, impl, fake, mutates: Tuple[str, ...] = ()):
-    """``impl`` as the custom op ``infcl::<name>`` in the one way every block step is registered."""
-    qualname = f"infcl::{name}"
-    if TRITON_OP:
-        return torch.library.triton_op(qualname, impl, mutates_args=mutates)
-    if hasattr(torch.library, "custom_op"):
-        op = torch.library.custom_op(qualname, impl, mutates_args=mutates)
-        op.register_fake(fake)
-        return op
-    return impl  # torch < 2.4: no custom-op API worth the name; eager only
-
-
-forward_block = _register("triton_forward_block", _forward, _forward_fake)
-backward_block = _register("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
-masked_forward_block = _register("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
-masked_backward_block = _register("triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk"))
-guide_label_scores = _register("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
-sigmoid_forward_block = _register("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
-sigmoid_backward_block = _register(
+forward_block = register_op("triton_forward_block", _forward, _forward_fake)
+backward_block = register_op("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
+masked_forward_block = register_op("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
+masked_backward_block = register_op(
+    "triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk")
+)
+guide_label_scores = register_op("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
+sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
+sigmoid_backward_block = register_op(
     "triton_sigmoid_backward_block", _sigmoid_backward, _sigmoid_backward_fake, ("dq", "dk")
 )
 
@@ -370,7 +330,7 @@ def gemm_equivalents(
     for either loss: forward 1 (S once; the column stats come from the same tiles), backward S once per
     dq (dk) slice and the product once: 4 while D fits one slice (256 columns by default). ``masked``: the
     masked kernels' tiling; a ``guide`` (of width D) adds its scores' product wherever S is formed."""
-    tiling = default_tiling(device, dtype, precision, dim, masked, guide)
+    tiling = target_tiling("softmax", dtype, precision, dim, masked, guide)
     slices = [-(-dim // tiling.block_out(config, dim)) for config in (tiling.dq, tiling.dk)]
     per_score = 2 if guide else 1
     return per_score, sum(slices) * per_score + 2

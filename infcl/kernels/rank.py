@@ -1,8 +1,9 @@
 """The retrieval ranks' two passes as Triton kernels (``retrieval_metrics(backend="triton")``; definitions,
-tie rule and the torch tiles' version: :mod:`infcl.backends.rank_tiles`).
+tie rule: :mod:`infcl.contract`; the torch tiles' version: :mod:`infcl.backends.torch_tiles.rank`; the backend
+object: :mod:`infcl.backends.triton.rank`).
 
 Both passes cut S = q @ k.T into the same tiles (BLOCK_M q rows x BLOCK_N k rows, summed over the same
-BLOCK_D feature chunks by :func:`infcl.kernels.tiles.score_chunks`, always in that orientation, on one S
+BLOCK_D feature chunks by :func:`infcl.kernels.score_tiles.score_chunks`, always in that orientation, on one S
 tile config): every tile is the same bits in every kernel, so the best positive's score (pass 1) ties
 an exact duplicate in pass 2. Each kernel runs twice, ``BY_COLUMN`` False (a program owns BLOCK_M rows and
 walks the column blocks) and True (it owns BLOCK_N columns and walks the row blocks): no atomics, every
@@ -27,52 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends.base import Block, Tensor
-from ..backends.rank_tiles import NO_INDEX, Ahead, Best
-from .configs import FLOAT64_DOT, TileConfig, Tiling, operand_class_of
-from .env import INTERPRETED
+from ..contract import NO_INDEX, Ahead, Best, Tensor
+from .configs import Tiling
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
-from .ops import _WRAP, _register
-from .target import target_family
+from .registration import register_op, wrap
+from .score_tiles import check_blocks, load_vector, score_chunks
 from .tile_stats import positive_span
-from .tiles import check_blocks, load_vector, score_chunks
+from .tiling import target_tiling
 
-# The tiles of both APIs beyond the losses (these ranks and the distillation loss, :mod:`.distill`), per
-# operand class (configs.operand_class_of): one S tile per class for every kernel, so S is the same bits in
-# each. The sizes of the sigmoid kernels' defaults (:data:`infcl.kernels.sigmoid.DEFAULT_TILINGS`), which
-# hold the same registers (an S tile, an operand chunk, a gradient slice); not tuned on a GPU. The
-# interpreter takes small tiles, so that the small shapes of the tests cut into several ragged blocks.
-TILINGS = {
-    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32, chunk_d=32),
-    # maxnreg 255: ptxas caps the rank kernels at 128 registers on sm_80 and spills 36 B.
-    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32, max_registers=255),) * 3, resident_d=32, chunk_d=32),
-    "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
-    "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
-}
-INTERPRETER_TILES = Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32)
-
-
-# rank_tiles.NO_INDEX where the kernels see it (a module-level value inside @triton.jit must be a constexpr).
+# infcl.contract.NO_INDEX where the kernels see it (a module-level value inside @triton.jit must be a constexpr).
 NO_BEST = tl.constexpr(NO_INDEX)
-
-
-def beyond_tiling(dtype: torch.dtype, precision: str) -> Tiling:
-    """The tiling of the rank and distillation kernels for inputs of ``dtype`` at ``precision`` on the active
-    target: :data:`TILINGS`, except that off sm_90 bf16/fp16 take the tf32 class's 64 x 32 tiles and 32-wide
-    slices of D (the distillation backward's 64 x 64 tile, 64-wide slices, spills 32-68 B on sm_80 at 255
-    registers, 12 B with 32-wide slices: its float32 teacher product runs on FMA units beside S)."""
-    if INTERPRETED:
-        return INTERPRETER_TILES
-    operand_class = operand_class_of(dtype, precision)
-    tiling = TILINGS[operand_class]
-    if operand_class == "mma" and target_family() != 90:
-        tiling = TILINGS["tf32"]
-    return tiling
-
-
-def on_torch_tiles(dtype: torch.dtype) -> bool:
-    """float64 on a GPU with Triton 3.2 (no float64 tl.dot): the torch tiles run it."""
-    return dtype == torch.float64 and not FLOAT64_DOT and not INTERPRETED
 
 
 @triton.jit
@@ -290,10 +255,10 @@ def _walks(q: Tensor, k: Tensor, symmetric: bool, tiling: Tiling):
 
 def launch_args(q: Tensor, k: Tensor, precision: Optional[str]) -> Tuple[dict, Tiling]:
     """The launch arguments every rank and distillation kernel takes (q and k, their sizes and strides, the S
-    tile, tl.dot's precision, the compile options) and the tiling (:func:`beyond_tiling`)."""
+    tile, tl.dot's precision, the compile options) and the tiling (:func:`infcl.kernels.tiling.rank_tiling`)."""
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
-    tiling = beyond_tiling(q.dtype, opts["PRECISION"])
+    tiling = target_tiling("rank", q.dtype, opts["PRECISION"])
     cfg = tiling.forward
     args = dict(
         q_ptr=q,
@@ -336,7 +301,7 @@ def _best_positives(
             torch.empty(n, dtype=torch.int64, device=q.device),
             torch.empty(n, dtype=torch.int64, device=q.device),
         )
-        _WRAP(_best_positives_kernel)[(grid,)](
+        wrap(_best_positives_kernel)[(grid,)](
             pos_ptr=pos.contiguous(),
             row_index_ptr=row_index.contiguous(),
             col_index_ptr=col_index.contiguous(),
@@ -380,7 +345,7 @@ def _ahead_counts(
         _walks(q, k, symmetric, tiling), ((row_score, row_best), (col_score, col_best))
     ):
         counts = Ahead.empty(n, q.device)
-        _WRAP(_ahead_counts_kernel)[(grid,)](
+        wrap(_ahead_counts_kernel)[(grid,)](
             score_ptr=score.contiguous(),
             best_ptr=best.contiguous(),
             row_index_ptr=row_index.contiguous(),
@@ -402,13 +367,13 @@ def _ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_index
     return (*Ahead.empty(q.shape[0], q.device), *Ahead.empty(k.shape[0] if col_score is not None else 0, q.device))
 
 
-# The two passes as custom ops, registered as the loss kernels' block steps are (:func:`.ops._register`):
+# The two passes as custom ops, registered as the loss kernels' block steps are (:func:`.registration.register_op`):
 # torch.ops.infcl.triton_rank_best_positives (the schema of the native kernel's rank_best_positives, plus
 # ``precision``: "" for None) -> (row score, index, count, column score, index, count; the columns' empty
 # unless symmetric), torch.ops.infcl.triton_rank_ahead_counts -> (row ahead, nonfinite, column ahead,
 # nonfinite). The ids are None unless they decide the positives (pass 1) or what is never ahead (pass 2).
-best_positives_op = _register("triton_rank_best_positives", _best_positives, _best_positives_fake)
-ahead_counts_op = _register("triton_rank_ahead_counts", _ahead_counts, _ahead_counts_fake)
+best_positives_op = register_op("triton_rank_best_positives", _best_positives, _best_positives_fake)
+ahead_counts_op = register_op("triton_rank_ahead_counts", _ahead_counts, _ahead_counts_fake)
 
 
 def best_positives(
@@ -438,33 +403,3 @@ def ahead_counts(
         q, k, rows.score, rows.index, col_score, col_best, row_index, col_index, q_ids, k_ids, precision or ""
     )
     return Ahead(*out[:2]), (Ahead(*out[2:]) if cols is not None else None)
-
-
-class TritonRanks:
-    """The interface of :class:`infcl.backends.rank_tiles.RankTiles` on these kernels (float64 on Triton 3.2:
-    the torch tiles). ``precision``: tl.dot's for float32 (None: torch's float32 matmul precision)."""
-
-    name = "triton"
-
-    def __init__(self, precision=None):
-        self.precision = precision
-
-    def best_positives(self, block: Block, row_index: Tensor, col_index: Tensor, symmetric: bool):
-        if on_torch_tiles(block.q.dtype):
-            from ..backends.rank_tiles import RANK_TILES
-
-            return RANK_TILES.best_positives(block, row_index, col_index, symmetric)
-        ids = (block.q_ids, block.k_ids) if block.multi_positive else (None, None)
-        return best_positives(block.q, block.k, block.pos, row_index, col_index, symmetric, *ids, self.precision)
-
-    def ahead_counts(self, block: Block, rows: Best, cols, row_index: Tensor, col_index: Tensor):
-        if on_torch_tiles(block.q.dtype):
-            from ..backends.rank_tiles import RANK_TILES
-
-            return RANK_TILES.ahead_counts(block, rows, cols, row_index, col_index)
-        excluding = block.q_ids is not None and not block.multi_positive
-        ids = (block.q_ids, block.k_ids) if excluding else (None, None)
-        return ahead_counts(block.q, block.k, rows, cols, row_index, col_index, *ids, self.precision)
-
-
-TRITON_RANKS = TritonRanks()

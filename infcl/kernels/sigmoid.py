@@ -6,7 +6,7 @@ Both come from one e = exp(-|t|) in (0, 1]: softplus(t) = max(t, 0) + log1p(e) a
 sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e), so no logit overflows and a tiny loss term keeps its digits.
 
 Forward (:func:`siglip_forward`): one program per BLOCK_M rows of q walks k in BLOCK_N blocks, builds
-each raw tile (:func:`infcl.kernels.tiles.score_tile`, 1 GEMM), and adds sum_j softplus(t) to its
+each raw tile (:func:`infcl.kernels.score_tiles.score_tile`, 1 GEMM), and adds sum_j softplus(t) to its
 rows' sums in registers; only the [Bq] row losses are written.
 
 Backward (:func:`siglip_backward`): deterministic, without atomics, as the fused-attention backward:
@@ -24,57 +24,26 @@ chunk -- still only by the program that owns those rows.
 GEMM-equivalents per block (each 2 * Bq * Bk * D flops): forward 1, backward 4 (each pass recomputes the
 tile), 5 in all, against 4 for the torch and native backends: the price of a backward without atomics.
 On a GPU dL is rounded to the inputs' dtype before the products (tensor-core operands, as torch does in
-that dtype); under the interpreter see :mod:`infcl.kernels.tiles` (UPCAST).
+that dtype); under the interpreter see :mod:`infcl.kernels.score_tiles` (UPCAST).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .configs import INTERPRETER_TILING, TRITON_VERSION, TileConfig, Tiling, operand_class_of
-from .env import INTERPRETED
+from .configs import Tiling
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
-from .target import target_family
-from .tiles import MIN_DOT, dot_operand, load_tile, score_tile, tile_dot
+from .score_tiles import MIN_DOT, dot_operand, load_tile, score_tile, tile_dot
+from .tiling import SIGMOID_TILINGS, target_tiling
 
-# The tilings used when the backend pins none, per operand class (configs.operand_class_of), the same on
-# every architecture family. Not tuned on a GPU (none was available): the sizes that compile without
-# spills on sm_80, sm_86, sm_90, sm_100 and sm_120 (tests/test_triton_api_compile.py). The backward
-# holds a [BLOCK_M, chunk] gradient tile, the logit tile and an operand chunk in registers: bf16/fp16
-# and tf32 take 64-row tiles on 8 warps over 32-feature chunks (a 64-wide resident chunk spills on
-# sm_80/86/120; tf32, twice the bytes per operand, takes 32 columns); the FMA classes (fp32 "ieee",
-# fp64) hold operand fragments in registers, so small tiles over 16-feature chunks with maxnreg 255, as
-# the softmax kernels (ptxas 12 otherwise caps them at 128 registers on sm_80 and spills).
-DEFAULT_TILINGS = {
-    # maxnreg 255: ptxas 12 caps the backward at 128 registers on sm_80/86 and spills 12 B at D = 512 on
-    # block-multiple batches; uncapped it takes 154, no spill (sm_90 unchanged).
-    "mma": Tiling(
-        *(TileConfig(block_m=64, block_n=64, num_warps=8, max_registers=255),) * 3, resident_d=32, chunk_d=32
-    ),
-    "tf32": Tiling(*(TileConfig(block_m=64, block_n=32, num_warps=8),) * 3, resident_d=32, chunk_d=32),
-    "ieee": Tiling(*(TileConfig(block_m=32, block_n=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
-    "fp64": Tiling(*(TileConfig(block_m=32, block_n=16, max_registers=255),) * 3, resident_d=16, chunk_d=16),
-}
-# Triton 3.2 aborts compiling the 64-row bf16/fp16 tile for sm_90 / sm_100 (an assertion in its linear-layout
-# lowering of a 64-row wgmma accumulator split over two warp groups, as the softmax dq kernel): there the same
-# 8 warps take 128 rows, one warp group per 64. (On sm_80 / sm_86 that tile spills under Triton 3.2: they keep
-# the default.)
-WGMMA_TRITON_32_TILING = Tiling(
-    *(TileConfig(block_m=128, block_n=64, num_warps=8, max_registers=255),) * 3, resident_d=32, chunk_d=32
-)
+# The tilings used when the backend pins none: infcl.kernels.tiling.sigmoid_tiling. ``DEFAULT_TILINGS`` is the
+# tiling module's per-class table itself (bench.static's --tile siglip=... overrides it in place).
+DEFAULT_TILINGS = SIGMOID_TILINGS
 
 
 def _pick(tiling, dtype, precision):
-    """The caller's tiling, else the interpreter's big tiles under TRITON_INTERPRET=1, else the default of
-    the operand class (on sm_90 / sm_100 under Triton 3.2, :data:`WGMMA_TRITON_32_TILING` for bf16/fp16)."""
-    if tiling is not None:
-        return tiling
-    if INTERPRETED:
-        return INTERPRETER_TILING
-    operand_class = operand_class_of(dtype, precision)
-    if operand_class == "mma" and TRITON_VERSION < (3, 3) and target_family() in (90, 100):
-        return WGMMA_TRITON_32_TILING
-    return DEFAULT_TILINGS[operand_class]
+    """The caller's tiling, else the active target's (:func:`infcl.kernels.tiling.target_tiling`)."""
+    return tiling if tiling is not None else target_tiling("sigmoid", dtype, precision)
 
 
 @triton.jit
@@ -282,10 +251,11 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
 
     q [Bq, D], k [Bk, D] (any strides, one dtype), scale a 0-d tensor on q's device, pos [Bq] int64: each
     row's positive column in k, -1 for none; bias a 0-d tensor like scale (the argument order of every block
-    operation: q, k, scale, pos, then the loss's own). ``tiling`` overrides :data:`DEFAULT_TILINGS` (the
-    interpreter's big tiles under TRITON_INTERPRET=1); ``precision`` picks tl.dot's input precision for
-    float32 ("ieee", "tf32"; None follows torch's, configs.torch_matmul_precision); ``wrap`` wraps the
-    kernel before its launch (``torch.library.wrap_triton`` inside a triton_op).
+    operation: q, k, scale, pos, then the loss's own). ``tiling`` overrides the default
+    (:func:`infcl.kernels.tiling.sigmoid_tiling`; the interpreter's big tiles under TRITON_INTERPRET=1);
+    ``precision`` picks tl.dot's input precision for float32 ("ieee", "tf32"; None follows torch's,
+    kernel_args.torch_matmul_precision); ``wrap`` wraps the kernel before its launch (``torch.library.wrap_triton``
+    inside a triton_op).
     """
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)

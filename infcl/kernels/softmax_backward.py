@@ -26,7 +26,7 @@ max(|g_col[j]|, max|g_row|)), and the product multiplied back in float32, so tha
 g * p (1e-9 for a mean over 65536 rows) do not flush to zero in float16's range.
 
 With mask options (as in the forward: HAS_IDS, HAS_GUIDE, POSITIVES) the kernels form each tile's positives
-and exclusions the same way and dS with :func:`infcl.kernels.masked_tiles.masked_softmax_grad`: P is 0 on the
+and exclusions the same way and dS with :func:`infcl.kernels.softmax_mask_tiles.masked_softmax_grad`: P is 0 on the
 exclusions and Y is the one-hot of ``pos``, 1/|P| on the positives ("mean") or their softmax ("sum").
 
 GEMM count per call, for D up to one slice (BLOCK_OUT, 256 by default; D <= 128 is one chunk): 4 —
@@ -34,8 +34,8 @@ S in each kernel, dq, dk — whether the loss is one-directional or symmetric. A
 ceil(D / BLOCK_OUT) slices, each recomputing S: 2 * slices + 2. With the forward's 1: 5 for either
 loss at D <= BLOCK_OUT (Inf-CL: 5 for one direction, 10 for the symmetric loss).
 
-The kernels: :mod:`infcl.kernels.backward_kernels`, their per-tile helpers :mod:`infcl.kernels.backward_tiles`;
-below, the autotuner's search spaces and the launcher.
+The kernels: :mod:`infcl.kernels.softmax_backward_kernels`, their per-tile helpers
+:mod:`infcl.kernels.softmax_backward_tiles`; below, the autotuner's search spaces and the launcher.
 """
 
 from typing import Optional
@@ -44,8 +44,7 @@ import torch
 import triton
 
 from .autotune import autotune_bucket, lazy_autotune, neighbours
-from .backward_kernels import _dk_kernel, _dq_kernel
-from .configs import TENSOR_CORE_CLASSES, TRITON_VERSION, TileConfig, Tiling
+from .configs import TENSOR_CORE_CLASSES, TileConfig, Tiling
 from .kernel_args import (
     COMPILE_OPTIONS,
     NO_MASKS,
@@ -56,9 +55,10 @@ from .kernel_args import (
     launch_options,
     tf32_operands,
 )
+from .softmax_backward_kernels import _dk_kernel, _dq_kernel
 from .split_plan import plan_backward_splits
 from .target import ARCH_FAMILIES
-from .tiling import dk_config, dq_config
+from .tiling import OLD_WGMMA, dk_config, dq_config
 
 # ---- configs ------------------------------------------------------------------------------------
 # Each call's configs: infcl.kernels.tiling.dq_config / dk_config (one function each for every family, operand
@@ -81,7 +81,7 @@ def _keep(key, config: TileConfig, default: TileConfig) -> bool:
     """Search points that compile without spills (tests/test_triton_api_compile.py): under Triton 3.2 a
     second stage spills sm_90's dk (220 B, tf32 at D = 1000); the FMA classes (ieee, fp64) sit at their
     register limit already, so they keep their default alone."""
-    if TRITON_VERSION < (3, 3) and key[0] in (90, 100) and config.num_stages > default.num_stages:
+    if OLD_WGMMA and key[0] in (90, 100) and config.num_stages > default.num_stages:
         return False
     return key[1] in TENSOR_CORE_CLASSES or config == default
 

@@ -3,7 +3,7 @@ logit, from one pass over the tiles; S never leaves registers.
 
 Grid (groups, splits). Program (g, c) walks the row blocks of row group g (one row block per group
 for the one-directional loss) and, for each, the k blocks of split c, building each S tile once
-(:func:`infcl.kernels.tiles.block_scores`) and folding it into
+(:func:`infcl.kernels.score_tiles.block_scores`) and folding it into
 - the row's running stats (m, rest) and positive logit (the tile entry at ``pos``), kept in
   registers and stored per split: ``[3, splits, Bq]``;
 - for the symmetric loss, the column stats over the group's rows: each tile's column stats are merged
@@ -21,8 +21,8 @@ from the same tiles as the row stats (the tile's column max and a second exp per
 
 With mask options (:mod:`infcl.masks`; the constexprs HAS_IDS, HAS_GUIDE and POSITIVES, set by the launcher
 from which inputs are given, all False for the plain loss, which then compiles to exactly the code above),
-each tile also forms its positives and exclusions (:func:`infcl.kernels.masked_tiles.block_masks`: the ids, and one
-guide GEMM over D' when a guide is given) and the partials are the ``[6, n]`` rows of :mod:`infcl.masks`,
+each tile also forms its positives and exclusions (:func:`infcl.kernels.softmax_mask_tiles.block_masks`: the ids,
+and one guide GEMM over D' when a guide is given) and the partials are the ``[6, n]`` rows of :mod:`infcl.masks`,
 for rows and (symmetric) columns alike: the stats over the columns not excluded, the positives' max (and,
 "sum", their rest), the sum of their logits and their count.
 
@@ -42,14 +42,6 @@ from ..lse import MAX, REL, lse_merge
 from ..masks import MASKED_ROWS, POS_MAX, POS_REL, merge_masked
 from .autotune import autotune_bucket, lazy_autotune, neighbours
 from .configs import TENSOR_CORE_CLASSES, TileConfig, Tiling
-from .forward_tiles import (
-    _fold_rows,
-    _merge_columns,
-    _merge_masked_columns,
-    _store_rows,
-    _store_vector,
-    _symmetric_pair,
-)
 from .kernel_args import (
     COMPILE_OPTIONS,
     NO_MASKS,
@@ -60,11 +52,19 @@ from .kernel_args import (
     launch_options,
     tf32_operands,
 )
-from .masked_tiles import ONE_POSITIVE, block_masks, load_optional, positive_partials
+from .score_tiles import block_range, block_scores, check_blocks, load_tile, load_vector, masked_scores
+from .softmax_forward_tiles import (
+    _fold_rows,
+    _merge_columns,
+    _merge_masked_columns,
+    _store_rows,
+    _store_vector,
+    _symmetric_pair,
+)
+from .softmax_mask_tiles import ONE_POSITIVE, block_masks, load_optional, positive_partials
 from .split_plan import plan_forward
 from .target import ARCH_FAMILIES
 from .tile_stats import holds_positive, kept_rest_stats, merge_kept_stats, positive_span, tile_rest_stats
-from .tiles import block_range, block_scores, check_blocks, load_tile, load_vector, masked_scores
 from .tiling import forward_config
 
 

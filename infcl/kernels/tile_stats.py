@@ -12,13 +12,13 @@ has no libdevice, and the trick only needs exp and an accurate log (tl.log is li
 NVIDIA GPUs; :func:`exp` is ex2.approx, whose error the trick absorbs). A tile that holds no positive
 skips that work on a uniform branch (:func:`holds_positive`).
 
-The S tile these act on: :mod:`infcl.kernels.tiles`.
+The S tile these act on: :mod:`infcl.kernels.score_tiles`.
 """
 
 import triton
 import triton.language as tl
 
-from .tiles import PTX
+from .score_tiles import PTX
 
 # exp(x) = 2 ** (x * log2(e)); tl.exp multiplies by the same float32 constant.
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -1,206 +1,361 @@
-"""The softmax kernels' tiling, read in one place: which forward / dq / dk config and which feature chunking
-a call takes on an architecture family, for an operand class, at a D, with or without mask options.
+"""Which tile, for which kernel, on which GPU: the one tiling module of every Triton kernel family (softmax,
+sigmoid, the retrieval ranks and the distillation loss).
 
-One function per kernel (:func:`forward_config`, :func:`dq_config`, :func:`dk_config`) answers "which tile does
-dq take on sm_90 in bf16 at D = 512?" (``dq_config(90, "mma", ragged=False)``); every branch says why, Triton
-version workarounds included; :func:`tiling_for` puts the three together with the feature chunking
-(:func:`chunking`). Not tuned on a GPU: each config is the one that compiles without spills and within
-shared memory on its family (tests/test_triton_api_compile.py; ``python -m bench.static`` reports the
-figures).
+One function per architecture family, as flash-attention's ``hopper/tile_size.h``: :func:`sm90`, :func:`sm100`,
+:func:`sm80`, :func:`sm86` (sm_86 / sm_89) and :func:`sm120` each answer, for one :class:`Kernel` on tensor cores,
+which :class:`TileConfig` it takes. "Which tile does dq take on sm_90 in bf16 at D = 512?" is
+``sm90(Kernel("softmax", "dq", "mma"))``: read :func:`sm90`. The FMA classes (fp32 "ieee", fp64) take the same
+configs on every family (:func:`fma`); Triton 3.2 (:data:`OLD_WGMMA`) changes sm_90's and sm_100's tensor-core
+tiles, all in :func:`triton32_wgmma`; :func:`config` picks among them. Every branch says why. Not tuned on a
+GPU: each config is the one that compiles without spills and within shared memory on its family
+(tests/test_triton_api_compile.py; ``python -m bench.static`` reports the figures).
 
-The arguments: ``arch``, a family of :data:`configs.ARCH_FAMILIES`; ``operand_class``, :func:`configs.operand_class_of`
-("mma": bf16/fp16 tensor cores, "tf32", "ieee": fp32 FMA, "fp64"); ``ragged``, D wider than one feature
-chunk and not a whole number of them (:func:`configs.ragged_d`: the last chunk's masked loads need
-registers); ``masks``, None for the plain loss, "ids" (ids without a guide) or "guide" (a guide, with or
-without ids).
+A :class:`Kernel`: ``family`` "softmax" (the forward, dq and dk kernels: ``phase``), "sigmoid" (one config for
+its forward and both backward passes) or "rank" (the ranks' and the distillation loss's kernels: one S tile for
+every kernel, so S is the same bits in each); ``operand_class``, :func:`configs.operand_class_of` ("mma":
+bf16/fp16 tensor cores, "tf32", "ieee": fp32 FMA, "fp64"); ``ragged``, D wider than one feature chunk and not a
+whole number of them (:func:`configs.ragged_d`: the last chunk's masked loads need registers); ``masks``, None
+for the plain softmax loss, "ids" (ids without a guide) or "guide" (a guide, with or without ids).
 
-On tensor cores every plain config is built on the family's S tile (:func:`configs.score_tile`), so the three
-kernels compute S with the same MMA instruction and layout (tests/test_static_report.py checks it in the
-compiled code). ``block_out`` (dq / dk): the slice of the gradient a program holds in registers, BLOCK_M
-(BLOCK_N) rows x block_out fp32 columns: 64 x 256 over 8 warps is 64 registers a thread, the most that
-leaves room for the S and dS tiles without spilling.
+On tensor cores every plain softmax config of a family is built on its S tile (:func:`score_tile`, the forward
+config's), so the three kernels compute S with the same MMA instruction and layout (tests/test_static_report.py
+checks it in the compiled code). ``block_out`` (dq / dk): the slice of the gradient a program holds in
+registers, BLOCK_M (BLOCK_N) rows x block_out fp32 columns: 64 x 256 over 8 warps is 64 registers a thread, the
+most that leaves room for the S and dS tiles without spilling.
+
+The per-call answers: :func:`tiling_for` (softmax: the three configs and the feature chunking, :func:`chunking`),
+:func:`sigmoid_tiling`, :func:`rank_tiling`, and :func:`target_tiling` for the active target (the interpreter's
+tiles under TRITON_INTERPRET=1). :func:`forward_config`, :func:`dq_config` and :func:`dk_config` are the softmax
+kernels' entry points (the autotuner's search spaces start from them). The chunked route's passes
+(:mod:`.chunked_softmax`) stream float32 scores without a product: one config on every family
+(:data:`CHUNK_STATS_TILE`, :data:`CHUNK_GRAD_TILE`).
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from .configs import (
     FEATURE_CHUNKS,
+    INTERPRETER_TILING,
     TENSOR_CORE_CLASSES,
     TRITON_VERSION,
+    ScoreTile,
     TileConfig,
     Tiling,
     operand_class_of,
     ragged_d,
-    score_tile,
 )
+from .env import INTERPRETED
+from .target import target_family
 
-# Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion): there the
-# sm_90 / sm_100 tensor-core tiles keep one warp group per 64 rows (configs.score_tile).
-_OLD_WGMMA = TRITON_VERSION < (3, 3)
+# Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion in the dq
+# kernel's linear-layout lowering): there sm_90's and sm_100's tensor-core tiles keep one warp group per 64
+# rows (:func:`triton32_wgmma`, the one place this workaround is spelled).
+OLD_WGMMA = TRITON_VERSION < (3, 3)
 
 # FMA products (fp32 "ieee", fp64) hold their operand fragments in registers: maxnreg 255 everywhere, so
 # ptxas does not spill to fit more blocks per SM. Each entry is a sum in K order whatever the tile, so their
 # tiles need not match between kernels.
-_FMA = 255
+FMA_REGISTERS = 255
 # With mask options, tensor cores take 64-row tiles (as the backward's: the same MMA instruction) of 16
 # columns, maxnreg 255 (ptxas otherwise caps the masked kernels at 128 registers on sm_86 and spills).
-_MASKED_ROWS, _MASKED_COLS = 64, 16
+MASKED_ROWS, MASKED_COLS = 64, 16
+
+# The sigmoid kernels' tilings per operand class, the same on every family (Triton 3.2 on sm_90 / sm_100 aside).
+# The backward holds a [BLOCK_M, chunk] gradient tile, the logit tile and an operand chunk in registers:
+# bf16/fp16 and tf32 take 64-row tiles on 8 warps over 32-feature chunks (a 64-wide resident chunk spills on
+# sm_80/86/120; tf32, twice the bytes per operand, takes 32 columns); the FMA classes hold operand fragments in
+# registers, so small tiles over 16-feature chunks with maxnreg 255, as the softmax kernels (ptxas 12
+# otherwise caps them at 128 registers on sm_80 and spills).
+SIGMOID_TILINGS = {
+    # maxnreg 255: ptxas 12 caps the backward at 128 registers on sm_80/86 and spills 12 B at D = 512 on
+    # block-multiple batches; uncapped it takes 154, no spill (sm_90 unchanged).
+    "mma": Tiling(
+        *(TileConfig(block_m=64, block_n=64, num_warps=8, max_registers=255),) * 3, resident_d=32, chunk_d=32
+    ),
+    "tf32": Tiling(*(TileConfig(block_m=64, block_n=32, num_warps=8),) * 3, resident_d=32, chunk_d=32),
+    "ieee": Tiling(*(TileConfig(block_m=32, block_n=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(block_m=32, block_n=16, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+}
+# The rank and distillation kernels' tilings per operand class: the sigmoid kernels' sizes, which hold the same
+# registers (an S tile, an operand chunk, a gradient slice), and 32-wide gradient slices (64 on bf16/fp16).
+RANK_TILINGS = {
+    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32, chunk_d=32),
+    # maxnreg 255: ptxas caps the rank kernels at 128 registers on sm_80 and spills 36 B.
+    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=32, max_registers=255),) * 3, resident_d=32, chunk_d=32),
+    "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+}
+# Under the interpreter: the softmax and sigmoid kernels take few big tiles (configs.INTERPRETER_TILING); the
+# rank and distillation kernels small ones, so that the tests' small shapes cut into several ragged blocks.
+INTERPRETER_TILINGS = {
+    "softmax": INTERPRETER_TILING,
+    "sigmoid": INTERPRETER_TILING,
+    "rank": Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32),
+}
+
+# The chunked route's passes (kernels/chunked_softmax.py) read a float32 [C, Bk] score chunk that cuBLAS wrote and
+# take no product: memory-bound, so one config on every family and operand dtype. chunk_stats: a 64 x 64 float32
+# tile (16 KiB) per load on 8 warps keeps enough bytes in flight per SM, and 64 rows make its column partials 8 bytes
+# per (64 rows x column), 1/32 of the S read at 4 bytes.
+CHUNK_STATS_TILE = TileConfig(64, 64, num_warps=8)
+# chunk_grad holds raw, s, dS and (symmetric) the column term at once: 32 rows keep it within registers.
+CHUNK_GRAD_TILE = TileConfig(32, 64, num_warps=8)
+# Column tiles per program of either pass: 32 tiles of 64 columns. At C = 2048, Bk = 65536 the stats grid is 32 x 32
+# = 1024 programs (about 8 per SM on 132 SMs); the rows' partials are then 32 per row, ~0.15% of the S bytes.
+CHUNK_SPLIT_TILES = 32
+# Entries per program of the passes' partials merge (chunked_softmax.merge_parts).
+CHUNK_MERGE_BLOCK = 1024
 
 
-def forward_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
-    """The forward kernel's config."""
-    if masks is not None:
-        # Each tile also holds the positives, the exclusions, the guide scores and their GEMM's pipeline, and
-        # the symmetric loss merges six column partials instead of two: one stage (a second spills on sm_90
-        # at ragged D).
-        if operand_class == "ieee":  # the plain 32 x 32 tiles halved in columns
-            return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, max_registers=_FMA)
-        if operand_class == "fp64":  # twice the registers an entry
-            return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, max_registers=_FMA)
-        if _OLD_WGMMA and arch in (90, 100) and operand_class == "mma":  # 128 rows on the same 8 warps
-            return TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1, max_registers=255)
-        return TileConfig(block_m=_MASKED_ROWS, block_n=_MASKED_COLS, num_warps=8, num_stages=1, max_registers=255)
-    if operand_class not in TENSOR_CORE_CLASSES:
-        # 32 x 32 tiles on 4 warps over 16-feature chunks.
-        return TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, max_registers=_FMA)
-    tile = score_tile(arch, operand_class, ragged)
-    # The plain symmetric forward walks pairs of row blocks (TileConfig.row_tiles); under Triton 3.2 (128-row
-    # S tiles on sm_90 / sm_100) a pair spills 80-120 B, and on sm_86 / sm_120 (ptxas caps them at 255
-    # registers) a pair spills 20-40 B at ragged D, so one row block at a time there.
-    row_tiles = 1 if _OLD_WGMMA or (ragged and arch in (86, 120)) else 2
-    if (arch, operand_class) in ((90, "mma"), (80, "mma"), (80, "tf32")):
-        # sm_90: 3 stages of q/k chunks (48 KiB of shared memory); sm_80 likewise. Triton 3.2's ragged-D
-        # tiles on sm_90 (128 x 32) spill with a third stage.
-        stages = 2 if _OLD_WGMMA and ragged and arch == 90 else 3
-        return tile.config(num_stages=stages, row_tiles=row_tiles)
-    if (arch, operand_class) in ((100, "mma"), (100, "tf32"), (86, "mma"), (120, "mma"), (86, "tf32")):
-        # sm_100 (ptxas 13) and the 99 KiB families: maxnreg 255, or ptxas caps registers and spills at
-        # ragged D.
-        return tile.config(max_registers=255, row_tiles=row_tiles)
-    # tf32 on sm_90 / sm_100 / sm_120: fp32 operands in 32-feature chunks; a third stage pushes sm_90's
-    # registers into spills.
-    return tile.config(row_tiles=row_tiles)
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel a config is asked for (see the module docstring)."""
+
+    family: str  # "softmax", "sigmoid", "rank" (the ranks' and the distillation loss's kernels)
+    phase: str = "forward"  # softmax: "forward", "dq", "dk"; the other families: one config for every kernel
+    operand_class: str = "mma"
+    ragged: bool = False
+    masks: Optional[str] = None  # softmax: None, "ids", "guide"
 
 
-def dq_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
-    """The dq kernel's config (the dk kernel's: :func:`dk_config`)."""
-    if masks is not None:
-        return _masked_backward(arch, operand_class, ragged, masks, dk=False)
-    return _plain_dq(arch, operand_class, ragged)
+def _masked(kernel: Kernel, stages: int = 2, block_out: int = 128) -> TileConfig:
+    """A masked softmax kernel's config on tensor cores: 64 x 16 on 8 warps, maxnreg 255. Each tile also holds
+    the positives, the exclusions, the guide scores and their GEMM's pipeline, and the symmetric forward merges
+    six column partials instead of two: the forward takes one stage (a second spills on sm_90 at ragged D); dq
+    and dk ``stages`` and ``block_out`` (smaller slices than the plain kernels')."""
+    if kernel.phase == "forward":
+        return TileConfig(MASKED_ROWS, MASKED_COLS, num_warps=8, num_stages=1, max_registers=255)
+    return TileConfig(MASKED_ROWS, MASKED_COLS, num_warps=8, num_stages=stages, block_out=block_out, max_registers=255)
 
 
-def _plain_dq(arch: int, operand_class: str, ragged: bool) -> TileConfig:
-    """The plain dq config, which the plain dk config starts from."""
-    if operand_class == "ieee":  # 32-row blocks on 4 warps over 16-feature chunks (as in the forward)
-        return TileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, block_out=128, max_registers=_FMA)
-    if operand_class == "fp64":  # 16 owned columns and 64-wide slices for twice the bytes per entry
-        return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=_FMA)
-    tile = score_tile(arch, operand_class, ragged)
-    if _OLD_WGMMA and arch in (90, 100):
-        # Triton 3.2's 128-row tiles need more registers than 3.9's for the same work: the slices narrow
-        # to 64 (128 spills dk 16-112 B at D = 512 and 784-1224 B at ragged D).
-        return tile.config(block_out=64)
-    if operand_class == "mma":
-        if arch in (90, 100):
-            # 3 stages of the S chunks fit the registers and shared memory (sm_90 at ragged D: on its
-            # 64 x 32 ragged S tile).
-            return tile.config(num_stages=3)
-        # sm_80 and the 99 KiB families: ptxas 12's allocator needs the third stage's registers back; at
-        # ragged D sm_80 (ptxas 12) spills 104 B at 256 columns and sm_86 / sm_120 (ptxas 13) 8 B at maxnreg
-        # 255: 128-wide slices fit.
-        return tile.config(max_registers=255, block_out=128 if ragged else 256)
-    # tf32: a 256-wide slice spills at ragged D on sm_90; 128 does not. sm_86 / sm_100 / sm_120 (ptxas 13) cap the
-    # tf32 tiles below their need unless told 255: dq spilled 8 B on sm_120 at D = 1, dk 24 B with labels on sm_86
-    # at D = 256-768, on sm_120 at D = 40 and 8 B on sm_100's 64 x 64 at D = 256-768 (dk takes dq's). sm_80:
-    # 128-wide slices at ragged D (as bf16's), and maxnreg 255: ptxas 12 capped dk at 80 registers (12 B spilled,
-    # D = 64) and dq at 128 (16 B, D = 96 / 128) with labels and Bk > Bq.
-    if arch == 90:
-        return tile.config(block_out=128)
-    if arch in (86, 100, 120):
-        return tile.config(block_out=128, max_registers=255)
-    return tile.config(block_out=128 if ragged else 256, max_registers=255)
+def sm90(kernel: Kernel) -> TileConfig:
+    """Hopper (sm_90): S on wgmma, 227 KiB of shared memory, ptxas 12/13."""
+    mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "sigmoid":
+        return SIGMOID_TILINGS[kernel.operand_class].forward
+    if kernel.family == "rank":  # bf16/fp16 on the wgmma-friendly 64 x 64
+        return RANK_TILINGS[kernel.operand_class].forward
+    if kernel.masks is not None:
+        if mma and kernel.masks == "ids":  # no guide scores in the tile: the plain kernels' 256-wide slices fit
+            return _masked(kernel, block_out=256)
+        if mma:
+            # A guide: 256-wide slices as the plain and ids-only kernels, so a guide recomputes S and its scores
+            # in as many slices as the plain loss recomputes S (2 + 2 at D = 512, not 4 + 4). At ragged D the
+            # masked last chunk spills dq 36-152 B (ids, a guide and "sum") and fp16's dk 88 B ("mean"): 128.
+            return _masked(kernel, block_out=128 if ragged else 256)
+        return _masked(kernel)
+    # 64 x 64 on two warp groups, S on wgmma m64n32k16 (each group 32 columns), in every kernel, and the dk
+    # product (M = 64) on wgmma too. 128 x 64 (m64n64 per group) spills the dq kernel 12-20 B at every pipeline
+    # depth with bf16 or fp16 (D = 256 / 512, 128-wide slices; ptxas 13). bf16/fp16 at ragged D: the 64 x 64 dq
+    # and dk spill 64-104 B with 256-wide slices (D = 1000); 64 x 32 fits (128-wide slices would fit 64 x 64 at
+    # twice the S recomputations).
+    tile = ScoreTile(64, 32, 8) if ragged and mma else ScoreTile(64, 64, 8)
+    if kernel.phase == "forward":
+        # bf16/fp16: 3 stages of q/k chunks (48 KiB of shared memory); tf32 (fp32 operands in 32-feature
+        # chunks): a third stage pushes the registers into spills. Row blocks in pairs (TileConfig.row_tiles).
+        return tile.config(num_stages=3 if mma else 2, row_tiles=2)
+    if mma:  # dq and dk: 3 stages of the S chunks fit the registers and shared memory
+        return tile.config(num_stages=3)
+    return tile.config(block_out=128)  # tf32: a 256-wide slice spills at ragged D; 128 does not
 
 
-def dk_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
-    """The dk kernel's config: the dq kernel's with the roles of q and k swapped (its accumulator has BLOCK_N
-    rows), and the differences below."""
-    if masks is not None:
-        return _masked_backward(arch, operand_class, ragged, masks, dk=True)
-    dq = _plain_dq(arch, operand_class, ragged)
-    if operand_class not in TENSOR_CORE_CLASSES:
-        return dq
-    if _OLD_WGMMA and arch in (90, 100):
-        return replace(dq, num_stages=1) if ragged else dq  # Triton 3.2 at ragged D: one stage
-    if operand_class == "mma" and arch in (86, 120):
-        # sm_86 / sm_120 (ptxas 13): fp16's dS normalization spills 32 owned rows at 256 columns (8 B at
-        # D = 512).
-        return replace(dq, block_out=128)
-    if (arch, operand_class) == (100, "mma"):
-        # sm_100's fp16 dk (the dS normalization beside the positives' branch): ptxas 13 caps it at 128
-        # registers and spills 8-12 B unless told 255.
-        return replace(dq, max_registers=255)
-    if (arch, operand_class) == (80, "tf32") and ragged:
-        return replace(dq, block_out=256)  # dk fits sm_80's 256-wide tf32 slices at ragged D; dq does not
-    return dq
+def sm100(kernel: Kernel) -> TileConfig:
+    """Blackwell (sm_100): S on tcgen05, ptxas 13."""
+    mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "sigmoid":
+        return SIGMOID_TILINGS[kernel.operand_class].forward
+    if kernel.family == "rank":  # bf16/fp16 take tf32's 64 x 32 (below)
+        return RANK_TILINGS["tf32"].forward
+    if kernel.masks is not None:
+        if mma:  # as sm_90's
+            return _masked(kernel, block_out=256 if kernel.masks == "ids" or not ragged else 128)
+        return _masked(kernel)
+    # tcgen05 M = 64, as sm_90's 64 x 64 (S on one tcgen05 tile, and the dk product's M = 64 on tcgen05 too,
+    # where 32 rows fell back to mma.sync). At ragged D the 64 x 64 forward and dk spill 36-88 B (D = 1000):
+    # 64 x 32 there. ptxas 13 spills the 128 x 64 dq and dk.
+    tile = ScoreTile(64, 32, 8) if ragged else ScoreTile(64, 64, 8)
+    if kernel.phase == "forward":  # maxnreg 255, or ptxas caps registers and spills at ragged D
+        return tile.config(max_registers=255, row_tiles=2)
+    if mma:
+        # 3 stages of the S chunks; dk (the dS normalization beside the positives' branch): ptxas 13 caps it at
+        # 128 registers and spills 8-12 B unless told 255.
+        return tile.config(num_stages=3, max_registers=255 if kernel.phase == "dk" else 0)
+    return tile.config(block_out=128, max_registers=255)  # tf32: 8 B spilled on 64 x 64 at D = 256-768 otherwise
 
 
-def _masked_backward(arch: int, operand_class: str, ragged: bool, masks: str, dk: bool) -> TileConfig:
-    """dq (dk) with mask options: smaller tiles and slices than the plain kernels', as the forward's."""
-    if operand_class == "ieee":
-        return TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=_FMA)
-    if operand_class == "fp64":
-        return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, block_out=64, max_registers=_FMA)
-    if _OLD_WGMMA and arch in (90, 100) and operand_class == "mma":
-        # As the masked forward under Triton 3.2: 128 rows on 8 warps, one stage and 64-wide slices, ids or a
-        # guide, ragged D or not (wider ones spill 300-3000 B).
-        return TileConfig(block_m=128, block_n=16, num_warps=8, num_stages=1, block_out=64, max_registers=255)
-    stages, block_out = 2, 128
-    if operand_class == "mma" and masks == "ids":
-        # Ids without a guide (no guide scores in the tile) fit the plain kernels' 256-wide slices, so ids cost
-        # the backward no S recomputation beyond the plain loss's (sm_80: one stage, and maxnreg 255: at D = 40
-        # ptxas 12 caps float16's dk at 128 registers and spills).
-        stages, block_out = (1 if arch == 80 else 2), 256
-    elif operand_class == "mma" and arch in (90, 100):
-        # sm_90 / sm_100 with a guide: 256-wide slices, as the plain and ids-only kernels, so a guide recomputes
-        # S and its scores in as many slices as the plain loss recomputes S (2 + 2 at D = 512, not 4 + 4). At
-        # ragged D the masked last chunk spills dq 36-152 B (ids, a guide and "sum") and fp16's dk 88 B
-        # ("mean") there, so both keep 128-wide slices.
-        block_out = 128 if ragged else 256
-    elif operand_class == "mma" and arch == 80 and not dk:
-        # sm_80 (ptxas 12): float16's dS normalization spills the dq kernel at ragged D; one stage, 64-wide
-        # slices fit.
-        stages, block_out = 1, 64
-    elif operand_class == "mma" and arch == 120 and dk:
-        # sm_120 (ptxas 13): float16's dk with ids and a guide ("mean", D = 1000) spills 16 B at 255 registers
-        # with two stages; one fits.
-        stages = 1
+def sm80(kernel: Kernel) -> TileConfig:
+    """Ampere (sm_80): S on mma.sync, 163 KiB of shared memory, ptxas 12."""
+    mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "sigmoid":
+        return SIGMOID_TILINGS[kernel.operand_class].forward
+    if kernel.family == "rank":
+        # bf16/fp16 take tf32's 64 x 32 tiles and 32-wide slices: the distillation backward's 64 x 64 tile,
+        # 64-wide slices, spills 32-68 B at 255 registers, 12 B with 32-wide slices (its float32 teacher product
+        # runs on FMA units beside S).
+        return RANK_TILINGS["tf32"].forward
+    if kernel.masks is not None:
+        if mma and kernel.masks == "ids":
+            # The plain kernels' 256-wide slices, one stage (and maxnreg 255: at D = 40 ptxas 12 caps float16's
+            # dk at 128 registers and spills).
+            return _masked(kernel, stages=1, block_out=256)
+        if mma and kernel.phase == "dq":  # float16's dS normalization spills dq at ragged D: 1 stage, 64 wide
+            return _masked(kernel, stages=1, block_out=64)
+        return _masked(kernel)
+    # The mma.sync families: 64 x 32 on 8 warps, the most the backward's 256-column slices fit beside.
+    tile = ScoreTile(64, 32, 8)
+    if kernel.phase == "forward":  # 3 stages of q/k chunks
+        return tile.config(num_stages=3, row_tiles=2)
+    # dq and dk: ptxas 12's allocator needs the third stage's registers back; maxnreg 255 (ptxas 12 capped tf32's
+    # dk at 80 registers, 12 B spilled at D = 64, and dq at 128, 16 B at D = 96 / 128, with labels and Bk > Bq).
+    # At ragged D, 256 columns spill 104 B: 128-wide slices, but for tf32's dk, which fits 256.
+    wide = not ragged or (kernel.phase == "dk" and not mma)
+    return tile.config(max_registers=255, block_out=256 if wide else 128)
+
+
+def sm86(kernel: Kernel) -> TileConfig:
+    """sm_86 / sm_89 (99 KiB of shared memory): S on mma.sync, ptxas 13."""
+    mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "sigmoid":
+        return SIGMOID_TILINGS[kernel.operand_class].forward
+    if kernel.family == "rank":  # bf16/fp16 take tf32's 64 x 32 (see sm80)
+        return RANK_TILINGS["tf32"].forward
+    if kernel.masks is not None:
+        return _masked(kernel, block_out=256 if mma and kernel.masks == "ids" else 128)
+    tile = ScoreTile(64, 32, 8)  # as sm80's
+    if kernel.phase == "forward":
+        # maxnreg 255, or ptxas caps registers and spills at ragged D; there a pair of row blocks spills 20-40 B.
+        return tile.config(max_registers=255, row_tiles=1 if ragged else 2)
+    # dq and dk at maxnreg 255: tf32 spilled 24 B in dk with labels at D = 256-768 otherwise. bf16/fp16: 8 B
+    # spilled at ragged D with 256 columns, and fp16's dS normalization spills dk's 32 owned rows at 256 columns
+    # (8 B at D = 512): 128-wide slices there.
+    wide = mma and not ragged and kernel.phase == "dq"
+    return tile.config(max_registers=255, block_out=256 if wide else 128)
+
+
+def sm120(kernel: Kernel) -> TileConfig:
+    """sm_120 (consumer Blackwell, 99 KiB of shared memory): S on mma.sync, ptxas 13; sm_86's configs (:func:`sm86`)
+    but for two."""
+    mma, softmax = kernel.operand_class == "mma", kernel.family == "softmax"
+    if softmax and mma and kernel.masks == "guide" and kernel.phase == "dk":
+        # float16's dk with ids and a guide ("mean", D = 1000) spills 16 B at 255 registers on two stages; one fits.
+        return _masked(kernel, stages=1)
+    if softmax and not mma and kernel.masks is None and kernel.phase == "forward":
+        return replace(sm86(kernel), max_registers=0)  # tf32's forward fits without maxnreg
+    return sm86(kernel)
+
+
+ARCHITECTURES = {90: sm90, 100: sm100, 80: sm80, 86: sm86, 120: sm120}
+
+
+def fma(kernel: Kernel) -> TileConfig:
+    """The FMA classes (fp32 "ieee", fp64) on every family: operands in registers, maxnreg 255."""
+    fp64 = kernel.operand_class == "fp64"
+    if kernel.family != "softmax":
+        tilings = SIGMOID_TILINGS if kernel.family == "sigmoid" else RANK_TILINGS
+        return tilings[kernel.operand_class].forward
+    if kernel.masks is not None:  # the plain 32 x 32 tiles halved in columns (fp64: twice the registers an entry)
+        rows, block_out = (16 if fp64 else 32), (0 if kernel.phase == "forward" else 64)
+        return TileConfig(rows, 16, num_warps=4, num_stages=2, max_registers=FMA_REGISTERS, **_slice(block_out))
+    if kernel.phase == "forward":  # 32 x 32 tiles on 4 warps over 16-feature chunks
+        return TileConfig(32, 32, num_warps=4, num_stages=2, max_registers=FMA_REGISTERS)
+    # dq and dk: 32-row blocks over 16-feature chunks, 128-wide slices (fp64: 16 owned columns and 64-wide
+    # slices for twice the bytes per entry)
     return TileConfig(
-        block_m=_MASKED_ROWS,
-        block_n=_MASKED_COLS,
-        num_warps=8,
-        num_stages=stages,
-        block_out=block_out,
-        max_registers=255,
+        32, 16 if fp64 else 32, num_warps=4, num_stages=2, block_out=64 if fp64 else 128, max_registers=FMA_REGISTERS
     )
 
 
+def _slice(block_out: int) -> dict:
+    """``block_out`` as a TileConfig keyword, or none (the default) for a forward config."""
+    return {"block_out": block_out} if block_out else {}
+
+
+def triton32_wgmma(arch: int, kernel: Kernel) -> Optional[TileConfig]:
+    """Triton 3.2 (:data:`OLD_WGMMA`), tensor cores. On sm_90 / sm_100 every S tile keeps one warp group per 64
+    rows, 128 rows on the same 8 warps (its kernels need more registers than 3.9's); on every family the plain
+    forward walks one row block at a time (a pair of 128-row tiles spills 80-120 B). None where the kernel
+    takes the family's own config (tf32 with mask options, the rank and distillation kernels, tf32's sigmoid)."""
+    mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    plain_forward = kernel.family == "softmax" and kernel.masks is None and kernel.phase == "forward"
+    if arch not in (90, 100):
+        return replace(ARCHITECTURES[arch](kernel), row_tiles=1) if plain_forward else None
+    if kernel.family == "sigmoid":
+        return TileConfig(128, 64, num_warps=8, max_registers=255) if mma else None
+    if kernel.family == "rank":
+        return None
+    if kernel.masks is not None:
+        if not mma:
+            return None
+        # 128 rows on 8 warps, one stage and 64-wide slices, ids or a guide, ragged D or not (wider ones spill
+        # 300-3000 B).
+        block_out = {} if kernel.phase == "forward" else {"block_out": 64}
+        return TileConfig(128, 16, num_warps=8, num_stages=1, max_registers=255, **block_out)
+    tile = ScoreTile(128, 32, 8) if ragged else ScoreTile(128, 64, 8)
+    if plain_forward:
+        # sm_90 bf16/fp16: 3 stages (2 at ragged D, where the 128 x 32 tile spills with a third); sm_100 at
+        # maxnreg 255.
+        if arch == 100:
+            return tile.config(max_registers=255, row_tiles=1)
+        return tile.config(num_stages=(2 if ragged else 3) if mma else 2, row_tiles=1)
+    # dq and dk: 64-wide slices (128 spills dk 16-112 B at D = 512 and 784-1224 B at ragged D); dk at ragged D
+    # one stage.
+    return tile.config(block_out=64, num_stages=1 if kernel.phase == "dk" and ragged else 2)
+
+
+def config(arch: int, kernel: Kernel) -> TileConfig:
+    """The config ``kernel`` takes on architecture family ``arch``."""
+    if kernel.operand_class not in TENSOR_CORE_CLASSES:
+        return fma(kernel)
+    if OLD_WGMMA:
+        old = triton32_wgmma(arch, kernel)
+        if old is not None:
+            return old
+    return ARCHITECTURES[arch](kernel)
+
+
+def score_tile(arch: int, operand_class: str, ragged: bool = False) -> ScoreTile:
+    """The S tile of the plain softmax kernels for family ``arch`` and tensor-core class ``operand_class`` at a
+    ragged D or not: the forward config's, which the dq and dk configs share."""
+    if operand_class not in TENSOR_CORE_CLASSES or arch not in ARCHITECTURES:
+        raise KeyError((arch, operand_class))
+    return config(arch, Kernel("softmax", "forward", operand_class, ragged)).score_tile
+
+
+def forward_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
+    """The softmax forward kernel's config."""
+    return config(arch, Kernel("softmax", "forward", operand_class, ragged, masks))
+
+
+def dq_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
+    """The softmax dq kernel's config."""
+    return config(arch, Kernel("softmax", "dq", operand_class, ragged, masks))
+
+
+def dk_config(arch: int, operand_class: str, ragged: bool = False, masks: Optional[str] = None) -> TileConfig:
+    """The softmax dk kernel's config: the dq kernel's with the roles of q and k swapped (its accumulator has
+    BLOCK_N rows)."""
+    return config(arch, Kernel("softmax", "dk", operand_class, ragged, masks))
+
+
 def chunking(arch: int, operand_class: str, masked: bool = False, dim: Optional[int] = None) -> tuple:
-    """(resident_d, chunk_d) of :class:`configs.Tiling` at D = ``dim`` (when known): the operand class's
-    (:data:`configs.FEATURE_CHUNKS`), wider on sm_90 where D is whole wide chunks, and with mask options one
-    feature chunk as the most a program holds in registers (the guide's tiles sit beside it)."""
+    """(resident_d, chunk_d) of the softmax kernels' :class:`configs.Tiling` at D = ``dim`` (when known): the
+    operand class's (:data:`configs.FEATURE_CHUNKS`), wider on sm_90 / sm_100 where D is whole wide chunks, and
+    with mask options one feature chunk as the most a program holds in registers (the guide's tiles sit beside
+    it)."""
     resident_d, chunk_d = FEATURE_CHUNKS[operand_class]
+    wgmma_128_rows = OLD_WGMMA and arch in (90, 100)  # triton32_wgmma's tiles
     if not masked:
-        if arch in (90, 100) and operand_class == "mma" and not _OLD_WGMMA and _whole_chunks(dim, resident_d):
-            # sm_90 bf16/fp16 at D a multiple of 128 (beyond one chunk): S over 128-feature chunks, half the chunk
-            # loop's trips, at one forward CTA per SM instead of two; at a ragged D the masked last 128-chunk
-            # spills, so 64 there. The figures: docs/kernels.md, "Toward the GEMM bound". Either way D is ragged
-            # for both chunks or for neither (configs.ragged_d), so the configs match.
+        if arch in (90, 100) and operand_class == "mma" and not wgmma_128_rows and _whole_chunks(dim, resident_d):
+            # bf16/fp16 at D a multiple of 128 (beyond one chunk): S over 128-feature chunks, half the chunk loop's
+            # trips, at one forward CTA per SM instead of two; at a ragged D the masked last 128-chunk spills, so
+            # 64 there. The figures: docs/kernels.md, "Toward the GEMM bound". Either way D is ragged for both
+            # chunks or for neither (configs.ragged_d), so the configs match.
             return resident_d, resident_d
         return resident_d, chunk_d
-    if operand_class == "mma" and (arch == 120 or (_OLD_WGMMA and arch in (90, 100))):
+    if operand_class == "mma" and (arch == 120 or wgmma_128_rows):
         # sm_120 (ptxas 13): the symmetric forward with a guide spills 24-80 B at D = 1000 even at maxnreg 255
         # on 64-feature chunks; on 32-feature chunks it fits (so do Triton 3.2's 128-row masked tiles).
         chunk_d = 32
@@ -242,3 +397,38 @@ def plain_tiling(arch: int, operand_class: str, dim: Optional[int] = None) -> Ti
         resident_d=resident_d,
         chunk_d=chunk_d,
     )
+
+
+def _one_config(family: str, tilings: dict, arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """A family with one config for every kernel: its table's chunking, and the config of :func:`config`."""
+    operand_class = operand_class_of(dtype, precision)
+    cfg = config(arch, Kernel(family, operand_class=operand_class))
+    return replace(tilings[operand_class], forward=cfg, dq=cfg, dk=cfg)
+
+
+def sigmoid_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """The sigmoid kernels' tiling on family ``arch`` for inputs of ``dtype`` at tl.dot ``precision``."""
+    return _one_config("sigmoid", SIGMOID_TILINGS, arch, dtype, precision)
+
+
+def rank_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """The rank and distillation kernels' tiling on family ``arch`` for inputs of ``dtype`` at ``precision``."""
+    return _one_config("rank", RANK_TILINGS, arch, dtype, precision)
+
+
+def target_tiling(
+    family: str,
+    dtype: torch.dtype,
+    precision: str,
+    dim: Optional[int] = None,
+    masked: bool = False,
+    guide: bool = False,
+) -> Tiling:
+    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank") on the active target's architecture family,
+    the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax kernels')."""
+    if INTERPRETED:
+        return INTERPRETER_TILINGS[family]
+    arch = target_family()
+    if family == "softmax":
+        return tiling_for(arch, dtype, precision, dim, masked, guide)
+    return (sigmoid_tiling if family == "sigmoid" else rank_tiling)(arch, dtype, precision)

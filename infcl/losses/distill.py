@@ -21,23 +21,20 @@ two near-1 probabilities (a confident student and teacher on the same column) ke
 digits; dq, dk and the student scale's gradient follow as for the softmax loss. The teacher gets no
 gradient. The symmetric loss (both directions, open_clip's) takes the column partials from the same
 tiles; the teacher's k block travels with k (``k_side``).
+
+The backends return the forward partials packed, ``[5, n]`` (:data:`infcl.contract.DISTILL_ROWS`), and take
+the backward's global stats packed, ``[4, n]`` (the student's, then the teacher's); :func:`partials` and
+:class:`DistillUpstream` name them here.
 """
 
+from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..backends.base import Block, Tensor
-from ..lse import MAX, REL, empty_stats, lse_merge
+from ..contract import CROSS, STUDENT, TEACHER, Block, DistillBlockBackend, Teacher, Tensor
+from ..lse import REL, cross_merge_, empty_stats
 from ..ring.driver import ParamGrads
-
-
-class Teacher(NamedTuple):
-    """The teacher's side of one block: its row features, the held block's features and its scale."""
-
-    q: Tensor  # [Bq, D_T] accumulation dtype
-    k: Tensor  # [Bk, D_T] accumulation dtype
-    scale: Tensor  # 0-d accumulation dtype
 
 
 class DistillPartials(NamedTuple):
@@ -53,20 +50,9 @@ class DistillPartials(NamedTuple):
         cross = torch.zeros(n, dtype=dtype, device=device)
         return cls(empty_stats(n, dtype, device), empty_stats(n, dtype, device), cross)
 
-    def _rescaled_cross(self, student_max: Tensor, teacher_max: Tensor) -> Tensor:
-        """``cross`` relative to other maxima (>= these): (cross + (M - m) * exp(rT)) * exp(mT - MT); 0 if empty."""
-        m, (mt, rt) = self.student[MAX], self.teacher
-        shifted = (self.cross + (student_max - m) * torch.exp(rt)) * torch.exp(mt - teacher_max)
-        return torch.where(m == float("-inf"), 0.0, shifted)
-
     def merge_(self, part: "DistillPartials") -> None:
-        """Merge partials over a disjoint set of columns in place."""
-        student_max = torch.maximum(self.student[MAX], part.student[MAX])
-        teacher_max = torch.maximum(self.teacher[MAX], part.teacher[MAX])
-        cross = self._rescaled_cross(student_max, teacher_max) + part._rescaled_cross(student_max, teacher_max)
-        self.cross.copy_(cross)
-        lse_merge(self.student, part.student)
-        lse_merge(self.teacher, part.teacher)
+        """Merge partials over a disjoint set of columns in place (:func:`infcl.lse.cross_merge_`)."""
+        cross_merge_(self, part)
 
     def losses(self) -> Tensor:
         """cross / exp(rT) + r per row; NaN wherever a log-sum-exp or the cross sum is not finite."""
@@ -75,20 +61,21 @@ class DistillPartials(NamedTuple):
         return torch.where(finite & torch.isfinite(self.cross), loss, float("nan"))
 
 
+def partials(packed: Tensor) -> DistillPartials:
+    """A backend's packed ``[5, n]`` (m, r, mT, rT, cross) as :class:`DistillPartials` (views)."""
+    return DistillPartials(packed[STUDENT], packed[TEACHER], packed[CROSS])
+
+
 class DistillUpstream(NamedTuple):
     """What the backward needs per row (or column): both global stats and the upstream gradient."""
 
-    student: Tensor  # [2, n]
-    teacher: Tensor  # [2, n]
+    stats: Tensor  # [4, n] the student's (max, rel), then the teacher's
     grad: Tensor  # [n]
 
 
-class DistillRing:
-    """:class:`infcl.ring.driver.RingLoss` for the distillation loss, one direction or symmetric.
-
-    ``backend``: an object with ``distill_forward_block(block, teacher, symmetric)`` and
-    ``distill_backward_block(block, teacher, rows, cols, dq, dk)`` (:mod:`infcl.backends.distill_tiles`).
-    """
+class DistillSteps:
+    """:class:`infcl.ring.driver.RingLoss` for the distillation loss, one direction or symmetric, on a
+    :class:`infcl.contract.DistillBlockBackend`."""
 
     n_params = 1  # the student's scale
 
@@ -108,12 +95,13 @@ class DistillRing:
     def merge(acc: DistillPartials, part: DistillPartials) -> None:
         acc.merge_(part)
 
-    def forward_step(self, backend, block: Block, k_side=()):
-        return backend.distill_forward_block(block, self._teacher(k_side), self.symmetric)
+    def forward_step(self, backend: DistillBlockBackend, block: Block, k_side=()):
+        rows, cols = backend.distill_forward_block(block, self._teacher(k_side), self.symmetric)
+        return partials(rows), (partials(cols) if self.symmetric else None)
 
     def backward_step(
         self,
-        backend,
+        backend: DistillBlockBackend,
         block: Block,
         rows: DistillUpstream,
         cols: Optional[DistillUpstream],
@@ -121,5 +109,8 @@ class DistillRing:
         dk: Tensor,
         k_side=(),
     ) -> ParamGrads:
-        dscale = backend.distill_backward_block(block, self._teacher(k_side), rows, cols, dq, dk)
+        block = replace(block, row_stats=rows.stats, g_row=rows.grad)
+        if cols is not None:
+            block = replace(block, col_stats=cols.stats, g_col=cols.grad)
+        dscale = backend.distill_backward_block(block, self._teacher(k_side), dq, dk)
         return ParamGrads(own=dscale[:1], owner=dscale[1:])  # the rows' term, the columns' term

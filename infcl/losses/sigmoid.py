@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends.base import Block, SigmoidBlockBackend, Tensor
+from ..contract import Block, SigmoidBlockBackend, Tensor
 from ..ring.driver import ParamGrads, SummedParts
 
 PARAMS = ("scale", "bias")  # order of the loss parameters in a block's gradient
@@ -60,7 +60,3 @@ class SigmoidSteps(SummedParts):
     ) -> ParamGrads:
         own = backend.sigmoid_backward_block(replace(block, g_row=rows.grad, bias=self.bias), dq, dk)
         return ParamGrads(own=own, owner=torch.zeros_like(own))
-
-
-# The per-loss step strategies' former names (they run with or without a ring).
-SigmoidRing = SigmoidSteps

@@ -30,13 +30,13 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..backends.base import Block, BlockBackend, Tensor
+from ..contract import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, empty_stats, lse_merge
 from ..masks import empty_masked, masked_fields, merge_masked_fields
 from ..ring.driver import ParamGrads, SummedParts
 from ..stats import row_info
 
-POS = 2  # row of the positive logit in the backend's packed [3, Bq] forward rows (infcl.backends.base)
+POS = 2  # row of the positive logit in the backend's packed [3, Bq] forward rows (infcl.contract)
 
 
 def _scatter_to_columns(row_values: Tensor, pos: Tensor, size: int) -> Tensor:
@@ -193,7 +193,7 @@ class GuideScores(SummedParts):
     Why a pass of its own: a row's threshold decides its exclusions in every block, including those the
     ring brings before the block holding its labelled column. The pass moves only the guide features
     (O(B * D') per step). Each score is the backend's own guide-tile arithmetic
-    (``backend.guide_label_scores``, contract: :mod:`infcl.backends.base`), never a separate dot
+    (``backend.guide_label_scores``, contract: :mod:`infcl.contract`), never a separate dot
     product: a column whose guide features duplicate the labelled column's gets bit for bit the same
     score in the tiles, so at margin 0 the tie compares equal and the duplicate stays in the softmax
     (GISTEmbedLoss's rule, computed there from one matrix).
@@ -342,8 +342,3 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
 
     def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> MaskedUpstream:
         return MaskedPartials(*saved).upstream(grad)
-
-
-# The per-loss step strategies' former names (they run with or without a ring).
-SoftmaxRing = SoftmaxSteps
-MaskedSoftmaxRing = MaskedSoftmaxSteps

@@ -4,84 +4,32 @@ open_clip's ``get_clip_metrics`` builds the full score matrix and argsorts it. H
 of a row's positive is counted on the tiles in two passes on the one ring loop
 (:func:`infcl.ring.driver.ring_forward`), no-grad, in O(B * D) memory:
 
-1. :class:`BestPositives`: each row's (and column's) best positive, its score read off the tile that
-   holds it (the same product the counts compare with: ties compare equal), and its global index.
-2. :class:`AheadCounts`: the number of columns (rows) ahead of it; the column thresholds travel with k,
-   the column counts travel home like a symmetric loss's column partials.
+1. :class:`infcl.losses.rank.BestPositives`: each row's (and column's) best positive, its score read off the
+   tile that holds it (the same product the counts compare with: ties compare equal), and its global index.
+2. :class:`infcl.losses.rank.AheadCounts`: the number of columns (rows) ahead of it; the column thresholds
+   travel with k, the column counts travel home like a symmetric loss's column partials.
 
 Then each rank gathers the O(B) ranks (an all_gather) and computes the same dict.
-The arithmetic: the torch tiles (:mod:`infcl.backends.rank_tiles`), the native kernel
-(``csrc/retrieval.cpp``, :mod:`infcl.backends.rank_native`) or the Triton kernels (:mod:`infcl.kernels.rank`).
+The arithmetic: the torch tiles (:mod:`infcl.backends.torch_tiles.rank`), the native kernel
+(``csrc/retrieval.cpp``, :mod:`infcl.backends.native.rank`) or the Triton kernels
+(:mod:`infcl.backends.triton.rank` on :mod:`infcl.kernels.rank`).
 """
 
 import math
 import numbers
-from dataclasses import replace
 from typing import Dict, NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..backends.base import Block, Tensor, accum_dtype
-from ..backends.rank_tiles import RANK_TILES, Ahead, Best, RankTiles
-from ..backends.select import select_impl
+from ..backends import backend_for
 from ..checks import check_features, global_labels, local_labels, make_masks
-from ..ring.driver import SummedParts, ring_forward
+from ..contract import Ahead, Best, Tensor, accum_dtype
+from ..losses.rank import AheadCounts, BestPositives
+from ..ring.driver import ring_forward
 from ..ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 
 DIRECTIONS = ("image_to_text", "text_to_image")
-
-
-class BestPositives:
-    """:class:`infcl.ring.driver.RingLoss` (forward only) for pass 1: each row's and column's best positive."""
-
-    symmetric = True
-    n_params = 0
-
-    def __init__(self, tiles: RankTiles, row_index: Tensor, col_index: Tensor, ids, any_positive: bool):
-        self.tiles, self.row_index, self.any_positive = tiles, row_index, any_positive
-        self.q_ids, k_ids = ids
-        self.k_side = (col_index,) if k_ids is None else (col_index, k_ids)
-
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Best:
-        return Best.empty(n, dtype, device)
-
-    @staticmethod
-    def merge(acc: Best, part: Best) -> None:
-        acc.merge_(part)
-
-    def forward_step(self, backend, block: Block, k_side=()):
-        col_index, *k_ids = k_side
-        if self.any_positive:
-            block = replace(block, q_ids=self.q_ids, k_ids=k_ids[0], multi_positive="any")
-        return self.tiles.best_positives(block, self.row_index, col_index, True)
-
-
-class AheadCounts(SummedParts):
-    """:class:`infcl.ring.driver.RingLoss` (forward only) for pass 2: the entries ahead of each best positive.
-    The columns' :class:`Best` travels with k (``k_side``), beside their global indices and ids."""
-
-    parts = Ahead
-    symmetric = True
-    n_params = 0
-
-    def __init__(
-        self, tiles: RankTiles, rows: Best, cols: Best, row_index: Tensor, col_index: Tensor, ids, any_positive: bool
-    ):
-        self.tiles, self.rows, self.row_index = tiles, rows, row_index
-        self.q_ids, k_ids = ids
-        self.any_positive = any_positive
-        self.k_side = (col_index, *cols) + (() if k_ids is None else (k_ids,))
-
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Ahead:
-        return super().init_rows(n, torch.int64, device)
-
-    def forward_step(self, backend, block: Block, k_side=()):
-        col_index, score, index, count, *k_ids = k_side
-        if k_ids:
-            mode = "any" if self.any_positive else None
-            block = replace(block, q_ids=self.q_ids, k_ids=k_ids[0], multi_positive=mode)
-        return self.tiles.ahead_counts(block, self.rows, Best(score, index, count), self.row_index, col_index)
 
 
 class DirectionRanks(NamedTuple):
@@ -126,7 +74,7 @@ def retrieval_metrics(
         group: torch.distributed group to ring over (default: the world when initialized); each rank
             passes its shard and gets the metrics of the global set: the same dict on every rank.
         backend: "auto" (the native kernel for CPU tensors when it is built, else the torch tiles; on CUDA
-            the torch tiles until the Triton kernels have run on a GPU, :mod:`infcl.backends.select`;
+            the torch tiles until the Triton kernels have run on a GPU, :mod:`infcl.backends.resolve`;
             ``INFCL_BACKEND`` overrides it), "torch", "cpu" or "triton". Every
             backend gives the same ranks wherever its scores are the same bits (always for exact ties);
             "reference" raises NotImplementedError.
@@ -146,7 +94,7 @@ def retrieval_metrics(
     """
     ring = ring_group(group)
     with torch.no_grad(), rejected_everywhere(ring):
-        tiles, ks = _check_args(image, text, ks, q_ids, k_ids, labels, any_positive, return_ranks, backend)
+        backend_impl, ks = _check_args(image, text, ks, q_ids, k_ids, labels, any_positive, return_ranks, backend)
         masks = make_masks(image, text, q_ids, k_ids, "mean" if any_positive else None, None, 0.0, "absolute")
         ids = (None, None) if masks is None else (masks.q_ids, masks.k_ids)
         labels_t = local_labels(labels, image)
@@ -161,7 +109,7 @@ def retrieval_metrics(
         else:
             _check_pairs(image, layout)
             labels_t = global_labels(labels_t, image, layout, True, names=("image", "text"))
-        ranks = _ranks(image, text, labels_t, ids, any_positive, tiles, layout)
+        ranks = _ranks(image, text, labels_t, ids, any_positive, backend_impl, layout)
         metrics = {}
         for name, local in zip(DIRECTIONS, ranks):
             sizes = layout.q_sizes if name == "image_to_text" else layout.k_sizes
@@ -189,24 +137,7 @@ def _check_args(image, text, ks, q_ids, k_ids, labels, any_positive, return_rank
         raise ValueError("any_positive=True needs q_ids and k_ids (the positives are the columns with the row's id)")
     if any_positive and labels is not None:
         raise ValueError("labels are not used with any_positive=True (the positives are the ids' matches): pass None")
-    return rank_backend(backend, image.device), tuple(int(k) for k in ks)
-
-
-def rank_backend(backend, device: torch.device):
-    """The two passes' implementation for ``backend`` on ``device``: the torch tiles
-    (:data:`RANK_TILES`), the native kernel or the Triton kernels (the same interface)."""
-
-    def native():
-        from ..backends.rank_native import NATIVE_RANKS
-
-        return NATIVE_RANKS
-
-    def triton():
-        from ..kernels.rank import TRITON_RANKS
-
-        return TRITON_RANKS
-
-    return select_impl(backend, device, "retrieval_metrics", RANK_TILES, native, triton)
+    return backend_for(backend, image.device, "rank"), tuple(int(k) for k in ks)
 
 
 def _check_pairs(image: Tensor, layout: RingLayout) -> None:
@@ -221,16 +152,18 @@ def _check_pairs(image: Tensor, layout: RingLayout) -> None:
             )
 
 
-def _ranks(image, text, labels, ids, any_positive, tiles, layout: RingLayout) -> Tuple[DirectionRanks, DirectionRanks]:
+def _ranks(
+    image, text, labels, ids, any_positive, backend, layout: RingLayout
+) -> Tuple[DirectionRanks, DirectionRanks]:
     """Both directions' local ranks: the two passes on the ring."""
     dev = image.device
     row_index = torch.arange(image.shape[0], device=dev) + layout.q_offsets[layout.rank]
     col_index = torch.arange(text.shape[0], device=dev) + layout.k_offsets[layout.rank]
     one = torch.ones((), dtype=accum_dtype(image.dtype), device=dev)  # Block needs a scale; the ranks use none
-    best = BestPositives(tiles, row_index, col_index, ids, any_positive)
-    rows, cols = ring_forward(image, text, one, labels, best, tiles, layout)
-    counts = AheadCounts(tiles, rows, cols, row_index, col_index, ids, any_positive)
-    ahead_rows, ahead_cols = ring_forward(image, text, one, labels, counts, tiles, layout)
+    best = BestPositives(row_index, col_index, ids, any_positive)
+    rows, cols = ring_forward(image, text, one, labels, best, backend, layout)
+    counts = AheadCounts(rows, cols, row_index, col_index, ids, any_positive)
+    ahead_rows, ahead_cols = ring_forward(image, text, one, labels, counts, backend, layout)
     return _direction(rows, ahead_rows), _direction(cols, ahead_cols)
 
 

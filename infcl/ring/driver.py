@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
-from ..backends.base import Block, BlockBackend, Tensor, accum_dtype
+from ..contract import Block, BlockBackend, Tensor, accum_dtype
 from .comm import RingComm
 from .layout import RingLayout
 

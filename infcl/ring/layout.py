@@ -61,11 +61,21 @@ def _starts(sizes: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(sum(sizes[:r]) for r in range(len(sizes)))
 
 
+# ``group=LOCAL``: this rank's features only, no ring, even under an initialized torch.distributed (what
+# open_clip's losses compute with their default ``world_size=1``).
+LOCAL = "local"
+
+
 def ring_group(group) -> Optional[object]:
     """The process group to ring over, or None when the call is single-process.
 
-    ``group=None`` means the default (world) group when ``torch.distributed`` is initialized.
+    ``group=None`` means the default (world) group when ``torch.distributed`` is initialized;
+    ``group="local"`` (:data:`LOCAL`) means no ring whatever torch.distributed holds.
     """
+    if isinstance(group, str):
+        if group != LOCAL:
+            raise ValueError(f"group must be a torch.distributed process group, None or {LOCAL!r}, got {group!r}")
+        return None
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if group is None:

@@ -22,19 +22,19 @@ their cached loss.
 """
 
 from functools import partial
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Sequence
 
 import torch
 import tqdm
 from sentence_transformers.base.losses.gradcache import _create_minibatch, _minibatch_ranges
 from sentence_transformers.sentence_transformer import losses as st_losses
-from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from ..gradcache import GradCache, RandContext
 from ..gradcache.sync import sync_kind
 from .losses import MultipleNegativesRankingLoss, warn_deprecated
-from .objective import SYMMETRIC_SETTINGS, mirrored_arguments, objective_arguments
+from .mirror import mirrors
+from .objective import SYMMETRIC_SETTINGS, objective_arguments
 
 
 class SentenceTransformerGradCache(GradCache):
@@ -64,29 +64,13 @@ class CachedMultipleNegativesRankingLoss(st_losses.CachedMultipleNegativesRankin
     for :class:`MultipleNegativesRankingLoss`.
     """
 
-    def __init__(
-        self,
-        model,
-        scale: float = 20.0,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: Optional[int] = None,
-        gather_across_devices: bool = False,
-        directions: Sequence[str] = ("query_to_doc",),
-        partition_mode: str = "joint",
-        show_progress_bar: bool = False,
-        hardness_mode=None,
-        hardness_strength: float = 0.0,
-        *,
-        group=None,
-        backend: str = "auto",
-    ) -> None:
-        arguments = locals()
-        super().__init__(model, **mirrored_arguments(arguments))
+    @mirrors(st_losses.CachedMultipleNegativesRankingLoss)
+    def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
+        super().__init__(**arguments)
         # As in sentence-transformers, the wrapped loss owns (and checks) the hyperparameters; the
         # properties and attribute delegation of the parent class now reach infcl's loss.
         objective = objective_arguments(arguments)
-        self.loss = MultipleNegativesRankingLoss(model, **objective, group=group, backend=backend)
+        self.loss = MultipleNegativesRankingLoss(arguments["model"], **objective, group=group, backend=backend)
 
     def calculate_loss(self, reps: List[List[Tensor]], labels: Any = None, *, with_backward: bool = False) -> Tensor:
         """The loss of the whole batch from per-column lists of mini-batch embeddings; with
@@ -171,18 +155,7 @@ class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRanking
     here): :class:`CachedMultipleNegativesRankingLoss` with ``directions=("query_to_doc",
     "doc_to_query")`` and ``partition_mode="per_direction"``."""
 
-    def __init__(
-        self,
-        model,
-        scale: float = 20.0,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: Optional[int] = None,
-        gather_across_devices: bool = False,
-        show_progress_bar: bool = False,
-        *,
-        group=None,
-        backend: str = "auto",
-    ) -> None:
+    @mirrors(st_losses.CachedMultipleNegativesSymmetricRankingLoss)
+    def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
         warn_deprecated(type(self).__name__, "CachedMultipleNegativesRankingLoss")
-        super().__init__(model, **mirrored_arguments(locals()), **SYMMETRIC_SETTINGS, group=group, backend=backend)
+        super().__init__(**arguments, **SYMMETRIC_SETTINGS, group=group, backend=backend)

@@ -8,7 +8,7 @@ false-negative rule, formed inside the tiles (no B x B similarity or guide matri
 ``gather_across_devices`` infcl's ring instead of an all_gather.
 """
 
-from typing import Any, Iterable, List, Literal, Sequence
+from typing import Any, Dict, Iterable, List, Sequence
 
 import torch
 from sentence_transformers.base.losses.merged_forward import embed_columns
@@ -16,7 +16,8 @@ from sentence_transformers.sentence_transformer import losses as st_losses
 from sentence_transformers.util import batch_to_device
 from torch import Tensor
 
-from .objective import gist_loss, keep_options, loss_group, mirrored_arguments
+from .mirror import mirrors
+from .objective import call_options, gist_loss, keep_options
 
 
 def _loss_of(loss, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor]) -> Tensor:
@@ -31,8 +32,7 @@ def _loss_of(loss, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tens
         margin=loss.margin,
         contrast_anchors=loss.contrast_anchors,
         contrast_positives=loss.contrast_positives,
-        group=loss_group(loss.gather_across_devices, loss.group),
-        backend=loss.backend,
+        **call_options(loss),
     )
 
 
@@ -49,21 +49,9 @@ class GISTEmbedLoss(st_losses.GISTEmbedLoss):
         backend: ``cal_inf_loss``'s backend; the guide mask runs on the torch tiles ("auto" picks them).
     """
 
-    def __init__(
-        self,
-        model,
-        guide,
-        temperature: float = 0.01,
-        margin_strategy: Literal["absolute", "relative"] = "absolute",
-        margin: float = 0.0,
-        contrast_anchors: bool = True,
-        contrast_positives: bool = True,
-        gather_across_devices: bool = False,
-        *,
-        group=None,
-        backend: str = "auto",
-    ) -> None:
-        super().__init__(model, guide, **mirrored_arguments(locals()))
+    @mirrors(st_losses.GISTEmbedLoss)
+    def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
+        super().__init__(**arguments)
         keep_options(self, group, backend)
 
     def forward(self, sentence_features: Iterable[dict], labels: Any = None) -> Tensor:
@@ -106,24 +94,9 @@ class CachedGISTEmbedLoss(st_losses.CachedGISTEmbedLoss):
     and ``backend``, as for :class:`GISTEmbedLoss`.
     """
 
-    def __init__(
-        self,
-        model,
-        guide,
-        temperature: float = 0.01,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens=None,
-        show_progress_bar: bool = False,
-        margin_strategy: Literal["absolute", "relative"] = "absolute",
-        margin: float = 0.0,
-        contrast_anchors: bool = True,
-        contrast_positives: bool = True,
-        gather_across_devices: bool = False,
-        *,
-        group=None,
-        backend: str = "auto",
-    ) -> None:
-        super().__init__(model, guide, **mirrored_arguments(locals()))
+    @mirrors(st_losses.CachedGISTEmbedLoss)
+    def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
+        super().__init__(**arguments)
         keep_options(self, group, backend)
 
     def calculate_loss(

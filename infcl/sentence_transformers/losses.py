@@ -5,21 +5,13 @@ Subclasses of sentence-transformers' classes: the embedding pass (``forward``), 
 """
 
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Dict, Sequence
 
 from sentence_transformers.sentence_transformer import losses as st_losses
-from sentence_transformers.util import cos_sim
 from torch import Tensor
 
-from .objective import (
-    SYMMETRIC_SETTINGS,
-    check_supported,
-    keep_options,
-    loss_group,
-    mirrored_arguments,
-    ranking_loss,
-    similarity_kind,
-)
+from .mirror import mirrors
+from .objective import SYMMETRIC_SETTINGS, call_options, check_supported, keep_options, ranking_loss, similarity_kind
 
 
 class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
@@ -46,21 +38,9 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
         backend: ``cal_inf_loss``'s backend ("auto", "torch", "cpu", "triton").
     """
 
-    def __init__(
-        self,
-        model,
-        scale: float = 20.0,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        gather_across_devices: bool = False,
-        directions: Sequence[str] = ("query_to_doc",),
-        partition_mode: str = "joint",
-        hardness_mode=None,
-        hardness_strength: float = 0.0,
-        *,
-        group=None,
-        backend: str = "auto",
-    ) -> None:
-        super().__init__(model, **mirrored_arguments(locals()))
+    @mirrors(st_losses.MultipleNegativesRankingLoss)
+    def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
+        super().__init__(**arguments)
         check_supported(self, group)
         keep_options(self, group, backend)
 
@@ -78,8 +58,7 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
             partition_mode=self.partition_mode,
             hardness_mode=self.hardness_mode,
             hardness_strength=self.hardness_strength,
-            group=loss_group(self.gather_across_devices, self.group),
-            backend=self.backend,
+            **call_options(self),
         )
 
 
@@ -89,7 +68,7 @@ def warn_deprecated(name: str, replacement: str) -> None:
         f"The {name} is deprecated and will be removed in a future release. Please use {replacement} with "
         "`directions=('query_to_doc', 'doc_to_query')` and `partition_mode='per_direction'` instead.",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=4,  # past this function, the constructor's body and its mirror (mirror.mirrors): the caller
     )
 
 
@@ -98,15 +77,7 @@ class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
     :class:`MultipleNegativesRankingLoss` with ``directions=("query_to_doc", "doc_to_query")`` and
     ``partition_mode="per_direction"``, i.e. ``cal_inf_loss(..., symmetric=True)`` for pairs."""
 
-    def __init__(
-        self,
-        model,
-        scale: float = 20.0,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        gather_across_devices: bool = False,
-        *,
-        group=None,
-        backend: str = "auto",
-    ) -> None:
+    @mirrors(st_losses.MultipleNegativesSymmetricRankingLoss)
+    def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
         warn_deprecated(type(self).__name__, "MultipleNegativesRankingLoss")
-        super().__init__(model, **mirrored_arguments(locals()), **SYMMETRIC_SETTINGS, group=group, backend=backend)
+        super().__init__(**arguments, **SYMMETRIC_SETTINGS, group=group, backend=backend)

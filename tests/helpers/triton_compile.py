@@ -288,8 +288,8 @@ def variants() -> List[Variant]:
 
     from infcl.kernels import softmax_backward, softmax_forward
     from infcl.kernels.configs import FEATURE_CHUNKS, FLOAT64_DOT, operand_class_of
-    from infcl.kernels.ops import arch_tiling
     from infcl.kernels.target import arch_key
+    from infcl.kernels.tiling import tiling_for
 
     out = []
 
@@ -306,7 +306,7 @@ def variants() -> List[Variant]:
                 continue  # Triton 3.2: float64 blocks run on the torch tiles, no kernel is launched
             torch_dtype = getattr(torch, dtype)
             operand_class = operand_class_of(torch_dtype, precision)
-            default = arch_tiling(arch_key((arch // 10, arch % 10)), torch_dtype, precision)
+            default = tiling_for(arch_key((arch // 10, arch % 10)), torch_dtype, precision)
             resident_d = FEATURE_CHUNKS[operand_class][0]
             if arch == SMALL_TARGET:
                 add(arch, dtype, precision, shapes(resident_d, full=False), default, "default")
@@ -317,7 +317,7 @@ def variants() -> List[Variant]:
                 continue  # the "mma" class's autotune configs are compiled at fp16 (dS normalization: more registers)
             # the autotune lists at the ragged D case (1000), around that D's defaults
             key, ragged = (arch_key((arch // 10, arch % 10)), operand_class, True), [shapes(resident_d)[-1]]
-            default = arch_tiling(key[0], torch_dtype, precision, ragged[0][0])
+            default = tiling_for(key[0], torch_dtype, precision, ragged[0][0])
             for i, cfg in enumerate(softmax_forward.AUTOTUNE_CONFIGS[key]):
                 if cfg != default.forward:
                     add(arch, dtype, precision, ragged, replace(default, forward=cfg), f"autotune #{i}", ("forward",))
@@ -369,7 +369,7 @@ class Call:
     masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"
     multi_positive: str = ""  # "", "mean" or "sum" (with ids)
     # A pinned Tiling (Tiling.to_ints()) for the triton backend's calls, as a user pins one on
-    # ``infcl.backends.triton_backend.BACKEND``; () for the device's defaults.
+    # ``infcl.backends.triton.BACKEND``; () for the device's defaults.
     tiling: tuple = ()
     backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss only)
 
@@ -401,7 +401,7 @@ def ptxas_knows(arch: int) -> bool:
 
 class _Recorder:
     """JITFunction.run replaced by a compile: each launch's compiled kernel with Triton's ptxas log, and
-    (in ``launches``, same order) its grid and scalar arguments (bench/static.py reads the block sizes)."""
+    (in ``launches``, same order) its grid and scalar arguments (bench/static reads the block sizes)."""
 
     def __init__(self):
         self.compiled = []
@@ -528,7 +528,7 @@ def compile_only(arch: int, sms: int = STAND_IN_SMS):
 @contextlib.contextmanager
 def _pinned_tiling(tiling: tuple):
     """The triton backend's calls with ``tiling`` (Tiling.to_ints(); () leaves the defaults) pinned."""
-    from infcl.backends import triton_backend
+    from infcl.backends import triton as triton_backend
     from infcl.kernels import Tiling
 
     saved = triton_backend.BACKEND.tiling
@@ -665,25 +665,20 @@ def dtype_label(dtype: str, precision: str) -> str:
 
 
 def api_dtypes(arch: int, full: bool, float64_dot: bool) -> List[Tuple[str, str]]:
-    """The (dtype, precision) pairs :func:`api_calls` compiles on ``arch``: every one in a full run and on sm_90.
-    Elsewhere CI leaves out float16, which shares bfloat16's operand class, feature chunks, configs and MMA
-    shapes on every target (only the MMA's element type differs), and the FMA classes (float32 "ieee", float64)
-    beyond sm_80: their products are FMAs on operands held in registers, on the same tiles and maxnreg 255 on
-    every family (``tiling.py``, ``sigmoid.py``), so the later targets' tensor-core, shared-memory and ptxas
-    register-cap differences do not reach them, and every target has sm_80's register file."""
+    """The (dtype, precision) pairs :func:`api_calls` compiles on ``arch``: every one on every target, CI
+    included (fp32 "ieee" and "tf32", bf16, fp16, and fp64 where ``tl.dot`` has it). ``full`` widens the dims
+    and batches, never the dtypes: fp16 beside bf16 and the FMA classes beyond sm_80 were once left out of CI
+    for time only, and CI's budget of 30 minutes holds them."""
     dtypes = [("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee")]
     if float64_dot:
         dtypes.append(("float64", "ieee"))
-    if full or arch == 90:
-        return dtypes
-    fma = {("float32", "ieee"), ("float64", "ieee")}
-    return [(d, p) for d, p in dtypes if d != "float16" and ((d, p) not in fma or arch == 80)]
+    return dtypes
 
 
 def big_tile_calls(arch: int = 90) -> List[Call]:
     """Pinned one-chunk tiles with more than 2**20 products per S tile (128 x 128 rows at D = 128), softmax
     (symmetric) and sigmoid, in bf16: a kernel's interpreter-only code must not be traced on a GPU target
-    (Triton caps a tensor at 2**20 entries, and tiles.score_dot's interpreter product is [M, N, D])."""
+    (Triton caps a tensor at 2**20 entries, and score_tiles.score_dot's interpreter product is [M, N, D])."""
     from infcl.kernels import TileConfig, Tiling
 
     big = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=1, block_out=128, max_registers=255)

@@ -81,8 +81,9 @@ def _uneven(rank, group):
 
 def scenarios(rank, world, group):
     module = open_clip_loss.load()
-    theirs = module.DistillClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
-    out = {"open_clip": _step(theirs, world, rank), "infcl": _step(InfDistillClipLoss(group=group), world, rank)}
+    flags = {"local_loss": True, "gather_with_grad": True, "rank": rank, "world_size": world}
+    theirs, ours = module.DistillClipLoss(**flags), InfDistillClipLoss(**flags, group=group)
+    out = {"open_clip": _step(theirs, world, rank), "infcl": _step(ours, world, rank)}
     if world == 3:
         out["ring"] = _uneven(rank, group)
     return out

@@ -5,7 +5,9 @@
 ``InfCLIPLoss`` with every backend on the same shards, with and without ``logit_bias``, and writes each
 loss and the gradients of image, text, logit_scale and logit_bias. Then open_clip's other
 ``(local_loss, gather_with_grad)`` settings (FLAGS) against ``InfCLIPLoss`` with the same flags on the
-torch tiles, and whether ``local_loss=True, gather_with_grad=False`` raises.
+torch tiles, and whether ``local_loss=True, gather_with_grad=False`` raises. Last, every drop-in built with
+no arguments against open_clip's built with none (``ClipLoss()``, ``SigLipLoss()``, ``DistillClipLoss()``: each
+rank's local batch alone, whatever the process group holds).
 """
 
 import sys
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from helpers import open_clip_loss
 from helpers.distributed import run_on_rings
-from infcl import InfCLIPLoss
+from infcl import InfCLIPLoss, InfDistillClipLoss, InfSigLipLoss
 
 MAIN_WORLD = 3
 # open_clip gathers over the default group, so a ring of W must be global ranks 0..W-1.
@@ -54,26 +56,55 @@ def scenarios(rank, world, group, backends):
     module = open_clip_loss.load()
     if module is None:
         return None
-    losses = {"open_clip": module.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world)}
+    flags = {"local_loss": True, "gather_with_grad": True, "rank": rank, "world_size": world}
+    losses = {"open_clip": module.ClipLoss(**flags)}
     for backend in backends:
-        losses[backend] = InfCLIPLoss(group=group, backend=backend)
+        losses[backend] = InfCLIPLoss(**flags, group=group, backend=backend)
     results = {
         (name, with_bias): _step(loss_fn, world, rank, with_bias)
         for name, loss_fn in losses.items()
         for with_bias in (False, True)
     }
     for local_loss, gather_with_grad in FLAGS:
-        flags = {"local_loss": local_loss, "gather_with_grad": gather_with_grad}
-        theirs = module.ClipLoss(**flags, rank=rank, world_size=world)
+        flags = {"local_loss": local_loss, "gather_with_grad": gather_with_grad, "rank": rank, "world_size": world}
+        theirs = module.ClipLoss(**flags)
         results[("open_clip", local_loss, gather_with_grad)] = _step(theirs, world, rank, False)
         ours = InfCLIPLoss(**flags, group=group, backend="torch")
         results[("torch", local_loss, gather_with_grad)] = _step(ours, world, rank, False)
     try:
-        InfCLIPLoss(local_loss=True, gather_with_grad=False, group=group)(*_shard(world, rank), LOGIT_SCALE)
+        InfCLIPLoss(local_loss=True, gather_with_grad=False, rank=rank, world_size=world, group=group)(
+            *_shard(world, rank), LOGIT_SCALE
+        )
         results["local_without_gather"] = "no error"
     except ValueError as error:
         results["local_without_gather"] = str(error)
+    for name, theirs, ours in (
+        ("clip", module.ClipLoss(), InfCLIPLoss()),
+        ("siglip", module.SigLipLoss(), InfSigLipLoss()),
+        ("distill", module.DistillClipLoss(), InfDistillClipLoss()),
+    ):
+        results[("defaults", name)] = {
+            "open_clip": _default_step(theirs, name, rank, torch.float64),  # upstream's formula, in float64
+            "infcl": _default_step(ours, name, rank, torch.float32),
+        }
     return results
+
+
+def _default_step(loss_fn, name: str, rank: int, dtype: torch.dtype):
+    """Loss (summed terms) and gradients of one drop-in built with no arguments, on this rank's own batch of a
+    3-rank world (under the world group, never a subgroup: the defaults ignore the group), in ``dtype``."""
+    image, text = (x.to(dtype).requires_grad_() for x in _shard(MAIN_WORLD, rank))
+    scale = torch.tensor(LOGIT_SCALE, dtype=dtype, requires_grad=True)
+    if name == "siglip":
+        out = loss_fn(image, text, scale, torch.tensor(LOGIT_BIAS, dtype=dtype), output_dict=True)
+    elif name == "distill":
+        teacher = (x.flip(0).to(dtype) for x in _shard(MAIN_WORLD, rank))
+        out = loss_fn(image, text, scale, *teacher, torch.tensor(LOGIT_SCALE / 2, dtype=dtype), output_dict=True)
+    else:
+        out = loss_fn(image, text, scale, output_dict=True)
+    loss = sum(out.values())
+    loss.backward()
+    return {"loss": loss.detach(), "image": image.grad, "text": text.grad, "scale": scale.grad}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from helpers.distributed import run_on_rings
-from infcl.backends.rank_tiles import RANK_TILES
+from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.metrics import retrieval_metrics
 
 MAIN_WORLD = 2
@@ -82,7 +82,7 @@ def _run(case: RetrievalCase, rank: int, group):
 
 
 def scenarios(rank, world, group):
-    RANK_TILES.tile_q, RANK_TILES.tile_k = TINY_TILES
+    TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
     return {case.name: _run(case, rank, group) for case in CASES}
 
 

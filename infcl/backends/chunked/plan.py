@@ -10,7 +10,7 @@ budget is ``ChunkedBackend(budget_mb=...)``, else the environment variable ``INF
 MAX_ROWS x Bk, whatever Bq.
 
 **Hand-offs.** The route runs the plain softmax loss in float32/bfloat16/float16. It hands a block to the fused
-kernels (:mod:`infcl.backends.triton_backend` on CUDA, the torch tiles elsewhere) when
+kernels (:mod:`infcl.backends.triton` on CUDA, the torch tiles elsewhere) when
 - the block has mask options (ids, ``multi_positive``, a guide): not worth a chunked pass yet;
 - the features are float64 (no cuBLAS out_dtype case, and no speed to win);
 - on CUDA, this torch has no ``torch.mm(..., out_dtype=torch.float32)`` (``aten::mm.dtype``, torch >= 2.8): bf16 /
@@ -27,7 +27,7 @@ from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 
-from ..base import Block
+from ...contract import Block
 
 ENV_BUDGET = "INFCL_CHUNK_BUDGET_MB"
 # 1 GiB: the target for extra memory at B = 65536. Bf16 at D = 512 it gives C = 2368 rows at

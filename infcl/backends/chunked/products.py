@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..base import Block, Tensor
+from ...contract import Block, Tensor
 from .plan import ChunkPlan
 
 F32 = torch.float32

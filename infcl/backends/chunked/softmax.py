@@ -1,4 +1,4 @@
-"""The chunked route's block steps for the softmax loss (contract: :mod:`infcl.backends.base`).
+"""The chunked route's block steps for the softmax loss (contract: :mod:`infcl.contract`).
 
 One block's forward walks its query rows in chunks of C rows (:mod:`.plan`), in order:
 
@@ -18,40 +18,19 @@ bytes written and 4 read in the forward, 4 + 4 + 2 (the scores, dS written) and 
 in the backward. No float atomics anywhere; every sum has a fixed order, so reruns are bit-identical.
 
 Where the route does not fit a block it hands it to the fused kernels (:func:`infcl.backends.chunked.plan.plan_block`
-says when), and the SigLIP loss always: a sigmoid pass is not worth it yet (its fused backward is already 4 GEMMs).
+says when); the SigLIP loss always (:mod:`.sigmoid`).
 """
 
 from typing import Optional, Tuple
 
 import torch
 
+from ...contract import Block, Tensor
 from ...lse import empty_stats, lse_merge
-from ..base import Block, Tensor
 from . import torch_passes
-from .plan import ChunkPlan, HandOff, budget_bytes, plan_block
+from .options import ChunkedOptions, fused
+from .plan import ChunkPlan, HandOff
 from .products import Products
-
-
-def _triton_runs(device: torch.device) -> bool:
-    """Whether the Triton kernels launch (compiled) on ``device``: CUDA, or the compile gate's stand-in target."""
-    from ...kernels.env import INTERPRETED
-    from .. import unavailable_reason
-
-    if INTERPRETED and device.type == "cpu":
-        return False  # the interpreter: the torch passes, unless passes="triton"
-    return unavailable_reason("triton", device) is None
-
-
-def _fused(device: torch.device):
-    """The backend that takes the blocks the route hands off: the Triton kernels where they run, else the torch
-    tiles."""
-    from .. import block_backend, unavailable_reason
-
-    if device.type == "cuda" and unavailable_reason("triton", device) is None:
-        return block_backend("triton")
-    if device.type == "cpu" and _triton_runs(device):
-        return block_backend("triton")  # the compile gate
-    return block_backend("torch")
 
 
 class _Workspace:
@@ -71,38 +50,8 @@ class _Workspace:
         return [self.view(b, n) for b in self.scratch]
 
 
-class ChunkedBackend:
-    """``budget_mb``: the workspace budget per block in MiB (None: INFCL_CHUNK_BUDGET_MB, else 1024).
-    ``chunk_rows``: an upper bound on C, which also skips the small-block hand-offs (tests, benchmarks).
-    ``passes``: "triton" or "torch" (None: Triton where its kernels launch compiled, i.e. on CUDA; torch on
-    CPU tensors, interpreter or not)."""
-
-    name = "chunked"
-
-    def __init__(
-        self, budget_mb: Optional[float] = None, chunk_rows: Optional[int] = None, passes: Optional[str] = None
-    ):
-        if budget_mb is not None:
-            budget_bytes(budget_mb)  # validates
-        positive_int = isinstance(chunk_rows, int) and not isinstance(chunk_rows, bool) and chunk_rows >= 1
-        if chunk_rows is not None and not positive_int:
-            raise ValueError(f"chunk_rows must be None or a positive int, got {chunk_rows!r}")
-        if passes not in (None, "triton", "torch"):
-            raise ValueError(f"passes must be None, 'triton' or 'torch', got {passes!r}")
-        self.budget_mb = budget_mb
-        self.chunk_rows = chunk_rows
-        self.passes = passes
-
-    def plan(self, block: Block):
-        """The block's :class:`ChunkPlan`, or the :class:`HandOff` saying why the fused kernels run it (warned of
-        once where it is this torch's lack, not the route's choice)."""
-        triton_runs = self.passes != "torch" and _triton_runs(block.q.device)
-        plan = plan_block(block, budget_bytes(self.budget_mb), self.chunk_rows, self.passes, triton_runs)
-        if isinstance(plan, HandOff) and plan.warn:
-            from .. import _warn_once
-
-            _warn_once(plan.reason)
-        return plan
+class ChunkedSoftmax(ChunkedOptions):
+    """The softmax loss's block operations on the chunked route (masked blocks: the fused kernels')."""
 
     @staticmethod
     def _passes(plan: ChunkPlan):
@@ -115,7 +64,7 @@ class ChunkedBackend:
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         plan = self.plan(block)
         if isinstance(plan, HandOff):
-            return _fused(block.q.device).forward_block(block, symmetric)
+            return fused(block.q.device).forward_block(block, symmetric)
         passes, products = self._passes(plan), Products(block, plan)
         (n_q, _), n_k, dev = block.q.shape, block.k.shape[0], block.q.device
         work = _Workspace(plan, n_k, dev)
@@ -133,7 +82,7 @@ class ChunkedBackend:
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         plan = self.plan(block)
         if isinstance(plan, HandOff):
-            return _fused(block.q.device).backward_block(block, dq, dk)
+            return fused(block.q.device).backward_block(block, dq, dk)
         passes, products = self._passes(plan), Products(block, plan)
         n_q, n_k, dev = block.q.shape[0], block.k.shape[0], block.q.device
         symmetric = block.symmetric
@@ -162,15 +111,7 @@ class ChunkedBackend:
             products.accumulate(ds, c, block, gamma, dq, dk)
         return dscale
 
-    # --- the sigmoid (SigLIP) loss: handed to the fused kernels (see the module docstring) ---------------
-
-    def sigmoid_forward_block(self, block: Block) -> Tensor:
-        return _fused(block.q.device).sigmoid_forward_block(block)
-
-    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
-        return _fused(block.q.device).sigmoid_backward_block(block, dq, dk)
-
     def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
         """The guide pass of a masked loss, whose blocks the fused kernels run: their own guide arithmetic, so a
         threshold and the scores compared with it still come from one product."""
-        return _fused(guide_q.device).guide_label_scores(guide_q, guide_k, pos, feature_dtype)
+        return fused(guide_q.device).guide_label_scores(guide_q, guide_k, pos, feature_dtype)

@@ -1,6 +1,6 @@
 """The chunked route's two passes in torch, for CPU tensors: the math of :mod:`infcl.kernels.chunked_softmax`
 on a whole chunk at once (its stats from :func:`infcl.lse.tile_stats`, its dS from the torch tiles'
-:func:`infcl.backends.torch_tiles._probabilities`, the positive's entry as ``g * expm1(x)``), rounded to the
+:func:`infcl.backends.torch_tiles.softmax.probabilities`, the positive's entry as ``g * expm1(x)``), rounded to the
 operand dtype as the Triton pass rounds it. They hold two float32 [C, Bk] buffers besides the scores and dS
 (:mod:`.plan` counts them). The Triton passes run on CPU tensors too, under TRITON_INTERPRET=1, when
 ``ChunkedBackend(passes="triton")`` asks (the interpreter tests): slower, the same results up to the order of
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ...lse import tile_stats
-from ..torch_tiles import _probabilities, _TileMasks
+from ..torch_tiles.softmax import TileMasks, probabilities
 
 # Rows rounded to the operand dtype at a time: the rounding's temporary stays O(ROUND_ROWS * Bk).
 ROUND_ROWS = 64
@@ -38,12 +38,12 @@ def chunk_grad(raw, ds, scale, factor, pos, row_stats, g_row, col_stats, g_col, 
     """ds [C, Bk] = dS * factor rounded to ``operand`` (held in float32), and the scale gradient's (row,
     column) parts ``[2]``: sums of dS * raw. ``scratch``: two [C, Bk] float32 views."""
     s = torch.mul(raw, scale, out=scratch[0])  # the forward's s, bit for bit
-    masks = _TileMasks(None, *_positives(pos), None, None)
+    masks = TileMasks(None, *_positives(pos), None, None)
     dscale = raw.new_zeros(2)
-    grad = _probabilities(ds, s, masks, None, row_stats[:, :, None], g_row[:, None], None, s)
+    grad = probabilities(ds, s, masks, None, row_stats[:, :, None], g_row[:, None], None, s)
     dscale[0] = torch.dot(grad.view(-1), raw.view(-1))
     if col_stats is not None:
-        col = _probabilities(scratch[1], s, masks, None, col_stats[:, None, :], g_col[None, :], None, s)
+        col = probabilities(scratch[1], s, masks, None, col_stats[:, None, :], g_col[None, :], None, s)
         dscale[1] = torch.dot(col.view(-1), raw.view(-1))
         grad.add_(col)
     grad.mul_(factor[:, None] if factor.dim() else factor)

@@ -1,0 +1,18 @@
+"""The sigmoid (SigLIP) loss on the native CPU kernel: ``torch.ops.infcl.sigmoid_forward_block`` /
+``sigmoid_backward_block`` (``csrc/infcl_siglip.cpp``; contract: :mod:`infcl.contract`)."""
+
+import torch
+
+from ...contract import Block, Tensor
+
+
+class NativeSigmoid:
+    """The sigmoid loss's block operations on the custom ops; the scale and bias go in as host floats."""
+
+    def sigmoid_forward_block(self, block: Block) -> Tensor:
+        return torch.ops.infcl.sigmoid_forward_block(block.q, block.k, float(block.scale), block.pos, float(block.bias))
+
+    def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        return torch.ops.infcl.sigmoid_backward_block(
+            block.q, block.k, float(block.scale), block.pos, float(block.bias), block.g_row, dq, dk
+        )

@@ -1,0 +1,73 @@
+"""The softmax (InfoNCE / CLIP) loss on the native CPU kernel: ``torch.ops.infcl.forward_block`` /
+``backward_block``, their masked twins ``masked_forward_block`` / ``masked_backward_block`` (the mask options of
+:mod:`infcl.masks`: the plain ops stay as they were, so a loss without masks pays nothing for them) and
+``guide_label_scores``. The ops: ``csrc/softmax_ops.cpp`` (phases in ``csrc/softmax_forward.cpp`` and
+``csrc/softmax_backward.cpp``).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from ...contract import Block, Tensor
+
+
+class NativeSoftmax:
+    """The softmax loss's block operations (:mod:`infcl.contract`) on the custom ops; the scale goes in as a host
+    float (reading a CPU tensor costs no device sync)."""
+
+    def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if block.masked:
+            rows, cols = torch.ops.infcl.masked_forward_block(
+                block.q,
+                block.k,
+                float(block.scale),
+                block.pos,
+                bool(symmetric),
+                block.multi_positive,
+                block.q_ids,
+                block.k_ids,
+                block.guide_q,
+                block.guide_k,
+                block.row_threshold,
+                block.col_threshold,
+            )
+        else:
+            rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(symmetric))
+        return rows, (cols if symmetric else None)
+
+    def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:
+        """``[Bq]`` G[i, pos[i]] (contract: infcl.contract), read off the kernel's own guide tiles."""
+        return torch.ops.infcl.guide_label_scores(guide_q, guide_k, pos)
+
+    def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        if block.masked:
+            return torch.ops.infcl.masked_backward_block(
+                block.q,
+                block.k,
+                float(block.scale),
+                block.pos,
+                *block.upstream,
+                block.multi_positive,
+                block.q_ids,
+                block.k_ids,
+                block.guide_q,
+                block.guide_k,
+                block.row_threshold,
+                block.col_threshold,
+                block.row_pos_count,
+                block.row_pos_stats,
+                block.col_pos_count,
+                block.col_pos_stats,
+                dq,
+                dk,
+            )
+        return torch.ops.infcl.backward_block(
+            block.q,
+            block.k,
+            float(block.scale),
+            block.pos,
+            *block.upstream,
+            dq,
+            dk,
+        )

@@ -1,0 +1,26 @@
+"""The torch-tiles backend object: every API's block operations (:mod:`infcl.contract`) on one set of tile sizes."""
+
+from typing import Optional
+
+import torch
+
+from .distill import DistillTiles
+from .rank import RankTiles
+from .sigmoid import SigmoidTiles
+from .softmax import SoftmaxTiles
+
+
+class TorchTilesBackend(SoftmaxTiles, SigmoidTiles, DistillTiles, RankTiles):
+    """The tiled pure-PyTorch backend (``backend="torch"``): runs anywhere torch runs (CPU, CUDA, MPS), no
+    compiler needed. ``tile_q`` x ``tile_k``: the tiles (None: the device kind's defaults, :mod:`.walk`)."""
+
+    name = "torch"
+
+
+TORCH_TILES = TorchTilesBackend()
+BACKEND = TORCH_TILES
+
+
+def unavailable_reason(device: torch.device) -> Optional[str]:
+    """None: the torch tiles run on every device."""
+    return None

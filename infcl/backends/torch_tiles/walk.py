@@ -1,0 +1,90 @@
+"""The torch tiles' walk: one block's q and k in the accumulation dtype, cut into tile_q x tile_k tiles (row tiles
+outer), with flat tile buffers, and the tile sizes per device kind. Every loss's tiles (:mod:`.softmax`,
+:mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`) walk the same way, so a tile recomputed in a later pass is the same
+product with the same shapes: bit-identical.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ...contract import Block, Tensor, accum_dtype
+
+# CPU tile sizes (2 MiB fp32 tiles; the backward holds four). On the 2-vCPU AMD EPYC family 25 model 1 (Zen 3,
+# AVX2), B=4096, D=512, fp32 symmetric fwd+bwd, 512 x 1024 ran 10-20% faster than 256 x 1024 on 2 threads: MKL
+# splits a 256-row product badly over two threads, and dk's product (dS.T @ q) is only tile_q deep. Larger tiles
+# ran within the noise of 512 x 1024 there, and the masked loss's tile buffers and bool tiles must stay below
+# tests/test_masks_memory.py's one-B x B-bool-mask bound at B=4096 (13 of 16 MiB at 512 x 1024; 1024 x 1024's
+# four plain tile buffers alone are 16); see docs/benchmarks.md (issue 35).
+CPU_TILES = (512, 1024)
+# On a GPU each tile op is a kernel launch, so tiles must be large enough to fill the device: 2048 x 4096
+# fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
+# is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
+GPU_TILES = (2048, 4096)
+
+
+class Tile(NamedTuple):
+    """One tile of a block: its rows (of q) and columns (of k), and their features in the accumulation dtype."""
+
+    rows: slice
+    cols: slice
+    qi: Tensor  # [ni, D]
+    kj: Tensor  # [nj, D]
+
+    def view(self, buf: Tensor) -> Tensor:
+        """A contiguous [ni, nj] view at the start of a preallocated flat buffer."""
+        ni, nj = self.qi.shape[0], self.kj.shape[0]
+        return buf[: ni * nj].view(ni, nj)
+
+
+class Walk:
+    """One block's q and k in the accumulation dtype, walked tile by tile, row tiles outer."""
+
+    def __init__(self, block: Block, tiles: Tuple[int, int]):
+        self.acc = accum_dtype(block.q.dtype)
+        self.q, self.k = block.q.to(self.acc), block.k.to(self.acc)
+        self.device = self.q.device
+        self.tq, self.tk = tiles
+
+    def zeros(self, *shape: int) -> Tensor:
+        return torch.zeros(*shape, dtype=self.acc, device=self.device)
+
+    def buffers(self, n: int):
+        """``n`` flat buffers, each large enough for one tile."""
+        numel = min(self.q.shape[0], self.tq) * min(self.k.shape[0], self.tk)
+        return [torch.empty(numel, dtype=self.acc, device=self.device) for _ in range(n)]
+
+    def __iter__(self):
+        for i0 in range(0, self.q.shape[0], self.tq):
+            rows = slice(i0, i0 + self.tq)
+            for j0 in range(0, self.k.shape[0], self.tk):
+                cols = slice(j0, j0 + self.tk)
+                yield Tile(rows, cols, self.q[rows], self.k[cols])
+
+
+def positives(pos: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:
+    """(inside, idx): which of the tile's rows have their positive (``pos``: column in the block) among
+    the tile's columns, and its column in the tile (clamped to a valid index for the rest, whose
+    gathered values are then ignored)."""
+    nj = tile.kj.shape[0]
+    p = pos[tile.rows] - tile.cols.start
+    inside = (p >= 0) & (p < nj)
+    return inside, p.clamp(0, nj - 1)[:, None]
+
+
+def replace_positives(out: Tensor, inside: Tensor, idx: Tensor, values: Tensor) -> Tensor:
+    """out[i, idx[i]] = values[i] for the rows whose positive lies in this tile (``inside``); in place."""
+    return out.scatter_(1, idx, torch.where(inside[:, None], values, out.gather(1, idx)))
+
+
+class TileSizes:
+    """The tile sizes of a torch-tiles backend: ``tile_q`` x ``tile_k``, or the device kind's defaults."""
+
+    def __init__(self, tile_q: Optional[int] = None, tile_k: Optional[int] = None):
+        self.tile_q = tile_q
+        self.tile_k = tile_k
+
+    def tiles(self, device: torch.device) -> Tuple[int, int]:
+        """(tile_q, tile_k): the explicit sizes if given, else the device kind's defaults."""
+        tq, tk = CPU_TILES if device.type == "cpu" else GPU_TILES
+        return self.tile_q or tq, self.tile_k or tk

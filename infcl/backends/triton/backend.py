@@ -1,0 +1,15 @@
+"""The Triton backend object: every API's block operations (:mod:`infcl.contract`) on the fused kernels."""
+
+from .distill import TritonDistill
+from .rank import TritonRanks
+from .sigmoid import TritonSigmoid
+from .softmax import TritonSoftmax
+
+
+class TritonBackend(TritonSoftmax, TritonSigmoid, TritonDistill, TritonRanks):
+    """The fused Triton kernels (``backend="triton"``); options: :class:`.options.TritonOptions`."""
+
+    name = "triton"
+
+
+BACKEND = TritonBackend()

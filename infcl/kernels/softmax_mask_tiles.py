@@ -1,0 +1,213 @@
+"""The mask options formed inside a tile (:mod:`infcl.masks`): each tile's positives and exclusions from the
+ids of its rows and columns and, with a guide, the guide scores of one more product over D'; the positives'
+partials; the masked dS, which keeps every positive's entry a single expm1 (an all-excluded line's stats
+are the empty set's: :func:`infcl.kernels.tile_stats.kept_rest_stats`).
+
+Compiled only where a launch sets HAS_IDS or HAS_GUIDE; the plain loss's kernels never reach them.
+"""
+
+import triton
+import triton.language as tl
+
+from .score_tiles import load_vector, score_tile
+from .tile_stats import exp, expm1, kept_rest_stats, merge_kept_stats
+
+# The POSITIVES constexpr (configs.POSITIVES): one positive per row at ``pos`` (multi_positive None),
+# or every column with the row's id, the loss taking their mean ("mean") or their log-sum-exp ("sum").
+ONE_POSITIVE = tl.constexpr(0)
+MEAN_POSITIVES = tl.constexpr(1)
+SUM_POSITIVES = tl.constexpr(2)
+
+
+@triton.jit
+def tile_masks(
+    rows,
+    cols,
+    pos,
+    q_ids,
+    k_ids,
+    scores,
+    row_thr,
+    col_thr,
+    n_q,
+    n_k,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    MASK_M: tl.constexpr,
+    MASK_N: tl.constexpr,
+):
+    """(positive, excluded_rows, excluded_cols) [BLOCK_M, BLOCK_N] bool of one tile (see infcl.masks).
+
+    positive: the one-hot of ``pos`` (ONE_POSITIVE) or q_ids[i] == k_ids[j] on the block's real rows and
+    columns. excluded_rows: (same id, with one positive per row) or guide score ``scores`` above the row's
+    threshold, and not a positive; excluded_cols the same with the columns' thresholds (SYMMETRIC; else
+    it is excluded_rows). Where nothing can be excluded (no guide; ids with several positives) both are
+    ``positive``, unused.
+    """
+    tl.static_assert(HAS_IDS or POSITIVES == ONE_POSITIVE)  # several positives are named by ids
+    if POSITIVES == ONE_POSITIVE:
+        positive = cols[None, :] == pos[:, None]  # pos is -1 past n_q and where it lies in another block
+    else:
+        positive = q_ids[:, None] == k_ids[None, :]
+        if MASK_M:
+            positive = positive & (rows[:, None] < n_q)
+        if MASK_N:
+            positive = positive & (cols[None, :] < n_k)
+    if HAS_GUIDE:
+        excluded_rows = scores > row_thr[:, None]
+        if SYMMETRIC:
+            excluded_cols = scores > col_thr[None, :]
+        else:
+            excluded_cols = excluded_rows
+        if HAS_IDS and POSITIVES == ONE_POSITIVE:
+            same = q_ids[:, None] == k_ids[None, :]
+            excluded_rows = excluded_rows | same
+            excluded_cols = excluded_cols | same
+        excluded_rows = excluded_rows & ~positive
+        excluded_cols = excluded_cols & ~positive
+    elif HAS_IDS and POSITIVES == ONE_POSITIVE:
+        excluded_rows = (q_ids[:, None] == k_ids[None, :]) & ~positive
+        excluded_cols = excluded_rows
+    else:
+        excluded_rows = positive  # unused: nothing is excluded
+        excluded_cols = positive
+    return positive, excluded_rows, excluded_cols
+
+
+@triton.jit
+def load_optional(ptr, idx, n, PRESENT: tl.constexpr, MASK: tl.constexpr):
+    """An optional per-row (per-column) vector at ``idx``: the ids or the guide thresholds, 0 past n (the
+    positives are masked to the real ones), or ``idx`` as a placeholder, never read, when absent."""
+    if PRESENT:
+        values = load_vector(ptr, idx, n, 1, 0, MASK)
+    else:
+        values = idx  # unused
+    return values
+
+
+@triton.jit
+def block_masks(
+    gq_ptr,
+    gk_ptr,
+    rows,
+    cols,
+    pos,
+    q_ids,
+    k_ids_ptr,
+    row_thr,
+    col_thr_ptr,
+    n_q,
+    n_k,
+    DG,
+    stride_gq0,
+    stride_gq1,
+    stride_gk0,
+    stride_gk1,
+    HAS_IDS: tl.constexpr,
+    HAS_GUIDE: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_G: tl.constexpr,
+    GUIDE_ACC: tl.constexpr,
+    GUIDE_PRECISION: tl.constexpr,
+):
+    """One tile's (positive, excluded_rows, excluded_cols) (:func:`tile_masks`): the columns' ids and, with a
+    guide, the guide scores (one GEMM over D') and the columns' thresholds."""
+    k_ids = load_optional(k_ids_ptr, cols, n_k, HAS_IDS, not EVEN_N)
+    if HAS_GUIDE:
+        scores = score_tile(
+            gq_ptr,
+            gk_ptr,
+            rows,
+            cols,
+            n_q,
+            n_k,
+            DG,
+            stride_gq0,
+            stride_gq1,
+            stride_gk0,
+            stride_gk1,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_G,
+            not EVEN_M,
+            not EVEN_N,
+            not EVEN_G,
+            GUIDE_ACC,
+            False,
+            GUIDE_PRECISION,
+        )
+    else:
+        scores = rows  # unused
+    col_thr = load_optional(col_thr_ptr, cols, n_k, HAS_GUIDE and SYMMETRIC, not EVEN_N)
+    return tile_masks(
+        rows,
+        cols,
+        pos,
+        q_ids,
+        k_ids,
+        scores,
+        row_thr,
+        col_thr,
+        n_q,
+        n_k,
+        HAS_IDS,
+        HAS_GUIDE,
+        POSITIVES,
+        SYMMETRIC,
+        not EVEN_M,
+        not EVEN_N,
+    )
+
+
+@triton.jit
+def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: tl.constexpr, POSITIVES: tl.constexpr):
+    """Fold one tile's positives into the running (max, rest, sum, count) of each row (AXIS 1) or column
+    (AXIS 0): their max (with "sum", their stats, rest as in :func:`tile_rest_stats`; else rest stays the
+    empty set's -1), the sum of their logits and their number."""
+    at_pos = tl.where(positive, s, float("-inf"))
+    if POSITIVES == SUM_POSITIVES:
+        t, rest = kept_rest_stats(at_pos, AXIS)
+        pos_max, pos_rest = merge_kept_stats(pos_max, pos_rest, t, rest)
+    else:
+        pos_max = tl.maximum(pos_max, tl.max(at_pos, axis=AXIS))
+    pos_sum += tl.sum(tl.where(positive, s, 0.0), axis=AXIS)
+    pos_count += tl.sum(positive.to(s.dtype), axis=AXIS)
+    return pos_max, pos_rest, pos_sum, pos_count
+
+
+@triton.jit
+def masked_softmax_grad(
+    s, m, r, g, pos_count, pos_max, pos_rel, positive, excluded, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr
+):
+    """g * (P - Y) for a tile with masks: P = exp((s - m) - r) off the exclusions and 0 on them; m, r, g and
+    the positives' count or stats come broadcast like :func:`softmax_grad`'s stats (each only where its
+    POSITIVES reads it). Y, and a positive's entry:
+
+    - ONE_POSITIVE: the one-hot of ``positive``; g * expm1(x) there, picked out per row (as softmax_grad);
+    - MEAN_POSITIVES (``pos_count`` c = |P|): 1 / c on the positives; (p - 1/c) = expm1(x + log c) / c;
+    - SUM_POSITIVES (``pos_max``, ``pos_rel``: the positives' global max and log-sum relative to it): the
+      softmax over P; p - y = y * expm1(d) with y = exp((s - pos_max) - pos_rel) and
+      d = (pos_max - m) + (pos_rel - r) <= 0, the log of the positives' share.
+
+    Never a difference of two rounded probabilities, so a confident row keeps its digits.
+    """
+    x = (s - m) - r
+    p = exp(x)
+    if EXCLUDES:
+        p = tl.where(excluded, 0.0, p)
+    if POSITIVES == ONE_POSITIVE:
+        x_pos = tl.sum(tl.where(positive, x, 0.0), axis=1)
+        at_pos = expm1(x_pos)[:, None]
+    elif POSITIVES == MEAN_POSITIVES:
+        at_pos = expm1(x + tl.log(pos_count)) / pos_count
+    else:
+        at_pos = exp((s - pos_max) - pos_rel) * expm1((pos_max - m) + (pos_rel - r))
+    return g * tl.where(positive, at_pos, p)
