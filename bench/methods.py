@@ -157,7 +157,7 @@ def inf_cl_loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
     return (rows + inf_cl_cal_inf_loss(k, q, labels, scale, head_dim)) / 2 if symmetric else rows
 
 
-def _inf_cl_unavailable(device: torch.device, dim: int) -> Optional[str]:
+def inf_cl_unavailable(device: torch.device, dim: int) -> Optional[str]:
     if device.type != "cuda":
         return "Inf-CL's inf_cl package runs on CUDA only"
     if importlib.util.find_spec("inf_cl") is None:
@@ -241,7 +241,7 @@ METHODS = {
         _infcl_method("torch"),
         _infcl_method("cpu"),
         _infcl_method("triton"),
-        Method("inf-cl", inf_cl_loss, _inf_cl_unavailable, tiled=True),
+        Method("inf-cl", inf_cl_loss, inf_cl_unavailable, tiled=True),
         *(
             Method(
                 f"{backend}+{option}",

@@ -27,6 +27,7 @@ def test_dry_run_plans_every_step_and_writes_the_headers(tmp_path, capsys):
         "correctness-tf32",
         "correctness-options",
         "static",
+        "ab",
     ):
         assert f": {step} (timeout" in printed, step
     for name, columns in gpu_first.FILES.items():
@@ -43,9 +44,18 @@ def test_plan_orders_timed_steps_alone_and_filters():
     names = [[step.name for step in stage] for stage in stages]
     assert names[:3] == [["env"], ["speed"], ["kernels"]]  # nothing runs beside a timed step
     assert set(names[3]) == {f"correctness-{p}" for p in gpu_first.CORRECTNESS_PARTS} | {"static"}
+    assert names[4:] == [["ab"]]  # the chunked route's A/B (bench.gpu_ab), timed: alone and last
     only = gpu_first.plan(gpu_first.DEFAULT_OUT, steps=["speed", "correctness"])
     assert [[s.name for s in stage] for stage in only][0] == ["speed"]
     assert len(only) == 2 and len(only[1]) == len(gpu_first.CORRECTNESS_PARTS)
+
+
+def test_stage_timeouts_add_up_within_seven_minutes():
+    """Every step gets its whole timeout (a stage's is its longest step's) and the run ends within 7 minutes, with
+    20 s for the processes' starts and the summary."""
+    stages = gpu_first.plan(gpu_first.DEFAULT_OUT)
+    assert sum(max(step.timeout_s for step in stage) for stage in stages) <= gpu_first.BUDGET_S <= 420 - 20
+    assert set(gpu_first.STEPS) == {step.name.split("-")[0] for stage in stages for step in stage}
 
 
 def _python(code):

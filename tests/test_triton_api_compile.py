@@ -2,12 +2,13 @@
 without spills, within shared memory and without float atomics, through the real registration.
 
 Each call (``triton_compile.api_calls``) is ``cal_inf_loss`` / ``cal_siglip_loss`` / ``InfCLIPLoss`` /
-``InfSigLipLoss`` forward and backward with ``backend="triton"`` on CPU tensors, in worker processes that
-import infcl with TRITON_INTERPRET=0. Nothing below the API is bypassed: the backend choice, the custom ops
-(``triton_op`` + ``wrap_triton`` on this torch), the per-architecture configs, the split plans and, under
-INFCL_AUTOTUNE=1, the autotuner with every config of its search space as a trial. Only Triton's active
-driver is a stand-in (``triton_compile.CompileOnlyDriver``: a GPU target, 132 SMs) and JITFunction.run
-compiles instead of launching. ptxas (the wheel's, with Triton's flags) reports registers and spills.
+``InfSigLipLoss`` forward and backward with ``backend="triton"`` (and ``cal_inf_loss`` with ``backend="chunked"``,
+whose passes compile on sm_90, sm_80 and sm_100: ``triton_compile.chunked_calls``) on CPU tensors, in worker
+processes that import infcl with TRITON_INTERPRET=0. Nothing below the API is bypassed: the backend choice, the
+custom ops (``triton_op`` + ``wrap_triton`` on this torch), the per-architecture configs, the split plans and,
+under INFCL_AUTOTUNE=1, the autotuner with every config of its search space as a trial. Only Triton's active driver
+is a stand-in (``triton_compile.CompileOnlyDriver``: a GPU target, 132 SMs) and JITFunction.run compiles instead of
+launching. ptxas (the wheel's, with Triton's flags) reports registers and spills.
 
 Targets: sm_90, sm_80, sm_86 (the 99 KiB family) and, where the wheel's ptxas knows them, sm_100 and
 sm_120. CI runs sm_90's whole matrix and the heaviest cases elsewhere, in every dtype on every target

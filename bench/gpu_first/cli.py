@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .ab import step_ab
 from .correctness import step_correctness
 from .env import step_env
 from .files import FILES, write_header
@@ -22,6 +23,7 @@ STEPS = {
     "kernels": lambda out, args: step_kernels(out),
     "correctness": lambda out, args: step_correctness(out, args.part),
     "static": lambda out, args: step_static(out),
+    "ab": lambda out, args: step_ab(out),
 }
 
 
@@ -32,7 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the whole run's wall-clock limit, seconds")
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per speed configuration")
-    p.add_argument("--steps", help="only these steps, e.g. speed,kernels (env, speed, kernels, correctness, static)")
+    p.add_argument(
+        "--steps", help="only these steps, e.g. speed,kernels (env, speed, kernels, correctness, static, ab)"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and write the files' headers; no GPU")
     p.add_argument("--step", help=argparse.SUPPRESS)  # one step, in its own process (run_stages starts these)
     p.add_argument("--part", help=argparse.SUPPRESS)

@@ -8,13 +8,18 @@ backend object that runs a call.
 - "cpu":       the native C++ kernel (:mod:`.native`, csrc/), CPU tensors.
 - "triton":    the fused Triton kernels (:mod:`.triton`, infcl/kernels/), CUDA tensors (or CPU tensors under
   TRITON_INTERPRET=1).
+- "chunked":   the exact chunked route (:mod:`.chunked`: cuBLAS products with float32 scores, the Triton passes of
+  infcl/kernels/chunked_softmax.py; docs/chunked.md), the softmax loss on CUDA tensors (CPU tensors for tests);
+  it hands the sigmoid loss to the fused kernels, and the distillation loss and the ranks have none.
 
 Each backend is one object with every API's block operations (:mod:`infcl.contract`): a folder per backend,
 a file per loss inside. ``backend="auto"`` reads :data:`AUTO`; where the backend it names cannot run on a
 device (triton missing, a ROCm GPU, an architecture with no compiled configs; the native kernel not built)
 it runs the torch tiles, and warns once for a CUDA device, naming why. ``INFCL_BACKEND=<name>`` overrides
-"auto" (never an explicit name). Float64 blocks on a Triton without a float64 ``tl.dot`` run on the torch
-tiles: the one rule is :func:`infcl.backends.triton.options.on_torch_tiles`.
+"auto" (never an explicit name). "auto" takes "chunked" only where :data:`CHUNKED_FROM`, a table of measured
+times, says it is faster (:func:`measured_route`): the table is empty, so nowhere yet. Float64 blocks on a Triton
+without a float64 ``tl.dot`` run on the torch tiles: the one rule is
+:func:`infcl.backends.triton.options.on_torch_tiles`.
 
 Every backend runs the mask options of ``cal_inf_loss`` (ids, ``multi_positive``, ``guide``;
 :mod:`infcl.masks`); only a guide changes the choice (the "guided" row of :data:`AUTO`).
@@ -24,10 +29,11 @@ import importlib
 import os
 import sys
 import warnings
+from typing import Dict, Tuple
 
 import torch
 
-BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
+BACKENDS = ("auto", "reference", "torch", "cpu", "triton", "chunked")
 ENV_VAR = "INFCL_BACKEND"
 
 # What "auto" runs, per call kind and device type, when that backend can run there (else the torch tiles;
@@ -53,10 +59,24 @@ HELD_BACK = {
 }
 # The call kinds without a "reference" backend, and the public function each belongs to (for the error).
 NO_REFERENCE = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
+# The call kinds without a "chunked" route (it is the softmax loss's; the sigmoid loss's hands its blocks to the
+# fused kernels). INFCL_BACKEND=chunked runs them on their own "auto" choice.
+NO_CHUNKED = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
+# Where "auto" takes the chunked route instead of AUTO's "triton" for a plain softmax loss (no masks): (GPU family,
+# dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than the fused
+# kernels'; family as infcl.kernels.target's ARCH_FAMILIES keys, e.g. (90, "bfloat16"): 16384. ``python -m
+# bench.gpu_ab`` measures it; an entry goes in by hand with the run's file named beside it. Empty: no GPU has run
+# the route yet, so "auto" keeps AUTO's choice everywhere (docs/chunked.md).
+CHUNKED_FROM: Dict[Tuple[int, str], int] = {}
 
 # The backends beside the torch tiles live in their own packages, each exposing ``BACKEND`` and
 # ``unavailable_reason(device)`` (None when usable on that device); imported only when asked for.
-_PACKAGES = {"torch": "infcl.backends.torch_tiles", "cpu": "infcl.backends.native", "triton": "infcl.backends.triton"}
+_PACKAGES = {
+    "torch": "infcl.backends.torch_tiles",
+    "cpu": "infcl.backends.native",
+    "triton": "infcl.backends.triton",
+    "chunked": "infcl.backends.chunked",
+}
 
 
 _LOADED = {}  # name -> (module or None, why not): imported once, so a compiled call only reads a dict
@@ -82,7 +102,7 @@ def unavailable_reason(name: str, device: torch.device):
 _WARNED = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     """One warning per distinct message per process (the fallback is chosen at every call)."""
     if message not in _WARNED:
         _WARNED.add(message)
@@ -115,6 +135,11 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
             f"{NO_REFERENCE[kind]} has no backend='reference' (it would materialize the B x B scores); use 'auto', "
             f"'torch', 'cpu' or 'triton'"
         )
+    if backend == "chunked" and kind in NO_CHUNKED:
+        raise ValueError(
+            f"{NO_CHUNKED[kind]} has no backend='chunked' (the softmax loss's route); use 'auto', 'torch', 'cpu' or "
+            f"'triton'"
+        )
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
@@ -125,6 +150,8 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
         return _auto(device, kind)
     if backend == "reference" and kind in NO_REFERENCE:
         return "torch"  # INFCL_BACKEND=reference: the torch tiles, which materialize nothing either
+    if backend == "chunked" and kind in NO_CHUNKED:
+        return _auto(device, kind)  # INFCL_BACKEND=chunked: this API's own "auto" choice
     why = unavailable_reason(backend, device)
     if why is not None:
         raise RuntimeError(why)
@@ -140,17 +167,28 @@ def _auto(device: torch.device, kind: str) -> str:
     if why is None:
         choice = AUTO[kind][device.type]
         if choice != best and kind in HELD_BACK:
-            _warn_once(HELD_BACK[kind])
+            warn_once(HELD_BACK[kind])
         return choice
     if best == "triton":
-        _warn_once(
-            f"infcl: backend='auto' runs the torch tiles on {device.type} tensors, not the Triton kernels: {why}"
-        )
+        warn_once(f"infcl: backend='auto' runs the torch tiles on {device.type} tensors, not the Triton kernels: {why}")
     return "torch"
 
 
+def measured_route(name: str, kind: str, q: torch.Tensor, k: torch.Tensor) -> str:
+    """What "auto" runs for a call of ``kind`` on the blocks of ``q`` [Bq, D] and ``k`` [Bk, D], given ``name``,
+    :func:`resolve_backend`'s answer for it: "chunked" where :data:`CHUNKED_FROM` measured the route faster than
+    the fused kernels on this GPU family and dtype from this Bq on and the workspace budget fits it
+    (:func:`infcl.backends.chunked.auto.measured_faster`), else ``name``. Call it only for ``backend="auto"``;
+    an INFCL_BACKEND override keeps its name."""
+    if name != "triton" or kind != "softmax" or not CHUNKED_FROM or os.environ.get(ENV_VAR, "").strip():
+        return name
+    module, why = _backend_module("chunked")
+    faster = why is None and module.measured_faster(q, k, CHUNKED_FROM, module.BACKEND.budget_mb)
+    return "chunked" if faster else name
+
+
 def backend_object(name: str):
-    """The backend object of ``name`` ("torch", "cpu", "triton"): every API's block operations
+    """The backend object of ``name`` ("torch", "cpu", "triton", "chunked"): every API's block operations
     (:mod:`infcl.contract`)."""
     module, why = _backend_module(name)
     if module is None:

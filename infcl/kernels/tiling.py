@@ -27,7 +27,9 @@ most that leaves room for the S and dS tiles without spilling.
 The per-call answers: :func:`tiling_for` (softmax: the three configs and the feature chunking, :func:`chunking`),
 :func:`sigmoid_tiling`, :func:`rank_tiling`, :func:`topk_tiling`, and :func:`target_tiling` for the active target
 (the interpreter's tiles under TRITON_INTERPRET=1). :func:`forward_config`, :func:`dq_config` and
-:func:`dk_config` are the softmax kernels' entry points (the autotuner's search spaces start from them).
+:func:`dk_config` are the softmax kernels' entry points (the autotuner's search spaces start from them). The
+chunked route's passes (:mod:`.chunked_softmax`) stream float32 scores without a product: one config on every
+family (:data:`CHUNK_STATS_TILE`, :data:`CHUNK_GRAD_TILE`).
 """
 
 from dataclasses import dataclass, replace
@@ -96,6 +98,19 @@ INTERPRETER_TILINGS = {
     "rank": _SMALL_INTERPRETER_TILING,
     "topk": _SMALL_INTERPRETER_TILING,
 }
+
+# The chunked route's passes (kernels/chunked_softmax.py) read a float32 [C, Bk] score chunk that cuBLAS wrote and
+# take no product: memory-bound, so one config on every family and operand dtype. chunk_stats: a 64 x 64 float32
+# tile (16 KiB) per load on 8 warps keeps enough bytes in flight per SM, and 64 rows make its column partials 8 bytes
+# per (64 rows x column), 1/32 of the S read at 4 bytes.
+CHUNK_STATS_TILE = TileConfig(64, 64, num_warps=8)
+# chunk_grad holds raw, s, dS and (symmetric) the column term at once: 32 rows keep it within registers.
+CHUNK_GRAD_TILE = TileConfig(32, 64, num_warps=8)
+# Column tiles per program of either pass: 32 tiles of 64 columns. At C = 2048, Bk = 65536 the stats grid is 32 x 32
+# = 1024 programs (about 8 per SM on 132 SMs); the rows' partials are then 32 per row, ~0.15% of the S bytes.
+CHUNK_SPLIT_TILES = 32
+# Entries per program of the passes' partials merge (chunked_softmax.merge_parts).
+CHUNK_MERGE_BLOCK = 1024
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ def tiled_backends(device: str = "cpu"):
     names = ["torch"]
     if unavailable_reason("cpu", torch.device(device)) is None:
         names.append("cpu")
+    if unavailable_reason("chunked", torch.device(device)) is None:
+        names.append("chunked")  # the chunked route (issue 45): torch passes on CPU tensors, cuBLAS + Triton on CUDA
     if device != "cpu" and not interpreting_triton() and unavailable_reason("triton", torch.device(device)) is None:
         names.append("triton")
     return names

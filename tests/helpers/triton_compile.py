@@ -383,6 +383,7 @@ class Call:
     # ``infcl.backends.triton.BACKEND``; () for the device's defaults.
     tiling: tuple = ()
     topk: int = 0  # topk_scores' n
+    backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss only)
 
     def label(self) -> str:
         dtype = dtype_label(self.dtype, self.precision)
@@ -395,6 +396,7 @@ class Call:
                 f" {self.multi_positive}" if self.multi_positive else "",
                 f" tiling={'-'.join(map(str, self.tiling))}" if self.tiling else "",
                 f" n={self.topk}" if self.topk else "",
+                f" {self.backend}" if self.backend != "triton" else "",
             ]
         )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
@@ -532,7 +534,7 @@ def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = Non
 
     if call.entry == "cal_inf_loss":
         masks = mask_options(call) if masks is None else masks
-        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend="triton", **masks)
+        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=call.backend, **masks)
     if call.entry == "cal_siglip_loss":
         return infcl.cal_siglip_loss(q, k, scale, bias, labels, backend="triton")
     if call.entry == "InfCLIPLoss":
@@ -665,6 +667,7 @@ def api_calls(full: bool) -> List[Call]:
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             out.extend(masked_calls(arch, dtype, precision, full))
             out.extend(topk_calls(arch, dtype, precision, full))
+        out.extend(chunked_calls(arch))
     return out
 
 
@@ -684,6 +687,30 @@ def topk_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
             Call(arch, "topk_scores", dtype, precision, dim, RAGGED_BATCH, WIDE_BATCH + 3, labels=True, topk=TOPK_N)
         )
     return out
+
+
+# The chunked route's passes compile on these targets (issue 45: the GPUs it is measured on next).
+CHUNKED_TARGETS = (90, 80, 100)
+
+
+def chunked_calls(arch: int) -> List[Call]:
+    """cal_inf_loss with backend="chunked" (infcl/kernels/chunked_softmax.py's stats, merge and grad passes; on
+    CPU tensors the products are torch's, only the passes compile): in bf16 symmetric on a ragged and a
+    block-multiple batch and one-directional with labels and Bk > Bq; fp16 (its row-scaled dS) and fp32 symmetric
+    on a ragged batch. The passes read only the [C, Bk] scores, so D is immaterial (40)."""
+    if arch not in CHUNKED_TARGETS:
+        return []
+    ragged, wide, even = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH), (EVEN_BATCH, EVEN_BATCH)
+    cases = (
+        ("bfloat16", ragged, {"symmetric": True}),
+        ("bfloat16", even, {"symmetric": True}),
+        ("bfloat16", wide, {"labels": True}),
+        ("float16", ragged, {"symmetric": True}),
+        ("float32", ragged, {"symmetric": True}),
+    )
+    return [
+        Call(arch, "cal_inf_loss", dtype, "ieee", 40, *sizes, backend="chunked", **kw) for dtype, sizes, kw in cases
+    ]
 
 
 def dtype_label(dtype: str, precision: str) -> str:

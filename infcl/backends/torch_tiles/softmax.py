@@ -27,7 +27,7 @@ from ...masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
 from .walk import Tile, TileSizes, Walk, positives, replace_positives
 
 
-class _TileMasks(NamedTuple):
+class TileMasks(NamedTuple):
     """One tile's positives and exclusions (see infcl.masks), [ni, nj] bool where a tile is needed.
 
     With one positive per row (``multi_positive`` None) the positives are ``inside`` / ``idx`` as for the
@@ -55,12 +55,12 @@ def _guide_tile(guide_q: Tensor, guide_k: Tensor, rows: slice, cols: slice, buf:
     return torch.mm(gq, gk.T, out=out)
 
 
-def _plain_masks(block: Block, tile: Tile) -> _TileMasks:
+def _plain_masks(block: Block, tile: Tile) -> TileMasks:
     """What :func:`_tile_masks` gives a block without masks, without its steps: the positives by index."""
-    return _TileMasks(None, *positives(block.pos, tile), None, None)
+    return TileMasks(None, *positives(block.pos, tile), None, None)
 
 
-def _tile_masks(block: Block, tile: Tile, symmetric: bool, scores_buf: Tensor) -> _TileMasks:
+def _tile_masks(block: Block, tile: Tile, symmetric: bool, scores_buf: Tensor) -> TileMasks:
     """Form one tile's masks, in place where possible: at most three bool tiles are the extra memory (the ids'
     matches and the guide's two threshold tests); the guide scores go to ``scores_buf``, a flat tile buffer
     free until the caller's next use of it."""
@@ -85,13 +85,13 @@ def _tile_masks(block: Block, tile: Tile, symmetric: bool, scores_buf: Tensor) -
             mask.masked_fill_(positive, False)
         else:
             mask.scatter_(1, idx, mask.gather(1, idx).logical_and_(~inside[:, None]))
-    return _TileMasks(positive, inside, idx, excluded, col_excluded)
+    return TileMasks(positive, inside, idx, excluded, col_excluded)
 
 
 def _masked_partials(
     acc: Tensor,
     s: Tensor,
-    masks: _TileMasks,
+    masks: TileMasks,
     excluded: Optional[Tensor],
     kept: Tensor,
     scratch: Tensor,
@@ -160,10 +160,10 @@ def _col_positives(block: Block, tile: Tile) -> _Positives:
     return _Positives(block.col_pos_count[None, tile.cols], None)
 
 
-def _probabilities(
+def probabilities(
     out: Tensor,
     s: Tensor,
-    masks: _TileMasks,
+    masks: TileMasks,
     excluded: Optional[Tensor],
     stats: Tensor,
     g: Tensor,
@@ -226,7 +226,7 @@ class SoftmaxTiles(TileSizes):
 
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         """The plain and the masked loss alike: without masks a tile's positives are its one-hots (by index)
-        and nothing is excluded, so :func:`_probabilities` does exactly the plain loss's operations."""
+        and nothing is excluded, so :func:`probabilities` does exactly the plain loss's operations."""
         walk = Walk(block, self.tiles(block.q.device))
         scale, symmetric = block.scale, block.symmetric
         single = block.multi_positive is None
@@ -236,7 +236,7 @@ class SoftmaxTiles(TileSizes):
             raw = torch.mm(tile.qi, tile.kj.T, out=tile.view(raw_buf))
             s = torch.mul(raw, scale, out=tile.view(s_buf))  # bit-identical to the forward's tile
             masks = _tile_masks(block, tile, symmetric, ds_buf) if block.masked else _plain_masks(block, tile)
-            ds = _probabilities(
+            ds = probabilities(
                 tile.view(ds_buf),
                 s,
                 masks,
@@ -248,7 +248,7 @@ class SoftmaxTiles(TileSizes):
             )
             dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
             if symmetric:
-                pc = _probabilities(
+                pc = probabilities(
                     tile.view(col_buf),
                     s,
                     masks,

@@ -1,0 +1,39 @@
+"""Whether ``backend="auto"`` takes the chunked route for a plain softmax loss on CUDA: where a GPU measured it
+faster than the fused kernels, and the budget fits it.
+
+The table itself is the resolver's, beside ``AUTO`` (:data:`infcl.backends.resolve.CHUNKED_FROM`: (GPU family,
+dtype name) -> the smallest Bq from which the route's forward + backward beat the fused kernels'). **It is empty:
+no GPU has run the route yet, so ``auto`` keeps today's choice (the fused Triton kernels) everywhere.**
+``backend="chunked"`` runs the route now.
+
+The budget still decides: where the chunked route would hand the block to the fused kernels anyway (the budget
+fits too few rows, :mod:`.plan`), ``auto`` takes the fused kernels directly.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .plan import MIN_CHUNK_ROWS, ROW_ALIGN, budget_bytes, entry_bytes, fitting_rows
+
+
+def measured_faster(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    table: Dict[Tuple[int, str], int],
+    budget_mb: Optional[float],
+    family: Optional[int] = None,
+) -> bool:
+    """Whether ``table`` says the route is faster for ``q`` [Bq, D] against ``k`` [Bk, D] on GPU ``family`` (None:
+    the active target's, :func:`infcl.kernels.target.target_family`) and the workspace budget (``budget_mb``, as
+    :func:`.plan.budget_bytes` reads it) fits at least :data:`.plan.MIN_CHUNK_ROWS` rows of it."""
+    if family is None:
+        from ...kernels.target import target_family
+
+        family = target_family()
+    threshold = table.get((family, str(q.dtype).replace("torch.", "")))
+    if threshold is None or q.shape[0] < threshold:
+        return False
+    per_entry = entry_bytes(True, True, q.dtype)
+    rows = fitting_rows(q.shape[0], k.shape[0], q.shape[1], budget_bytes(budget_mb), per_entry, ROW_ALIGN)
+    return rows >= MIN_CHUNK_ROWS
