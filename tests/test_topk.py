@@ -199,14 +199,17 @@ def test_every_backend_and_thread_count_agree():
     assert_topk(want, topk_truth(q, k, 25), "torch")
 
 
-def test_reference_is_not_a_backend():
+def test_reference_and_chunked_are_not_backends_of_the_search():
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         topk_scores(torch.randn(4, 3), torch.randn(5, 3), 2, backend="reference")
+    with pytest.raises(ValueError, match="topk_scores has no backend='chunked'"):
+        topk_scores(torch.randn(4, 3), torch.randn(5, 3), 2, backend="chunked")
 
 
 def test_auto_follows_the_ranks_rule(monkeypatch):
     """The resolver's "topk" row: the native kernel on CPU, the torch tiles on CUDA (the Triton kernel has not run
-    on a GPU) unless named; INFCL_BACKEND=reference runs the torch tiles, which materialize nothing either."""
+    on a GPU) unless named; INFCL_BACKEND=reference runs the torch tiles, which materialize nothing either, and
+    INFCL_BACKEND=chunked the search's own "auto" choice."""
     from infcl.backends import resolve
 
     monkeypatch.setattr(resolve, "unavailable_reason", lambda name, device: None)
@@ -216,6 +219,8 @@ def test_auto_follows_the_ranks_rule(monkeypatch):
     assert resolve.resolve_backend("triton", torch.device("cuda"), "topk") == "triton"
     monkeypatch.setenv("INFCL_BACKEND", "reference")
     assert resolve.resolve_backend("auto", torch.device("cpu"), "topk") == "torch"
+    monkeypatch.setenv("INFCL_BACKEND", "chunked")  # the softmax loss's route: the search runs its own "auto"
+    assert resolve.resolve_backend("auto", torch.device("cuda"), "topk") == "torch"
 
 
 @pytest.mark.parametrize(
