@@ -117,6 +117,26 @@ def _rss() -> int:
     return _status_bytes("VmRSS")
 
 
+def measured(fn, device: torch.device):
+    """(result, seconds, peak memory growth in bytes) of one call of ``fn`` on ``device``: CUDA's allocator peak
+    (synchronized before and after), else the process's peak resident set."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = _rss()
+        _peak_rss_reset()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
+    return out, wall, growth
+
+
 def scale(args) -> list:
     image, text = (t.to(args.device) for t in _features(args.n, args.dim))
     rows = args.rows or args.n
@@ -127,18 +147,9 @@ def scale(args) -> list:
     # (any_positive over ids; the texts past `rows` have no positive, so no rank). The call walks rows x n
     # tiles, the whole set's n x n tiles in n / rows times the time.
     slice_args = {} if rows == args.n else _slice_ids(rows, args.n, image.device)
-    cuda = image.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = _rss()
-        _peak_rss_reset()
-    start = time.perf_counter()
-    metrics = retrieval_metrics(image, text, backend=args.backend, **slice_args)  # floats: synchronized
-    wall = time.perf_counter() - start
-    growth = (torch.cuda.max_memory_allocated() if cuda else _peak_rss()) - before
+    metrics, wall, growth = measured(
+        lambda: retrieval_metrics(image, text, backend=args.backend, **slice_args), image.device
+    )
     features = (image.numel() + text.numel()) * image.element_size()
     print({k: round(v, 6) for k, v in metrics.items()})
     out = [(f"retrieval_metrics {args.backend} {rows} x {args.n}", wall, growth / 2**20, features / 2**20)]
@@ -205,15 +216,21 @@ def main() -> None:
         header = ("what", "seconds", "peak growth MiB", "features MiB")
         rows = scale(args) if args.mode == "scale" else memory(args)
     print(f"N={args.n} D={args.dim} fp32 threads={args.threads} on {cpu}")
+    report(header, rows, args.csv, {"n": args.n, "dim": args.dim, "threads": args.threads, "cpu": cpu})
+
+
+def report(header: tuple, rows: list, csv_path, settings: dict) -> None:
+    """Print ``rows`` as a table under ``header``; with ``csv_path``, also write them there, each row led by the
+    run's ``settings`` (column name -> value)."""
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
             out = csv.writer(f)
-            out.writerow(("n", "dim", "threads", "cpu") + header)
+            out.writerow(tuple(settings) + header)
             for row in rows:
-                out.writerow((args.n, args.dim, args.threads, cpu) + tuple(row))
+                out.writerow(tuple(settings.values()) + tuple(row))
 
 
 def _cpu_name(device: str) -> str:

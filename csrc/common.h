@@ -1,7 +1,7 @@
-// What the native kernels (softmax*.cpp: the softmax loss; infcl_siglip.cpp: the sigmoid loss) share:
-// the tile sizes, the row-tile grid and its split over threads, the one BLAS thread guard, the tile GEMMs
-// and the bfloat16 GEMM routes, the one vectorizable exp, and the ops' accumulation dtype and gradient
-// outputs. One copy of each, so every loss tiles, parallelizes, multiplies and rounds the same way.
+// What the native kernels (softmax*.cpp: the softmax loss; infcl_siglip.cpp: the sigmoid loss; retrieval.cpp
+// and topk.cpp: the ranks and the top-k) share: the tile sizes, the row-tile grid and its split over threads,
+// the one BLAS thread guard, the tile GEMMs, the no-grad score walk, the bfloat16 GEMM routes, the one
+// vectorizable exp, and the ops' accumulation dtype and gradient outputs. One copy of each, so every loss tiles, parallelizes, multiplies and rounds the same way.
 
 #pragma once
 
@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -143,6 +144,62 @@ inline uint16_t to_bf16_bits(float f) {
   std::memcpy(&u, &f, sizeof u);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return f != f ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The no-grad walk over S = q @ k.T (retrieval.cpp: the ranks' two passes; topk.cpp: the top-k), and
+// the integer inputs of its ops.
+
+// A block's operands in the accumulation dtype, contiguous.
+template <typename T>
+struct ScoreOperands {
+  const T* q;
+  const T* k;
+  int64_t bq, bk, d;
+};
+
+// Calls visit(lane, i0, ni, j0, nj, scores) for every tile of every lane (rows: RowTiles, one lane per
+// thread; columns: TILE_K), key tiles outer; scores(i0, ni, j0, nj) inside visit gives the tile [ni, nj]
+// (rows of nj) in the lane's buffer: one single-threaded gemm() on the same operands for the same tile in
+// every pass and at every thread count, so a tile is the same bits wherever it is formed.
+template <typename T, typename Visit>
+void for_each_score_tile(const ScoreOperands<T>& o, const RowTiles& tiles, int64_t lanes, Visit visit) {
+  at::parallel_for(0, lanes, 1, [&](int64_t first, int64_t last) {
+    const SingleThreadedBlas one_thread;
+    const int64_t tk = std::min(TILE_K, o.bk);
+    std::vector<T> buffer(tiles.size * tk);
+    auto scores = [&](int64_t i0, int64_t ni, int64_t j0, int64_t nj) {
+      gemm(false, true, ni, nj, o.d, T(1), o.q + i0 * o.d, o.d, o.k + j0 * o.d, o.d, T(0), buffer.data(), nj);
+      return buffer.data();
+    };
+    for (int64_t lane = first; lane < last; ++lane) {
+      for (int64_t j0 = 0; j0 < o.bk; j0 += tk) {
+        const int64_t nj = std::min(tk, o.bk - j0);
+        for (int64_t t = lane_start(tiles, lanes, lane); t < lane_start(tiles, lanes, lane + 1); ++t) {
+          visit(lane, tiles.begin(t), tiles.height(t), j0, nj, scores);
+        }
+      }
+    }
+  });
+}
+
+// An index or id tensor as contiguous int64 (a copy only where it is not).
+inline at::Tensor as_longs(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
+
+// An optional index or id tensor's int64 data (kept alive in `keep`), or nullptr when absent.
+inline const int64_t* optional_longs(const std::optional<at::Tensor>& ids, at::Tensor& keep) {
+  if (!ids.has_value()) return nullptr;
+  keep = as_longs(*ids);
+  return keep.data_ptr<int64_t>();
+}
+
+// q [Bq, D] and k [Bk, D]: CPU tensors of one float dtype and one D; `op` names the caller in the error.
+inline void check_score_operands(const at::Tensor& q, const at::Tensor& k, const char* op) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), op, ": q and k must be CPU tensors");
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && q.size(1) == k.size(1), op, ": q ", q.sizes(), " and k ", k.sizes(),
+              " must be [B, D] with one D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && at::isFloatingType(q.scalar_type()), op,
+              ": q and k must share one float dtype");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,10 +14,10 @@
 //     equal with a lower global index; with the ids, entries with the row's id are never ahead (duplicates
 //     of the positive). nonfinite: the number of the line's scores that are NaN or infinite.
 //
-// Ties compare equal: both passes cut S into the same tiles (common.h's RowTiles times TILE_K columns) and
-// form each with the same single-threaded gemm() call on the same operands, so pass 2's tile is pass 1's
-// bit for bit and an exact duplicate of the positive ties it exactly. Scores are in the accumulation dtype:
-// float64 for float64 inputs, float32 (exact float32 copies of 16-bit inputs) otherwise.
+// Ties compare equal: both passes cut S into the same tiles (common.h's for_each_score_tile: RowTiles times
+// TILE_K columns) and form each with the same single-threaded gemm() call on the same operands, so pass 2's
+// tile is pass 1's bit for bit and an exact duplicate of the positive ties it exactly. Scores are in the
+// accumulation dtype: float64 for float64 inputs, float32 (exact float32 copies of 16-bit inputs) otherwise.
 //
 // Parallel layout: the row tiles are split into lanes (common.h), one per thread, each walking key tiles
 // outer. Rows belong to one lane; the columns' results are per lane and merged at the end: integer sums,
@@ -54,42 +54,11 @@ inline void keep_better(T score, int64_t index, T& best, int64_t& best_index) {
   }
 }
 
-// The block's operands in the accumulation dtype, contiguous.
-template <typename T>
-struct Operands {
-  const T* q;
-  const T* k;
-  int64_t bq, bk, d;
-};
-
-// Calls visit(lane, i0, ni, j0, nj) for every tile of every lane, key tiles outer; scores(i0, ni, j0, nj)
-// inside visit gives the tile [ni, nj] (rows of nj) in the lane's buffer, the one product both passes use.
-template <typename T, typename Visit>
-void for_each_tile(const Operands<T>& o, const RowTiles& tiles, int64_t lanes, Visit visit) {
-  at::parallel_for(0, lanes, 1, [&](int64_t first, int64_t last) {
-    const SingleThreadedBlas one_thread;
-    const int64_t tk = std::min(TILE_K, o.bk);
-    std::vector<T> buffer(tiles.size * tk);
-    auto scores = [&](int64_t i0, int64_t ni, int64_t j0, int64_t nj) {
-      gemm(false, true, ni, nj, o.d, T(1), o.q + i0 * o.d, o.d, o.k + j0 * o.d, o.d, T(0), buffer.data(), nj);
-      return static_cast<const T*>(buffer.data());
-    };
-    for (int64_t lane = first; lane < last; ++lane) {
-      for (int64_t j0 = 0; j0 < o.bk; j0 += tk) {
-        const int64_t nj = std::min(tk, o.bk - j0);
-        for (int64_t t = lane_start(tiles, lanes, lane); t < lane_start(tiles, lanes, lane + 1); ++t) {
-          visit(lane, tiles.begin(t), tiles.height(t), j0, nj, scores);
-        }
-      }
-    }
-  });
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Pass 1.
 
 template <typename T>
-void best_positives_impl(const Operands<T>& o, const int64_t* pos, const int64_t* row_index, const int64_t* col_index,
+void best_positives_impl(const ScoreOperands<T>& o, const int64_t* pos, const int64_t* row_index, const int64_t* col_index,
                          const int64_t* q_ids, const int64_t* k_ids, bool symmetric, T* row_score, int64_t* row_best,
                          int64_t* row_count, T* col_score, int64_t* col_best, int64_t* col_count) {
   const RowTiles tiles(o.bq);
@@ -98,7 +67,7 @@ void best_positives_impl(const Operands<T>& o, const int64_t* pos, const int64_t
   std::vector<T> lane_score(lanes * nc, -std::numeric_limits<T>::infinity());
   std::vector<int64_t> lane_best(lanes * nc, NO_INDEX), lane_count(lanes * nc, 0);
   const bool by_ids = q_ids != nullptr;
-  for_each_tile(o, tiles, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, auto scores) {
+  for_each_score_tile(o, tiles, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, auto scores) {
     bool holds = false;  // whether the tile holds a positive (else it is never multiplied)
     for (int64_t r = 0; r < ni && !holds; ++r) {
       if (by_ids) {
@@ -156,7 +125,7 @@ inline int64_t not_finite(T s) {
 }
 
 template <typename T>
-void ahead_counts_impl(const Operands<T>& o, const T* row_score, const int64_t* row_best, const T* col_score,
+void ahead_counts_impl(const ScoreOperands<T>& o, const T* row_score, const int64_t* row_best, const T* col_score,
                        const int64_t* col_best, const int64_t* row_index, const int64_t* col_index,
                        const int64_t* q_ids, const int64_t* k_ids, int64_t* row_ahead, int64_t* row_nonfinite,
                        int64_t* col_ahead, int64_t* col_nonfinite) {
@@ -166,7 +135,7 @@ void ahead_counts_impl(const Operands<T>& o, const T* row_score, const int64_t* 
   const int64_t nc = symmetric ? o.bk : 0;
   std::vector<int64_t> lane_ahead(lanes * nc, 0), lane_nonfinite(lanes * nc, 0);
   const bool excluding = q_ids != nullptr;
-  for_each_tile(o, tiles, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, auto scores) {
+  for_each_score_tile(o, tiles, lanes, [&](int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, auto scores) {
     const T* tile = scores(i0, ni, j0, nj);  // bit-identical to pass 1's tile
     const int64_t* cidx = col_index + j0;
     const int64_t* kid = excluding ? k_ids + j0 : nullptr;
@@ -223,43 +192,25 @@ void ahead_counts_impl(const Operands<T>& o, const T* row_score, const int64_t* 
 // ---------------------------------------------------------------------------------------------------
 // Op entry points.
 
-at::ScalarType acc_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
-at::Tensor longs(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
-
-const int64_t* optional_ids(const std::optional<at::Tensor>& ids, at::Tensor& keep) {
-  if (!ids.has_value()) return nullptr;
-  keep = longs(*ids);
-  return keep.data_ptr<int64_t>();
-}
-
-void check_pair(const at::Tensor& q, const at::Tensor& k) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "infcl native ranks: q and k must be CPU tensors");
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && q.size(1) == k.size(1), "infcl native ranks: q ", q.sizes(), " and k ",
-              k.sizes(), " must be [B, D] with one D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && at::isFloatingType(q.scalar_type()),
-              "infcl native ranks: q and k must share one float dtype");
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_best_positives(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& pos_in, const at::Tensor& row_index_in,
     const at::Tensor& col_index_in, bool symmetric, const std::optional<at::Tensor>& q_ids_in,
     const std::optional<at::Tensor>& k_ids_in) {
-  check_pair(q_in, k_in);
+  check_score_operands(q_in, k_in, "infcl native ranks");
   TORCH_CHECK(q_ids_in.has_value() == k_ids_in.has_value(), "infcl native ranks: q_ids and k_ids go together");
-  const auto acc = acc_type(q_in);
+  const auto acc = accumulation_type(q_in.scalar_type());
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous();
   const int64_t bq = q.size(0), bk = k.size(0), nc = symmetric ? bk : 0;
-  const at::Tensor pos = longs(pos_in), row_index = longs(row_index_in), col_index = longs(col_index_in);
+  const at::Tensor pos = as_longs(pos_in), row_index = as_longs(row_index_in), col_index = as_longs(col_index_in);
   at::Tensor q_ids, k_ids;
-  const int64_t* qi = optional_ids(q_ids_in, q_ids);
-  const int64_t* ki = optional_ids(k_ids_in, k_ids);
+  const int64_t* qi = optional_longs(q_ids_in, q_ids);
+  const int64_t* ki = optional_longs(k_ids_in, k_ids);
   const auto real = q.options(), ints = q.options().dtype(at::kLong);
   at::Tensor row_score = at::full({bq}, -INFINITY, real), col_score = at::full({nc}, -INFINITY, real);
   at::Tensor row_best = at::full({bq}, NO_INDEX, ints), col_best = at::full({nc}, NO_INDEX, ints);
   at::Tensor row_count = at::zeros({bq}, ints), col_count = at::zeros({nc}, ints);
   AT_DISPATCH_FLOATING_TYPES(acc, "rank_best_positives", [&] {
-    const Operands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bq, bk, q.size(1)};
+    const ScoreOperands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bq, bk, q.size(1)};
     best_positives_impl<scalar_t>(o, pos.data_ptr<int64_t>(), row_index.data_ptr<int64_t>(),
                                   col_index.data_ptr<int64_t>(), qi, ki, symmetric, row_score.data_ptr<scalar_t>(),
                                   row_best.data_ptr<int64_t>(), row_count.data_ptr<int64_t>(),
@@ -274,27 +225,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_ahead_counts(
     const std::optional<at::Tensor>& col_score_in, const std::optional<at::Tensor>& col_best_in,
     const at::Tensor& row_index_in, const at::Tensor& col_index_in, const std::optional<at::Tensor>& q_ids_in,
     const std::optional<at::Tensor>& k_ids_in) {
-  check_pair(q_in, k_in);
+  check_score_operands(q_in, k_in, "infcl native ranks");
   TORCH_CHECK(q_ids_in.has_value() == k_ids_in.has_value(), "infcl native ranks: q_ids and k_ids go together");
   TORCH_CHECK(col_score_in.has_value() == col_best_in.has_value(),
               "infcl native ranks: col_score and col_best go together");
-  const auto acc = acc_type(q_in);
+  const auto acc = accumulation_type(q_in.scalar_type());
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous();
   const int64_t bq = q.size(0), bk = k.size(0);
   const bool symmetric = col_score_in.has_value();
   const int64_t nc = symmetric ? bk : 0;
-  const at::Tensor row_score = row_score_in.to(acc).contiguous(), row_best = longs(row_best_in);
+  const at::Tensor row_score = row_score_in.to(acc).contiguous(), row_best = as_longs(row_best_in);
   const at::Tensor col_score = symmetric ? col_score_in->to(acc).contiguous() : at::Tensor();
-  const at::Tensor col_best = symmetric ? longs(*col_best_in) : at::Tensor();
-  const at::Tensor row_index = longs(row_index_in), col_index = longs(col_index_in);
+  const at::Tensor col_best = symmetric ? as_longs(*col_best_in) : at::Tensor();
+  const at::Tensor row_index = as_longs(row_index_in), col_index = as_longs(col_index_in);
   at::Tensor q_ids, k_ids;
-  const int64_t* qi = optional_ids(q_ids_in, q_ids);
-  const int64_t* ki = optional_ids(k_ids_in, k_ids);
+  const int64_t* qi = optional_longs(q_ids_in, q_ids);
+  const int64_t* ki = optional_longs(k_ids_in, k_ids);
   const auto ints = q.options().dtype(at::kLong);
   at::Tensor row_ahead = at::zeros({bq}, ints), row_nonfinite = at::zeros({bq}, ints);
   at::Tensor col_ahead = at::zeros({nc}, ints), col_nonfinite = at::zeros({nc}, ints);
   AT_DISPATCH_FLOATING_TYPES(acc, "rank_ahead_counts", [&] {
-    const Operands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bq, bk, q.size(1)};
+    const ScoreOperands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), bq, bk, q.size(1)};
     ahead_counts_impl<scalar_t>(o, row_score.data_ptr<scalar_t>(), row_best.data_ptr<int64_t>(),
                                 symmetric ? col_score.data_ptr<scalar_t>() : nullptr,
                                 symmetric ? col_best.data_ptr<int64_t>() : nullptr, row_index.data_ptr<int64_t>(),

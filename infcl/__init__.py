@@ -18,6 +18,7 @@ from .metrics import retrieval_metrics
 from .modules import InfCLIPLoss, InfSigLipLoss
 from .siglip import cal_siglip_loss
 from .stats import InfLossStats
+from .topk import TopK, topk_scores
 
 try:
     __version__ = metadata.version("infcl")  # the installed distribution's (setup.py's) version
@@ -34,6 +35,8 @@ __all__ = [
     "cal_distill_loss",
     "InfDistillClipLoss",
     "retrieval_metrics",
+    "topk_scores",
+    "TopK",
     "BACKENDS",
     "GradCache",
     "RandContext",

@@ -97,12 +97,12 @@ def local_labels(labels, q: torch.Tensor) -> Optional[torch.Tensor]:
     the ring layout exchange, so that a problem on one rank raises on every rank instead of hanging.
     """
     bq = q.shape[0]
-    if _integer_rows(labels, "labels", bq, f"[Bq] = [{bq}]") is None:
+    if integer_rows(labels, "labels", bq, f"[Bq] = [{bq}]") is None:
         return None
     return labels.to(device=q.device, dtype=torch.int64)
 
 
-def _integer_rows(value, name: str, rows: int, shape: str) -> Optional[torch.Tensor]:
+def integer_rows(value, name: str, rows: int, shape: str) -> Optional[torch.Tensor]:
     """``value`` if it is None or an integer tensor of shape [rows] (``shape`` says so in the message), else
     a TypeError / ValueError naming ``name``."""
     if value is None:
@@ -163,10 +163,10 @@ def _check_permutation(labels: torch.Tensor, layout: RingLayout) -> None:
         raise ValueError("symmetric=True needs labels that are a permutation of the column indices (each column once)")
 
 
-def _ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
+def make_ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
     """``ids``: None or an integer tensor [rows] on the features' device; returned as contiguous int64 (a
     view such as ``meta[:, 1]`` or an expanded id is copied, O(B): the kernels read ids with stride 1)."""
-    if _integer_rows(ids, name, rows, f"[{rows}] (one id per row of {feats_name} {_shape(feats)})") is None:
+    if integer_rows(ids, name, rows, f"[{rows}] (one id per row of {feats_name} {_shape(feats)})") is None:
         return None
     if ids.device != feats.device:
         raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {ids.device}")
@@ -210,8 +210,8 @@ def make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_ma
         raise TypeError(f"guide_margin must be a real number, got {type(guide_margin).__name__}")
     if not math.isfinite(guide_margin):  # math, not numpy: torch.compile traces it without a graph break
         raise ValueError(f"guide_margin must be finite, got {guide_margin}")
-    qi = _ids(q_ids, "q_ids", q.shape[0], q, "q")
-    ki = _ids(k_ids, "k_ids", k.shape[0], k, "k")
+    qi = make_ids(q_ids, "q_ids", q.shape[0], q, "q")
+    ki = make_ids(k_ids, "k_ids", k.shape[0], k, "k")
     if (qi is None) != (ki is None):
         given, missing = ("q_ids", "k_ids") if ki is None else ("k_ids", "q_ids")
         raise ValueError(f"{given} was given without {missing}: ids compare a row's id with a column's, pass both")

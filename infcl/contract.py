@@ -2,9 +2,9 @@
 
 The ground floor of the package (it imports only torch): the ring driver, the losses' steps and every
 backend (:mod:`infcl.backends`: ``torch_tiles/``, ``native/``, ``triton/``, a file per loss) meet here.
-One backend object per backend implements the block operations of the four APIs below (softmax,
-sigmoid, distillation, retrieval ranks); each returns packed rows, which the loss layer
-(:mod:`infcl.losses`) unpacks into its named tensors.
+One backend object per backend implements the block operations of the five APIs below (softmax,
+sigmoid, distillation, retrieval ranks, top-k search); each returns packed rows, which the loss layer
+(:mod:`infcl.losses`) unpacks into its named tensors (the top-k search continues its rows' lists in place).
 
 The ring driver (:mod:`infcl.ring.driver`) owns the loop over k blocks and the reductions; a backend
 turns one block S = scale * q @ k.T into statistics (forward) and gradient contributions (backward)
@@ -92,6 +92,19 @@ Retrieval ranks (:func:`infcl.metrics.retrieval_metrics`; no scale: ranks of q @
     global :class:`Best` thresholds: scoring strictly higher, or equal with a lower global index), leaving out
     the entries with the row's id when ids are given without ``multi_positive``, and how many of its scores
     are not finite. The threshold and every score compared with it come from the same tile product.
+
+Top-k search (:func:`infcl.topk_scores`; no scale: the top-k of q @ k.T), one pass, with ``col_index`` the
+global indices of the block's columns (increasing):
+
+``block_topk(block, col_index, found, largest, exclude_positive) -> None``
+    continues ``found`` (:class:`Candidates` [Bq, n]: each row's n best so far) in place with the block's
+    eligible columns: each row leaves with its n best by (key desc, global index asc), where the key is the
+    score (``largest``) or its negation (exact: the order reversed, ties kept), best first, and with the NaN
+    scores among its eligible columns added to ``found.nan``. Eligible: every column, less the row's positive
+    (``block.pos``, where ``exclude_positive``) and the columns with the row's id (``block.q_ids`` /
+    ``block.k_ids``). Slots past the eligible columns hold (-inf, :data:`NO_INDEX`). The order is strict
+    (global indices are unique), so the n best of a union are the n best of its parts' n best: the lists
+    depend on the scores alone, never on the tiles, the thread count or the world size.
 """
 
 from dataclasses import dataclass
@@ -252,3 +265,33 @@ class RankBlockBackend(Protocol):
     def ahead_counts(
         self, block: Block, rows: Best, cols: Optional[Best], row_index: Tensor, col_index: Tensor
     ) -> Tuple[Ahead, Optional[Ahead]]: ...
+
+
+# --- top-k search ------------------------------------------------------------------------------------
+
+
+class Candidates(NamedTuple):
+    """Each row's best columns so far (:meth:`TopKBlockBackend.block_topk`): ``[Bq, n]`` lists, best first
+    after each block."""
+
+    key: Tensor  # [Bq, n] accumulation dtype: the score (largest) or minus it; -inf in an empty slot
+    index: Tensor  # [Bq, n] int64 global column index; NO_INDEX in an empty slot (after every real index)
+    nan: Tensor  # [Bq] int64: NaN scores among the row's eligible columns (only whether it is 0 matters)
+
+    @classmethod
+    def empty(cls, rows: int, n: int, dtype: torch.dtype, device: torch.device) -> "Candidates":
+        return cls(
+            torch.full((rows, n), float("-inf"), dtype=dtype, device=device),
+            torch.full((rows, n), NO_INDEX, dtype=torch.int64, device=device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+        )
+
+
+class TopKBlockBackend(Protocol):
+    """The top-k search's block operation (see the module docstring)."""
+
+    name: str
+
+    def block_topk(
+        self, block: Block, col_index: Tensor, found: Candidates, largest: bool, exclude_positive: bool
+    ) -> None: ...

@@ -126,6 +126,21 @@ def test_matrix_covers_every_target_dtype_and_kernel(results):
         assert any(r["call"].startswith(arch + " ") and r["call"].endswith("autotune") for r in results), arch
 
 
+def test_topk_calls_compile_on_sm_90_and_sm_80(results):
+    """topk_scores' kernel (and nothing else) compiled for each n on sm_90 and sm_80 in every dtype there."""
+    seen = defaultdict(set)
+    for r in results:
+        if " topk_scores " in r["call"] and "kernels" in r:
+            assert {row["kernel"] for row in r["kernels"]} == {"topk"}, r["call"]
+            words = r["call"].split()
+            seen[words[0], words[2]].add(words[-1])
+    for arch in ("sm_90", "sm_80"):
+        for dtype, precision in triton_compile.api_dtypes(int(arch[3:]), FULL, _float64_dot()):
+            if precision != "tf32":
+                label = triton_compile.dtype_label(dtype, precision)
+                assert {f"n={n}" for n in triton_compile.topk_ns(dtype)} <= seen[arch, label], (arch, label)
+
+
 def test_masked_calls_cover_every_mask_kind(results):
     """The mask options compiled (forward, dq, dk; with a guide also its scores' kernel) on sm_90 and sm_80
     in bf16 and fp32: ids, a guide and both; symmetric and one-directional; multi_positive "mean" and "sum"."""

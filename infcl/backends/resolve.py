@@ -2,7 +2,8 @@
 backend object that runs a call.
 
 - "reference": materializes the logits and uses autograd (the losses' tests and debugging; O(Bq * Bk)
-  memory); the distillation loss and the retrieval ranks have none (their float64 truths live in the tests).
+  memory); the distillation loss, the retrieval ranks and the top-k search have none (their float64 truths live
+  in the tests).
 - "torch":     the tiled pure PyTorch (:mod:`.torch_tiles`), any device.
 - "cpu":       the native C++ kernel (:mod:`.native`, csrc/), CPU tensors.
 - "triton":    the fused Triton kernels (:mod:`.triton`, infcl/kernels/), CUDA tensors (or CPU tensors under
@@ -47,6 +48,7 @@ AUTO = {
     # The Triton kernels pass the interpreter tests and the compile gate, but no GPU has run them yet.
     "distill": {"cpu": "cpu", "cuda": "torch"},
     "rank": {"cpu": "cpu", "cuda": "torch"},
+    "topk": {"cpu": "cpu", "cuda": "torch"},
 }
 # The backend each device type runs best when it can (the one whose unavailability "auto" checks and reports).
 NATIVE_TO = {"cpu": "cpu", "cuda": "triton"}
@@ -56,10 +58,10 @@ HELD_BACK = {
     "(a known fault of the guided Triton kernel; pass backend='triton' to run it anyway)",
 }
 # The call kinds without a "reference" backend, and the public function each belongs to (for the error).
-NO_REFERENCE = {"distill": "cal_distill_loss", "rank": "retrieval_metrics"}
+NO_REFERENCE = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
 # The call kinds without a "chunked" route (it is the softmax loss's; the sigmoid loss's hands its blocks to the
 # fused kernels). INFCL_BACKEND=chunked runs them on their own "auto" choice.
-NO_CHUNKED = {"distill": "cal_distill_loss", "rank": "retrieval_metrics"}
+NO_CHUNKED = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
 # Where "auto" takes the chunked route instead of AUTO's "triton" for a plain softmax loss (no masks): (GPU family,
 # dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than the fused
 # kernels'; family as infcl.kernels.target's ARCH_FAMILIES keys, e.g. (90, "bfloat16"): 16384. ``python -m

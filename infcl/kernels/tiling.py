@@ -1,5 +1,5 @@
 """Which tile, for which kernel, on which GPU: the one tiling module of every Triton kernel family (softmax,
-sigmoid, the retrieval ranks and the distillation loss).
+sigmoid, the retrieval ranks and the distillation loss, the top-k search).
 
 One function per architecture family, as flash-attention's ``hopper/tile_size.h``: :func:`sm90`, :func:`sm100`,
 :func:`sm80`, :func:`sm86` (sm_86 / sm_89) and :func:`sm120` each answer, for one :class:`Kernel` on tensor cores,
@@ -11,8 +11,9 @@ GPU: each config is the one that compiles without spills and within shared memor
 (tests/test_triton_api_compile.py; ``python -m bench.static`` reports the figures).
 
 A :class:`Kernel`: ``family`` "softmax" (the forward, dq and dk kernels: ``phase``), "sigmoid" (one config for
-its forward and both backward passes) or "rank" (the ranks' and the distillation loss's kernels: one S tile for
-every kernel, so S is the same bits in each); ``operand_class``, :func:`configs.operand_class_of` ("mma":
+its forward and both backward passes), "rank" (the ranks' and the distillation loss's kernels: one S tile for
+every kernel, so S is the same bits in each) or "topk" (the top-k search's one kernel: an S tile and the rows'
+lists beside it); ``operand_class``, :func:`configs.operand_class_of` ("mma":
 bf16/fp16 tensor cores, "tf32", "ieee": fp32 FMA, "fp64"); ``ragged``, D wider than one feature chunk and not a
 whole number of them (:func:`configs.ragged_d`: the last chunk's masked loads need registers); ``masks``, None
 for the plain softmax loss, "ids" (ids without a guide) or "guide" (a guide, with or without ids).
@@ -24,11 +25,11 @@ registers, BLOCK_M (BLOCK_N) rows x block_out fp32 columns: 64 x 256 over 8 warp
 most that leaves room for the S and dS tiles without spilling.
 
 The per-call answers: :func:`tiling_for` (softmax: the three configs and the feature chunking, :func:`chunking`),
-:func:`sigmoid_tiling`, :func:`rank_tiling`, and :func:`target_tiling` for the active target (the interpreter's
-tiles under TRITON_INTERPRET=1). :func:`forward_config`, :func:`dq_config` and :func:`dk_config` are the softmax
-kernels' entry points (the autotuner's search spaces start from them). The chunked route's passes
-(:mod:`.chunked_softmax`) stream float32 scores without a product: one config on every family
-(:data:`CHUNK_STATS_TILE`, :data:`CHUNK_GRAD_TILE`).
+:func:`sigmoid_tiling`, :func:`rank_tiling`, :func:`topk_tiling`, and :func:`target_tiling` for the active target
+(the interpreter's tiles under TRITON_INTERPRET=1). :func:`forward_config`, :func:`dq_config` and
+:func:`dk_config` are the softmax kernels' entry points (the autotuner's search spaces start from them). The
+chunked route's passes (:mod:`.chunked_softmax`) stream float32 scores without a product: one config on every
+family (:data:`CHUNK_STATS_TILE`, :data:`CHUNK_GRAD_TILE`).
 """
 
 from dataclasses import dataclass, replace
@@ -89,11 +90,13 @@ RANK_TILINGS = {
     "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
 # Under the interpreter: the softmax and sigmoid kernels take few big tiles (configs.INTERPRETER_TILING); the
-# rank and distillation kernels small ones, so that the tests' small shapes cut into several ragged blocks.
+# rank, distillation and top-k kernels small ones, so that the tests' small shapes cut into several ragged blocks.
+_SMALL_INTERPRETER_TILING = Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32)
 INTERPRETER_TILINGS = {
     "softmax": INTERPRETER_TILING,
     "sigmoid": INTERPRETER_TILING,
-    "rank": Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32),
+    "rank": _SMALL_INTERPRETER_TILING,
+    "topk": _SMALL_INTERPRETER_TILING,
 }
 
 # The chunked route's passes (kernels/chunked_softmax.py) read a float32 [C, Bk] score chunk that cuBLAS wrote and
@@ -114,7 +117,7 @@ CHUNK_MERGE_BLOCK = 1024
 class Kernel:
     """One kernel a config is asked for (see the module docstring)."""
 
-    family: str  # "softmax", "sigmoid", "rank" (the ranks' and the distillation loss's kernels)
+    family: str  # "softmax", "sigmoid", "rank" (the ranks' and the distillation loss's kernels), "topk"
     phase: str = "forward"  # softmax: "forward", "dq", "dk"; the other families: one config for every kernel
     operand_class: str = "mma"
     ragged: bool = False
@@ -136,7 +139,9 @@ def sm90(kernel: Kernel) -> TileConfig:
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
-    if kernel.family == "rank":  # bf16/fp16 on the wgmma-friendly 64 x 64
+    if kernel.family in ("rank", "topk"):
+        # bf16/fp16 on the wgmma-friendly 64 x 64. Top-k: the ranks' tile, with the rows' lists (a key and an int64
+        # index per slot, kernels.topk.max_top slots) beside it: 196-254 registers at D = 384 (the compile gate).
         return RANK_TILINGS[kernel.operand_class].forward
     if kernel.masks is not None:
         if mma and kernel.masks == "ids":  # no guide scores in the tile: the plain kernels' 256-wide slices fit
@@ -167,7 +172,7 @@ def sm100(kernel: Kernel) -> TileConfig:
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
-    if kernel.family == "rank":  # bf16/fp16 take tf32's 64 x 32 (below)
+    if kernel.family in ("rank", "topk"):  # bf16/fp16 take tf32's 64 x 32 (below); top-k as the ranks (see sm90)
         return RANK_TILINGS["tf32"].forward
     if kernel.masks is not None:
         if mma:  # as sm_90's
@@ -191,7 +196,7 @@ def sm80(kernel: Kernel) -> TileConfig:
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
-    if kernel.family == "rank":
+    if kernel.family in ("rank", "topk"):  # top-k as the ranks (see sm90)
         # bf16/fp16 take tf32's 64 x 32 tiles and 32-wide slices: the distillation backward's 64 x 64 tile,
         # 64-wide slices, spills 32-68 B at 255 registers, 12 B with 32-wide slices (its float32 teacher product
         # runs on FMA units beside S).
@@ -220,7 +225,7 @@ def sm86(kernel: Kernel) -> TileConfig:
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
-    if kernel.family == "rank":  # bf16/fp16 take tf32's 64 x 32 (see sm80)
+    if kernel.family in ("rank", "topk"):  # bf16/fp16 take tf32's 64 x 32 (see sm80); top-k as the ranks (sm90)
         return RANK_TILINGS["tf32"].forward
     if kernel.masks is not None:
         return _masked(kernel, block_out=256 if mma and kernel.masks == "ids" else 128)
@@ -253,7 +258,7 @@ ARCHITECTURES = {90: sm90, 100: sm100, 80: sm80, 86: sm86, 120: sm120}
 def fma(kernel: Kernel) -> TileConfig:
     """The FMA classes (fp32 "ieee", fp64) on every family: operands in registers, maxnreg 255."""
     fp64 = kernel.operand_class == "fp64"
-    if kernel.family != "softmax":
+    if kernel.family != "softmax":  # top-k takes the ranks' tiles
         tilings = SIGMOID_TILINGS if kernel.family == "sigmoid" else RANK_TILINGS
         return tilings[kernel.operand_class].forward
     if kernel.masks is not None:  # the plain 32 x 32 tiles halved in columns (fp64: twice the registers an entry)
@@ -277,14 +282,15 @@ def triton32_wgmma(arch: int, kernel: Kernel) -> Optional[TileConfig]:
     """Triton 3.2 (:data:`OLD_WGMMA`), tensor cores. On sm_90 / sm_100 every S tile keeps one warp group per 64
     rows, 128 rows on the same 8 warps (its kernels need more registers than 3.9's); on every family the plain
     forward walks one row block at a time (a pair of 128-row tiles spills 80-120 B). None where the kernel
-    takes the family's own config (tf32 with mask options, the rank and distillation kernels, tf32's sigmoid)."""
+    takes the family's own config (tf32 with mask options, the rank, distillation and top-k kernels, tf32's
+    sigmoid)."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
     plain_forward = kernel.family == "softmax" and kernel.masks is None and kernel.phase == "forward"
     if arch not in (90, 100):
         return replace(ARCHITECTURES[arch](kernel), row_tiles=1) if plain_forward else None
     if kernel.family == "sigmoid":
         return TileConfig(128, 64, num_warps=8, max_registers=255) if mma else None
-    if kernel.family == "rank":
+    if kernel.family in ("rank", "topk"):
         return None
     if kernel.masks is not None:
         if not mma:
@@ -416,6 +422,11 @@ def rank_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     return _one_config("rank", RANK_TILINGS, arch, dtype, precision)
 
 
+def topk_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """The top-k kernel's tiling on family ``arch`` for inputs of ``dtype`` at ``precision``."""
+    return _one_config("topk", RANK_TILINGS, arch, dtype, precision)
+
+
 def target_tiling(
     family: str,
     dtype: torch.dtype,
@@ -424,11 +435,11 @@ def target_tiling(
     masked: bool = False,
     guide: bool = False,
 ) -> Tiling:
-    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank") on the active target's architecture family,
-    the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax kernels')."""
+    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank", "topk") on the active target's architecture
+    family, the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax kernels')."""
     if INTERPRETED:
         return INTERPRETER_TILINGS[family]
     arch = target_family()
     if family == "softmax":
         return tiling_for(arch, dtype, precision, dim, masked, guide)
-    return (sigmoid_tiling if family == "sigmoid" else rank_tiling)(arch, dtype, precision)
+    return {"sigmoid": sigmoid_tiling, "rank": rank_tiling, "topk": topk_tiling}[family](arch, dtype, precision)

@@ -11,7 +11,9 @@ sentence-transformers 6.x's constructor arguments, every option included (plus k
 and ``backend``), and give the same loss and parameter gradients; the loss itself is ``cal_inf_loss``
 (never a B x B similarity matrix), ``gather_across_devices`` runs over infcl's ring (no rank holds
 gathered embeddings), and the cached ranking losses run infcl's GradCache phases. How each option
-maps onto ``cal_inf_loss``: :mod:`infcl.sentence_transformers.objective`. Importing this module
+maps onto ``cal_inf_loss``: :mod:`infcl.sentence_transformers.objective`. ``mine_hard_negatives`` is
+``sentence_transformers.util.mine_hard_negatives`` with the exact ``infcl.topk_scores`` search
+(:mod:`infcl.sentence_transformers.mining`). Importing this module
 imports sentence-transformers (6.x); ``import infcl`` does not.
 """
 
@@ -27,6 +29,7 @@ if _MAJOR < 6:
 from .cached import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss  # noqa: E402
 from .gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402
 from .losses import MultipleNegativesRankingLoss, MultipleNegativesSymmetricRankingLoss  # noqa: E402
+from .mining import mine_hard_negatives  # noqa: E402
 
 __all__ = [
     "MultipleNegativesRankingLoss",
@@ -35,4 +38,5 @@ __all__ = [
     "CachedMultipleNegativesSymmetricRankingLoss",
     "GISTEmbedLoss",
     "CachedGISTEmbedLoss",
+    "mine_hard_negatives",
 ]

@@ -350,6 +350,17 @@ API_DIMS = (1, 40, 128, 256, 384, 512, 768, 1000)
 RAGGED_BATCH, EVEN_BATCH, WIDE_BATCH = 100, 128, 160
 # The guide's width in the masked calls: not a whole number of guide chunks (16 or 32), several of them.
 GUIDE_DIM = 100
+# topk_scores' n in the gate: a typical list (16 slots); with it the widest the kernel holds for the dtype
+# (infcl.kernels.topk.max_top).
+TOPK_N = 10
+
+
+def topk_ns(dtype: str) -> Tuple[int, int]:
+    import torch
+
+    from infcl.kernels.topk import max_top
+
+    return TOPK_N, max_top(getattr(torch, dtype))
 
 
 @dataclass(frozen=True)
@@ -357,7 +368,7 @@ class Call:
     """One public-API call: forward and backward with backend="triton"."""
 
     arch: int
-    entry: str  # "cal_inf_loss", "cal_siglip_loss", "InfCLIPLoss", "InfSigLipLoss"
+    entry: str  # "cal_inf_loss", "cal_siglip_loss", "InfCLIPLoss", "InfSigLipLoss", "topk_scores" (no backward)
     dtype: str  # "float32", "bfloat16", "float16", "float64"
     precision: str  # float32: "ieee" or "tf32" (set through torch.backends.cuda.matmul.allow_tf32)
     dim: int
@@ -371,6 +382,7 @@ class Call:
     # A pinned Tiling (Tiling.to_ints()) for the triton backend's calls, as a user pins one on
     # ``infcl.backends.triton.BACKEND``; () for the device's defaults.
     tiling: tuple = ()
+    topk: int = 0  # topk_scores' n
     backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss only)
 
     def label(self) -> str:
@@ -383,6 +395,7 @@ class Call:
                 f" {self.masks}" if self.masks else "",
                 f" {self.multi_positive}" if self.multi_positive else "",
                 f" tiling={'-'.join(map(str, self.tiling))}" if self.tiling else "",
+                f" n={self.topk}" if self.topk else "",
                 f" {self.backend}" if self.backend != "triton" else "",
             ]
         )
@@ -495,6 +508,25 @@ def mask_options(call: Call) -> Dict:
     return opts
 
 
+def call_topk(call: Call, q, k):
+    """topk_scores with backend="triton" on q and k (no gradient); with ``labels``, labels excluded and ids
+    of a few classes."""
+    import torch
+
+    import infcl
+
+    gen = torch.Generator().manual_seed(2)
+    opts = {}
+    if call.labels:
+        opts.update(
+            labels=torch.randint(-1, call.n_k, (call.n_q,), generator=gen),
+            exclude_labels=True,
+            q_ids=torch.randint(0, 7, (call.n_q,), generator=gen),
+            k_ids=torch.randint(0, 7, (call.n_k,), generator=gen),
+        )
+    return infcl.topk_scores(q.detach(), k.detach(), call.topk, backend="triton", **opts)
+
+
 def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = None):
     """The public call ``call`` names, on q and k: the loss (a 0-d tensor). ``masks``: cal_inf_loss's mask
     keywords (default :func:`mask_options`)."""
@@ -552,7 +584,10 @@ def run_call(call: Call) -> Dict:
     try:
         with compile_only(call.arch) as (compiled, start), _pinned_tiling(call.tiling):
             q, k, labels = _inputs(call)
-            call_loss(call, q, k, labels, *_params()).backward()
+            if call.entry == "topk_scores":
+                call_topk(call, q, k)
+            else:
+                call_loss(call, q, k, labels, *_params()).backward()
             launches = compiled[start:]
             if not launches:
                 raise AssertionError("no kernel was launched")
@@ -631,7 +666,26 @@ def api_calls(full: bool) -> List[Call]:
                 if dtype == "bfloat16":
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             out.extend(masked_calls(arch, dtype, precision, full))
+            out.extend(topk_calls(arch, dtype, precision, full))
         out.extend(chunked_calls(arch))
+    return out
+
+
+def topk_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
+    """topk_scores on a ragged corpus (every D of :data:`API_DIMS` in a full run; CI: D = 384, several
+    chunks, the last ragged) with each n of :func:`topk_ns`, and with ``labels`` (exclude_labels and ids).
+    Its kernel takes float32 at "ieee" whatever torch's matmul precision, so the tf32 pass adds nothing. CI:
+    sm_90 and sm_80."""
+    if precision == "tf32" or not (full or arch in (90, 80)):
+        return []
+    dims = API_DIMS if full else (384,)
+    out = []
+    for dim in dims:
+        for n_top in topk_ns(dtype):
+            out.append(Call(arch, "topk_scores", dtype, precision, dim, RAGGED_BATCH, WIDE_BATCH + 3, topk=n_top))
+        out.append(
+            Call(arch, "topk_scores", dtype, precision, dim, RAGGED_BATCH, WIDE_BATCH + 3, labels=True, topk=TOPK_N)
+        )
     return out
 
 

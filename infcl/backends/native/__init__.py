@@ -1,5 +1,6 @@
 """The native CPU backend (``backend="cpu"``): the fused C++ block kernels (the repository's ``csrc/``), a file per
-loss (:mod:`.softmax`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`), put together in :mod:`.backend`.
+loss (:mod:`.softmax`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`), put together in
+:mod:`.backend`.
 
 The kernel registers one custom op per block operation (``torch.ops.infcl.forward_block`` ...); the loader
 registers their fake impls, so that ``torch.compile`` can trace them, right after the library loads. It is compiled

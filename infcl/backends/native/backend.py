@@ -9,9 +9,10 @@ from .distill import NativeDistill
 from .rank import NativeRanks
 from .sigmoid import NativeSigmoid
 from .softmax import NativeSoftmax
+from .topk import NativeTopK
 
 
-class NativeBackend(NativeSoftmax, NativeSigmoid, NativeDistill, NativeRanks):
+class NativeBackend(NativeSoftmax, NativeSigmoid, NativeDistill, NativeRanks, NativeTopK):
     """The native CPU kernel (``backend="cpu"``)."""
 
     name = "cpu"

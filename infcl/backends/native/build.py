@@ -310,6 +310,10 @@ def _rank_ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_
     return tuple(q.new_empty(n, dtype=torch.int64) for n in (q.shape[0], q.shape[0], cols, cols))
 
 
+def _topk_block_fake(q, k, col_index, key, index, nan, largest, pos, q_ids, k_ids) -> None:
+    return None  # continues key, index and nan in place
+
+
 FAKES = {
     "infcl::forward_block": _forward_fake,  # csrc/softmax_ops.cpp
     "infcl::backward_block": _backward_fake,
@@ -322,6 +326,7 @@ FAKES = {
     "infcl::distill_backward_block": _distill_backward_fake,
     "infcl::rank_best_positives": _rank_best_positives_fake,  # csrc/retrieval.cpp
     "infcl::rank_ahead_counts": _rank_ahead_counts_fake,
+    "infcl::topk_block_": _topk_block_fake,  # csrc/topk.cpp
 }
 
 

@@ -4,9 +4,10 @@ from .distill import TritonDistill
 from .rank import TritonRanks
 from .sigmoid import TritonSigmoid
 from .softmax import TritonSoftmax
+from .topk import TritonTopK
 
 
-class TritonBackend(TritonSoftmax, TritonSigmoid, TritonDistill, TritonRanks):
+class TritonBackend(TritonSoftmax, TritonSigmoid, TritonDistill, TritonRanks, TritonTopK):
     """The fused Triton kernels (``backend="triton"``); options: :class:`.options.TritonOptions`."""
 
     name = "triton"
