@@ -159,14 +159,14 @@ mutable, 3x64x64> * !ttg.memdesc<64x64xbf16, #shared, #smem, mutable> -> tensor<
 
 
 def test_score_mma_layouts_reads_the_score_product_and_its_layouts():
-    layouts = static.score_mma_layouts(TTGIR, ("tiles.py", range(10, 13)))
+    layouts = static.score_mma_layouts(TTGIR, ("score_tiles.py", range(10, 13)))
     # the two S dots (not the product at line 40), buffers' mutability and stage count left out
     assert [static.mma_instruction(layout) for layout in layouts] == ["wgmma m64n32k16 8x1", "wgmma m64n32k16 4x2"]
     assert all("mutable" not in layout and "3x64x64" not in layout for layout in layouts)
     assert "instrShape = [16, 32, 16]" in layouts[0] and "swizzlingByteWidth = 128" in layouts[0]
     one = TTGIR.replace("#mma1>", "#mma>")  # both chunks in one layout
-    assert len(static.score_mma_layouts(one, ("tiles.py", range(10, 13)))) == 1
-    assert static.score_mma_layouts(TTGIR, ("tiles.py", range(50, 60))) == []
+    assert len(static.score_mma_layouts(one, ("score_tiles.py", range(10, 13)))) == 1
+    assert static.score_mma_layouts(TTGIR, ("score_tiles.py", range(50, 60))) == []
 
 
 def test_mma_instruction_names():
