@@ -125,7 +125,8 @@ class MaskInputs:
         """The kernels' mask arguments by keyword for features of ``dtype`` at ``precision``: the pointers
         (None where absent: the kernels read which mask options are given from them), the guides' rows
         contiguous and their row strides, the guide width and the constexprs POSITIVES and the guide GEMM's BLOCK_G,
-        EVEN_G, GUIDE_ACC and GUIDE_PRECISION. With no masks every pointer is None and nothing is read.
+        EVEN_G and GUIDE_PRECISION (its accumulation dtype is the guides' own).
+        With no masks every pointer is None and nothing is read.
 
         The guide GEMM (:func:`guide_precision`) runs on the tensor cores wherever the features' products
         do, and its feature chunk is its operand class's (:data:`FEATURE_CHUNKS`): a function of D' and
@@ -138,7 +139,6 @@ class MaskInputs:
             gq, gk = (g if g.stride(1) == 1 else g.contiguous() for g in (gq, gk))
         dim = gq.shape[1] if has_guide else 0
         guide_float64 = has_guide and gq.dtype == torch.float64
-        guide_acc = tl.float64 if guide_float64 else tl.float32
         precision = guide_precision(dtype, precision, guide_float64)
         operand_class = operand_class_of(torch.float64 if guide_float64 else torch.float32, precision)
         block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[operand_class][1])
@@ -155,7 +155,6 @@ class MaskInputs:
             POSITIVES=POSITIVES[self.multi_positive],
             BLOCK_G=block_g,
             EVEN_G=dim % block_g == 0,
-            GUIDE_ACC=guide_acc,
             GUIDE_PRECISION=precision,
         )
 

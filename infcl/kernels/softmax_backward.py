@@ -204,7 +204,7 @@ def softmax_backward(
         SYMMETRIC=symmetric,
         BLOCK_D=block_d,
         **feature_chunks(dim, block_d),
-        **opts,
+        PRECISION=opts["PRECISION"],
         **masks.kernel_args(q.dtype, precision),
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         row_pos_ptr=row_positives,

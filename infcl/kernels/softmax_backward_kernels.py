@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .score_tiles import (
+    PTX,
     block_range,
     block_scores,
     check_blocks,
@@ -83,22 +84,23 @@ def _backward_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_OUT: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     POSITIVES: tl.constexpr,
     BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr,
     EVEN_G: tl.constexpr,
-    GUIDE_ACC: tl.constexpr,
     GUIDE_PRECISION: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    # Absent inputs come as None: the mask options follow from which are given, the dS normalization
-    # (float16) from the inputs' dtype.
+    # What the launch's inputs say: the mask options given (absent inputs come as None), the accumulation
+    # dtype (scale's: float32, float64 for float64 inputs), the guide's, and whether the interpreter upcasts
+    # 16-bit operands (score_tiles.tile_dot).
     HAS_IDS: tl.constexpr = q_ids_ptr is not None
     HAS_GUIDE: tl.constexpr = gq_ptr is not None
-    NORMALIZE: tl.constexpr = q_ptr.dtype.element_ty == tl.float16
+    ACC: tl.constexpr = scale_ptr.dtype.element_ty
+    GUIDE_ACC: tl.constexpr = gq_ptr.dtype.element_ty if HAS_GUIDE else tl.float32
+    UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
+    NORMALIZE: tl.constexpr = q_ptr.dtype.element_ty == tl.float16  # float16: dS is normalized
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the other side's tile of S feeds the product
     owned = tl.program_id(0)

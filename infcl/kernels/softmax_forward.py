@@ -52,7 +52,7 @@ from .kernel_args import (
     launch_options,
     tf32_operands,
 )
-from .score_tiles import block_range, block_scores, check_blocks, load_tile, load_vector, masked_scores
+from .score_tiles import PTX, block_range, block_scores, check_blocks, load_tile, load_vector, masked_scores
 from .softmax_forward_tiles import (
     _fold_rows,
     _merge_columns,
@@ -104,21 +104,24 @@ def _forward_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     POSITIVES: tl.constexpr,
     BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr,
     EVEN_G: tl.constexpr,
-    GUIDE_ACC: tl.constexpr,
     GUIDE_PRECISION: tl.constexpr,
     ROW_TILES: tl.constexpr,
     EVEN_PAIRS: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
-    HAS_IDS: tl.constexpr = q_ids_ptr is not None  # the mask options given (absent inputs come as None)
+    # What the launch's inputs say: the mask options given (absent inputs come as None), the accumulation
+    # dtype (scale's: float32, float64 for float64 inputs), the guide's, and whether the interpreter upcasts
+    # 16-bit operands (score_tiles.tile_dot).
+    HAS_IDS: tl.constexpr = q_ids_ptr is not None
     HAS_GUIDE: tl.constexpr = gq_ptr is not None
+    ACC: tl.constexpr = scale_ptr.dtype.element_ty
+    GUIDE_ACC: tl.constexpr = gq_ptr.dtype.element_ty if HAS_GUIDE else tl.float32
+    UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(ROW_TILES == 1 or (SYMMETRIC and not (HAS_IDS or HAS_GUIDE)))  # pairs: the plain symmetric loss
     group = tl.program_id(0)
@@ -127,7 +130,9 @@ def _forward_kernel(
     rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(tl.cdiv(n_q, BLOCK_M), ROW_TILES))
     cb_lo, cb_hi = block_range(split, tl.num_programs(1), tl.cdiv(n_k, BLOCK_N))
     scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
+    # The program's own partials, offset once: its split's rows, and (symmetric) its group's columns.
     row_out = rows_ptr + split.to(tl.int64) * stride_rows_split
+    col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
     for rb in range(rb_lo, rb_hi):
         rows = rb * (ROW_TILES * BLOCK_M) + tl.arange(0, BLOCK_M)
         if ROW_TILES == 2:
@@ -136,7 +141,7 @@ def _forward_kernel(
                 k_ptr,
                 pos_ptr,
                 row_out,
-                cols_ptr + group.to(tl.int64) * stride_cols_group,
+                col_part,
                 scale,
                 rows,
                 cb_lo,
@@ -169,10 +174,9 @@ def _forward_kernel(
                 k_ptr,
                 pos_ptr,
                 row_out,
-                cols_ptr,
+                col_part,
                 scale,
                 rows,
-                group,
                 cb_lo,
                 cb_hi,
                 n_q,
@@ -184,7 +188,6 @@ def _forward_kernel(
                 stride_k1,
                 stride_rows_stat,
                 stride_cols_stat,
-                stride_cols_group,
                 q_ids_ptr,
                 k_ids_ptr,
                 gq_ptr,
@@ -222,10 +225,9 @@ def _forward_rows(
     k_ptr,
     pos_ptr,
     row_out,
-    cols_ptr,
+    col_part,
     scale,
     rows,
-    group,
     cb_lo,
     cb_hi,
     n_q,
@@ -237,7 +239,6 @@ def _forward_rows(
     stride_k1,
     stride_rows_stat,
     stride_cols_stat,
-    stride_cols_group,
     q_ids_ptr,
     k_ids_ptr,
     gq_ptr,
@@ -268,7 +269,8 @@ def _forward_rows(
     GUIDE_PRECISION: tl.constexpr,
 ):
     """One row block's pass over the k blocks [cb_lo, cb_hi): its rows' stats (stored to ``row_out``) and,
-    symmetric, the group's column partials; with mask options the masked rows of :mod:`infcl.masks`."""
+    symmetric, the group's column partials (merged into ``col_part``); with mask options the masked rows of
+    :mod:`infcl.masks`."""
     feats = tl.arange(0, BLOCK_D)
     if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
         q_res = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
@@ -361,8 +363,7 @@ def _forward_rows(
                 run_rest,
                 pos_logit,
             )
-        if SYMMETRIC:  # cols_ptr is an empty placeholder otherwise
-            col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
+        if SYMMETRIC:  # col_part is an empty placeholder otherwise
             s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
             if HAS_IDS or HAS_GUIDE:
                 kept = s_cols
@@ -521,7 +522,7 @@ def softmax_forward(
         SYMMETRIC=symmetric,
         BLOCK_D=block_d,
         **feature_chunks(dim, block_d),
-        **opts,
+        PRECISION=opts["PRECISION"],
         ROW_TILES=row_tiles,
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         EVEN_PAIRS=triton.cdiv(n_q, tiling.forward.block_m) % row_tiles == 0,

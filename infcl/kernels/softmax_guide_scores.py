@@ -112,7 +112,7 @@ def guide_label_scores(
         BLOCK_G=args["BLOCK_G"],
         EVEN_M=n_q % BLOCK_ROWS == 0,
         EVEN_G=args["EVEN_G"],
-        GUIDE_ACC=args["GUIDE_ACC"],
+        GUIDE_ACC=tl.float64 if guide_q.dtype == torch.float64 else tl.float32,
         GUIDE_PRECISION=args["GUIDE_PRECISION"],
         **COMPILE_OPTIONS,
     )
