@@ -19,8 +19,9 @@ memory is O(MAX_SPLITS * Bq + MAX_GROUPS * Bk), never O(Bq * Bk).
 GEMM count: 1 GEMM-equivalent (2*Bq*Bk*D flops) per call, symmetric or not: the column stats come
 from the same tiles as the row stats (the tile's column max and a second exp per entry).
 
-With mask options (:mod:`infcl.masks`; the constexprs HAS_IDS, HAS_GUIDE and POSITIVES, set by the launcher
-from which inputs are given, all False for the plain loss, which then compiles to exactly the code above),
+With mask options (:mod:`infcl.masks`; HAS_IDS and HAS_GUIDE, constexprs the kernel reads off which inputs are
+given (absent ones come as None), and POSITIVES; all False for the plain loss, which then compiles to exactly
+the code above),
 each tile also forms its positives and exclusions (:func:`infcl.kernels.softmax_mask_tiles.block_masks`: the ids,
 and one guide GEMM over D' when a guide is given) and the partials are the ``[6, n]`` rows of :mod:`infcl.masks`,
 for rows and (symmetric) columns alike: the stats over the columns not excluded, the positives' max (and,

@@ -107,7 +107,7 @@ class _Compiler:
             def run(*args, **kwargs):
                 with _ptxas_logs() as logs:
                     compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
-                self.compiled.append((_launched(kernel, kwargs), compiled, logs[-1] if logs else None))
+                self.compiled.append((_launched(kernel, args, kwargs), compiled, logs[-1] if logs else None))
 
             return run
 
@@ -160,13 +160,20 @@ class _Direction:
         self.label = label
 
 
-def _launched(fn, kwargs: Dict):
+def _launched(fn, args: tuple, kwargs: Dict):
     """What a launch's record keeps of its kernel: ``fn``, or for a kernel of :data:`DIRECTIONS` ``fn`` with the
-    launch's direction (its ``BY_COLUMN`` argument)."""
+    launch's direction (its ``BY_COLUMN`` argument, by keyword or, as torch.compile's wrapper passes it, by
+    position)."""
+    from triton.runtime.jit import JITFunction
+
     name = _kernel_name(fn)
-    if name in DIRECTIONS and "BY_COLUMN" in kwargs:
-        return _Direction(fn, DIRECTIONS[name][bool(kwargs["BY_COLUMN"])])
-    return fn
+    if name not in DIRECTIONS:
+        return fn
+    jit = fn
+    while not isinstance(jit, JITFunction):
+        jit = jit.fn
+    given = {**dict(zip(jit.arg_names, args)), **kwargs}
+    return _Direction(fn, DIRECTIONS[name][bool(given["BY_COLUMN"])])
 
 
 def _kernel_name(kernel) -> str:
@@ -437,7 +444,7 @@ class _Recorder:
         def run(fn, *args, grid, warmup, **kwargs):
             with _ptxas_logs() as logs:
                 kernel = real_run(fn, *args, grid=grid, warmup=True, **kwargs)
-            recorder.compiled.append((_launched(fn, kwargs), kernel, logs[-1] if logs else None))
+            recorder.compiled.append((_launched(fn, args, kwargs), kernel, logs[-1] if logs else None))
             scalars = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))}
             recorder.launches.append({"grid": tuple(grid(kwargs)) if callable(grid) else tuple(grid), **scalars})
             return kernel
