@@ -279,7 +279,8 @@ def test_stored_report_has_the_model_columns():
 
 
 def test_kernel_labels_meet_the_profiler_names():
-    assert static.kernel_label("_dq_kernel") == "dq"
+    # The softmax backward is one kernel for dq and dk (BY_COLUMN): the profiler sees it as one name.
+    assert static.kernel_label("_backward_kernel") == "backward"
     assert static.kernel_label("_forward_kernel") == "forward"
     assert static.kernel_label("_dk_prob_bwd_kernel") == "inf-cl dk"
 

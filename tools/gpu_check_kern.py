@@ -28,7 +28,7 @@ from infcl import cal_inf_loss  # noqa: E402
 
 NAMES = ("loss", "dq", "dk", "dscale")
 SCALE = 1 / 0.07
-KERNELS = ("_forward_kernel", "_dq_kernel", "_dk_kernel")
+KERNELS = ("_forward_kernel", "_backward_kernel")  # the backward: dq and dk, one kernel (BY_COLUMN)
 
 
 def _inputs(batch, dim, dtype, device, seed=0):

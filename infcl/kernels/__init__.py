@@ -4,11 +4,12 @@ from above but :mod:`infcl.contract` and the shared numerics (:mod:`infcl.lse`, 
 
 - Softmax (InfoNCE / CLIP): :mod:`.softmax_forward` (the row (and, symmetric, column) log-sum-exp stats and
   positive logits, one pass, 1 GEMM; its per-tile helpers in :mod:`.softmax_forward_tiles`);
-  :mod:`.softmax_backward` (the dq and dk launcher, deterministic, without atomics, 4 GEMMs; the kernels in
-  :mod:`.softmax_backward_kernels`, their per-tile helpers in :mod:`.softmax_backward_tiles`); the mask options'
-  tiles in :mod:`.softmax_mask_tiles`; the guide thresholds' pass in :mod:`.softmax_guide_scores`.
+  :mod:`.softmax_backward` (the dq and dk launcher, deterministic, without atomics, 4 GEMMs; the one kernel, with
+  a ``BY_COLUMN`` constexpr, in :mod:`.softmax_backward_kernels`, its per-tile helpers in
+  :mod:`.softmax_backward_tiles`); the mask options' tiles in :mod:`.softmax_mask_tiles`; the guide thresholds'
+  pass in :mod:`.softmax_guide_scores`.
 - Sigmoid (SigLIP): :mod:`.sigmoid` (forward and backward kernels and launchers, 1 + 4 GEMMs).
-- Distillation: :mod:`.distill`; retrieval ranks: :mod:`.rank` (both with a ``BY_COLUMN`` constexpr).
+- Distillation: :mod:`.distill`; retrieval ranks: :mod:`.rank` (both with a ``BY_COLUMN`` constexpr too).
 - The jit helpers every kernel shares: :mod:`.score_tiles` (tile loads, the S tile in its forms, the dq / dk
   products), :mod:`.tile_stats` (exp, log-sum-exp stats and their merge, dS).
 - Which tile each kernel takes on each GPU: :mod:`.tiling` (the one tiling module); the config dataclasses:

@@ -123,9 +123,10 @@ class MaskInputs:
 
     def kernel_args(self, dtype: torch.dtype, precision: Optional[str]) -> dict:
         """The kernels' mask arguments by keyword for features of ``dtype`` at ``precision``: the pointers
-        (None where absent), the guide width and strides, and the constexprs HAS_IDS, HAS_GUIDE, POSITIVES
-        and the guide GEMM's BLOCK_G, EVEN_G, GUIDE_ACC and GUIDE_PRECISION. With no masks every flag is
-        False and nothing is read.
+        (None where absent: the kernels read which mask options are given from them), the guides' rows
+        contiguous and their row strides, the guide width and the constexprs POSITIVES and the guide GEMM's BLOCK_G,
+        EVEN_G and GUIDE_PRECISION (its accumulation dtype is the guides' own).
+        With no masks every pointer is None and nothing is read.
 
         The guide GEMM (:func:`guide_precision`) runs on the tensor cores wherever the features' products
         do, and its feature chunk is its operand class's (:data:`FEATURE_CHUNKS`): a function of D' and
@@ -134,9 +135,10 @@ class MaskInputs:
         """
         gq, gk = self.guide_q, self.guide_k
         has_guide = gq is not None
+        if has_guide:  # rows of contiguous features (a copy only where a view is given)
+            gq, gk = (g if g.stride(1) == 1 else g.contiguous() for g in (gq, gk))
         dim = gq.shape[1] if has_guide else 0
         guide_float64 = has_guide and gq.dtype == torch.float64
-        guide_acc = tl.float64 if guide_float64 else tl.float32
         precision = guide_precision(dtype, precision, guide_float64)
         operand_class = operand_class_of(torch.float64 if guide_float64 else torch.float32, precision)
         block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[operand_class][1])
@@ -148,16 +150,11 @@ class MaskInputs:
             row_thr_ptr=self.row_threshold,
             col_thr_ptr=self.col_threshold,
             DG=dim,
-            stride_gq0=gq.stride(0) if has_guide else 0,
-            stride_gq1=gq.stride(1) if has_guide else 0,
-            stride_gk0=gk.stride(0) if has_guide else 0,
-            stride_gk1=gk.stride(1) if has_guide else 0,
-            HAS_IDS=self.q_ids is not None,
-            HAS_GUIDE=has_guide,
+            stride_gq=gq.stride(0) if has_guide else 0,
+            stride_gk=gk.stride(0) if has_guide else 0,
             POSITIVES=POSITIVES[self.multi_positive],
             BLOCK_G=block_g,
             EVEN_G=dim % block_g == 0,
-            GUIDE_ACC=guide_acc,
             GUIDE_PRECISION=precision,
         )
 

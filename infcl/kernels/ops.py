@@ -37,7 +37,7 @@ import torch
 from ..masks import MASKED_ROWS
 from . import sigmoid, softmax_backward, softmax_forward, softmax_guide_scores
 from .configs import Tiling, autotuning
-from .kernel_args import MaskInputs
+from .kernel_args import NO_MASKS, MaskInputs
 from .registration import register_op, wrap
 from .target import target_facts
 from .tiling import target_tiling
@@ -54,10 +54,21 @@ def _tiling(
     return target_tiling("softmax", q.dtype, precision, q.shape[1], masked, guide), autotuning() and not masked
 
 
-def _forward(
-    q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, precision: str, tiling: List[int]
+def _run_forward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    symmetric: bool,
+    precision: str,
+    tiling: List[int],
+    masks: MaskInputs = NO_MASKS,
 ) -> Tuple[Tensor, Tensor]:
-    chosen, autotune = _tiling(tiling, q, precision)
+    """The forward ops' one body, plain (``masks`` NO_MASKS itself) or masked (the masked ops' tiling): the
+    launch, and an empty placeholder for the one-directional loss's column partials (an op returns a tensor,
+    never None)."""
+    masked = masks is not NO_MASKS
+    chosen, autotune = _tiling(tiling, q, precision, masked, masks.guide_q is not None)
     rows, cols = softmax_forward.softmax_forward(
         q,
         k,
@@ -69,25 +80,28 @@ def _forward(
         autotune,
         sms=target_facts().sms,
         wrap=wrap,
+        masks=masks,
     )
-    return rows, (cols if cols is not None else rows.new_empty(2, 0))
+    return rows, (cols if cols is not None else rows.new_empty(MASKED_ROWS if masked else 2, 0))
 
 
-def _backward(
+def _run_backward(
     q: Tensor,
     k: Tensor,
     scale: Tensor,
     pos: Tensor,
-    row_stats: Tensor,
-    g_row: Tensor,
-    col_stats: Optional[Tensor],
-    g_col: Optional[Tensor],
+    stats: Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]],
     dq: Tensor,
     dk: Tensor,
     precision: str,
     tiling: List[int],
+    masks: MaskInputs = NO_MASKS,
+    positives: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
 ) -> Tensor:
-    chosen, autotune = _tiling(tiling, q, precision)
+    """The backward ops' one body, plain (``masks`` NO_MASKS itself) or masked: ``stats`` (row_stats, g_row,
+    col_stats, g_col) and the masked loss's ``positives`` (row, column) as :func:`softmax_backward` takes them."""
+    chosen, autotune = _tiling(tiling, q, precision, masks is not NO_MASKS, masks.guide_q is not None)
+    row_stats, g_row, col_stats, g_col = stats
     return softmax_backward.softmax_backward(
         q,
         k,
@@ -104,7 +118,33 @@ def _backward(
         autotune,
         sms=target_facts().sms,
         wrap=wrap,
+        masks=masks,
+        row_positives=positives[0],
+        col_positives=positives[1],
     )
+
+
+def _forward(
+    q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, symmetric: bool, precision: str, tiling: List[int]
+) -> Tuple[Tensor, Tensor]:
+    return _run_forward(q, k, scale, pos, symmetric, precision, tiling)
+
+
+def _backward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    row_stats: Tensor,
+    g_row: Tensor,
+    col_stats: Optional[Tensor],
+    g_col: Optional[Tensor],
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
+    return _run_backward(q, k, scale, pos, (row_stats, g_row, col_stats, g_col), dq, dk, precision, tiling)
 
 
 def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -141,22 +181,8 @@ def _masked_forward(
     precision: str,
     tiling: List[int],
 ) -> Tuple[Tensor, Tensor]:
-    chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
     masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
-    rows, cols = softmax_forward.softmax_forward(
-        q,
-        k,
-        scale,
-        pos.contiguous(),
-        symmetric,
-        chosen,
-        precision or None,
-        autotune,
-        sms=target_facts().sms,
-        wrap=wrap,
-        masks=masks,
-    )
-    return rows, (cols if cols is not None else rows.new_empty(MASKED_ROWS, 0))
+    return _run_forward(q, k, scale, pos, symmetric, precision, tiling, masks)
 
 
 def _masked_backward(
@@ -182,28 +208,9 @@ def _masked_backward(
     precision: str,
     tiling: List[int],
 ) -> Tensor:
-    chosen, autotune = _tiling(tiling, q, precision, masked=True, guide=guide_q is not None)
     masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
-    return softmax_backward.softmax_backward(
-        q,
-        k,
-        scale,
-        pos.contiguous(),
-        row_stats,
-        g_row,
-        col_stats,
-        g_col,
-        dq,
-        dk,
-        chosen,
-        precision or None,
-        autotune,
-        sms=target_facts().sms,
-        wrap=wrap,
-        masks=masks,
-        row_positives=row_positives,
-        col_positives=col_positives,
-    )
+    stats, positives = (row_stats, g_row, col_stats, g_col), (row_positives, col_positives)
+    return _run_backward(q, k, scale, pos, stats, dq, dk, precision, tiling, masks, positives)
 
 
 def _guide_label_scores(

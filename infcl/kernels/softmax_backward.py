@@ -8,14 +8,14 @@ the upstream gradients g_row [Bq] (g_col [Bk]) and Y the one-hot of the positive
     dq    += scale * dS @ k            dk += scale * dS.T @ q
     dscale = (sum(g_row * (P_row - Y) * raw), sum(g_col * (P_col - Y) * raw))
 
-Two kernels, shaped like the fused-attention backward:
-- ``_dq_kernel``: a program owns BLOCK_M rows of q and one slice of BLOCK_OUT feature columns, walks
-  the k blocks of its split, and accumulates its dq slice in registers; it writes it once at the end.
-  It also sums the two scale-gradient parts per program into a small buffer that the host adds up in
-  a fixed order.
-- ``_dk_kernel``: a program owns BLOCK_N rows of k (one slice), walks the q blocks, and accumulates
-  dk the same way; it computes the S tile in the same q-rows-by-k-rows orientation as every other
-  kernel (then transposes dS for the product), so its S is bit-identical too.
+One kernel, ``_backward_kernel``, launched once per direction, shaped like the fused-attention backward:
+- dq (``BY_COLUMN`` False): a program owns BLOCK_M rows of q and one slice of BLOCK_OUT feature columns,
+  walks the k blocks of its split, and accumulates its dq slice in registers; it writes it once at the
+  end. It also sums the two scale-gradient parts per program into a small buffer that the host adds up
+  in a fixed order.
+- dk (``BY_COLUMN`` True): a program owns BLOCK_N rows of k (one slice), walks the q blocks, and
+  accumulates dk the same way; it computes the S tile in the same q-rows-by-k-rows orientation as every
+  other kernel (then transposes dS for the product), so its S is bit-identical too.
 Nothing is accumulated across programs except through per-program buffers summed in a fixed order
 (k splits of dq, q splits of dk, the scale gradient), so the same inputs give the same bits every run.
 
@@ -34,7 +34,7 @@ S in each kernel, dq, dk — whether the loss is one-directional or symmetric. A
 ceil(D / BLOCK_OUT) slices, each recomputing S: 2 * slices + 2. With the forward's 1: 5 for either
 loss at D <= BLOCK_OUT (Inf-CL: 5 for one direction, 10 for the symmetric loss).
 
-The kernels: :mod:`infcl.kernels.softmax_backward_kernels`, their per-tile helpers
+The kernel: :mod:`infcl.kernels.softmax_backward_kernels`, its per-tile helpers
 :mod:`infcl.kernels.softmax_backward_tiles`; below, the autotuner's search spaces and the launcher.
 """
 
@@ -55,7 +55,7 @@ from .kernel_args import (
     launch_options,
     tf32_operands,
 )
-from .softmax_backward_kernels import _dk_kernel, _dq_kernel
+from .softmax_backward_kernels import _backward_kernel
 from .split_plan import plan_backward_splits
 from .target import ARCH_FAMILIES
 from .tiling import OLD_WGMMA, dk_config, dq_config
@@ -104,23 +104,23 @@ _KEY = ["D", "SYMMETRIC", "PRECISION", "BUCKET"]
 # Every buffer a trial writes: the gradient (accumulated into, or a partial) is restored and the
 # per-program scale-gradient slots are zeroed before each trial.
 _dq_autotuned = lazy_autotune(
-    _dq_kernel, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"]
+    _backward_kernel, DQ_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"], reset_to_zero=["dscale_ptr"]
 )
-_dk_autotuned = lazy_autotune(_dk_kernel, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
+_dk_autotuned = lazy_autotune(_backward_kernel, DK_AUTOTUNE_CONFIGS, _KEY, restore_value=["out_ptr"])
 
 
 # ---- launcher -----------------------------------------------------------------------------------
 
 
-def _launch(kernel, autotuned, grid, args: dict, cfg: TileConfig, autotune: bool, wrap):
-    """One backward kernel, by keyword: autotuned (the config and its EVEN_M / EVEN_N chosen per key) or
-    with ``cfg``."""
+def _launch(autotuned, grid, args: dict, cfg: TileConfig, autotune: bool, wrap):
+    """The backward kernel for one direction, by keyword: autotuned (the config and its EVEN_M / EVEN_N chosen
+    per key) or with ``cfg``."""
     n_q, n_k = args["n_q"], args["n_k"]
     if autotune:
         wrap(autotuned())[grid](BUCKET=autotune_bucket(n_q, n_k), **args)
     else:
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
-        wrap(kernel)[grid(blocks)](
+        wrap(_backward_kernel)[grid(blocks)](
             **blocks,
             **even_blocks(n_q, n_k, cfg.block_m, cfg.block_n),
             BUCKET=0,
@@ -129,13 +129,15 @@ def _launch(kernel, autotuned, grid, args: dict, cfg: TileConfig, autotune: bool
         )
 
 
-def _positive_args(ptr: str, stride_stat: str, stride_elem: str, positives: Optional[torch.Tensor]) -> dict:
-    """The kernels' pointer and strides of a [n] count or [2, n] stats of the positives (None: absent)."""
-    if positives is None:
-        return {ptr: None, stride_stat: 0, stride_elem: 0}
-    if positives.dim() == 1:
-        return {ptr: positives, stride_stat: 0, stride_elem: positives.stride(0)}
-    return {ptr: positives, stride_stat: positives.stride(0), stride_elem: positives.stride(1)}
+def _contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A per-row (per-column) input of the kernel, stats [2, n] or a vector [n], as it reads it: contiguous
+    (a copy of O(n) only where a view is given), None where absent."""
+    return None if x is None else x.contiguous()
+
+
+def _stat_stride(x: Optional[torch.Tensor]) -> int:
+    """The distance between the rows of stats [2, n] (0 for a vector [n] or None)."""
+    return x.stride(0) if x is not None and x.dim() == 2 else 0
 
 
 def softmax_backward(
@@ -176,6 +178,9 @@ def softmax_backward(
     normalize = q.dtype == torch.float16
     # float16: max|g_row| (and max|g_col|, read only when symmetric), the dS normalizers; else absent.
     g_max = torch.stack([g.abs().amax() for g in (g_row, g_col) if g is not None]) if normalize else None
+    # The stats' rows and the positives, as the kernel reads them: each row contiguous.
+    row_stats, col_stats = _contiguous(row_stats), _contiguous(col_stats)
+    row_positives, col_positives = _contiguous(row_positives), _contiguous(col_positives)
     block_d = tiling.block_d(dim)
     common = dict(
         q_ptr=q,
@@ -183,9 +188,9 @@ def softmax_backward(
         scale_ptr=scale,
         pos_ptr=pos,
         row_stats_ptr=row_stats,
-        g_row_ptr=g_row,
+        g_row_ptr=g_row.contiguous(),
         col_stats_ptr=col_stats,
-        g_col_ptr=g_col,
+        g_col_ptr=_contiguous(g_col),
         g_max_ptr=g_max,
         n_q=n_q,
         n_k=n_k,
@@ -194,52 +199,50 @@ def softmax_backward(
         stride_q1=q.stride(1),
         stride_k0=k.stride(0),
         stride_k1=k.stride(1),
-        stride_rs0=row_stats.stride(0),
-        stride_rs1=row_stats.stride(1),
-        stride_gr=g_row.stride(0),
-        stride_cs0=col_stats.stride(0) if symmetric else 0,
-        stride_cs1=col_stats.stride(1) if symmetric else 0,
-        stride_gc=g_col.stride(0) if symmetric else 0,
+        stride_row_stats=row_stats.stride(0),
+        stride_col_stats=col_stats.stride(0) if symmetric else 0,
         SYMMETRIC=symmetric,
-        NORMALIZE=normalize,
         BLOCK_D=block_d,
         **feature_chunks(dim, block_d),
-        **opts,
+        PRECISION=opts["PRECISION"],
         **masks.kernel_args(q.dtype, precision),
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
-        **_positive_args("row_pos_ptr", "stride_rp0", "stride_rp1", row_positives),
-        **_positive_args("col_pos_ptr", "stride_cp0", "stride_cp1", col_positives),
+        row_pos_ptr=row_positives,
+        col_pos_ptr=col_positives,
+        stride_row_pos=_stat_stride(row_positives),
+        stride_col_pos=_stat_stride(col_positives),
         **COMPILE_OPTIONS,
     )
     dscale_parts = None
-    for which, grad, cfg, n_owned, n_other in (
-        ("dq", dq, tiling.dq, triton.cdiv(n_q, tiling.dq.block_m), triton.cdiv(n_k, tiling.dq.block_n)),
-        ("dk", dk, tiling.dk, triton.cdiv(n_k, tiling.dk.block_n), triton.cdiv(n_q, tiling.dk.block_m)),
+    for by_column, grad, cfg, n_owned, n_other in (
+        (False, dq, tiling.dq, triton.cdiv(n_q, tiling.dq.block_m), triton.cdiv(n_k, tiling.dq.block_n)),
+        (True, dk, tiling.dk, triton.cdiv(n_k, tiling.dk.block_n), triton.cdiv(n_q, tiling.dk.block_m)),
     ):
         block_out = tiling.block_out(cfg, dim)
         slices = triton.cdiv(dim, block_out)
         splits = plan_backward_splits(n_owned, n_other, slices, tiling, sms)
-        # One split accumulates straight into the caller's gradient; several write fresh partials.
+        # One split accumulates straight into the caller's gradient; several write fresh partials, contiguous
+        # [splits, n, D] (the kernel finds a split's partial n rows on).
         out = grad if splits == 1 else torch.empty(splits, *grad.shape, dtype=acc, device=grad.device)
-        out_strides = (0, *grad.stride()) if splits == 1 else out.stride()
         args = dict(
             common,
             out_ptr=out,
-            stride_out_split=out_strides[0],
-            stride_out0=out_strides[1],
-            stride_out1=out_strides[2],
+            stride_out_split=out.stride(0) if splits > 1 else 0,
+            stride_out0=out.stride(-2),
+            stride_out1=out.stride(-1),
+            BY_COLUMN=by_column,
             ADD=splits == 1,
             BLOCK_OUT=block_out,
             EVEN_OUT=dim % block_out == 0,
         )
-        if which == "dq":
+        if by_column:
+            grid = lambda meta, slices=slices, splits=splits: (triton.cdiv(n_k, meta["BLOCK_N"]), slices, splits)  # noqa: E731
+            _launch(_dk_autotuned, grid, dict(args, dscale_ptr=None), cfg, autotune, wrap)
+        else:
             n_rows_max = triton.cdiv(n_q, min(_MIN_BLOCK_M, cfg.block_m) if autotune else cfg.block_m)
             dscale_parts = torch.zeros(n_rows_max * splits, 2, dtype=acc, device=q.device)
             grid = lambda meta, slices=slices, splits=splits: (triton.cdiv(n_q, meta["BLOCK_M"]), slices, splits)  # noqa: E731
-            _launch(_dq_kernel, _dq_autotuned, grid, dict(args, dscale_ptr=dscale_parts), cfg, autotune, wrap)
-        else:
-            grid = lambda meta, slices=slices, splits=splits: (triton.cdiv(n_k, meta["BLOCK_N"]), slices, splits)  # noqa: E731
-            _launch(_dk_kernel, _dk_autotuned, grid, args, cfg, autotune, wrap)
+            _launch(_dq_autotuned, grid, dict(args, dscale_ptr=dscale_parts), cfg, autotune, wrap)
         if splits > 1:
             grad += out.sum(dim=0)
     return dscale_parts.sum(dim=0)

@@ -19,8 +19,9 @@ memory is O(MAX_SPLITS * Bq + MAX_GROUPS * Bk), never O(Bq * Bk).
 GEMM count: 1 GEMM-equivalent (2*Bq*Bk*D flops) per call, symmetric or not: the column stats come
 from the same tiles as the row stats (the tile's column max and a second exp per entry).
 
-With mask options (:mod:`infcl.masks`; the constexprs HAS_IDS, HAS_GUIDE and POSITIVES, set by the launcher
-from which inputs are given, all False for the plain loss, which then compiles to exactly the code above),
+With mask options (:mod:`infcl.masks`; HAS_IDS and HAS_GUIDE, constexprs the kernel reads off which inputs are
+given (absent ones come as None), and POSITIVES; all False for the plain loss, which then compiles to exactly
+the code above),
 each tile also forms its positives and exclusions (:func:`infcl.kernels.softmax_mask_tiles.block_masks`: the ids,
 and one guide GEMM over D' when a guide is given) and the partials are the ``[6, n]`` rows of :mod:`infcl.masks`,
 for rows and (symmetric) columns alike: the stats over the columns not excluded, the positives' max (and,
@@ -52,7 +53,7 @@ from .kernel_args import (
     launch_options,
     tf32_operands,
 )
-from .score_tiles import block_range, block_scores, check_blocks, load_tile, load_vector, masked_scores
+from .score_tiles import PTX, block_range, block_scores, check_blocks, load_tile, load_vector, masked_scores
 from .softmax_forward_tiles import (
     _fold_rows,
     _merge_columns,
@@ -94,10 +95,8 @@ def _forward_kernel(
     row_thr_ptr,
     col_thr_ptr,
     DG,
-    stride_gq0,
-    stride_gq1,
-    stride_gk0,
-    stride_gk1,
+    stride_gq,
+    stride_gk,
     SYMMETRIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -106,21 +105,24 @@ def _forward_kernel(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr,
-    HAS_GUIDE: tl.constexpr,
     POSITIVES: tl.constexpr,
     BRANCH_POSITIVES: tl.constexpr,
     BLOCK_G: tl.constexpr,
     EVEN_G: tl.constexpr,
-    GUIDE_ACC: tl.constexpr,
     GUIDE_PRECISION: tl.constexpr,
     ROW_TILES: tl.constexpr,
     EVEN_PAIRS: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
+    # What the launch's inputs say: the mask options given (absent inputs come as None), the accumulation
+    # dtype (scale's: float32, float64 for float64 inputs), the guide's, and whether the interpreter upcasts
+    # 16-bit operands (score_tiles.tile_dot).
+    HAS_IDS: tl.constexpr = q_ids_ptr is not None
+    HAS_GUIDE: tl.constexpr = gq_ptr is not None
+    ACC: tl.constexpr = scale_ptr.dtype.element_ty
+    GUIDE_ACC: tl.constexpr = gq_ptr.dtype.element_ty if HAS_GUIDE else tl.float32
+    UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
     check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(ROW_TILES == 1 or (SYMMETRIC and not (HAS_IDS or HAS_GUIDE)))  # pairs: the plain symmetric loss
     group = tl.program_id(0)
@@ -129,7 +131,9 @@ def _forward_kernel(
     rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(tl.cdiv(n_q, BLOCK_M), ROW_TILES))
     cb_lo, cb_hi = block_range(split, tl.num_programs(1), tl.cdiv(n_k, BLOCK_N))
     scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
+    # The program's own partials, offset once: its split's rows, and (symmetric) its group's columns.
     row_out = rows_ptr + split.to(tl.int64) * stride_rows_split
+    col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
     for rb in range(rb_lo, rb_hi):
         rows = rb * (ROW_TILES * BLOCK_M) + tl.arange(0, BLOCK_M)
         if ROW_TILES == 2:
@@ -138,7 +142,7 @@ def _forward_kernel(
                 k_ptr,
                 pos_ptr,
                 row_out,
-                cols_ptr + group.to(tl.int64) * stride_cols_group,
+                col_part,
                 scale,
                 rows,
                 cb_lo,
@@ -171,10 +175,9 @@ def _forward_kernel(
                 k_ptr,
                 pos_ptr,
                 row_out,
-                cols_ptr,
+                col_part,
                 scale,
                 rows,
-                group,
                 cb_lo,
                 cb_hi,
                 n_q,
@@ -186,7 +189,6 @@ def _forward_kernel(
                 stride_k1,
                 stride_rows_stat,
                 stride_cols_stat,
-                stride_cols_group,
                 q_ids_ptr,
                 k_ids_ptr,
                 gq_ptr,
@@ -194,10 +196,8 @@ def _forward_kernel(
                 row_thr_ptr,
                 col_thr_ptr,
                 DG,
-                stride_gq0,
-                stride_gq1,
-                stride_gk0,
-                stride_gk1,
+                stride_gq,
+                stride_gk,
                 SYMMETRIC,
                 BLOCK_M,
                 BLOCK_N,
@@ -226,10 +226,9 @@ def _forward_rows(
     k_ptr,
     pos_ptr,
     row_out,
-    cols_ptr,
+    col_part,
     scale,
     rows,
-    group,
     cb_lo,
     cb_hi,
     n_q,
@@ -241,7 +240,6 @@ def _forward_rows(
     stride_k1,
     stride_rows_stat,
     stride_cols_stat,
-    stride_cols_group,
     q_ids_ptr,
     k_ids_ptr,
     gq_ptr,
@@ -249,10 +247,8 @@ def _forward_rows(
     row_thr_ptr,
     col_thr_ptr,
     DG,
-    stride_gq0,
-    stride_gq1,
-    stride_gk0,
-    stride_gk1,
+    stride_gq,
+    stride_gk,
     SYMMETRIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -274,7 +270,8 @@ def _forward_rows(
     GUIDE_PRECISION: tl.constexpr,
 ):
     """One row block's pass over the k blocks [cb_lo, cb_hi): its rows' stats (stored to ``row_out``) and,
-    symmetric, the group's column partials; with mask options the masked rows of :mod:`infcl.masks`."""
+    symmetric, the group's column partials (merged into ``col_part``); with mask options the masked rows of
+    :mod:`infcl.masks`."""
     feats = tl.arange(0, BLOCK_D)
     if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
         q_res = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
@@ -334,10 +331,8 @@ def _forward_rows(
                 n_q,
                 n_k,
                 DG,
-                stride_gq0,
-                stride_gq1,
-                stride_gk0,
-                stride_gk1,
+                stride_gq,
+                stride_gk,
                 HAS_IDS,
                 HAS_GUIDE,
                 POSITIVES,
@@ -369,8 +364,7 @@ def _forward_rows(
                 run_rest,
                 pos_logit,
             )
-        if SYMMETRIC:  # cols_ptr is an empty placeholder otherwise
-            col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
+        if SYMMETRIC:  # col_part is an empty placeholder otherwise
             s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
             if HAS_IDS or HAS_GUIDE:
                 kept = s_cols
@@ -529,7 +523,7 @@ def softmax_forward(
         SYMMETRIC=symmetric,
         BLOCK_D=block_d,
         **feature_chunks(dim, block_d),
-        **opts,
+        PRECISION=opts["PRECISION"],
         ROW_TILES=row_tiles,
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         EVEN_PAIRS=triton.cdiv(n_q, tiling.forward.block_m) % row_tiles == 0,

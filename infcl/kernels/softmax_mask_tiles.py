@@ -101,10 +101,8 @@ def block_masks(
     n_q,
     n_k,
     DG,
-    stride_gq0,
-    stride_gq1,
-    stride_gk0,
-    stride_gk1,
+    stride_gq,
+    stride_gk,
     HAS_IDS: tl.constexpr,
     HAS_GUIDE: tl.constexpr,
     POSITIVES: tl.constexpr,
@@ -119,7 +117,7 @@ def block_masks(
     GUIDE_PRECISION: tl.constexpr,
 ):
     """One tile's (positive, excluded_rows, excluded_cols) (:func:`tile_masks`): the columns' ids and, with a
-    guide, the guide scores (one GEMM over D') and the columns' thresholds."""
+    guide, the guide scores (one GEMM over D'; each guide row contiguous) and the columns' thresholds."""
     k_ids = load_optional(k_ids_ptr, cols, n_k, HAS_IDS, not EVEN_N)
     if HAS_GUIDE:
         scores = score_tile(
@@ -130,10 +128,10 @@ def block_masks(
             n_q,
             n_k,
             DG,
-            stride_gq0,
-            stride_gq1,
-            stride_gk0,
-            stride_gk1,
+            stride_gq,
+            1,
+            stride_gk,
+            1,
             BLOCK_M,
             BLOCK_N,
             BLOCK_G,

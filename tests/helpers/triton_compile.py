@@ -107,7 +107,7 @@ class _Compiler:
             def run(*args, **kwargs):
                 with _ptxas_logs() as logs:
                     compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
-                self.compiled.append((kernel, compiled, logs[-1] if logs else None))
+                self.compiled.append((_launched(kernel, args, kwargs), compiled, logs[-1] if logs else None))
 
             return run
 
@@ -148,9 +148,39 @@ def init_worker() -> None:
     os.environ["TRITON_INTERPRET"] = "0"
 
 
+# Kernels launched once per direction (their BY_COLUMN constexpr), reported per direction: (row walk, column walk).
+DIRECTIONS = {"backward": ("dq", "dk")}
+
+
+class _Direction:
+    """A kernel of :data:`DIRECTIONS` as one launch ran it: ``label`` names the direction."""
+
+    def __init__(self, fn, label: str):
+        self.fn = fn
+        self.label = label
+
+
+def _launched(fn, args: tuple, kwargs: Dict):
+    """What a launch's record keeps of its kernel: ``fn``, or for a kernel of :data:`DIRECTIONS` ``fn`` with the
+    launch's direction (its ``BY_COLUMN`` argument, by keyword or, as torch.compile's wrapper passes it, by
+    position)."""
+    from triton.runtime.jit import JITFunction
+
+    name = _kernel_name(fn)
+    if name not in DIRECTIONS:
+        return fn
+    jit = fn
+    while not isinstance(jit, JITFunction):
+        jit = jit.fn
+    given = {**dict(zip(jit.arg_names, args)), **kwargs}
+    return _Direction(fn, DIRECTIONS[name][bool(given["BY_COLUMN"])])
+
+
 def _kernel_name(kernel) -> str:
     from triton.runtime.jit import JITFunction
 
+    if isinstance(kernel, _Direction):
+        return kernel.label
     while not isinstance(kernel, JITFunction):  # unwrap triton.heuristics / triton.autotune
         kernel = kernel.fn
     return kernel.__name__.strip("_").replace("_kernel", "")
@@ -429,7 +459,7 @@ class _Recorder:
         def run(fn, *args, grid, warmup, **kwargs):
             with _ptxas_logs() as logs:
                 kernel = real_run(fn, *args, grid=grid, warmup=True, **kwargs)
-            recorder.compiled.append((fn, kernel, logs[-1] if logs else None))
+            recorder.compiled.append((_launched(fn, args, kwargs), kernel, logs[-1] if logs else None))
             scalars = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float, str))}
             recorder.launches.append({"grid": tuple(grid(kwargs)) if callable(grid) else tuple(grid), **scalars})
             return kernel
