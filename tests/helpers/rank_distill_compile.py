@@ -15,7 +15,7 @@ ROWS, COLUMNS = triton_compile.RAGGED_BATCH, triton_compile.WIDE_BATCH
 DIM, TEACHER_DIM = 1000, 384  # several feature chunks, ragged; a teacher of another width
 
 
-class BeyondCall(NamedTuple):
+class RankDistillCall(NamedTuple):
     arch: int
     api: str  # "ranks", "ranks ids", "ranks any", "distill sym", "distill one"
     dtype: str
@@ -28,7 +28,7 @@ class BeyondCall(NamedTuple):
 KINDS = ("ranks", "ranks ids", "ranks any", "distill sym", "distill one")
 
 
-def calls(full: bool) -> List[BeyondCall]:
+def calls(full: bool) -> List[RankDistillCall]:
     """Each of :data:`KINDS` on sm_90 in bfloat16 and float32 (ieee); ``full`` adds tf32, float16, float64 and
     sm_80."""
     dtypes = [("bfloat16", "ieee"), ("float32", "ieee")]
@@ -36,10 +36,12 @@ def calls(full: bool) -> List[BeyondCall]:
     if full:
         dtypes += [("float32", "tf32"), ("float16", "ieee"), ("float64", "ieee")]
         archs.append(80)
-    return [BeyondCall(arch, kind, dtype, precision) for arch in archs for dtype, precision in dtypes for kind in KINDS]
+    return [
+        RankDistillCall(arch, kind, dtype, precision) for arch in archs for dtype, precision in dtypes for kind in KINDS
+    ]
 
 
-def _run(call: BeyondCall) -> None:
+def _run(call: RankDistillCall) -> None:
     import torch
 
     import infcl
@@ -65,31 +67,9 @@ def _run(call: BeyondCall) -> None:
     loss.backward()
 
 
-def run_call(call: BeyondCall) -> Dict:
+def run_call(call: RankDistillCall) -> Dict:
     """{"call", "error" or "kernels": [resource rows]} of one compile-only call."""
-    import torch
-
-    from infcl.kernels import INTERPRETED
-
-    assert not INTERPRETED, "compile checks need TRITON_INTERPRET=0 before infcl.kernels is imported"
-    os.environ["INFCL_AUTOTUNE"] = "0"
-    torch.backends.cuda.matmul.allow_tf32 = call.precision == "tf32"
-    try:
-        with triton_compile.compile_only(call.arch) as (compiled, start):
-            _run(call)
-            launches = compiled[start:]
-            if not launches:
-                raise AssertionError("no kernel was launched")
-            rows = [triton_compile._resources(fn, kernel, log, call.arch) for fn, kernel, log in launches]
-    except Exception as err:  # reported per call: one failure must not hide the others
-        import traceback
-
-        return {
-            "call": call.label(),
-            "error": f"{type(err).__name__}: {str(err)[-1500:]}\n"
-            f"{''.join(traceback.format_exc().splitlines(True)[-6:])}",
-        }
-    return {"call": call.label(), "kernels": rows}
+    return triton_compile.report_call(call, lambda: _run(call))
 
 
 def compile_all() -> List[Dict]:

@@ -21,7 +21,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 # Largest shared memory a block may use (opt-in dynamic shared memory), bytes.
 SMEM_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
@@ -602,22 +602,19 @@ def _pinned_tiling(tiling: tuple):
         triton_backend.BACKEND.tiling = saved
 
 
-def run_call(call: Call) -> Dict:
-    """Make ``call`` (forward + backward) compile-only; {"call", "error" or "kernels": [resource rows]}."""
+def report_call(call, run: Callable[[], None], autotune: bool = False) -> Dict:
+    """Run ``run()`` (a call's forward and backward) compile-only for ``call.arch``: {"call", "error" or
+    "kernels": [resource rows]}. Shared by every compile check (losses, top-k, ranks, distillation)."""
     import torch
 
     from infcl.kernels import INTERPRETED
 
     assert not INTERPRETED, "compile checks need TRITON_INTERPRET=0 before infcl.kernels is imported"
-    os.environ["INFCL_AUTOTUNE"] = "1" if call.autotune else "0"
+    os.environ["INFCL_AUTOTUNE"] = "1" if autotune else "0"
     torch.backends.cuda.matmul.allow_tf32 = call.precision == "tf32"
     try:
-        with compile_only(call.arch) as (compiled, start), _pinned_tiling(call.tiling):
-            q, k, labels = _inputs(call)
-            if call.entry == "topk_scores":
-                call_topk(call, q, k)
-            else:
-                call_loss(call, q, k, labels, *_params()).backward()
+        with compile_only(call.arch) as (compiled, start):
+            run()
             launches = compiled[start:]
             if not launches:
                 raise AssertionError("no kernel was launched")
@@ -631,6 +628,20 @@ def run_call(call: Call) -> Dict:
             f"{''.join(traceback.format_exc().splitlines(True)[-6:])}",
         }
     return {"call": call.label(), "kernels": rows}
+
+
+def run_call(call: Call) -> Dict:
+    """Make ``call`` (forward + backward) compile-only; {"call", "error" or "kernels": [resource rows]}."""
+
+    def run():
+        with _pinned_tiling(call.tiling):
+            q, k, labels = _inputs(call)
+            if call.entry == "topk_scores":
+                call_topk(call, q, k)
+            else:
+                call_loss(call, q, k, labels, *_params()).backward()
+
+    return report_call(call, run, call.autotune)
 
 
 def api_calls(full: bool) -> List[Call]:
