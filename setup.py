@@ -12,9 +12,12 @@ CSRC_PACKAGE = "infcl._csrc"
 CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native.build compiles every *.cpp it finds there
 
 TRITON = 'triton>=3.2; platform_system == "Linux" and platform_machine == "x86_64"'
-SENTENCE_TRANSFORMERS = "sentence-transformers>=5"
-# The trainer (SentenceTransformerTrainer) needs datasets and accelerate: the tests run a short training.
-SENTENCE_TRANSFORMERS_TRAIN = "sentence-transformers[train]>=5"
+# infcl.sentence_transformers subclasses the 6.x loss classes (it raises ImportError before 6).
+SENTENCE_TRANSFORMERS = "sentence-transformers>=6"
+# The trainer (SentenceTransformerTrainer) needs datasets and accelerate: the tests run a short training. 6.3:
+# the drop-ins follow 6.3's rules (mine_hard_negatives never mines a query's own text, GIST never a row's own
+# anchor or positive), and the tests compare them with the installed sentence-transformers.
+SENTENCE_TRANSFORMERS_TRAIN = "sentence-transformers[train]>=6.3"
 
 setup(
     name="infcl",

@@ -23,7 +23,7 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
     infcl's ring instead, and each rank gets exactly sentence-transformers' per-rank loss and
     gradients (the gradient of every rank's loss with respect to its own embeddings).
 
-    Every option of sentence-transformers 6.2's class: (anchor, positive) pairs and (anchor,
+    Every option of sentence-transformers 6.3's class: (anchor, positive) pairs and (anchor,
     positive, negative_1, ..., negative_n) tuples; ``similarity_fct`` ``util.cos_sim``,
     ``util.dot_score`` or ``model.similarity`` resolving to either (any other raises ValueError, here
     or when the loss runs if the attribute is changed later); any ``scale``; ``directions`` in any

@@ -5,12 +5,12 @@
 
     dataset = mine_hard_negatives(dataset, model, range_min=10, range_max=50, relative_margin=0.05)
 
-It takes sentence-transformers 6.2's arguments (every one, same names, defaults and order) and returns the
-same dataset for the same arguments: upstream's steps in upstream's order (deduplicate, embed, take a window
-of the ``range_max + max_positives`` best corpus entries per query, drop the positives, apply the margins and
-score bounds, keep ranks ``range_min:range_max``, sample, build the rows). Only the window differs in how it is
-found: ``infcl.topk_scores`` walks the corpus in tiles and keeps ``O(range_max + positives)`` candidates per
-query, never a ``faiss_batch_size x len(corpus)`` score matrix and never FAISS. The phases, in reading order:
+It takes sentence-transformers 6.3's arguments (every one, same names, defaults and order) and returns the same dataset
+for the same arguments: upstream's steps in upstream's order (deduplicate, embed, take a window of the ``range_max +
+max_positives + 1`` best corpus entries per query, drop the query's own text and its positives, apply the margins and
+score bounds, keep ranks ``range_min:range_max``, sample, build the rows). Only the window differs in how it is found:
+``infcl.topk_scores`` walks the corpus in tiles and keeps ``O(range_max + positives)`` candidates per query, never a
+``faiss_batch_size x len(corpus)`` score matrix and never FAISS. The phases, in reading order:
 
 1. ``MiningPlan`` (:mod:`.mining_plan`): the arguments, checked and resolved as upstream resolves them
    (deprecations, ``range_max``).
@@ -19,7 +19,7 @@ query, never a ``faiss_batch_size x len(corpus)`` score matrix and never FAISS. 
    progress bar's step).
 4. ``_pair_scores``: every window score and every positive score from one arithmetic, the model's
    ``similarity_pairwise``, so a threshold (a positive's score) and the scores compared with it are computed
-   alike; the optional cross-encoder rescoring is upstream's loop.
+   alike; the cross-encoder, when given, rescores the window and the positives in upstream's loop.
 5. ``select_negatives`` (:mod:`.mining_select`): the selection rules on the ``[queries, window]`` scores;
    ties: lower corpus index first.
 6. :mod:`infcl.sentence_transformers.mining_rows`: the output formats and upstream's verbose report.
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
-from .mining_plan import MiningPlan
+from .mining_plan import MiningPlan, as_list
 from .mining_rows import build_rows, report
 from .mining_select import MISSING, select_negatives
 
@@ -94,7 +94,7 @@ def mine_hard_negatives(
 ) -> Dataset:
     """Add hard negatives to a dataset of (anchor, positive) pairs: ``sentence_transformers.util.mine_hard_negatives``.
 
-    Every argument is sentence-transformers 6.2's, with its meaning and default (see its docstring); the
+    Every argument is sentence-transformers 6.3's, with its meaning and default (see its docstring); the
     returned ``datasets.Dataset`` has upstream's columns and rows. Extras (keyword-only):
 
     - ``backend``: the ``infcl.topk_scores`` backend of the corpus search (``"auto"``, ``"torch"``, ``"cpu"``,
@@ -102,10 +102,11 @@ def mine_hard_negatives(
     - ``score_dtype``: dtype of every score (search, window, positives). ``None`` keeps the embeddings' dtype
       (float32, as upstream); ``torch.float64`` decides near-ties as a float64 evaluation of the rules does.
 
-    Search: for each unique query, the ``range_max + max_positives`` corpus entries with the highest
-    ``q . c`` (normalized embeddings), exactly, equal scores by lower corpus index; memory beyond the
-    embeddings is O(queries x window). ``use_faiss`` is accepted and has no effect (the search is exact
-    either way); ``similarity_fn_name="manhattan"`` raises ``ValueError``.
+    Search: for each unique query, the ``range_max + max_positives + 1`` corpus entries with the highest ``q . c``
+    (normalized embeddings), exactly, equal scores by lower corpus index; memory beyond the embeddings is O(queries x
+    window). A query's own text, where the corpus holds it, is never its negative (unless it is also its positive and
+    ``include_positives`` keeps it), as in upstream 6.3. ``use_faiss`` is accepted and has no effect (the search is
+    exact either way); ``similarity_fn_name="manhattan"`` raises ``ValueError``.
     """
     try:
         from datasets import Dataset
@@ -138,11 +139,11 @@ def mine_hard_negatives(
     )
     anchor_column_name, positive_column_name = plan.anchor_column_name, plan.positive_column_name
 
-    queries = list(dataset[anchor_column_name])
-    positives = list(dataset[positive_column_name])
-    # Upstream's corpus: the given one (or the positives), then the positives, deduplicated in first-seen order.
-    # A text's index here is the tie-break order of the search.
-    corpus = list(dict.fromkeys((list(corpus) if corpus is not None else positives) + positives))
+    queries = as_list(dataset[anchor_column_name])
+    positives = as_list(dataset[positive_column_name])
+    # Upstream's corpus: the given one (a list or a dataset column; else the positives), then the positives,
+    # deduplicated in first-seen order. A text's index here is the tie-break order of the search.
+    corpus = list(dict.fromkeys((as_list(corpus) if corpus is not None else positives) + positives))
     corpus_idx = {text: idx for idx, text in enumerate(corpus)}
     all_queries = queries
     queries = list(dict.fromkeys(queries))
@@ -170,17 +171,22 @@ def mine_hard_negatives(
     query_embeddings = torch.as_tensor(query_embeddings).to(dtype)
     corpus_embeddings = torch.as_tensor(corpus_embeddings).to(dtype)
 
-    width = plan.range_max + plan.max_positives
+    width = plan.window
     windows = _search_windows(
         query_embeddings, corpus_embeddings, width, step=faiss_batch_size, device=model.device, backend=backend
     )
 
-    # Each unique query's positives, as corpus indices in first-seen order (a repeated pair counts once).
+    # Each unique query's positives, as corpus indices in first-seen order (a repeated pair counts once), and
+    # the corpus index of its own text (MISSING where the corpus lacks it, or where include_positives keeps a
+    # pair whose positive is the query's text).
     positive_indices: list[list[int]] = [[] for _ in range(n_queries)]
+    own_text = [corpus_idx.get(query, MISSING) for query in queries]
     for query, positive in zip(all_queries, positives):
         row = positive_indices[queries_idx[query]]
         if corpus_idx[positive] not in row:
             row.append(corpus_idx[positive])
+        if plan.include_positives and query == positive:
+            own_text[queries_idx[query]] = MISSING
     n_positives = torch.tensor([len(p) for p in positive_indices])
     pair_query = torch.arange(n_queries).repeat_interleave(n_positives)  # the query of each (query, positive) pair
     pair_positive = torch.tensor([idx for row in positive_indices for idx in row], dtype=torch.long)
@@ -191,11 +197,12 @@ def mine_hard_negatives(
     positive_scores = _pair_scores(model, query_embeddings, corpus_embeddings, pair_query, pair_positive)
     del query_embeddings, corpus_embeddings
 
-    if cross_encoder is not None and plan.rescores:
+    if cross_encoder is not None:
         scores, positive_scores = _rescore(
             cross_encoder, queries, corpus, windows, pair_query, pair_positive, scores, batch_size, use_multi_process
         )
-    scores = scores.masked_fill(windows == MISSING, -float("inf"))
+    own_text = torch.tensor(own_text, dtype=torch.long).unsqueeze(1)
+    scores = scores.masked_fill((windows == MISSING) | (windows == own_text), -float("inf"))
 
     negatives, negative_scores, log_counters = select_negatives(
         plan, scores, windows, positive_indices, pair_query, positive_scores

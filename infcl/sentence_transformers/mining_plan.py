@@ -1,4 +1,4 @@
-"""The arguments of ``mine_hard_negatives``, checked and resolved as sentence-transformers 6.2 resolves them.
+"""The arguments of ``mine_hard_negatives``, checked and resolved as sentence-transformers 6.3 resolves them.
 
 Same order of checks, same messages and warnings (the deprecated ``as_triplets``, ``margin`` and
 ``"n-tuple-scores"``; ``include_positives`` forcing ``"n-tuple"``), the same derived ``range_max``; plus the
@@ -11,6 +11,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("infcl.sentence_transformers.mining")
@@ -20,6 +21,18 @@ SAMPLING_STRATEGIES = ("top", "random")
 # Similarities that order unit vectors as their dot product does (the embeddings are always normalized):
 # cosine and dot are the dot product, euclidean is -sqrt(2 - 2 dot). Manhattan distance is not a function of it.
 RANKED_BY_DOT = ("cosine", "dot", "euclidean")
+
+
+def as_list(values) -> list:
+    """A list of texts from a list, a NumPy array or a ``datasets`` column (read in one batch), as upstream
+    reads the dataset's columns and the ``corpus`` argument."""
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    try:
+        from datasets import Column  # datasets >= 4: a lazy column, read row by row unless sliced
+    except ImportError:
+        return list(values)
+    return list(values[:] if isinstance(values, Column) else values)
 
 
 @dataclass(frozen=True)
@@ -40,11 +53,16 @@ class MiningPlan:
     output_format: str
     output_scores: bool
     positives_per_query: tuple[int, ...]
-    rescores: bool  # a cross-encoder, when given, rescores (upstream: only when a margin or score bound is set)
 
     @property
     def max_positives(self) -> int:
         return max(self.positives_per_query)
+
+    @property
+    def window(self) -> int:
+        """Candidates searched per query: ``range_max`` plus room for what leaves by index, not by score (the
+        query's positives, and its own text where the corpus holds it): upstream 6.3's ``candidate_count``."""
+        return self.range_max + self.max_positives + 1
 
     @classmethod
     def resolve(cls, *, dataset, model, cross_encoder, verbose, use_faiss, faiss_batch_size, score_dtype, **args):
@@ -161,5 +179,4 @@ class MiningPlan:
             output_format=output_format,
             output_scores=output_scores,
             positives_per_query=positives_per_query,
-            rescores=bounded or min_score is not None,
         )

@@ -2,7 +2,7 @@
 
 Inputs are per unique query (``negatives`` / ``negative_scores``: ``[queries, num_negatives]``, -inf where no
 negative was found) and per (query, positive) pair (``pair_query``, ``pair_positive``, ``positive_scores``:
-``[pairs]``, grouped by query in first-seen order). Every format is sentence-transformers 6.2's, row for row:
+``[pairs]``, grouped by query in first-seen order). Every format is sentence-transformers 6.3's, row for row:
 
 - ``"triplet"``: one row per pair and found negative: (anchor, positive, negative[, scores=[pos, neg]]).
 - ``"n-tuple"``: one row per pair whose query has all ``num_negatives``: (anchor, positive, negative_1, ...,

@@ -22,13 +22,13 @@ MASK_STEP_ELEMENTS = 1 << 22
 def select_negatives(plan: MiningPlan, scores, windows, positive_indices, pair_query, positive_scores):
     """Upstream's selection on the ``[queries, window]`` scores: ``(negatives, negative_scores, log_counters)``.
 
-    Rules, in upstream's order: positives out (unless ``include_positives``); a candidate out if
-    ``score + absolute_margin > p`` or ``score > p - |p| * relative_margin`` (p: the query's lowest positive
-    score); out if ``score > max_score`` or ``score < min_score``. Then the window sorted by score (equal
-    scores: lower corpus index first), ranks ``range_min:range_max`` kept, and ``num_negatives`` of them taken
-    from the top or sampled with Python's ``random`` exactly as upstream samples (one ``random.sample`` per
-    query, in query order, over the candidates that are not -inf, or ``num_negatives`` if fewer). Out means
-    -inf; the row builders drop -inf negatives.
+    Rules, in upstream's order (the query's own text is already out, at -inf): positives out (unless
+    ``include_positives``); a candidate out if ``score + absolute_margin > p`` or ``score > p - |p| *
+    relative_margin`` (p: the query's lowest positive score); out if ``score > max_score`` or ``score < min_score``.
+    Then the window sorted by score (equal scores: lower corpus index first), ranks ``range_min:range_max`` kept,
+    and ``num_negatives`` of them taken from the top or sampled with Python's ``random`` exactly as upstream samples
+    (one ``random.sample`` per query, in query order, over the candidates that are not -inf, or ``num_negatives`` if
+    fewer). Out means -inf; the row builders drop -inf negatives.
     """
     inf = float("inf")
     scores = scores.clone()
@@ -57,8 +57,8 @@ def select_negatives(plan: MiningPlan, scores, windows, positive_indices, pair_q
             num_candidates -= drop("relative_margin", scores > threshold, num_candidates)
     if plan.max_score is not None:
         drop("max_score", scores > plan.max_score, num_candidates)
-    if plan.min_score is not None:  # upstream counts the candidates already at -inf here too
-        drop("min_score", scores < plan.min_score, num_candidates)
+    if plan.min_score is not None:  # counts only the candidates still in (not those already at -inf)
+        drop("min_score", (scores < plan.min_score) & (scores != -inf), num_candidates)
 
     # Stable sorts: by corpus index (empty slots last), then by score, descending.
     last = torch.iinfo(torch.long).max

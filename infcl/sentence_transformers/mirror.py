@@ -14,7 +14,7 @@ EXTRAS = (
     inspect.Parameter("group", inspect.Parameter.KEYWORD_ONLY, default=None),
     inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default="auto"),
 )
-# The constructor arguments whose every option the objectives compute (sentence-transformers 6.2's). An
+# The constructor arguments whose every option the objectives compute (sentence-transformers 6.3's, as 6.2's). An
 # argument their classes gain later stays out of ours (a TypeError, not an option silently ignored) until it
 # is mapped and named here; tests/test_sentence_transformers.py compares the two signatures.
 MAPPED = frozenset(

@@ -1,8 +1,9 @@
 """Float64 truth of sentence-transformers' hard-negative selection rules, written without infcl.
 
 ``mine_hard_negatives`` (upstream's and infcl's) keeps, for each unique query, the window of the
-``range_max + max_positives`` best corpus entries, drops the positives and the entries a margin or score bound
-rules out, keeps window ranks ``range_min:range_max`` and takes ``num_negatives`` from the top or at random.
+``range_max + max_positives + 1`` best corpus entries, drops the query's own text, the positives and the entries
+a margin or score bound rules out, keeps window ranks ``range_min:range_max`` and takes ``num_negatives`` from
+the top or at random.
 Here each of those steps is a plain Python loop over float64 scores of the float32 embeddings, with ties by
 lower corpus index, so the tests can hold both implementations to the rules themselves.
 """
@@ -29,6 +30,7 @@ def window_of(row: np.ndarray, width: int) -> list[int]:
 def select(
     scores: np.ndarray,
     positives: list[list[int]],
+    own_text: list[int | None],
     *,
     range_min: int,
     range_max: int,
@@ -44,15 +46,19 @@ def select(
 ) -> list[list[tuple[int, float]]]:
     """Per query (row of ``scores``), the selected negatives as ``(corpus index, score)``, best first.
 
+    ``own_text``: each query's own corpus index (None: the corpus lacks it, or it is a kept positive), never
+    a negative.
+
     ``rng`` (for "random"): an object with ``sample``, drawn from once per query in query order, over the
     first ``max(kept candidates, num_negatives)`` ranks, as sentence-transformers does.
     """
-    width = range_max + max_positives
+    width = range_max + max_positives + 1
     selected = []
     for q, row in enumerate(scores):
         lowest = min(row[p] for p in positives[q])
         ruled_out = [
-            (not include_positives and c in positives[q])
+            c == own_text[q]
+            or (not include_positives and c in positives[q])
             or (absolute_margin is not None and row[c] + absolute_margin > lowest)
             or (relative_margin is not None and row[c] > lowest - abs(lowest) * relative_margin)
             or (max_score is not None and row[c] > max_score)
@@ -115,6 +121,9 @@ def truth_negatives(queries, answers, corpus, embed_queries, embed_documents, rn
     for q, p in zip(queries, answers):
         if position[p] not in positives[row_of[q]]:
             positives[row_of[q]].append(position[p])
+    include = rules.get("include_positives", False)
+    kept_self = {q for q, p in zip(queries, answers) if include and q == p}
+    own_text = [None if q in kept_self else position.get(q) for q in unique]
     scores = exact_scores(embed_queries(unique), embed_documents(full_corpus))
     max_positives = max(list(queries).count(q) for q in unique)  # rows per anchor, repeated pairs included
     num_negatives = rules.pop("num_negatives", 3)
@@ -124,7 +133,7 @@ def truth_negatives(queries, answers, corpus, embed_queries, embed_documents, rn
         bounded = any(rules.get(r) is not None for r in ("absolute_margin", "relative_margin", "max_score"))
         range_max = range_min + num_negatives * (10 if bounded else 1) + max_positives
     chosen = select(
-        scores, positives, range_min=range_min, range_max=range_max, num_negatives=num_negatives,
+        scores, positives, own_text, range_min=range_min, range_max=range_max, num_negatives=num_negatives,
         max_positives=max_positives, rng=rng, **rules,
     )  # fmt: skip
     return {unique[q]: [full_corpus[c] for c, _ in picks] for q, picks in enumerate(chosen)}

@@ -5,7 +5,10 @@ The rows are [anchor | positive] (the positive segment only with ``contrast_posi
 likewise; the keys are blocks of columns in order: the positives (whose diagonal holds the labels), each
 negative column, the anchors (``contrast_anchors``) and the positives against the positive segment
 (``contrast_positives``). Across ranks, the anchor-anchor columns stay this rank's: one guide tag column per
-rank puts every other rank's anchors above any threshold. docs/integrations.md has the math.
+rank puts every other rank's anchors above any threshold. A row's own anchor and own positive in those two
+blocks are never its negatives (sentence-transformers 6.3), whatever the guide says: ids (each row's global
+index, and the same index on its anchor-anchor and positive-positive columns) leave them out.
+docs/integrations.md has the math.
 """
 
 from dataclasses import dataclass
@@ -15,7 +18,10 @@ import torch
 
 from ...api import cal_inf_loss
 from .features import COSINE, prepare, segments
-from .groups import rows_before, world_and_rank
+from .groups import global_rows, world_and_rank
+
+# The id of a column that is no row's own anchor or positive (the row ids are global indices, >= 0).
+NOT_OWN = -1
 
 # GIST's relative rule divides each guide row by |g_i|; rows with |g_i| below this (a guide positive
 # similarity of exactly zero) keep a finite scale (their threshold is then -margin instead of 0).
@@ -47,7 +53,7 @@ def gist_loss(
             sim(ga_i, gc_j) > g_i - margin ("absolute") or > g_i - |g_i| * margin ("relative"),
             g_i = sim(ga_i, gp_i), except row i's own positive.
         contrast_anchors, contrast_positives: add the anchor-anchor (this rank's anchors only) and
-            positive-positive (every rank's positives) columns.
+            positive-positive (every rank's positives) columns, each row's own anchor / positive left out.
         group: the process group to ring over (:func:`~.groups.loss_group`), None for a single process.
         backend: ``cal_inf_loss``'s backend (the guide runs on "torch").
     """
@@ -63,22 +69,25 @@ def gist_loss(
         tags=world if (contrast_anchors and world > 1) else 0,
         rank=rank,
     )
-    blocks = [layout.block(d, gd, 0) for d, gd in zip(docs, gdocs)]
+    first_row, row_ids = global_rows(a.shape[0], group, a.device)
+    not_own = torch.full_like(row_ids, NOT_OWN)
+    blocks = [(*layout.block(d, gd, 0), not_own) for d, gd in zip(docs, gdocs)]
     if contrast_anchors:
-        blocks.append(layout.block(a, ga, 0, local_only=True))
+        blocks.append((*layout.block(a, ga, 0, local_only=True), row_ids))
     if contrast_positives:
-        blocks.append(layout.block(positives, gp, 1))
+        blocks.append((*layout.block(positives, gp, 1), row_ids))
     rows = layout.rows(a, positives)
     guide_rows = _guide_rows(ga, gp, layout, margin_strategy, margin)
-    first_row = rows_before(a.shape[0], group, a.device)
     # The anchor-positive block leads every rank's keys: its diagonal holds the labels.
     labels = torch.arange(a.shape[0], device=a.device) + first_row * len(blocks)
     return cal_inf_loss(
         rows,
-        torch.cat([k for k, _ in blocks]),
+        torch.cat([k for k, _, _ in blocks]),
         labels,
         1.0 / temperature,
-        guide=(guide_rows, torch.cat([g for _, g in blocks])),
+        q_ids=row_ids,
+        k_ids=torch.cat([ids for _, _, ids in blocks]),
+        guide=(guide_rows, torch.cat([g for _, g, _ in blocks])),
         guide_margin=margin,
         guide_margin_strategy="absolute",
         group=group,
