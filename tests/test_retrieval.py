@@ -112,6 +112,25 @@ def test_ties_follow_the_stable_order(tiles, dtype):
     assert int((scores == scores.diagonal()[:, None]).sum()) > 3 * 37, "the case must hold ties beside the diagonal"
 
 
+@pytest.mark.parametrize("tile_q, tile_k", ((4, 4), (3, 5), (7, 10)))
+def test_rounded_duplicates_tie_across_ragged_tiles(tile_q, tile_k, monkeypatch):
+    """Random unit features (rounded float32 scores) with a text repeated in another tile, ragged ones
+    included: the copy's score equals the original's whatever the tile's shape (a BLAS may sum a ragged
+    tile's dot products in another order), so it is ahead of the original only when its index is lower."""
+    monkeypatch.setenv("INFCL_BACKEND", "torch")
+    monkeypatch.setattr(TORCH_TILES, "tile_q", tile_q)
+    monkeypatch.setattr(TORCH_TILES, "tile_k", tile_k)
+    gen = torch.Generator().manual_seed(7)
+    n = 21  # every block ends in a ragged tile of one row and one column (MKL's sgemm sums those otherwise)
+    image = torch.nn.functional.normalize(torch.randn(n, 32, generator=gen), dim=1)
+    text = torch.nn.functional.normalize(image + 0.8 * torch.randn(n, 32, generator=gen), dim=1)
+    for original, copy in ((0, n - 1), (9, n - 1), (n - 2, 1), (3, 12)):
+        repeated = text.clone()
+        repeated[copy] = repeated[original]
+        got, ranks = retrieval_metrics(image, repeated, return_ranks=True)
+        assert_same(got, ranks, truth(image, repeated), f"text {original} repeated at {copy}")
+
+
 def test_ids_leave_duplicates_out(tiles):
     """A column with the row's id other than its positive is not counted against it, either direction."""
     image, text = _pairs(30, 30, 5, torch.float64, 4)

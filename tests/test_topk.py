@@ -94,6 +94,28 @@ def test_random_low_precision_matches_where_separated(backend, dtype):
     assert torch.equal(got.indices[rows], want_index[rows, :n])
 
 
+@pytest.mark.parametrize("tiles", ((None, None), (4, 4), (3, 5), (7, 10)), ids=lambda t: f"{t[0]}x{t[1]}")
+def test_rounded_duplicates_tie_across_ragged_tiles(tiles, monkeypatch):
+    """Random unit features (rounded float32 scores) with columns repeated in other tiles, ragged ones
+    included: a copy's score equals its original's whatever the tile's shape (a BLAS may sum a ragged
+    tile's dot products in another order), so the lower index comes first, as in the float64 truth."""
+    monkeypatch.setattr(TORCH_TILES, "tile_q", tiles[0])
+    monkeypatch.setattr(TORCH_TILES, "tile_k", tiles[1])
+    gen = torch.Generator().manual_seed(8)
+    bq, bk = 22, 21  # every block ends in a ragged tile of one column (MKL's sgemm sums that one otherwise)
+    q = torch.nn.functional.normalize(torch.randn(bq, 32, generator=gen), dim=1)
+    k = torch.nn.functional.normalize(torch.randn(bk, 32, generator=gen), dim=1)
+    for original, copy in ((4, 20), (0, 18), (19, 10), (2, 11)):
+        k[copy] = k[original]
+    got = topk_scores(q, k, bk, backend="torch")
+    want_scores, want_index = topk_truth(q, k, bk)
+    torch.testing.assert_close(got.scores.double(), want_scores, atol=1e-6, rtol=0)
+    gaps = want_scores[:, :-1] - want_scores[:, 1:]
+    rows = ((gaps == 0) | (gaps > 1e-5)).all(dim=1)  # exact ties and clear gaps only
+    assert int(rows.sum()) > bq // 2 and int((gaps == 0).sum()) == 4 * bq
+    assert torch.equal(got.indices[rows], want_index[rows])
+
+
 @pytest.mark.parametrize("largest", (True, False), ids=("largest", "smallest"))
 def test_ids_and_labels_leave_columns_out(backend, largest):
     q, k = _exact_case(torch.float32, seed=2)

@@ -71,12 +71,12 @@ class RankTiles(TileSizes):
                 positive = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
                 if not bool(positive.any()):
                     continue
-                s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))  # pass 2 repeats exactly this product
+                s = walk.scores(tile, buf)  # pass 2 repeats exactly this product
                 _id_bests(rows, cols, s, positive, tile, row_index, col_index)
                 continue
             if (tile.rows.start, tile.cols.start) not in holding:
                 continue
-            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
+            s = walk.scores(tile, buf)
             inside, idx = positives(block.pos, tile)
             _label_bests(rows, cols, s, inside, idx, tile, row_index, col_index)
         return rows, cols
@@ -97,7 +97,7 @@ class RankTiles(TileSizes):
             c_straddling = _by_tile(cols.index - row_index[0], torch.arange(walk.k.shape[0], device=walk.device), walk)
         buf, counted = walk.buffers(2)
         for tile in walk:
-            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))  # bit-identical to pass 1's tile
+            s = walk.scores(tile, buf)  # bit-identical to pass 1's tile
             r, c = tile.rows, tile.cols
             key = (r.start, c.start)
             last_col = col_index[c][-1]
@@ -125,7 +125,7 @@ class RankTiles(TileSizes):
         buf, ahead_buf = walk.buffers(2)
         ahead_buf = ahead_buf.view(torch.uint8)[: ahead_buf.numel()].view(torch.bool)
         for tile in walk:
-            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))  # bit-identical to pass 1's tile
+            s = walk.scores(tile, buf)  # bit-identical to pass 1's tile
             same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
             ahead = tile.view(ahead_buf)
             _ahead(ahead, s, rows.score[tile.rows, None], rows.index[tile.rows, None], col_index[None, tile.cols], same)

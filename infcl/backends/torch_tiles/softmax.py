@@ -24,7 +24,7 @@ import torch
 from ...contract import Block, Tensor
 from ...lse import MAX, REL, empty_stats, exp_, lse_merge, tile_stats
 from ...masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
-from .walk import Tile, TileSizes, Walk, positives, replace_positives
+from .walk import Tile, TileSizes, Walk, positives, replace_positives, window_product
 
 
 class TileMasks(NamedTuple):
@@ -46,13 +46,13 @@ class TileMasks(NamedTuple):
 def _guide_tile(guide_q: Tensor, guide_k: Tensor, rows: slice, cols: slice, buf: Optional[Tensor] = None) -> Tensor:
     """One tile's guide scores G = guide_q[rows] @ guide_k[cols].T: the one product both the masks and the
     guide thresholds (:meth:`TorchTilesBackend.guide_label_scores`) read, so that a tie compares equal.
-    ``buf``: a flat tile buffer to hold it, used where its dtype is the guide's (the same ``torch.mm``, into
-    a contiguous output either way)."""
-    gq, gk = guide_q[rows], guide_k[cols]
-    out = None
-    if buf is not None and buf.dtype == guide_q.dtype:
-        out = buf[: gq.shape[0] * gk.shape[0]].view(gq.shape[0], gk.shape[0])
-    return torch.mm(gq, gk.T, out=out)
+
+    Every tile of a block is one product of the same shape (:func:`.walk.window_product`), so a column
+    duplicating a row's labelled column in a ragged tile meets its threshold's tie. ``buf``: a flat tile
+    buffer to hold the window, used where its dtype is the guide's (the same ``torch.mm``, into a
+    contiguous output either way)."""
+    use_buf = buf is not None and buf.dtype == guide_q.dtype
+    return window_product(guide_q, guide_k, rows, cols, buf if use_buf else None)
 
 
 def _plain_masks(block: Block, tile: Tile) -> TileMasks:

@@ -91,7 +91,7 @@ class TopKTiles(TileSizes):
         (buf,) = walk.buffers(1)
         n = found.key.shape[1]
         for tile in walk:
-            s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))
+            s = walk.scores(tile, buf)
             if not largest:
                 s.neg_()
             part = tile_candidates(s, _eligible(block, tile, exclude_positive), col_index[tile.cols], n)

@@ -2,6 +2,12 @@
 outer), with flat tile buffers, and the tile sizes per device kind. Every loss's tiles (:mod:`.softmax`,
 :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`) walk the same way, so a tile recomputed in a later pass is the same
 product with the same shapes: bit-identical.
+
+Where scores of *different* tiles are compared (the ranks' and top-k's order, the guide thresholds), each tile's
+scores are read out of one product of the block's full tile shape (:meth:`Walk.scores`, :func:`window_product`):
+a BLAS picks its kernel by shape, and two kernels may sum a dot product in different orders (MKL's sgemm on
+AVX-512 Intel CPUs does, for a 2 x 5 against a 2 x 3 tile), so the same dot product in a ragged tile would
+otherwise miss its tie by an ulp.
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -54,12 +60,35 @@ class Walk:
         numel = min(self.q.shape[0], self.tq) * min(self.k.shape[0], self.tk)
         return [torch.empty(numel, dtype=self.acc, device=self.device) for _ in range(n)]
 
+    def scores(self, tile: Tile, buf: Tensor) -> Tensor:
+        """The tile's q @ k.T out of the block's full-size product that holds it (:func:`window_product`), so
+        that equal dot products compare equal across tiles; a view into ``buf`` (a :meth:`buffers` buffer)."""
+        return window_product(self.q, self.k, tile.rows, tile.cols, buf)
+
     def __iter__(self):
         for i0 in range(0, self.q.shape[0], self.tq):
             rows = slice(i0, i0 + self.tq)
             for j0 in range(0, self.k.shape[0], self.tk):
                 cols = slice(j0, j0 + self.tk)
                 yield Tile(rows, cols, self.q[rows], self.k[cols])
+
+
+def full_window(tile: slice, n: int) -> Tuple[slice, slice]:
+    """(window, part): the full-size window (``tile``'s length, at most ``n``) that holds ``tile`` of an axis
+    of ``n``, shifted back from the end where the tile is ragged, and the tile's place inside it."""
+    size = min(tile.stop - tile.start, n)
+    start = min(tile.start, n - size)
+    return slice(start, start + size), slice(tile.start - start, min(tile.stop, n) - start)
+
+
+def window_product(a: Tensor, b: Tensor, rows: slice, cols: slice, buf: Optional[Tensor] = None) -> Tensor:
+    """(a @ b.T)[rows, cols], read out of the full-size tile product that holds it (:func:`full_window` on each
+    axis): every tile of a block is then one product shape. ``buf``: a flat buffer of a's dtype for the
+    product (None: a new tensor); the result is a view into it."""
+    (row_window, row_part), (col_window, col_part) = full_window(rows, a.shape[0]), full_window(cols, b.shape[0])
+    aw, bw = a[row_window], b[col_window]
+    out = None if buf is None else buf[: aw.shape[0] * bw.shape[0]].view(aw.shape[0], bw.shape[0])
+    return torch.mm(aw, bw.T, out=out)[row_part, col_part]
 
 
 def positives(pos: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:
