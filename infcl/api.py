@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .backends import backend_object, measured_route, resolve_backend
+from .backends import call_backend
 from .checks import (
     check_features,
     check_head_dim,
@@ -38,7 +38,7 @@ def cal_inf_loss(
     guide_margin=0.0,
     guide_margin_strategy: str = "absolute",
     group=None,
-    backend: str = "auto",
+    backend="auto",
     return_stats: bool = False,
 ):
     """Contrastive (InfoNCE / CLIP) loss over S = scale * q @ k.T, exact, without materializing S.
@@ -74,7 +74,8 @@ def cal_inf_loss(
             initialized and the group (default: the world) has more than one rank, each rank passes
             its local shard and gets the loss of its local rows against the global batch. ``"local"``:
             this rank's batch alone, with no ring, even under an initialized torch.distributed.
-        backend: "auto" | "torch" | "cpu" | "triton" | "reference" (see :mod:`infcl.backends`);
+        backend: "auto" | "torch" | "cpu" | "triton" | "chunked" | "reference" (see :mod:`infcl.backends`),
+            or a backend object with its options, e.g. ``infcl.backends.ChunkedBackend(budget_mb=512)``;
             the environment variable INFCL_BACKEND overrides "auto". The ids, ``multi_positive`` and
             ``guide`` run on every backend.
         return_stats: also return an :class:`infcl.stats.InfLossStats` (top-1 accuracy and mean positive
@@ -98,9 +99,9 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
-        name = resolve_backend(backend, q.device, "guided" if masks is not None and masks.has_guide else "softmax")
-        if backend == "auto" and masks is None:  # the chunked route where a GPU measured it faster (none yet)
-            name = measured_route(name, "softmax", q, k)
+        kind = "guided" if masks is not None and masks.has_guide else "softmax"
+        # "auto" takes the chunked route for a plain loss where a GPU measured it faster (none yet).
+        name, block_backend = call_backend(backend, q.device, kind, operands=(q, k) if masks is None else None)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)
@@ -117,7 +118,7 @@ def cal_inf_loss(
             q, k, scale_t, labels_t, symmetric, layout, masks
         )
     else:
-        plan = LossPlan(backend=backend_object(name), symmetric=symmetric, layout=layout, masks=masks)
+        plan = LossPlan(backend=block_backend, symmetric=symmetric, layout=layout, masks=masks)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
     if masks is None:

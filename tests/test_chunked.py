@@ -3,8 +3,6 @@ float32 copies and the torch passes, against the float64 truth; chunk boundaries
 ``auto``. Its Triton passes under the interpreter: tests/test_chunked_triton.py. (The shared regimes, loss and
 ring suites run it too: ``chunked`` is one of support.tiled_backends.)"""
 
-import contextlib
-
 import pytest
 import torch
 
@@ -31,19 +29,10 @@ FACTOR, ULPS = 2.0, 4  # as tests/test_regimes.py
 CHUNKINGS = ((37, 37, 1), (37, 37, 5), (37, 37, 16), (37, 37, 64), (23, 61, 7))
 
 
-@contextlib.contextmanager
-def route(**options):
-    """backend="chunked" with ``options`` (ChunkedBackend's) for the duration."""
-    saved = chunked.BACKEND
-    chunked.BACKEND = ChunkedBackend(**options)
-    try:
-        yield chunked.BACKEND
-    finally:
-        chunked.BACKEND = saved
-
-
-def _loss(labels, symmetric, reduction="none"):
-    return lambda q, k, s: cal_inf_loss(q, k, labels, s, symmetric=symmetric, reduction=reduction, backend="chunked")
+def _loss(labels, symmetric, reduction="none", **options):
+    """The chunked route's loss with ``options`` (ChunkedBackend's), set from the call."""
+    route = ChunkedBackend(**options)
+    return lambda q, k, s: cal_inf_loss(q, k, labels, s, symmetric=symmetric, reduction=reduction, backend=route)
 
 
 def _upstream(n, seed=3):
@@ -71,9 +60,8 @@ def test_against_float64_truth(device, dtype, bq, bk, rows, symmetric):
     q, k, labels = features_and_labels(bq, bk, 24, "perm" if symmetric else "random", dtype, seed=bq + rows)
     scale = torch.tensor(12.0)
     w = _upstream(bq)
-    with route(chunk_rows=rows):
-        on = [t.to(device) for t in (q, k, scale)]
-        ours = [t.cpu() for t in grads_of(_loss(labels.to(device), symmetric), *on, w.to(device))]
+    on = [t.to(device) for t in (q, k, scale)]
+    ours = [t.cpu() for t in grads_of(_loss(labels.to(device), symmetric, chunk_rows=rows), *on, w.to(device))]
     want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, labels, s_, symmetric), q, k, scale.double(), w)
     atol, rtol = TOLERANCE[dtype]
     if dtype == torch.float32:
@@ -99,8 +87,7 @@ def test_confident_rows_are_exact(symmetric, scale):
     """1 - P_pos ~ 1e-11 .. 1e-24 in fp32, against the cancellation-free truth, across chunk boundaries."""
     q, k, labels = margin_features(96, 32, scale, symmetric, seed=int(scale) + symmetric)
     q, k, scale_t = q.float(), k.float(), torch.tensor(scale)
-    with route(chunk_rows=13):
-        ours = grads_of(_loss(labels, symmetric), q, k, scale_t)
+    ours = grads_of(_loss(labels, symmetric, chunk_rows=13), q, k, scale_t)
     want = exact_softmax_truth(q, k, scale_t, labels, symmetric)
     assert float(want[0].max()) < 1e-10, "not the confident regime"
     assert_normwise(ours, want, EXACT_NORMWISE[torch.float32], f"chunked symmetric={symmetric}")
@@ -112,8 +99,7 @@ def test_huge_logits_and_rows_never_negative():
     gen = torch.Generator().manual_seed(4)
     q, k = (30 * torch.randn(40, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     scale = torch.tensor(100.0)
-    with route(chunk_rows=9):
-        ours = grads_of(_loss(None, True), q.float(), k.float(), scale)
+    ours = grads_of(_loss(None, True, chunk_rows=9), q.float(), k.float(), scale)
     want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, None, s_, True), q, k, scale.double())
     assert bool((ours[0] >= 0).all())
     largest = float((100 * q @ k.T).abs().max())
@@ -123,25 +109,25 @@ def test_huge_logits_and_rows_never_negative():
 def test_upstream_sign_never_changes_the_path():
     q, k, labels = features_and_labels(30, 30, 16, "perm", torch.bfloat16, seed=1)
     w = _upstream(30)
-    with route(chunk_rows=7):
-        plus = grads_of(_loss(labels, True), q, k, torch.tensor(20.0), w)
-        minus = grads_of(_loss(labels, True), q, k, torch.tensor(20.0), -w)
+    loss = _loss(labels, True, chunk_rows=7)
+    plus = grads_of(loss, q, k, torch.tensor(20.0), w)
+    minus = grads_of(loss, q, k, torch.tensor(20.0), -w)
     for name, a, b in zip(("dq", "dk", "dscale"), plus[1:], minus[1:]):
         assert torch.equal(a, -b), name
 
 
 def test_reruns_are_bit_identical():
     q, k, labels = features_and_labels(41, 41, 16, "perm", torch.bfloat16, seed=2)
-    with route(chunk_rows=6):
-        first, second = (grads_of(_loss(labels, True, "mean"), q, k, torch.tensor(14.0)) for _ in range(2))
+    loss = _loss(labels, True, "mean", chunk_rows=6)
+    first, second = (grads_of(loss, q, k, torch.tensor(14.0)) for _ in range(2))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
 
 def test_return_stats_match_the_torch_tiles():
     q, k, labels = features_and_labels(33, 33, 16, "perm", torch.float32, seed=6)
-    with route(chunk_rows=8):
-        _, ours = cal_inf_loss(q, k, labels, 10.0, symmetric=True, return_stats=True, backend="chunked")
+    route = ChunkedBackend(chunk_rows=8)
+    _, ours = cal_inf_loss(q, k, labels, 10.0, symmetric=True, return_stats=True, backend=route)
     _, want = cal_inf_loss(q, k, labels, 10.0, symmetric=True, return_stats=True, backend="torch")
     for a, b in zip(ours, want):
         assert_close_verbose(a, b, 1e-6, 1e-6, "stats")
@@ -156,66 +142,155 @@ def _block(bq, bk, d, dtype=torch.float32):
 
 
 def test_chunk_rows_shrink_to_the_budget():
+    """C is the most rows whose footprint fits: one more row would not."""
     block = _block(300, 512, 16)
-    per_entry = plan.entry_bytes(False, False, torch.float32)
     for budget_mb in (0.25, 0.5, 1.0):
         got = plan.plan_block(block, plan.budget_bytes(budget_mb), 10**6, "torch", False)
-        used = plan.workspace_bytes(got.rows, 512, 16, per_entry)
-        assert used <= budget_mb * 2**20 < plan.workspace_bytes(got.rows + 1, 512, 16, per_entry)
+        need = got.footprint
+        assert need.bytes(got.rows) <= budget_mb * 2**20 < need.bytes(got.rows + 1)
     assert plan.plan_block(block, plan.budget_bytes(1e-3), 10**6, "torch", False).reason.startswith("a block of")
 
 
 def test_no_out_dtype_hands_off_with_a_warning(monkeypatch):
-    """A torch without mm(..., out_dtype) on CUDA: bf16/fp16 blocks run the fused kernels, and the user hears of it
-    once; float32 needs no out_dtype and stays on the route."""
-    monkeypatch.setattr(plan, "mm_out_dtype_runs", lambda device: False)
+    """A torch without mm(..., out_dtype, out=) on CUDA: bf16/fp16 blocks run the fused kernels, and the user
+    hears of it once; float32 needs no out_dtype and stays on the route."""
+    monkeypatch.setattr(plan, "scores_runs", lambda device: False)
     bf16, fp32 = _block(64, 64, 8, torch.bfloat16), _block(64, 64, 8)
-    handoff = plan.plan_block(bf16, plan.budget_bytes(None), 32, None, True, cuda=True)
+    budget = plan.budget_bytes(plan.DEFAULT_BUDGET_MB)
+    handoff = plan.plan_block(bf16, budget, 32, None, True, cuda=True)
     assert isinstance(handoff, plan.HandOff) and handoff.warn and "out_dtype" in handoff.reason
-    assert plan.plan_block(fp32, plan.budget_bytes(None), 32, None, True, cuda=True).rows == 32
+    assert plan.plan_block(fp32, budget, 32, None, True, cuda=True).rows == 32
     assert not plan.plan_block(_block(64, 64, 8, torch.float64), 10**9, 32, None, True, cuda=True).warn
 
 
-def _peak_bytes(fn) -> int:
-    """The peak of CPU bytes allocated by torch during ``fn()`` beyond what was live before: the profiler's
-    allocations (each op's own, at its start) and frees ("[memory]" events) summed in time order."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
+def _stand_in(n_q, n_k, dim, dtype=torch.bfloat16):
+    """A block of n_q x n_k rows of width dim that allocates nothing (expanded rows): for plans only."""
+    q = torch.zeros(1, dim, dtype=dtype).expand(n_q, dim)
+    k = torch.zeros(1, dim, dtype=dtype).expand(n_k, dim)
+    return Block(q=q, k=k, scale=torch.tensor(1.0), pos=torch.zeros(1, dtype=torch.int64).expand(n_q))
 
 
-@pytest.mark.parametrize("budget_mb", (0.25, 1.0))
-def test_workspace_stays_within_the_budget(budget_mb):
-    """Measured: one block's forward and backward allocate at most the budget plus O((Bq + Bk) * D), far below
-    the Bq x Bk scores, and the smaller budget takes less."""
-    bq, bk, d = 256, 1024, 16
-    block = _block(bq, bk, d)
-    backend = ChunkedBackend(budget_mb=budget_mb, chunk_rows=10**6, passes="torch")
-    rows, cols = backend.forward_block(block, True)
-    upstream = Block(
-        q=block.q, k=block.k, scale=block.scale, pos=block.pos, row_stats=rows[:2].contiguous(),
-        g_row=torch.ones(bq), col_stats=cols, g_col=torch.ones(bk),
-    )  # fmt: skip
-    dq, dk = torch.zeros(bq, d), torch.zeros(bk, d)
-    forward = _peak_bytes(lambda: backend.forward_block(block, True))
-    backward = _peak_bytes(lambda: backend.backward_block(upstream, dq, dk))
-    linear = 16 * (bq + bk) * (d + 8)  # stats, partials, the products' results, float32 copies
-    for peak in (forward, backward):
-        assert peak <= budget_mb * 2**20 + linear, (peak, budget_mb)
-        assert peak < bq * bk * 4, peak
-    assert backend.plan(block).rows < bq
+@pytest.mark.parametrize("in_gemm,rows", ((True, 1984), (False, 1664)))
+def test_a_million_rows_plan_on_a_gpu(monkeypatch, in_gemm, rows):
+    """B = 1,048,576 at D = 512 in bf16 on a GPU (planned, not run): the default budget cannot hold the float32 dq
+    and dk (4 GiB) and says so; MILLION_BUDGET_MB (16 GiB, 20 GiB of an 80 GB H100 with the inputs and their
+    gradients) runs the route with C = 1984 where the GEMMs accumulate in place, 1664 otherwise."""
+    monkeypatch.setattr(plan, "scores_runs", lambda device: True)  # a GPU torch with mm(..., out_dtype, out=)
+    block = _stand_in(2**20, 2**20, 512)
+    default = plan.plan_block(block, plan.budget_bytes(plan.DEFAULT_BUDGET_MB), None, None, True, True, in_gemm)
+    assert isinstance(default, plan.HandOff) and "fits 0 rows" in default.reason
+    budget = plan.budget_bytes(plan.MILLION_BUDGET_MB)
+    got = plan.plan_block(block, budget, None, None, True, cuda=True, in_gemm=in_gemm)
+    assert isinstance(got, plan.ChunkPlan) and got.rows == rows and got.in_gemm == in_gemm
+    assert got.footprint.bytes(rows) <= budget < got.footprint.bytes(rows + plan.ROW_ALIGN)
+    assert got.footprint.fixed >= 2**31 * 2  # the float32 dq and dk are counted
 
 
-def test_budget_from_the_environment(monkeypatch):
+@pytest.mark.parametrize("in_gemm,rows", ((True, 1984), (False, 1664)))
+def test_the_default_budget_at_64k(monkeypatch, in_gemm, rows):
+    """B = 65536, D = 512, bf16 (planned): everything the route holds fits the default 1 GiB."""
+    monkeypatch.setattr(plan, "scores_runs", lambda device: True)
+    block = _stand_in(2**16, 2**16, 512)
+    budget = plan.budget_bytes(plan.DEFAULT_BUDGET_MB)
+    got = plan.plan_block(block, budget, None, None, True, cuda=True, in_gemm=in_gemm)
+    assert got.rows == rows and got.footprint.bytes(rows) <= budget == 2**30
+
+
+def recording_inside(backend_cls):
+    """``backend_cls`` whose block operations switch the innermost :class:`LiveBuffers` to recording while they
+    run: its peak is the route's, with everything allocated since the call began alive beside it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    class Recorded(backend_cls):
+        def _inside(self, op, *args):
+            tracker = _get_current_dispatch_mode_stack()[-1]
+            tracker.recording = True
+            try:
+                return op(*args)
+            finally:
+                tracker.recording = False
+
+        def forward_block(self, block, symmetric):
+            return self._inside(super().forward_block, block, symmetric)
+
+        def backward_block(self, block, dq, dk):
+            return self._inside(super().backward_block, block, dq, dk)
+
+        def sigmoid_forward_block(self, block):
+            return self._inside(super().sigmoid_forward_block, block)
+
+        def sigmoid_backward_block(self, block, dq, dk):
+            return self._inside(super().sigmoid_backward_block, block, dq, dk)
+
+        def sigmoid_loss_and_grad_block(self, block, dq, dk):
+            return self._inside(super().sigmoid_loss_and_grad_block, block, dq, dk)
+
+    return Recorded
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("budget_mb", (0.5, 1.0))
+def test_the_budget_is_the_peak_on_cpu(dtype, budget_mb):
+    """Counted with weak references to every tensor allocated: the CPU route's peak inside its block operations,
+    the float32 dq and dk and its float32 copies of q and k included, stays within the budget, and holds at
+    most its four [C, Bk] float32 buffers (S, dS, two scratch) at once."""
+    from helpers.live_buffers import LiveBuffers
+
+    bq, bk, d = 256, 1024, 13
+    q, k, labels = features_and_labels(bq, bk, d, "random", dtype, seed=11)
+    route = recording_inside(ChunkedBackend)(budget_mb=budget_mb, chunk_rows=10**6, passes="torch")
+    c = route.for_call().plan(Block(q=q, k=k, scale=torch.tensor(1.0), pos=labels)).rows
+    assert 1 < c < bq and c != d  # (a [C, Bk] buffer is told from [Bk, D] ones by its size)
+    q, k, scale = (t.detach().requires_grad_() for t in (q, k, torch.tensor(10.0)))
+    with LiveBuffers({c * bk * 4}) as tracker:
+        cal_inf_loss(q, k, labels, scale, backend=route).backward()
+    assert 0 < tracker.peak <= budget_mb * 2**20, (tracker.peak, budget_mb)
+    assert tracker.peak_sized == 4
+
+
+def test_budget_from_the_call_and_the_environment(monkeypatch):
+    """The budget comes from the call's object, else INFCL_CHUNK_BUDGET_MB read once per call (for its forward
+    and backward), else the default; a bad value names where it came from."""
+    from infcl.backends.chunked import options
+
+    calls = []
+    real = plan.call_budget_mb
+
+    def counted(budget_mb):
+        calls.append(budget_mb)
+        return real(budget_mb)
+
+    monkeypatch.setattr(options, "call_budget_mb", counted)
     monkeypatch.setenv(plan.ENV_BUDGET, "2")
-    assert plan.budget_bytes(None) == 2 * 2**20
+    assert ChunkedBackend().for_call().budget_mb == 2.0
+    assert ChunkedBackend(budget_mb=3).for_call().budget_mb == 3.0
+    q, k, _ = features_and_labels(64, 64, 8, "diag", torch.float32)
+    q.requires_grad_()
+    calls.clear()
+    cal_inf_loss(q, k, symmetric=True, backend=ChunkedBackend(chunk_rows=8)).backward()
+    assert calls.count(None) == 1  # one read of the environment for the whole call, forward and backward
+    calls.clear()
+    cal_inf_loss(q, k, symmetric=True, backend=ChunkedBackend(budget_mb=5, chunk_rows=8)).backward()
+    assert None not in calls  # the call's own budget: the environment is not read
     monkeypatch.setenv(plan.ENV_BUDGET, "lots")
     with pytest.raises(ValueError, match=plan.ENV_BUDGET):
-        plan.budget_bytes(None)
+        cal_inf_loss(q, k, backend="chunked")
+
+
+def test_backend_objects_from_the_call():
+    """Any backend's options reach the call as its object; a bad argument names ``backend``."""
+    import infcl
+    from infcl import backends
+
+    q, k, _ = features_and_labels(40, 40, 8, "diag", torch.float32)
+    want = cal_inf_loss(q, k, backend="torch")
+    for route in (backends.ChunkedBackend(budget_mb=0.01), backends.TorchTilesBackend(tile_q=7, tile_k=5)):
+        assert_close_verbose(cal_inf_loss(q, k, backend=route), want, 1e-6, 1e-6, repr(route))
+    assert backends.ChunkedBackend(budget_mb=0.01).plan(_block(40, 40, 8)).rows < 40
+    with pytest.raises(TypeError, match="backend must be one of"):
+        cal_inf_loss(q, k, backend=object())
+    with pytest.raises(ValueError, match="cal_distill_loss has no backend='chunked'"):
+        infcl.cal_distill_loss(q, k, q, k, 2.0, 3.0, backend=backends.ChunkedBackend())
 
 
 @pytest.mark.parametrize(
@@ -235,7 +310,7 @@ def _same(a, b):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("case", ("ids", "float64", "siglip", "budget"))
+@pytest.mark.parametrize("case", ("ids", "float64", "budget"))
 def test_handoffs_run_the_fused_route(case):
     """What the route does not take runs the fallback (on CPU tensors the torch tiles) bit for bit."""
     dtype = torch.float64 if case == "float64" else torch.float32
@@ -244,14 +319,12 @@ def test_handoffs_run_the_fused_route(case):
     kwargs = {"q_ids": torch.arange(20) % 6, "k_ids": torch.arange(20) % 6} if case == "ids" else {}
 
     def loss(backend):
-        if case == "siglip":
-            return lambda q_, k_, s_: cal_siglip_loss(q_, k_, s_, -2.0, labels, backend=backend)
         return lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=True, backend=backend, **kwargs)
 
-    with route(budget_mb=1e-4 if case == "budget" else None):
-        if case == "budget":
-            assert isinstance(chunked.BACKEND.plan(_block(20, 20, 8)), plan.HandOff)
-        ours = grads_of(loss("chunked"), q, k, scale)
+    route = ChunkedBackend(budget_mb=1e-4 if case == "budget" else None)
+    if case == "budget":
+        assert isinstance(route.plan(_block(20, 20, 8)), plan.HandOff)
+    ours = grads_of(loss(route), q, k, scale)
     _same(ours, grads_of(loss("torch"), q, k, scale))
 
 
@@ -269,18 +342,23 @@ def test_a_measured_entry_takes_the_route(monkeypatch):
     MIN_CHUNK_ROWS rows; never for another kind of call, nor under INFCL_BACKEND."""
     table = {(90, "bfloat16"): 16384}
     big, small = torch.zeros(16384, 4, dtype=torch.bfloat16), torch.zeros(16383, 4, dtype=torch.bfloat16)
-    assert measured_faster(big, big, table, None, family=90)
-    assert not measured_faster(small, big, table, None, family=90)
-    assert not measured_faster(big, big, table, None, family=80)
-    assert not measured_faster(big.float(), big.float(), table, None, family=90)
+    budget = plan.DEFAULT_BUDGET_MB
+    assert measured_faster(big, big, table, budget, family=90)
+    assert not measured_faster(small, big, table, budget, family=90)
+    assert not measured_faster(big, big, table, budget, family=80)
+    assert not measured_faster(big.float(), big.float(), table, budget, family=90)
     assert not measured_faster(big, big, table, 1.0, family=90)  # 1 MiB fits no 256 rows of 16384 columns
     monkeypatch.setattr(resolve, "CHUNKED_FROM", table)
     monkeypatch.setattr(chunked, "measured_faster", lambda q, k, t, budget_mb: t is table)
     assert measured_route("triton", "softmax", big, big) == "chunked"
     assert measured_route("triton", "sigmoid", big, big) == "triton"
     assert measured_route("cpu", "softmax", big, big) == "cpu"
+    # Through a call's resolution (a CUDA call's auto choice stood in), unless INFCL_BACKEND names a backend.
+    monkeypatch.setattr(resolve, "_resolve", lambda name, device, kind, env: env or "triton")
+    name, route = resolve.call_backend("auto", big.device, "softmax", (big, big))
+    assert name == "chunked" and isinstance(route, ChunkedBackend) and route.budget_mb == budget
     monkeypatch.setenv(resolve.ENV_VAR, "triton")
-    assert measured_route("triton", "softmax", big, big) == "triton"
+    assert resolve.call_backend("auto", big.device, "softmax", (big, big))[0] == "triton"
 
 
 @pytest.mark.parametrize("api", ("retrieval_metrics", "cal_distill_loss"))
@@ -319,8 +397,7 @@ def test_tied_maxima_are_counted_exactly(dtype):
     gradients too in float32 (bf16's are rounded to bf16 twice: dS and the result)."""
     q, k = _tied(40, 6, seed=8)
     scale = torch.tensor(3.0)
-    with route(chunk_rows=9):
-        ours = grads_of(_loss(None, True), q.to(dtype), k.to(dtype), scale)
+    ours = grads_of(_loss(None, True, chunk_rows=9), q.to(dtype), k.to(dtype), scale)
     want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, None, s_, True), q, k, scale.double())
     checked = zip(("loss", "dq", "dk", "dscale"), ours, want)
     for name, a, b in checked if dtype == torch.float32 else [next(checked)]:
@@ -331,8 +408,8 @@ def test_nan_features_give_nan_losses():
     """A NaN in q makes its row's loss NaN (and, symmetric, every column's), as F.cross_entropy does."""
     q, k, labels = features_and_labels(20, 20, 8, "perm", torch.float32, seed=10)
     q[4, 2] = float("nan")
-    with route(chunk_rows=6):
-        rows = cal_inf_loss(q, k, labels, 5.0, reduction="none", backend="chunked")
-        pairs = cal_inf_loss(q, k, labels, 5.0, symmetric=True, reduction="none", backend="chunked")
+    route = ChunkedBackend(chunk_rows=6)
+    rows = cal_inf_loss(q, k, labels, 5.0, reduction="none", backend=route)
+    pairs = cal_inf_loss(q, k, labels, 5.0, symmetric=True, reduction="none", backend=route)
     assert torch.isnan(rows).tolist() == [i == 4 for i in range(20)]
     assert bool(torch.isnan(pairs).all())

@@ -18,8 +18,8 @@ from helpers.support import (
     margin_features,
 )
 from infcl import cal_inf_loss
-from infcl.backends import chunked
-from infcl.backends.chunked import ChunkedBackend, torch_passes
+from infcl.backends.chunked import ChunkedBackend, plan, products, torch_passes
+from infcl.contract import Block
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -100,16 +100,13 @@ def test_route_against_float64_truth(kernels, dtype, bq, bk, rows, symmetric):
     w = torch.randn(bq, generator=gen, dtype=torch.float64)
     scale = torch.tensor(12.0)
 
-    def loss(q_, k_, s_):
-        return cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction="none", backend="chunked")
+    route = ChunkedBackend(chunk_rows=rows, passes="triton")
 
-    saved = chunked.BACKEND
-    chunked.BACKEND = ChunkedBackend(chunk_rows=rows, passes="triton")
-    try:
-        ours = grads_of(loss, q, k, scale, w)
-        again = grads_of(loss, q, k, scale, w)
-    finally:
-        chunked.BACKEND = saved
+    def loss(q_, k_, s_):
+        return cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction="none", backend=route)
+
+    ours = grads_of(loss, q, k, scale, w)
+    again = grads_of(loss, q, k, scale, w)
     want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, labels, s_, symmetric), q, k, scale.double(), w)
     atol, rtol = TOLERANCE[dtype]
     for name, a, b, c in zip(("loss", "dq", "dk", "dscale"), ours, want, again):
@@ -120,13 +117,9 @@ def test_route_against_float64_truth(kernels, dtype, bq, bk, rows, symmetric):
 def test_confident_rows_are_exact(kernels):
     q, k, labels = margin_features(48, 32, 100.0, True, seed=9)
     q, k, scale = q.float(), k.float(), torch.tensor(100.0)
-    saved = chunked.BACKEND
-    chunked.BACKEND = ChunkedBackend(chunk_rows=11, passes="triton")
-    try:
-        ours = grads_of(lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=True, reduction="none",
-                                                       backend="chunked"), q, k, scale)  # fmt: skip
-    finally:
-        chunked.BACKEND = saved
+    route = ChunkedBackend(chunk_rows=11, passes="triton")
+    ours = grads_of(lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=True, reduction="none",
+                                                   backend=route), q, k, scale)  # fmt: skip
     assert_normwise(ours, exact_softmax_truth(q, k, scale, labels, True), EXACT_NORMWISE[torch.float32], "confident")
 
 
@@ -139,19 +132,83 @@ def test_tied_maxima_and_nan(kernels):
     k[::3] = q[::3]
     scale = torch.tensor(3.0)
 
-    def loss(q_, k_, s_):
-        return cal_inf_loss(q_, k_, None, s_, symmetric=True, reduction="none", backend="chunked")
+    route = ChunkedBackend(chunk_rows=33, passes="triton")
 
-    saved = chunked.BACKEND
-    chunked.BACKEND = ChunkedBackend(chunk_rows=33, passes="triton")
-    try:
-        ours = grads_of(loss, q.float(), k.float(), scale)
-        bad = q.float().clone()
-        bad[5, 1] = float("nan")
-        rows = cal_inf_loss(bad, k.float(), None, 3.0, reduction="none", backend="chunked")
-    finally:
-        chunked.BACKEND = saved
+    def loss(q_, k_, s_):
+        return cal_inf_loss(q_, k_, None, s_, symmetric=True, reduction="none", backend=route)
+
+    ours = grads_of(loss, q.float(), k.float(), scale)
+    bad = q.float().clone()
+    bad[5, 1] = float("nan")
+    rows = cal_inf_loss(bad, k.float(), None, 3.0, reduction="none", backend=route)
     want = grads_of(lambda q_, k_, s_: truth.truth_losses(q_, k_, None, s_, True), q, k, scale.double())
     for name, a, b in zip(("loss", "dq", "dk", "dscale"), ours, want):
         assert_close_verbose(a, b, 1e-5, 1e-5, f"ties {name}")
     assert torch.isnan(rows).tolist() == [i == 5 for i in range(70)]
+
+
+# ---- the budget on a GPU's terms, with stand-ins for its products --------------------------------------------
+
+
+def _gpu_product_stand_ins(monkeypatch, tracker):
+    """cuBLAS's products as the GPU runs them, on CPU tensors: ``mm(out_dtype=float32, out=S)`` writes into the
+    workspace and ``addmm(out_dtype=float32, out=acc)`` accumulates in place, allocating nothing (their float32
+    arithmetic runs with the tracker paused: the GPU op has no such temporaries)."""
+
+    def mm_f32(a, b, out):
+        with tracker.paused():
+            torch.mm(a.float(), b.float(), out=out)
+        return out
+
+    def addmm_f32(acc, a, b):
+        with tracker.paused():
+            acc.addmm_(a.float(), b.float())
+        return acc
+
+    monkeypatch.setattr(products, "mm_f32", mm_f32)
+    monkeypatch.setattr(products, "addmm_f32", addmm_f32)
+
+
+def _on_a_gpu(in_gemm):
+    """The chunked route planning as on a GPU (cuBLAS products, the Triton passes) for CPU tensors, its block
+    operations recorded by the innermost LiveBuffers."""
+    from test_chunked import recording_inside
+
+    class OnAGpu(ChunkedBackend):
+        def plan(self, block):
+            # chunk_rows past any C: the budget alone sizes the chunks (no small-block hand-off)
+            return plan.plan_block(block, plan.budget_bytes(self.budget_mb), 10**6, "triton", True, True, in_gemm)
+
+        def for_call(self):
+            return self
+
+    return recording_inside(OnAGpu)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+@pytest.mark.parametrize("in_gemm", (True, False), ids=("in-gemm", "product-and-add"))
+def test_the_budget_is_the_peak_on_a_gpu(kernels, monkeypatch, dtype, in_gemm):
+    """The GPU's memory, counted with weak references on CPU tensors: with the products standing in for cuBLAS's
+    (allocating as ``torch.mm(out_dtype=, out=)`` and ``addmm`` do) and the Triton passes, the peak inside the
+    route's block operations, the float32 dq and dk included, stays within the budget at every chunk, and at most
+    two [C, Bk] buffers (S and dS; S alone in the forward) are alive at once. 4 chunks of C = 64 rows."""
+    from helpers.live_buffers import LiveBuffers
+
+    if in_gemm != plan.gemm_accumulates(False, dtype, None) and dtype != torch.bfloat16:
+        pytest.skip("float16 always adds a product (its dS rows are rescaled), float32 always accumulates (addmm_)")
+    bq, bk, d = 256, 512, 40
+    q, k, labels = features_and_labels(bq, bk, d, "random", dtype, seed=12)
+    budget_mb = 0.5
+    monkeypatch.setattr(plan, "scores_runs", lambda device: True)  # a GPU torch with mm(..., out_dtype, out=)
+    route = _on_a_gpu(in_gemm)(budget_mb=budget_mb)
+    c = route.plan(Block(q=q, k=k, scale=torch.tensor(1.0), pos=labels)).rows
+    assert c == 64 and bq % c == 0  # whole chunks of the GPU's 64-row alignment: several of them
+    sizes = {c * bk * e for e in (4, torch.empty((), dtype=dtype).element_size())}
+    q, k, scale = (t.detach().requires_grad_() for t in (q, k, torch.tensor(10.0)))
+    with LiveBuffers(sizes) as tracker:
+        _gpu_product_stand_ins(monkeypatch, tracker)
+        loss = cal_inf_loss(q, k, labels, scale, backend=route)
+        forward_sized = tracker.peak_sized
+        loss.backward()
+    assert 0 < tracker.peak <= budget_mb * 2**20, (tracker.peak, budget_mb)
+    assert forward_sized == 1 and tracker.peak_sized == 2

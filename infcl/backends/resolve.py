@@ -9,8 +9,14 @@ backend object that runs a call.
 - "triton":    the fused Triton kernels (:mod:`.triton`, infcl/kernels/), CUDA tensors (or CPU tensors under
   TRITON_INTERPRET=1).
 - "chunked":   the exact chunked route (:mod:`.chunked`: cuBLAS products with float32 scores, the Triton passes of
-  infcl/kernels/chunked_softmax.py; docs/chunked.md), the softmax loss on CUDA tensors (CPU tensors for tests);
-  it hands the sigmoid loss to the fused kernels, and the distillation loss and the ranks have none.
+  infcl/kernels/chunked_softmax.py and chunked_sigmoid.py; docs/chunked.md), the softmax and sigmoid losses on
+  CUDA tensors (CPU tensors for tests); the distillation loss and the ranks have none.
+
+A call names a backend by its name, or by a backend object with its own options (``backend=
+infcl.backends.ChunkedBackend(budget_mb=512)``, ``TritonBackend(tiling=...)``, ``TorchTilesBackend(tile_q=...)``):
+the object runs the call as the name would, with its options. :func:`call_backend` is the one place a call's
+backend is chosen, and where the environment is read, once per call (INFCL_BACKEND; the chunked route's
+INFCL_CHUNK_BUDGET_MB through ``ChunkedBackend.for_call``).
 
 Each backend is one object with every API's block operations (:mod:`infcl.contract`): a folder per backend,
 a file per loss inside. ``backend="auto"`` reads :data:`AUTO`; where the backend it names cannot run on a
@@ -27,13 +33,16 @@ Every backend runs the mask options of ``cal_inf_loss`` (ids, ``multi_positive``
 
 import importlib
 import os
-import sys
-import warnings
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from .once import constant_for_compile, warn_once
+
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton", "chunked")
+# The backends a call may also name by an object with its own options (``backend=ChunkedBackend(budget_mb=512)``,
+# ``TritonBackend(tiling=...)``, ``TorchTilesBackend(tile_q=...)``): every object's ``name`` is one of these.
+OBJECT_BACKENDS = ("torch", "cpu", "triton", "chunked")
 ENV_VAR = "INFCL_BACKEND"
 
 # What "auto" runs, per call kind and device type, when that backend can run there (else the torch tiles;
@@ -99,37 +108,32 @@ def unavailable_reason(name: str, device: torch.device):
     return why if module is None else module.unavailable_reason(device)
 
 
-_WARNED = set()
+def backend_name(backend) -> str:
+    """The name the user's ``backend`` argument stands for: one of :data:`BACKENDS`, or a backend object's ``name``
+    (an object of :data:`OBJECT_BACKENDS`' classes with its own options, e.g. ``ChunkedBackend(budget_mb=512)``)."""
+    if isinstance(backend, str):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        return backend
+    if getattr(backend, "name", None) not in OBJECT_BACKENDS:
+        raise TypeError(
+            f"backend must be one of {BACKENDS} or a backend object such as "
+            f"infcl.backends.ChunkedBackend(budget_mb=512), got {type(backend).__name__}"
+        )
+    return backend.name
 
 
-def warn_once(message: str) -> None:
-    """One warning per distinct message per process (the fallback is chosen at every call)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def constant_for_compile(fn):
-    """torch.compile runs ``fn`` while tracing and keeps its result as a constant (no graph break on the
-    imports, driver queries and warnings inside); eager calls are unchanged.
-
-    ``torch.compiler.assume_constant_result`` only sets ``fn._dynamo_marked_constant`` (torch 2.4 to 2.13),
-    but calling it imports torch._dynamo, which imports triton and costs about a second: importing infcl
-    must load neither. So the mark is set directly unless dynamo is already loaded.
-    """
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
+def _env_backend() -> str:
+    """INFCL_BACKEND, validated (read once per call: :func:`call_backend`)."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and env not in BACKENDS:
+        raise ValueError(f"environment variable {ENV_VAR} must be one of {BACKENDS}, got {env!r}")
+    return env
 
 
 @constant_for_compile
-def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str:
-    """Turn the user's ``backend`` argument (and INFCL_BACKEND for "auto") into a concrete name for a call of
-    ``kind`` (a key of :data:`AUTO`) on ``device``. An explicit backend that cannot run raises RuntimeError
-    saying why; "reference" for a kind without one (:data:`NO_REFERENCE`) raises NotImplementedError."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def _resolve(backend: str, device: torch.device, kind: str, env: str) -> str:
+    """:func:`resolve_backend` for the name ``backend`` with INFCL_BACKEND's value ``env`` ("" when unset)."""
     if backend == "reference" and kind in NO_REFERENCE:
         raise NotImplementedError(
             f"{NO_REFERENCE[kind]} has no backend='reference' (it would materialize the B x B scores); use 'auto', "
@@ -140,12 +144,8 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
             f"{NO_CHUNKED[kind]} has no backend='chunked' (the softmax loss's route); use 'auto', 'torch', 'cpu' or "
             f"'triton'"
         )
-    if backend == "auto":
-        env = os.environ.get(ENV_VAR, "").strip()
-        if env:
-            if env not in BACKENDS:
-                raise ValueError(f"environment variable {ENV_VAR} must be one of {BACKENDS}, got {env!r}")
-            backend = env
+    if backend == "auto" and env:
+        backend = env
     if backend == "auto":
         return _auto(device, kind)
     if backend == "reference" and kind in NO_REFERENCE:
@@ -156,6 +156,15 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
     if why is not None:
         raise RuntimeError(why)
     return backend
+
+
+def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str:
+    """Turn the user's ``backend`` argument (a name or a backend object; and INFCL_BACKEND for "auto") into a
+    concrete name for a call of ``kind`` (a key of :data:`AUTO`) on ``device``. An explicit backend that cannot
+    run raises RuntimeError saying why; "reference" for a kind without one (:data:`NO_REFERENCE`) raises
+    NotImplementedError."""
+    name = backend_name(backend)
+    return _resolve(name, device, kind, _env_backend() if name == "auto" else "")
 
 
 def _auto(device: torch.device, kind: str) -> str:
@@ -174,21 +183,24 @@ def _auto(device: torch.device, kind: str) -> str:
     return "torch"
 
 
-def measured_route(name: str, kind: str, q: torch.Tensor, k: torch.Tensor) -> str:
+def measured_route(name: str, kind: str, q: torch.Tensor, k: torch.Tensor, budget_mb: Optional[float] = None) -> str:
     """What "auto" runs for a call of ``kind`` on the blocks of ``q`` [Bq, D] and ``k`` [Bk, D], given ``name``,
-    :func:`resolve_backend`'s answer for it: "chunked" where :data:`CHUNKED_FROM` measured the route faster than
-    the fused kernels on this GPU family and dtype from this Bq on and the workspace budget fits it
-    (:func:`infcl.backends.chunked.auto.measured_faster`), else ``name``. Call it only for ``backend="auto"``;
-    an INFCL_BACKEND override keeps its name."""
-    if name != "triton" or kind != "softmax" or not CHUNKED_FROM or os.environ.get(ENV_VAR, "").strip():
+    the resolver's answer for it: "chunked" where :data:`CHUNKED_FROM` measured the route faster than the fused
+    kernels on this GPU family and dtype from this Bq on and the workspace budget (``budget_mb``: the chunked
+    route's default, :meth:`ChunkedBackend.for_call`'s) fits it (:func:`infcl.backends.chunked.auto.measured_faster`),
+    else ``name``. Only for ``backend="auto"`` without an INFCL_BACKEND override (:func:`call_backend` says when)."""
+    if name != "triton" or kind != "softmax" or not CHUNKED_FROM:
         return name
     module, why = _backend_module("chunked")
-    faster = why is None and module.measured_faster(q, k, CHUNKED_FROM, module.BACKEND.budget_mb)
-    return "chunked" if faster else name
+    if why is not None:
+        return name
+    if budget_mb is None:
+        budget_mb = module.BACKEND.for_call().budget_mb
+    return "chunked" if module.measured_faster(q, k, CHUNKED_FROM, budget_mb) else name
 
 
 def backend_object(name: str):
-    """The backend object of ``name`` ("torch", "cpu", "triton", "chunked"): every API's block operations
+    """The default backend object of ``name`` ("torch", "cpu", "triton", "chunked"): every API's block operations
     (:mod:`infcl.contract`)."""
     module, why = _backend_module(name)
     if module is None:
@@ -196,7 +208,28 @@ def backend_object(name: str):
     return module.BACKEND
 
 
+def call_backend(backend, device: torch.device, kind: str, operands=None) -> Tuple[str, object]:
+    """(name, backend object) that run one call of ``kind`` on ``device`` with the user's ``backend`` (a name or
+    a backend object, :func:`backend_name`); the object is None for "reference". The environment is read here,
+    once per call: INFCL_BACKEND for "auto", and each backend's own variables by its ``for_call()`` (the chunked
+    route's INFCL_CHUNK_BUDGET_MB), whose result the call's blocks share. ``operands``: (q, k) where "auto" may
+    take the chunked route (:func:`measured_route`: a plain softmax loss)."""
+    name = backend_name(backend)
+    env = _env_backend() if name == "auto" else ""
+    resolved = _resolve(name, device, kind, env)
+    chosen = backend if not isinstance(backend, str) else None
+    if name == "auto" and not env and operands is not None:
+        default = backend_object("chunked").for_call() if CHUNKED_FROM else None
+        resolved = measured_route(resolved, kind, *operands, None if default is None else default.budget_mb)
+        chosen = default if resolved == "chunked" else None
+    if resolved == "reference":
+        return resolved, None
+    chosen = backend_object(resolved) if chosen is None else chosen
+    for_call = getattr(chosen, "for_call", None)
+    return resolved, chosen if for_call is None else for_call()
+
+
 def backend_for(backend, device: torch.device, kind: str):
     """The backend object that runs a call of ``kind`` with the user's ``backend`` on ``device``
-    (:func:`resolve_backend`, then :func:`backend_object`)."""
-    return backend_object(resolve_backend(backend, device, kind))
+    (:func:`call_backend`)."""
+    return call_backend(backend, device, kind)[1]

@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 
-from ..resolve import unavailable_reason as backend_reason
 from .auto import measured_faster
 from .backend import BACKEND, ChunkedBackend
 
@@ -34,7 +33,9 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     if device.type == "cpu":
         return None
     if device.type == "cuda":
-        why = backend_reason("triton", device)
+        from ..triton.available import unavailable_reason as triton_reason
+
+        why = triton_reason(device)
         return None if why is None else f"backend 'chunked' needs the Triton kernels on CUDA: {why}"
     return f"backend 'chunked' runs on CUDA tensors (and CPU tensors, for tests), not on {device.type}"
 

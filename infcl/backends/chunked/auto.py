@@ -14,19 +14,19 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .plan import MIN_CHUNK_ROWS, ROW_ALIGN, budget_bytes, entry_bytes, fitting_rows
+from .plan import MIN_CHUNK_ROWS, ROW_ALIGN, budget_bytes, footprint, gemm_accumulates
 
 
 def measured_faster(
     q: torch.Tensor,
     k: torch.Tensor,
     table: Dict[Tuple[int, str], int],
-    budget_mb: Optional[float],
+    budget_mb: float,
     family: Optional[int] = None,
 ) -> bool:
     """Whether ``table`` says the route is faster for ``q`` [Bq, D] against ``k`` [Bk, D] on GPU ``family`` (None:
-    the active target's, :func:`infcl.kernels.target.target_family`) and the workspace budget (``budget_mb``, as
-    :func:`.plan.budget_bytes` reads it) fits at least :data:`.plan.MIN_CHUNK_ROWS` rows of it."""
+    the active target's, :func:`infcl.kernels.target.target_family`) and the budget (``budget_mb`` MiB, the call's:
+    :func:`.plan.call_budget_mb`) fits at least :data:`.plan.MIN_CHUNK_ROWS` rows of it."""
     if family is None:
         from ...kernels.target import target_family
 
@@ -34,6 +34,7 @@ def measured_faster(
     threshold = table.get((family, str(q.dtype).replace("torch.", "")))
     if threshold is None or q.shape[0] < threshold:
         return False
-    per_entry = entry_bytes(True, True, q.dtype)
-    rows = fitting_rows(q.shape[0], k.shape[0], q.shape[1], budget_bytes(budget_mb), per_entry, ROW_ALIGN)
+    (n_q, dim), n_k = q.shape, k.shape[0]
+    need = footprint(n_q, n_k, dim, q.dtype, True, True, gemm_accumulates(True, q.dtype, q.device))
+    rows = need.fitting_rows(n_q, budget_bytes(budget_mb), ROW_ALIGN)
     return rows >= MIN_CHUNK_ROWS

@@ -10,15 +10,17 @@ Each row's stats are complete after its chunk; only the columns' are merged acro
 :func:`infcl.lse.lse_merge` in chunk order. The backward recomputes ``raw`` by the same call, and per chunk:
 
     ds     = grad pass over raw         dS * factor in the operand dtype, and the scale gradient's parts
-    dq_c  += ds @ k,  dk += ds.T @ q_c   cuBLAS, float32 results added to the float32 dq and dk in chunk order
+    dq_c  += ds @ k,  dk += ds.T @ q_c   cuBLAS, accumulated into the float32 dq and dk inside the GEMM
+                                         (beta = 1) in chunk order, where this torch has it (:mod:`.products`)
 
 GEMM-equivalents per block (2 * Bq * Bk * D flops each): forward 1, backward 3 (the scores again, dq, dk), so 4
 against the fused kernels' 5 at D <= 256 and 7 at D = 512. HBM beyond the products' own operands: per S entry 4
 bytes written and 4 read in the forward, 4 + 4 + 2 (the scores, dS written) and 2 x 2 (dS read by both products)
-in the backward. No float atomics anywhere; every sum has a fixed order, so reruns are bit-identical.
+in the backward; the scores are written into the workspace by the product itself, and the workspace is
+allocated once per block and phase (:mod:`.workspace`; the forward has no dS). No float atomics anywhere; every sum has a fixed order, so reruns are bit-identical.
 
 Where the route does not fit a block it hands it to the fused kernels (:func:`infcl.backends.chunked.plan.plan_block`
-says when); the SigLIP loss always (:mod:`.sigmoid`).
+says when). The SigLIP loss: :mod:`.sigmoid`.
 """
 
 from typing import Optional, Tuple
@@ -31,23 +33,7 @@ from . import torch_passes
 from .options import ChunkedOptions, fused
 from .plan import ChunkPlan, HandOff
 from .products import Products
-
-
-class _Workspace:
-    """The route's [C, Bk] buffers for one block, allocated once (flat) and viewed per chunk."""
-
-    def __init__(self, plan: ChunkPlan, n_k: int, device: torch.device):
-        self.n_k = n_k
-        size = plan.rows * n_k
-        self.raw = None if plan.cublas and plan.operand != torch.float32 else torch.empty(size, device=device)
-        self.ds = torch.empty(size, dtype=plan.ds_dtype, device=device)
-        self.scratch = [] if plan.triton_passes else [torch.empty(size, device=device) for _ in range(2)]
-
-    def view(self, buf: Optional[Tensor], n: int) -> Optional[Tensor]:
-        return None if buf is None else buf[: n * self.n_k].view(n, self.n_k)
-
-    def scratch_views(self, n: int):
-        return [self.view(b, n) for b in self.scratch]
+from .workspace import Workspace
 
 
 class ChunkedSoftmax(ChunkedOptions):
@@ -66,13 +52,13 @@ class ChunkedSoftmax(ChunkedOptions):
         if isinstance(plan, HandOff):
             return fused(block.q.device).forward_block(block, symmetric)
         passes, products = self._passes(plan), Products(block, plan)
-        (n_q, _), n_k, dev = block.q.shape, block.k.shape[0], block.q.device
-        work = _Workspace(plan, n_k, dev)
+        (n_q, dim), n_k, dev = block.q.shape, block.k.shape[0], block.q.device
+        work = Workspace(plan, n_k, dim, dev, grad=False)
         rows = torch.empty(3, n_q, device=dev)
         cols = empty_stats(n_k, torch.float32, dev) if symmetric else None
         for c in plan.chunks(n_q):
             n = c.stop - c.start
-            raw = products.scores(c, work.view(work.raw, n))
+            raw = products.scores(c, work.scores(n))
             extra = () if plan.triton_passes else (work.scratch_views(n),)
             part = passes.chunk_stats(raw, block.scale, block.pos[c], symmetric, rows[:, c], *extra)
             if symmetric:
@@ -84,15 +70,15 @@ class ChunkedSoftmax(ChunkedOptions):
         if isinstance(plan, HandOff):
             return fused(block.q.device).backward_block(block, dq, dk)
         passes, products = self._passes(plan), Products(block, plan)
-        n_q, n_k, dev = block.q.shape[0], block.k.shape[0], block.q.device
+        (n_q, dim), n_k, dev = block.q.shape, block.k.shape[0], block.q.device
         symmetric = block.symmetric
-        work = _Workspace(plan, n_k, dev)
+        work = Workspace(plan, n_k, dim, dev, grad=True)
         g_col_max = block.g_col.abs().max() if symmetric and plan.row_scaled else None
         dscale = torch.zeros(2, device=dev)
         for c in plan.chunks(n_q):
             n = c.stop - c.start
-            raw = products.scores(c, work.view(work.raw, n))
-            ds = work.view(work.ds, n)
+            raw = products.scores(c, work.scores(n))
+            ds = work.grad(n)
             factor, gamma = products.row_factor(block, c, g_col_max)
             extra = () if plan.triton_passes else (work.scratch_views(n),)
             dscale += passes.chunk_grad(
@@ -108,7 +94,7 @@ class ChunkedSoftmax(ChunkedOptions):
                 plan.operand,
                 *extra,
             )
-            products.accumulate(ds, c, block, gamma, dq, dk)
+            products.accumulate(ds, c, block, gamma, dq, dk, work)
         return dscale
 
     def guide_label_scores(self, guide_q: Tensor, guide_k: Tensor, pos: Tensor, feature_dtype: torch.dtype) -> Tensor:

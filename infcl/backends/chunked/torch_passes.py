@@ -13,9 +13,7 @@ import torch
 
 from ...lse import tile_stats
 from ..torch_tiles.softmax import TileMasks, probabilities
-
-# Rows rounded to the operand dtype at a time: the rounding's temporary stays O(ROUND_ROWS * Bk).
-ROUND_ROWS = 64
+from .plan import ROUND_ROWS
 
 
 def _positives(pos: torch.Tensor):

@@ -1,0 +1,62 @@
+"""A count of the tensors alive at once: every tensor an op allocates (its storage shares none of its inputs')
+is followed by a weak reference until it is freed, under a TorchDispatchMode. The peak bytes, and the peak number
+of buffers of given sizes (the [C, Bk] ones), are recorded while :attr:`LiveBuffers.recording` is set; :meth:`paused` leaves a
+stand-in's own temporaries out (what the GPU op it stands for would not allocate)."""
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class LiveBuffers(TorchDispatchMode):
+    """``sizes``: the byte counts of the buffers :attr:`peak_sized` counts (a [C, Bk] buffer's in each dtype)."""
+
+    def __init__(self, sizes=()):
+        super().__init__()
+        self.sizes = set(sizes)
+        self.live = {}  # storage pointer -> bytes
+        self.peak = self.peak_sized = 0
+        self.recording = False
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused, saved = True, self._paused
+        try:
+            yield
+        finally:
+            self._paused = saved
+
+    def live_bytes(self) -> int:
+        return sum(self.live.values())
+
+    def _record(self):
+        if self.recording:
+            self.peak = max(self.peak, self.live_bytes())
+            self.peak_sized = max(self.peak_sized, sum(1 for n in self.live.values() if n in self.sizes))
+
+    def _forget(self, key: int):
+        self.live.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
+        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                continue
+            key = _storage_key(t)
+            if key in inputs or key in self.live:
+                continue
+            self.live[key] = t.untyped_storage().nbytes()
+            weakref.finalize(t, self._forget, key)
+        self._record()
+        return out
