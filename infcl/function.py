@@ -10,6 +10,10 @@ gradients, per row and per column) to the driver, which recomputes the tiles.
 :class:`SigmoidLossFunction` (SigLIP): the same driver with the sigmoid loss's block steps; it saves
 only q, k, the labels, the scale and the bias (the backward needs no forward statistics).
 
+:class:`SigmoidOnePassFunction` (SigLIP reduced by "mean" or "sum", on a backend that takes a block's loss and
+gradient in one pass: the chunked route): its forward takes the loss and the gradient for a unit upstream
+gradient at once and saves dq, dk (float32) and the parameters' gradients; its backward scales them.
+
 :class:`DistillLossFunction` (open_clip's distillation term): the same driver with the distillation loss's
 block steps (:mod:`infcl.losses.distill`); it saves q, k, the teacher's features and scale and the ``[4, n]``
 stats (the student's and the teacher's); the teacher gets no gradient.
@@ -23,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from .contract import accum_dtype
 from .losses.distill import DistillSteps, DistillUpstream
-from .losses.sigmoid import SigmoidSteps, SigmoidUpstream
+from .losses.sigmoid import SigmoidOnePassSteps, SigmoidSteps, SigmoidUpstream
 from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .ring.driver import ring_backward, ring_forward
@@ -132,6 +136,44 @@ class SigmoidLossFunction(torch.autograd.Function):
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, None)
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None
+
+
+def one_pass_sigmoid(backend, reduction: str, needs_grad: bool) -> bool:
+    """Whether a sigmoid loss call runs :class:`SigmoidOnePassFunction`: a reduced loss ("mean", "sum": every row's
+    upstream gradient the same) whose gradient is wanted, on a backend with ``sigmoid_loss_and_grad_block``."""
+    return needs_grad and reduction in ("mean", "sum") and hasattr(backend, "sigmoid_loss_and_grad_block")
+
+
+class SigmoidOnePassFunction(torch.autograd.Function):
+    """The sigmoid loss of this rank's rows reduced by ``reduction`` ("mean": over the local rows, or "sum"), 0-d.
+
+    Forward: the ring's backward loop with a unit upstream gradient (:class:`SigmoidOnePassSteps`) gives each row's
+    loss and dq, dk and the (scale, bias) gradients of the rows' sum at once; they are saved (float32, O(B * D)).
+    Backward: the upstream gradient g times the reduction's weight (1 / Bq for "mean") times the saved gradients:
+    exact, since every row's upstream gradient is that one weight. Under a ring, the gradients are those of
+    :class:`SigmoidLossFunction` (every rank's loss for the features, this rank's own for the parameters)."""
+
+    @staticmethod
+    def forward(ctx, q, k, scale, bias, labels, plan: LossPlan, reduction: str):
+        scale_t, bias_t = device_scale(scale, q), device_scale(bias, q)
+        steps = SigmoidOnePassSteps(bias_t)
+        rows = steps.init_rows(q.shape[0], scale_t.dtype, q.device)
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, steps, plan.backend, plan.layout, rows, None)
+        ctx.save_for_backward(dq, dk, dparams)
+        ctx.weight = 1.0 / max(q.shape[0], 1) if reduction == "mean" else 1.0
+        ctx.dtypes = (q.dtype, k.dtype)
+        ctx.param_meta = (_param_meta(scale), _param_meta(bias))
+        return rows.loss.mean() if reduction == "mean" else rows.loss.sum()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        dq, dk, dparams = ctx.saved_tensors
+        weight = g.to(dq.dtype) * ctx.weight
+        grads = [
+            _param_grad(ctx.needs_input_grad[2 + i], dparams[i] * weight, meta) for i, meta in enumerate(ctx.param_meta)
+        ]
+        return (dq * weight).to(ctx.dtypes[0]), (dk * weight).to(ctx.dtypes[1]), *grads, None, None, None
 
 
 class DistillLossFunction(torch.autograd.Function):

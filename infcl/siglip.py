@@ -3,9 +3,9 @@
 import torch
 
 from .api import call_layout, reduce_losses
-from .backends import backend_object, resolve_backend
+from .backends import call_backend
 from .checks import check_features, check_reduction, global_labels, local_labels, make_bias, make_scale
-from .function import LossPlan, SigmoidLossFunction
+from .function import LossPlan, SigmoidLossFunction, SigmoidOnePassFunction, one_pass_sigmoid
 from .reference import sigmoid_reference_losses
 from .ring.layout import rejected_everywhere, ring_group
 
@@ -21,7 +21,7 @@ def cal_siglip_loss(
     *,
     reduction: str = "mean",
     group=None,
-    backend: str = "auto",
+    backend="auto",
 ) -> torch.Tensor:
     """Sigmoid (SigLIP) loss over L = scale * image @ text.T + bias, exact, without materializing L.
 
@@ -39,7 +39,8 @@ def cal_siglip_loss(
         group: torch.distributed process group for the ring over ranks (default: the world group when
             torch.distributed is initialized). Each rank passes its local shard and gets the loss of
             its local rows against every rank's text, as open_clip's ``SigLipLoss(rank, world_size)``.
-        backend: "auto" | "torch" | "cpu" | "triton" | "reference" (materialized logits), as for
+        backend: "auto" | "torch" | "cpu" | "triton" | "chunked" | "reference" (materialized logits), or a
+            backend object with its options (``infcl.backends.ChunkedBackend(budget_mb=512)``), as for
             ``cal_inf_loss``; INFCL_BACKEND overrides "auto".
 
     Returns:
@@ -54,7 +55,7 @@ def cal_siglip_loss(
     with rejected_everywhere(ring):
         check_features(image, text, NAMES)
         check_reduction(reduction)
-        name = resolve_backend(backend, image.device, "sigmoid")
+        name, block_backend = call_backend(backend, image.device, "sigmoid")
         scale_t = make_scale(scale)
         bias_t = make_bias(bias)
         labels_t = local_labels(labels, image)
@@ -62,7 +63,10 @@ def cal_siglip_loss(
     labels_t = global_labels(labels_t, image, layout, symmetric=False, names=NAMES)
     if name == "reference":
         rows = sigmoid_reference_losses(image, text, scale_t, bias_t, labels_t, layout)
-    else:
-        plan = LossPlan(backend=backend_object(name), symmetric=False, layout=layout)
-        rows = SigmoidLossFunction.apply(image, text, scale_t, bias_t, labels_t, plan)
+        return reduce_losses(rows, reduction)
+    plan = LossPlan(backend=block_backend, symmetric=False, layout=layout)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (image, text, scale_t, bias_t))
+    if one_pass_sigmoid(block_backend, reduction, needs_grad):  # the chunked route: loss and gradient at once
+        return SigmoidOnePassFunction.apply(image, text, scale_t, bias_t, labels_t, plan, reduction)
+    rows = SigmoidLossFunction.apply(image, text, scale_t, bias_t, labels_t, plan)
     return reduce_losses(rows, reduction)

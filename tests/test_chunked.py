@@ -413,3 +413,157 @@ def test_nan_features_give_nan_losses():
     pairs = cal_inf_loss(q, k, labels, 5.0, symmetric=True, reduction="none", backend=route)
     assert torch.isnan(rows).tolist() == [i == 4 for i in range(20)]
     assert bool(torch.isnan(pairs).all())
+
+
+# ---- the sigmoid (SigLIP) loss -------------------------------------------------------------------------------
+
+
+class GemmFlops:
+    """Counts the products' flops (aten mm / addmm, in place or not) under a TorchDispatchMode."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.flops = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in ("mm", "addmm", "addmm_"):
+                    a, b = args[-2:] if name != "mm" else args[:2]
+                    counter.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+def _siglip_on(backend, labels, reduction):
+    return lambda q, k, s, b: cal_siglip_loss(q, k, s, b, labels, reduction=reduction, backend=backend)
+
+
+def _siglip(labels, reduction, **options):
+    """The chunked route's sigmoid loss with ``options`` (ChunkedBackend's), set from the call."""
+    return _siglip_on(ChunkedBackend(**options), labels, reduction)
+
+
+@pytest.mark.parametrize("reduction,forward,backward", (("mean", 3, 0), ("sum", 3, 0), ("none", 1, 3)))
+def test_siglip_gemm_equivalents(reduction, forward, backward):
+    """A reduced loss takes its gradient in the forward's one pass: 3 GEMM-equivalents (S, dq, dk), none in the
+    backward; "none" (per-row upstream gradients) takes 1 + 3; a forward that takes no gradient, 1."""
+    bq, bk, d = 40, 56, 8
+    q, k, labels = features_and_labels(bq, bk, d, "random", torch.bfloat16, seed=13)
+    loss = _siglip(labels, reduction, chunk_rows=9)
+    leaves = [t.detach().requires_grad_() for t in (q, k, torch.tensor(5.0), torch.tensor(-3.0))]
+    one = 2 * bq * bk * d
+    counted = GemmFlops()
+    with counted.mode:
+        out = loss(*leaves)
+    assert counted.flops == forward * one
+    counted.flops = 0
+    with counted.mode:
+        out.sum().backward()
+    assert counted.flops == backward * one
+    with torch.no_grad(), counted.mode:
+        counted.flops = 0
+        loss(*leaves)
+    assert counted.flops == one
+
+
+SIGLIP_CASES = ((37, 37, 5, "perm"), (23, 61, 7, "random"), (40, 40, 64, "diag"))
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("reduction", ("mean", "sum", "none"))
+@pytest.mark.parametrize("bq,bk,rows,labels_kind", SIGLIP_CASES)
+def test_siglip_against_float64_truth(dtype, reduction, bq, bk, rows, labels_kind):
+    """Loss, the features', scale's and bias's gradients against float64 (relative to the magnitudes of their
+    terms, support.siglip_magnitudes) in every reduction (mixed-sign, zero and large per-row upstream gradients
+    for "none", a negative one for "mean"), labels, Bk > Bq, every chunking: fp32 to its tolerance, bf16 / fp16 no
+    worse than torch's own loss in that dtype."""
+    from helpers.support import grads_of_inputs, siglip_magnitudes, siglip_truth
+
+    q, k, labels = features_and_labels(bq, bk, 24, labels_kind, dtype, seed=bq + rows)
+    scale, bias = torch.tensor(10.0), torch.tensor(-4.0)
+    upstream = _upstream(bq) if reduction == "none" else torch.tensor(-0.7, dtype=torch.float64)
+    ours = grads_of_inputs(_siglip(labels, reduction, chunk_rows=rows), (q, k, scale, bias), upstream)
+    want = grads_of_inputs(
+        lambda *a: siglip_truth(*a, labels, reduction),
+        (q.double(), k.double(), scale.double(), bias.double()),
+        upstream,
+    )
+    names = ("loss", "dq", "dk", "dscale", "dbias")
+    if dtype == torch.float32:
+        atol, rtol = TOLERANCE[dtype]
+        sizes = siglip_magnitudes(q, k, scale, bias, labels, reduction, upstream)
+        for name, a, b, size in zip(names, ours, want, sizes):
+            assert_close_verbose(a, b, atol, rtol, f"{name} C={rows}", magnitude=size)
+        return
+    vanilla = grads_of_inputs(
+        lambda q_, k_, s_, b_: siglip_truth(q_, k_, s_.to(dtype), b_.to(dtype), labels, reduction),
+        (q, k, scale, bias),
+        upstream,
+    )
+    for name, a, v, b in zip(names, ours, vanilla, want):
+        _no_worse_than_vanilla(a, v, b, dtype, f"{dtype} {reduction} {name} C={rows}")
+
+
+def test_siglip_one_pass_is_the_two_pass_gradient():
+    """The one-pass gradient scaled by the upstream gradient equals the 4-GEMM route's under the same uniform
+    upstream gradient ("none" with every row's weight 1/B): the same dS, products and sums, up to rounding the
+    weight before (4-GEMM) or after (one pass) the operand rounding; bit for bit where the weight is a power of 2."""
+    from helpers.support import grads_of_inputs
+
+    q, k, labels = features_and_labels(32, 48, 16, "random", torch.bfloat16, seed=14)
+    params = (torch.tensor(7.0), torch.tensor(-2.0))
+    one_pass = grads_of_inputs(_siglip(labels, "mean", chunk_rows=6), (q, k, *params))
+    uniform = torch.full((32,), 1 / 32, dtype=torch.float64)
+    two_pass = grads_of_inputs(_siglip(labels, "none", chunk_rows=6), (q, k, *params), uniform)
+    assert torch.equal(one_pass[0], two_pass[0].mean())
+    for name, a, b in zip(("dq", "dk", "dscale", "dbias"), one_pass[1:], two_pass[1:]):
+        assert torch.equal(a, b), name
+
+
+def test_siglip_reruns_nan_and_handoffs():
+    """Reruns are bit-identical; a NaN feature makes its row's loss NaN; float64 and a budget too small run the
+    fused route (the torch tiles on CPU): bit for bit for "none"; for "mean" its forward and backward under a
+    unit upstream gradient, scaled after (to round-off of that scaling)."""
+    from helpers.support import grads_of_inputs
+
+    q, k, labels = features_and_labels(30, 30, 8, "perm", torch.float32, seed=15)
+    params = (torch.tensor(6.0), torch.tensor(-1.0))
+    loss = _siglip(labels, "mean", chunk_rows=7)
+    first, second = (grads_of_inputs(loss, (q, k, *params)) for _ in range(2))
+    _same(first, second)
+    bad = q.clone()
+    bad[4, 1] = float("nan")
+    rows = _siglip(labels, "none", chunk_rows=7)(bad, k, *params)
+    assert torch.isnan(rows).tolist() == [i == 4 for i in range(30)]
+    for dtype, options in ((torch.float64, {}), (torch.float32, {"budget_mb": 1e-4})):
+        inputs = (q.to(dtype), k.to(dtype), *(p.to(dtype) for p in params))
+        for reduction in ("mean", "none"):
+            route = _siglip(labels, reduction, **options)
+            fused = _siglip_on("torch", labels, reduction)
+            ours, want = grads_of_inputs(route, inputs, None), grads_of_inputs(fused, inputs, None)
+            if reduction == "none":
+                _same(ours, want)
+            for a, b in zip(ours, want):
+                slack = 16 * torch.finfo(dtype).eps * float(b.abs().max())  # the dq, dk entries' sums cancel
+                assert_close_verbose(a, b, slack, 0, f"{dtype} {reduction}")
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_siglip_budget_is_the_peak_on_cpu(dtype):
+    """The one-pass forward holds what the backward does (S, dS, scratch, the float32 dq and dk): within the budget."""
+    from helpers.live_buffers import LiveBuffers
+
+    bq, bk, d = 256, 1024, 13
+    q, k, labels = features_and_labels(bq, bk, d, "random", dtype, seed=16)
+    route = recording_inside(ChunkedBackend)(budget_mb=0.75, chunk_rows=10**6, passes="torch")
+    c = route.for_call().plan(Block(q=q, k=k, scale=torch.tensor(1.0), pos=labels)).rows
+    assert 1 < c < bq and c != d
+    q, k, scale, bias = (t.detach().requires_grad_() for t in (q, k, torch.tensor(10.0), torch.tensor(-3.0)))
+    with LiveBuffers({c * bk * 4}) as tracker:
+        cal_siglip_loss(q, k, scale, bias, labels, backend=route).backward()
+    assert 0 < tracker.peak <= 0.75 * 2**20, tracker.peak
+    assert tracker.peak_sized == 4

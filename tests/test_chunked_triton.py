@@ -17,7 +17,7 @@ from helpers.support import (
     interpreting_triton,
     margin_features,
 )
-from infcl import cal_inf_loss
+from infcl import cal_inf_loss, cal_siglip_loss
 from infcl.backends.chunked import ChunkedBackend, plan, products, torch_passes
 from infcl.contract import Block
 
@@ -34,6 +34,15 @@ def kernels(monkeypatch):
 
     monkeypatch.setattr(chunked_softmax, "CHUNK_SPLIT_TILES", 1)
     return chunked_softmax
+
+
+@pytest.fixture
+def sigmoid_kernels(monkeypatch):
+    """The sigmoid pass's module with one tile a split (as :func:`kernels`)."""
+    from infcl.kernels import chunked_sigmoid
+
+    monkeypatch.setattr(chunked_sigmoid, "CHUNK_SPLIT_TILES", 1)
+    return chunked_sigmoid
 
 
 def _scores(c, n, seed):
@@ -212,3 +221,71 @@ def test_the_budget_is_the_peak_on_a_gpu(kernels, monkeypatch, dtype, in_gemm):
         loss.backward()
     assert 0 < tracker.peak <= budget_mb * 2**20, (tracker.peak, budget_mb)
     assert forward_sized == 1 and tracker.peak_sized == 2
+
+
+# ---- the sigmoid pass ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("operand", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("what", ("loss", "grad", "both"))
+@pytest.mark.parametrize("c,n", ((5, 300), (64, 128), (37, 70)))
+def test_sigmoid_pass_matches_the_torch_pass(sigmoid_kernels, operand, what, c, n):
+    """Row losses, dS (rounded to the operand) and the (scale, bias) parts, against the torch pass on the same
+    scores: ragged and whole tiles, several splits, positives in and out of the chunk, mixed-sign and zero g."""
+    raw, pos = _scores(c, n, seed=c * n)
+    params = torch.tensor([11.0, -4.0])
+    gen = torch.Generator().manual_seed(6)
+    g = torch.randn(c, generator=gen)
+    g[::4] = 0.0
+    factor = 1 / g.abs().clamp_min(0.5) if operand == torch.float16 else params[0]
+    loss, want_loss = (torch.empty(c) if what != "grad" else None for _ in range(2))
+    ds, want_ds = (torch.empty(c, n) if what != "loss" else None for _ in range(2))
+    parts = sigmoid_kernels.sigmoid_chunk(raw, params, pos, loss, ds, factor, g, operand)
+    want_parts = torch_passes.sigmoid_chunk(raw, params, pos, want_loss, want_ds, factor, g, operand, _scratch(c, n))
+    if loss is not None:
+        assert_close_verbose(loss, want_loss, 1e-6, 1e-6, "row losses")
+    if ds is None:
+        assert parts is None
+        return
+    assert torch.equal(ds.to(operand).float(), ds), "dS is not rounded to the operand dtype"
+    # One rounding of the operand apart, plus the two sigmoids' own few float32 ulps (the fused kernels'
+    # e / (1 + e) from e = exp(-|t|) against torch.sigmoid).
+    assert_close_verbose(ds, want_ds, 1e-7, 2 * torch.finfo(operand).eps + 8 * 2**-24, "dS")
+    assert_close_verbose(parts, want_parts, 1e-6, 1e-5, "(dscale, dbias)")
+
+
+@pytest.mark.parametrize(
+    "dtype,bq,bk,rows,reduction",
+    (
+        (torch.float32, 37, 37, 5, "mean"),
+        (torch.bfloat16, 23, 150, 7, "sum"),
+        (torch.float16, 40, 40, 16, "none"),
+        (torch.bfloat16, 40, 40, 16, "none"),
+    ),
+    ids=("fp32-mean", "bf16-labels-wide-sum", "fp16-none", "bf16-none"),
+)
+def test_sigmoid_route_against_float64_truth(sigmoid_kernels, dtype, bq, bk, rows, reduction):
+    """The SigLIP route on the Triton passes (one pass for "mean" / "sum", two for "none") against float64, to the
+    tolerance of the dtype relative to the magnitudes of the terms; reruns bit-identical."""
+    from helpers.support import grads_of_inputs, siglip_magnitudes, siglip_truth
+
+    q, k, labels = features_and_labels(bq, bk, 24, "random", dtype, seed=rows)
+    scale, bias = torch.tensor(10.0), torch.tensor(-5.0)
+    gen = torch.Generator().manual_seed(7)
+    upstream = torch.randn(bq, generator=gen, dtype=torch.float64) if reduction == "none" else None
+    route = ChunkedBackend(chunk_rows=rows, passes="triton")
+
+    def loss(*a):
+        return cal_siglip_loss(*a, labels, reduction=reduction, backend=route)
+
+    ours, again = (grads_of_inputs(loss, (q, k, scale, bias), upstream) for _ in range(2))
+    want = grads_of_inputs(
+        lambda *a: siglip_truth(*a, labels, reduction),
+        (q.double(), k.double(), scale.double(), bias.double()),
+        upstream,
+    )
+    sizes = siglip_magnitudes(q, k, scale, bias, labels, reduction, upstream)
+    atol, rtol = TOLERANCE[dtype]
+    for name, a, b, c, size in zip(("loss", "dq", "dk", "dscale", "dbias"), ours, want, again, sizes):
+        assert torch.equal(a, c), f"{name}: a rerun differs"
+        assert_close_verbose(a, b, atol, rtol, f"{dtype} {reduction} {name}", magnitude=size)

@@ -37,7 +37,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .once import constant_for_compile, warn_once
+from .once import _WARNED, constant_for_compile, warn_once  # noqa: F401 (_WARNED: the tests clear it)
 
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton", "chunked")
 # The backends a call may also name by an object with its own options (``backend=ChunkedBackend(budget_mb=512)``,

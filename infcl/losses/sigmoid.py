@@ -60,3 +60,24 @@ class SigmoidSteps(SummedParts):
     ) -> ParamGrads:
         own = backend.sigmoid_backward_block(replace(block, g_row=rows.grad, bias=self.bias), dq, dk)
         return ParamGrads(own=own, owner=torch.zeros_like(own))
+
+
+class SigmoidOnePassSteps(SigmoidSteps):
+    """The sigmoid loss and its gradient for a unit upstream gradient in one pass over each block, on a backend
+    with ``sigmoid_loss_and_grad_block`` (the chunked route: 3 GEMM-equivalents a block). It runs in the ring's
+    backward loop (:func:`infcl.ring.driver.ring_backward`: dq stays, dk travels home), whose ``rows`` it fills
+    with each row's loss as the blocks pass (a :class:`SigmoidPartials` accumulator, from ``init_rows``)."""
+
+    def backward_step(
+        self,
+        backend,
+        block: Block,
+        rows: SigmoidPartials,
+        cols: None,
+        dq: Tensor,
+        dk: Tensor,
+        k_side=(),
+    ) -> ParamGrads:
+        loss, own = backend.sigmoid_loss_and_grad_block(replace(block, bias=self.bias), dq, dk)
+        self.merge(rows, SigmoidPartials(loss))
+        return ParamGrads(own=own, owner=torch.zeros_like(own))

@@ -1,7 +1,8 @@
 """A count of the tensors alive at once: every tensor an op allocates (its storage shares none of its inputs')
 is followed by a weak reference until it is freed, under a TorchDispatchMode. The peak bytes, and the peak number
-of buffers of given sizes (the [C, Bk] ones), are recorded while :attr:`LiveBuffers.recording` is set; :meth:`paused` leaves a
-stand-in's own temporaries out (what the GPU op it stands for would not allocate)."""
+of buffers of given sizes (the [C, Bk] ones), are recorded while :attr:`LiveBuffers.recording` is set;
+:meth:`LiveBuffers.paused` leaves a stand-in's own temporaries out (what the GPU op it stands for would not
+allocate)."""
 
 import contextlib
 import weakref

@@ -413,7 +413,8 @@ class Call:
     # ``infcl.backends.triton.BACKEND``; () for the device's defaults.
     tiling: tuple = ()
     topk: int = 0  # topk_scores' n
-    backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss only)
+    backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss and cal_siglip_loss)
+    reduction: str = "mean"  # cal_siglip_loss's ("none": the chunked route's loss-only and gradient-only passes)
 
     def label(self) -> str:
         dtype = dtype_label(self.dtype, self.precision)
@@ -427,6 +428,7 @@ class Call:
                 f" tiling={'-'.join(map(str, self.tiling))}" if self.tiling else "",
                 f" n={self.topk}" if self.topk else "",
                 f" {self.backend}" if self.backend != "triton" else "",
+                f" {self.reduction}" if self.reduction != "mean" else "",
             ]
         )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
@@ -566,7 +568,7 @@ def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = Non
         masks = mask_options(call) if masks is None else masks
         return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=call.backend, **masks)
     if call.entry == "cal_siglip_loss":
-        return infcl.cal_siglip_loss(q, k, scale, bias, labels, backend="triton")
+        return infcl.cal_siglip_loss(q, k, scale, bias, labels, reduction=call.reduction, backend=call.backend).sum()
     if call.entry == "InfCLIPLoss":
         return infcl.InfCLIPLoss(backend="triton")(q, k, scale)
     return infcl.InfSigLipLoss(backend="triton")(q, k, scale, bias)
@@ -738,7 +740,9 @@ def chunked_calls(arch: int) -> List[Call]:
     """cal_inf_loss with backend="chunked" (infcl/kernels/chunked_softmax.py's stats, merge and grad passes; on
     CPU tensors the products are torch's, only the passes compile): in bf16 symmetric on a ragged and a
     block-multiple batch and one-directional with labels and Bk > Bq; fp16 (its row-scaled dS) and fp32 symmetric
-    on a ragged batch. The passes read only the [C, Bk] scores, so D is immaterial (40)."""
+    on a ragged batch. cal_siglip_loss with backend="chunked" (infcl/kernels/chunked_sigmoid.py): the one pass of
+    "mean" in bf16 (ragged, and labels with Bk > Bq), fp16 and fp32; "none"'s loss-only and gradient-only passes in
+    bf16 and fp16. The passes read only the [C, Bk] scores, so D is immaterial (40)."""
     if arch not in CHUNKED_TARGETS:
         return []
     ragged, wide, even = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH), (EVEN_BATCH, EVEN_BATCH)
@@ -749,8 +753,19 @@ def chunked_calls(arch: int) -> List[Call]:
         ("float16", ragged, {"symmetric": True}),
         ("float32", ragged, {"symmetric": True}),
     )
+    sigmoid = (
+        ("bfloat16", ragged, {}),
+        ("bfloat16", wide, {"labels": True}),
+        ("bfloat16", even, {"reduction": "none"}),
+        ("float16", ragged, {}),
+        ("float16", ragged, {"reduction": "none"}),
+        ("float32", ragged, {}),
+    )
     return [
         Call(arch, "cal_inf_loss", dtype, "ieee", 40, *sizes, backend="chunked", **kw) for dtype, sizes, kw in cases
+    ] + [
+        Call(arch, "cal_siglip_loss", dtype, "ieee", 40, *sizes, backend="chunked", **kw)
+        for dtype, sizes, kw in sigmoid
     ]
 
 

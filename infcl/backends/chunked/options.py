@@ -63,7 +63,9 @@ class ChunkedOptions:
         self.passes = passes
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(budget_mb={self.budget_mb}, chunk_rows={self.chunk_rows}, passes={self.passes!r})"
+        return (
+            f"{type(self).__name__}(budget_mb={self.budget_mb}, chunk_rows={self.chunk_rows}, passes={self.passes!r})"
+        )
 
     def for_call(self):
         """This object with its budget fixed for one call: its own ``budget_mb``, else the environment's, read

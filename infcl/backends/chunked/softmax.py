@@ -17,7 +17,8 @@ GEMM-equivalents per block (2 * Bq * Bk * D flops each): forward 1, backward 3 (
 against the fused kernels' 5 at D <= 256 and 7 at D = 512. HBM beyond the products' own operands: per S entry 4
 bytes written and 4 read in the forward, 4 + 4 + 2 (the scores, dS written) and 2 x 2 (dS read by both products)
 in the backward; the scores are written into the workspace by the product itself, and the workspace is
-allocated once per block and phase (:mod:`.workspace`; the forward has no dS). No float atomics anywhere; every sum has a fixed order, so reruns are bit-identical.
+allocated once per block and phase (:mod:`.workspace`; the forward has no dS). No float atomics anywhere; every
+sum has a fixed order, so reruns are bit-identical.
 
 Where the route does not fit a block it hands it to the fused kernels (:func:`infcl.backends.chunked.plan.plan_block`
 says when). The SigLIP loss: :mod:`.sigmoid`.
