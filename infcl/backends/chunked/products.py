@@ -82,16 +82,22 @@ class Products:
         gamma = torch.where(gamma > 0, gamma, torch.ones_like(gamma))
         return gamma.reciprocal(), gamma
 
-    def accumulate(self, ds: Tensor, rows: slice, block: Block, gamma: Optional[Tensor], dq: Tensor, dk: Tensor, work):
+    def accumulate(
+        self, ds: Tensor, rows: slice, block: Block, gamma: Optional[Tensor], dq: Tensor, dk: Tensor, work=None
+    ):
         """dq[rows] += scale * dS @ k and dk += scale * dS.T @ q[rows] from ``ds`` (dS * factor, rounded): inside
-        the GEMMs where the plan says so, else through ``work``'s float32 product buffers."""
+        the GEMMs where the plan says so, else through ``work``'s float32 product buffers (a
+        :class:`.workspace.Workspace`; None: buffers of its own, for a caller outside the route's loop)."""
         q_c, dq_c = self.q[rows], dq[rows]
         if self.plan.in_gemm:
             self._addmm(dq_c, ds, self.k)
             self._addmm(dk, ds.T, q_c)
             return
         n = rows.stop - rows.start
-        dq_prod, dk_prod = work.dq_product(n), work.dk_product
+        if work is None:
+            dq_prod, dk_prod = torch.empty_like(dq_c), torch.empty_like(dk)
+        else:
+            dq_prod, dk_prod = work.dq_product(n), work.dk_product
         self._mm(ds, self.k, dq_prod)
         if gamma is None:
             dq_c += dq_prod
