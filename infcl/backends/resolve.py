@@ -68,8 +68,8 @@ HELD_BACK = {
 }
 # The call kinds without a "reference" backend, and the public function each belongs to (for the error).
 NO_REFERENCE = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
-# The call kinds without a "chunked" route (it is the softmax loss's; the sigmoid loss's hands its blocks to the
-# fused kernels). INFCL_BACKEND=chunked runs them on their own "auto" choice.
+# The call kinds without a "chunked" route (it is the softmax and sigmoid losses'). INFCL_BACKEND=chunked runs them
+# on their own "auto" choice.
 NO_CHUNKED = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
 # Where "auto" takes the chunked route instead of AUTO's "triton" for a plain softmax loss (no masks): (GPU family,
 # dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than the fused

@@ -409,8 +409,8 @@ class Call:
     autotune: bool = False
     masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"
     multi_positive: str = ""  # "", "mean" or "sum" (with ids)
-    # A pinned Tiling (Tiling.to_ints()) for the triton backend's calls, as a user pins one on
-    # ``infcl.backends.triton.BACKEND``; () for the device's defaults.
+    # A pinned Tiling (Tiling.to_ints()) for the triton backend's calls, passed as a user passes one:
+    # ``backend=TritonBackend(tiling=...)`` (:func:`call_backend`); () for the device's defaults.
     tiling: tuple = ()
     topk: int = 0  # topk_scores' n
     backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss and cal_siglip_loss)
@@ -564,14 +564,15 @@ def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = Non
     keywords (default :func:`mask_options`)."""
     import infcl
 
+    backend = call_backend(call)
     if call.entry == "cal_inf_loss":
         masks = mask_options(call) if masks is None else masks
-        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=call.backend, **masks)
+        return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=backend, **masks)
     if call.entry == "cal_siglip_loss":
-        return infcl.cal_siglip_loss(q, k, scale, bias, labels, reduction=call.reduction, backend=call.backend).sum()
+        return infcl.cal_siglip_loss(q, k, scale, bias, labels, reduction=call.reduction, backend=backend).sum()
     if call.entry == "InfCLIPLoss":
-        return infcl.InfCLIPLoss(backend="triton")(q, k, scale)
-    return infcl.InfSigLipLoss(backend="triton")(q, k, scale, bias)
+        return infcl.InfCLIPLoss(backend=backend)(q, k, scale)
+    return infcl.InfSigLipLoss(backend=backend)(q, k, scale, bias)
 
 
 @contextlib.contextmanager
@@ -589,19 +590,15 @@ def compile_only(arch: int, sms: int = STAND_IN_SMS):
     yield _RECORDER.compiled, len(_RECORDER.compiled)
 
 
-@contextlib.contextmanager
-def _pinned_tiling(tiling: tuple):
-    """The triton backend's calls with ``tiling`` (Tiling.to_ints(); () leaves the defaults) pinned."""
-    from infcl.backends import triton as triton_backend
+def call_backend(call: Call):
+    """The ``backend=`` argument of ``call``: its backend's name, or with a pinned tiling the Triton backend object
+    carrying it (the options from the call, as a user passes them)."""
+    if not call.tiling:
+        return call.backend
+    from infcl.backends.triton import TritonBackend
     from infcl.kernels import Tiling
 
-    saved = triton_backend.BACKEND.tiling
-    if tiling:
-        triton_backend.BACKEND.tiling = Tiling.from_ints(list(tiling))
-    try:
-        yield
-    finally:
-        triton_backend.BACKEND.tiling = saved
+    return TritonBackend(tiling=Tiling.from_ints(list(call.tiling)))
 
 
 def report_call(call, run: Callable[[], None], autotune: bool = False) -> Dict:
@@ -636,12 +633,11 @@ def run_call(call: Call) -> Dict:
     """Make ``call`` (forward + backward) compile-only; {"call", "error" or "kernels": [resource rows]}."""
 
     def run():
-        with _pinned_tiling(call.tiling):
-            q, k, labels = _inputs(call)
-            if call.entry == "topk_scores":
-                call_topk(call, q, k)
-            else:
-                call_loss(call, q, k, labels, *_params()).backward()
+        q, k, labels = _inputs(call)
+        if call.entry == "topk_scores":
+            call_topk(call, q, k)
+        else:
+            call_loss(call, q, k, labels, *_params()).backward()
 
     return report_call(call, run, call.autotune)
 

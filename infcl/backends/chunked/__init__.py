@@ -1,22 +1,26 @@
-"""``backend="chunked"``: the exact chunked route on cuBLAS (issue 45; docs/chunked.md).
+"""``backend="chunked"``: the exact chunked route on cuBLAS (issues 45, 53; docs/chunked.md).
 
 The block contract (:mod:`infcl.contract`) walked in chunks of C query rows: cuBLAS writes each chunk's
-float32 scores, one Triton pass reads them for the stats (forward) or writes dS in the operand dtype (backward),
-and cuBLAS takes dq and dk from dS. 4 GEMM-equivalents per block against the fused kernels' 5-7, with a workspace
-of about C * Bk * 6 bytes from a budget (``INFCL_CHUNK_BUDGET_MB``, default 1 GiB). The ring, labels, Bk > Bq,
-the symmetric loss, ``return_stats`` and the scale gradient run unchanged through the contract.
+float32 scores into the workspace, one Triton pass reads them for the stats (forward) or writes dS in the operand
+dtype (backward), and cuBLAS accumulates dq and dk from dS. The softmax loss in 4 GEMM-equivalents per block
+against the fused kernels' 5-7; the sigmoid loss in 3 where it is reduced (its loss and gradient in one pass).
+Everything a block holds at once is bounded by the budget (``ChunkedBackend(budget_mb=...)`` from the call, else
+``INFCL_CHUNK_BUDGET_MB`` read once per call, else 1 GiB). The ring, labels, Bk > Bq, the symmetric loss,
+``return_stats``, the bias and the scale gradient run unchanged through the contract.
 
-- :mod:`.backend`: :class:`ChunkedBackend`, put together from :mod:`.softmax` (the host loop) and :mod:`.sigmoid`
-  (handed to the fused kernels) on :mod:`.options` (the budget, C, the passes; the hand-offs' backend).
-- :mod:`.plan`: the budget, C, and when the fused kernels run instead.
-- :mod:`.products`: the three products (cuBLAS with float32 output; float32 copies on CPU).
-- :mod:`.torch_passes`: the passes' math in torch (CPU tensors);
-  the Triton passes: :mod:`infcl.kernels.chunked_softmax`.
+- :mod:`.backend`: :class:`ChunkedBackend`, put together from :mod:`.softmax` and :mod:`.sigmoid` (the host loops)
+  on :mod:`.options` (the budget, C, the passes; the hand-offs' backend; the call's options).
+- :mod:`.plan`: the budget as the peak (:class:`.plan.Footprint`), C, and when the fused kernels run instead.
+- :mod:`.workspace`: the buffers of a block and phase; :mod:`.products`: the three products (cuBLAS with float32
+  output, accumulating in the GEMM; float32 copies on CPU); :mod:`.probes`: which float32-output products run.
+- :mod:`.torch_passes`: the passes' math in torch (CPU tensors); the Triton passes:
+  :mod:`infcl.kernels.chunked_softmax`, :mod:`infcl.kernels.chunked_sigmoid`.
 - :mod:`.auto`: whether ``backend="auto"`` takes the route (the resolver's measured table,
   :data:`infcl.backends.resolve.CHUNKED_FROM`, empty until a GPU measures the route).
 
 Runs on CUDA tensors (with Triton for the passes), and on CPU tensors with float32 products and torch passes.
 The distillation loss and the ranks have no chunked route: the resolver refuses ``backend="chunked"`` for them.
+This package imports no resolver (the resolver imports it).
 """
 
 from typing import Optional
