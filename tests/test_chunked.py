@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import truth
+from helpers.live_buffers import LiveBuffers, recording_inside
 from helpers.support import (
     EXACT_NORMWISE,
     TOLERANCE,
@@ -196,46 +197,12 @@ def test_the_default_budget_at_64k(monkeypatch, in_gemm, rows):
     assert got.rows == rows and got.footprint.bytes(rows) <= budget == 2**30
 
 
-def recording_inside(backend_cls):
-    """``backend_cls`` whose block operations switch the innermost :class:`LiveBuffers` to recording while they
-    run: its peak is the route's, with everything allocated since the call began alive beside it."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    class Recorded(backend_cls):
-        def _inside(self, op, *args):
-            tracker = _get_current_dispatch_mode_stack()[-1]
-            tracker.recording = True
-            try:
-                return op(*args)
-            finally:
-                tracker.recording = False
-
-        def forward_block(self, block, symmetric):
-            return self._inside(super().forward_block, block, symmetric)
-
-        def backward_block(self, block, dq, dk):
-            return self._inside(super().backward_block, block, dq, dk)
-
-        def sigmoid_forward_block(self, block):
-            return self._inside(super().sigmoid_forward_block, block)
-
-        def sigmoid_backward_block(self, block, dq, dk):
-            return self._inside(super().sigmoid_backward_block, block, dq, dk)
-
-        def sigmoid_loss_and_grad_block(self, block, dq, dk):
-            return self._inside(super().sigmoid_loss_and_grad_block, block, dq, dk)
-
-    return Recorded
-
-
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
 @pytest.mark.parametrize("budget_mb", (0.5, 1.0))
 def test_the_budget_is_the_peak_on_cpu(dtype, budget_mb):
     """Counted with weak references to every tensor allocated: the CPU route's peak inside its block operations,
     the float32 dq and dk and its float32 copies of q and k included, stays within the budget, and holds at
     most its four [C, Bk] float32 buffers (S, dS, two scratch) at once."""
-    from helpers.live_buffers import LiveBuffers
-
     bq, bk, d = 256, 1024, 13
     q, k, labels = features_and_labels(bq, bk, d, "random", dtype, seed=11)
     route = recording_inside(ChunkedBackend)(budget_mb=budget_mb, chunk_rows=10**6, passes="torch")
@@ -555,8 +522,6 @@ def test_siglip_reruns_nan_and_handoffs():
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_siglip_budget_is_the_peak_on_cpu(dtype):
     """The one-pass forward holds what the backward does (S, dS, scratch, the float32 dq and dk): within the budget."""
-    from helpers.live_buffers import LiveBuffers
-
     bq, bk, d = 256, 1024, 13
     q, k, labels = features_and_labels(bq, bk, d, "random", dtype, seed=16)
     route = recording_inside(ChunkedBackend)(budget_mb=0.75, chunk_rows=10**6, passes="torch")

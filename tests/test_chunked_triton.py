@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import truth
+from helpers.live_buffers import LiveBuffers, recording_inside
 from helpers.support import (
     EXACT_NORMWISE,
     TOLERANCE,
@@ -181,7 +182,6 @@ def _gpu_product_stand_ins(monkeypatch, tracker):
 def _on_a_gpu(in_gemm):
     """The chunked route planning as on a GPU (cuBLAS products, the Triton passes) for CPU tensors, its block
     operations recorded by the innermost LiveBuffers."""
-    from test_chunked import recording_inside
 
     class OnAGpu(ChunkedBackend):
         def plan(self, block):
@@ -201,8 +201,6 @@ def test_the_budget_is_the_peak_on_a_gpu(kernels, monkeypatch, dtype, in_gemm):
     (allocating as ``torch.mm(out_dtype=, out=)`` and ``addmm`` do) and the Triton passes, the peak inside the
     route's block operations, the float32 dq and dk included, stays within the budget at every chunk, and at most
     two [C, Bk] buffers (S and dS; S alone in the forward) are alive at once. 4 chunks of C = 64 rows."""
-    from helpers.live_buffers import LiveBuffers
-
     if in_gemm != plan.gemm_accumulates(False, dtype, None) and dtype != torch.bfloat16:
         pytest.skip("float16 always adds a product (its dS rows are rescaled), float32 always accumulates (addmm_)")
     bq, bk, d = 256, 512, 40
@@ -289,3 +287,24 @@ def test_sigmoid_route_against_float64_truth(sigmoid_kernels, dtype, bq, bk, row
     for name, a, b, c, size in zip(("loss", "dq", "dk", "dscale", "dbias"), ours, want, again, sizes):
         assert torch.equal(a, c), f"{name}: a rerun differs"
         assert_close_verbose(a, b, atol, rtol, f"{dtype} {reduction} {name}", magnitude=size)
+
+
+@pytest.mark.parametrize("in_gemm", (True, False), ids=("in-gemm", "product-and-add"))
+def test_the_sigmoid_budget_is_the_peak_on_a_gpu(sigmoid_kernels, monkeypatch, in_gemm):
+    """The SigLIP one-pass forward on the GPU's terms (as above): S and dS at once in its forward, nothing of
+    [C, Bk] size in its backward, the peak within the budget with the float32 dq and dk it saves."""
+    bq, bk, d = 256, 512, 40
+    q, k, labels = features_and_labels(bq, bk, d, "random", torch.bfloat16, seed=13)
+    monkeypatch.setattr(plan, "scores_runs", lambda device: True)
+    route = _on_a_gpu(in_gemm)(budget_mb=0.5)
+    c = route.plan(Block(q=q, k=k, scale=torch.tensor(1.0), pos=labels)).rows
+    assert c == 64
+    q, k, scale, bias = (t.detach().requires_grad_() for t in (q, k, torch.tensor(10.0), torch.tensor(-3.0)))
+    with LiveBuffers({c * bk * 4, c * bk * 2}) as tracker:
+        _gpu_product_stand_ins(monkeypatch, tracker)
+        loss = cal_siglip_loss(q, k, scale, bias, labels, backend=route)
+        forward = tracker.peak, tracker.peak_sized
+        tracker.peak = tracker.peak_sized = 0
+        loss.backward()
+    assert 0 < forward[0] <= 0.5 * 2**20 and forward[1] == 2, forward
+    assert tracker.peak_sized == 0

@@ -8,7 +8,7 @@ import contextlib
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 
@@ -61,3 +61,34 @@ class LiveBuffers(TorchDispatchMode):
             weakref.finalize(t, self._forget, key)
         self._record()
         return out
+
+
+def recording_inside(backend_cls):
+    """``backend_cls`` whose block operations switch the innermost :class:`LiveBuffers` to recording while they
+    run: its peak is the route's, with everything allocated since the call began alive beside it."""
+
+    class Recorded(backend_cls):
+        def _inside(self, op, *args):
+            tracker = _get_current_dispatch_mode_stack()[-1]
+            tracker.recording = True
+            try:
+                return op(*args)
+            finally:
+                tracker.recording = False
+
+        def forward_block(self, block, symmetric):
+            return self._inside(super().forward_block, block, symmetric)
+
+        def backward_block(self, block, dq, dk):
+            return self._inside(super().backward_block, block, dq, dk)
+
+        def sigmoid_forward_block(self, block):
+            return self._inside(super().sigmoid_forward_block, block)
+
+        def sigmoid_backward_block(self, block, dq, dk):
+            return self._inside(super().sigmoid_backward_block, block, dq, dk)
+
+        def sigmoid_loss_and_grad_block(self, block, dq, dk):
+            return self._inside(super().sigmoid_loss_and_grad_block, block, dq, dk)
+
+    return Recorded
