@@ -20,7 +20,7 @@ from helpers.support import (
 )
 from infcl import InfCLIPLoss, cal_inf_loss
 from infcl.backends import resolve_backend, unavailable_reason
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 from infcl.masks import guide_threshold
 from infcl.stats import InfLossStats
 
@@ -87,30 +87,18 @@ def _triton_tiny():
 
 
 def _use(backend):
-    """The backend name to pass, with the torch tiles shrunk for "torch-tiny" and the Triton kernels' tiles
-    for "triton" (both restored after each test); skips the test for "cpu" where the native kernel is
-    unavailable."""
+    """The ``backend=`` to pass (options from the call): the torch tiles shrunk for "torch-tiny" and the Triton
+    kernels' tiles for "triton", as backend objects, else the name; skips the test for "cpu" where the native
+    kernel is unavailable."""
     if backend == "cpu" and NATIVE_REASON is not None:
         pytest.skip(f"native kernel unavailable: {NATIVE_REASON}")
     if backend == "torch-tiny":
-        TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
-        return "torch"
+        return TorchTilesBackend(*TINY_TILES)
     if backend == "triton":
-        from infcl.backends.triton import BACKEND
+        from infcl.backends import TritonBackend
 
-        BACKEND.tiling = _triton_tiny()
+        return TritonBackend(tiling=_triton_tiny())
     return backend
-
-
-@pytest.fixture(autouse=True)
-def _restore_tiles():
-    saved = TORCH_TILES.tile_q, TORCH_TILES.tile_k
-    yield
-    TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
-    if TRITON:
-        from infcl.backends.triton import BACKEND
-
-        BACKEND.tiling = None
 
 
 def _masked_in_dtype(
@@ -655,10 +643,10 @@ def test_triton_masked_loss_under_torch_compile():
     tests/test_triton.py's plain-loss check; fullgraph tracing is the compile gate's, on a GPU target)."""
     q, k, labels, q_ids, k_ids, guide = _inputs(23, 23, dtype=torch.float32, seed=43)
     opts = _options("both", "mean", q_ids, k_ids, guide)
-    _use("triton")
+    route = _use("triton")
 
     def loss(a, b, s):
-        return cal_inf_loss(a, b, labels, s, symmetric=True, backend="triton", **opts)
+        return cal_inf_loss(a, b, labels, s, symmetric=True, backend=route, **opts)
 
     scale = torch.tensor(SCALE)
     eager = grads_of_inputs(loss, (q, k, scale))
