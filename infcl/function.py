@@ -138,20 +138,24 @@ class SigmoidLossFunction(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None
 
 
-def one_pass_sigmoid(backend, reduction: str, needs_grad: bool) -> bool:
+def one_pass_sigmoid(backend, reduction: str, needs_grad: bool, layout: RingLayout) -> bool:
     """Whether a sigmoid loss call runs :class:`SigmoidOnePassFunction`: a reduced loss ("mean", "sum": every row's
-    upstream gradient the same) whose gradient is wanted, on a backend with ``sigmoid_loss_and_grad_block``."""
-    return needs_grad and reduction in ("mean", "sum") and hasattr(backend, "sigmoid_loss_and_grad_block")
+    upstream gradient the same) whose gradient is wanted, on a backend with ``sigmoid_loss_and_grad_block``, in a
+    single process. Under a ring, dk sums every rank's rows, each under its own rank's upstream gradient, which the
+    forward cannot know: the ring runs the two-pass Function (its blocks still on the backend's route)."""
+    one_pass = hasattr(backend, "sigmoid_loss_and_grad_block")
+    return needs_grad and reduction in ("mean", "sum") and one_pass and layout.world == 1
 
 
 class SigmoidOnePassFunction(torch.autograd.Function):
-    """The sigmoid loss of this rank's rows reduced by ``reduction`` ("mean": over the local rows, or "sum"), 0-d.
+    """The sigmoid loss reduced by ``reduction`` ("mean" over the rows, or "sum"), 0-d.
 
-    Forward: the ring's backward loop with a unit upstream gradient (:class:`SigmoidOnePassSteps`) gives each row's
-    loss and dq, dk and the (scale, bias) gradients of the rows' sum at once; they are saved (float32, O(B * D)).
+    Forward: the ring's backward loop (one process: the ring of one) with a unit upstream gradient
+    (:class:`SigmoidOnePassSteps`) gives each row's loss and dq, dk and the (scale, bias) gradients of the rows' sum
+    at once; they are saved (float32, O(B * D)).
     Backward: the upstream gradient g times the reduction's weight (1 / Bq for "mean") times the saved gradients:
-    exact, since every row's upstream gradient is that one weight. Under a ring, the gradients are those of
-    :class:`SigmoidLossFunction` (every rank's loss for the features, this rank's own for the parameters)."""
+    exact, since every row's upstream gradient is that one weight. A single process only (:func:`one_pass_sigmoid`:
+    under a ring, dk would mix other ranks' upstream gradients)."""
 
     @staticmethod
     def forward(ctx, q, k, scale, bias, labels, plan: LossPlan, reduction: str):

@@ -66,7 +66,7 @@ def cal_siglip_loss(
         return reduce_losses(rows, reduction)
     plan = LossPlan(backend=block_backend, symmetric=False, layout=layout)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (image, text, scale_t, bias_t))
-    if one_pass_sigmoid(block_backend, reduction, needs_grad):  # the chunked route: loss and gradient at once
+    if one_pass_sigmoid(block_backend, reduction, needs_grad, layout):  # the chunked route: loss and gradient at once
         return SigmoidOnePassFunction.apply(image, text, scale_t, bias_t, labels_t, plan, reduction)
     rows = SigmoidLossFunction.apply(image, text, scale_t, bias_t, labels_t, plan)
     return reduce_losses(rows, reduction)

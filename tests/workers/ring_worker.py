@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from helpers import ring_cases
 from helpers.distributed import finish, init_worker, run_on_rings
 from infcl import cal_inf_loss
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 from infcl.ring import driver
 from infcl.ring.comm import RingComm
 
@@ -46,20 +46,17 @@ def _run_case(case, backend, rank, group):
 
 
 def run_cases(rank, world, group, backends, cases=ring_cases.ring_cases, run=_run_case):
-    """``run(case, backend, rank, group)`` for every case of ``cases(world)`` and every backend (a name
-    ending in TINY_SUFFIX: the torch tiles shrunk to ring_cases.TINY_TILES); results keyed (case, backend)."""
+    """``run(case, backend, rank, group)`` for every case of ``cases(world)`` and every backend (a name; "torch"
+    with TINY_SUFFIX: the torch tiles shrunk to ring_cases.TINY_TILES, passed from the call as a backend object);
+    results keyed (case, backend)."""
     out = {}
     for backend in backends:
-        tiny = backend.endswith(TINY_SUFFIX)
-        name = backend[: -len(TINY_SUFFIX)] if tiny else backend
-        saved = TORCH_TILES.tile_q, TORCH_TILES.tile_k
-        if tiny:
-            TORCH_TILES.tile_q, TORCH_TILES.tile_k = ring_cases.TINY_TILES
-        try:
-            for case in cases(world):
-                out[(case.name, backend)] = run(case, name, rank, group)
-        finally:
-            TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
+        route = backend
+        if backend.endswith(TINY_SUFFIX):
+            assert backend == "torch" + TINY_SUFFIX, backend
+            route = TorchTilesBackend(*ring_cases.TINY_TILES)
+        for case in cases(world):
+            out[(case.name, backend)] = run(case, route, rank, group)
     return out
 
 
@@ -77,19 +74,23 @@ class _LoggingComm(RingComm):
         super().wait()
 
 
-def _hook_backend(methods, before):
-    """Make TORCH_TILES call ``before(method)`` ahead of each of ``methods``.
+class _HookedTiles(TorchTilesBackend):
+    """The torch tiles calling ``before(method)`` ahead of each of ``methods`` (block operations), passed to the
+    call as its backend object."""
 
-    The hooks are instance attributes shadowing the class methods; ``del`` them to restore.
-    """
-    for method in methods:
-        real = getattr(TORCH_TILES, method)
+    def __init__(self, before, methods=("forward_block", "backward_block")):
+        super().__init__()
+        self.before, self.methods = before, methods
 
-        def hooked(*args, _real=real, _method=method):
-            before(_method)
-            return _real(*args)
+    def forward_block(self, *args):
+        if "forward_block" in self.methods:
+            self.before("forward_block")
+        return super().forward_block(*args)
 
-        setattr(TORCH_TILES, method, hooked)
+    def backward_block(self, *args):
+        if "backward_block" in self.methods:
+            self.before("backward_block")
+        return super().backward_block(*args)
 
 
 def run_overlap(rank, world, group):
@@ -97,7 +98,6 @@ def run_overlap(rank, world, group):
     out = {}
     real_comm = driver.RingComm
     driver.RingComm = _LoggingComm
-    _hook_backend(("forward_block", "backward_block"), lambda method: _LoggingComm.events.append(("compute", method)))
     try:
         for case in ring_cases.ring_cases(world):
             if case.name not in OVERLAP_CASES:
@@ -112,7 +112,7 @@ def run_overlap(rank, world, group):
                 symmetric=case.symmetric,
                 reduction=case.reduction,
                 group=group,
-                backend="torch",
+                backend=_HookedTiles(lambda method: _LoggingComm.events.append(("compute", method))),
             )
             forward = list(_LoggingComm.events)
             _LoggingComm.events = []
@@ -120,7 +120,6 @@ def run_overlap(rank, world, group):
             out[case.name] = {"forward": forward, "backward": list(_LoggingComm.events)}
     finally:
         driver.RingComm = real_comm
-        del TORCH_TILES.forward_block, TORCH_TILES.backward_block  # back to the class methods
     return out
 
 
@@ -244,6 +243,7 @@ def fail(scenario):
     rank, world = init_worker()
     action_name, where = scenario.split("-")
     action = (lambda: os._exit(3)) if action_name == "die" else (lambda: time.sleep(HANG_S))
+    route = "torch"
     if rank == FAILING_RANK:
         if where == "before":
             action()
@@ -254,11 +254,11 @@ def fail(scenario):
             if len(calls) == 2:
                 action()
 
-        _hook_backend(("forward_block",) if where == "forward" else ("backward_block",), at_second_block)
+        route = _HookedTiles(at_second_block, ("forward_block",) if where == "forward" else ("backward_block",))
     q, k = torch.randn(4, ring_cases.DIM, requires_grad=True), torch.randn(4, ring_cases.DIM, requires_grad=True)
     start = time.monotonic()
     try:
-        cal_inf_loss(q, k, symmetric=True, backend="torch").backward()
+        cal_inf_loss(q, k, symmetric=True, backend=route).backward()
         result = {"error": None}
     except Exception as err:  # the test checks the type and message
         result = {"error": (type(err).__name__, str(err)), "seconds": time.monotonic() - start}
