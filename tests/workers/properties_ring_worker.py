@@ -24,7 +24,7 @@ from helpers.distributed import finish, init_worker
 from helpers.layouts import ids_as, view_as
 from helpers.support import tiled_backends
 from infcl import cal_inf_loss
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 # "torch-tiny": the torch tiles shrunk so that every shard spans several tiles.
 BACKENDS = ("reference", "torch-tiny") + tuple(tiled_backends())
@@ -143,25 +143,20 @@ def _run(case: Case, rank: int, backend: str) -> dict:
     k = view_as(case.k[ks], case.layouts[1]).requires_grad_(True)
     scale = torch.tensor(case.scale, requires_grad=True)
     labels = None if case.labels is None else case.labels[qs]
-    tiles = TORCH_TILES.tile_q, TORCH_TILES.tile_k
-    if backend == "torch-tiny":
-        TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
-    try:
-        loss = cal_inf_loss(
-            q,
-            k,
-            labels,
-            scale,
-            symmetric=case.symmetric,
-            reduction=case.reduction,
-            backend=backend.replace("-tiny", ""),
-            group=None,
-            **local_options(case, rank),
-        )
-        upstream = case.upstream[qs] if case.reduction == "none" else case.upstream[qs].sum()
-        loss.backward(upstream.to(loss.dtype))
-    finally:
-        TORCH_TILES.tile_q, TORCH_TILES.tile_k = tiles
+    route = TorchTilesBackend(*TINY_TILES) if backend == "torch-tiny" else backend  # options from the call
+    loss = cal_inf_loss(
+        q,
+        k,
+        labels,
+        scale,
+        symmetric=case.symmetric,
+        reduction=case.reduction,
+        backend=route,
+        group=None,
+        **local_options(case, rank),
+    )
+    upstream = case.upstream[qs] if case.reduction == "none" else case.upstream[qs].sum()
+    loss.backward(upstream.to(loss.dtype))
     return {"loss": loss.detach(), "dq": q.grad, "dk": k.grad, "dscale": scale.grad}
 
 

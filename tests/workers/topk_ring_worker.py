@@ -16,7 +16,7 @@ from helpers.distributed import run_on_rings
 from helpers.topk_truth import quarter_features
 from infcl import topk_scores
 from infcl.backends import unavailable_reason
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 MAIN_WORLD = 3
 RINGS = {1: (0,), 2: (1, 2), 3: (0, 1, 2)}
@@ -81,7 +81,7 @@ def shard(t, sizes: Tuple[int, ...], rank: int):
     return t[start : start + sizes[rank]]
 
 
-def _run(case: TopKCase, rank: int, world: int, group, backend: str):
+def _run(case: TopKCase, rank: int, world: int, group, backend):
     q, k, labels, q_ids, k_ids = global_inputs(case)
     rows, cols = SHARDS[world]
     got = topk_scores(
@@ -100,8 +100,9 @@ def _run(case: TopKCase, rank: int, world: int, group, backend: str):
 
 
 def scenarios(rank, world, group):
-    TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
-    return {(case.name, backend): _run(case, rank, world, group, backend) for case in CASES for backend in BACKENDS}
+    # "torch": the torch tiles shrunk to TINY_TILES, from the call.
+    routes = {name: TorchTilesBackend(*TINY_TILES) if name == "torch" else name for name in BACKENDS}
+    return {(case.name, name): _run(case, rank, world, group, routes[name]) for case in CASES for name in BACKENDS}
 
 
 if __name__ == "__main__":
