@@ -15,7 +15,7 @@ block steps (:mod:`infcl.losses.distill`); it saves q, k, the teacher's features
 stats (the student's and the teacher's); the teacher gets no gradient.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -91,22 +91,24 @@ class InfLossFunction(torch.autograd.Function):
 
 def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
     """The softmax loss's ring steps: plain, or with the mask options (the guide thresholds found first,
-    :class:`GuideScores`)."""
+    :class:`GuideScores`, and set on the one :class:`~infcl.masks.MaskOptions` value the ring carries on)."""
     masks = plan.masks
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
-    guide_q = guide_k = row_threshold = col_threshold = None
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
         guide_q, guide_k = masks.guide_q.to(gdt), masks.guide_k.to(gdt)
         scores = GuideScores(plan.symmetric, q.dtype)
         rows, cols = ring_forward(guide_q, guide_k, None, labels, scores, plan.backend, plan.layout)
-        row_threshold = guide_threshold(rows.score, masks.margin, masks.strategy)
-        if plan.symmetric:
-            col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy)
-    return MaskedSoftmaxSteps(
-        plan.symmetric, masks.multi_positive, masks.q_ids, masks.k_ids, guide_q, guide_k, row_threshold, col_threshold
-    )
+        col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy) if plan.symmetric else None
+        masks = replace(
+            masks,
+            guide_q=guide_q,
+            guide_k=guide_k,
+            row_threshold=guide_threshold(rows.score, masks.margin, masks.strategy),
+            col_threshold=col_threshold,
+        )
+    return MaskedSoftmaxSteps(plan.symmetric, masks)
 
 
 class SigmoidLossFunction(torch.autograd.Function):

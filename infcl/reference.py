@@ -74,7 +74,7 @@ def masked_reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLa
     """
     acc = accum_dtype(q.dtype)
     qa, ka, s = q.to(acc), k.to(acc), scale.to(acc)
-    masks = masks or MaskOptions(None, None, None, None, None, 0.0, "absolute")
+    masks = masks or MaskOptions()
     k_all = _gather(ka, layout, layout.k_sizes)
     k_ids_all = None if masks.k_ids is None else _gather_plain(masks.k_ids, layout, layout.k_sizes)
     gk_all = None if masks.guide_k is None else _gather_plain(masks.guide_k, layout, layout.k_sizes)
