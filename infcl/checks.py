@@ -173,6 +173,17 @@ def make_id_pair(q, k, q_ids, k_ids, names=("q", "k")) -> Tuple[Optional[torch.T
     return qi, ki
 
 
+def make_sigmoid_ids(q, k, q_ids, k_ids, labels, names) -> Optional[MaskOptions]:
+    """The sigmoid loss's ids (every column with the row's id is a positive) as its mask options, or None;
+    ``labels`` must then be None (the ids name the positives)."""
+    qi, ki = make_id_pair(q, k, q_ids, k_ids, names)
+    if qi is None:
+        return None
+    if labels is not None:
+        raise ValueError("labels and q_ids/k_ids both name the positives: pass labels or the ids, not both")
+    return MaskOptions(q_ids=qi, k_ids=ki)
+
+
 def make_ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
     """``ids``: None or an integer tensor [rows] on the features' device; returned as contiguous int64 (a
     view such as ``meta[:, 1]`` or an expanded id is copied, O(B): the kernels read ids with stride 1)."""

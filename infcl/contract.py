@@ -56,7 +56,8 @@ so a column that duplicates the labelled one ties its threshold exactly. With id
 (nothing excluded, one positive per row) every one of these is the plain loss bit for bit.
 
 Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
-positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks but plain sums:
+positive (Y = one-hot of ``pos``; with ``Block.masks``, its ids: wherever ``q_ids[i] == k_ids[j]``, ``pos``
+unread), -1 elsewhere; nothing is merged across blocks but plain sums:
 
 ``sigmoid_forward_block(block) -> rows [Bq]``
     rows[i] = sum_j softplus(-z_ij * L_ij)    (= -log sigmoid(z_ij * L_ij), never formed as log(sigmoid))

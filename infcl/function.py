@@ -37,7 +37,7 @@ class LossPlan:
     backend: object  # the backend object (infcl.backends.resolve.backend_object): the loss's block operations
     symmetric: bool
     layout: RingLayout
-    masks: Optional[MaskOptions] = None  # the softmax loss's ids / multi-positive / guide options (softmax only)
+    masks: Optional[MaskOptions] = None  # ids / multi-positive / guide options (softmax); ids (sigmoid)
 
 
 def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ class SigmoidLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, bias, labels, plan: LossPlan):
         scale_t, bias_t = device_scale(scale, q), device_scale(bias, q)
-        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidSteps(bias_t), plan.backend, plan.layout)
+        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidSteps(bias_t, plan.masks), plan.backend, plan.layout)
         ctx.save_for_backward(q, k, scale_t, bias_t, labels)
         ctx.plan = plan
         ctx.param_meta = (_param_meta(scale), _param_meta(bias))
@@ -130,7 +130,7 @@ class SigmoidLossFunction(torch.autograd.Function):
         q, k, scale_t, bias_t, labels = ctx.saved_tensors
         # The upstream gradient of a mean is an expanded (stride 0) vector: an O(B) copy makes it plain.
         rows = SigmoidUpstream(g_row.to(scale_t.dtype).contiguous())
-        ring = SigmoidSteps(bias_t)
+        ring = SigmoidSteps(bias_t, plan.masks)
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, None)
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None

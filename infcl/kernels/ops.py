@@ -18,9 +18,10 @@ tensors and ``multi_positive`` as "" (None), "mean" or "sum":
   row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.softmax_guide_scores`).
 
 Sigmoid (SigLIP):
-- ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, precision, tiling) -> rows``
-- ``torch.ops.infcl.triton_sigmoid_backward_block(q, k, scale, pos, bias, g_row, dq!, dk!, precision, tiling)
-  -> dparams`` (accumulates into dq and dk)
+- ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling) -> rows``
+- ``torch.ops.infcl.triton_sigmoid_backward_block(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq!, dk!, precision,
+  tiling) -> dparams`` (accumulates into dq and dk)
+  ``q_ids`` / ``k_ids``: None, or the ids (the positives: every column with the row's id; pos unread).
 
 ``precision`` is tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"), resolved by the
 caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for the defaults
@@ -221,10 +222,18 @@ def _guide_label_scores(
 
 
 def _sigmoid_forward(
-    q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str, tiling: List[int]
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    precision: str,
+    tiling: List[int],
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=wrap)
+    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap, q_ids, k_ids)
 
 
 def _sigmoid_backward(
@@ -233,6 +242,8 @@ def _sigmoid_backward(
     scale: Tensor,
     pos: Tensor,
     bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
     g_row: Tensor,
     dq: Tensor,
     dk: Tensor,
@@ -240,7 +251,8 @@ def _sigmoid_backward(
     tiling: List[int],
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=wrap)
+    args = (q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap)
+    return sigmoid.siglip_backward(*args, q_ids, k_ids)
 
 
 def _accum(q: Tensor) -> torch.dtype:
@@ -305,11 +317,11 @@ def _guide_label_scores_fake(guide_q, guide_k, pos, feature_dtype, precision):
     return guide_q.new_empty(guide_q.shape[0])
 
 
-def _sigmoid_forward_fake(q, k, scale, pos, bias, precision, tiling):
+def _sigmoid_forward_fake(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling):
     return q.new_empty(q.shape[0], dtype=_accum(q))
 
 
-def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk, precision, tiling):
+def _sigmoid_backward_fake(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq, dk, precision, tiling):
     return dq.new_empty(2)
 
 
