@@ -10,7 +10,7 @@ which no order can change, and :func:`assert_order_free` checks any score functi
   ``sum_f a[i, f] * b[j, f]`` rounded once, to nearest even. Each row of a and of b is cut into slices of
   ``bits`` bits below that row's top bit (Rump, Ogita and Oishi's error-free extraction, "Accurate
   floating-point summation", 2008; as in Ozaki's scheme for matrix products): a product of two slices is a sum
-  of D integers below 2^53 units, which any BLAS adds without error in any order. The few slice products of an
+  of D integers below 2^53 units, which float64 adds without error in any order. The few slice products of an
   entry are then summed exactly by the same extraction, and rounded once: one IEEE addition where two parts
   remain, ``math.fsum`` where more do. A row or column holding NaN / inf gives what IEEE addition gives in any
   order (NaN, or the infinity); NaN comes back as one canonical NaN.
@@ -18,8 +18,9 @@ which no order can change, and :func:`assert_order_free` checks any score functi
   the feature axis rotated by one, and on a copy whose rows and columns are permuted, puts the results back in
   place and raises ``AssertionError`` (naming how many entries moved) if any differs from the first in any bit
   (on the first 64 rows: a large truth costs a little more than once, not four times).
-  Reversal and one rotation together put any feature at three different positions: a summation whose order
-  is fixed by positions (any BLAS) cannot give all three the same bits unless its sums are exact on the data.
+  Reversal and one rotation together put any feature at three different positions: on data where only which
+  two products meet first decides the sum (tests/test_truths.py), a float64 summation whose order is fixed by
+  positions (any BLAS) cannot give the three the same bits.
 - :func:`truth_scores`: :func:`exact_scores` through the guard. Every truth that decides a tie or an order
   takes its scores from here (tests/test_truths.py enumerates them and checks that each one does).
 """
@@ -67,7 +68,7 @@ def _slices(x: np.ndarray, bits: int) -> list:
         sigma = np.ldexp(1.0, exponent + 53 - bits)  # ulp of sigma's binade: 2^(exponent - bits) and up
         high = (sigma + rest) - sigma  # rest rounded to a multiple of 2^(exponent - bits)
         out.append(high)
-        rest = rest - high  # exact (Rump, Ogita, Oishi 2008, Lemma 3.3): |rest| <= 2^(exponent - bits)
+        rest = rest - high  # exact (Rump, Ogita, Oishi 2008): |rest| <= 2^(exponent - bits)
 
 
 def _exact_sums(p: np.ndarray) -> np.ndarray:
@@ -153,7 +154,7 @@ def exact_scores(a, b) -> torch.Tensor:
         step = max(1, CHUNK_ELEMENTS // (m * len(a_slices) * len(b_slices)))
         for start in range(0, n, step):
             rows = [x[start : start + step] for x in a_slices]
-            # einsum's own loops, not a BLAS: no thread pool to wait on (every order gives the same sums here)
+            # einsum's own loops, not a BLAS thread pool that waits on a loaded machine (any order is exact here)
             products = np.stack([np.einsum("if,jf->ij", x, y) for x in rows for y in b_slices])
             out[start : start + step] = _exact_sums(products)
     if bad_a.any():
