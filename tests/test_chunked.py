@@ -152,18 +152,6 @@ def test_chunk_rows_shrink_to_the_budget():
     assert plan.plan_block(block, plan.budget_bytes(1e-3), 10**6, "torch", False).reason.startswith("a block of")
 
 
-def test_no_out_dtype_hands_off_with_a_warning(monkeypatch):
-    """A torch without mm(..., out_dtype, out=) on CUDA: bf16/fp16 blocks run the fused kernels, and the user
-    hears of it once; float32 needs no out_dtype and stays on the route."""
-    monkeypatch.setattr(plan, "scores_runs", lambda device: False)
-    bf16, fp32 = _block(64, 64, 8, torch.bfloat16), _block(64, 64, 8)
-    budget = plan.budget_bytes(plan.DEFAULT_BUDGET_MB)
-    handoff = plan.plan_block(bf16, budget, 32, None, True, cuda=True)
-    assert isinstance(handoff, plan.HandOff) and handoff.warn and "out_dtype" in handoff.reason
-    assert plan.plan_block(fp32, budget, 32, None, True, cuda=True).rows == 32
-    assert not plan.plan_block(_block(64, 64, 8, torch.float64), 10**9, 32, None, True, cuda=True).warn
-
-
 def _stand_in(n_q, n_k, dim, dtype=torch.bfloat16):
     """A block of n_q x n_k rows of width dim that allocates nothing (expanded rows): for plans only."""
     q = torch.zeros(1, dim, dtype=dtype).expand(n_q, dim)
@@ -172,11 +160,10 @@ def _stand_in(n_q, n_k, dim, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("in_gemm,rows", ((True, 1984), (False, 1664)))
-def test_a_million_rows_plan_on_a_gpu(monkeypatch, in_gemm, rows):
+def test_a_million_rows_plan_on_a_gpu(in_gemm, rows):
     """B = 1,048,576 at D = 512 in bf16 on a GPU (planned, not run): the default budget cannot hold the float32 dq
     and dk (4 GiB) and says so; MILLION_BUDGET_MB (16 GiB, 20 GiB of an 80 GB H100 with the inputs and their
     gradients) runs the route with C = 1984 where the GEMMs accumulate in place, 1664 otherwise."""
-    monkeypatch.setattr(plan, "scores_runs", lambda device: True)  # a GPU torch with mm(..., out_dtype, out=)
     block = _stand_in(2**20, 2**20, 512)
     default = plan.plan_block(block, plan.budget_bytes(plan.DEFAULT_BUDGET_MB), None, None, True, True, in_gemm)
     assert isinstance(default, plan.HandOff) and "fits 0 rows" in default.reason
@@ -188,9 +175,8 @@ def test_a_million_rows_plan_on_a_gpu(monkeypatch, in_gemm, rows):
 
 
 @pytest.mark.parametrize("in_gemm,rows", ((True, 1984), (False, 1664)))
-def test_the_default_budget_at_64k(monkeypatch, in_gemm, rows):
+def test_the_default_budget_at_64k(in_gemm, rows):
     """B = 65536, D = 512, bf16 (planned): everything the route holds fits the default 1 GiB."""
-    monkeypatch.setattr(plan, "scores_runs", lambda device: True)
     block = _stand_in(2**16, 2**16, 512)
     budget = plan.budget_bytes(plan.DEFAULT_BUDGET_MB)
     got = plan.plan_block(block, budget, None, None, True, cuda=True, in_gemm=in_gemm)

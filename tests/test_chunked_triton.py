@@ -206,7 +206,6 @@ def test_the_budget_is_the_peak_on_a_gpu(kernels, monkeypatch, dtype, in_gemm):
     bq, bk, d = 256, 512, 40
     q, k, labels = features_and_labels(bq, bk, d, "random", dtype, seed=12)
     budget_mb = 0.5
-    monkeypatch.setattr(plan, "scores_runs", lambda device: True)  # a GPU torch with mm(..., out_dtype, out=)
     route = _on_a_gpu(in_gemm)(budget_mb=budget_mb)
     c = route.plan(Block(q=q, k=k, scale=torch.tensor(1.0), pos=labels)).rows
     assert c == 64 and bq % c == 0  # whole chunks of the GPU's 64-row alignment: several of them
@@ -295,7 +294,6 @@ def test_the_sigmoid_budget_is_the_peak_on_a_gpu(sigmoid_kernels, monkeypatch, i
     [C, Bk] size in its backward, the peak within the budget with the float32 dq and dk it saves."""
     bq, bk, d = 256, 512, 40
     q, k, labels = features_and_labels(bq, bk, d, "random", torch.bfloat16, seed=13)
-    monkeypatch.setattr(plan, "scores_runs", lambda device: True)
     route = _on_a_gpu(in_gemm)(budget_mb=0.5)
     c = route.plan(Block(q=q, k=k, scale=torch.tensor(1.0), pos=labels)).rows
     assert c == 64

@@ -43,22 +43,22 @@ from typing import Optional
 import torch
 import triton
 
+from ..contract import MaskOptions
 from .autotune import autotune_bucket, lazy_autotune, neighbours
 from .configs import TENSOR_CORE_CLASSES, TileConfig, Tiling
 from .kernel_args import (
     COMPILE_OPTIONS,
-    NO_MASKS,
-    MaskInputs,
     branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
+    mask_kernel_args,
     tf32_operands,
 )
 from .softmax_backward_kernels import _backward_kernel
 from .split_plan import plan_backward_splits
 from .target import ARCH_FAMILIES
-from .tiling import OLD_WGMMA, dk_config, dq_config
+from .tiling import dk_config, dq_config
 
 # ---- configs ------------------------------------------------------------------------------------
 # Each call's configs: infcl.kernels.tiling.dq_config / dk_config (one function each for every family, operand
@@ -78,11 +78,8 @@ CONFIG_KEYS = (
 
 
 def _keep(key, config: TileConfig, default: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_api_compile.py): under Triton 3.2 a
-    second stage spills sm_90's dk (220 B, tf32 at D = 1000); the FMA classes (ieee, fp64) sit at their
-    register limit already, so they keep their default alone."""
-    if OLD_WGMMA and key[0] in (90, 100) and config.num_stages > default.num_stages:
-        return False
+    """Search points that compile without spills (tests/test_triton_api_compile.py): the FMA classes (ieee,
+    fp64) sit at their register limit already, so they keep their default alone."""
     return key[1] in TENSOR_CORE_CLASSES or config == default
 
 
@@ -156,7 +153,7 @@ def softmax_backward(
     autotune: bool = False,
     sms: int = 1,
     wrap=lambda kernel: kernel,
-    masks: MaskInputs = NO_MASKS,
+    masks: Optional[MaskOptions] = None,
     row_positives: Optional[torch.Tensor] = None,
     col_positives: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -205,7 +202,7 @@ def softmax_backward(
         BLOCK_D=block_d,
         **feature_chunks(dim, block_d),
         PRECISION=opts["PRECISION"],
-        **masks.kernel_args(q.dtype, precision),
+        **mask_kernel_args(masks, q.dtype, precision),
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         row_pos_ptr=row_positives,
         col_pos_ptr=col_positives,

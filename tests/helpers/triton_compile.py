@@ -15,6 +15,7 @@ imports nothing from infcl or triton at the top.
 import contextlib
 import functools
 import hashlib
+import inspect
 import itertools
 import os
 import re
@@ -190,9 +191,9 @@ def _ptxas(arch: int) -> str:
     """The ptxas Triton itself uses for ``arch`` (the wheel's bundled one unless TRITON_PTXAS_PATH says)."""
     from triton.backends.nvidia import compiler
 
-    if hasattr(compiler, "get_ptxas"):  # Triton >= 3.4: a tool per architecture
+    if inspect.signature(compiler.get_ptxas).parameters:  # a tool per architecture (after Triton 3.5)
         return compiler.get_ptxas(arch).path
-    return compiler._path_to_binary("ptxas")[0]
+    return compiler.get_ptxas().path  # Triton 3.4 / 3.5: one ptxas
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,7 +334,7 @@ def variants() -> List[Variant]:
     for arch in FULL_TARGETS + (SMALL_TARGET,):
         for dtype, precision in DTYPES:
             if dtype == "float64" and not FLOAT64_DOT:
-                continue  # Triton 3.2: float64 blocks run on the torch tiles, no kernel is launched
+                continue  # Triton 3.4: float64 blocks run on the torch tiles, no kernel is launched
             torch_dtype = getattr(torch, dtype)
             operand_class = operand_class_of(torch_dtype, precision)
             default = tiling_for(arch_key((arch // 10, arch % 10)), torch_dtype, precision)
@@ -365,7 +366,7 @@ def variants() -> List[Variant]:
 #
 # :func:`run_call` makes one public call (cal_inf_loss, cal_siglip_loss, InfCLIPLoss, InfSigLipLoss) with
 # backend="triton" on CPU tensors, forward and backward, with everything real (the backend choice, the
-# custom-op registration: triton_op + wrap_triton on torch >= 2.6, the configs, split plans and the
+# custom-op registration: triton_op + wrap_triton, the configs, split plans and the
 # autotuner) except Triton's active driver, which is :class:`CompileOnlyDriver`, and JITFunction.run,
 # which compiles (``warmup=True``) instead of launching. Every compiled kernel is checked by ptxas.
 
@@ -407,7 +408,7 @@ class Call:
     symmetric: bool = False
     labels: bool = False
     autotune: bool = False
-    masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"
+    masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"; cal_siglip_loss's: "" or "ids"
     multi_positive: str = ""  # "", "mean" or "sum" (with ids)
     # A pinned Tiling (Tiling.to_ints()) for the triton backend's calls, passed as a user passes one:
     # ``backend=TritonBackend(tiling=...)`` (:func:`call_backend`); () for the device's defaults.
@@ -540,6 +541,19 @@ def mask_options(call: Call) -> Dict:
     return opts
 
 
+def sigmoid_ids(call: Call) -> Dict:
+    """cal_siglip_loss's ids for ``call`` (``masks="ids"``): a few classes, so rows have several positives."""
+    import torch
+
+    if call.masks != "ids":
+        return {}
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "q_ids": torch.randint(0, 7, (call.n_q,), generator=gen),
+        "k_ids": torch.randint(0, 7, (call.n_k,), generator=gen),
+    }
+
+
 def call_topk(call: Call, q, k):
     """topk_scores with backend="triton" on q and k (no gradient); with ``labels``, labels excluded and ids
     of a few classes."""
@@ -569,7 +583,9 @@ def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = Non
         masks = mask_options(call) if masks is None else masks
         return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=backend, **masks)
     if call.entry == "cal_siglip_loss":
-        return infcl.cal_siglip_loss(q, k, scale, bias, labels, reduction=call.reduction, backend=backend).sum()
+        return infcl.cal_siglip_loss(
+            q, k, scale, bias, labels, reduction=call.reduction, backend=backend, **sigmoid_ids(call)
+        ).sum()
     if call.entry == "InfCLIPLoss":
         return infcl.InfCLIPLoss(backend=backend)(q, k, scale)
     return infcl.InfSigLipLoss(backend=backend)(q, k, scale, bias)
@@ -705,9 +721,25 @@ def api_calls(full: bool) -> List[Call]:
                 if dtype == "bfloat16":
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             out.extend(masked_calls(arch, dtype, precision, full))
+            out.extend(sigmoid_id_calls(arch, dtype, precision, full))
             out.extend(topk_calls(arch, dtype, precision, full))
         out.extend(chunked_calls(arch))
     return out
+
+
+# The targets the sigmoid loss with ids compiles on in CI (issue 56), every dtype.
+SIGMOID_ID_TARGETS = (90, 80, 100)
+
+
+def sigmoid_id_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
+    """cal_siglip_loss with ids (several positives per row; the kernels' HAS_IDS): ragged at D = 1000 (the
+    plain sigmoid's heaviest CI case) on :data:`SIGMOID_ID_TARGETS`; ``full``: every D of :data:`API_DIMS`
+    ragged and one-directional Bk > Bq at D = 1000, on every target."""
+    if not (full or arch in SIGMOID_ID_TARGETS):
+        return []
+    ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
+    cases = [(dim, ragged) for dim in (API_DIMS if full else (1000,))] + ([(1000, wide)] if full else [])
+    return [Call(arch, "cal_siglip_loss", dtype, precision, dim, *sizes, masks="ids") for dim, sizes in cases]
 
 
 def topk_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
@@ -765,6 +797,37 @@ def chunked_calls(arch: int) -> List[Call]:
     ]
 
 
+# Every kernel family compiles at least once in the floor subset (:func:`floor_calls`).
+FLOOR_KERNELS = frozenset(
+    {"forward", "dq", "dk", "siglip_forward", "siglip_backward", "guide_label_scores", "topk"}
+    | {"chunk_stats", "merge_parts", "chunk_grad"}
+)
+
+
+def floor_calls() -> List[Call]:
+    """The part of :func:`api_calls`'s CI matrix that compiles every kernel family once, for the oldest Triton
+    infcl supports (.ci/run's floor step, in a second virtual environment; every call is one of the matrix's, so
+    under the newest Triton it costs nothing beside the matrix): on sm_90 the softmax kernels on tensor cores
+    (bf16, D = 384: whole chunks and a ragged slice), in fp32 FMA and (Triton >= 3.5) fp64 (D = 40), autotuned (bf16,
+    D = 1000), with ids and a guide ("sum", D = 1000), the sigmoid kernels, the top-k search and the chunked
+    route's passes; on sm_80 the softmax kernels in bf16 (the pre-wgmma MMA). The ranks' and distillation
+    kernels: :func:`rank_distill_compile.floor_calls`."""
+    from infcl.kernels.configs import FLOAT64_DOT
+
+    ragged = (RAGGED_BATCH, RAGGED_BATCH)
+    float64 = [Call(90, "cal_inf_loss", "float64", "ieee", 40, *ragged, symmetric=True)] if FLOAT64_DOT else []
+    return float64 + [
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 384, *ragged, symmetric=True),
+        Call(90, "cal_inf_loss", "float32", "ieee", 40, *ragged, symmetric=True),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, autotune=True),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, masks="both", multi_positive="sum"),
+        Call(90, "cal_siglip_loss", "bfloat16", "ieee", 1000, *ragged),
+        Call(90, "topk_scores", "bfloat16", "ieee", 384, RAGGED_BATCH, WIDE_BATCH + 3, labels=True, topk=TOPK_N),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 40, *ragged, symmetric=True, backend="chunked"),
+        Call(80, "cal_inf_loss", "bfloat16", "ieee", 384, *ragged, symmetric=True),
+    ]
+
+
 def dtype_label(dtype: str, precision: str) -> str:
     """How a call's label names its (dtype, precision): fp32-ieee, fp32-tf32, bf16, fp16, fp64."""
     return {"float32": f"fp32-{precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[dtype]
@@ -772,9 +835,9 @@ def dtype_label(dtype: str, precision: str) -> str:
 
 def api_dtypes(arch: int, full: bool, float64_dot: bool) -> List[Tuple[str, str]]:
     """The (dtype, precision) pairs :func:`api_calls` compiles on ``arch``: every one on every target, CI
-    included (fp32 "ieee" and "tf32", bf16, fp16, and fp64 where ``tl.dot`` has it). ``full`` widens the dims
-    and batches, never the dtypes: fp16 beside bf16 and the FMA classes beyond sm_80 were once left out of CI
-    for time only, and CI's budget of 30 minutes holds them."""
+    included (fp32 "ieee" and "tf32", bf16, fp16, and fp64 where ``tl.dot`` has it: Triton >= 3.5). ``full``
+    widens the dims and batches, never the dtypes: fp16 beside bf16 and the FMA classes beyond sm_80 were once
+    left out of CI for time only, and CI's budget of 30 minutes holds them."""
     dtypes = [("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee")]
     if float64_dot:
         dtypes.append(("float64", "ieee"))

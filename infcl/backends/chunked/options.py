@@ -10,8 +10,7 @@ from typing import Optional
 import torch
 
 from ...contract import Block
-from ..once import warn_once
-from .plan import HandOff, budget_bytes, call_budget_mb, plan_block
+from .plan import budget_bytes, call_budget_mb, plan_block
 
 
 def _triton_reason(device: torch.device) -> Optional[str]:
@@ -75,11 +74,7 @@ class ChunkedOptions:
         return type(self)(call_budget_mb(None), self.chunk_rows, self.passes)
 
     def plan(self, block: Block):
-        """The block's :class:`ChunkPlan`, or the :class:`HandOff` saying why the fused kernels run it (warned of
-        once where it is this torch's lack, not the route's choice)."""
+        """The block's :class:`ChunkPlan`, or the :class:`HandOff` saying why the fused kernels run it."""
         triton_runs = self.passes != "torch" and _triton_runs(block.q.device)
         budget = budget_bytes(call_budget_mb(self.budget_mb) if self.budget_mb is None else self.budget_mb)
-        plan = plan_block(block, budget, self.chunk_rows, self.passes, triton_runs)
-        if isinstance(plan, HandOff) and plan.warn:
-            warn_once(plan.reason)
-        return plan
+        return plan_block(block, budget, self.chunk_rows, self.passes, triton_runs)

@@ -27,8 +27,6 @@ accumulate in place, 1664 otherwise; with the inputs and their bf16 gradients ab
 block to the fused kernels (:mod:`infcl.backends.triton` on CUDA, the torch tiles elsewhere) when
 - the block has mask options (ids, ``multi_positive``, a guide): not worth a chunked pass yet;
 - the features are float64 (no cuBLAS out_dtype case, and no speed to win);
-- on CUDA, this torch has no ``torch.mm(..., out_dtype=torch.float32)`` (``aten::mm.dtype``, torch >= 2.8): bf16 /
-  fp16 products would round S to the operand dtype, which is vanilla's error class (a one-time warning says so);
 - the budget fits no row, or (on a GPU) fewer than :data:`MIN_CHUNK_ROWS` rows, or the block has fewer than
   :data:`MIN_BLOCK_ROWS` rows (GPU): below that the fused kernels' launch count and time are the smaller.
 An explicit ``chunk_rows`` skips the two size thresholds (tests, the A/B) but never the budget.
@@ -41,7 +39,7 @@ from typing import Iterator, NamedTuple, Optional, Union
 import torch
 
 from ...contract import Block
-from .probes import accumulates_in_gemm, scores_runs
+from .probes import accumulates_in_gemm
 
 ENV_BUDGET = "INFCL_CHUNK_BUDGET_MB"
 # 1 GiB: the issue's target for extra memory at B = 65536. Bf16 at D = 512 (the float32 dq and dk take 256 MiB of
@@ -156,11 +154,9 @@ class ChunkPlan:
 
 
 class HandOff(NamedTuple):
-    """Why a block runs on the fused kernels; ``warn``: a condition the user would want to hear of once (this torch
-    lacks what the route needs), not the route's own choice."""
+    """Why a block runs on the fused kernels."""
 
     reason: str
-    warn: bool = False
 
 
 def gemm_accumulates(cublas: bool, operand: torch.dtype, device: torch.device) -> bool:
@@ -195,13 +191,6 @@ def plan_block(
     if q.dtype == torch.float64:
         return HandOff("float64 runs on the fused kernels")
     cuda = q.device.type == "cuda" if cuda is None else cuda
-    if cuda and q.dtype != torch.float32 and not scores_runs(q.device):
-        return HandOff(
-            f"infcl: backend='chunked' runs bf16/fp16 on the fused Triton kernels: torch {torch.__version__} has no "
-            f"torch.mm(..., out_dtype=torch.float32, out=...) on CUDA (torch >= 2.8), so the scores would be rounded "
-            f"to the operand dtype",
-            warn=True,
-        )
     triton_passes = passes == "triton" or (passes is None and triton_runs)
     in_gemm = gemm_accumulates(cuda, q.dtype, q.device) if in_gemm is None else in_gemm
     (n_q, dim), n_k = q.shape, k.shape[0]
