@@ -17,8 +17,9 @@ product); a document with no real token scores -inf against every query with a w
 empty set) and 0 against a query without one (the empty sum), and routes no gradient.
 
 GEMM count per tile: forward 1, backward 3 (the token product again, dq, dk). Extra memory: one token tile
-(two in the backward: the product, then the routing in its place, beside the max's indices), never
-O(Bq * Bk * Lq * Lk): :data:`CPU_TOKEN_TILES` / :data:`GPU_TOKEN_TILES`.
+(two in the backward: the product and the routing, which stays zero between tiles: each tile resets the entries
+it wrote), the max's indices of a tile, a copy of the queries' tokens (with their extra feature) and of one
+document tile's; never O(Bq * Bk * Lq * Lk): :data:`CPU_TOKEN_TILES` / :data:`GPU_TOKEN_TILES`.
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -63,37 +64,46 @@ def token_tiles(device: torch.device, lq: int, lk: int, tiles: Optional[Tuple[in
 
 
 def _walk(block: Block, tiles: Optional[Tuple[int, int]]):
-    """The block's tiles, query blocks outer; each tile's tokens copied into the accumulation dtype with the
-    masked ones zeroed (the copies are a tile's tokens, small beside its product)."""
+    """The block's tiles, document blocks outer. The queries are copied once per block and each document tile
+    once: the tokens in the accumulation dtype with the masked ones zeroed and, with a document mask, one more
+    feature: 1 for every query token, 0 for a real document token and -inf for a masked one, so the token product
+    itself puts -inf where a masked token sits (adding an exact 0 leaves every real product's bits as they are)
+    and no pass over the product is spent on the mask."""
     acc = accum_dtype(block.q.dtype)
     bq, lq, _ = block.q.shape
     bk, lk, _ = block.k.shape
     nq, nk = token_tiles(block.q.device, lq, lk, tiles)
-    for i0 in range(0, bq, nq):
-        rows = slice(i0, min(i0 + nq, bq))
-        weight = block.q_weight[rows]
-        qi = torch.where(weight[..., None] != 0, block.q[rows].to(acc), 0.0)
-        for j0 in range(0, bk, nk):
-            cols = slice(j0, min(j0 + nk, bk))
+    masked = block.k_mask is not None
+    weight = block.q_weight
+    q = _tokens(block.q, weight != 0, acc, torch.ones_like(weight) if masked else None)
+    for j0 in range(0, bk, nk):
+        cols = slice(j0, min(j0 + nk, bk))
+        mask = empty = None
+        if masked:
+            mask = block.k_mask[cols]
+            kj = _tokens(block.k[cols], mask, acc, torch.where(mask, 0.0, NEG_INF))
+            empty = ~mask.any(dim=1)
+        else:
             kj = block.k[cols].to(acc)
-            mask = empty = None
-            if block.k_mask is not None:
-                mask = block.k_mask[cols]
-                kj = torch.where(mask[..., None], kj, 0.0)
-                empty = ~mask.any(dim=1)
-            yield MaxSimTile(rows, cols, qi, kj, weight, mask, empty)
+        for i0 in range(0, bq, nq):
+            rows = slice(i0, min(i0 + nq, bq))
+            yield MaxSimTile(rows, cols, q[rows], kj, weight[rows], mask, empty)
+
+
+def _tokens(tokens: Tensor, real: Tensor, acc: torch.dtype, extra: Optional[Tensor]) -> Tensor:
+    """[n, L, D] (with ``extra`` [n, L]: [n, L, D + 1], ``extra`` the last feature): the real tokens in ``acc``,
+    the others 0. Formed by contiguous operations (a strided destination takes torch's slow copy path)."""
+    kept = torch.where(real[..., None], tokens.to(acc), 0.0)
+    return kept if extra is None else torch.cat((kept, extra[..., None]), dim=2)
 
 
 def _token_product(tile: MaxSimTile, buf: Tensor) -> Tensor:
-    """[nq * Lq, nd, Lk]: every query token of the tile against every document token, masked ones at -inf; a view
-    into ``buf``."""
-    d = tile.qi.shape[-1]
-    q_tokens, k_tokens = tile.qi.reshape(-1, d), tile.kj.reshape(-1, d)
+    """[nq * Lq, nd, Lk]: every query token of the tile against every document token (a masked one -inf, by the
+    tokens' extra feature); a view into ``buf``."""
+    width = tile.qi.shape[-1]
+    q_tokens, k_tokens = tile.qi.reshape(-1, width), tile.kj.reshape(-1, width)
     out = buf[: q_tokens.shape[0] * k_tokens.shape[0]].view(q_tokens.shape[0], k_tokens.shape[0])
-    product = torch.mm(q_tokens, k_tokens.T, out=out).view(q_tokens.shape[0], *tile.kj.shape[:2])
-    if tile.mask is not None:
-        product.masked_fill_(~tile.mask[None], NEG_INF)
-    return product
+    return torch.mm(q_tokens, k_tokens.T, out=out).view(q_tokens.shape[0], *tile.kj.shape[:2])
 
 
 def _scores(tile: MaxSimTile, maxima: Tensor) -> Tensor:
@@ -103,7 +113,9 @@ def _scores(tile: MaxSimTile, maxima: Tensor) -> Tensor:
     per_token = maxima.view(nq, lq, -1)
     if tile.empty is not None:
         per_token.masked_fill_(tile.empty[None, None], 0.0)
-    scores = torch.bmm(tile.weight[:, None, :], per_token).squeeze(1)
+    # A sum over the tokens, not a batched product: the same reduction in both passes, and torch's bmm of these
+    # 1 x Lq rows costs as much as the token product itself on CPU.
+    scores = per_token.mul_(tile.weight[:, :, None]).sum(dim=1)
     if tile.empty is not None:
         weighted = (tile.weight != 0).any(dim=1)
         scores.masked_fill_(tile.empty[None] & weighted[:, None], NEG_INF)
@@ -145,6 +157,7 @@ class MaxSimTiles:
         scale = block.scale
         dscale = torch.zeros(2, dtype=acc, device=block.q.device)
         buf = _tile_buffer(block, self.token_tiles)
+        routing_buf = torch.zeros_like(buf)  # all zeros between tiles: each tile resets what it wrote
         d = block.q.shape[-1]
         for tile in _walk(block, self.token_tiles):
             product = _token_product(tile, buf)
@@ -169,9 +182,11 @@ class MaxSimTiles:
             routed = ds.mul_(scale)[:, None, :] * tile.weight[:, :, None]  # [nq, Lq, nd]
             if tile.empty is not None:
                 routed.masked_fill_(tile.empty[None, None], 0.0)
-            routing = product.zero_()  # the product's buffer, read no more
+            routing = routing_buf[: product.numel()].view(product.shape)
             routing.scatter_(2, winner[..., None], routed.view(winner.shape)[..., None])
-            routing = routing.view(routing.shape[0], -1)
-            dq[tile.rows].view(-1, d).addmm_(routing, tile.kj.reshape(-1, d))
-            dk[tile.cols].view(-1, d).addmm_(routing.T, tile.qi.reshape(-1, d))
+            flat = routing.view(routing.shape[0], -1)
+            q_tokens, k_tokens = tile.qi[..., :d].reshape(-1, d), tile.kj[..., :d].reshape(-1, d)
+            dq[tile.rows].view(-1, d).addmm_(flat, k_tokens)
+            dk[tile.cols].view(-1, d).addmm_(flat.T, q_tokens)
+            routing.scatter_(2, winner[..., None], 0.0)  # back to zeros, O(nq * Lq * nd)
         return dscale
