@@ -94,7 +94,9 @@ def run_batch(batch: int, lq: int, ld: int, dim: int, repeats: int, backends: Se
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench --preset late-interaction", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench --preset late-interaction", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--preset", default="late-interaction", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--lq", type=int, default=32)
