@@ -140,6 +140,28 @@ def test_ties_go_to_the_lowest_index(small_tiles):
     assert docs.grad[:, 1].abs().sum() > 0  # the copies' gradient went somewhere: to token 1
 
 
+@pytest.mark.parametrize("tiles", (SMALL_TILES, (40, 63), None))
+def test_random_float_copies_route_to_the_first(monkeypatch, tiles):
+    """Exact copies of random float32 document tokens, at the ends of the token products and across tiles: each
+    copy scores the same bits as its original, so only the lowest index gets a gradient."""
+    monkeypatch.setattr(TORCH_TILES, "token_tiles", tiles)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(6, 5, 16, generator=gen)
+    docs = torch.randn(7, 21, 16, generator=gen)
+    docs[:, 2] *= 4.0  # a large token: it wins most maxima
+    docs[:, 17] = docs[:, 2]
+    docs[:, 20] = docs[:, 2]
+    docs[:, 15] = docs[:, 0]
+    q.requires_grad_()
+    docs.requires_grad_()
+    loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5)
+    loss.backward()
+    for copy in (17, 20, 15):
+        assert torch.equal(docs.grad[:, copy], torch.zeros_like(docs.grad[:, copy])), copy
+    assert (docs.grad[:, 2].abs().sum(dim=1) > 0).all()
+    _close(loss.detach(), maxsim_loss(q.detach().double(), docs.detach().double(), torch.arange(6), 0.5), 2e-5, "loss")
+
+
 def test_empty_document_and_empty_query(small_tiles):
     """A document with no real token scores -inf (no negative; its own query's loss is inf, routing nothing); a
     query with no real token scores 0 against every document (loss log Bk, no gradient to its tokens)."""

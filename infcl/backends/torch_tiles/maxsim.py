@@ -29,7 +29,7 @@ import torch
 from ...contract import Block, Tensor, accum_dtype
 from ...lse import empty_stats, lse_merge, tile_stats
 from .softmax import _plain_masks, _tile_masks, probabilities
-from .walk import Tile, positives
+from .walk import CPU_PRODUCT_MULTIPLE, Tile, positives
 
 # (query tokens, document tokens) per token tile. CPU: 512 x 4096 fp32 is 8 MiB, two of which live in the backward;
 # at Lq = 32, Lk = 180 that is 16 queries x 22 documents, products large enough for MKL's full rate on 2 threads.
@@ -46,8 +46,10 @@ class MaxSimTile(NamedTuple):
 
     rows: slice
     cols: slice
-    qi: Tensor  # [nq, Lq, D]
-    kj: Tensor  # [nd, Lk, D]
+    qi: Tensor  # [nq, Lq, W]: W = D, or D + 1 with the mask's extra feature
+    kj: Tensor  # [nd, Lk, W]
+    q_window: Tensor  # [R, W]: qi's tokens and, on a CPU, the rows after them up to a multiple of 16 (ignored)
+    k_window: Tensor  # [C, W]: kj's tokens, likewise padded
     weight: Tensor  # [nq, Lq]
     mask: Optional[Tensor]  # [nd, Lk] bool
     empty: Optional[Tensor]  # [nd] bool: documents without a real token
@@ -63,47 +65,73 @@ def token_tiles(device: torch.device, lq: int, lk: int, tiles: Optional[Tuple[in
     return max(1, tq // lq), max(1, tk // lk)
 
 
+def _product_rows(n: int, device: torch.device) -> int:
+    """The rows a product of ``n`` token rows takes: on a CPU, a multiple of :data:`.walk.CPU_PRODUCT_MULTIPLE`
+    (MKL sums the rows and columns beyond its micro-kernel in another order: an exact copy of a token would miss
+    its tie by an ulp at the edge of a product)."""
+    if device.type != "cpu":
+        return n
+    return -(-n // CPU_PRODUCT_MULTIPLE) * CPU_PRODUCT_MULTIPLE
+
+
 def _walk(block: Block, tiles: Optional[Tuple[int, int]]):
     """The block's tiles, document blocks outer. The queries are copied once per block and each document tile
     once: the tokens in the accumulation dtype with the masked ones zeroed and, with a document mask, one more
     feature: 1 for every query token, 0 for a real document token and -inf for a masked one, so the token product
     itself puts -inf where a masked token sits (adding an exact 0 leaves every real product's bits as they are)
     and no pass over the product is spent on the mask."""
-    acc = accum_dtype(block.q.dtype)
+    acc, device = accum_dtype(block.q.dtype), block.q.device
     bq, lq, _ = block.q.shape
     bk, lk, _ = block.k.shape
-    nq, nk = token_tiles(block.q.device, lq, lk, tiles)
+    nq, nk = token_tiles(device, lq, lk, tiles)
     masked = block.k_mask is not None
     weight = block.q_weight
-    q = _tokens(block.q, weight != 0, acc, torch.ones_like(weight) if masked else None)
+    q_rows = _tokens(block.q, weight != 0, acc, torch.ones_like(weight) if masked else None)
     for j0 in range(0, bk, nk):
         cols = slice(j0, min(j0 + nk, bk))
         mask = empty = None
         if masked:
             mask = block.k_mask[cols]
-            kj = _tokens(block.k[cols], mask, acc, torch.where(mask, 0.0, NEG_INF))
+            k_rows = _tokens(block.k[cols], mask, acc, torch.where(mask, 0.0, NEG_INF))
             empty = ~mask.any(dim=1)
         else:
-            kj = block.k[cols].to(acc)
+            k_rows = _tokens(block.k[cols], None, acc, None)
+        nd = cols.stop - cols.start
+        kj = k_rows[: nd * lk].view(nd, lk, -1)
+        k_window = k_rows[: _product_rows(nd * lk, device)]
         for i0 in range(0, bq, nq):
             rows = slice(i0, min(i0 + nq, bq))
-            yield MaxSimTile(rows, cols, q[rows], kj, weight[rows], mask, empty)
+            first, count = i0 * lq, (rows.stop - i0) * lq
+            qi = q_rows[first : first + count].view(-1, lq, q_rows.shape[1])
+            q_window = q_rows[first : first + _product_rows(count, device)]
+            yield MaxSimTile(rows, cols, qi, kj, q_window, k_window, weight[rows], mask, empty)
 
 
-def _tokens(tokens: Tensor, real: Tensor, acc: torch.dtype, extra: Optional[Tensor]) -> Tensor:
-    """[n, L, D] (with ``extra`` [n, L]: [n, L, D + 1], ``extra`` the last feature): the real tokens in ``acc``,
-    the others 0. Formed by contiguous operations (a strided destination takes torch's slow copy path)."""
-    kept = torch.where(real[..., None], tokens.to(acc), 0.0)
-    return kept if extra is None else torch.cat((kept, extra[..., None]), dim=2)
+def _tokens(tokens: Tensor, real: Optional[Tensor], acc: torch.dtype, extra: Optional[Tensor]) -> Tensor:
+    """[n * L + spare, W]: the tokens' rows in ``acc``, the masked ones (``real`` False) zeroed, with ``extra``
+    [n, L] as one more feature (W = D + 1) or none (W = D), and on a CPU :data:`.walk.CPU_PRODUCT_MULTIPLE` zero rows
+    after them (a product's window may reach past the last token). Formed by contiguous operations (a strided
+    destination takes torch's slow copy path)."""
+    n, length, d = tokens.shape
+    kept = tokens.to(acc) if real is None else torch.where(real[..., None], tokens.to(acc), 0.0)
+    if extra is not None:
+        kept = torch.cat((kept, extra[..., None].to(acc)), dim=2)
+    width = kept.shape[2]
+    if tokens.device.type != "cpu":
+        return kept.reshape(n * length, width)  # a copy unless the tokens were already plain rows
+    out = kept.new_zeros(n * length + CPU_PRODUCT_MULTIPLE, width)
+    out[: n * length].view(n, length, width).copy_(kept)
+    return out
 
 
 def _token_product(tile: MaxSimTile, buf: Tensor) -> Tensor:
     """[nq * Lq, nd, Lk]: every query token of the tile against every document token (a masked one -inf, by the
-    tokens' extra feature); a view into ``buf``."""
-    width = tile.qi.shape[-1]
-    q_tokens, k_tokens = tile.qi.reshape(-1, width), tile.kj.reshape(-1, width)
-    out = buf[: q_tokens.shape[0] * k_tokens.shape[0]].view(q_tokens.shape[0], k_tokens.shape[0])
-    return torch.mm(q_tokens, k_tokens.T, out=out).view(q_tokens.shape[0], *tile.kj.shape[:2])
+    tokens' extra feature), read out of the product of the two windows; a view into ``buf``."""
+    rows, cols = tile.q_window.shape[0], tile.k_window.shape[0]
+    product = torch.mm(tile.q_window, tile.k_window.T, out=buf[: rows * cols].view(rows, cols))
+    nq, lq = tile.weight.shape
+    nd, lk = tile.kj.shape[:2]
+    return product[: nq * lq, : nd * lk].view(nq * lq, nd, lk)
 
 
 def _scores(tile: MaxSimTile, maxima: Tensor) -> Tensor:
@@ -123,11 +151,13 @@ def _scores(tile: MaxSimTile, maxima: Tensor) -> Tensor:
 
 
 def _tile_buffer(block: Block, tiles: Optional[Tuple[int, int]]) -> Tensor:
-    """One flat buffer large enough for the block's largest token product."""
+    """One flat buffer large enough for the block's largest token product (its windows' rows and columns)."""
     bq, lq, _ = block.q.shape
     bk, lk, _ = block.k.shape
-    nq, nk = token_tiles(block.q.device, lq, lk, tiles)
-    return torch.empty(min(nq, bq) * lq * min(nk, bk) * lk, dtype=accum_dtype(block.q.dtype), device=block.q.device)
+    device = block.q.device
+    nq, nk = token_tiles(device, lq, lk, tiles)
+    numel = _product_rows(min(nq, bq) * lq, device) * _product_rows(min(nk, bk) * lk, device)
+    return torch.empty(numel, dtype=accum_dtype(block.q.dtype), device=device)
 
 
 class MaxSimTiles:
@@ -157,7 +187,7 @@ class MaxSimTiles:
         scale = block.scale
         dscale = torch.zeros(2, dtype=acc, device=block.q.device)
         buf = _tile_buffer(block, self.token_tiles)
-        routing_buf = torch.zeros_like(buf)  # all zeros between tiles: each tile resets what it wrote
+        routing_buf = torch.zeros_like(buf)  # all zeros between tiles: each tile resets the entries it wrote
         d = block.q.shape[-1]
         for tile in _walk(block, self.token_tiles):
             product = _token_product(tile, buf)
