@@ -147,17 +147,16 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference" and kind in NO_REFERENCE:
         raise NotImplementedError(
-            f"{NO_REFERENCE[kind]} has no backend='reference' (it would materialize the B x B scores); use 'auto', "
-            f"'torch', 'cpu' or 'triton'"
+            f"{NO_REFERENCE[kind]} has no backend='reference' (it would materialize the B x B scores); use "
+            f"{_runnable(kind)}"
         )
     if backend == "chunked" and kind in NO_CHUNKED:
         raise ValueError(
-            f"{NO_CHUNKED[kind]} has no backend='chunked' (the softmax loss's route); use 'auto', 'torch', 'cpu' or "
-            f"'triton'"
+            f"{NO_CHUNKED[kind]} has no backend='chunked' (the softmax loss's route); use {_runnable(kind)}"
         )
     api, not_yet = NOT_YET.get(kind, ("", ()))
     if backend in not_yet:
-        raise ValueError(f"{api} has no backend={backend!r} yet; use 'auto' or 'torch'")
+        raise ValueError(f"{api} has no backend={backend!r} yet; use {_runnable(kind)}")
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
@@ -174,6 +173,12 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
     if why is not None:
         raise RuntimeError(why)
     return backend
+
+
+def _runnable(kind: str) -> str:
+    """The backends a call of ``kind`` can be given, for an error message: "'auto', 'torch', 'cpu' or 'triton'"."""
+    names = [f"'{name}'" for name in ("auto", "torch", "cpu", "triton") if name not in NOT_YET.get(kind, ("", ()))[1]]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def _auto(device: torch.device, kind: str) -> str:
