@@ -99,7 +99,7 @@ def cal_maxsim_loss(
     labels_t = global_labels(labels_t, firsts[0], layout, False, ("q", "docs"))
 
     weight = _query_weights(q, q_real, length_normalize)
-    steps = MaxSimSteps(weight, None if ids is None else ids.q_ids, docs_real, None if ids is None else ids.k_ids)
+    steps = MaxSimSteps(weight, docs_real, ids)
     plan = LossPlan(backend=backend_object(name), symmetric=False, layout=layout)
     row_loss, row_info = MaxSimLossFunction.apply(q, docs, scale_t, labels_t, plan, steps)
     loss = reduce_losses(row_loss, reduction)

@@ -13,33 +13,33 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..contract import Block, Tensor
+from ..contract import Block, MaskOptions, Tensor
 from ..ring.driver import ParamGrads
 from .softmax import SoftmaxPartials, SoftmaxUpstream
-
-# The k-side tensors a MaxSim block may carry, in the order they travel (the ones given, in this order).
-K_SIDE_FIELDS = ("k_mask", "k_ids")
 
 
 class MaxSimSteps:
     """:class:`infcl.ring.driver.RingLoss` for the MaxSim loss (one direction: queries against documents).
 
-    ``q_weight`` [Bq, Lq]: the rows' token weights; ``q_ids`` [Bq] or None: the rows' ids. ``k_mask`` [Bk, Lk] bool
-    and ``k_ids`` [Bk] (each may be None): this rank's documents' own, sent around the ring with them.
+    ``q_weight`` [Bq, Lq]: the rows' token weights, which stay. ``k_mask`` [Bk, Lk] bool or None: this rank's
+    documents' token mask, and ``masks`` (:class:`~infcl.contract.MaskOptions` with ids, or None) the false
+    negatives' ids; the documents' mask and the options' k side (their ids) travel with the documents.
     """
 
     symmetric = False
     n_params = 1
 
-    def __init__(self, q_weight: Tensor, q_ids: Optional[Tensor], k_mask: Optional[Tensor], k_ids: Optional[Tensor]):
-        self.rows_side = {"q_weight": q_weight, "q_ids": q_ids}
-        given = {"k_mask": k_mask, "k_ids": k_ids}
-        self.k_names = tuple(name for name in K_SIDE_FIELDS if given[name] is not None)
-        self.k_side = tuple(given[name] for name in self.k_names)
+    def __init__(self, q_weight: Tensor, k_mask: Optional[Tensor], masks: Optional[MaskOptions]):
+        self.q_weight, self.masks = q_weight, masks
+        self.has_k_mask = k_mask is not None
+        self.k_side = (() if k_mask is None else (k_mask,)) + (() if masks is None else masks.k_side())
 
     def _block(self, block: Block, k_side) -> Block:
-        """The held block with the rows' weights and ids and the held documents' mask and ids."""
-        return replace(block, **self.rows_side, **dict(zip(self.k_names, k_side)))
+        """The held block with the rows' weights and the held documents' mask and options."""
+        k_mask = k_side[0] if self.has_k_mask else None
+        rest = tuple(k_side[1:] if self.has_k_mask else k_side)
+        masks = None if self.masks is None else self.masks.holding(rest)
+        return replace(block, q_weight=self.q_weight, k_mask=k_mask, masks=masks)
 
     def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SoftmaxPartials:
         return SoftmaxPartials.empty(n, dtype, device)

@@ -174,7 +174,7 @@ class MaxSimTiles:
         for tile in _walk(block, self.token_tiles):
             product = _token_product(tile, buf)
             s = _scores(tile, torch.amax(product, dim=2)).mul_(block.scale)  # the backward repeats these operations
-            masks = _tile_masks(block, tile.as_tile(), False, None) if block.q_ids is not None else None
+            masks = _tile_masks(block, tile.as_tile(), False, None) if block.masks is not None else None
             kept = s if masks is None else s.masked_fill(masks.excluded, NEG_INF)
             lse_merge(rows[:2, tile.rows], tile_stats(kept, 1))
             inside, idx = positives(block.pos, tile.as_tile())
@@ -195,7 +195,7 @@ class MaxSimTiles:
             raw = _scores(tile, maxima)
             s = raw * scale  # bit-identical to the forward's tile
             t = tile.as_tile()
-            masks = _tile_masks(block, t, False, None) if block.q_ids is not None else _plain_masks(block, t)
+            masks = _tile_masks(block, t, False, None) if block.masks is not None else _plain_masks(block, t)
             ds = probabilities(
                 torch.empty_like(s),
                 s,
