@@ -7,7 +7,7 @@ import torch
 
 from helpers.distributed import launch, results_by_ring
 from helpers.maxsim_truth import maxsim_loss
-from workers.maxsim_ring_worker import CASES, LENGTHS, MAIN_WORLD, RINGS, SCALE, SHARDS, global_inputs
+from workers.maxsim_ring_worker import CASES, LENGTHS, MAIN_WORLD, RINGS, SCALE, SHARDS, global_inputs, st_inputs
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1e-2}
 
@@ -57,3 +57,34 @@ def test_every_world_size_matches_the_whole_set(spawned, case):
                 bound = tol * max(1.0, value.abs().max().item())
                 err = (ours - value).abs().max().item()
                 assert err <= bound, f"world {world} rank {rank} {name}: {err:.3g} > {bound:.3g}"
+
+
+def test_st_gather_across_devices_labels_every_rank(spawned):
+    """The multi-vector drop-in's ``gather_across_devices=True`` over the ring: each rank's queries against every
+    rank's documents (query-major, two columns), labels offset by the documents of the lower ranks (uneven shards)."""
+    q, columns, q_mask, masks = st_inputs()
+    for world in sorted(RINGS):
+        rows = SHARDS[world][0]
+        qq = q.clone().requires_grad_()
+        cols = [c.clone().requires_grad_() for c in columns]
+        # Every rank's documents in rank order, each rank's own query-major: [d0_pos, d0_neg, d1_pos, ...].
+        docs = torch.stack(cols, dim=1).flatten(0, 1)
+        docs_mask = torch.stack(masks, dim=1).flatten(0, 1)
+        losses, start = [], 0
+        for n in rows:
+            part = slice(start, start + n)
+            labels = 2 * torch.arange(start, start + n)
+            per_row = maxsim_loss(qq[part], docs, labels, SCALE, q_mask[part], docs_mask, reduction="none")
+            losses.append(per_row.mean())
+            start += n
+        sum(losses).backward()
+        start = 0
+        for rank, (results, want) in enumerate(zip(spawned(world), losses)):
+            got = results["st-gather"]
+            part = slice(start, start + rows[rank])
+            start += rows[rank]
+            pairs = [("loss", got["loss"], want.detach()), ("dq", got["dq"], qq.grad[part])]
+            pairs += [(f"dcol{c}", got["dcols"][c], cols[c].grad[part]) for c in range(2)]
+            for name, ours, value in pairs:
+                err = (ours.double() - value).abs().max().item()
+                assert err <= 1e-10 * max(1.0, value.abs().max().item()), f"world {world} rank {rank} {name}: {err:.3g}"

@@ -97,9 +97,49 @@ def _run(case: MaxSimCase, rank: int, world: int, group):
     return {"loss": loss.detach(), "dq": q_local.grad, "dd": docs_local.grad, "dscale": scale.grad}
 
 
+def st_inputs():
+    """sentence-transformers' layout over the whole set: queries [11, 6, D] and two document columns (positive,
+    negative) [11, 9, D] each, with masks; each rank's shard holds its queries' own documents."""
+    n = sum(SHARDS[1][0])
+    gen = torch.Generator().manual_seed(99)
+    q = torch.randn(n, 6, DIM, generator=gen, dtype=torch.float64)
+    columns = [torch.randn(n, 9, DIM, generator=gen, dtype=torch.float64) for _ in range(2)]
+    q_mask = torch.rand(n, 6, generator=gen) > 0.25
+    masks = [torch.rand(n, 9, generator=gen) > 0.25 for _ in range(2)]
+    q_mask[:, 0] = True
+    for m in masks:
+        m[:, 0] = True
+    return q, columns, q_mask, masks
+
+
+def _run_st_gather(rank: int, world: int, group):
+    """The multi-vector drop-in's loss with gather_across_devices=True: its labels' offsets over uneven shards."""
+    from types import SimpleNamespace
+
+    from infcl.sentence_transformers.multi_vector import maxsim_ranking_loss
+
+    q, columns, q_mask, masks = st_inputs()
+    mine = _span(SHARDS[world][0], rank)
+    loss_obj = SimpleNamespace(
+        gather_across_devices=True,
+        group=group,
+        scale=1.5,
+        similarity_fct=None,
+        model=SimpleNamespace(similarity_fn_name="maxsim"),
+        backend="torch",
+    )
+    q_local = q[mine].clone().requires_grad_()
+    cols_local = [c[mine].clone().requires_grad_() for c in columns]
+    loss = maxsim_ranking_loss(loss_obj, q_local, q_mask[mine], cols_local, [m[mine] for m in masks])
+    loss.backward()
+    return {"loss": loss.detach(), "dq": q_local.grad, "dcols": [c.grad for c in cols_local]}
+
+
 def scenarios(rank, world, group):
     TORCH_TILES.token_tiles = TINY_TOKEN_TILES
-    return {case.name: _run(case, rank, world, group) for case in CASES}
+    results = {case.name: _run(case, rank, world, group) for case in CASES}
+    results["st-gather"] = _run_st_gather(rank, world, group)
+    return results
 
 
 if __name__ == "__main__":
