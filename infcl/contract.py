@@ -100,7 +100,8 @@ embeddings, ``Block.k`` ``[Bk, Lk, D]``, with ``q_weight`` ``[Bq, Lq]`` (a query
 scores are S = scale * R with R[i, j] = sum_t w[i, t] * max_{u real} q[i, t] . k[j, u] (a document with no real token:
 R = -inf where the query has a weighted token, 0 elsewhere); a masked document token never wins a max, and among
 equal maxima the lowest u does. The softmax over S is the plain softmax loss's, one direction, with ``pos`` and the
-ids' false negatives (``q_ids`` / ``k_ids``: a column with the row's id that is not its positive is left out):
+ids' false negatives (``masks``, a :class:`MaskOptions` with ids only: a column with the row's id that is
+not its positive is left out):
 
 ``maxsim_forward_block(block) -> rows [3, Bq]``: as ``forward_block``'s rows (stats over the block, positive score)
 
