@@ -59,6 +59,8 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
 
 
 GPU_FIRST = "gpu-first"
+# Not a sweep either: the late-interaction (MaxSim) loss stage against sentence-transformers' (bench.maxsim).
+LATE_INTERACTION = "late-interaction"
 
 
 def custom_sweep(base: Sweep, **overrides) -> Sweep:

@@ -15,6 +15,7 @@ from .api import cal_inf_loss, cal_inf_loss_reference
 from .backends import BACKENDS
 from .distill import InfDistillClipLoss, cal_distill_loss
 from .gradcache import GradCache, RandContext, split_vlm_inputs
+from .maxsim import cal_maxsim_loss
 from .metrics import retrieval_metrics
 from .modules import InfCLIPLoss, InfSigLipLoss
 from .siglip import cal_siglip_loss
@@ -35,6 +36,7 @@ __all__ = [
     "InfSigLipLoss",
     "cal_distill_loss",
     "InfDistillClipLoss",
+    "cal_maxsim_loss",
     "retrieval_metrics",
     "topk_scores",
     "TopK",
