@@ -9,6 +9,7 @@ from .backends import backend_object, measured_route, resolve_backend
 from .checks import (
     check_features,
     check_head_dim,
+    check_label_smoothing,
     check_reduction,
     global_labels,
     local_labels,
@@ -37,6 +38,7 @@ def cal_inf_loss(
     guide=None,
     guide_margin=0.0,
     guide_margin_strategy: str = "absolute",
+    label_smoothing=0.0,
     group=None,
     backend: str = "auto",
     return_stats: bool = False,
@@ -70,6 +72,10 @@ def cal_inf_loss(
             scores G[i, j] > G[i, labels[i]] - guide_margin ("absolute") or > G[i, labels[i]] *
             (1 - guide_margin) ("relative", ``guide_margin_strategy``) is left out (GISTEmbedLoss's rule;
             its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
+        label_smoothing: eps in [0, 1], ``F.cross_entropy``'s: the target puts 1 - eps on the positive and
+            eps / n on each of the row's n columns (the column's n rows for the k->q direction), so
+            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. Not with the mask
+            options (ValueError). See :mod:`infcl.losses.smoothing`.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
             its local shard and gets the loss of its local rows against the global batch. ``"local"``:
@@ -98,6 +104,7 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
+        eps = check_label_smoothing(label_smoothing, masks)
         name = resolve_backend(backend, q.device, "guided" if masks is not None and masks.has_guide else "softmax")
         if backend == "auto" and masks is None:  # the chunked route where a GPU measured it faster (none yet)
             name = measured_route(name, "softmax", q, k)
@@ -108,7 +115,7 @@ def cal_inf_loss(
 
     row_info = col_info = None
     if name == "reference" and masks is None:
-        row_loss, col_loss = reference_losses(q, k, scale_t, labels_t, symmetric, layout)
+        row_loss, col_loss = reference_losses(q, k, scale_t, labels_t, symmetric, layout, eps)
         if return_stats:
             with torch.no_grad():
                 (_, row_info), (_, col_info) = masked_reference_losses(q, k, scale_t, labels_t, symmetric, layout, None)
@@ -117,7 +124,7 @@ def cal_inf_loss(
             q, k, scale_t, labels_t, symmetric, layout, masks
         )
     else:
-        plan = LossPlan(backend=backend_object(name), symmetric=symmetric, layout=layout, masks=masks)
+        plan = LossPlan(backend_object(name), symmetric, layout, masks, label_smoothing=eps)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
     if masks is None:

@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from .contract import accum_dtype
 from .losses.distill import DistillSteps, DistillUpstream
 from .losses.sigmoid import SigmoidSteps, SigmoidUpstream
+from .losses.smoothing import SmoothedSoftmaxSteps
 from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .ring.driver import ring_backward, ring_forward
@@ -38,6 +39,7 @@ class LossPlan:
     symmetric: bool
     layout: RingLayout
     masks: Optional[MaskOptions] = None  # the softmax loss's ids / multi-positive / guide options (softmax only)
+    label_smoothing: float = 0.0  # the softmax loss's eps (infcl.losses.smoothing; softmax only)
 
 
 def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -93,6 +95,9 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
     """The softmax loss's ring steps: plain, or with the mask options (the guide thresholds found first,
     :class:`GuideScores`)."""
     masks = plan.masks
+    if masks is None and plan.label_smoothing:
+        layout = plan.layout
+        return SmoothedSoftmaxSteps(plan.symmetric, plan.label_smoothing, layout.total_k, layout.total_q)
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
     guide_q = guide_k = row_threshold = col_threshold = None

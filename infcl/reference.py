@@ -44,19 +44,21 @@ def _gather(x: torch.Tensor, layout: RingLayout, sizes) -> torch.Tensor:
     return x if layout.world == 1 else _GatherRows.apply(x, layout, sizes)
 
 
-def reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout):
-    """Per-row (and per-column) losses of this rank, computed on materialized logits."""
+def reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout, label_smoothing: float = 0.0):
+    """Per-row (and per-column) losses of this rank, computed on materialized logits (``label_smoothing``:
+    ``F.cross_entropy``'s)."""
     acc = accum_dtype(q.dtype)
     qa, ka, s = q.to(acc), k.to(acc), scale.to(acc)
     k_all = _gather(ka, layout, layout.k_sizes)
-    row_loss = F.cross_entropy(s * qa @ k_all.T, labels, reduction="none")
+    row_loss = F.cross_entropy(s * qa @ k_all.T, labels, reduction="none", label_smoothing=label_smoothing)
     if not symmetric:
         return row_loss, row_loss.new_empty(0)
     q_all = _gather(qa, layout, layout.q_sizes)
     all_labels = _gather(labels, layout, layout.q_sizes) if layout.world > 1 else labels
     inverse = torch.argsort(all_labels)  # inverse[c] = the row whose positive is column c
     off = layout.k_offsets[layout.rank]
-    col_loss = F.cross_entropy(s * ka @ q_all.T, inverse[off : off + k.shape[0]], reduction="none")
+    col_labels = inverse[off : off + k.shape[0]]
+    col_loss = F.cross_entropy(s * ka @ q_all.T, col_labels, reduction="none", label_smoothing=label_smoothing)
     return row_loss, col_loss
 
 

@@ -1,0 +1,144 @@
+"""Label smoothing (``cal_inf_loss(label_smoothing=eps)``) on the softmax loss's ring steps.
+
+``F.cross_entropy(..., label_smoothing=eps)``'s target puts 1 - eps on the positive and eps / n on each
+of the row's n classes, so a row's loss is
+
+    loss_i = lse_i - (1 - eps) * S[i, label_i] - eps * mean_j S[i, j]
+           = (1 - eps) * (m_i - S[i, label_i]) + eps * (m_i - mean_j S[i, j]) + r_i
+
+(the second form, a sum of terms that are never negative, is how it is computed), and its gradient is
+``dS = g_i * (P - (1 - eps) * Y - eps / n)``.
+
+The uniform part is linear in S: over one block of columns, sum_j S[i, j] = scale * q_i . (sum_j k_j), one
+matrix-vector product per block (and, symmetric, sum_i S[i, j] = scale * k_j . (sum_i q_i)), in the
+accumulation dtype. So every backend and the ring get it from these steps, with no change to a kernel:
+the forward adds the block's row (column) sums to :class:`SmoothedPartials`; the backward runs the plain
+step (which forms g * (P - Y) in the tiles) and adds the rank-one and one-hot terms
+g * eps * Y - g * eps / n per block: dq += scale * (w * k[pos] - u * sum_j k_j), dk[pos] += scale * w * q,
+dk -= scale * sum_i u_i q_i, with w = eps * g at the positive and u = eps * g / n, and the scale's gradient
+from the same terms (the rows' part is this rank's, the columns' part the block owner's). O(B * D) per
+block, no O(Bq * Bk) anything.
+
+Without mask options only: which columns stay in a masked row's denominator is decided inside the tiles.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ..contract import Block, BlockBackend, Tensor
+from ..lse import MAX, REL, lse_merge
+from ..ring.driver import ParamGrads
+from ..stats import row_info
+from .softmax import SoftmaxPartials, SoftmaxSteps, SoftmaxUpstream, _finite, _nan_unless, _scatter_to_columns
+
+
+class SmoothedPartials(NamedTuple):
+    """The plain softmax partials plus the sum of the logits over the set (``total``)."""
+
+    stats: Tensor  # [2, n] (max, rel) of the logits
+    positive: Tensor  # [n] the positive logit where the set holds it, else 0
+    total: Tensor  # [n] sum of the logits over the set
+    count: Tensor  # [n] the number of logits in it: the row's classes, once every block is merged
+
+    def losses(self, eps: float) -> Tensor:
+        """(1 - eps) * (m - pos) + eps * (m - total / count) + r per row, NaN where the lse is not finite."""
+        m, rel = self.stats[MAX], self.stats[REL]
+        loss = (1.0 - eps) * (m - self.positive) + eps * (m - self.total / self.count) + rel
+        return _nan_unless(_finite(self.stats), loss)
+
+    def info(self) -> Tensor:
+        return row_info(self.positive >= self.stats[MAX], self.positive, torch.ones_like(self.positive))
+
+
+class SmoothedSoftmaxSteps(SoftmaxSteps):
+    """:class:`infcl.ring.driver.RingLoss` for the softmax loss with label smoothing ``eps`` (no masks);
+    ``n_cols`` / ``n_rows``: the global number of columns (rows), each row's (column's) class count."""
+
+    def __init__(self, symmetric: bool, eps: float, n_cols: int, n_rows: int):
+        super().__init__(symmetric)
+        self.eps, self.n_cols, self.n_rows = float(eps), n_cols, n_rows
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SmoothedPartials:
+        stats, positive = SoftmaxPartials.empty(n, dtype, device)
+        zeros = torch.zeros(2, n, dtype=dtype, device=device)
+        return SmoothedPartials(stats, positive, zeros[0], zeros[1])
+
+    @staticmethod
+    def merge(acc: SmoothedPartials, part: SmoothedPartials) -> None:
+        lse_merge(acc.stats, part.stats)
+        acc.positive.add_(part.positive)
+        acc.total.add_(part.total)
+        acc.count.add_(part.count)
+
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        rows, col_stats = backend.forward_block(block, self.symmetric)
+        rows = SoftmaxPartials.unpack(rows)
+        acc = rows.stats.dtype
+        q, k = block.q.to(acc), block.k.to(acc)
+        row_total = torch.mv(q, k.sum(dim=0)).mul_(block.scale)
+        rows = SmoothedPartials(rows.stats, rows.positive, row_total, torch.full_like(row_total, k.shape[0]))
+        if not self.symmetric:
+            return rows, None
+        col_total = torch.mv(k, q.sum(dim=0)).mul_(block.scale)
+        col_positive = _scatter_to_columns(rows.positive, block.pos, block.k.shape[0])
+        return rows, SmoothedPartials(col_stats, col_positive, col_total, torch.full_like(col_total, q.shape[0]))
+
+    def backward_step(
+        self,
+        backend: BlockBackend,
+        block: Block,
+        rows: SoftmaxUpstream,
+        cols: Optional[SoftmaxUpstream],
+        dq: Tensor,
+        dk: Tensor,
+        k_side=(),
+    ) -> ParamGrads:
+        grads = super().backward_step(backend, block, rows, cols, dq, dk, k_side)
+        own, owner = _smoothing_terms(block, rows, cols, self.eps, self.n_cols, self.n_rows, dq, dk)
+        return ParamGrads(own=grads.own + own, owner=grads.owner + owner)
+
+    def losses(self, part: SmoothedPartials) -> Tensor:
+        return part.losses(self.eps)
+
+    def saved(self, part: SmoothedPartials) -> Tuple[Tensor, ...]:
+        return (part.stats,)
+
+
+def _smoothing_terms(
+    block: Block,
+    rows: SoftmaxUpstream,
+    cols: Optional[SoftmaxUpstream],
+    eps: float,
+    n_cols: int,
+    n_rows: int,
+    dq: Tensor,
+    dk: Tensor,
+) -> Tuple[Tensor, Tensor]:
+    """Add the block's g * eps * Y - g * eps / n terms to dq, dk in place; return the scale gradient's
+    (rows' part [1], columns' part [1])."""
+    acc, scale = dq.dtype, block.scale
+    q, k = block.q.to(acc), block.k.to(acc)
+    inside = block.pos >= 0
+    idx = torch.where(inside, block.pos, 0)
+    k_pos = k.index_select(0, idx)  # [Bq, D] each row's positive column (row 0 where elsewhere: weight 0)
+    raw_pos = (q * k_pos).sum(dim=1)  # q_i . k_pos
+    k_sum, q_sum = k.sum(dim=0), q.sum(dim=0)
+
+    w_row = torch.where(inside, rows.grad * eps, 0.0)  # at (i, pos_i): +eps * g_i
+    u_row = rows.grad * (eps / n_cols)  # every column: -eps * g_i / n
+    own = (w_row * raw_pos).sum() - torch.dot(u_row, torch.mv(q, k_sum))
+    w, owner = w_row, torch.zeros((), dtype=acc, device=dq.device)
+    if cols is not None:
+        w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0)
+        u_col = cols.grad * (eps / n_rows)
+        owner = (w_col * raw_pos).sum() - torch.dot(u_col, torch.mv(k, q_sum))
+        w = w + w_col
+        # dS[:, j] -= u_col_j on every local row: dq_i -= scale * sum_j u_col_j k_j, dk_j -= scale * u_col_j * sum_i q_i
+        dq.sub_(torch.mv(k.T, u_col).mul_(scale)[None, :])
+        dk.sub_(torch.outer(u_col * scale, q_sum))
+    # dS[i, pos_i] += w_i; dS[i, :] -= u_row_i
+    dq.add_(k_pos * (w * scale)[:, None]).sub_(torch.outer(u_row * scale, k_sum))
+    dk.index_put_((idx,), q * (w * scale)[:, None], accumulate=True)
+    dk.sub_(torch.mv(q.T, u_row).mul_(scale)[None, :])
+    return own.reshape(1), owner.reshape(1)
