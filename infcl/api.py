@@ -16,8 +16,9 @@ from .checks import (
     make_masks,
     make_scale,
 )
-from .function import InfLossFunction, LossPlan
+from .function import InfLossFunction, LossPlan, MatryoshkaLossFunction
 from .masks import MaskOptions
+from .matryoshka import Prefixes, make_prefixes, prefix_features
 from .reference import masked_reference_losses, reference_losses
 from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 from .stats import HAS_POS, loss_stats, reduce_masked
@@ -39,6 +40,7 @@ def cal_inf_loss(
     guide_margin=0.0,
     guide_margin_strategy: str = "absolute",
     label_smoothing=0.0,
+    matryoshka=None,
     group=None,
     backend: str = "auto",
     return_stats: bool = False,
@@ -76,6 +78,13 @@ def cal_inf_loss(
             eps / n on each of the row's n columns (the column's n rows for the k->q direction), so
             row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. Not with the mask
             options (ValueError). See :mod:`infcl.losses.smoothing`.
+        matryoshka: None, an :class:`infcl.Matryoshka` (prefix dims, weights, renormalize) or a sequence of
+            prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
+            the features' first m_k columns (each prefix divided by its norm where renormalized, as
+            sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
+            backward (:mod:`infcl.matryoshka`). Dims: distinct integers in [1, D], any order. Runs on the
+            "torch" tiles ("auto" picks them) and "reference"; not with the mask options or label smoothing.
+            With return_stats the stats are a dict {dim: InfLossStats}.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
             its local shard and gets the loss of its local rows against the global batch. ``"local"``:
@@ -105,13 +114,18 @@ def cal_inf_loss(
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
         eps = check_label_smoothing(label_smoothing, masks)
+        prefixes = make_prefixes(matryoshka, q.shape[1])
         name = resolve_backend(backend, q.device, "guided" if masks is not None and masks.has_guide else "softmax")
         if backend == "auto" and masks is None:  # the chunked route where a GPU measured it faster (none yet)
             name = measured_route(name, "softmax", q, k)
+        if prefixes is not None:
+            name = matryoshka_backend(backend, name, masks, eps)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)
     labels_t = global_labels(labels_t, q, layout, symmetric)
+    if prefixes is not None:
+        return matryoshka_loss(q, k, scale_t, labels_t, prefixes, symmetric, layout, name, reduction, return_stats)
 
     row_info = col_info = None
     if name == "reference" and masks is None:
@@ -155,3 +169,53 @@ def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "sum":
         return per_item.sum()
     return per_item
+
+
+# The backends that hold the Matryoshka prefixes' fused pass (infcl.matryoshka); "auto" picks the torch tiles.
+MATRYOSHKA_BACKENDS = ("torch", "reference")
+
+
+def matryoshka_backend(backend: str, name: str, masks, eps: float) -> str:
+    """The backend a Matryoshka call runs on, or ValueError where it cannot."""
+    if masks is not None or eps:
+        raise ValueError(
+            "matryoshka runs on the plain loss: not with q_ids/k_ids, multi_positive, guide or label_smoothing"
+        )
+    if name in MATRYOSHKA_BACKENDS:
+        return name
+    if backend == "auto":
+        return "torch"
+    raise ValueError(f"matryoshka runs on the backends {MATRYOSHKA_BACKENDS} (and 'auto'), got backend={backend!r}")
+
+
+def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, symmetric, layout, name, reduction, return_stats):
+    """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given."""
+    if name == "reference":
+        per = [
+            reference_losses(*prefix_features(q, k, prefixes, i), scale_t, labels_t, symmetric, layout)
+            for i in range(prefixes.count)
+        ]
+        row_loss = torch.stack([r for r, _ in per])
+        col_loss = torch.stack([c for _, c in per])
+        if return_stats:
+            with torch.no_grad():
+                infos = [
+                    masked_reference_losses(
+                        *prefix_features(q, k, prefixes, i), scale_t, labels_t, symmetric, layout, None
+                    )
+                    for i in range(prefixes.count)
+                ]
+            row_info = torch.stack([r[1] for r, _ in infos])
+            col_info = torch.stack([c[1] for _, c in infos]) if symmetric else None
+    else:
+        plan = LossPlan(backend_object(name), symmetric, layout, prefixes=prefixes)
+        row_loss, col_loss, row_info, col_info = MatryoshkaLossFunction.apply(q, k, scale_t, labels_t, plan)
+    per_dim = (row_loss + col_loss) / 2 if symmetric else row_loss
+    loss = sum(w * reduce_losses(per_dim[i], reduction) for i, w in enumerate(prefixes.weights))
+    if not return_stats:
+        return loss
+    stats = {}
+    for position in range(prefixes.count):  # the user's order
+        i = prefixes.order.index(position)
+        stats[prefixes.dims[i]] = loss_stats(row_info[i], col_info[i] if symmetric else None)
+    return loss, stats
