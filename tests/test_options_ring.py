@@ -1,4 +1,4 @@
-"""Issue 56's loss options (label smoothing) on gloo rings of 2 and 3 ranks vs one float64 process.
+"""Issue 56's loss options (label smoothing, Matryoshka prefixes) on gloo rings of 2 and 3 ranks vs one float64 process.
 
 One spawn of 3 processes (tests/workers/options_ring_worker.py) runs every case on both rings with every
 backend; the tests only read the results. Convention as tests/test_ring.py: rank r returns its local loss,
@@ -13,6 +13,7 @@ from workers import options_ring_worker as worker
 from workers.ring_worker import TINY_SUFFIX
 
 BACKENDS = ("reference", "torch" + TINY_SUFFIX) + tuple(tiled_backends())
+MATRYOSHKA_BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX)
 CASE_NAMES = tuple(c.name for c in worker.option_cases(2))
 
 
@@ -28,5 +29,7 @@ def spawned(tmp_path_factory):
 @pytest.mark.parametrize("world", tuple(worker.RINGS))
 def test_option_ring_matches_single_process(spawned, world, name, backend):
     case = next(c for c in worker.option_cases(world) if c.name == name)
+    if case.matryoshka and backend not in MATRYOSHKA_BACKENDS:
+        pytest.skip("Matryoshka prefixes run on the torch tiles and the reference (cal_inf_loss raises elsewhere)")
     atol, rtol = TOLERANCE[case.dtype]
     assert_ring_matches(spawned(world), (name, backend), worker.truth(case), atol, rtol, f"{name} {backend} w={world}")

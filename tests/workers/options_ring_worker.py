@@ -1,4 +1,5 @@
-"""One rank of the loss-option ring tests (issue 56: label smoothing), started by tests/test_options_ring.py.
+"""One rank of the loss-option ring tests (issue 56: label smoothing, Matryoshka prefixes), started by
+tests/test_options_ring.py.
 
 ``python -m workers.options_ring_worker BACKEND...`` (3 processes) runs every case of :func:`option_cases` on
 rings of 2 and 3 ranks with every backend and writes the results; tests/test_options_ring.py compares them
@@ -8,23 +9,25 @@ with the float64 truth of one process (``F.cross_entropy(..., label_smoothing=ep
 import functools
 import sys
 from dataclasses import dataclass, replace
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from helpers import ring_cases
 from helpers.distributed import run_on_rings
-from infcl import cal_inf_loss
+from infcl import Matryoshka, cal_inf_loss
 from workers.ring_worker import run_cases
 
 MAIN_WORLD = 3
+WEIGHTS = (1.0, 0.5, 2.0)
 RINGS = {2: (1, 2), 3: (0, 1, 2)}
 
 
 @dataclass(frozen=True)
 class OptionRingCase(ring_cases.RingCase):
     label_smoothing: float = 0.0
+    matryoshka: Optional[Tuple[int, ...]] = None  # prefix dims (weights WEIGHTS[:K], renormalized)
 
 
 def option_cases(world: int) -> List[OptionRingCase]:
@@ -42,10 +45,34 @@ def option_cases(world: int) -> List[OptionRingCase]:
             noncontig=True,
         ),
         replace(base, name="ls-one-hardneg-sum", symmetric=False, k_sizes=hard, reduction="sum", label_smoothing=0.3),
+        replace(base, name="mat-sym-perm-mean", matryoshka=(6, 2, 4)),
+        replace(
+            base,
+            name="mat-one-hardneg-none-f32",
+            symmetric=False,
+            k_sizes=hard,
+            reduction="none",
+            dtype=torch.float32,
+            matryoshka=(3, 6),
+            noncontig=True,
+        ),
     ]
 
 
+def _prefix_losses(case: OptionRingCase, q, k, labels, params) -> list:
+    """sum_k w_k * (the local loss of prefix k, F.normalize'd)."""
+    total = None
+    for m, w in zip(case.matryoshka, WEIGHTS):
+        plain = replace(case, matryoshka=None)
+        qm, km = F.normalize(q[:, :m], dim=-1), F.normalize(k[:, :m], dim=-1)
+        losses = [w * loss for loss in _local_losses(plain, qm, km, labels, params)]
+        total = losses if total is None else [a + b for a, b in zip(total, losses)]
+    return total
+
+
 def _local_losses(case: OptionRingCase, q, k, labels, params) -> list:
+    if case.matryoshka:
+        return _prefix_losses(case, q, k, labels, params)
     inverse = torch.argsort(labels) if case.symmetric else None
     eps, losses = case.label_smoothing, []
     for s, (scale,) in enumerate(params):
@@ -66,6 +93,8 @@ def truth(case: OptionRingCase) -> ring_cases.Truth:
 
 
 def _run_case(case: OptionRingCase, backend, rank, group):
+    if case.matryoshka and backend not in ("reference", "torch"):
+        return None  # cal_inf_loss raises there: the test skips these
     q_leaf, k_leaf, q, k, labels, upstream = ring_cases.local_inputs(case, rank)
     scale = torch.tensor(ring_cases.SCALE, dtype=case.dtype, requires_grad=True)
     loss = cal_inf_loss(
@@ -78,6 +107,7 @@ def _run_case(case: OptionRingCase, backend, rank, group):
         group=group,
         backend=backend,
         label_smoothing=case.label_smoothing,
+        matryoshka=None if case.matryoshka is None else Matryoshka(case.matryoshka, WEIGHTS[: len(case.matryoshka)]),
     )
     loss.backward(upstream.to(loss.dtype))
     dq, dk = (q_leaf.grad.T, k_leaf.grad.T) if case.noncontig else (q_leaf.grad, k_leaf.grad)
