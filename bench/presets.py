@@ -59,6 +59,7 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
 
 
 GPU_FIRST = "gpu-first"
+MATRYOSHKA = "matryoshka"  # issue 56's fused-Matryoshka table: python -m bench.matryoshka
 
 
 def custom_sweep(base: Sweep, **overrides) -> Sweep:
