@@ -10,7 +10,8 @@ best time and its largest peak resident set above the one held when the call sta
 
 - ``infcl one loss (cpu|torch)``: ``cal_inf_loss(q, k, symmetric=True)`` at the full dimension D, on the native
   kernel and on the torch tiles;
-- ``infcl matryoshka (fused)``: ``cal_inf_loss(..., matryoshka=dims)``, every prefix out of one tiled pass;
+- ``infcl matryoshka (cpu|torch)``: ``cal_inf_loss(..., matryoshka=dims)``: on the torch tiles every prefix out
+  of one tiled pass (fused); on the native kernel one pass per prefix;
 - ``theirs MatryoshkaLoss(MNRL)``: what sentence-transformers' MatryoshkaLoss runs per step for these embeddings:
   its ``shrink`` per dimension and ``MultipleNegativesRankingLoss(directions=(query_to_doc, doc_to_query),
   partition_mode="per_direction").compute_loss_from_embeddings``, summed, then backward.
@@ -57,9 +58,12 @@ def steps(batch: int, dim: int, dims) -> Dict[str, Callable[[], None]]:
 
         return run
 
-    def fused():
-        q, k = leaves()
-        cal_inf_loss(q, k, scale=SCALE, symmetric=True, matryoshka=tuple(dims)).backward()
+    def prefixes(backend):
+        def run():
+            q, k = leaves()
+            cal_inf_loss(q, k, scale=SCALE, symmetric=True, matryoshka=tuple(dims), backend=backend).backward()
+
+        return run
 
     class _Model(torch.nn.Module):
         similarity_fn_name = "cosine"
@@ -76,7 +80,8 @@ def steps(batch: int, dim: int, dims) -> Dict[str, Callable[[], None]]:
     return {
         "infcl one loss (cpu)": one("cpu"),
         "infcl one loss (torch)": one("torch"),
-        "infcl matryoshka (fused)": fused,
+        "infcl matryoshka (cpu: a pass per prefix)": prefixes("cpu"),
+        "infcl matryoshka (torch: fused)": prefixes("torch"),
         "theirs MatryoshkaLoss(MNRL)": theirs,
     }
 

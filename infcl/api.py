@@ -82,8 +82,9 @@ def cal_inf_loss(
             prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
             the features' first m_k columns (each prefix divided by its norm where renormalized, as
             sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
-            backward (:mod:`infcl.matryoshka`). Dims: distinct integers in [1, D], any order. Runs on the
-            "torch" tiles ("auto" picks them) and "reference"; not with the mask options or label smoothing.
+            backward on the "torch" tiles (:mod:`infcl.matryoshka`); the other backends, and every backend with
+            the mask options or label smoothing, run one pass per prefix. Dims: distinct integers in [1, D],
+            any order; the guide features are never truncated.
             With return_stats the stats are a dict {dim: InfLossStats}.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
@@ -118,19 +119,23 @@ def cal_inf_loss(
         name = resolve_backend(backend, q.device, "guided" if masks is not None and masks.has_guide else "softmax")
         if backend == "auto" and masks is None:  # the chunked route where a GPU measured it faster (none yet)
             name = measured_route(name, "softmax", q, k)
-        if prefixes is not None:
-            name = matryoshka_backend(backend, name, masks, eps)
         scale_t = make_scale(scale)
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)
     labels_t = global_labels(labels_t, q, layout, symmetric)
+    options = (symmetric, layout, masks, eps, name, reduction)
     if prefixes is not None:
-        return matryoshka_loss(q, k, scale_t, labels_t, prefixes, symmetric, layout, name, reduction, return_stats)
+        return matryoshka_loss(q, k, scale_t, labels_t, prefixes, options, return_stats)
+    loss, row_info, col_info = _one_loss(q, k, scale_t, labels_t, *options, return_stats)
+    return (loss, loss_stats(row_info, col_info)) if return_stats else loss
 
+
+def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, reduction, with_info):
+    """(loss, row info, column info or None) of one call, validated; the infos may be None unless ``with_info``."""
     row_info = col_info = None
     if name == "reference" and masks is None:
         row_loss, col_loss = reference_losses(q, k, scale_t, labels_t, symmetric, layout, eps)
-        if return_stats:
+        if with_info:
             with torch.no_grad():
                 (_, row_info), (_, col_info) = masked_reference_losses(q, k, scale_t, labels_t, symmetric, layout, None)
     elif name == "reference":
@@ -146,7 +151,7 @@ def cal_inf_loss(
     else:
         col_valid = col_info[HAS_POS] > 0 if symmetric else None
         loss = reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
-    return (loss, loss_stats(row_info, col_info)) if return_stats else loss
+    return loss, row_info, col_info
 
 
 def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -171,51 +176,34 @@ def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
     return per_item
 
 
-# The backends that hold the Matryoshka prefixes' fused pass (infcl.matryoshka); "auto" picks the torch tiles.
-MATRYOSHKA_BACKENDS = ("torch", "reference")
+# The backend whose tiles hold the Matryoshka prefixes' fused pass (infcl.matryoshka); the others run one pass
+# per prefix on the prefixes' features (infcl.matryoshka.prefix_features), through their plain loss.
+FUSED_MATRYOSHKA = ("torch",)
 
 
-def matryoshka_backend(backend: str, name: str, masks, eps: float) -> str:
-    """The backend a Matryoshka call runs on, or ValueError where it cannot."""
-    if masks is not None or eps:
-        raise ValueError(
-            "matryoshka runs on the plain loss: not with q_ids/k_ids, multi_positive, guide or label_smoothing"
-        )
-    if name in MATRYOSHKA_BACKENDS:
-        return name
-    if backend == "auto":
-        return "torch"
-    raise ValueError(f"matryoshka runs on the backends {MATRYOSHKA_BACKENDS} (and 'auto'), got backend={backend!r}")
+def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, options, return_stats):
+    """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given.
 
-
-def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, symmetric, layout, name, reduction, return_stats):
-    """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given."""
-    if name == "reference":
-        per = [
-            reference_losses(*prefix_features(q, k, prefixes, i), scale_t, labels_t, symmetric, layout)
-            for i in range(prefixes.count)
-        ]
-        row_loss = torch.stack([r for r, _ in per])
-        col_loss = torch.stack([c for _, c in per])
-        if return_stats:
-            with torch.no_grad():
-                infos = [
-                    masked_reference_losses(
-                        *prefix_features(q, k, prefixes, i), scale_t, labels_t, symmetric, layout, None
-                    )
-                    for i in range(prefixes.count)
-                ]
-            row_info = torch.stack([r[1] for r, _ in infos])
-            col_info = torch.stack([c[1] for _, c in infos]) if symmetric else None
-    else:
+    The plain loss on the torch tiles: one fused pass (:class:`MatryoshkaLossFunction`). Otherwise (another
+    backend, mask options, label smoothing): one call per prefix on the prefix's features."""
+    symmetric, layout, masks, eps, name, reduction = options
+    if name in FUSED_MATRYOSHKA and masks is None and not eps:
         plan = LossPlan(backend_object(name), symmetric, layout, prefixes=prefixes)
         row_loss, col_loss, row_info, col_info = MatryoshkaLossFunction.apply(q, k, scale_t, labels_t, plan)
-    per_dim = (row_loss + col_loss) / 2 if symmetric else row_loss
-    loss = sum(w * reduce_losses(per_dim[i], reduction) for i, w in enumerate(prefixes.weights))
+        per_dim = (row_loss + col_loss) / 2 if symmetric else row_loss
+        losses = [reduce_losses(per_dim[i], reduction) for i in range(prefixes.count)]
+        infos = [(row_info[i], col_info[i] if symmetric else None) for i in range(prefixes.count)]
+    else:
+        results = [
+            _one_loss(*prefix_features(q, k, prefixes, i), scale_t, labels_t, *options, return_stats)
+            for i in range(prefixes.count)
+        ]
+        losses, infos = [r[0] for r in results], [r[1:] for r in results]
+    loss = sum(w * part for w, part in zip(prefixes.weights, losses))
     if not return_stats:
         return loss
     stats = {}
     for position in range(prefixes.count):  # the user's order
         i = prefixes.order.index(position)
-        stats[prefixes.dims[i]] = loss_stats(row_info[i], col_info[i] if symmetric else None)
+        stats[prefixes.dims[i]] = loss_stats(*infos[i])
     return loss, stats

@@ -10,10 +10,18 @@ import torch
 import torch.nn.functional as F
 
 import infcl.backends.torch_tiles as torch_tiles
-from helpers.support import TOLERANCE, assert_close_verbose, features_and_labels
+from helpers.support import (
+    TOLERANCE,
+    assert_close_verbose,
+    features_and_labels,
+    masked_truth_directions,
+    reduce_masked_truth,
+    tiled_backends,
+)
 from infcl import InfCLIPLoss, Matryoshka, cal_inf_loss
 
-BACKENDS = ("reference", "torch", "torch-small-tiles")
+# The torch tiles hold the fused pass; the other backends run one pass per prefix (infcl.api).
+BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 # (Bq, Bk, D, labels, symmetric, dims, renormalize)
 CASES = (
     (7, 7, 9, "perm", True, (9, 4, 1), (True, True, False)),  # a one-wide unit prefix has gradient 0: docs
@@ -84,7 +92,7 @@ def test_matches_per_prefix_cross_entropy(
         assert_close_verbose(a, b, atol, rtol, f"{backend} {dims} {what}")
 
 
-@pytest.mark.parametrize("backend", ("reference", "torch"))
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
 def test_stats_per_dim_in_the_order_given(backend):
     q, k, labels = features_and_labels(17, 17, 12, "perm", torch.float32, seed=2)
     dims = (12, 3, 7)
@@ -153,15 +161,59 @@ def test_bad_specs_raise(spec, error, match):
         cal_inf_loss(q, k, matryoshka=spec)
 
 
-def test_unsupported_combinations_raise():
-    q, k, _ = features_and_labels(4, 4, 8, "diag", torch.float32)
-    ids = torch.arange(4)
-    with pytest.raises(ValueError, match="matryoshka runs on the plain loss"):
-        cal_inf_loss(q, k, matryoshka=(4, 8), q_ids=ids, k_ids=ids)
-    with pytest.raises(ValueError, match="matryoshka runs on the plain loss"):
-        cal_inf_loss(q, k, matryoshka=(4, 8), label_smoothing=0.1)
-    with pytest.raises(ValueError, match="matryoshka runs on the backends"):
-        cal_inf_loss(q, k, matryoshka=(4, 8), backend="cpu")
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+def test_with_ids_and_label_smoothing_per_prefix(backend):
+    # Mask options and label smoothing run one pass per prefix: the truth is their float64 loss per prefix.
+    q, k, labels = features_and_labels(12, 12, 10, "perm", torch.float64, seed=6)
+    ids = torch.tensor([0, 1, 2, 0, 1, 3, 4, 5, 2, 6, 7, 8])
+    k_ids = torch.empty_like(ids)
+    k_ids[labels] = ids
+    scale, dims, weights = torch.tensor(7.0, dtype=torch.float64), (10, 4), (1.0, 0.5)
+    spec = Matryoshka(dims, weights)
+    opts = dict(symmetric=True, backend=backend, matryoshka=spec)
+    got = _grads(
+        q,
+        k,
+        scale,
+        torch.tensor(1.0),
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, q_ids=ids, k_ids=k_ids, multi_positive="mean", **opts),
+    )
+
+    def ids_truth(a, b, s):
+        total = 0
+        for m, w in zip(dims, weights):
+            rows, cols = masked_truth_directions(
+                F.normalize(a[:, :m], dim=-1),
+                F.normalize(b[:, :m], dim=-1),
+                labels,
+                s,
+                symmetric=True,
+                q_ids=ids,
+                k_ids=k_ids,
+                multi_positive="mean",
+            )
+            total = total + w * reduce_masked_truth(rows, cols, "mean")
+        return total
+
+    want = _grads(q, k, scale, torch.tensor(1.0), ids_truth)
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-10, 1e-10, f"{backend} ids {what}")
+    got = _grads(
+        q, k, scale, torch.tensor(1.0), lambda a, b, s: cal_inf_loss(a, b, labels, s, label_smoothing=0.2, **opts)
+    )
+
+    def smoothed_truth(a, b, s):
+        total = 0
+        for m, w in zip(dims, weights):
+            logits = s * F.normalize(a[:, :m], dim=-1) @ F.normalize(b[:, :m], dim=-1).T
+            pair = F.cross_entropy(logits, labels, label_smoothing=0.2, reduction="none")
+            pair = (pair + F.cross_entropy(logits.T, torch.argsort(labels), label_smoothing=0.2, reduction="none")) / 2
+            total = total + w * pair.mean()
+        return total
+
+    want = _grads(q, k, scale, torch.tensor(1.0), smoothed_truth)
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-10, 1e-10, f"{backend} smoothing {what}")
 
 
 def test_infclip_loss_takes_it():
@@ -170,3 +222,22 @@ def test_infclip_loss_takes_it():
     got = InfCLIPLoss(matryoshka=(8, 4))(q, k, scale)
     want = truth_losses(q, k, None, scale, True, (8, 4), (1.0, 1.0), True).mean()
     assert_close_verbose(got, want, 1e-5, 1e-5, "InfCLIPLoss(matryoshka)")
+
+
+@pytest.mark.parametrize("backend", ("triton",))  # the interpreter (TRITON_INTERPRET=1): small shapes only
+def test_triton_interpreted(backend):
+    q, k, labels = features_and_labels(9, 9, 10, "perm", torch.float32)
+    scale, g = torch.tensor(9.0), torch.tensor(0.8)
+    spec = Matryoshka((10, 3, 6), (1.0, 0.5, 2.0))
+    got = _grads(
+        q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=True, backend=backend, matryoshka=spec)
+    )
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        g.double(),
+        lambda a, b, s: truth_losses(a, b, labels, s, True, (10, 3, 6), (1.0, 0.5, 2.0), True).mean(),
+    )
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-5, 1e-5, f"triton {what}")

@@ -13,7 +13,6 @@ from workers import options_ring_worker as worker
 from workers.ring_worker import TINY_SUFFIX
 
 BACKENDS = ("reference", "torch" + TINY_SUFFIX) + tuple(tiled_backends())
-MATRYOSHKA_BACKENDS = ("reference", "torch", "torch" + TINY_SUFFIX)
 CASE_NAMES = tuple(c.name for c in worker.option_cases(2))
 
 
@@ -29,7 +28,5 @@ def spawned(tmp_path_factory):
 @pytest.mark.parametrize("world", tuple(worker.RINGS))
 def test_option_ring_matches_single_process(spawned, world, name, backend):
     case = next(c for c in worker.option_cases(world) if c.name == name)
-    if case.matryoshka and backend not in MATRYOSHKA_BACKENDS:
-        pytest.skip("Matryoshka prefixes run on the torch tiles and the reference (cal_inf_loss raises elsewhere)")
     atol, rtol = TOLERANCE[case.dtype]
     assert_ring_matches(spawned(world), (name, backend), worker.truth(case), atol, rtol, f"{name} {backend} w={world}")

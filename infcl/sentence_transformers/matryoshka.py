@@ -8,9 +8,10 @@ losses (:class:`~.losses.MultipleNegativesRankingLoss`, its symmetric variant, o
 whose loss stage is one of them) and the batch maps onto plain ``cal_inf_loss`` calls
 (:func:`~.objective.ranking.plain_calls`: no hardness weighting; query_to_doc, or both directions per
 direction), runs the wrapped loss once with ``cal_inf_loss(matryoshka=...)``: the drawn dimensions' losses,
-weighted, out of one tiled pass over the full embeddings (:mod:`infcl.matryoshka`), each prefix
-renormalized as ``shrink`` does. Anything else (another wrapped loss, GIST, hardness, joint multi-direction
-partitions, a backend the fused pass does not run on) goes to sentence-transformers' own per-dimension loop.
+weighted, each prefix renormalized as ``shrink`` does, out of one tiled pass over the full embeddings on the
+torch tiles (:mod:`infcl.matryoshka`; the other backends run one pass per prefix inside that call). Anything
+else (another wrapped loss, GIST, hardness, joint multi-direction partitions) goes to sentence-transformers'
+own per-dimension loop.
 
 ``n_dims_per_step`` draws the same dimensions as sentence-transformers' for the same ``random`` state (one
 ``random.sample`` per call, as theirs).
@@ -28,9 +29,6 @@ from .losses import MultipleNegativesRankingLoss
 from .mirror import mirrors
 from .objective.ranking import plain_calls
 
-# The backends the fused pass runs on (infcl.api.MATRYOSHKA_BACKENDS, with "auto").
-FUSED_BACKENDS = ("auto", "torch", "reference")
-
 
 def _ranking_loss(loss: nn.Module):
     """The infcl ranking loss that computes ``loss``'s objective (itself, or a cached loss's ``.loss``), or None."""
@@ -39,12 +37,11 @@ def _ranking_loss(loss: nn.Module):
 
 
 def _fusable(ranking: MultipleNegativesRankingLoss, columns: int) -> bool:
-    """Whether a batch of ``columns`` embedding columns runs as plain ``cal_inf_loss`` calls on a fused backend."""
+    """Whether a batch of ``columns`` embedding columns runs as plain ``cal_inf_loss`` calls."""
     docs = [None] * (columns - 1)
-    plain = plain_calls(
+    return plain_calls(
         ranking.directions, ranking.partition_mode, ranking.hardness_mode, ranking.hardness_strength, docs
     )
-    return plain and ranking.backend in FUSED_BACKENDS
 
 
 class MatryoshkaLoss(st_losses.MatryoshkaLoss):
