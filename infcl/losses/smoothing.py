@@ -76,11 +76,11 @@ class SmoothedSoftmaxSteps(SoftmaxSteps):
         rows = SoftmaxPartials.unpack(rows)
         acc = rows.stats.dtype
         q, k = block.q.to(acc), block.k.to(acc)
-        row_total = torch.mv(q, k.sum(dim=0)).mul_(block.scale)
+        row_total = torch.mv(q, _column_sums(k)).mul_(block.scale)
         rows = SmoothedPartials(rows.stats, rows.positive, row_total, torch.full_like(row_total, k.shape[0]))
         if not self.symmetric:
             return rows, None
-        col_total = torch.mv(k, q.sum(dim=0)).mul_(block.scale)
+        col_total = torch.mv(k, _column_sums(q)).mul_(block.scale)
         col_positive = _scatter_to_columns(rows.positive, block.pos, block.k.shape[0])
         return rows, SmoothedPartials(col_stats, col_positive, col_total, torch.full_like(col_total, q.shape[0]))
 
@@ -116,29 +116,51 @@ def _smoothing_terms(
     dk: Tensor,
 ) -> Tuple[Tensor, Tensor]:
     """Add the block's g * eps * Y - g * eps / n terms to dq, dk in place; return the scale gradient's
-    (rows' part [1], columns' part [1])."""
+    (rows' part [1], columns' part [1]). Few passes over the [n, D] operands: one gather, one row-wise dot,
+    two sums, two matrix-vector products, and one update of each of dq and dk per kind of term (the rank-one
+    terms of both directions as one rank-two ``addmm_``)."""
     acc, scale = dq.dtype, block.scale
     q, k = block.q.to(acc), block.k.to(acc)
     inside = block.pos >= 0
     idx = torch.where(inside, block.pos, 0)
     k_pos = k.index_select(0, idx)  # [Bq, D] each row's positive column (row 0 where elsewhere: weight 0)
-    raw_pos = (q * k_pos).sum(dim=1)  # q_i . k_pos
-    k_sum, q_sum = k.sum(dim=0), q.sum(dim=0)
+    raw_pos = torch.bmm(q[:, None, :], k_pos[:, :, None]).view(-1)  # q_i . k_pos (batched dots: one pass)
+    k_sum, q_sum = _column_sums(k), _column_sums(q)
 
-    w_row = torch.where(inside, rows.grad * eps, 0.0)  # at (i, pos_i): +eps * g_i
-    u_row = rows.grad * (eps / n_cols)  # every column: -eps * g_i / n
-    own = (w_row * raw_pos).sum() - torch.dot(u_row, torch.mv(q, k_sum))
-    w, owner = w_row, torch.zeros((), dtype=acc, device=dq.device)
+    w = torch.where(inside, rows.grad * eps, 0.0)  # dS[i, pos_i] += eps * g_i
+    u_row = rows.grad * (eps / n_cols)  # dS[i, :] -= eps * g_i / n
+    q_u = torch.mv(q.T, u_row)  # sum_i u_i q_i
+    own = (w * raw_pos).sum() - torch.dot(q_u, k_sum)
+    owner = torch.zeros((), dtype=acc, device=dq.device)
+    # dq -= scale * (u_row (x) k_sum [+ 1 (x) k^T u_col]); dk -= scale * (1 (x) q^T u_row [+ u_col (x) q_sum])
+    dq_left, dq_right = [u_row], [k_sum]
+    dk_left, dk_right = [torch.ones_like(k_sum[:1]).expand(k.shape[0])], [q_u]
     if cols is not None:
-        w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0)
-        u_col = cols.grad * (eps / n_rows)
-        owner = (w_col * raw_pos).sum() - torch.dot(u_col, torch.mv(k, q_sum))
-        w = w + w_col
-        # dS[:, j] -= u_col_j on every local row: dq_i -= scale * sum_j u_col_j k_j, dk_j -= scale * u_col_j * sum_i q_i
-        dq.sub_(torch.mv(k.T, u_col).mul_(scale)[None, :])
-        dk.sub_(torch.outer(u_col * scale, q_sum))
-    # dS[i, pos_i] += w_i; dS[i, :] -= u_row_i
-    dq.add_(k_pos * (w * scale)[:, None]).sub_(torch.outer(u_row * scale, k_sum))
-    dk.index_put_((idx,), q * (w * scale)[:, None], accumulate=True)
-    dk.sub_(torch.mv(q.T, u_row).mul_(scale)[None, :])
+        w = w + torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0)  # dS[i, pos_i] += eps * g_col
+        w_col = w - torch.where(inside, rows.grad * eps, 0.0)
+        u_col = cols.grad * (eps / n_rows)  # dS[:, j] -= eps * g_col_j / n
+        k_u = torch.mv(k.T, u_col)  # sum_j u_col_j k_j
+        owner = (w_col * raw_pos).sum() - torch.dot(k_u, q_sum)
+        dq_left.append(torch.ones_like(u_row))
+        dq_right.append(k_u)
+        dk_left.append(u_col)
+        dk_right.append(q_sum)
+    neg_scale = -scale
+    dq.addmm_(torch.stack(dq_left, dim=1), torch.stack(dq_right) * neg_scale)
+    dk.addmm_(torch.stack(dk_left, dim=1), torch.stack(dk_right) * neg_scale)
+    ws = w * scale
+    dq.addcmul_(k_pos, ws[:, None])
+    _add_rows(dk, idx, q * ws[:, None])
     return own.reshape(1), owner.reshape(1)
+
+
+def _column_sums(x: Tensor) -> Tensor:
+    """[D] the sum of x's rows, as a matrix-vector product (BLAS: one pass; ``sum(dim=0)`` was 30x slower on
+    the 2-vCPU test machine)."""
+    return torch.mv(x.T, x.new_ones(x.shape[0]))
+
+
+def _add_rows(out: Tensor, index: Tensor, rows: Tensor) -> None:
+    """out[index[i]] += rows[i], deterministically: index_put_'s sorted accumulation (a column may be several
+    rows' positive; no float atomics; 9x faster than index_add_'s scatter on the CPU here)."""
+    out.index_put_((index,), rows, accumulate=True)
