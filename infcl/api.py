@@ -76,8 +76,10 @@ def cal_inf_loss(
             its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
         label_smoothing: eps in [0, 1], ``F.cross_entropy``'s: the target puts 1 - eps on the positive and
             eps / n on each of the row's n columns (the column's n rows for the k->q direction), so
-            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. Not with the mask
-            options (ValueError). See :mod:`infcl.losses.smoothing`.
+            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. With ids, the uniform
+            part spreads over the columns that stay in the denominator (the row's positive's target keeps
+            1 - eps: the one-hot, or 1 / |P| for multi_positive="mean"); not with a guide or
+            multi_positive="sum" (ValueError). See :mod:`infcl.losses.smoothing`.
         matryoshka: None, an :class:`infcl.Matryoshka` (prefix dims, weights, renormalize) or a sequence of
             prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
             the features' first m_k columns (each prefix divided by its norm where renormalized, as
@@ -140,7 +142,7 @@ def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, redu
                 (_, row_info), (_, col_info) = masked_reference_losses(q, k, scale_t, labels_t, symmetric, layout, None)
     elif name == "reference":
         (row_loss, row_info), (col_loss, col_info) = masked_reference_losses(
-            q, k, scale_t, labels_t, symmetric, layout, masks
+            q, k, scale_t, labels_t, symmetric, layout, masks, eps
         )
     else:
         plan = LossPlan(backend_object(name), symmetric, layout, masks, label_smoothing=eps)

@@ -25,7 +25,7 @@ from .contract import accum_dtype
 from .losses.distill import DistillSteps, DistillUpstream
 from .losses.matryoshka import MatryoshkaSteps
 from .losses.sigmoid import SigmoidSteps, SigmoidUpstream
-from .losses.smoothing import SmoothedSoftmaxSteps
+from .losses.smoothing import SmoothedIdsSteps, SmoothedSoftmaxSteps
 from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .matryoshka import Prefixes
@@ -103,6 +103,8 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
         return SmoothedSoftmaxSteps(plan.symmetric, plan.label_smoothing, layout.total_k, layout.total_q)
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
+    if plan.label_smoothing:  # ids only (infcl.checks.check_label_smoothing)
+        return SmoothedIdsSteps(plan.symmetric, plan.label_smoothing, masks.multi_positive, masks.q_ids, masks.k_ids)
     guide_q = guide_k = row_threshold = col_threshold = None
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)

@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 
 import infcl.backends.torch_tiles as torch_tiles
-from helpers.support import TOLERANCE, assert_close_verbose, assert_no_worse, features_and_labels, tiled_backends
+from helpers.options_truth import masked_truth
+from helpers.support import (
+    TOLERANCE,
+    assert_close_verbose,
+    assert_no_worse,
+    features_and_labels,
+    reduce_masked_truth,
+    tiled_backends,
+)
 from infcl import InfCLIPLoss, cal_inf_loss
 
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
@@ -163,11 +171,44 @@ def test_bad_values_raise(value, error, match):
         cal_inf_loss(q, k, label_smoothing=value)
 
 
-def test_with_mask_options_raises():
+def test_with_guide_or_sum_raises():
     q, k, _ = features_and_labels(4, 4, 3, "diag", torch.float32)
     ids = torch.arange(4)
-    with pytest.raises(ValueError, match="label_smoothing=0.1 with q_ids/k_ids"):
-        cal_inf_loss(q, k, label_smoothing=0.1, q_ids=ids, k_ids=ids)
+    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide or multi_positive='sum'"):
+        cal_inf_loss(q, k, label_smoothing=0.1, q_ids=ids, k_ids=ids, multi_positive="sum")
+    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide"):
+        cal_inf_loss(q, k, label_smoothing=0.1, guide=(q, k))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("multi_positive", (None, "mean"))
+@pytest.mark.parametrize("symmetric", (False, True))
+@pytest.mark.parametrize("partnerless", (False, True))
+def test_with_ids(backend, multi_positive, symmetric, partnerless, monkeypatch):
+    # Ids from few classes (false negatives under None; several positives under "mean"); partnerless: k ids drawn
+    # apart, so under "mean" some rows and columns have no positive (no loss, left out of the mean).
+    if partnerless and multi_positive is None:
+        pytest.skip("one positive per row: every row has its label")
+    name = _backend(backend, monkeypatch)
+    bq, bk = 17, 17 if symmetric else 29
+    q, k, labels = features_and_labels(bq, bk, 6, "perm" if symmetric else "random", torch.float64, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    q_ids = torch.randint(0, 4, (bq,), generator=gen)
+    k_ids = torch.randint(0, 6 if partnerless else 4, (bk,), generator=gen)
+    if not partnerless:
+        k_ids[labels] = q_ids
+    scale, g = torch.tensor(9.0, dtype=torch.float64), torch.tensor(0.7, dtype=torch.float64)
+    kw = dict(symmetric=symmetric, label_smoothing=0.3, backend=name, q_ids=q_ids, k_ids=k_ids)
+    got = run(q, k, labels, scale, g, multi_positive=multi_positive, **kw)
+
+    def loss_fn(a, b, s):
+        rows, cols = masked_truth(a, b, labels, s, q_ids, k_ids, multi_positive, 0.3, symmetric)
+        return reduce_masked_truth(rows, cols, "mean")
+
+    qa, ka, sa = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+    want_loss = loss_fn(qa, ka, sa)
+    want_loss.backward(g)
+    _check(got, (want_loss.detach(), qa.grad, ka.grad, sa.grad), torch.float64, f"{backend} {multi_positive}")
 
 
 def test_infclip_loss_takes_it():
@@ -186,3 +227,20 @@ def test_triton_interpreted(backend, symmetric):
     kw = dict(symmetric=symmetric, reduction="none", label_smoothing=0.25, backend=backend)
     got = run(q, k, labels, scale, g, **kw)
     _check(got, truth(q, k, labels, scale, g, 0.25, symmetric, "none"), torch.float32, backend)
+
+
+@pytest.mark.parametrize("backend", ("triton",))  # the interpreter: small shapes only
+@pytest.mark.parametrize("multi_positive", (None, "mean"))
+def test_triton_interpreted_with_ids(backend, multi_positive):
+    q, k, labels = features_and_labels(9, 9, 5, "perm", torch.float32, seed=3)
+    q_ids = torch.tensor([0, 1, 0, 2, 1, 0, 3, 2, 1])
+    k_ids = torch.empty_like(q_ids)
+    k_ids[labels] = q_ids
+    scale, g = torch.tensor(9.0), torch.tensor(1.3, dtype=torch.float64)
+    kw = dict(symmetric=True, label_smoothing=0.2, backend=backend, q_ids=q_ids, k_ids=k_ids)
+    got = run(q, k, labels, scale, g, multi_positive=multi_positive, **kw)
+    qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, scale))
+    rows, cols = masked_truth(qa, ka, labels, sa, q_ids, k_ids, multi_positive, 0.2, True)
+    want = reduce_masked_truth(rows, cols, "mean")
+    want.backward(g)
+    _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float32, f"triton {multi_positive}")

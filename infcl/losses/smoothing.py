@@ -28,9 +28,20 @@ import torch
 
 from ..contract import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, lse_merge
+from ..masks import merge_masked_fields
 from ..ring.driver import ParamGrads
 from ..stats import row_info
-from .softmax import SoftmaxPartials, SoftmaxSteps, SoftmaxUpstream, _finite, _nan_unless, _scatter_to_columns
+from .softmax import (
+    MaskedPartials,
+    MaskedSoftmaxSteps,
+    MaskedUpstream,
+    SoftmaxPartials,
+    SoftmaxSteps,
+    SoftmaxUpstream,
+    _finite,
+    _nan_unless,
+    _scatter_to_columns,
+)
 
 
 class SmoothedPartials(NamedTuple):
@@ -164,3 +175,177 @@ def _add_rows(out: Tensor, index: Tensor, rows: Tensor) -> None:
     """out[index[i]] += rows[i], deterministically: index_put_'s sorted accumulation (a column may be several
     rows' positive; no float atomics; 9x faster than index_add_'s scatter on the CPU here)."""
     out.index_put_((index,), rows, accumulate=True)
+
+
+# --- with ids (infcl.masks): the uniform part over the columns that stay in the denominator -----------
+
+
+def grouped_sum(keys: Tensor, values: Tensor, query: Tensor) -> Tensor:
+    """For each ``query`` key, the sum of the ``values`` rows whose key equals it (0 where none does): the
+    same-id sums, O((n + m) * D) with no host synchronization (each key's group is the slot of its first
+    occurrence in sorted order) and deterministic accumulation (``index_put_``)."""
+    sorted_keys, _ = torch.sort(keys)
+    slots = torch.zeros((keys.shape[0],) + values.shape[1:], dtype=values.dtype, device=values.device)
+    slots.index_put_((torch.searchsorted(sorted_keys, keys),), values, accumulate=True)
+    where = torch.searchsorted(sorted_keys, query).clamp(max=max(keys.shape[0] - 1, 0))
+    found = sorted_keys[where] == query if keys.shape[0] else torch.zeros_like(query, dtype=torch.bool)
+    picked = slots[where] if keys.shape[0] else values.new_zeros((query.shape[0],) + values.shape[1:])
+    return torch.where(found.view((-1,) + (1,) * (values.dim() - 1)), picked, 0.0)
+
+
+class SmoothedMaskedPartials(NamedTuple):
+    """The masked partials (:class:`~.softmax.MaskedPartials`) plus the sum and number of the logits that stay
+    in the denominator."""
+
+    stats: Tensor
+    pos_stats: Tensor
+    pos_sum: Tensor
+    pos_count: Tensor
+    total: Tensor  # [n] sum of the kept logits
+    count: Tensor  # [n] their number
+
+    def masked(self) -> MaskedPartials:
+        return MaskedPartials(self.stats, self.pos_stats, self.pos_sum, self.pos_count)
+
+    def losses(self, kind: str, eps: float) -> Tensor:
+        """(1 - eps) * the masked loss + eps * ((m - total / count) + r)."""
+        m, rel = self.stats[MAX], self.stats[REL]
+        return (1.0 - eps) * self.masked().losses(kind) + eps * ((m - self.total / self.count) + rel)
+
+    def info(self) -> Tensor:
+        return self.masked().info()
+
+
+class SmoothedMaskedUpstream(NamedTuple):
+    """:class:`~.softmax.MaskedUpstream` plus each row's number of kept columns."""
+
+    stats: Tensor
+    grad: Tensor
+    pos_stats: Tensor
+    pos_count: Tensor
+    count: Tensor
+
+    def block_fields(self, side: str, kind: str) -> dict:
+        return MaskedUpstream(*self[:4]).block_fields(side, kind)
+
+
+class SmoothedIdsSteps(MaskedSoftmaxSteps):
+    """:class:`infcl.ring.driver.RingLoss` for label smoothing with ids (``multi_positive`` None or "mean"; no
+    guide). Kept columns: every column but the same-id ones that are not the row's positive (None), or every
+    column ("mean": ids exclude nothing). The uniform part and its gradient come from same-id sums
+    (:func:`grouped_sum`) of the features per block; the target's positive part is the one-hot (None) or
+    1 / |P| on the same-id columns ("mean")."""
+
+    def __init__(self, symmetric: bool, eps: float, multi_positive, q_ids, k_ids):
+        super().__init__(symmetric, multi_positive, q_ids, k_ids, None, None, None, None)
+        self.eps = float(eps)
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SmoothedMaskedPartials:
+        zeros = torch.zeros(2, n, dtype=dtype, device=device)
+        return SmoothedMaskedPartials(*MaskedPartials.empty(n, dtype, device), zeros[0], zeros[1])
+
+    def merge(self, acc: SmoothedMaskedPartials, part: SmoothedMaskedPartials) -> None:
+        merge_masked_fields(acc[:4], part[:4], self.kind)
+        acc.total.add_(part.total)
+        acc.count.add_(part.count)
+
+    def _kept(self, x, x_ids, y, y_ids, part: MaskedPartials, same_pos, scale):
+        """(total, count) of the kept entries of x's rows against y's rows (one direction of the block)."""
+        total = torch.mv(x, _column_sums(y))
+        count = torch.full_like(total, y.shape[0])
+        if self.multi_positive is None:
+            total = total - torch.linalg.vecdot(x, grouped_sum(y_ids, y, x_ids))
+            count = count - grouped_sum(y_ids, torch.ones_like(y[:, 0]), x_ids)
+        total = total.mul_(scale)
+        if self.multi_positive is None:  # the positive stays: its logit as the tile read it, and one count
+            total = total + torch.where(same_pos, part.pos_sum, 0.0)
+            count = count + torch.where(same_pos, part.pos_count, 0.0)
+        return total, count
+
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        rows, cols = super().forward_step(backend, block, k_side)
+        block = self._block(block, k_side)
+        acc = rows.stats.dtype
+        q, k = block.q.to(acc), block.k.to(acc)
+        same_pos = _same_at_positive(block)
+        total, count = self._kept(q, block.q_ids, k, block.k_ids, rows, same_pos, block.scale)
+        rows = SmoothedMaskedPartials(*rows, total, count)
+        if cols is None:
+            return rows, None
+        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
+        total, count = self._kept(k, block.k_ids, q, block.q_ids, cols, col_same, block.scale)
+        return rows, SmoothedMaskedPartials(*cols, total, count)
+
+    def backward_step(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor, k_side=()) -> ParamGrads:
+        grads = super().backward_step(backend, block, rows, cols, dq, dk, k_side)
+        block = self._block(block, k_side)
+        own, owner = _smoothing_id_terms(block, rows, cols, self.eps, self.multi_positive, dq, dk)
+        return ParamGrads(own=grads.own + own, owner=grads.owner + owner)
+
+    def losses(self, part: SmoothedMaskedPartials) -> Tensor:
+        return part.losses(self.kind, self.eps)
+
+    def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> SmoothedMaskedUpstream:
+        part = SmoothedMaskedPartials(*saved)
+        up = part.masked().upstream(grad)
+        return SmoothedMaskedUpstream(*up, torch.where(part.pos_count > 0, part.count, 1.0))
+
+
+def _same_at_positive(block: Block) -> Tensor:
+    """[Bq] bool: the row's positive lies in this block and has the row's id."""
+    inside = block.pos >= 0
+    idx = torch.where(inside, block.pos, 0)
+    return inside & (block.q_ids == block.k_ids.index_select(0, idx))
+
+
+def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra):
+    """One direction's terms: dS[a, b] += w_a at the positive (given by the caller), -u_a on every entry, and
+    +v_a on the same-id entries; returns (dx term [na, D], dy term [nb, D], the scale's part, w [na])."""
+    u = up.grad * eps / up.count
+    if multi_positive is None:
+        v = u
+        w = w_extra - torch.where(same_pos, u, 0.0)
+    else:
+        v = up.grad * eps / up.pos_count
+        w = torch.zeros_like(u)
+    y_sum, y_same = _column_sums(y), grouped_sum(y_ids, y, x_ids)
+    dx = torch.outer(-u, y_sum).add_(y_same * v[:, None])
+    x_u = torch.mv(x.T, u)
+    dy = grouped_sum(x_ids, x * v[:, None], y_ids).sub_(x_u[None, :])
+    part = torch.dot(x_u, y_sum).neg() + (v * torch.linalg.vecdot(x, y_same)).sum()
+    return dx.mul_(scale), dy.mul_(scale), part, w
+
+
+def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor):
+    acc, scale = dq.dtype, block.scale
+    q, k = block.q.to(acc), block.k.to(acc)
+    inside = block.pos >= 0
+    idx = torch.where(inside, block.pos, 0)
+    k_pos = k.index_select(0, idx)
+    raw_pos = torch.linalg.vecdot(q, k_pos)
+    same_pos = _same_at_positive(block)
+    one_hot = multi_positive is None
+    w_row = torch.where(inside, rows.grad * eps, 0.0) if one_hot else 0.0
+    dq_t, dk_t, own, w = _direction_terms(
+        q, block.q_ids, k, block.k_ids, rows, eps, multi_positive, scale, same_pos, w_row
+    )
+    dq.add_(dq_t)
+    dk.add_(dk_t)
+    own = own + (w * raw_pos).sum()
+    owner = torch.zeros((), dtype=acc, device=dq.device)
+    if cols is not None:
+        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
+        w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0) if one_hot else 0.0
+        w_col_cols = _scatter_to_columns(torch.as_tensor(w_col, dtype=acc).expand(q.shape[0]), block.pos, k.shape[0])
+        dk_t, dq_t, owner, wc = _direction_terms(
+            k, block.k_ids, q, block.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols
+        )
+        dk.add_(dk_t)
+        dq.add_(dq_t)
+        wc_rows = torch.where(inside, wc.index_select(0, idx), 0.0)  # back to the rows holding each positive
+        owner = owner + (wc_rows * raw_pos).sum()
+        w = w + wc_rows
+    ws = w * scale
+    dq.addcmul_(k_pos, ws[:, None])
+    _add_rows(dk, idx, q * ws[:, None])
+    return own.reshape(1), owner.reshape(1)

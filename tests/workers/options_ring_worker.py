@@ -8,6 +8,7 @@ with the float64 truth of one process (``F.cross_entropy(..., label_smoothing=ep
 
 import functools
 import sys
+import zlib
 from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 
 from helpers import ring_cases
 from helpers.distributed import run_on_rings
+from helpers.options_truth import masked_truth
+from helpers.support import reduce_masked_truth
 from infcl import Matryoshka, cal_inf_loss
 from workers.ring_worker import run_cases
 
@@ -28,6 +31,7 @@ RINGS = {2: (1, 2), 3: (0, 1, 2)}
 class OptionRingCase(ring_cases.RingCase):
     label_smoothing: float = 0.0
     matryoshka: Optional[Tuple[int, ...]] = None  # prefix dims (weights WEIGHTS[:K], renormalized)
+    ids: Optional[str] = None  # label smoothing with ids: "one" (multi_positive None) or "mean"
 
 
 def option_cases(world: int) -> List[OptionRingCase]:
@@ -45,6 +49,16 @@ def option_cases(world: int) -> List[OptionRingCase]:
             noncontig=True,
         ),
         replace(base, name="ls-one-hardneg-sum", symmetric=False, k_sizes=hard, reduction="sum", label_smoothing=0.3),
+        replace(base, name="ls-ids-sym-mean-positives", label_smoothing=0.25, ids="mean"),
+        replace(
+            base,
+            name="ls-ids-one-hardneg-none",
+            symmetric=False,
+            k_sizes=hard,
+            reduction="none",
+            label_smoothing=0.15,
+            ids="one",
+        ),
         replace(base, name="mat-sym-perm-mean", matryoshka=(6, 2, 4)),
         replace(
             base,
@@ -70,7 +84,31 @@ def _prefix_losses(case: OptionRingCase, q, k, labels, params) -> list:
     return total
 
 
+def case_ids(case: OptionRingCase):
+    """Global (q_ids, k_ids) of an ids case: few classes, each row's labelled column carrying its id."""
+    g = ring_cases.global_inputs(case)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ids/{case.name}/{case.world}".encode()))
+    q_ids = torch.randint(0, 3, (g.q.shape[0],), generator=gen)
+    k_ids = torch.randint(0, 3, (g.k.shape[0],), generator=gen)
+    k_ids[g.labels] = q_ids
+    return q_ids, k_ids
+
+
+def _ids_losses(case: OptionRingCase, q, k, labels, params) -> list:
+    q_ids, k_ids = case_ids(case)
+    multi = "mean" if case.ids == "mean" else None
+    losses = []
+    for s, (scale,) in enumerate(params):
+        rows, cols = masked_truth(q, k, labels, scale, q_ids, k_ids, multi, case.label_smoothing, case.symmetric)
+        qo, ko, nq, nk = case.q_offsets[s], case.k_offsets[s], case.q_sizes[s], case.k_sizes[s]
+        local_cols = None if cols is None else cols[ko : ko + nk]
+        losses.append(reduce_masked_truth(rows[qo : qo + nq], local_cols, case.reduction))
+    return losses
+
+
 def _local_losses(case: OptionRingCase, q, k, labels, params) -> list:
+    if case.ids:
+        return _ids_losses(case, q, k, labels, params)
     if case.matryoshka:
         return _prefix_losses(case, q, k, labels, params)
     inverse = torch.argsort(labels) if case.symmetric else None
@@ -95,6 +133,15 @@ def truth(case: OptionRingCase) -> ring_cases.Truth:
 def _run_case(case: OptionRingCase, backend, rank, group):
     q_leaf, k_leaf, q, k, labels, upstream = ring_cases.local_inputs(case, rank)
     scale = torch.tensor(ring_cases.SCALE, dtype=case.dtype, requires_grad=True)
+    ids = {}
+    if case.ids:
+        q_ids, k_ids = case_ids(case)
+        qo, ko = case.q_offsets[rank], case.k_offsets[rank]
+        ids = {
+            "q_ids": q_ids[qo : qo + case.q_sizes[rank]],
+            "k_ids": k_ids[ko : ko + case.k_sizes[rank]],
+            "multi_positive": "mean" if case.ids == "mean" else None,
+        }
     loss = cal_inf_loss(
         q,
         k,
@@ -106,6 +153,7 @@ def _run_case(case: OptionRingCase, backend, rank, group):
         backend=backend,
         label_smoothing=case.label_smoothing,
         matryoshka=None if case.matryoshka is None else Matryoshka(case.matryoshka, WEIGHTS[: len(case.matryoshka)]),
+        **ids,
     )
     loss.backward(upstream.to(loss.dtype))
     dq, dk = (q_leaf.grad.T, k_leaf.grad.T) if case.noncontig else (q_leaf.grad, k_leaf.grad)
