@@ -19,7 +19,10 @@ dk -= scale * sum_i u_i q_i, with w = eps * g at the positive and u = eps * g / 
 from the same terms (the rows' part is this rank's, the columns' part the block owner's). O(B * D) per
 block, no O(Bq * Bk) anything.
 
-Without mask options only: which columns stay in a masked row's denominator is decided inside the tiles.
+With ids (:class:`SmoothedIdsSteps`; ``multi_positive`` None or "mean") the uniform part spreads over the
+columns that stay in the row's denominator, from same-id sums of the features per block (:func:`grouped_sum`).
+Not with a guide or "sum": which columns a guide leaves out, and "sum"'s target over the positives, are decided
+inside the tiles (docs/options.md).
 """
 
 from typing import NamedTuple, Optional, Tuple
