@@ -178,18 +178,14 @@ def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
     return per_item
 
 
-# The backend whose tiles hold the Matryoshka prefixes' fused pass (infcl.matryoshka); the others run one pass
-# per prefix on the prefixes' features (infcl.matryoshka.prefix_features), through their plain loss.
-FUSED_MATRYOSHKA = ("torch",)
-
-
 def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, options, return_stats):
     """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given.
 
-    The plain loss on the torch tiles: one fused pass (:class:`MatryoshkaLossFunction`). Otherwise (another
-    backend, mask options, label smoothing): one call per prefix on the prefix's features."""
+    The plain loss: :class:`MatryoshkaLossFunction` (one fused pass on the torch tiles; the other backends' block
+    operations once per prefix inside each ring step). With mask options or label smoothing: one call per
+    prefix on the prefix's features."""
     symmetric, layout, masks, eps, name, reduction = options
-    if name in FUSED_MATRYOSHKA and masks is None and not eps:
+    if masks is None and not eps and name != "reference":
         plan = LossPlan(backend_object(name), symmetric, layout, prefixes=prefixes)
         row_loss, col_loss, row_info, col_info = MatryoshkaLossFunction.apply(q, k, scale_t, labels_t, plan)
         per_dim = (row_loss + col_loss) / 2 if symmetric else row_loss

@@ -11,9 +11,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..contract import Block, Tensor
+from ..contract import Block, Tensor, accum_dtype
 from ..lse import empty_stats, lse_merge
-from ..matryoshka import Prefixes
+from ..matryoshka import NORM_EPS, Prefixes
 from ..ring.driver import ParamGrads
 from .softmax import SoftmaxPartials
 
@@ -67,7 +67,10 @@ class MatryoshkaSteps:
         acc.positive.add_(part.positive)
 
     def forward_step(self, backend, block: Block, k_side=()):
-        row_stats, row_pos, col_stats = backend.matryoshka_forward_block(block, self.prefixes, self.symmetric)
+        if hasattr(backend, "matryoshka_forward_block"):
+            row_stats, row_pos, col_stats = backend.matryoshka_forward_block(block, self.prefixes, self.symmetric)
+        else:
+            row_stats, row_pos, col_stats = self._per_prefix_forward(backend, block)
         rows = PrefixPartials(row_stats, row_pos)
         if not self.symmetric:
             return rows, None
@@ -86,8 +89,50 @@ class MatryoshkaSteps:
         fields = {"row_stats": rows.stats, "g_row": rows.grad}
         if cols is not None:
             fields.update(col_stats=cols.stats, g_col=cols.grad)
-        dscale = backend.matryoshka_backward_block(replace(block, **fields), self.prefixes, dq, dk)
+        if hasattr(backend, "matryoshka_backward_block"):
+            dscale = backend.matryoshka_backward_block(replace(block, **fields), self.prefixes, dq, dk)
+        else:
+            dscale = self._per_prefix_backward(backend, block, rows, cols, dq, dk)
         return ParamGrads(own=dscale[:1], owner=dscale[1:])
+
+    # A backend without the fused block operations: its plain block operations once per prefix, on the block's
+    # prefix features (unit rows where renormalized), the normalization's gradient applied per block.
+
+    def _prefix_block(self, block: Block, i: int) -> Tuple[Block, Tensor, Tensor]:
+        """(the block on prefix i's features, q's and k's row factors [n] or None)."""
+        acc = accum_dtype(block.q.dtype)
+        m, renorm = self.prefixes.dims[i], self.prefixes.renormalize[i]
+        q, k = block.q.to(acc)[:, :m], block.k.to(acc)[:, :m]
+        if not renorm:
+            return replace(block, q=q, k=k), None, None
+        a, b = _inverse_norms(q), _inverse_norms(k)
+        return replace(block, q=q * a[:, None], k=k * b[:, None]), a, b
+
+    def _per_prefix_forward(self, backend, block: Block):
+        rows, cols = [], []
+        for i in range(self.prefixes.count):
+            prefix, _, _ = self._prefix_block(block, i)
+            r, c = backend.forward_block(prefix, self.symmetric)
+            rows.append(r)
+            cols.append(c)
+        row_stats = torch.stack([r[:2] for r in rows], dim=1)
+        row_pos = torch.stack([r[2] for r in rows])
+        col_stats = torch.stack(cols, dim=1) if self.symmetric else None
+        return row_stats, row_pos, col_stats
+
+    def _per_prefix_backward(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor) -> Tensor:
+        dscale = dq.new_zeros(2)
+        for i in range(self.prefixes.count):
+            prefix, a, b = self._prefix_block(block, i)
+            fields = {"row_stats": rows.stats[:, i], "g_row": rows.grad[i]}
+            if cols is not None:
+                fields.update(col_stats=cols.stats[:, i], g_col=cols.grad[i])
+            m = self.prefixes.dims[i]
+            dq_hat, dk_hat = dq.new_zeros(dq.shape[0], m), dk.new_zeros(dk.shape[0], m)
+            dscale += backend.backward_block(replace(prefix, **fields), dq_hat, dk_hat)
+            dq[:, :m] += _through_normalization(dq_hat, prefix.q, a)
+            dk[:, :m] += _through_normalization(dk_hat, prefix.k, b)
+        return dscale
 
     def losses(self, part: PrefixPartials) -> Tensor:
         return part.losses()
@@ -98,3 +143,17 @@ class MatryoshkaSteps:
     def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> PrefixUpstream:
         (stats,) = saved
         return PrefixUpstream(stats.contiguous(), grad.to(stats.dtype).contiguous())
+
+
+def _inverse_norms(x: Tensor) -> Tensor:
+    """[n] 1 / max(|x_i|, eps), F.normalize's factor."""
+    return 1.0 / torch.linalg.vector_norm(x, dim=1).clamp_min(NORM_EPS)
+
+
+def _through_normalization(grad_hat: Tensor, unit: Tensor, factor: Optional[Tensor]) -> Tensor:
+    """The gradient of x from that of x_hat = x / |x|: factor * (g - (g . x_hat) x_hat), as F.normalize's
+    backward forms it (``factor`` None: no normalization, g itself)."""
+    if factor is None:
+        return grad_hat
+    radial = torch.linalg.vecdot(grad_hat, unit)
+    return (grad_hat - unit * radial[:, None]) * factor[:, None]
