@@ -84,8 +84,9 @@ def cal_inf_loss(
             prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
             the features' first m_k columns (each prefix divided by its norm where renormalized, as
             sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
-            backward on the "torch" tiles (:mod:`infcl.matryoshka`); the other backends, and every backend with
-            the mask options or label smoothing, run one pass per prefix. Dims: distinct integers in [1, D],
+            backward on the "torch" tiles (:mod:`infcl.matryoshka`); the other backends run their block
+            operations once per prefix in each ring step, and with the mask options or label smoothing every
+            backend runs one call per prefix. Dims: distinct integers in [1, D],
             any order; the guide features are never truncated.
             With return_stats the stats are a dict {dim: InfLossStats}.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is

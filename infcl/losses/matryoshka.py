@@ -132,6 +132,7 @@ class MatryoshkaSteps:
             dscale += backend.backward_block(replace(prefix, **fields), dq_hat, dk_hat)
             dq[:, :m] += _through_normalization(dq_hat, prefix.q, a)
             dk[:, :m] += _through_normalization(dk_hat, prefix.k, b)
+            del prefix, dq_hat, dk_hat  # one prefix's copies at a time
         return dscale
 
     def losses(self, part: PrefixPartials) -> Tensor:
@@ -152,8 +153,8 @@ def _inverse_norms(x: Tensor) -> Tensor:
 
 def _through_normalization(grad_hat: Tensor, unit: Tensor, factor: Optional[Tensor]) -> Tensor:
     """The gradient of x from that of x_hat = x / |x|: factor * (g - (g . x_hat) x_hat), as F.normalize's
-    backward forms it (``factor`` None: no normalization, g itself)."""
+    backward forms it, in place in ``grad_hat`` (``factor`` None: no normalization, g itself)."""
     if factor is None:
         return grad_hat
-    radial = torch.linalg.vecdot(grad_hat, unit)
-    return (grad_hat - unit * radial[:, None]) * factor[:, None]
+    radial = torch.bmm(grad_hat[:, None, :], unit[:, :, None]).view(-1)
+    return grad_hat.addcmul_(unit, radial[:, None], value=-1.0).mul_(factor[:, None])
