@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..contract import Block, BlockBackend, Tensor
+from ..contract import Block, BlockBackend, MaskOptions, Tensor
 from ..lse import MAX, REL, lse_merge
 from ..masks import merge_masked_fields
 from ..ring.driver import ParamGrads
@@ -239,9 +239,9 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
     (:func:`grouped_sum`) of the features per block; the target's positive part is the one-hot (None) or
     1 / |P| on the same-id columns ("mean")."""
 
-    def __init__(self, symmetric: bool, eps: float, multi_positive, q_ids, k_ids):
-        super().__init__(symmetric, multi_positive, q_ids, k_ids, None, None, None, None)
-        self.eps = float(eps)
+    def __init__(self, symmetric: bool, eps: float, masks: MaskOptions):
+        super().__init__(symmetric, masks)
+        self.eps, self.multi_positive = float(eps), masks.multi_positive
 
     def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SmoothedMaskedPartials:
         zeros = torch.zeros(2, n, dtype=dtype, device=device)
@@ -271,12 +271,13 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
         acc = rows.stats.dtype
         q, k = block.q.to(acc), block.k.to(acc)
         same_pos = _same_at_positive(block)
-        total, count = self._kept(q, block.q_ids, k, block.k_ids, rows, same_pos, block.scale)
+        ids = block.masks
+        total, count = self._kept(q, ids.q_ids, k, ids.k_ids, rows, same_pos, block.scale)
         rows = SmoothedMaskedPartials(*rows, total, count)
         if cols is None:
             return rows, None
         col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
-        total, count = self._kept(k, block.k_ids, q, block.q_ids, cols, col_same, block.scale)
+        total, count = self._kept(k, ids.k_ids, q, ids.q_ids, cols, col_same, block.scale)
         return rows, SmoothedMaskedPartials(*cols, total, count)
 
     def backward_step(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor, k_side=()) -> ParamGrads:
@@ -298,7 +299,7 @@ def _same_at_positive(block: Block) -> Tensor:
     """[Bq] bool: the row's positive lies in this block and has the row's id."""
     inside = block.pos >= 0
     idx = torch.where(inside, block.pos, 0)
-    return inside & (block.q_ids == block.k_ids.index_select(0, idx))
+    return inside & (block.masks.q_ids == block.masks.k_ids.index_select(0, idx))
 
 
 def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra):
@@ -330,7 +331,7 @@ def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq
     one_hot = multi_positive is None
     w_row = torch.where(inside, rows.grad * eps, 0.0) if one_hot else 0.0
     dq_t, dk_t, own, w = _direction_terms(
-        q, block.q_ids, k, block.k_ids, rows, eps, multi_positive, scale, same_pos, w_row
+        q, block.masks.q_ids, k, block.masks.k_ids, rows, eps, multi_positive, scale, same_pos, w_row
     )
     dq.add_(dq_t)
     dk.add_(dk_t)
@@ -341,7 +342,7 @@ def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq
         w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0) if one_hot else 0.0
         w_col_cols = _scatter_to_columns(torch.as_tensor(w_col, dtype=acc).expand(q.shape[0]), block.pos, k.shape[0])
         dk_t, dq_t, owner, wc = _direction_terms(
-            k, block.k_ids, q, block.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols
+            k, block.masks.k_ids, q, block.masks.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols
         )
         dk.add_(dk_t)
         dq.add_(dq_t)
