@@ -20,7 +20,7 @@ over the chunks:
 The kernels run back to back (no overlap between kernels). SigLIP's route (3 GEMM-equivalents: the forward forms
 S, the loss and dS in one pass and takes both products; the backward only scales) reads its pass's figures from
 the report where the report has a ``siglip`` pass, else takes the softmax grad pass's (said in the output).
-``--from-ab`` replaces the rates with a GPU's measured ones (``python -m bench --preset gpu-first``'s ab.csv).
+``--from-ab`` replaces the rates with a GPU's measured ones (``python -m bench --preset gpu-first``'s route.csv).
 """
 
 import argparse
@@ -161,14 +161,19 @@ def model_loss(loss: str, batch: int, gpu: GPU, passes: Dict[str, Dict], rates: 
 
 
 def rates_from_ab(path: Path, chunk_rows_: int) -> Dict[str, float]:
-    """The three products' TFLOP/s at C = ``chunk_rows_`` and the passes' GB/s from the GPU runner's ab.csv."""
-    rates = {}
+    """From the GPU runner's route.csv: the three products' TFLOP/s at the measured C nearest ``chunk_rows_``, and
+    the passes' GB/s at the largest C measured."""
     with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["step"] == "gemm" and row["case"].startswith(f"C={chunk_rows_} ") and row["unit"] == "TFLOP/s":
-                rates[row["metric"]] = float(row["value"])
-            if row["step"] == "passes" and row["unit"] == "GB/s" and row["metric"] != "copy":
-                rates[row["metric"]] = float(row["value"])
+        rows = list(csv.DictReader(f))
+    gemm = [r for r in rows if r["step"] == "gemm" and r["unit"] == "TFLOP/s" and r["case"].startswith("C=")]
+    rates: Dict[str, float] = {}
+    if gemm:
+        measured = sorted({int(r["case"].split()[0][2:]) for r in gemm})
+        nearest = min(measured, key=lambda c: abs(c - chunk_rows_))
+        rates.update({r["metric"]: float(r["value"]) for r in gemm if r["case"].startswith(f"C={nearest} ")})
+    for row in rows:  # in order: the largest C last
+        if row["step"] == "passes" and row["unit"] == "GB/s" and row["metric"] != "copy":
+            rates[row["metric"]] = float(row["value"])
     return rates
 
 
@@ -199,7 +204,7 @@ def main(argv=None) -> None:
     parser.add_argument("--static-csv", type=Path, default=STATIC_CSV, help="python -m bench.static's chunked CSV")
     parser.add_argument("--target", default="sm_90", help="the compiled target whose passes are modelled")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--from-ab", type=Path, help="the GPU runner's ab.csv: its measured rates replace the GPUs'")
+    parser.add_argument("--from-ab", type=Path, help="the GPU runner's route.csv: its measured rates replace the GPUs'")
     parser.add_argument("--out", type=Path, help="write every row to this CSV")
     args = parser.parse_args(argv)
     passes = read_passes(args.static_csv, args.target)
@@ -213,9 +218,10 @@ def main(argv=None) -> None:
     if "chunk siglip" not in passes:
         print("  (no compiled SigLIP pass in the report: SigLIP takes the softmax grad pass's figures)")
     summary, everything = [], []
-    for gpu in GPUS.values():
-        rates = rates_from_ab(args.from_ab, chunk_rows(max(batches))) if args.from_ab else {}
-        g = replace(gpu)
+    rates = rates_from_ab(args.from_ab, chunk_rows(max(batches))) if args.from_ab else {}
+    # with one GPU's measured rates: that GPU alone (its SMs and clock taken as the H100's and H200's)
+    gpus = [replace(GPUS["H200"], name="the measured GPU")] if rates else list(GPUS.values())
+    for g in gpus:
         print(f"\n== {g.name}: GEMM {g.gemm_tflops:g} TFLOP/s, HBM {g.hbm_tbs:g} TB/s, {g.sms} SMs at "
               f"{g.clock_ghz:g} GHz x {g.issue_per_clk} lanes/clk, launch gap {LAUNCH_GAP_US:g} us"
               + (f"; measured rates {rates}" if rates else ""))  # fmt: skip
