@@ -39,11 +39,8 @@ PTX = tl.constexpr(not INTERPRETED)
 
 @triton.jit
 def check_blocks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Every side of a tl.dot operand is at least MIN_DOT (one assertion each: Triton 3.2 rejects a
-    chained ``and``)."""
-    tl.static_assert(BLOCK_M >= MIN_DOT)
-    tl.static_assert(BLOCK_N >= MIN_DOT)
-    tl.static_assert(BLOCK_D >= MIN_DOT)
+    """Every side of a tl.dot operand is at least MIN_DOT."""
+    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
 
 
 @triton.jit
@@ -79,8 +76,8 @@ def load_tile(
 
 @triton.jit
 def load_vector(ptr, idx, n, stride, other, MASK: tl.constexpr):
-    """ptr[idx * stride], ``other`` where idx >= n (only when MASK). (The fill is a select after the load,
-    not the load's ``other``: Triton 3.2 miscompiles an integer ``other`` in some layouts.)"""
+    """ptr[idx * stride], ``other`` where idx >= n (only when MASK). (The fill is a select after the load, not the
+    load's ``other``: the code every config was sized with; the load's ``other`` compiles to other register counts.)"""
     if MASK:
         return tl.where(idx < n, tl.load(ptr + idx.to(tl.int64) * stride, mask=idx < n), other)
     return tl.load(ptr + idx.to(tl.int64) * stride)

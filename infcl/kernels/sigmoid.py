@@ -102,9 +102,7 @@ def _siglip_forward_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
-    tl.static_assert(BLOCK_N >= MIN_DOT)
-    tl.static_assert(BLOCK_D >= MIN_DOT)
+    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
@@ -170,9 +168,7 @@ def _siglip_backward_kernel(
 ):
     """grad[own rows] += scale * dL @ other, where own/other are q/k (OWNS_Q) or k/q. ``pos`` and ``g``
     are per q row: the owned rows' (OWNS_Q) or the walked ones'. ONE_CHUNK: D <= BLOCK_D."""
-    tl.static_assert(BLOCK_M >= MIN_DOT)  # one condition each: Triton 3.2 rejects chained `and`
-    tl.static_assert(BLOCK_N >= MIN_DOT)
-    tl.static_assert(BLOCK_D >= MIN_DOT)
+    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_own
