@@ -82,9 +82,11 @@ def _num(row: Dict, name: str, fallback: Optional[str] = None) -> float:
 
 
 def chunk_rows(batch: int) -> int:
+    """The route's C at the default budget (whatever INFCL_CHUNK_BUDGET_MB says)."""
     from bench.static.chunked import chunk_rows_at
+    from infcl.backends.chunked.plan import DEFAULT_BUDGET_MB
 
-    return chunk_rows_at(batch, DIM)
+    return chunk_rows_at(batch, DIM, budget_mb=DEFAULT_BUDGET_MB)
 
 
 def _product(name: str, flops: float, nbytes: float, gpu: GPU, rates: Dict[str, float]) -> Dict:

@@ -30,11 +30,13 @@ PLAN_DIM = 512
 
 
 def chunk_rows_at(batch: int, dim: int = PLAN_DIM, operand_bytes: int = 2, budget_mb: Optional[float] = None) -> int:
-    """C, the rows of the route's chunk for a B x B block on a GPU (infcl.backends.chunked.plan's rule)."""
+    """C, the rows of the route's chunk for a B x B block on a GPU (infcl.backends.chunked.plan's rule) at
+    ``budget_mb`` (default: the route's default budget, whatever INFCL_CHUNK_BUDGET_MB says)."""
     from infcl.backends.chunked import plan
 
     per_entry = plan.entry_bytes(True, True, _operand(operand_bytes))
-    rows = plan.fitting_rows(batch, batch, dim, plan.budget_bytes(budget_mb), per_entry, plan.ROW_ALIGN)
+    budget = plan.budget_bytes(plan.DEFAULT_BUDGET_MB if budget_mb is None else budget_mb)
+    rows = plan.fitting_rows(batch, batch, dim, budget, per_entry, plan.ROW_ALIGN)
     return min(rows, plan.MAX_ROWS["cuda"])
 
 
