@@ -78,9 +78,9 @@ def _add_pairs(a_sum, a_ties, b_sum, b_ties):
 
 @triton.jit
 def _line_stats(s, AXIS: tl.constexpr):
-    """:func:`tile_stats.kept_rest_stats` of a tile along AXIS (1: per row, 0: per column), with the terms' sum and
-    the ties' count in one reduction (one pass of shuffles and, across warps, one shared-memory round and its
-    barriers, instead of two)."""
+    """:func:`tile_stats.kept_rest_stats` of a tile along AXIS (0: per column, 1: per row, 2: per row and lane of a
+    [rows, lanes, LANE] view), with the terms' sum and the ties' count in one reduction (one shared-memory round
+    across warps and its barriers, instead of two)."""
     t = tl.max(s, axis=AXIS)
     if AXIS == 2:
         t_b = t[:, :, None]
@@ -94,14 +94,18 @@ def _line_stats(s, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _merge_lanes(m, rest):
-    """Stats (rest form) [BLOCK_M, LANES] merged over the lanes: the maximal lanes keep their rest and count their 1,
-    the others' rest + 1 is scaled down (:func:`tile_stats.merge_rest_stats`'s arithmetic); every lane empty: the
-    empty set."""
-    t = tl.max(m, axis=1)
-    at_max = m == t[:, None]
-    terms = tl.where(at_max, rest, (rest + 1.0) * exp(m - t[:, None]))
-    summed, ties = tl.reduce((terms, at_max.to(tl.float32)), 1, _add_pairs)
+def _merged(m, rest, AXIS: tl.constexpr):
+    """Stats in rest form (a tile of them) merged along AXIS (0 or 1): the maximal entries keep their rest and count
+    their 1, the others' rest + 1 is scaled down (:func:`tile_stats.merge_rest_stats`'s arithmetic over a line);
+    a line of empty sets (-inf, -1) stays the empty set. A fixed order of sums: deterministic."""
+    t = tl.max(m, axis=AXIS)
+    if AXIS == 1:
+        t_b = t[:, None]
+    else:
+        t_b = t[None, :]
+    at_max = m == t_b
+    terms = tl.where(at_max, rest, (rest + 1.0) * exp(m - t_b))
+    summed, ties = tl.reduce((terms, at_max.to(tl.float32)), AXIS, _add_pairs)
     return t, summed + (ties - 1.0)
 
 
@@ -179,7 +183,7 @@ def _chunk_stats_kernel(
             tl.store(out, t_col, mask=cols < n_cols)
             tl.store(out + stride_cols_stat, rest_col, mask=cols < n_cols)
         raw = raw_ahead
-    m, rest = _merge_lanes(m, rest)
+    m, rest = _merged(m, rest, 1)  # the lanes
     out = rows_ptr + split.to(tl.int64) * stride_rows_part + rows
     tl.store(out, m, mask=rows < n_rows)
     tl.store(out + stride_rows_stat, rest, mask=rows < n_rows)
@@ -189,9 +193,7 @@ def _chunk_stats_kernel(
 @triton.jit
 def _parts_stats(parts_ptr, idx, inside, n_parts, stride_stat, stride_part, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     """(m, rest) of entries ``idx`` merged over ``n_parts`` partials (rest form, parts[0/1, p, idx]): PARTS of them
-    at a time as one [PARTS, BLOCK] tile (its own kept stats, :func:`tile_stats.merge_rest_stats`'s arithmetic
-    over a column of partials: the maximal parts keep their rest and count their 1, the others' rest + 1 is scaled
-    down), merged into the running stats in order. A fixed order of sums: deterministic."""
+    at a time as one [PARTS, BLOCK] tile (:func:`_merged`), merged into the running stats in order."""
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     rest = tl.full([BLOCK], -1.0, tl.float32)
     for p0 in range(0, n_parts, PARTS):
@@ -200,12 +202,8 @@ def _parts_stats(parts_ptr, idx, inside, n_parts, stride_stat, stride_part, PART
         ptrs = parts_ptr + part[:, None].to(tl.int64) * stride_part + idx[None, :]
         m_p = tl.load(ptrs, mask=mask, other=float("-inf"))
         rest_p = tl.load(ptrs + stride_stat, mask=mask, other=-1.0)
-        t = tl.max(m_p, axis=0)
-        at_max = m_p == t[None, :]
-        terms = tl.where(at_max, rest_p, (rest_p + 1.0) * exp(m_p - t[None, :]))
-        summed, ties = tl.reduce((terms, at_max.to(tl.float32)), 0, _add_pairs)
-        # every part empty: t = -inf, each part's -1 and its counted 1 cancel to the empty set's -1
-        m, rest = merge_kept_stats(m, rest, t, summed + (ties - 1.0))
+        t, rest_t = _merged(m_p, rest_p, 0)
+        m, rest = merge_kept_stats(m, rest, t, rest_t)
     return m, rest
 
 
