@@ -6,6 +6,7 @@ bench/results/default.csv and default.png. ``--preset issue`` is the full run of
 sweep and writes "custom.csv" (or --name). ``--loss siglip`` runs the same sweeps on the sigmoid
 (SigLIP) loss, vanilla being open_clip's SigLipLoss, and prefixes the file names with "siglip-".
 ``--ids`` / ``--guide`` add each listed mask-capable backend (torch, cpu, triton) with false-negative ids / a guide
+(``--loss siglip --ids``: the sigmoid loss with ids, every text of the image's class a positive)
 ("torch+ids", "cpu+guide", ...; bench.methods) beside the plain backend, and the time_vs_plain /
 memory_vs_plain columns give their cost.
 """
@@ -133,8 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.methods or ():
         if name not in METHODS:
             p.error(f"--methods: unknown method {name!r}; choose from {tuple(METHODS)}")
-    if args.loss == "siglip" and (args.ids or args.guide):
-        p.error("--ids / --guide are options of the clip loss")
+    if args.loss == "siglip" and args.guide:
+        p.error("--guide is an option of the clip loss (--ids: the sigmoid loss with ids, several positives per row)")
     if args.loss == "siglip" and args.symmetric is not None:
         p.error("--symmetric / --one-direction choose the direction of the clip loss; the siglip loss has one form")
     return args

@@ -35,15 +35,15 @@ The scale gradient is a sum of per-entry terms (never a difference of two large 
 direction so the ring can credit each rank's replica of the scale with the derivative of its own loss
 (open_clip's convention). The backward must recompute S bit-identically to its forward.
 
-Masks (:mod:`infcl.masks`; ``Block.masked``) — the block also carries the ids of its rows and columns
-(``q_ids`` [Bq], ``k_ids`` [Bk], int64), the guide features (``guide_q`` [Bq, D'], ``guide_k`` [Bk, D'],
-in the guide's accumulation dtype) with each row's (and, symmetric, column's) threshold, and
-``multi_positive``. Inside each tile, never beyond it: the positives P (the one-hot of ``pos`` when
-``multi_positive`` is None, else ``q_ids[i] == k_ids[j]``) and the exclusions E = (same id or guide score
-G = guide_q @ guide_k.T above the threshold) and not P; the column direction's E uses the column
-thresholds. The forward's outputs are then ``[6, n]`` for rows and columns alike (rows of
-:mod:`infcl.masks`): the stats over the columns not in E, the positives' max (and, for "sum", their
-log-sum relative to it), the sum of the positives' logits and their count. The backward forms, with
+Masks (:mod:`infcl.masks`; ``Block.masks``, one :class:`MaskOptions`) — the block also carries the ids of
+its rows and columns (``q_ids`` [Bq], ``k_ids`` [Bk], int64), the guide features (``guide_q`` [Bq, D'],
+``guide_k`` [Bk, D'], in the guide's accumulation dtype) with each row's (and, symmetric, column's)
+threshold, and ``multi_positive``, all fields of ``block.masks``. Inside each tile, never beyond it: the
+positives P (the one-hot of ``pos`` when ``multi_positive`` is None, else ``q_ids[i] == k_ids[j]``) and
+the exclusions E = (same id or guide score G = guide_q @ guide_k.T above the threshold) and not P; the
+column direction's E uses the column thresholds. The forward's outputs are then ``[6, n]`` for rows and
+columns alike (rows of :mod:`infcl.masks`): the stats over the columns not in E, the positives' max (and,
+for "sum", their log-sum relative to it), the sum of the positives' logits and their count. The backward forms, with
 P_row = exp((S - m) - r) off E and 0 on E, and the positives' global count (``row_pos_count``, "mean")
 or stats (``row_pos_stats``, "sum"):
     Y = the one-hot of ``pos`` (multi_positive None): as above, the positive's entry g * expm1(x)
@@ -56,7 +56,8 @@ so a column that duplicates the labelled one ties its threshold exactly. With id
 (nothing excluded, one positive per row) every one of these is the plain loss bit for bit.
 
 Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
-positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks but plain sums:
+positive (Y = one-hot of ``pos``; with ``Block.masks``, its ids: wherever ``q_ids[i] == k_ids[j]``, ``pos``
+unread), -1 elsewhere; nothing is merged across blocks but plain sums:
 
 ``sigmoid_forward_block(block) -> rows [Bq]``
     rows[i] = sum_j softplus(-z_ij * L_ij)    (= -log sigmoid(z_ij * L_ij), never formed as log(sigmoid))
@@ -85,7 +86,7 @@ Retrieval ranks (:func:`infcl.metrics.retrieval_metrics`; no scale: ranks of q @
     the best positive's score and global index (the lowest index among equal scores) and the number of
     positives, over this block, per row (and, ``symmetric``, per column). The positives: the one-hot of
     ``block.pos`` (and, for the columns, the rows whose positive is that column), or, with
-    ``block.multi_positive``, every entry with ``q_ids[i] == k_ids[j]``.
+    ``block.masks.multi_positive`` ("any"), every entry with ``q_ids[i] == k_ids[j]``.
 
 ``ahead_counts(block, rows, cols, row_index, col_index) -> (rows, cols or None)``, each an :class:`Ahead`:
     per row (column), the columns (rows) of the block ahead of its best positive (``rows`` / ``cols``: the
@@ -101,14 +102,14 @@ global indices of the block's columns (increasing):
     eligible columns: each row leaves with its n best by (key desc, global index asc), where the key is the
     score (``largest``) or its negation (exact: the order reversed, ties kept), best first, and with the NaN
     scores among its eligible columns added to ``found.nan``. Eligible: every column, less the row's positive
-    (``block.pos``, where ``exclude_positive``) and the columns with the row's id (``block.q_ids`` /
-    ``block.k_ids``). Slots past the eligible columns hold (-inf, :data:`NO_INDEX`). The order is strict
+    (``block.pos``, where ``exclude_positive``) and the columns with the row's id (``block.masks``'
+    ``q_ids`` / ``k_ids``). Slots past the eligible columns hold (-inf, :data:`NO_INDEX`). The order is strict
     (global indices are unique), so the n best of a union are the n best of its parts' n best: the lists
     depend on the scores alone, never on the tiles, the thread count or the world size.
 """
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol, Tuple
+from dataclasses import dataclass, replace
+from typing import ClassVar, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -118,6 +119,58 @@ Tensor = torch.Tensor
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other float dtype accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class MaskOptions:
+    """One call's mask options (:mod:`infcl.masks`): which columns are a row's positives and which are left
+    out of its softmax. One value from the API (:func:`infcl.checks.make_masks`) through the losses, the
+    ring and every backend (``Block.masks``) to the launch, which flattens it (the native op call, the
+    Triton custom ops' schemas). None fields are unused.
+
+    The k side (:data:`K_SIDE`: the columns' ids, guide features and thresholds) travels with its k block
+    around the ring: :meth:`k_side` gives the tensors to send, :meth:`holding` the options of the block
+    held at a step. The guide thresholds are set once, by the pass before the loss (:mod:`infcl.function`).
+    """
+
+    q_ids: Optional[Tensor] = None  # [Bq] int64 ids of the rows, on q's device
+    k_ids: Optional[Tensor] = None  # [Bk] int64 ids of the columns (in a Block: the held block's)
+    # Which columns are positives: None (softmax: ``pos``; the ids' matches are false negatives), "mean" |
+    # "sum" (softmax: every column with the row's id), "any" (retrieval ranks: every column with the row's id).
+    # The sigmoid loss with ids has every column with the row's id as a positive, whatever this field.
+    multi_positive: Optional[str] = None
+    guide_q: Optional[Tensor] = None  # [Bq, D'] guide features of the rows (detached; in a Block: accumulation dtype)
+    guide_k: Optional[Tensor] = None  # [Bk, D'] guide features of the columns
+    margin: float = 0.0  # the guide threshold's margin and strategy (infcl.masks.guide_threshold)
+    strategy: str = "absolute"
+    row_threshold: Optional[Tensor] = None  # [Bq]: G[i, j] above it excludes column j from row i
+    col_threshold: Optional[Tensor] = None  # [Bk]: G[i, j] above it excludes row i from column j (symmetric only)
+
+    K_SIDE: ClassVar[Tuple[str, ...]] = ("k_ids", "guide_k", "col_threshold")  # one row per k row: travel with k
+
+    @property
+    def has_guide(self) -> bool:
+        return self.guide_q is not None
+
+    @property
+    def has_ids(self) -> bool:
+        return self.q_ids is not None
+
+    @property
+    def loss_kind(self) -> str:
+        """ "sum" (lse of the positives) or "mean" (mean of the positives' logits; one positive is its own mean)."""
+        return "sum" if self.multi_positive == "sum" else "mean"
+
+    def k_side(self) -> Tuple[Tensor, ...]:
+        """The k side's tensors that are set, in :data:`K_SIDE` order: what travels with this rank's k block."""
+        return tuple(t for t in (getattr(self, name) for name in self.K_SIDE) if t is not None)
+
+    def holding(self, k_side: Tuple[Tensor, ...]) -> "MaskOptions":
+        """These options with the k side of the block held at a ring step (``k_side``: that block's
+        :meth:`k_side`, which the ring carried along with it)."""
+        names = tuple(name for name in self.K_SIDE if getattr(self, name) is not None)
+        assert len(names) == len(k_side), "k_side is another MaskOptions' (its set fields differ)"
+        return replace(self, **dict(zip(names, k_side)))
 
 
 @dataclass(frozen=True)
@@ -133,14 +186,8 @@ class Block:
     col_stats: Optional[Tensor] = None  # [2, Bk] global stats of each column (symmetric backward)
     g_col: Optional[Tensor] = None  # [Bk] upstream gradient of each column's loss (symmetric backward)
     bias: Optional[Tensor] = None  # 0-d like scale: the sigmoid loss's logit bias (None for softmax)
-    # Masks (softmax loss; see the module docstring), all None for the plain loss.
-    q_ids: Optional[Tensor] = None  # [Bq] int64 ids of the rows
-    k_ids: Optional[Tensor] = None  # [Bk] int64 ids of the block's columns
-    guide_q: Optional[Tensor] = None  # [Bq, D'] guide features of the rows (guide accumulation dtype)
-    guide_k: Optional[Tensor] = None  # [Bk, D'] guide features of the block's columns
-    row_threshold: Optional[Tensor] = None  # [Bq]: G[i, j] above it excludes column j from row i
-    col_threshold: Optional[Tensor] = None  # [Bk]: G[i, j] above it excludes row i from column j (symmetric)
-    multi_positive: Optional[str] = None  # None (positive: pos) | "mean" | "sum" (positives: same id)
+    # Masks (see the module docstring): the rows' and the held block's ids and guide, None for the plain loss.
+    masks: Optional[MaskOptions] = None
     row_pos_count: Optional[Tensor] = None  # [Bq] |P(i)|, global (masked backward, "mean")
     row_pos_stats: Optional[Tensor] = None  # [2, Bq] global stats of the row's positives (masked backward, "sum")
     col_pos_count: Optional[Tensor] = None  # [Bk] the same per column (symmetric)
@@ -152,13 +199,24 @@ class Block:
 
     @property
     def masked(self) -> bool:
-        return self.q_ids is not None or self.guide_q is not None
+        return self.masks is not None
 
     @property
     def upstream(self) -> tuple:
         """(row_stats, g_row, col_stats, g_col): the backward's global stats and upstream gradients, in the order
         every backward op takes them."""
         return self.row_stats, self.g_row, self.col_stats, self.g_col
+
+
+def block_ids(block: Block) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(q_ids, k_ids) of the block's mask options, (None, None) without: the retrieval ranks' and the top-k
+    search's ops take the ids alone."""
+    return (None, None) if block.masks is None else (block.masks.q_ids, block.masks.k_ids)
+
+
+def any_positive(block: Block) -> bool:
+    """Whether every column with the row's id is a positive (the ranks' ``any_positive``), not ``pos`` alone."""
+    return block.masks is not None and bool(block.masks.multi_positive)
 
 
 class BlockBackend(Protocol):

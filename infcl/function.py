@@ -15,7 +15,7 @@ block steps (:mod:`infcl.losses.distill`); it saves q, k, the teacher's features
 stats (the student's and the teacher's); the teacher gets no gradient.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -37,7 +37,7 @@ class LossPlan:
     backend: object  # the backend object (infcl.backends.resolve.backend_object): the loss's block operations
     symmetric: bool
     layout: RingLayout
-    masks: Optional[MaskOptions] = None  # the softmax loss's ids / multi-positive / guide options (softmax only)
+    masks: Optional[MaskOptions] = None  # ids / multi-positive / guide options (softmax); ids (sigmoid)
 
 
 def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -91,22 +91,24 @@ class InfLossFunction(torch.autograd.Function):
 
 def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
     """The softmax loss's ring steps: plain, or with the mask options (the guide thresholds found first,
-    :class:`GuideScores`)."""
+    :class:`GuideScores`, and set on the one :class:`~infcl.masks.MaskOptions` value the ring carries on)."""
     masks = plan.masks
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
-    guide_q = guide_k = row_threshold = col_threshold = None
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
         guide_q, guide_k = masks.guide_q.to(gdt), masks.guide_k.to(gdt)
         scores = GuideScores(plan.symmetric, q.dtype)
         rows, cols = ring_forward(guide_q, guide_k, None, labels, scores, plan.backend, plan.layout)
-        row_threshold = guide_threshold(rows.score, masks.margin, masks.strategy)
-        if plan.symmetric:
-            col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy)
-    return MaskedSoftmaxSteps(
-        plan.symmetric, masks.multi_positive, masks.q_ids, masks.k_ids, guide_q, guide_k, row_threshold, col_threshold
-    )
+        col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy) if plan.symmetric else None
+        masks = replace(
+            masks,
+            guide_q=guide_q,
+            guide_k=guide_k,
+            row_threshold=guide_threshold(rows.score, masks.margin, masks.strategy),
+            col_threshold=col_threshold,
+        )
+    return MaskedSoftmaxSteps(plan.symmetric, masks)
 
 
 class SigmoidLossFunction(torch.autograd.Function):
@@ -115,7 +117,7 @@ class SigmoidLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, bias, labels, plan: LossPlan):
         scale_t, bias_t = device_scale(scale, q), device_scale(bias, q)
-        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidSteps(bias_t), plan.backend, plan.layout)
+        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidSteps(bias_t, plan.masks), plan.backend, plan.layout)
         ctx.save_for_backward(q, k, scale_t, bias_t, labels)
         ctx.plan = plan
         ctx.param_meta = (_param_meta(scale), _param_meta(bias))
@@ -128,7 +130,7 @@ class SigmoidLossFunction(torch.autograd.Function):
         q, k, scale_t, bias_t, labels = ctx.saved_tensors
         # The upstream gradient of a mean is an expanded (stride 0) vector: an O(B) copy makes it plain.
         rows = SigmoidUpstream(g_row.to(scale_t.dtype).contiguous())
-        ring = SigmoidSteps(bias_t)
+        ring = SigmoidSteps(bias_t, plan.masks)
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, None)
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None

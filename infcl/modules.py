@@ -195,7 +195,9 @@ class InfSigLipLoss(nn.Module):
     ``InfSigLipLoss()(image_features, text_features, logit_scale, logit_bias, output_dict=False)`` with
     the already-exponentiated ``logit_scale`` and the ``logit_bias`` that open_clip's SigLIP models return
     (``logit_bias=None``: no bias). The loss is :func:`infcl.cal_siglip_loss` with its defaults: each
-    row against every text, diagonal positives, the sum divided by the local batch size.
+    row against every text, diagonal positives, the sum divided by the local batch size. infcl's keywords
+    ``q_ids`` / ``k_ids`` (per batch, this rank's rows: :func:`infcl.cal_siglip_loss`) make every text with
+    the image's id a positive (several captions per image).
 
     The defaults are open_clip's, and so are the loss values and gradients they give: ``world_size=1`` (the
     default) without a ``group`` compares this rank's features only, even under an initialized
@@ -247,9 +249,19 @@ class InfSigLipLoss(nn.Module):
         logit_scale,
         logit_bias,
         output_dict: bool = False,
+        *,
+        q_ids: Optional[torch.Tensor] = None,
+        k_ids: Optional[torch.Tensor] = None,
     ):
         group = loss_group(self, "InfSigLipLoss")
         loss = cal_siglip_loss(
-            image_features, text_features, logit_scale, logit_bias, group=group, backend=self.backend
+            image_features,
+            text_features,
+            logit_scale,
+            logit_bias,
+            q_ids=q_ids,
+            k_ids=k_ids,
+            group=group,
+            backend=self.backend,
         )
         return {"contrastive_loss": loss} if output_dict else loss

@@ -74,7 +74,7 @@ def masked_reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLa
     """
     acc = accum_dtype(q.dtype)
     qa, ka, s = q.to(acc), k.to(acc), scale.to(acc)
-    masks = masks or MaskOptions(None, None, None, None, None, 0.0, "absolute")
+    masks = masks or MaskOptions()
     k_all = _gather(ka, layout, layout.k_sizes)
     k_ids_all = None if masks.k_ids is None else _gather_plain(masks.k_ids, layout, layout.k_sizes)
     gk_all = None if masks.guide_k is None else _gather_plain(masks.guide_k, layout, layout.k_sizes)
@@ -130,11 +130,16 @@ def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks:
     return loss, info
 
 
-def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout):
+def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout, masks: Optional[MaskOptions] = None):
     """Per-row sigmoid (SigLIP) losses of this rank on materialized logits, as open_clip's SigLipLoss
-    writes them: ``-logsigmoid(z * (scale * q @ k_all.T + bias)).sum(1)``, z = +1 at the label, -1 elsewhere."""
+    writes them: ``-logsigmoid(z * (scale * q @ k_all.T + bias)).sum(1)``, z = +1 at the label (with ``masks``:
+    wherever the ids match), -1 elsewhere."""
     acc = accum_dtype(q.dtype)
     k_all = _gather(k.to(acc), layout, layout.k_sizes)
     logits = scale.to(acc) * q.to(acc) @ k_all.T + bias.to(acc)
-    signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    if masks is None:
+        signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    else:
+        k_ids_all = _gather_plain(masks.k_ids, layout, layout.k_sizes)
+        signs = torch.where(masks.q_ids[:, None] == k_ids_all[None, :], 1.0, -1.0).to(acc)
     return -F.logsigmoid(signs * logits).sum(dim=1)

@@ -1,7 +1,8 @@
 """The sigmoid (SigLIP) loss's block math as fused Triton kernels (``backend="triton"``).
 
 With raw = q @ k.T, logits L = scale * raw + bias and the margin t = -z * L (z = +1 at the row's
-positive, -1 elsewhere), the loss of an entry is softplus(t) and its derivative by L is -z * sigmoid(t).
+positive, -1 elsewhere; with ids, z = +1 wherever the row's and the column's ids match: HAS_IDS, read off
+whether the launch passes the ids), the loss of an entry is softplus(t) and its derivative by L is -z * sigmoid(t).
 Both come from one e = exp(-|t|) in (0, 1]: softplus(t) = max(t, 0) + log1p(e) and
 sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e), so no logit overflows and a tiny loss term keeps its digits.
 
@@ -86,6 +87,8 @@ def _siglip_forward_kernel(
     q_ptr,
     k_ptr,
     pos_ptr,
+    q_ids_ptr,
+    k_ids_ptr,
     params_ptr,
     out_ptr,
     n_q,
@@ -103,9 +106,13 @@ def _siglip_forward_kernel(
     PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    HAS_IDS: tl.constexpr = q_ids_ptr is not None  # the positives: the ids' matches, else pos
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    if HAS_IDS:
+        row_ids = tl.load(q_ids_ptr + rows, mask=row_ok, other=-1)
+    else:
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
     # Tensors, not launch arguments: a Python float would be rounded to float32.
     scale = tl.load(params_ptr)
     bias = tl.load(params_ptr + 1)
@@ -134,7 +141,11 @@ def _siglip_forward_kernel(
             UPCAST,
             PRECISION,
         )
-        t = _margins(raw, cols[None, :] == pos[:, None], scale, bias)
+        if HAS_IDS:
+            is_pos = row_ids[:, None] == tl.load(k_ids_ptr + cols, mask=cols < n_k, other=-1)[None, :]
+        else:
+            is_pos = cols[None, :] == pos[:, None]
+        t = _margins(raw, is_pos, scale, bias)
         total += tl.sum(tl.where(cols[None, :] < n_k, _softplus(t), 0.0), axis=1)
     tl.store(out_ptr + rows, total, mask=row_ok)
 
@@ -144,6 +155,8 @@ def _siglip_backward_kernel(
     own_ptr,
     other_ptr,
     pos_ptr,
+    own_ids_ptr,
+    other_ids_ptr,
     g_ptr,
     params_ptr,
     grad_ptr,
@@ -167,15 +180,20 @@ def _siglip_backward_kernel(
     PRECISION: tl.constexpr,
 ):
     """grad[own rows] += scale * dL @ other, where own/other are q/k (OWNS_Q) or k/q. ``pos`` and ``g``
-    are per q row: the owned rows' (OWNS_Q) or the walked ones'. ONE_CHUNK: D <= BLOCK_D."""
+    are per q row: the owned rows' (OWNS_Q) or the walked ones'; the ids (HAS_IDS) go with own and other.
+    ONE_CHUNK: D <= BLOCK_D."""
     tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_own
     scale = tl.load(params_ptr)
     bias = tl.load(params_ptr + 1)
-    if OWNS_Q:
+    HAS_IDS: tl.constexpr = own_ids_ptr is not None  # the positives: the ids' matches, else pos
+    if HAS_IDS:
+        own_ids = tl.load(own_ids_ptr + rows, mask=row_ok, other=-1)
+    elif OWNS_Q:
         row_pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    if OWNS_Q:
         row_g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
     dscale = tl.zeros([BLOCK_M], dtype=ACC)
     dbias = tl.zeros([BLOCK_M], dtype=ACC)
@@ -205,12 +223,15 @@ def _siglip_backward_kernel(
             UPCAST,
             PRECISION,
         )
-        if OWNS_Q:
+        if HAS_IDS:
+            is_pos = own_ids[:, None] == tl.load(other_ids_ptr + cols, mask=col_ok, other=-1)[None, :]
+        elif OWNS_Q:
             is_pos = cols[None, :] == row_pos[:, None]
+        else:
+            is_pos = rows[:, None] == tl.load(pos_ptr + cols, mask=col_ok, other=-1)[None, :]
+        if OWNS_Q:
             g = row_g[:, None]
         else:
-            col_pos = tl.load(pos_ptr + cols, mask=col_ok, other=-1)
-            is_pos = rows[:, None] == col_pos[None, :]
             g = tl.load(g_ptr + cols, mask=col_ok, other=0.0)[None, :]
         s = _sigmoid(_margins(raw, is_pos, scale, bias))
         # Zero outside the block explicitly: a padded entry must not add to any sum, whatever it holds.
@@ -242,7 +263,14 @@ def _params(scale: torch.Tensor, bias: torch.Tensor, acc: torch.dtype) -> torch.
     return torch.stack((scale, bias)).to(acc)
 
 
-def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel):
+def _ids(ids):
+    """Ids as the kernels read them (stride 1: a view is copied, O(B)), or None."""
+    return None if ids is None else ids.contiguous()
+
+
+def siglip_forward(
+    q, k, scale, pos, bias, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel, q_ids=None, k_ids=None
+):
     """Row losses [Bq] (accumulation dtype): sum_j softplus(-z_ij * (scale * q_i.k_j + bias)).
 
     q [Bq, D], k [Bk, D] (any strides, one dtype), scale a 0-d tensor on q's device, pos [Bq] int64: each
@@ -251,7 +279,8 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
     (:func:`infcl.kernels.tiling.sigmoid_tiling`; the interpreter's big tiles under TRITON_INTERPRET=1);
     ``precision`` picks tl.dot's input precision for float32 ("ieee", "tf32"; None follows torch's,
     kernel_args.torch_matmul_precision); ``wrap`` wraps the kernel before its launch (``torch.library.wrap_triton``
-    inside a triton_op).
+    inside a triton_op). ``q_ids`` [Bq], ``k_ids`` [Bk] (both or neither): every column with the row's id is a
+    positive, pos unread.
     """
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
@@ -264,6 +293,8 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
         q_ptr=q,
         k_ptr=k,
         pos_ptr=pos.contiguous(),
+        q_ids_ptr=_ids(q_ids),
+        k_ids_ptr=_ids(k_ids),
         params_ptr=_params(scale, bias, acc),
         out_ptr=out,
         n_q=n_q,
@@ -284,7 +315,19 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
 
 
 def siglip_backward(
-    q, k, scale, pos, bias, g_row, dq, dk, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel
+    q,
+    k,
+    scale,
+    pos,
+    bias,
+    g_row,
+    dq,
+    dk,
+    tiling: Tiling = None,
+    precision=None,
+    wrap=lambda kernel: kernel,
+    q_ids=None,
+    k_ids=None,
 ) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
@@ -314,10 +357,14 @@ def siglip_backward(
         **opts,
         **COMPILE_OPTIONS,
     )
-    for owner, other, grad, n_own, n_other, owns_q in ((q, k, dq, n_q, n_k, True), (k, q, dk, n_k, n_q, False)):
+    q_ids, k_ids = _ids(q_ids), _ids(k_ids)
+    sides = ((q, k, dq, q_ids, k_ids, n_q, n_k, True), (k, q, dk, k_ids, q_ids, n_k, n_q, False))
+    for owner, other, grad, own_ids, other_ids, n_own, n_other, owns_q in sides:
         wrap(_siglip_backward_kernel)[(triton.cdiv(n_own, cfg.block_m),)](
             own_ptr=owner,
             other_ptr=other,
+            own_ids_ptr=own_ids,
+            other_ids_ptr=other_ids,
             grad_ptr=grad,
             n_own=n_own,
             n_other=n_other,

@@ -281,11 +281,11 @@ def _guide_label_scores_fake(guide_q, guide_k, pos):
     return guide_q.new_empty(guide_q.shape[0])
 
 
-def _sigmoid_forward_fake(q, k, scale, pos, bias):
+def _sigmoid_forward_fake(q, k, scale, pos, bias, q_ids=None, k_ids=None):
     return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
 
 
-def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk):
+def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk, q_ids=None, k_ids=None):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
