@@ -16,6 +16,7 @@ from .backends import BACKENDS
 from .distill import InfDistillClipLoss, cal_distill_loss
 from .gradcache import GradCache, RandContext, split_vlm_inputs
 from .matryoshka import Matryoshka
+from .maxsim import cal_maxsim_loss
 from .metrics import retrieval_metrics
 from .modules import InfCLIPLoss, InfSigLipLoss
 from .siglip import cal_siglip_loss
@@ -37,6 +38,7 @@ __all__ = [
     "InfSigLipLoss",
     "cal_distill_loss",
     "InfDistillClipLoss",
+    "cal_maxsim_loss",
     "retrieval_metrics",
     "topk_scores",
     "TopK",

@@ -1,5 +1,5 @@
-"""The three autograd Functions behind ``cal_inf_loss``, ``cal_siglip_loss`` and ``cal_distill_loss`` for every
-non-reference backend, all on the one ring driver.
+"""The autograd Functions behind ``cal_inf_loss``, ``cal_siglip_loss``, ``cal_distill_loss`` and ``cal_maxsim_loss``
+for every non-reference backend, all on the one ring driver.
 
 :class:`InfLossFunction` (softmax): forward runs the ring driver with the softmax loss's block steps and
 returns per-row (and, for the symmetric loss, per-column) losses ``(max - positive) + rel``; it saves
@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from .contract import accum_dtype
 from .losses.distill import DistillSteps, DistillUpstream
 from .losses.matryoshka import MatryoshkaSteps
+from .losses.maxsim import MaxSimSteps
 from .losses.sigmoid import SigmoidSteps, SigmoidUpstream
 from .losses.smoothing import SmoothedIdsSteps, SmoothedSoftmaxSteps
 from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
@@ -214,3 +215,29 @@ class DistillLossFunction(torch.autograd.Function):
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, cols)
         scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None, None, None
+
+
+class MaxSimLossFunction(torch.autograd.Function):
+    """Per-query losses ``[Bq]`` and info ``[3, Bq]`` of the MaxSim loss (see ``cal_maxsim_loss``): q [Bq, Lq, D]
+    and the documents [Bk, Lk, D] get gradients, the token weights, masks and ids (in ``steps``) none. Saves q, the
+    documents, the labels and the ``[2, Bq]`` stats."""
+
+    @staticmethod
+    def forward(ctx, q, docs, scale, labels, plan: LossPlan, steps: MaxSimSteps):
+        scale_t = device_scale(scale, q)
+        rows, _ = ring_forward(q, docs, scale_t, labels, steps, plan.backend, plan.layout)
+        loss, info = steps.losses(rows), rows.info()
+        ctx.save_for_backward(q, docs, scale_t, labels, *steps.saved(rows))
+        ctx.plan, ctx.steps, ctx.scale_meta = plan, steps, _param_meta(scale)
+        ctx.mark_non_differentiable(info)
+        return loss, info
+
+    @staticmethod
+    @once_differentiable  # the backward is itself a tiled loop: no double backward
+    def backward(ctx, g_row, _g_info):
+        plan: LossPlan = ctx.plan
+        q, docs, scale_t, labels, *saved = ctx.saved_tensors
+        rows = ctx.steps.upstream(saved, g_row)
+        dq, dk, dparams = ring_backward(q, docs, scale_t, labels, ctx.steps, plan.backend, plan.layout, rows, None)
+        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
+        return dq.to(q.dtype), dk.to(docs.dtype), scale_grad, None, None, None

@@ -26,6 +26,7 @@ MAPPED = frozenset(
         "temperature",
         "mini_batch_size",
         "mini_batch_num_tokens",
+        "score_mini_batch_size",
         "show_progress_bar",
         "gather_across_devices",
         "directions",

@@ -331,6 +331,7 @@ FAKES = {
 
 
 def register_fakes() -> None:
-    """Register :data:`FAKES` for the loaded library's ops (registering again replaces them)."""
+    """Register :data:`FAKES` for the loaded library's ops (registering again replaces them: ``allow_override``,
+    whose default is False on torch 2.8, True from a later torch)."""
     for op, fake in FAKES.items():
-        torch.library.register_fake(op, fake)
+        torch.library.register_fake(op, fake, allow_override=True)
