@@ -25,7 +25,7 @@ import torch
 from .gemm import best_route, estimated_seconds, probe_rates
 from .machine import AVX2_PROXY_ENV, device_name
 from .methods import BASELINE, LOSSES, MASKED_BACKENDS, METHODS, PLAIN
-from .presets import GPU_FIRST, LATE_INTERACTION, PRESETS, Sweep, custom_sweep
+from .presets import GPU_FIRST, LATE_INTERACTION, MATRYOSHKA, PRESETS, Sweep, custom_sweep
 from .report import COLUMNS, add_ratios, format_table, write_csv, write_plot
 from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
 
@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--preset",
-        choices=sorted(PRESETS) + [GPU_FIRST, LATE_INTERACTION],
+        choices=sorted(PRESETS) + [GPU_FIRST, LATE_INTERACTION, MATRYOSHKA],
         default="default",
         help=f"embedded sweep(s) to run; {GPU_FIRST}: the bounded first GPU run (python -m bench.gpu_first "
         f"--help for its options); {LATE_INTERACTION}: the MaxSim loss against sentence-transformers' (python -m "
@@ -299,6 +299,10 @@ def main(argv=None) -> int:
         from .gpu_first import main as gpu_first_main
 
         return gpu_first_main(rest)
+    if known.preset == MATRYOSHKA:  # issue 56's table: its own methods and options (bench.matryoshka)
+        from .matryoshka import main as matryoshka_main
+
+        return matryoshka_main(rest)
     if known.preset == LATE_INTERACTION:  # infcl's MaxSim loss against sentence-transformers', its own options
         from .maxsim import main as maxsim_main
 

@@ -59,6 +59,7 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
 
 
 GPU_FIRST = "gpu-first"
+MATRYOSHKA = "matryoshka"  # issue 56's fused-Matryoshka table: python -m bench.matryoshka
 # Not a sweep either: the late-interaction (MaxSim) loss stage against sentence-transformers' (bench.maxsim).
 LATE_INTERACTION = "late-interaction"
 

@@ -15,6 +15,7 @@ from .api import cal_inf_loss, cal_inf_loss_reference
 from .backends import BACKENDS
 from .distill import InfDistillClipLoss, cal_distill_loss
 from .gradcache import GradCache, RandContext, split_vlm_inputs
+from .matryoshka import Matryoshka
 from .maxsim import cal_maxsim_loss
 from .metrics import retrieval_metrics
 from .modules import InfCLIPLoss, InfSigLipLoss
@@ -31,6 +32,7 @@ __all__ = [
     "cal_inf_loss",
     "cal_inf_loss_reference",
     "InfLossStats",
+    "Matryoshka",
     "InfCLIPLoss",
     "cal_siglip_loss",
     "InfSigLipLoss",

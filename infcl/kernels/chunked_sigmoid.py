@@ -69,12 +69,13 @@ def _chunk_sigmoid_kernel(
     if GRAD:
         g = tl.load(g_ptr + rows, mask=row_in, other=0.0)[:, None]
         factor = tl.load(factor_ptr + rows.to(tl.int64) * stride_factor, mask=row_in, other=0.0)[:, None]
+    row_ptrs = raw_ptr + rows[:, None].to(tl.int64) * stride_raw
     first = split * SPLIT_TILES
     n_tiles = tl.minimum(SPLIT_TILES, tl.cdiv(n_cols, BLOCK_N) - first)
     for t in range(0, n_tiles):
         cols = (first + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = row_in[:, None] & (cols[None, :] < n_cols)
-        raw = _load_raw(raw_ptr, rows, cols, n_rows, n_cols, stride_raw, EVEN_M, EVEN_N)
+        raw = _load_raw(row_ptrs, rows, cols, n_rows, n_cols, EVEN_M, EVEN_N)
         is_pos = cols[None, :] == pos[:, None]
         margin = _margins(raw, is_pos, scale, bias)
         if LOSS:

@@ -31,6 +31,7 @@ if _MAJOR < 6:
 from .cached import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss  # noqa: E402
 from .gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402
 from .losses import MultipleNegativesRankingLoss, MultipleNegativesSymmetricRankingLoss  # noqa: E402
+from .matryoshka import MatryoshkaLoss  # noqa: E402
 from .mining import mine_hard_negatives  # noqa: E402
 from .multi_vector import (  # noqa: E402
     CachedMultiVectorMultipleNegativesRankingLoss,
@@ -44,6 +45,7 @@ __all__ = [
     "CachedMultipleNegativesSymmetricRankingLoss",
     "GISTEmbedLoss",
     "CachedGISTEmbedLoss",
+    "MatryoshkaLoss",
     "mine_hard_negatives",
     "MultiVectorMultipleNegativesRankingLoss",
     "CachedMultiVectorMultipleNegativesRankingLoss",
