@@ -29,15 +29,18 @@ COMPILE_ROWS, COMPILE_COLS = 256, 4096
 PLAN_DIM = 512
 
 
-def chunk_rows_at(batch: int, dim: int = PLAN_DIM, operand_bytes: int = 2, budget_mb: Optional[float] = None) -> int:
-    """C, the rows of the route's chunk for a B x B block on a GPU (infcl.backends.chunked.plan's rule) at
-    ``budget_mb`` (default: the route's default budget, whatever INFCL_CHUNK_BUDGET_MB says)."""
+def chunk_rows_at(
+    batch: int, dim: int = PLAN_DIM, operand_bytes: int = 2, budget_mb: Optional[float] = None, in_gemm: bool = True
+) -> int:
+    """C, the rows of the route's chunk for a B x B block on a GPU (infcl.backends.chunked.plan's rule: everything
+    the block holds, the float32 dq and dk included, within the budget) at ``budget_mb`` (default: the route's
+    default budget, whatever INFCL_CHUNK_BUDGET_MB says); ``in_gemm``: dq and dk accumulate inside the GEMM (where
+    ``addmm(..., out_dtype=)`` runs; else the products' float32 results count too)."""
     from infcl.backends.chunked import plan
 
-    per_entry = plan.entry_bytes(True, True, _operand(operand_bytes))
+    need = plan.footprint(batch, batch, dim, _operand(operand_bytes), True, True, in_gemm)
     budget = plan.budget_bytes(plan.DEFAULT_BUDGET_MB if budget_mb is None else budget_mb)
-    rows = plan.fitting_rows(batch, batch, dim, budget, per_entry, plan.ROW_ALIGN)
-    return min(rows, plan.MAX_ROWS["cuda"])
+    return min(need.fitting_rows(batch, budget, plan.ROW_ALIGN), plan.MAX_ROWS["cuda"])
 
 
 def _operand(nbytes: int):
