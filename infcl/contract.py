@@ -94,6 +94,23 @@ Retrieval ranks (:func:`infcl.metrics.retrieval_metrics`; no scale: ranks of q @
     the entries with the row's id when ids are given without ``multi_positive``, and how many of its scores
     are not finite. The threshold and every score compared with it come from the same tile product.
 
+MaxSim contrastive loss (:func:`infcl.cal_maxsim_loss`; late interaction) — ``Block.q`` is ``[Bq, Lq, D]`` token
+embeddings, ``Block.k`` ``[Bk, Lk, D]``, with ``q_weight`` ``[Bq, Lq]`` (a query token's weight: 0 for a masked token,
+1 or 1 / the query's real token count) and ``k_mask`` ``[Bk, Lk]`` (bool, the real document tokens; None: all). The
+scores are S = scale * R with R[i, j] = sum_t w[i, t] * max_{u real} q[i, t] . k[j, u] (a document with no real token:
+R = -inf where the query has a weighted token, 0 elsewhere); a masked document token never wins a max, and among
+equal maxima the lowest u does. The softmax over S is the plain softmax loss's, one direction, with ``pos`` and the
+ids' false negatives (``masks``, a :class:`MaskOptions` with ids only: a column with the row's id that is
+not its positive is left out):
+
+``maxsim_forward_block(block) -> rows [3, Bq]``: as ``forward_block``'s rows (stats over the block, positive score)
+
+``maxsim_backward_block(block, dq, dk) -> dscale [2]`` with ``row_stats`` and ``g_row``: dS = g * (P - Y) on the
+S tile as for the softmax loss, each entry routed to the maximal token pair that formed it: with
+C[i, t, j] = scale * dS[i, j] * w[i, t] and u*(i, t, j) the winning document token, the sparse P over the token tile
+(P[(i, t), (j, u*)] = C) gives ``dq += P @ k`` and ``dk += P.T @ q`` (products in a fixed order, no atomics);
+``dscale = (sum dS * R, 0)`` (the second term, a column direction's, is always 0).
+
 Top-k search (:func:`infcl.topk_scores`; no scale: the top-k of q @ k.T), one pass, with ``col_index`` the
 global indices of the block's columns (increasing):
 
@@ -192,6 +209,9 @@ class Block:
     row_pos_stats: Optional[Tensor] = None  # [2, Bq] global stats of the row's positives (masked backward, "sum")
     col_pos_count: Optional[Tensor] = None  # [Bk] the same per column (symmetric)
     col_pos_stats: Optional[Tensor] = None  # [2, Bk]
+    # MaxSim (late interaction; q [Bq, Lq, D], k [Bk, Lk, D]; see the module docstring), None otherwise.
+    q_weight: Optional[Tensor] = None  # [Bq, Lq] accumulation dtype: each query token's weight in its score
+    k_mask: Optional[Tensor] = None  # [Bk, Lk] bool: the block's real document tokens
 
     @property
     def symmetric(self) -> bool:
@@ -323,6 +343,19 @@ class RankBlockBackend(Protocol):
     def ahead_counts(
         self, block: Block, rows: Best, cols: Optional[Best], row_index: Tensor, col_index: Tensor
     ) -> Tuple[Ahead, Optional[Ahead]]: ...
+
+
+# --- MaxSim (late interaction) -----------------------------------------------------------------------
+
+
+class MaxSimBlockBackend(Protocol):
+    """The MaxSim loss's block operations (see the module docstring)."""
+
+    name: str
+
+    def maxsim_forward_block(self, block: Block) -> Tensor: ...
+
+    def maxsim_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor: ...
 
 
 # --- top-k search ------------------------------------------------------------------------------------

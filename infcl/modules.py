@@ -61,6 +61,8 @@ class InfCLIPLoss(nn.Module):
     The mask options of :func:`infcl.cal_inf_loss` (:mod:`infcl.masks`): ``multi_positive``,
     ``guide_margin`` and ``guide_margin_strategy`` are set here; the per-batch ``q_ids`` / ``k_ids`` (one id
     per image / text) and ``guide`` (guide features of the images and texts) are passed to ``forward``.
+    ``label_smoothing`` and ``matryoshka`` (prefix dims, or an :class:`infcl.Matryoshka`): those of
+    :func:`infcl.cal_inf_loss`.
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class InfCLIPLoss(nn.Module):
         multi_positive: Optional[str] = None,
         guide_margin: float = 0.0,
         guide_margin_strategy: str = "absolute",
+        label_smoothing: float = 0.0,
+        matryoshka=None,
     ):
         super().__init__()
         if use_horovod:
@@ -88,6 +92,8 @@ class InfCLIPLoss(nn.Module):
         self.multi_positive = multi_positive
         self.guide_margin = guide_margin
         self.guide_margin_strategy = guide_margin_strategy
+        self.label_smoothing = label_smoothing
+        self.matryoshka = matryoshka
 
     def forward(
         self,
@@ -125,6 +131,8 @@ class InfCLIPLoss(nn.Module):
             guide=guide,
             guide_margin=self.guide_margin,
             guide_margin_strategy=self.guide_margin_strategy,
+            label_smoothing=self.label_smoothing,
+            matryoshka=self.matryoshka,
         )
         if logit_bias is not None:
             loss = loss + _cancelled_bias(logit_bias, loss)
