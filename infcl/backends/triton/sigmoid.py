@@ -3,7 +3,7 @@
 atomics)."""
 
 from ...contract import Block, Tensor
-from ...kernels.ops import sigmoid_backward_block, sigmoid_forward_block
+from ...kernels.sigmoid import sigmoid_backward_block, sigmoid_forward_block
 from .options import FALLBACK, TritonOptions, on_torch_tiles
 
 

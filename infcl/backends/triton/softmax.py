@@ -19,7 +19,7 @@ import torch
 
 from ...contract import Block, Tensor
 from ...kernels import backward_block, forward_block
-from ...kernels.ops import guide_label_scores, masked_backward_block, masked_forward_block
+from ...kernels.softmax_ops import guide_label_scores, masked_backward_block, masked_forward_block
 from .options import FALLBACK, TritonOptions, on_torch_tiles
 
 
