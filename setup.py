@@ -2,7 +2,8 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-# torch has no upper bound: install `torch==2.13.0` in the same pip command (README's Set up) or before, so
+# The one floor: torch >= 2.8 and Triton >= 3.4 (the Triton torch 2.8 ships; infcl/versions.py checks both at run
+# time). torch has no upper bound: install `torch==2.13.0` in the same pip command (README's Set up) or before, so
 # pip is satisfied by it and never reaches for a newer, multi-GB CUDA build. The native CPU kernel is not
 # compiled here: its C++ sources ship inside the package as infcl/_csrc (mapped from the repository's csrc/,
 # not copied in the repository) and are compiled just-in-time on first use (torch.utils.cpp_extension + ninja)
@@ -11,7 +12,7 @@ from setuptools import find_packages, setup
 CSRC_PACKAGE = "infcl._csrc"
 CSRC_FILES = ["*.cpp", "*.h", "*.hpp"]  # infcl.backends.native.build compiles every *.cpp it finds there
 
-TRITON = 'triton>=3.2; platform_system == "Linux" and platform_machine == "x86_64"'
+TRITON = 'triton>=3.4; platform_system == "Linux" and platform_machine == "x86_64"'
 # infcl.sentence_transformers subclasses the 6.x loss classes (it raises ImportError before 6).
 SENTENCE_TRANSFORMERS = "sentence-transformers>=6"
 # The trainer (SentenceTransformerTrainer) needs datasets and accelerate: the tests run a short training. 6.3:
@@ -31,7 +32,7 @@ setup(
     package_dir={CSRC_PACKAGE: "csrc"},
     package_data={CSRC_PACKAGE: CSRC_FILES},
     python_requires=">=3.9",
-    install_requires=["torch>=2.1", "numpy", "ninja"],
+    install_requires=["torch>=2.8", "numpy", "ninja"],
     extras_require={
         "triton": [TRITON],
         "sentence-transformers": [SENTENCE_TRANSFORMERS],

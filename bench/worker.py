@@ -22,7 +22,7 @@ from .methods import METHODS, gemm_equivalents, make_inputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MODES = ("forward", "backward", "forward+backward")
-OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch < 2.5: cuda only
+OUT_OF_MEMORY = torch.OutOfMemoryError
 # Rows of the throw-away first call: it initializes thread pools and lazy kernels without touching
 # full-size buffers, so the measured first full-size call sees only the step's own memory.
 WARMUP_ROWS = 64

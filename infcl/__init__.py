@@ -10,6 +10,7 @@ native CPU kernel ahead of time.
 
 from importlib import metadata
 
+from . import versions  # noqa: F401 (first: on a torch older than the floor, one ImportError naming it)
 from .api import cal_inf_loss, cal_inf_loss_reference
 from .backends import BACKENDS
 from .distill import InfDistillClipLoss, cal_distill_loss

@@ -18,6 +18,7 @@ import torch
 import infcl
 from infcl.backends import BACKENDS, unavailable_reason
 from infcl.backends.native import build as native_build
+from infcl.versions import requirements
 
 NOT_BUILT = (
     "not built yet: `python -m infcl build` compiles it once per machine and version of the sources "
@@ -76,6 +77,7 @@ def report() -> str:
     lines = [
         f"infcl {infcl.__version__} ({os.path.dirname(infcl.__file__)})",
         f"Python {platform.python_version()}, torch {torch.__version__}, Triton {_version('triton')}",
+        f"infcl needs {requirements()}",
         f"devices: {_device_names()}",
         "backends:",
     ]

@@ -165,17 +165,6 @@ def test_chunk_rows_shrink_to_the_budget():
     assert plan.plan_block(block, plan.budget_bytes(1e-3), 10**6, "torch", False).reason.startswith("a block of")
 
 
-def test_no_out_dtype_hands_off_with_a_warning(monkeypatch):
-    """A torch without mm(..., out_dtype) on CUDA: bf16/fp16 blocks run the fused kernels, and the user hears of it
-    once; float32 needs no out_dtype and stays on the route."""
-    monkeypatch.setattr(plan, "mm_out_dtype_runs", lambda device: False)
-    bf16, fp32 = _block(64, 64, 8, torch.bfloat16), _block(64, 64, 8)
-    handoff = plan.plan_block(bf16, plan.budget_bytes(None), 32, None, True, cuda=True)
-    assert isinstance(handoff, plan.HandOff) and handoff.warn and "out_dtype" in handoff.reason
-    assert plan.plan_block(fp32, plan.budget_bytes(None), 32, None, True, cuda=True).rows == 32
-    assert not plan.plan_block(_block(64, 64, 8, torch.float64), 10**9, 32, None, True, cuda=True).warn
-
-
 def _peak_bytes(fn) -> int:
     """The peak of CPU bytes allocated by torch during ``fn()`` beyond what was live before: the profiler's
     allocations (each op's own, at its start) and frees ("[memory]" events) summed in time order."""

@@ -233,3 +233,44 @@ def test_build_announces_itself_and_a_cached_load_is_silent(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="no compiler"):
         native_build._build_and_load()
     assert re.search(r"building the native CPU kernel failed after \d+ s", capsys.readouterr().err)
+
+
+def test_an_older_torch_fails_at_import_naming_the_floor(tmp_path):
+    """``import infcl`` under a torch older than 2.8 raises one ImportError naming the floor (torch's own
+    version string is replaced before infcl is imported: the check reads it, nothing else runs first)."""
+    code = "import torch; torch.__version__ = '2.7.1+cu126'; import infcl"
+    result = _python(["-c", code], tmp_path)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "ImportError: infcl needs torch >= 2.8 (found 2.7.1+cu126): pip install 'torch>=2.8'", last
+
+
+@pytest.mark.parametrize(
+    "version, old",
+    [("2.8.0", False), ("2.8.0a0+git1234", False), ("2.10.1+cu128", False), ("3.0.0", False), ("2.7.1", True)],
+)
+def test_torch_floor_reads_major_and_minor(version, old):
+    from infcl.versions import TORCH_FLOOR, too_old
+
+    assert (too_old("torch", version, TORCH_FLOOR) is not None) == old
+
+
+def test_an_older_triton_makes_the_triton_backend_unavailable_naming_the_floor(tmp_path):
+    """Triton 3.3 (its version string replaced before infcl looks): backend 'triton' says why it cannot run, and
+    the floor; the other backends are untouched."""
+    code = (
+        "import triton; triton.__version__ = '3.3.1'; import torch\n"
+        "from infcl.backends import unavailable_reason\n"
+        "print(unavailable_reason('triton', torch.device('cuda')))\n"
+        "print(unavailable_reason('torch', torch.device('cpu')))"
+    )
+    result = _python(["-c", code], tmp_path, TRITON_INTERPRET="0")
+    assert result.returncode == 0, result.stderr
+    triton_line, torch_line = result.stdout.strip().splitlines()
+    assert "infcl needs Triton >= 3.4 (found 3.3.1)" in triton_line, triton_line
+    assert torch_line == "None"
+
+
+def test_setup_declares_the_floor():
+    setup = (REPO / "setup.py").read_text()
+    assert '"torch>=2.8"' in setup and "triton>=3.4;" in setup

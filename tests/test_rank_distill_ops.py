@@ -13,8 +13,6 @@ NATIVE = unavailable_reason("cpu", torch.device("cpu")) is None
 TRITON = unavailable_reason("triton", DEVICE) is None
 BQ, BK, DIM, TEACHER_DIM = 12, 14, 5, 3  # more columns than rows: the columns' outputs have their own size
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck: torch >= 2.4")
-
 
 def _rank_inputs(with_ids: bool, device: torch.device):
     """(q, k, pos, row_index, col_index, q_ids, k_ids) on ``device``: every row's positive among the columns, a

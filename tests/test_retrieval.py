@@ -1,5 +1,5 @@
-"""retrieval_metrics against a float64 argsort truth of the whole score matrix (and open_clip's own
-get_clip_metrics), ties, ids, any_positive, NaN, bad input, and the ring of 2 gloo ranks."""
+"""retrieval_metrics against a float64 argsort truth of the whole score matrix, exactly rounded (and open_clip's
+own get_clip_metrics), ties, ids, any_positive, NaN, bad input, and the ring of 2 gloo ranks."""
 
 import ast
 import importlib.util
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers.distributed import launch, results_by_ring
+from helpers.exact_scores import truth_scores
 from infcl.backends.torch_tiles import TORCH_TILES
 from infcl.metrics import retrieval_metrics
 from workers.retrieval_ring_worker import CASES, MAIN_WORLD, RINGS, global_inputs
@@ -38,8 +39,9 @@ def truth_ranks(scores, positive, excluded):
 
 
 def truth(image, text, labels=None, q_ids=None, k_ids=None, any_positive=False):
-    """(i2t ranks, t2i ranks) of S = image @ text.T in float64 (positives and exclusions as documented)."""
-    scores = image.to(torch.float64) @ text.to(torch.float64).T
+    """(i2t ranks, t2i ranks) of S = image @ text.T, exactly rounded in float64 (equal texts tie wherever they
+    sit), positives and exclusions as documented."""
+    scores = truth_scores(image, text)
     n, m = scores.shape
     same = torch.zeros(n, m, dtype=torch.bool) if q_ids is None else q_ids[:, None] == k_ids[None, :]
     if any_positive:
@@ -108,7 +110,7 @@ def test_ties_follow_the_stable_order(tiles, dtype):
     got, ranks = retrieval_metrics(image, text, return_ranks=True)
     want = truth(image, text)
     assert_same(got, ranks, want, str(dtype))
-    scores = image.double() @ text.double().T
+    scores = truth_scores(image, text)
     assert int((scores == scores.diagonal()[:, None]).sum()) > 3 * 37, "the case must hold ties beside the diagonal"
 
 

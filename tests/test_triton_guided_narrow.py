@@ -2,7 +2,7 @@
 chunk, the q tile resident) beside a float32 guide of width D' = 384 (twelve whole guide chunks: EVEN_G),
 under sm_90's masked tiling, on a batch no block divides and on one every block divides.
 
-- interpreter (TRITON_INTERPRET=1, no GPU): loss, dq, dk against the float64 reference, with the exact
+- interpreter (TRITON_INTERPRET=1, no GPU): loss, dq, dk against the float64 truth, with the exact
   tiles, flags and chunkings the GPU launch takes (pinned: the interpreter's own tiling is otherwise used);
 - compile gate (TRITON_INTERPRET=0, compile-only for sm_90): every kernel of the public call compiles
   without spills, within shared memory, with the launcher's constexprs for this case.
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.support import TOLERANCE, assert_close_verbose, grads_of_inputs
+from helpers.support import TOLERANCE, assert_close_verbose, grads_of_inputs, masked_loss_truth
 from infcl import cal_inf_loss
 from infcl.backends import unavailable_reason
 
@@ -63,7 +63,12 @@ def test_interpreted_guided_bf16_narrow_features(b, symmetric, monkeypatch):
         )
 
     ours = grads_of_inputs(loss("triton", lambda t: t), (q, k), upstream)
-    ref = grads_of_inputs(loss("reference", torch.Tensor.double), (q, k), upstream)
+    # the float64 truth of the rule, its guide scores exactly rounded (tests/helpers/exact_scores.py)
+    ref = grads_of_inputs(
+        lambda q_, k_: masked_loss_truth(q_, k_, None, 10.0, symmetric=symmetric, reduction="none", guide=guide),
+        (q.double(), k.double()),
+        upstream,
+    )
     for name, got, want in zip(("loss", "dq", "dk"), ours, ref):
         assert_close_verbose(got, want, atol, rtol, f"{name} b={b} symmetric={symmetric}")
 

@@ -32,11 +32,8 @@ def _fsdp_classes():
         FullyShardedDataParallel = None
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6 kept FSDP2 under _composable
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:
-            FSDPModule = None
+    except ImportError:
+        FSDPModule = None
     return FullyShardedDataParallel, FSDPModule
 
 

@@ -1,5 +1,5 @@
 """The kernels' tile configs (:class:`TileConfig`, :class:`ScoreTile`, :class:`Tiling`), the operand classes and
-their feature chunking, and the installed Triton's facts (version, interpreter). Beside it, one concern each:
+their feature chunking, and whether the installed Triton's tl.dot takes float64. Beside it, one concern each:
 :mod:`.tiling` (which tile each kernel takes on each GPU),
 :mod:`.kernel_args` (dtype options, mask arguments, shape flags), :mod:`.target` (the GPU),
 :mod:`.autotune` and :mod:`.split_plan`; :mod:`.env` holds the environment flags.
@@ -20,12 +20,13 @@ from typing import List, Optional
 import torch
 import triton
 
+from ..versions import release
 from .env import INTERPRETED, env_flag
 
-# The installed Triton's (major, minor): a few configs work around older compilers' bugs.
-TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
-# tl.dot takes float64 operands from Triton 3.3 on; with 3.2 float64 blocks run on the torch tiles.
-FLOAT64_DOT = TRITON_VERSION >= (3, 3)
+# tl.dot takes float64 operands from Triton 3.5 on; with 3.4 (the floor, infcl/versions.py) float64 blocks run on
+# the torch tiles (infcl/backends/triton/options.py, the one rule).
+FLOAT64_DOT = release(triton.__version__) >= (3, 5)
+
 # Full autotuning is opt-in: it benchmarks every config on the first call of each key (seconds).
 AUTOTUNE_ENV = "INFCL_AUTOTUNE"
 DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")

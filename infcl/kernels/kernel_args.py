@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, TRITON_VERSION, operand_class_of
+from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, operand_class_of
 from .env import INTERPRETED
 
 
@@ -71,10 +71,9 @@ def launch_options(dtype: torch.dtype, precision: Optional[str] = None) -> dict:
 def branch_positives(dtype: torch.dtype, precision: Optional[str] = None) -> bool:
     """BRANCH_POSITIVES, a softmax kernel constexpr: whether the positives' work (the positive logit, dS's
     expm1) sits on a uniform branch taken only by the tiles that may hold a positive (tile_stats.holds_positive).
-    On tensor cores from Triton 3.3; not for the FMA classes (ieee, fp64), at their register limit, nor under
-    Triton 3.2, where the branch spills (12-668 B in dk); always under the interpreter, which tests it."""
-    tensor_cores = operand_class_of(dtype, precision) in TENSOR_CORE_CLASSES
-    return INTERPRETED or (tensor_cores and TRITON_VERSION >= (3, 3))
+    On tensor cores; not for the FMA classes (ieee, fp64), at their register limit; always under the interpreter,
+    which tests it."""
+    return INTERPRETED or operand_class_of(dtype, precision) in TENSOR_CORE_CLASSES
 
 
 # ---- the mask options (infcl.masks) ----------------------------------------------------------------

@@ -85,9 +85,7 @@ class Dot(NamedTuple):
 @triton.jit
 def check_blocks(tile):
     """Every side of a tl.dot operand is at least MIN_DOT."""
-    tl.static_assert(tile.BLOCK_M >= MIN_DOT)
-    tl.static_assert(tile.BLOCK_N >= MIN_DOT)
-    tl.static_assert(tile.BLOCK_D >= MIN_DOT)
+    tl.static_assert(tile.BLOCK_M >= MIN_DOT and tile.BLOCK_N >= MIN_DOT and tile.BLOCK_D >= MIN_DOT)
 
 
 @triton.jit
@@ -112,7 +110,8 @@ def load_tile(x, rows, cols, RAGGED_ROWS: tl.constexpr, RAGGED_COLS: tl.constexp
 
 @triton.jit
 def load_vector(ptr, idx, n, stride, other, MASK: tl.constexpr):
-    """ptr[idx * stride], ``other`` where idx >= n (only when MASK)."""
+    """ptr[idx * stride], ``other`` where idx >= n (only when MASK). (The fill is a select after the load, not the
+    load's ``other``: the code every config was sized with; the load's ``other`` compiles to other register counts.)"""
     if MASK:
         return tl.where(idx < n, tl.load(ptr + idx.to(tl.int64) * stride, mask=idx < n), other)
     return tl.load(ptr + idx.to(tl.int64) * stride)

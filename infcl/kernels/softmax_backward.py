@@ -59,7 +59,7 @@ from .kernel_args import (
 from .softmax_backward_kernels import _backward_kernel
 from .split_plan import plan_backward_splits
 from .target import ARCH_FAMILIES
-from .tiling import OLD_WGMMA, dk_config, dq_config
+from .tiling import dk_config, dq_config
 
 # ---- configs ------------------------------------------------------------------------------------
 # Each call's configs: infcl.kernels.tiling.dq_config / dk_config (one function each for every family, operand
@@ -79,11 +79,8 @@ CONFIG_KEYS = (
 
 
 def _keep(key, config: TileConfig, default: TileConfig) -> bool:
-    """Search points that compile without spills (tests/test_triton_api_compile.py): under Triton 3.2 a
-    second stage spills sm_90's dk (220 B, tf32 at D = 1000); the FMA classes (ieee, fp64) sit at their
-    register limit already, so they keep their default alone."""
-    if OLD_WGMMA and key[0] in (90, 100) and config.num_stages > default.num_stages:
-        return False
+    """Search points that compile without spills (tests/test_triton_api_compile.py): the FMA classes (ieee,
+    fp64) sit at their register limit already, so they keep their default alone."""
     return key[1] in TENSOR_CORE_CLASSES or config == default
 
 

@@ -356,7 +356,7 @@ def softmax_forward(
         cols = _empty_partials(MASKED_ROWS if masks.masked else 2, plan.groups, n_k, acc, q.device)
     block_d = tiling.block_d(dim)
     args = dict(
-        # One direction: an empty placeholder for the column partials, never read (Triton 3.2's autotuner
+        # One direction: an empty placeholder for the column partials, never read (Triton 3.4's autotuner
         # clones every restore_value argument, and fails on None).
         scale_ptr=scale,
         pos_ptr=pos,

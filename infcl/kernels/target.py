@@ -52,10 +52,7 @@ INTERPRETER_FACTS = TargetFacts("cuda", 90, 1, "cpu")
 def _driver_facts(active, device: int) -> TargetFacts:
     target = active.get_current_target()
     sms = active.utils.get_device_properties(device)["multiprocessor_count"]
-    # Triton < 3.3's drivers do not name their torch device; those drive CUDA (or ROCm's "cuda") tensors.
-    torch_device = getattr(active, "get_active_torch_device", None)
-    device_type = torch_device().type if torch_device is not None else "cuda"
-    return TargetFacts(target.backend, target.arch, sms, device_type)
+    return TargetFacts(target.backend, target.arch, sms, active.get_active_torch_device().type)
 
 
 def target_facts() -> TargetFacts:

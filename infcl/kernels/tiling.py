@@ -5,8 +5,7 @@ One function per architecture family, as flash-attention's ``hopper/tile_size.h`
 :func:`sm80`, :func:`sm86` (sm_86 / sm_89) and :func:`sm120` each answer, for one :class:`Kernel` on tensor cores,
 which :class:`TileConfig` it takes. "Which tile does dq take on sm_90 in bf16 at D = 512?" is
 ``sm90(Kernel("softmax", "dq", "mma"))``: read :func:`sm90`. The FMA classes (fp32 "ieee", fp64) take the same
-configs on every family (:func:`fma`); Triton 3.2 (:data:`OLD_WGMMA`) changes sm_90's and sm_100's tensor-core
-tiles, all in :func:`triton32_wgmma`; :func:`config` picks among them. Every branch says why. Not tuned on a
+configs on every family (:func:`fma`); :func:`config` picks among them. Every branch says why. Not tuned on a
 GPU: each config is the one that compiles without spills and within shared memory on its family
 (tests/test_triton_api_compile.py; ``python -m bench.static`` reports the figures).
 
@@ -41,7 +40,6 @@ from .configs import (
     FEATURE_CHUNKS,
     INTERPRETER_TILING,
     TENSOR_CORE_CLASSES,
-    TRITON_VERSION,
     ScoreTile,
     TileConfig,
     Tiling,
@@ -51,11 +49,6 @@ from .configs import (
 from .env import INTERPRETED
 from .target import target_family
 
-# Triton 3.2 aborts compiling a 64-row wgmma tile split over two warp groups (an LLVM assertion in the dq
-# kernel's linear-layout lowering): there sm_90's and sm_100's tensor-core tiles keep one warp group per 64
-# rows (:func:`triton32_wgmma`, the one place this workaround is spelled).
-OLD_WGMMA = TRITON_VERSION < (3, 3)
-
 # FMA products (fp32 "ieee", fp64) hold their operand fragments in registers: maxnreg 255 everywhere, so
 # ptxas does not spill to fit more blocks per SM. Each entry is a sum in K order whatever the tile, so their
 # tiles need not match between kernels.
@@ -64,7 +57,7 @@ FMA_REGISTERS = 255
 # columns, maxnreg 255 (ptxas otherwise caps the masked kernels at 128 registers on sm_86 and spills).
 MASKED_ROWS, MASKED_COLS = 64, 16
 
-# The sigmoid kernels' tilings per operand class, the same on every family (Triton 3.2 on sm_90 / sm_100 aside).
+# The sigmoid kernels' tilings per operand class, the same on every family.
 # The backward holds a [BLOCK_M, chunk] gradient tile, the logit tile and an operand chunk in registers:
 # bf16/fp16 and tf32 take 64-row tiles on 8 warps over 32-feature chunks (a 64-wide resident chunk spills on
 # sm_80/86/120; tf32, twice the bytes per operand, takes 32 columns); the FMA classes hold operand fragments in
@@ -278,47 +271,10 @@ def _slice(block_out: int) -> dict:
     return {"block_out": block_out} if block_out else {}
 
 
-def triton32_wgmma(arch: int, kernel: Kernel) -> Optional[TileConfig]:
-    """Triton 3.2 (:data:`OLD_WGMMA`), tensor cores. On sm_90 / sm_100 every S tile keeps one warp group per 64
-    rows, 128 rows on the same 8 warps (its kernels need more registers than 3.9's); on every family the plain
-    forward walks one row block at a time (a pair of 128-row tiles spills 80-120 B). None where the kernel
-    takes the family's own config (tf32 with mask options, the rank, distillation and top-k kernels, tf32's
-    sigmoid)."""
-    mma, ragged = kernel.operand_class == "mma", kernel.ragged
-    plain_forward = kernel.family == "softmax" and kernel.masks is None and kernel.phase == "forward"
-    if arch not in (90, 100):
-        return replace(ARCHITECTURES[arch](kernel), row_tiles=1) if plain_forward else None
-    if kernel.family == "sigmoid":
-        return TileConfig(128, 64, num_warps=8, max_registers=255) if mma else None
-    if kernel.family in ("rank", "topk"):
-        return None
-    if kernel.masks is not None:
-        if not mma:
-            return None
-        # 128 rows on 8 warps, one stage and 64-wide slices, ids or a guide, ragged D or not (wider ones spill
-        # 300-3000 B).
-        block_out = {} if kernel.phase == "forward" else {"block_out": 64}
-        return TileConfig(128, 16, num_warps=8, num_stages=1, max_registers=255, **block_out)
-    tile = ScoreTile(128, 32, 8) if ragged else ScoreTile(128, 64, 8)
-    if plain_forward:
-        # sm_90 bf16/fp16: 3 stages (2 at ragged D, where the 128 x 32 tile spills with a third); sm_100 at
-        # maxnreg 255.
-        if arch == 100:
-            return tile.config(max_registers=255, row_tiles=1)
-        return tile.config(num_stages=(2 if ragged else 3) if mma else 2, row_tiles=1)
-    # dq and dk: 64-wide slices (128 spills dk 16-112 B at D = 512 and 784-1224 B at ragged D); dk at ragged D
-    # one stage.
-    return tile.config(block_out=64, num_stages=1 if kernel.phase == "dk" and ragged else 2)
-
-
 def config(arch: int, kernel: Kernel) -> TileConfig:
     """The config ``kernel`` takes on architecture family ``arch``."""
     if kernel.operand_class not in TENSOR_CORE_CLASSES:
         return fma(kernel)
-    if OLD_WGMMA:
-        old = triton32_wgmma(arch, kernel)
-        if old is not None:
-            return old
     return ARCHITECTURES[arch](kernel)
 
 
@@ -352,18 +308,17 @@ def chunking(arch: int, operand_class: str, masked: bool = False, dim: Optional[
     with mask options one feature chunk as the most a program holds in registers (the guide's tiles sit beside
     it)."""
     resident_d, chunk_d = FEATURE_CHUNKS[operand_class]
-    wgmma_128_rows = OLD_WGMMA and arch in (90, 100)  # triton32_wgmma's tiles
     if not masked:
-        if arch in (90, 100) and operand_class == "mma" and not wgmma_128_rows and _whole_chunks(dim, resident_d):
+        if arch in (90, 100) and operand_class == "mma" and _whole_chunks(dim, resident_d):
             # bf16/fp16 at D a multiple of 128 (beyond one chunk): S over 128-feature chunks, half the chunk loop's
             # trips, at one forward CTA per SM instead of two; at a ragged D the masked last 128-chunk spills, so
             # 64 there. The figures: docs/kernels.md, "Toward the GEMM bound". Either way D is ragged for both
             # chunks or for neither (configs.ragged_d), so the configs match.
             return resident_d, resident_d
         return resident_d, chunk_d
-    if operand_class == "mma" and (arch == 120 or wgmma_128_rows):
+    if operand_class == "mma" and arch == 120:
         # sm_120 (ptxas 13): the symmetric forward with a guide spills 24-80 B at D = 1000 even at maxnreg 255
-        # on 64-feature chunks; on 32-feature chunks it fits (so do Triton 3.2's 128-row masked tiles).
+        # on 64-feature chunks; on 32-feature chunks it fits.
         chunk_d = 32
     return chunk_d, chunk_d
 

@@ -4,22 +4,24 @@
 ``range_max + max_positives + 1`` best corpus entries, drops the query's own text, the positives and the entries
 a margin or score bound rules out, keeps window ranks ``range_min:range_max`` and takes ``num_negatives`` from
 the top or at random.
-Here each of those steps is a plain Python loop over float64 scores of the float32 embeddings, with ties by
-lower corpus index, so the tests can hold both implementations to the rules themselves.
+Here each of those steps is a plain Python loop over exactly rounded float64 scores of the float32 embeddings
+(tests/helpers/exact_scores.py: equal embeddings tie wherever they sit), with ties by lower corpus index, so the
+tests can hold both implementations to the rules themselves.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from helpers.exact_scores import truth_scores
+
 INF = float("inf")
 
 
 def exact_scores(queries: np.ndarray, corpus: np.ndarray) -> np.ndarray:
-    """``[Q, C]`` float64 dot products of float32 embeddings: every product is exact in float64 (24 + 24 bits),
-    and every pair is summed in the same order, so equal embeddings give equal scores."""
-    q, c = queries.astype(np.float64), corpus.astype(np.float64)
-    return (q[:, None, :] * c[None, :, :]).sum(-1)
+    """``[Q, C]`` float64 dot products of the embeddings, each exactly rounded (whatever the summation order:
+    equal embeddings give equal scores)."""
+    return truth_scores(queries, corpus).numpy()
 
 
 def window_of(row: np.ndarray, width: int) -> list[int]:

@@ -41,6 +41,12 @@ def calls(full: bool) -> List[RankDistillCall]:
     ]
 
 
+def floor_calls() -> List[RankDistillCall]:
+    """The ranks' and distillation kernels once each (sm_90, bf16), for the oldest Triton infcl supports
+    (:func:`triton_compile.floor_calls`)."""
+    return [RankDistillCall(90, kind, "bfloat16", "ieee") for kind in ("ranks ids", "distill sym")]
+
+
 def _run(call: RankDistillCall) -> None:
     import torch
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import open_clip_loss
+from helpers.exact_scores import truth_scores
 from infcl.backends import unavailable_reason
 
 # Deliberately odd sizes: none is a multiple of a tile; 1 and D=1 are the degenerate ends.
@@ -300,7 +301,7 @@ def _masked_direction_truth(logits, labels, ids, other_ids, scores, multi_positi
         if scores is not None:
             pos_score = float(scores[i, label])
             threshold = pos_score - margin if strategy == "absolute" else pos_score * (1 - margin)
-            excluded |= {j for j in range(m) if float(scores[i, j]) > threshold} - positives
+            excluded |= {j for j, g in enumerate(scores[i].tolist()) if g > threshold} - positives
         if not positives:
             losses.append(logits.new_tensor(float("nan")))
             continue
@@ -343,7 +344,7 @@ def masked_truth_directions(
     scale = scale.double() if torch.is_tensor(scale) else scale
     logits = scale * q @ k.T
     labels = torch.arange(q.shape[0]) if labels is None else labels.cpu()
-    scores = None if guide is None else guide[0].double() @ guide[1].double().T
+    scores = None if guide is None else truth_scores(guide[0], guide[1])  # exactly rounded: duplicates tie
     ids = (None, None) if q_ids is None else (q_ids.cpu(), k_ids.cpu())
     args = (multi_positive, guide_margin, guide_margin_strategy)
     rows = _masked_direction_truth(logits, labels, ids[0], ids[1], scores, *args)

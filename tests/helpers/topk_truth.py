@@ -1,12 +1,15 @@
 """The float64 truth of ``infcl.topk_scores``, written with nothing from infcl, and the test data it is held to.
 
-:func:`topk_truth` materializes S = q @ k.T in float64 and, row by row, sorts the eligible columns stably by
-score (ties keep the lower column first), as docs/topk.md states the rules: labels and ids leave columns out,
+:func:`topk_truth` materializes S = q @ k.T exactly rounded in float64 (tests/helpers/exact_scores.py: equal
+columns tie wherever they sit, on any CPU) and, row by row, sorts the eligible columns stably by score (ties
+keep the lower column first), as docs/topk.md states the rules: labels and ids leave columns out,
 a row with a NaN among its eligible scores is NaN with index -1, slots past the eligible columns are
 (-inf or +inf, -1).
 """
 
 import torch
+
+from helpers.exact_scores import truth_scores
 
 
 def quarter_features(rows: int, dim: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -30,7 +33,7 @@ def eligible_columns(bq: int, bk: int, labels=None, q_ids=None, k_ids=None) -> t
 
 def topk_truth(q, k, n, labels=None, q_ids=None, k_ids=None, largest=True):
     """(scores [Bq, n] float64, indices [Bq, n] int64)."""
-    scores = q.cpu().to(torch.float64) @ k.cpu().to(torch.float64).T
+    scores = truth_scores(q, k)
     bq, bk = scores.shape
     eligible = eligible_columns(bq, bk, labels, q_ids, k_ids)
     empty = float("-inf") if largest else float("inf")

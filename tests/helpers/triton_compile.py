@@ -15,6 +15,7 @@ imports nothing from infcl or triton at the top.
 import contextlib
 import functools
 import hashlib
+import inspect
 import itertools
 import os
 import re
@@ -190,9 +191,9 @@ def _ptxas(arch: int) -> str:
     """The ptxas Triton itself uses for ``arch`` (the wheel's bundled one unless TRITON_PTXAS_PATH says)."""
     from triton.backends.nvidia import compiler
 
-    if hasattr(compiler, "get_ptxas"):  # Triton >= 3.4: a tool per architecture
+    if inspect.signature(compiler.get_ptxas).parameters:  # a tool per architecture (after Triton 3.5)
         return compiler.get_ptxas(arch).path
-    return compiler._path_to_binary("ptxas")[0]
+    return compiler.get_ptxas().path  # Triton 3.4 / 3.5: one ptxas
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,7 +334,7 @@ def variants() -> List[Variant]:
     for arch in FULL_TARGETS + (SMALL_TARGET,):
         for dtype, precision in DTYPES:
             if dtype == "float64" and not FLOAT64_DOT:
-                continue  # Triton 3.2: float64 blocks run on the torch tiles, no kernel is launched
+                continue  # Triton 3.4: float64 blocks run on the torch tiles, no kernel is launched
             torch_dtype = getattr(torch, dtype)
             operand_class = operand_class_of(torch_dtype, precision)
             default = tiling_for(arch_key((arch // 10, arch % 10)), torch_dtype, precision)
@@ -365,7 +366,7 @@ def variants() -> List[Variant]:
 #
 # :func:`run_call` makes one public call (cal_inf_loss, cal_siglip_loss, InfCLIPLoss, InfSigLipLoss) with
 # backend="triton" on CPU tensors, forward and backward, with everything real (the backend choice, the
-# custom-op registration: triton_op + wrap_triton on torch >= 2.6, the configs, split plans and the
+# custom-op registration: triton_op + wrap_triton, the configs, split plans and the
 # autotuner) except Triton's active driver, which is :class:`CompileOnlyDriver`, and JITFunction.run,
 # which compiles (``warmup=True``) instead of launching. Every compiled kernel is checked by ptxas.
 
@@ -754,6 +755,37 @@ def chunked_calls(arch: int) -> List[Call]:
     ]
 
 
+# Every kernel family compiles at least once in the floor subset (:func:`floor_calls`).
+FLOOR_KERNELS = frozenset(
+    {"forward", "dq", "dk", "siglip_forward", "siglip_backward", "guide_label_scores", "topk"}
+    | {"chunk_stats", "merge_parts", "chunk_grad"}
+)
+
+
+def floor_calls() -> List[Call]:
+    """The part of :func:`api_calls`'s CI matrix that compiles every kernel family once, for the oldest Triton
+    infcl supports (.ci/run's floor step, in a second virtual environment; every call is one of the matrix's, so
+    under the newest Triton it costs nothing beside the matrix): on sm_90 the softmax kernels on tensor cores
+    (bf16, D = 384: whole chunks and a ragged slice), in fp32 FMA and (Triton >= 3.5) fp64 (D = 40), autotuned (bf16,
+    D = 1000), with ids and a guide ("sum", D = 1000), the sigmoid kernels, the top-k search and the chunked
+    route's passes; on sm_80 the softmax kernels in bf16 (the pre-wgmma MMA). The ranks' and distillation
+    kernels: :func:`rank_distill_compile.floor_calls`."""
+    from infcl.kernels.configs import FLOAT64_DOT
+
+    ragged = (RAGGED_BATCH, RAGGED_BATCH)
+    float64 = [Call(90, "cal_inf_loss", "float64", "ieee", 40, *ragged, symmetric=True)] if FLOAT64_DOT else []
+    return float64 + [
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 384, *ragged, symmetric=True),
+        Call(90, "cal_inf_loss", "float32", "ieee", 40, *ragged, symmetric=True),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, autotune=True),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, masks="both", multi_positive="sum"),
+        Call(90, "cal_siglip_loss", "bfloat16", "ieee", 1000, *ragged),
+        Call(90, "topk_scores", "bfloat16", "ieee", 384, RAGGED_BATCH, WIDE_BATCH + 3, labels=True, topk=TOPK_N),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 40, *ragged, symmetric=True, backend="chunked"),
+        Call(80, "cal_inf_loss", "bfloat16", "ieee", 384, *ragged, symmetric=True),
+    ]
+
+
 def dtype_label(dtype: str, precision: str) -> str:
     """How a call's label names its (dtype, precision): fp32-ieee, fp32-tf32, bf16, fp16, fp64."""
     return {"float32": f"fp32-{precision}", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[dtype]
@@ -761,9 +793,9 @@ def dtype_label(dtype: str, precision: str) -> str:
 
 def api_dtypes(arch: int, full: bool, float64_dot: bool) -> List[Tuple[str, str]]:
     """The (dtype, precision) pairs :func:`api_calls` compiles on ``arch``: every one on every target, CI
-    included (fp32 "ieee" and "tf32", bf16, fp16, and fp64 where ``tl.dot`` has it). ``full`` widens the dims
-    and batches, never the dtypes: fp16 beside bf16 and the FMA classes beyond sm_80 were once left out of CI
-    for time only, and CI's budget of 30 minutes holds them."""
+    included (fp32 "ieee" and "tf32", bf16, fp16, and fp64 where ``tl.dot`` has it: Triton >= 3.5). ``full``
+    widens the dims and batches, never the dtypes: fp16 beside bf16 and the FMA classes beyond sm_80 were once
+    left out of CI for time only, and CI's budget of 30 minutes holds them."""
     dtypes = [("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee")]
     if float64_dot:
         dtypes.append(("float64", "ieee"))

@@ -2,26 +2,20 @@
 
 :func:`truth_directions` materializes the float64 logits and applies the rules of ``infcl.masks`` row by row:
 positives, false-negative ids, the guide rule ``G[i, j] > G[i, label] - margin`` (or ``* (1 - margin)``) from
-correctly rounded guide scores (so an exact duplicate ties its threshold wherever it sits), NaN for rows
-without a positive and for rows whose guide holds NaN/inf. Differentiable in q, k and a tensor scale.
+exactly rounded guide scores (tests/helpers/exact_scores.py: an exact duplicate ties its threshold wherever it
+sits, on any CPU), NaN for rows without a positive and for rows whose guide holds NaN/inf. Differentiable in q,
+k and a tensor scale.
 (support.masked_truth_directions is the other, cancellation-free one, for confident rows.)
 """
 
-import math
-
 import torch
 
-
-def _exact_dot(a, b) -> float:
-    """a . b correctly rounded (math.fsum of float64 products, exact for float32 inputs): equal rows give
-    equal scores wherever they sit (a BLAS product of a matrix need not), so ties are exact."""
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return float("nan")
-    return math.fsum(x * y for x, y in zip(a.tolist(), b.tolist()))
+from helpers.exact_scores import truth_scores
 
 
 def _direction_truth(logits, labels, ids, other_ids, guide, other_guide, multi_positive, margin, strategy):
     """Per-row losses [n] of ``logits`` [n, m] (float64), the rules of infcl.masks applied row by row."""
+    scores = None if guide is None else truth_scores(guide, other_guide)
     rows = []
     for i in range(logits.shape[0]):
         if multi_positive is None:
@@ -33,7 +27,7 @@ def _direction_truth(logits, labels, ids, other_ids, guide, other_guide, multi_p
             excluded |= {j for j in range(logits.shape[1]) if ids[i] == other_ids[j]}
         poisoned = False
         if guide is not None:
-            g = [_exact_dot(guide[i], other) for other in other_guide]
+            g = scores[i].tolist()
             poisoned = not (torch.isfinite(guide[i]).all() and torch.isfinite(other_guide).all())
             at = g[int(labels[i])]
             threshold = at - margin if strategy == "absolute" else at * (1 - margin)

@@ -6,8 +6,8 @@ from typing import Optional
 import torch
 
 from ...contract import Block
-from ..resolve import backend_object, unavailable_reason, warn_once
-from .plan import HandOff, budget_bytes, plan_block
+from ..resolve import backend_object, unavailable_reason
+from .plan import budget_bytes, plan_block
 
 
 def _triton_runs(device: torch.device) -> bool:
@@ -50,10 +50,6 @@ class ChunkedOptions:
         self.passes = passes
 
     def plan(self, block: Block):
-        """The block's :class:`ChunkPlan`, or the :class:`HandOff` saying why the fused kernels run it (warned of
-        once where it is this torch's lack, not the route's choice)."""
+        """The block's :class:`ChunkPlan`, or the :class:`HandOff` saying why the fused kernels run it."""
         triton_runs = self.passes != "torch" and _triton_runs(block.q.device)
-        plan = plan_block(block, budget_bytes(self.budget_mb), self.chunk_rows, self.passes, triton_runs)
-        if isinstance(plan, HandOff) and plan.warn:
-            warn_once(plan.reason)
-        return plan
+        return plan_block(block, budget_bytes(self.budget_mb), self.chunk_rows, self.passes, triton_runs)

@@ -13,14 +13,11 @@ MAX_ROWS x Bk, whatever Bq.
 kernels (:mod:`infcl.backends.triton` on CUDA, the torch tiles elsewhere) when
 - the block has mask options (ids, ``multi_positive``, a guide): not worth a chunked pass yet;
 - the features are float64 (no cuBLAS out_dtype case, and no speed to win);
-- on CUDA, this torch has no ``torch.mm(..., out_dtype=torch.float32)`` (``aten::mm.dtype``, torch >= 2.8): bf16 /
-  fp16 products would round S to the operand dtype, which is vanilla's error class (a one-time warning says so);
 - the budget fits no row, or (on a GPU) fewer than :data:`MIN_CHUNK_ROWS` rows, or the block has fewer than
   :data:`MIN_BLOCK_ROWS` rows (GPU): below that the fused kernels' launch count and time are the smaller.
 An explicit ``chunk_rows`` skips the two size thresholds (tests, the A/B) but never the budget.
 """
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Optional, Union
@@ -81,11 +78,9 @@ class ChunkPlan:
 
 
 class HandOff(NamedTuple):
-    """Why a block runs on the fused kernels; ``warn``: a condition the user would want to hear of once (this torch
-    lacks what the route needs), not the route's own choice."""
+    """Why a block runs on the fused kernels."""
 
     reason: str
-    warn: bool = False
 
 
 def entry_bytes(cublas: bool, triton_passes: bool, operand: torch.dtype) -> int:
@@ -107,17 +102,6 @@ def fitting_rows(n_q: int, n_k: int, dim: int, budget: int, per_entry: int, alig
     return rows - rows % align
 
 
-@functools.lru_cache(maxsize=None)
-def mm_out_dtype_runs(device: torch.device) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bfloat16 ``a``, ``b`` on ``device``
-    (``aten::mm.dtype``: torch >= 2.8 on CUDA; older torch rejects the keyword, CPU has no kernel for it)."""
-    a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-    try:
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
 def plan_block(
     block: Block,
     budget: int,
@@ -137,13 +121,6 @@ def plan_block(
     if q.dtype == torch.float64:
         return HandOff("float64 runs on the fused kernels")
     cuda = q.device.type == "cuda" if cuda is None else cuda
-    if cuda and q.dtype != torch.float32 and not mm_out_dtype_runs(q.device):
-        return HandOff(
-            f"infcl: backend='chunked' runs bf16/fp16 on the fused Triton kernels: torch {torch.__version__} has no "
-            f"torch.mm(..., out_dtype=torch.float32) on CUDA (torch >= 2.8), so the scores would be rounded to the "
-            f"operand dtype",
-            warn=True,
-        )
     triton_passes = passes == "triton" or (passes is None and triton_runs)
     per_entry = entry_bytes(cuda, triton_passes, q.dtype)
     (n_q, dim), n_k = q.shape, k.shape[0]

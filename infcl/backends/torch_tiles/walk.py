@@ -7,7 +7,8 @@ Where scores of *different* tiles are compared (the ranks' and top-k's order, th
 scores are read out of one product of the block's full tile shape (:meth:`Walk.scores`, :func:`window_product`):
 a BLAS picks its kernel by shape, and two kernels may sum a dot product in different orders (MKL's sgemm on
 AVX-512 Intel CPUs does, for a 2 x 5 against a 2 x 3 tile), so the same dot product in a ragged tile would
-otherwise miss its tie by an ulp.
+otherwise miss its tie by an ulp. On a CPU that product is also padded to whole micro-kernel blocks
+(:data:`CPU_PRODUCT_MULTIPLE`): within one product, MKL sums the edge rows and columns in another order.
 """
 
 from typing import NamedTuple, Optional, Tuple
@@ -27,6 +28,12 @@ CPU_TILES = (512, 1024)
 # fp32 tiles are 32 MiB each (a handful live at once), small beside any GPU's memory, and every product
 # is large enough for cuBLAS to reach its full rate. Not measured on a GPU yet.
 GPU_TILES = (2048, 4096)
+# A compared product's rows and columns on a CPU, padded with zero rows to a multiple of this. One product shape per
+# tile is not enough there: MKL's sgemm sums the rows and columns beyond its AVX-512 micro-kernel's width in another
+# order than the rest of the same product (on an AMD EPYC Zen 4, a duplicate column at position 4 of a 5-column
+# product, or duplicate rows of a 2- or 3-row one, differ by an ulp), so an exact duplicate would miss its tie. With
+# both sides multiples of 16, no duplicate row or column differed there for D in 1 ... 768 (issue 52's note).
+CPU_PRODUCT_MULTIPLE = 16
 
 
 class Tile(NamedTuple):
@@ -87,8 +94,22 @@ def window_product(a: Tensor, b: Tensor, rows: slice, cols: slice, buf: Optional
     product (None: a new tensor); the result is a view into it."""
     (row_window, row_part), (col_window, col_part) = full_window(rows, a.shape[0]), full_window(cols, b.shape[0])
     aw, bw = a[row_window], b[col_window]
+    if aw.device.type == "cpu" and (aw.shape[0] % CPU_PRODUCT_MULTIPLE or bw.shape[0] % CPU_PRODUCT_MULTIPLE):
+        aw, bw = _zero_padded(aw), _zero_padded(bw)
+        buf = None  # the padded product is larger than a tile buffer
     out = None if buf is None else buf[: aw.shape[0] * bw.shape[0]].view(aw.shape[0], bw.shape[0])
     return torch.mm(aw, bw.T, out=out)[row_part, col_part]
+
+
+def _zero_padded(x: Tensor) -> Tensor:
+    """``x`` [n, D] with zero rows appended up to a multiple of :data:`CPU_PRODUCT_MULTIPLE` (x itself if it is one)."""
+    n = x.shape[0]
+    padded = -(-n // CPU_PRODUCT_MULTIPLE) * CPU_PRODUCT_MULTIPLE
+    if padded == n:
+        return x
+    out = x.new_zeros(padded, x.shape[1])
+    out[:n] = x
+    return out
 
 
 def positives(pos: Tensor, tile: Tile) -> Tuple[Tensor, Tensor]:

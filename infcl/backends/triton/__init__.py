@@ -4,7 +4,7 @@ float64 rule (:mod:`.options`), put together in :mod:`.backend`.
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 was set
 before the kernels were imported (that is how CI tests it). float64 inputs are computed in float64
-(with Triton 3.2, whose tl.dot has no float64, by the torch tiles). Importable without triton:
+(with Triton 3.4, whose tl.dot has no float64, by the torch tiles). Importable without triton:
 :func:`unavailable_reason` then says why it cannot run, and ``BACKEND`` is None.
 """
 

@@ -5,10 +5,17 @@ from typing import Optional
 
 import torch
 
+from ...versions import TRITON_FLOOR, too_old
+
 try:
+    import triton
+
+    OLD_TRITON = too_old("Triton", triton.__version__, TRITON_FLOOR)
+    if OLD_TRITON is not None:
+        raise ImportError(OLD_TRITON)
     from ...kernels import INTERPRETED, interpret_requested
     from ...kernels.target import target_facts, unsupported_reason
-except Exception as err:  # triton missing or broken (or a driver error): the backend reports why instead
+except Exception as err:  # triton missing, too old or broken (or a driver error): the backend reports why instead
     IMPORT_ERROR: Optional[Exception] = err
 else:
     IMPORT_ERROR = None

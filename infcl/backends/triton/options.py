@@ -1,6 +1,6 @@
 """What every Triton block operation shares: the backend's options (tl.dot's precision, a pinned tiling) and the
-one rule for float64 on a Triton whose ``tl.dot`` has no float64 (Triton 3.2): those blocks run on the torch
-tiles, whatever the API."""
+one rule for float64 on a Triton whose ``tl.dot`` has no float64 (Triton 3.4, the floor): those blocks run on the
+torch tiles, whatever the API."""
 
 from typing import Optional
 
@@ -18,7 +18,7 @@ FALLBACK = TORCH_TILES
 
 def on_torch_tiles(*dtypes: torch.dtype) -> bool:
     """Whether a block with operands of ``dtypes`` (features, guide) runs on the torch tiles: float64 on a GPU
-    with Triton 3.2, whose tl.dot has no float64 (never under the interpreter)."""
+    with Triton 3.4, whose tl.dot has no float64 (never under the interpreter)."""
     return torch.float64 in dtypes and not FLOAT64_DOT and not INTERPRETED
 
 
