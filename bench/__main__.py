@@ -6,8 +6,10 @@ bench/results/default.csv and default.png. ``--preset issue`` is the full run of
 sweep and writes "custom.csv" (or --name). ``--loss siglip`` runs the same sweeps on the sigmoid
 (SigLIP) loss, vanilla being open_clip's SigLipLoss, and prefixes the file names with "siglip-".
 ``--ids`` / ``--guide`` add each listed mask-capable backend (torch, cpu, triton) with false-negative ids / a guide
+(``--loss siglip --ids``: the sigmoid loss with ids, every text of the image's class a positive)
 ("torch+ids", "cpu+guide", ...; bench.methods) beside the plain backend, and the time_vs_plain /
-memory_vs_plain columns give their cost.
+memory_vs_plain columns give their cost. ``--preset late-interaction`` runs bench.maxsim instead: the MaxSim loss
+(``cal_maxsim_loss``) against sentence-transformers' multi-vector loss, with that module's options.
 """
 
 import argparse
@@ -23,7 +25,7 @@ import torch
 from .gemm import best_route, estimated_seconds, probe_rates
 from .machine import AVX2_PROXY_ENV, device_name
 from .methods import BASELINE, LOSSES, MASKED_BACKENDS, METHODS, PLAIN
-from .presets import GPU_FIRST, PRESETS, Sweep, custom_sweep
+from .presets import GPU_FIRST, LATE_INTERACTION, MATRYOSHKA, PRESETS, Sweep, custom_sweep
 from .report import COLUMNS, add_ratios, format_table, write_csv, write_plot
 from .worker import DTYPES, MODES, Job, run_isolated, set_worker_threads
 
@@ -61,10 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--preset",
-        choices=sorted(PRESETS) + [GPU_FIRST],
+        choices=sorted(PRESETS) + [GPU_FIRST, LATE_INTERACTION, MATRYOSHKA],
         default="default",
         help=f"embedded sweep(s) to run; {GPU_FIRST}: the bounded first GPU run (python -m bench.gpu_first "
-        "--help for its options)",
+        f"--help for its options); {LATE_INTERACTION}: the MaxSim loss against sentence-transformers' (python -m "
+        "bench.maxsim --help)",
     )
     p.add_argument(
         "--loss",
@@ -133,8 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.methods or ():
         if name not in METHODS:
             p.error(f"--methods: unknown method {name!r}; choose from {tuple(METHODS)}")
-    if args.loss == "siglip" and (args.ids or args.guide):
-        p.error("--ids / --guide are options of the clip loss")
+    if args.loss == "siglip" and args.guide:
+        p.error("--guide is an option of the clip loss (--ids: the sigmoid loss with ids, several positives per row)")
     if args.loss == "siglip" and args.symmetric is not None:
         p.error("--symmetric / --one-direction choose the direction of the clip loss; the siglip loss has one form")
     return args
@@ -296,6 +299,14 @@ def main(argv=None) -> int:
         from .gpu_first import main as gpu_first_main
 
         return gpu_first_main(rest)
+    if known.preset == MATRYOSHKA:  # issue 56's table: its own methods and options (bench.matryoshka)
+        from .matryoshka import main as matryoshka_main
+
+        return matryoshka_main(rest)
+    if known.preset == LATE_INTERACTION:  # infcl's MaxSim loss against sentence-transformers', its own options
+        from .maxsim import main as maxsim_main
+
+        return maxsim_main(rest)
     args = parse_args(argv)
     name, sweeps = _sweeps(args)
     set_worker_threads(args.threads)

@@ -127,6 +127,16 @@ def _infcl_siglip(backend: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tens
     return loss
 
 
+def _siglip_with_ids(backend: str) -> Callable[[Tensor, Tensor, Tensor, bool], Tensor]:
+    """cal_siglip_loss with ids (every text of the image's class a positive: IDS_PER_CLASS per class)."""
+
+    def loss(q: Tensor, k: Tensor, scale: Tensor, symmetric: bool) -> Tensor:
+        ids = _mask_options(q, "ids")
+        return cal_siglip_loss(q, k, scale, _siglip_bias(scale), backend=backend, **ids)
+
+    return loss
+
+
 def _inf_cl_head_dim(dim: int) -> Optional[int]:
     return next((h for h in INF_CL_HEAD_DIMS if dim % h == 0), None)
 
@@ -248,6 +258,7 @@ METHODS = {
                 _masked_loss(backend, option),
                 lambda device, dim, backend=backend: unavailable_reason(backend, device),
                 tiled=True,
+                siglip=_siglip_with_ids(backend) if option == "ids" else None,
             )
             for backend in MASKED_BACKENDS
             for option in ("ids", "guide")

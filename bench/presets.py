@@ -59,6 +59,9 @@ PRESETS: Dict[str, Tuple[Sweep, ...]] = {
 
 
 GPU_FIRST = "gpu-first"
+MATRYOSHKA = "matryoshka"  # issue 56's fused-Matryoshka table: python -m bench.matryoshka
+# Not a sweep either: the late-interaction (MaxSim) loss stage against sentence-transformers' (bench.maxsim).
+LATE_INTERACTION = "late-interaction"
 
 
 def custom_sweep(base: Sweep, **overrides) -> Sweep:

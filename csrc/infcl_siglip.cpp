@@ -2,9 +2,10 @@
 // in infcl/contract.py, fused so that each logit tile comes from one BLAS call and is consumed while
 // it is still in cache.
 //
-//   sigmoid_forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], bias) -> rows [Bq]
+//   sigmoid_forward_block(q [Bq,D], k [Bk,D], scale, pos [Bq], bias, q_ids? [Bq], k_ids? [Bk]) -> rows [Bq]
 //       rows[i] = sum_j softplus(t_ij),  t_ij = -z_ij * (scale * q_i.k_j + bias),  z = +1 at column pos[i], else -1
-//   sigmoid_backward_block(q, k, scale, pos, bias, g_row [Bq], dq!, dk!) -> (dscale, dbias) [2]
+//       (with ids: z = +1 wherever q_ids[i] == k_ids[j], pos unread)
+//   sigmoid_backward_block(q, k, scale, pos, bias, g_row [Bq], dq!, dk!, q_ids?, k_ids?) -> (dscale, dbias) [2]
 //       dL_ij = -z_ij * g_i * sigmoid(t_ij);  dq += scale * dL @ k;  dk += scale * dL.T @ q
 //
 // GEMMs per block, each 2 * Bq * Bk * D flops: forward 1 (raw = q @ k.T), backward 3 (raw again, dq, dk).
@@ -44,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common.h"
@@ -137,6 +139,61 @@ void row_grad(T* raw, int64_t nj, int64_t p, T scale, T bias, T g, T& dscale, T&
   dscale += d * x;
   dbias += d;
   raw[p] = d;
+}
+
+// With ids, one row against columns [0, nj): every column with the row's id is a positive. The margin is
+// selected per entry (t = -L there, L elsewhere), in one vectorized run with the same per-entry math.
+
+// The row's loss with ids: sum_j softplus(t_ij), t = -L where k_ids[j] == id.
+template <typename T>
+T row_loss_ids(const T* raw, int64_t nj, int64_t id, const int64_t* k_ids, T scale, T bias) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t c = 0; c < nj; ++c) {
+    const T l = raw[c] * scale + bias;
+    acc += softplus(k_ids[c] == id ? -l : l);
+  }
+  return acc;
+}
+
+// The row's gradient with ids: dL = -z * g * sigmoid(t) over raw, and its parameter sums.
+template <typename T>
+void row_grad_ids(T* raw, int64_t nj, int64_t id, const int64_t* k_ids, T scale, T bias, T g, T& dscale, T& dbias) {
+  T acc_s = 0, acc_b = 0;
+#pragma omp simd reduction(+ : acc_s, acc_b)
+  for (int64_t c = 0; c < nj; ++c) {
+    const T x = raw[c];
+    const T l = x * scale + bias;
+    const bool positive = k_ids[c] == id;
+    const T d = (positive ? -g : g) * sigmoid(positive ? -l : l);
+    acc_s += d * x;
+    acc_b += d;
+    raw[c] = d;
+  }
+  dscale += acc_s;
+  dbias += acc_b;
+}
+
+// The positives of a block: pos (ids null), or the ids (q_ids [Bq], k_ids [Bk]).
+struct Positives {
+  const int64_t* pos;
+  const int64_t* q_ids;
+  const int64_t* k_ids;
+};
+
+// Row i's loss over the tile's columns [j0, j0 + nj), raw its products.
+template <typename T>
+T tile_row_loss(const T* raw, int64_t nj, int64_t i, int64_t j0, const Positives& p, T scale, T bias) {
+  if (p.q_ids != nullptr) return row_loss_ids(raw, nj, p.q_ids[i], p.k_ids + j0, scale, bias);
+  return row_loss(raw, nj, p.pos[i] - j0, scale, bias);
+}
+
+// Row i's gradient over the tile's columns [j0, j0 + nj), in place of raw.
+template <typename T>
+void tile_row_grad(T* raw, int64_t nj, int64_t i, int64_t j0, const Positives& p, T scale, T bias, T g, T& dscale,
+                   T& dbias) {
+  if (p.q_ids != nullptr) return row_grad_ids(raw, nj, p.q_ids[i], p.k_ids + j0, scale, bias, g, dscale, dbias);
+  row_grad(raw, nj, p.pos[i] - j0, scale, bias, g, dscale, dbias);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -265,14 +322,14 @@ void for_each_tile(int64_t bk, const RowTiles& tiles, int64_t lanes, Make make, 
 
 // rows[i] = sum_j softplus(t_ij); make(tk) builds a lane's products.
 template <typename Acc, typename Make>
-void forward_impl(int64_t bq, int64_t bk, const int64_t* pos, Acc scale, Acc bias, Make make, Acc* out) {
+void forward_impl(int64_t bq, int64_t bk, const Positives& pos, Acc scale, Acc bias, Make make, Acc* out) {
   // Row sums in double: a row adds Bk positive terms, tile by tile.
   std::vector<double> sums(bq, 0.0);
   const RowTiles tiles(bq);
   for_each_tile(bk, tiles, lane_count(tiles), make,
                 [&](auto&, int64_t, int64_t i0, int64_t ni, int64_t j0, int64_t nj, const Acc* raw) {
                   for (int64_t r = 0; r < ni; ++r) {
-                    sums[i0 + r] += row_loss(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias);
+                    sums[i0 + r] += tile_row_loss(raw + r * nj, nj, i0 + r, j0, pos, scale, bias);
                   }
                 });
   for (int64_t i = 0; i < bq; ++i) out[i] = static_cast<Acc>(sums[i]);
@@ -281,7 +338,7 @@ void forward_impl(int64_t bq, int64_t bk, const int64_t* pos, Acc scale, Acc bia
 // dq (contiguous, accumulated: the products hold it), dk (contiguous, accumulated), dparams = (dscale,
 // dbias); make(tk) builds a lane's products, which take dk transposed when transposed_dk.
 template <typename Acc, typename Make>
-void backward_impl(int64_t bq, int64_t bk, int64_t d, const int64_t* pos, Acc scale, Acc bias, const Acc* g,
+void backward_impl(int64_t bq, int64_t bk, int64_t d, const Positives& pos, Acc scale, Acc bias, const Acc* g,
                    bool transposed_dk, Make make, at::Tensor& dk, at::Tensor& dparams) {
   const RowTiles tiles(bq);
   const int64_t lanes = lane_count(tiles);
@@ -302,7 +359,7 @@ void backward_impl(int64_t bq, int64_t bk, int64_t d, const int64_t* pos, Acc sc
                 [&](auto& products, int64_t lane, int64_t i0, int64_t ni, int64_t j0, int64_t nj, Acc* raw) {
                   Acc dscale = 0, dbias = 0;
                   for (int64_t r = 0; r < ni; ++r) {
-                    row_grad(raw + r * nj, nj, pos[i0 + r] - j0, scale, bias, g[i0 + r], dscale, dbias);
+                    tile_row_grad(raw + r * nj, nj, i0 + r, j0, pos, scale, bias, g[i0 + r], dscale, dbias);
                   }
                   per_lane[2 * lane] += dscale;
                   per_lane[2 * lane + 1] += dbias;
@@ -334,12 +391,29 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& po
 
 at::Tensor prepared(const at::Tensor& t, at::ScalarType acc) { return t.to(acc).contiguous(); }
 
+// The block's positives as the kernels read them: pos, or (both given) the ids, int64 and contiguous (an
+// id view is copied, O(B)). `held` keeps the prepared tensors alive.
+Positives positives(const at::Tensor& q, const at::Tensor& k, const at::Tensor& pos,
+                    const std::optional<at::Tensor>& q_ids, const std::optional<at::Tensor>& k_ids,
+                    std::vector<at::Tensor>& held) {
+  TORCH_CHECK(q_ids.has_value() == k_ids.has_value(), "infcl native sigmoid: pass q_ids and k_ids, or neither");
+  held.push_back(prepared(pos, at::kLong));
+  if (!q_ids.has_value()) return {held[0].data_ptr<int64_t>(), nullptr, nullptr};
+  TORCH_CHECK(q_ids->dim() == 1 && q_ids->size(0) == q.size(0) && k_ids->dim() == 1 && k_ids->size(0) == k.size(0),
+              "infcl native sigmoid: q_ids ", q_ids->sizes(), " and k_ids ", k_ids->sizes(), " must be [", q.size(0),
+              "] and [", k.size(0), "]");
+  held.push_back(prepared(*q_ids, at::kLong));
+  held.push_back(prepared(*k_ids, at::kLong));
+  return {held[0].data_ptr<int64_t>(), held[1].data_ptr<int64_t>(), held[2].data_ptr<int64_t>()};
+}
+
 at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
-                                 const at::Tensor& pos_in, double bias) {
+                                 const at::Tensor& pos_in, double bias, const std::optional<at::Tensor>& q_ids,
+                                 const std::optional<at::Tensor>& k_ids) {
   check_inputs(q_in, k_in, pos_in);
   const auto acc = accumulation_type(q_in.scalar_type());
-  const at::Tensor pos = prepared(pos_in, at::kLong);
-  const int64_t* pp = pos.data_ptr<int64_t>();
+  std::vector<at::Tensor> held;
+  const Positives pp = positives(q_in, k_in, pos_in, q_ids, k_ids, held);
   const int64_t bq = q_in.size(0), bk = k_in.size(0), d = q_in.size(1);
   at::Tensor rows = at::empty({bq}, q_in.options().dtype(acc));
   const Bf16Gemm route = bf16_route(q_in);
@@ -371,13 +445,14 @@ at::Tensor sigmoid_forward_block(const at::Tensor& q_in, const at::Tensor& k_in,
 
 at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
                                   const at::Tensor& pos_in, double bias, const at::Tensor& g_row, at::Tensor& dq,
-                                  at::Tensor& dk) {
+                                  at::Tensor& dk, const std::optional<at::Tensor>& q_ids,
+                                  const std::optional<at::Tensor>& k_ids) {
   check_inputs(q_in, k_in, pos_in);
   const auto acc = accumulation_type(q_in.scalar_type());
   TORCH_CHECK(g_row.dim() == 1 && g_row.size(0) == q_in.size(0), "infcl native sigmoid: g_row must be [",
               q_in.size(0), "], got ", g_row.sizes());
-  const at::Tensor pos = prepared(pos_in, at::kLong);
-  const int64_t* pp = pos.data_ptr<int64_t>();
+  std::vector<at::Tensor> held;
+  const Positives pp = positives(q_in, k_in, pos_in, q_ids, k_ids, held);
   const at::Tensor g = prepared(g_row, acc);
   const int64_t bq = q_in.size(0), bk = k_in.size(0), d = q_in.size(1);
   ContiguousGrads grads(dq, dk, q_in, k_in, acc, "infcl native sigmoid");

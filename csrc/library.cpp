@@ -21,11 +21,14 @@ TORCH_LIBRARY(infcl, m) {
       "Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
   m.def("guide_label_scores(Tensor guide_q, Tensor guide_k, Tensor pos) -> Tensor");
   // the sigmoid (SigLIP) loss: infcl_siglip.cpp
-  // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias.
-  m.def("sigmoid_forward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias) -> Tensor");
+  // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias; the ids (the positives
+  // in place of pos) last, optional.
+  m.def(
+      "sigmoid_forward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias, Tensor? q_ids=None, "
+      "Tensor? k_ids=None) -> Tensor");
   m.def(
       "sigmoid_backward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias, Tensor g_row, "
-      "Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
+      "Tensor(a!) dq, Tensor(b!) dk, Tensor? q_ids=None, Tensor? k_ids=None) -> Tensor");
   // distillation: distill.cpp
   m.def(
       "distill_forward_block(Tensor q, Tensor k, float scale, Tensor teacher_q, Tensor teacher_k, "

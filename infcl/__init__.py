@@ -15,6 +15,8 @@ from .api import cal_inf_loss, cal_inf_loss_reference
 from .backends import BACKENDS
 from .distill import InfDistillClipLoss, cal_distill_loss
 from .gradcache import GradCache, RandContext, split_vlm_inputs
+from .matryoshka import Matryoshka
+from .maxsim import cal_maxsim_loss
 from .metrics import retrieval_metrics
 from .modules import InfCLIPLoss, InfSigLipLoss
 from .siglip import cal_siglip_loss
@@ -30,11 +32,13 @@ __all__ = [
     "cal_inf_loss",
     "cal_inf_loss_reference",
     "InfLossStats",
+    "Matryoshka",
     "InfCLIPLoss",
     "cal_siglip_loss",
     "InfSigLipLoss",
     "cal_distill_loss",
     "InfDistillClipLoss",
+    "cal_maxsim_loss",
     "retrieval_metrics",
     "topk_scores",
     "TopK",

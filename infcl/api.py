@@ -9,14 +9,16 @@ from .backends import backend_object, measured_route, resolve_backend
 from .checks import (
     check_features,
     check_head_dim,
+    check_label_smoothing,
     check_reduction,
     global_labels,
     local_labels,
     make_masks,
     make_scale,
 )
-from .function import InfLossFunction, LossPlan
+from .function import InfLossFunction, LossPlan, MatryoshkaLossFunction
 from .masks import MaskOptions
+from .matryoshka import Prefixes, make_prefixes, prefix_features
 from .reference import masked_reference_losses, reference_losses
 from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
 from .stats import HAS_POS, loss_stats, reduce_masked
@@ -37,6 +39,8 @@ def cal_inf_loss(
     guide=None,
     guide_margin=0.0,
     guide_margin_strategy: str = "absolute",
+    label_smoothing=0.0,
+    matryoshka=None,
     group=None,
     backend: str = "auto",
     return_stats: bool = False,
@@ -70,6 +74,21 @@ def cal_inf_loss(
             scores G[i, j] > G[i, labels[i]] - guide_margin ("absolute") or > G[i, labels[i]] *
             (1 - guide_margin) ("relative", ``guide_margin_strategy``) is left out (GISTEmbedLoss's rule;
             its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
+        label_smoothing: eps in [0, 1], ``F.cross_entropy``'s: the target puts 1 - eps on the positive and
+            eps / n on each of the row's n columns (the column's n rows for the k->q direction), so
+            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. With ids, the uniform
+            part spreads over the columns that stay in the denominator (the row's positive's target keeps
+            1 - eps: the one-hot, or 1 / |P| for multi_positive="mean"); not with a guide or
+            multi_positive="sum" (ValueError). See :mod:`infcl.losses.smoothing`.
+        matryoshka: None, an :class:`infcl.Matryoshka` (prefix dims, weights, renormalize) or a sequence of
+            prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
+            the features' first m_k columns (each prefix divided by its norm where renormalized, as
+            sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
+            backward on the "torch" tiles (:mod:`infcl.matryoshka`); the other backends run their block
+            operations once per prefix in each ring step, and with the mask options or label smoothing every
+            backend runs one call per prefix. Dims: distinct integers in [1, D],
+            any order; the guide features are never truncated.
+            With return_stats the stats are a dict {dim: InfLossStats}.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
             its local shard and gets the loss of its local rows against the global batch. ``"local"``:
@@ -98,6 +117,8 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
+        eps = check_label_smoothing(label_smoothing, masks)
+        prefixes = make_prefixes(matryoshka, q.shape[1])
         name = resolve_backend(backend, q.device, "guided" if masks is not None and masks.has_guide else "softmax")
         if backend == "auto" and masks is None:  # the chunked route where a GPU measured it faster (none yet)
             name = measured_route(name, "softmax", q, k)
@@ -105,19 +126,27 @@ def cal_inf_loss(
         labels_t = local_labels(labels, q)
     layout = call_layout(ring, q, k, labels_t, masks)
     labels_t = global_labels(labels_t, q, layout, symmetric)
+    options = (symmetric, layout, masks, eps, name, reduction)
+    if prefixes is not None:
+        return matryoshka_loss(q, k, scale_t, labels_t, prefixes, options, return_stats)
+    loss, row_info, col_info = _one_loss(q, k, scale_t, labels_t, *options, return_stats)
+    return (loss, loss_stats(row_info, col_info)) if return_stats else loss
 
+
+def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, reduction, with_info):
+    """(loss, row info, column info or None) of one call, validated; the infos may be None unless ``with_info``."""
     row_info = col_info = None
     if name == "reference" and masks is None:
-        row_loss, col_loss = reference_losses(q, k, scale_t, labels_t, symmetric, layout)
-        if return_stats:
+        row_loss, col_loss = reference_losses(q, k, scale_t, labels_t, symmetric, layout, eps)
+        if with_info:
             with torch.no_grad():
                 (_, row_info), (_, col_info) = masked_reference_losses(q, k, scale_t, labels_t, symmetric, layout, None)
     elif name == "reference":
         (row_loss, row_info), (col_loss, col_info) = masked_reference_losses(
-            q, k, scale_t, labels_t, symmetric, layout, masks
+            q, k, scale_t, labels_t, symmetric, layout, masks, eps
         )
     else:
-        plan = LossPlan(backend=backend_object(name), symmetric=symmetric, layout=layout, masks=masks)
+        plan = LossPlan(backend_object(name), symmetric, layout, masks, label_smoothing=eps)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
     if masks is None:
@@ -125,7 +154,7 @@ def cal_inf_loss(
     else:
         col_valid = col_info[HAS_POS] > 0 if symmetric else None
         loss = reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
-    return (loss, loss_stats(row_info, col_info)) if return_stats else loss
+    return loss, row_info, col_info
 
 
 def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -148,3 +177,32 @@ def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "sum":
         return per_item.sum()
     return per_item
+
+
+def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, options, return_stats):
+    """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given.
+
+    The plain loss: :class:`MatryoshkaLossFunction` (one fused pass on the torch tiles; the other backends' block
+    operations once per prefix inside each ring step). With mask options or label smoothing: one call per
+    prefix on the prefix's features."""
+    symmetric, layout, masks, eps, name, reduction = options
+    if masks is None and not eps and name != "reference":
+        plan = LossPlan(backend_object(name), symmetric, layout, prefixes=prefixes)
+        row_loss, col_loss, row_info, col_info = MatryoshkaLossFunction.apply(q, k, scale_t, labels_t, plan)
+        per_dim = (row_loss + col_loss) / 2 if symmetric else row_loss
+        losses = [reduce_losses(per_dim[i], reduction) for i in range(prefixes.count)]
+        infos = [(row_info[i], col_info[i] if symmetric else None) for i in range(prefixes.count)]
+    else:
+        results = [
+            _one_loss(*prefix_features(q, k, prefixes, i), scale_t, labels_t, *options, return_stats)
+            for i in range(prefixes.count)
+        ]
+        losses, infos = [r[0] for r in results], [r[1:] for r in results]
+    loss = sum(w * part for w, part in zip(prefixes.weights, losses))
+    if not return_stats:
+        return loss
+    stats = {}
+    for position in range(prefixes.count):  # the user's order
+        i = prefixes.order.index(position)
+        stats[prefixes.dims[i]] = loss_stats(*infos[i])
+    return loss, stats

@@ -5,7 +5,7 @@
 
 import math
 import numbers
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -163,6 +163,27 @@ def _check_permutation(labels: torch.Tensor, layout: RingLayout) -> None:
         raise ValueError("symmetric=True needs labels that are a permutation of the column indices (each column once)")
 
 
+def make_id_pair(q, k, q_ids, k_ids, names=("q", "k")) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(q_ids, k_ids) checked (:func:`make_ids`; ``names``: what the messages call q and k), both or neither."""
+    qi = make_ids(q_ids, "q_ids", q.shape[0], q, names[0])
+    ki = make_ids(k_ids, "k_ids", k.shape[0], k, names[1])
+    if (qi is None) != (ki is None):
+        given, missing = ("q_ids", "k_ids") if ki is None else ("k_ids", "q_ids")
+        raise ValueError(f"{given} was given without {missing}: ids compare a row's id with a column's, pass both")
+    return qi, ki
+
+
+def make_sigmoid_ids(q, k, q_ids, k_ids, labels, names) -> Optional[MaskOptions]:
+    """The sigmoid loss's ids (every column with the row's id is a positive) as its mask options, or None;
+    ``labels`` must then be None (the ids name the positives)."""
+    qi, ki = make_id_pair(q, k, q_ids, k_ids, names)
+    if qi is None:
+        return None
+    if labels is not None:
+        raise ValueError("labels and q_ids/k_ids both name the positives: pass labels or the ids, not both")
+    return MaskOptions(q_ids=qi, k_ids=ki)
+
+
 def make_ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
     """``ids``: None or an integer tensor [rows] on the features' device; returned as contiguous int64 (a
     view such as ``meta[:, 1]`` or an expanded id is copied, O(B): the kernels read ids with stride 1)."""
@@ -210,11 +231,7 @@ def make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_ma
         raise TypeError(f"guide_margin must be a real number, got {type(guide_margin).__name__}")
     if not math.isfinite(guide_margin):  # math, not numpy: torch.compile traces it without a graph break
         raise ValueError(f"guide_margin must be finite, got {guide_margin}")
-    qi = make_ids(q_ids, "q_ids", q.shape[0], q, "q")
-    ki = make_ids(k_ids, "k_ids", k.shape[0], k, "k")
-    if (qi is None) != (ki is None):
-        given, missing = ("q_ids", "k_ids") if ki is None else ("k_ids", "q_ids")
-        raise ValueError(f"{given} was given without {missing}: ids compare a row's id with a column's, pass both")
+    qi, ki = make_id_pair(q, k, q_ids, k_ids)
     if multi_positive is not None and qi is None:
         raise ValueError(
             f"multi_positive={multi_positive!r} needs q_ids and k_ids (positives are the columns with the row's id)"
@@ -223,3 +240,20 @@ def make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_ma
     if qi is None and gq is None:
         return None
     return MaskOptions(qi, ki, multi_positive, gq, gk, float(guide_margin), guide_margin_strategy)
+
+
+def check_label_smoothing(label_smoothing, masks) -> float:
+    """``label_smoothing`` checked: a real number in [0, 1] (``F.cross_entropy``'s range); with mask options,
+    ids only (``multi_positive`` None or "mean"): with a guide or "sum" which columns stay in the denominator,
+    or the positives' target, is decided inside the tiles (not built yet)."""
+    if isinstance(label_smoothing, (bool, np.bool_)) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"label_smoothing must be a real number, got {type(label_smoothing).__name__}")
+    eps = float(label_smoothing)
+    if not 0.0 <= eps <= 1.0:  # also rejects NaN
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if eps and masks is not None and (masks.has_guide or masks.multi_positive == "sum"):
+        raise ValueError(
+            f"label_smoothing={label_smoothing} with guide or multi_positive='sum' is not supported: label "
+            "smoothing runs on the plain loss and with q_ids/k_ids (multi_positive None or 'mean')"
+        )
+    return eps

@@ -35,15 +35,15 @@ The scale gradient is a sum of per-entry terms (never a difference of two large 
 direction so the ring can credit each rank's replica of the scale with the derivative of its own loss
 (open_clip's convention). The backward must recompute S bit-identically to its forward.
 
-Masks (:mod:`infcl.masks`; ``Block.masked``) — the block also carries the ids of its rows and columns
-(``q_ids`` [Bq], ``k_ids`` [Bk], int64), the guide features (``guide_q`` [Bq, D'], ``guide_k`` [Bk, D'],
-in the guide's accumulation dtype) with each row's (and, symmetric, column's) threshold, and
-``multi_positive``. Inside each tile, never beyond it: the positives P (the one-hot of ``pos`` when
-``multi_positive`` is None, else ``q_ids[i] == k_ids[j]``) and the exclusions E = (same id or guide score
-G = guide_q @ guide_k.T above the threshold) and not P; the column direction's E uses the column
-thresholds. The forward's outputs are then ``[6, n]`` for rows and columns alike (rows of
-:mod:`infcl.masks`): the stats over the columns not in E, the positives' max (and, for "sum", their
-log-sum relative to it), the sum of the positives' logits and their count. The backward forms, with
+Masks (:mod:`infcl.masks`; ``Block.masks``, one :class:`MaskOptions`) — the block also carries the ids of
+its rows and columns (``q_ids`` [Bq], ``k_ids`` [Bk], int64), the guide features (``guide_q`` [Bq, D'],
+``guide_k`` [Bk, D'], in the guide's accumulation dtype) with each row's (and, symmetric, column's)
+threshold, and ``multi_positive``, all fields of ``block.masks``. Inside each tile, never beyond it: the
+positives P (the one-hot of ``pos`` when ``multi_positive`` is None, else ``q_ids[i] == k_ids[j]``) and
+the exclusions E = (same id or guide score G = guide_q @ guide_k.T above the threshold) and not P; the
+column direction's E uses the column thresholds. The forward's outputs are then ``[6, n]`` for rows and
+columns alike (rows of :mod:`infcl.masks`): the stats over the columns not in E, the positives' max (and,
+for "sum", their log-sum relative to it), the sum of the positives' logits and their count. The backward forms, with
 P_row = exp((S - m) - r) off E and 0 on E, and the positives' global count (``row_pos_count``, "mean")
 or stats (``row_pos_stats``, "sum"):
     Y = the one-hot of ``pos`` (multi_positive None): as above, the positive's entry g * expm1(x)
@@ -56,7 +56,8 @@ so a column that duplicates the labelled one ties its threshold exactly. With id
 (nothing excluded, one positive per row) every one of these is the plain loss bit for bit.
 
 Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
-positive (Y = one-hot of ``pos``), -1 elsewhere; nothing is merged across blocks but plain sums:
+positive (Y = one-hot of ``pos``; with ``Block.masks``, its ids: wherever ``q_ids[i] == k_ids[j]``, ``pos``
+unread), -1 elsewhere; nothing is merged across blocks but plain sums:
 
 ``sigmoid_forward_block(block) -> rows [Bq]``
     rows[i] = sum_j softplus(-z_ij * L_ij)    (= -log sigmoid(z_ij * L_ij), never formed as log(sigmoid))
@@ -85,13 +86,30 @@ Retrieval ranks (:func:`infcl.metrics.retrieval_metrics`; no scale: ranks of q @
     the best positive's score and global index (the lowest index among equal scores) and the number of
     positives, over this block, per row (and, ``symmetric``, per column). The positives: the one-hot of
     ``block.pos`` (and, for the columns, the rows whose positive is that column), or, with
-    ``block.multi_positive``, every entry with ``q_ids[i] == k_ids[j]``.
+    ``block.masks.multi_positive`` ("any"), every entry with ``q_ids[i] == k_ids[j]``.
 
 ``ahead_counts(block, rows, cols, row_index, col_index) -> (rows, cols or None)``, each an :class:`Ahead`:
     per row (column), the columns (rows) of the block ahead of its best positive (``rows`` / ``cols``: the
     global :class:`Best` thresholds: scoring strictly higher, or equal with a lower global index), leaving out
     the entries with the row's id when ids are given without ``multi_positive``, and how many of its scores
     are not finite. The threshold and every score compared with it come from the same tile product.
+
+MaxSim contrastive loss (:func:`infcl.cal_maxsim_loss`; late interaction) — ``Block.q`` is ``[Bq, Lq, D]`` token
+embeddings, ``Block.k`` ``[Bk, Lk, D]``, with ``q_weight`` ``[Bq, Lq]`` (a query token's weight: 0 for a masked token,
+1 or 1 / the query's real token count) and ``k_mask`` ``[Bk, Lk]`` (bool, the real document tokens; None: all). The
+scores are S = scale * R with R[i, j] = sum_t w[i, t] * max_{u real} q[i, t] . k[j, u] (a document with no real token:
+R = -inf where the query has a weighted token, 0 elsewhere); a masked document token never wins a max, and among
+equal maxima the lowest u does. The softmax over S is the plain softmax loss's, one direction, with ``pos`` and the
+ids' false negatives (``masks``, a :class:`MaskOptions` with ids only: a column with the row's id that is
+not its positive is left out):
+
+``maxsim_forward_block(block) -> rows [3, Bq]``: as ``forward_block``'s rows (stats over the block, positive score)
+
+``maxsim_backward_block(block, dq, dk) -> dscale [2]`` with ``row_stats`` and ``g_row``: dS = g * (P - Y) on the
+S tile as for the softmax loss, each entry routed to the maximal token pair that formed it: with
+C[i, t, j] = scale * dS[i, j] * w[i, t] and u*(i, t, j) the winning document token, the sparse P over the token tile
+(P[(i, t), (j, u*)] = C) gives ``dq += P @ k`` and ``dk += P.T @ q`` (products in a fixed order, no atomics);
+``dscale = (sum dS * R, 0)`` (the second term, a column direction's, is always 0).
 
 Top-k search (:func:`infcl.topk_scores`; no scale: the top-k of q @ k.T), one pass, with ``col_index`` the
 global indices of the block's columns (increasing):
@@ -101,14 +119,14 @@ global indices of the block's columns (increasing):
     eligible columns: each row leaves with its n best by (key desc, global index asc), where the key is the
     score (``largest``) or its negation (exact: the order reversed, ties kept), best first, and with the NaN
     scores among its eligible columns added to ``found.nan``. Eligible: every column, less the row's positive
-    (``block.pos``, where ``exclude_positive``) and the columns with the row's id (``block.q_ids`` /
-    ``block.k_ids``). Slots past the eligible columns hold (-inf, :data:`NO_INDEX`). The order is strict
+    (``block.pos``, where ``exclude_positive``) and the columns with the row's id (``block.masks``'
+    ``q_ids`` / ``k_ids``). Slots past the eligible columns hold (-inf, :data:`NO_INDEX`). The order is strict
     (global indices are unique), so the n best of a union are the n best of its parts' n best: the lists
     depend on the scores alone, never on the tiles, the thread count or the world size.
 """
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol, Tuple
+from dataclasses import dataclass, replace
+from typing import ClassVar, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -118,6 +136,58 @@ Tensor = torch.Tensor
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other float dtype accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class MaskOptions:
+    """One call's mask options (:mod:`infcl.masks`): which columns are a row's positives and which are left
+    out of its softmax. One value from the API (:func:`infcl.checks.make_masks`) through the losses, the
+    ring and every backend (``Block.masks``) to the launch, which flattens it (the native op call, the
+    Triton custom ops' schemas). None fields are unused.
+
+    The k side (:data:`K_SIDE`: the columns' ids, guide features and thresholds) travels with its k block
+    around the ring: :meth:`k_side` gives the tensors to send, :meth:`holding` the options of the block
+    held at a step. The guide thresholds are set once, by the pass before the loss (:mod:`infcl.function`).
+    """
+
+    q_ids: Optional[Tensor] = None  # [Bq] int64 ids of the rows, on q's device
+    k_ids: Optional[Tensor] = None  # [Bk] int64 ids of the columns (in a Block: the held block's)
+    # Which columns are positives: None (softmax: ``pos``; the ids' matches are false negatives), "mean" |
+    # "sum" (softmax: every column with the row's id), "any" (retrieval ranks: every column with the row's id).
+    # The sigmoid loss with ids has every column with the row's id as a positive, whatever this field.
+    multi_positive: Optional[str] = None
+    guide_q: Optional[Tensor] = None  # [Bq, D'] guide features of the rows (detached; in a Block: accumulation dtype)
+    guide_k: Optional[Tensor] = None  # [Bk, D'] guide features of the columns
+    margin: float = 0.0  # the guide threshold's margin and strategy (infcl.masks.guide_threshold)
+    strategy: str = "absolute"
+    row_threshold: Optional[Tensor] = None  # [Bq]: G[i, j] above it excludes column j from row i
+    col_threshold: Optional[Tensor] = None  # [Bk]: G[i, j] above it excludes row i from column j (symmetric only)
+
+    K_SIDE: ClassVar[Tuple[str, ...]] = ("k_ids", "guide_k", "col_threshold")  # one row per k row: travel with k
+
+    @property
+    def has_guide(self) -> bool:
+        return self.guide_q is not None
+
+    @property
+    def has_ids(self) -> bool:
+        return self.q_ids is not None
+
+    @property
+    def loss_kind(self) -> str:
+        """ "sum" (lse of the positives) or "mean" (mean of the positives' logits; one positive is its own mean)."""
+        return "sum" if self.multi_positive == "sum" else "mean"
+
+    def k_side(self) -> Tuple[Tensor, ...]:
+        """The k side's tensors that are set, in :data:`K_SIDE` order: what travels with this rank's k block."""
+        return tuple(t for t in (getattr(self, name) for name in self.K_SIDE) if t is not None)
+
+    def holding(self, k_side: Tuple[Tensor, ...]) -> "MaskOptions":
+        """These options with the k side of the block held at a ring step (``k_side``: that block's
+        :meth:`k_side`, which the ring carried along with it)."""
+        names = tuple(name for name in self.K_SIDE if getattr(self, name) is not None)
+        assert len(names) == len(k_side), "k_side is another MaskOptions' (its set fields differ)"
+        return replace(self, **dict(zip(names, k_side)))
 
 
 @dataclass(frozen=True)
@@ -133,18 +203,15 @@ class Block:
     col_stats: Optional[Tensor] = None  # [2, Bk] global stats of each column (symmetric backward)
     g_col: Optional[Tensor] = None  # [Bk] upstream gradient of each column's loss (symmetric backward)
     bias: Optional[Tensor] = None  # 0-d like scale: the sigmoid loss's logit bias (None for softmax)
-    # Masks (softmax loss; see the module docstring), all None for the plain loss.
-    q_ids: Optional[Tensor] = None  # [Bq] int64 ids of the rows
-    k_ids: Optional[Tensor] = None  # [Bk] int64 ids of the block's columns
-    guide_q: Optional[Tensor] = None  # [Bq, D'] guide features of the rows (guide accumulation dtype)
-    guide_k: Optional[Tensor] = None  # [Bk, D'] guide features of the block's columns
-    row_threshold: Optional[Tensor] = None  # [Bq]: G[i, j] above it excludes column j from row i
-    col_threshold: Optional[Tensor] = None  # [Bk]: G[i, j] above it excludes row i from column j (symmetric)
-    multi_positive: Optional[str] = None  # None (positive: pos) | "mean" | "sum" (positives: same id)
+    # Masks (see the module docstring): the rows' and the held block's ids and guide, None for the plain loss.
+    masks: Optional[MaskOptions] = None
     row_pos_count: Optional[Tensor] = None  # [Bq] |P(i)|, global (masked backward, "mean")
     row_pos_stats: Optional[Tensor] = None  # [2, Bq] global stats of the row's positives (masked backward, "sum")
     col_pos_count: Optional[Tensor] = None  # [Bk] the same per column (symmetric)
     col_pos_stats: Optional[Tensor] = None  # [2, Bk]
+    # MaxSim (late interaction; q [Bq, Lq, D], k [Bk, Lk, D]; see the module docstring), None otherwise.
+    q_weight: Optional[Tensor] = None  # [Bq, Lq] accumulation dtype: each query token's weight in its score
+    k_mask: Optional[Tensor] = None  # [Bk, Lk] bool: the block's real document tokens
 
     @property
     def symmetric(self) -> bool:
@@ -152,13 +219,24 @@ class Block:
 
     @property
     def masked(self) -> bool:
-        return self.q_ids is not None or self.guide_q is not None
+        return self.masks is not None
 
     @property
     def upstream(self) -> tuple:
         """(row_stats, g_row, col_stats, g_col): the backward's global stats and upstream gradients, in the order
         every backward op takes them."""
         return self.row_stats, self.g_row, self.col_stats, self.g_col
+
+
+def block_ids(block: Block) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(q_ids, k_ids) of the block's mask options, (None, None) without: the retrieval ranks' and the top-k
+    search's ops take the ids alone."""
+    return (None, None) if block.masks is None else (block.masks.q_ids, block.masks.k_ids)
+
+
+def any_positive(block: Block) -> bool:
+    """Whether every column with the row's id is a positive (the ranks' ``any_positive``), not ``pos`` alone."""
+    return block.masks is not None and bool(block.masks.multi_positive)
 
 
 class BlockBackend(Protocol):
@@ -265,6 +343,19 @@ class RankBlockBackend(Protocol):
     def ahead_counts(
         self, block: Block, rows: Best, cols: Optional[Best], row_index: Tensor, col_index: Tensor
     ) -> Tuple[Ahead, Optional[Ahead]]: ...
+
+
+# --- MaxSim (late interaction) -----------------------------------------------------------------------
+
+
+class MaxSimBlockBackend(Protocol):
+    """The MaxSim loss's block operations (see the module docstring)."""
+
+    name: str
+
+    def maxsim_forward_block(self, block: Block) -> Tensor: ...
+
+    def maxsim_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor: ...
 
 
 # --- top-k search ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The three autograd Functions behind ``cal_inf_loss``, ``cal_siglip_loss`` and ``cal_distill_loss`` for every
-non-reference backend, all on the one ring driver.
+"""The autograd Functions behind ``cal_inf_loss``, ``cal_siglip_loss``, ``cal_distill_loss`` and ``cal_maxsim_loss``
+for every non-reference backend, all on the one ring driver.
 
 :class:`InfLossFunction` (softmax): forward runs the ring driver with the softmax loss's block steps and
 returns per-row (and, for the symmetric loss, per-column) losses ``(max - positive) + rel``; it saves
@@ -15,7 +15,7 @@ block steps (:mod:`infcl.losses.distill`); it saves q, k, the teacher's features
 stats (the student's and the teacher's); the teacher gets no gradient.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -23,9 +23,13 @@ from torch.autograd.function import once_differentiable
 
 from .contract import accum_dtype
 from .losses.distill import DistillSteps, DistillUpstream
+from .losses.matryoshka import MatryoshkaSteps
+from .losses.maxsim import MaxSimSteps
 from .losses.sigmoid import SigmoidSteps, SigmoidUpstream
+from .losses.smoothing import SmoothedIdsSteps, SmoothedSoftmaxSteps
 from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
 from .masks import MaskOptions, guide_dtype, guide_threshold
+from .matryoshka import Prefixes
 from .ring.driver import ring_backward, ring_forward
 from .ring.layout import RingLayout
 
@@ -37,7 +41,9 @@ class LossPlan:
     backend: object  # the backend object (infcl.backends.resolve.backend_object): the loss's block operations
     symmetric: bool
     layout: RingLayout
-    masks: Optional[MaskOptions] = None  # the softmax loss's ids / multi-positive / guide options (softmax only)
+    masks: Optional[MaskOptions] = None  # ids / multi-positive / guide options (softmax); ids (sigmoid)
+    label_smoothing: float = 0.0  # the softmax loss's eps (infcl.losses.smoothing; softmax only)
+    prefixes: Optional[Prefixes] = None  # Matryoshka prefixes (infcl.matryoshka; MatryoshkaLossFunction only)
 
 
 def device_scale(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -91,22 +97,63 @@ class InfLossFunction(torch.autograd.Function):
 
 def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
     """The softmax loss's ring steps: plain, or with the mask options (the guide thresholds found first,
-    :class:`GuideScores`)."""
+    :class:`GuideScores`, and set on the one :class:`~infcl.masks.MaskOptions` value the ring carries on)."""
     masks = plan.masks
+    if masks is None and plan.label_smoothing:
+        layout = plan.layout
+        return SmoothedSoftmaxSteps(plan.symmetric, plan.label_smoothing, layout.total_k, layout.total_q)
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
-    guide_q = guide_k = row_threshold = col_threshold = None
+    if plan.label_smoothing:  # ids only (infcl.checks.check_label_smoothing)
+        return SmoothedIdsSteps(plan.symmetric, plan.label_smoothing, masks)
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
         guide_q, guide_k = masks.guide_q.to(gdt), masks.guide_k.to(gdt)
         scores = GuideScores(plan.symmetric, q.dtype)
         rows, cols = ring_forward(guide_q, guide_k, None, labels, scores, plan.backend, plan.layout)
-        row_threshold = guide_threshold(rows.score, masks.margin, masks.strategy)
+        col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy) if plan.symmetric else None
+        masks = replace(
+            masks,
+            guide_q=guide_q,
+            guide_k=guide_k,
+            row_threshold=guide_threshold(rows.score, masks.margin, masks.strategy),
+            col_threshold=col_threshold,
+        )
+    return MaskedSoftmaxSteps(plan.symmetric, masks)
+
+
+class MatryoshkaLossFunction(torch.autograd.Function):
+    """(row losses [K, Bq], column losses [K, Bk] or empty, row infos [K, 3, Bq], column infos [K, 3, Bk] or
+    empty): the softmax loss of each Matryoshka prefix (:mod:`infcl.matryoshka`, increasing dims), out of one
+    tiled pass forward and one backward; saves q, k, the scale, the labels and the ``[2, K, n]`` stats."""
+
+    @staticmethod
+    def forward(ctx, q, k, scale, labels, plan: LossPlan):
+        ring = MatryoshkaSteps(plan.symmetric, plan.prefixes)
+        scale_t = device_scale(scale, q)
+        rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
+        row_loss, row_info, saved = ring.losses(rows), rows.info(), ring.saved(rows)
         if plan.symmetric:
-            col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy)
-    return MaskedSoftmaxSteps(
-        plan.symmetric, masks.multi_positive, masks.q_ids, masks.k_ids, guide_q, guide_k, row_threshold, col_threshold
-    )
+            col_loss, col_info = ring.losses(cols), cols.info()
+            saved += ring.saved(cols)
+        else:
+            col_loss, col_info = row_loss.new_empty(row_loss.shape[0], 0), row_info.new_empty(row_info.shape[0], 3, 0)
+        ctx.save_for_backward(q, k, scale_t, labels, *saved)
+        ctx.plan, ctx.ring = plan, ring
+        ctx.scale_meta = _param_meta(scale)
+        ctx.mark_non_differentiable(labels, row_info, col_info)
+        return row_loss, col_loss, row_info, col_info
+
+    @staticmethod
+    @once_differentiable  # the backward is itself a tiled loop: no double backward
+    def backward(ctx, g_row, g_col, _g_row_info, _g_col_info):
+        plan: LossPlan = ctx.plan
+        q, k, scale_t, labels, *saved = ctx.saved_tensors
+        rows = ctx.ring.upstream(saved[:1], g_row)
+        cols = ctx.ring.upstream(saved[1:], g_col) if plan.symmetric else None
+        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ctx.ring, plan.backend, plan.layout, rows, cols)
+        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
+        return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
 
 
 class SigmoidLossFunction(torch.autograd.Function):
@@ -115,7 +162,7 @@ class SigmoidLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, bias, labels, plan: LossPlan):
         scale_t, bias_t = device_scale(scale, q), device_scale(bias, q)
-        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidSteps(bias_t), plan.backend, plan.layout)
+        rows, _ = ring_forward(q, k, scale_t, labels, SigmoidSteps(bias_t, plan.masks), plan.backend, plan.layout)
         ctx.save_for_backward(q, k, scale_t, bias_t, labels)
         ctx.plan = plan
         ctx.param_meta = (_param_meta(scale), _param_meta(bias))
@@ -128,7 +175,7 @@ class SigmoidLossFunction(torch.autograd.Function):
         q, k, scale_t, bias_t, labels = ctx.saved_tensors
         # The upstream gradient of a mean is an expanded (stride 0) vector: an O(B) copy makes it plain.
         rows = SigmoidUpstream(g_row.to(scale_t.dtype).contiguous())
-        ring = SigmoidSteps(bias_t)
+        ring = SigmoidSteps(bias_t, plan.masks)
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, None)
         grads = [_param_grad(ctx.needs_input_grad[2 + i], dparams[i], meta) for i, meta in enumerate(ctx.param_meta)]
         return dq.to(q.dtype), dk.to(k.dtype), *grads, None, None
@@ -168,3 +215,29 @@ class DistillLossFunction(torch.autograd.Function):
         dq, dk, dparams = ring_backward(q, k, scale_t, labels, ring, plan.backend, plan.layout, rows, cols)
         scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
         return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None, None, None
+
+
+class MaxSimLossFunction(torch.autograd.Function):
+    """Per-query losses ``[Bq]`` and info ``[3, Bq]`` of the MaxSim loss (see ``cal_maxsim_loss``): q [Bq, Lq, D]
+    and the documents [Bk, Lk, D] get gradients, the token weights, masks and ids (in ``steps``) none. Saves q, the
+    documents, the labels and the ``[2, Bq]`` stats."""
+
+    @staticmethod
+    def forward(ctx, q, docs, scale, labels, plan: LossPlan, steps: MaxSimSteps):
+        scale_t = device_scale(scale, q)
+        rows, _ = ring_forward(q, docs, scale_t, labels, steps, plan.backend, plan.layout)
+        loss, info = steps.losses(rows), rows.info()
+        ctx.save_for_backward(q, docs, scale_t, labels, *steps.saved(rows))
+        ctx.plan, ctx.steps, ctx.scale_meta = plan, steps, _param_meta(scale)
+        ctx.mark_non_differentiable(info)
+        return loss, info
+
+    @staticmethod
+    @once_differentiable  # the backward is itself a tiled loop: no double backward
+    def backward(ctx, g_row, _g_info):
+        plan: LossPlan = ctx.plan
+        q, docs, scale_t, labels, *saved = ctx.saved_tensors
+        rows = ctx.steps.upstream(saved, g_row)
+        dq, dk, dparams = ring_backward(q, docs, scale_t, labels, ctx.steps, plan.backend, plan.layout, rows, None)
+        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
+        return dq.to(q.dtype), dk.to(docs.dtype), scale_grad, None, None, None

@@ -18,14 +18,15 @@ For row i and global column j, with ``same(i, j) = q_ids[i] == k_ids[j]`` (the s
   whose label is j (labels are a permutation).
 
 Everything here is O(B): ids and guide features travel with their rows, and every backend that supports
-these options forms P and E inside its tiles (``Block`` fields, :mod:`infcl.contract`).
+these options forms P and E inside its tiles. The options are one value, :class:`MaskOptions`
+(:mod:`infcl.contract`), from the API to the kernels' launch (``Block.masks``).
 """
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
+from .contract import MaskOptions as MaskOptions  # re-exported: defined on the ground floor, in Block
 from .lse import MAX, REL, empty_stats, lse_merge
 
 Tensor = torch.Tensor
@@ -38,32 +39,6 @@ MULTI_POSITIVE = (None, "mean", "sum")
 POS_MAX, POS_REL, POS_SUM, POS_COUNT = 2, 3, 4, 5
 MASKED_ROWS = 6
 MARGIN_STRATEGIES = ("absolute", "relative")
-
-
-@dataclass(frozen=True)
-class MaskOptions:
-    """One call's mask options, validated (:func:`infcl.checks.make_masks`); None fields are unused."""
-
-    q_ids: Optional[Tensor]  # [Bq] int64 on q's device
-    k_ids: Optional[Tensor]  # [Bk] int64 on k's device
-    multi_positive: Optional[str]  # None | "mean" | "sum"
-    guide_q: Optional[Tensor]  # [Bq, D'] detached, any float dtype (both guide tensors share it)
-    guide_k: Optional[Tensor]  # [Bk, D']
-    margin: float
-    strategy: str  # "absolute" | "relative"
-
-    @property
-    def has_guide(self) -> bool:
-        return self.guide_q is not None
-
-    @property
-    def has_ids(self) -> bool:
-        return self.q_ids is not None
-
-    @property
-    def loss_kind(self) -> str:
-        """ "sum" (lse of the positives) or "mean" (mean of the positives' logits; one positive is its own mean)."""
-        return "sum" if self.multi_positive == "sum" else "mean"
 
 
 def guide_threshold(positive_score: Tensor, margin: float, strategy: str) -> Tensor:

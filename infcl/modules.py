@@ -61,6 +61,8 @@ class InfCLIPLoss(nn.Module):
     The mask options of :func:`infcl.cal_inf_loss` (:mod:`infcl.masks`): ``multi_positive``,
     ``guide_margin`` and ``guide_margin_strategy`` are set here; the per-batch ``q_ids`` / ``k_ids`` (one id
     per image / text) and ``guide`` (guide features of the images and texts) are passed to ``forward``.
+    ``label_smoothing`` and ``matryoshka`` (prefix dims, or an :class:`infcl.Matryoshka`): those of
+    :func:`infcl.cal_inf_loss`.
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class InfCLIPLoss(nn.Module):
         multi_positive: Optional[str] = None,
         guide_margin: float = 0.0,
         guide_margin_strategy: str = "absolute",
+        label_smoothing: float = 0.0,
+        matryoshka=None,
     ):
         super().__init__()
         if use_horovod:
@@ -88,6 +92,8 @@ class InfCLIPLoss(nn.Module):
         self.multi_positive = multi_positive
         self.guide_margin = guide_margin
         self.guide_margin_strategy = guide_margin_strategy
+        self.label_smoothing = label_smoothing
+        self.matryoshka = matryoshka
 
     def forward(
         self,
@@ -125,6 +131,8 @@ class InfCLIPLoss(nn.Module):
             guide=guide,
             guide_margin=self.guide_margin,
             guide_margin_strategy=self.guide_margin_strategy,
+            label_smoothing=self.label_smoothing,
+            matryoshka=self.matryoshka,
         )
         if logit_bias is not None:
             loss = loss + _cancelled_bias(logit_bias, loss)
@@ -195,7 +203,9 @@ class InfSigLipLoss(nn.Module):
     ``InfSigLipLoss()(image_features, text_features, logit_scale, logit_bias, output_dict=False)`` with
     the already-exponentiated ``logit_scale`` and the ``logit_bias`` that open_clip's SigLIP models return
     (``logit_bias=None``: no bias). The loss is :func:`infcl.cal_siglip_loss` with its defaults: each
-    row against every text, diagonal positives, the sum divided by the local batch size.
+    row against every text, diagonal positives, the sum divided by the local batch size. infcl's keywords
+    ``q_ids`` / ``k_ids`` (per batch, this rank's rows: :func:`infcl.cal_siglip_loss`) make every text with
+    the image's id a positive (several captions per image).
 
     The defaults are open_clip's, and so are the loss values and gradients they give: ``world_size=1`` (the
     default) without a ``group`` compares this rank's features only, even under an initialized
@@ -247,9 +257,19 @@ class InfSigLipLoss(nn.Module):
         logit_scale,
         logit_bias,
         output_dict: bool = False,
+        *,
+        q_ids: Optional[torch.Tensor] = None,
+        k_ids: Optional[torch.Tensor] = None,
     ):
         group = loss_group(self, "InfSigLipLoss")
         loss = cal_siglip_loss(
-            image_features, text_features, logit_scale, logit_bias, group=group, backend=self.backend
+            image_features,
+            text_features,
+            logit_scale,
+            logit_bias,
+            q_ids=q_ids,
+            k_ids=k_ids,
+            group=group,
+            backend=self.backend,
         )
         return {"contrastive_loss": loss} if output_dict else loss

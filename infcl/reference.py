@@ -44,19 +44,21 @@ def _gather(x: torch.Tensor, layout: RingLayout, sizes) -> torch.Tensor:
     return x if layout.world == 1 else _GatherRows.apply(x, layout, sizes)
 
 
-def reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout):
-    """Per-row (and per-column) losses of this rank, computed on materialized logits."""
+def reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout, label_smoothing: float = 0.0):
+    """Per-row (and per-column) losses of this rank, computed on materialized logits (``label_smoothing``:
+    ``F.cross_entropy``'s)."""
     acc = accum_dtype(q.dtype)
     qa, ka, s = q.to(acc), k.to(acc), scale.to(acc)
     k_all = _gather(ka, layout, layout.k_sizes)
-    row_loss = F.cross_entropy(s * qa @ k_all.T, labels, reduction="none")
+    row_loss = F.cross_entropy(s * qa @ k_all.T, labels, reduction="none", label_smoothing=label_smoothing)
     if not symmetric:
         return row_loss, row_loss.new_empty(0)
     q_all = _gather(qa, layout, layout.q_sizes)
     all_labels = _gather(labels, layout, layout.q_sizes) if layout.world > 1 else labels
     inverse = torch.argsort(all_labels)  # inverse[c] = the row whose positive is column c
     off = layout.k_offsets[layout.rank]
-    col_loss = F.cross_entropy(s * ka @ q_all.T, inverse[off : off + k.shape[0]], reduction="none")
+    col_labels = inverse[off : off + k.shape[0]]
+    col_loss = F.cross_entropy(s * ka @ q_all.T, col_labels, reduction="none", label_smoothing=label_smoothing)
     return row_loss, col_loss
 
 
@@ -65,7 +67,9 @@ def _gather_plain(x: torch.Tensor, layout: RingLayout, sizes) -> torch.Tensor:
     return x if layout.world == 1 else _GatherRows.apply(x.detach(), layout, sizes)
 
 
-def masked_reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLayout, masks: Optional[MaskOptions]):
+def masked_reference_losses(
+    q, k, scale, labels, symmetric: bool, layout: RingLayout, masks: Optional[MaskOptions], label_smoothing=0.0
+):
     """Per-row (and per-column) losses and ``[3, n]`` infos (:mod:`infcl.stats`) of this rank, on
     materialized logits, for any mask options (:mod:`infcl.masks`; None: the plain loss's positives).
 
@@ -74,11 +78,13 @@ def masked_reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLa
     """
     acc = accum_dtype(q.dtype)
     qa, ka, s = q.to(acc), k.to(acc), scale.to(acc)
-    masks = masks or MaskOptions(None, None, None, None, None, 0.0, "absolute")
+    masks = masks or MaskOptions()
     k_all = _gather(ka, layout, layout.k_sizes)
     k_ids_all = None if masks.k_ids is None else _gather_plain(masks.k_ids, layout, layout.k_sizes)
     gk_all = None if masks.guide_k is None else _gather_plain(masks.guide_k, layout, layout.k_sizes)
-    rows = _masked_direction(s * qa @ k_all.T, labels, masks.q_ids, k_ids_all, masks.guide_q, gk_all, masks)
+    rows = _masked_direction(
+        s * qa @ k_all.T, labels, masks.q_ids, k_ids_all, masks.guide_q, gk_all, masks, label_smoothing
+    )
     if not symmetric:
         return rows, (None, None)
     q_all = _gather(qa, layout, layout.q_sizes)
@@ -87,12 +93,15 @@ def masked_reference_losses(q, k, scale, labels, symmetric: bool, layout: RingLa
     gq_all = None if masks.guide_q is None else _gather_plain(masks.guide_q, layout, layout.q_sizes)
     off = layout.k_offsets[layout.rank]
     col_labels = torch.argsort(labels_all)[off : off + k.shape[0]]  # the row whose positive is each column
-    cols = _masked_direction(s * ka @ q_all.T, col_labels, masks.k_ids, q_ids_all, masks.guide_k, gq_all, masks)
+    cols = _masked_direction(
+        s * ka @ q_all.T, col_labels, masks.k_ids, q_ids_all, masks.guide_k, gq_all, masks, label_smoothing
+    )
     return rows, cols
 
 
-def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks: MaskOptions):
-    """(loss [n], info [3, n]) of one direction: rows of ``logits`` [n, m] against its m columns."""
+def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks: MaskOptions, label_smoothing=0.0):
+    """(loss [n], info [3, n]) of one direction: rows of ``logits`` [n, m] against its m columns; with
+    ``label_smoothing`` eps, (1 - eps) * the loss + eps * (lse - the mean logit over the columns kept)."""
     n, m = logits.shape
     neg_inf = float("-inf")
     one_hot = torch.zeros(n, m, dtype=torch.bool, device=logits.device).scatter_(1, labels[:, None], True)
@@ -120,6 +129,10 @@ def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks:
     else:
         pos_term = pos_mean
     loss = torch.where(valid, lse - pos_term, float("nan"))
+    if label_smoothing:
+        kept = ~safe_excluded
+        uniform = lse - torch.where(kept, logits, 0).sum(dim=1) / kept.sum(dim=1)
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * uniform
     if guide is not None:  # NaN times the loss: NaN gradients too, as NaN features give
         loss = loss * torch.where(bad, float("nan"), 1.0).to(loss.dtype)
     with torch.no_grad():
@@ -130,11 +143,16 @@ def _masked_direction(logits, labels, ids, other_ids, guide, other_guide, masks:
     return loss, info
 
 
-def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout):
+def sigmoid_reference_losses(q, k, scale, bias, labels, layout: RingLayout, masks: Optional[MaskOptions] = None):
     """Per-row sigmoid (SigLIP) losses of this rank on materialized logits, as open_clip's SigLipLoss
-    writes them: ``-logsigmoid(z * (scale * q @ k_all.T + bias)).sum(1)``, z = +1 at the label, -1 elsewhere."""
+    writes them: ``-logsigmoid(z * (scale * q @ k_all.T + bias)).sum(1)``, z = +1 at the label (with ``masks``:
+    wherever the ids match), -1 elsewhere."""
     acc = accum_dtype(q.dtype)
     k_all = _gather(k.to(acc), layout, layout.k_sizes)
     logits = scale.to(acc) * q.to(acc) @ k_all.T + bias.to(acc)
-    signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    if masks is None:
+        signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    else:
+        k_ids_all = _gather_plain(masks.k_ids, layout, layout.k_sizes)
+        signs = torch.where(masks.q_ids[:, None] == k_ids_all[None, :], 1.0, -1.0).to(acc)
     return -F.logsigmoid(signs * logits).sum(dim=1)

@@ -4,7 +4,15 @@ import torch
 
 from .api import call_layout, reduce_losses
 from .backends import backend_object, resolve_backend
-from .checks import check_features, check_reduction, global_labels, local_labels, make_bias, make_scale
+from .checks import (
+    check_features,
+    check_reduction,
+    global_labels,
+    local_labels,
+    make_bias,
+    make_scale,
+    make_sigmoid_ids,
+)
 from .function import LossPlan, SigmoidLossFunction
 from .reference import sigmoid_reference_losses
 from .ring.layout import rejected_everywhere, ring_group
@@ -19,6 +27,8 @@ def cal_siglip_loss(
     bias,
     labels=None,
     *,
+    q_ids=None,
+    k_ids=None,
     reduction: str = "mean",
     group=None,
     backend: str = "auto",
@@ -34,6 +44,11 @@ def cal_siglip_loss(
         bias: logit bias, e.g. open_clip's ``logit_bias``: as ``scale``; None means no bias (0).
         labels: [Bq] integer column of each row's positive; None is the diagonal (Bq == Bk). Under a
             ring (see ``group``) these are global column indices.
+        q_ids, k_ids: [Bq] and [Bk] integer ids (both or neither, on the features' device; not with
+            ``labels``): every column whose id equals the row's is a positive (z = +1), every other column a
+            negative (several captions of one image, SigLIP with grouped positives). Under a ring each rank
+            passes its local ones; Bq and Bk may then differ on any rank. O(B): the ids travel with their
+            rows, the positives are formed inside the tiles.
         reduction: "mean" (the sum over the local rows divided by their count, open_clip's
             ``-logsigmoid(...).sum() / B``), "sum", or "none" (the [Bq] row losses).
         group: torch.distributed process group for the ring over ranks (default: the world group when
@@ -45,7 +60,7 @@ def cal_siglip_loss(
     Returns:
         0-d, or [Bq] for reduction="none"; float32 for float32/bfloat16/float16 inputs, float64 for float64.
 
-    Math: with z_ij = +1 where j is row i's positive and -1 elsewhere,
+    Math: with z_ij = +1 where j is row i's positive (with ids: where q_ids[i] == k_ids[j]) and -1 elsewhere,
     loss_i = sum_j -log sigmoid(z_ij * L_ij) = sum_j softplus(-z_ij * L_ij) over every global column j.
     Gradients: under a ring, image and text receive the gradient of the sum of every rank's loss, and
     scale and bias the gradient of this rank's own loss (DDP's averaging then gives the global mean).
@@ -58,11 +73,15 @@ def cal_siglip_loss(
         scale_t = make_scale(scale)
         bias_t = make_bias(bias)
         labels_t = local_labels(labels, image)
-    layout = call_layout(ring, image, text, labels_t)
-    labels_t = global_labels(labels_t, image, layout, symmetric=False, names=NAMES)
+        masks = make_sigmoid_ids(image, text, q_ids, k_ids, labels_t, NAMES)
+    layout = call_layout(ring, image, text, labels_t, masks)
+    if masks is None:
+        labels_t = global_labels(labels_t, image, layout, symmetric=False, names=NAMES)
+    else:  # the ids name the positives: no row's positive is found by its label
+        labels_t = torch.full((image.shape[0],), -1, dtype=torch.int64, device=image.device)
     if name == "reference":
-        rows = sigmoid_reference_losses(image, text, scale_t, bias_t, labels_t, layout)
+        rows = sigmoid_reference_losses(image, text, scale_t, bias_t, labels_t, layout, masks)
     else:
-        plan = LossPlan(backend=backend_object(name), symmetric=False, layout=layout)
+        plan = LossPlan(backend=backend_object(name), symmetric=False, layout=layout, masks=masks)
         rows = SigmoidLossFunction.apply(image, text, scale_t, bias_t, labels_t, plan)
     return reduce_losses(rows, reduction)

@@ -197,7 +197,7 @@ def test_reference_imports_nothing_of_the_tiled_path():
 
 
 def test_auto_runs_guided_losses_on_the_torch_tiles_on_cuda(monkeypatch):
-    """The guided Triton forward faulted on an H200 (README, "On a GPU"): "auto" keeps guided calls on the
+    """The guided Triton forward faulted on an H200 (README, "Known issue"): "auto" keeps guided calls on the
     torch tiles on CUDA, with one warning; unguided calls and an explicit backend="triton" are unchanged."""
     from infcl.backends import resolve as backends
 

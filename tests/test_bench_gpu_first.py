@@ -1,6 +1,6 @@
-"""bench.gpu_first's control flow on CPU (no GPU, no torch in the parent): the dry run's plan and files, the stage
-runner's handling of a failing, a hanging and a healthy step and of a spent budget, and the summary built from
-rows as the steps append them (with the static time model from the stored report). Seconds."""
+"""bench.gpu_first's control flow on CPU: the plan and its files, the stage runner's handling of a failing, a hanging
+and a healthy step and of a spent budget, and the summary built from rows as the steps append them (with the static
+time model from the stored report). Seconds. The dry run of every step: tests/test_chunked_bench.py."""
 
 import csv
 import sys
@@ -15,28 +15,20 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
-def test_dry_run_plans_every_step_and_writes_the_headers(tmp_path, capsys):
-    assert gpu_first.main(["--dry-run", "--out", str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
-    for step in (
-        "env",
-        "speed",
-        "kernels",
-        "correctness-bfloat16",
-        "correctness-float16",
-        "correctness-tf32",
-        "correctness-options",
-        "static",
-        "ab",
-    ):
-        assert f": {step} (timeout" in printed, step
+def test_plan_names_every_step_and_a_fresh_run_writes_the_headers(tmp_path, capsys):
+    """The plan printed, every file's header written, nothing run (--steps names no step)."""
+    assert gpu_first.main(["--dry-run", "--in-process", "--steps", "none", "--out", str(tmp_path)]) == 0
     for name, columns in gpu_first.FILES.items():
         with open(tmp_path / name, newline="") as f:
             assert next(csv.reader(f)) == list(columns), name
         assert _rows(tmp_path / name) == [], name
     assert (tmp_path / "summary.md").exists()
-    assert not (tmp_path / "logs.txt").exists()  # nothing ran
-    assert len(gpu_first.FILES) + 3 <= 8  # with static-model.csv, summary.md and logs.txt: a device run's limit
+    stages = gpu_first.plan(tmp_path, dry=True)
+    printed = [step.name for stage in stages for step in stage]
+    assert printed == ["env", "speed", "kernels", *(f"correctness-{p}" for p in gpu_first.CORRECTNESS_PARTS),
+                       "static", "route", "million", "peers", "autotable"]  # fmt: skip
+    assert all("--dry-run" in step.argv for stage in stages for step in stage)
+    assert len(gpu_first.FILES) + 3 <= 9  # with static-model.csv, summary.md and logs.txt
 
 
 def test_plan_orders_timed_steps_alone_and_filters():
@@ -44,7 +36,7 @@ def test_plan_orders_timed_steps_alone_and_filters():
     names = [[step.name for step in stage] for stage in stages]
     assert names[:3] == [["env"], ["speed"], ["kernels"]]  # nothing runs beside a timed step
     assert set(names[3]) == {f"correctness-{p}" for p in gpu_first.CORRECTNESS_PARTS} | {"static"}
-    assert names[4:] == [["ab"]]  # the chunked route's A/B (bench.gpu_ab), timed: alone and last
+    assert names[4:] == [["route"], ["million"], ["peers"], ["autotable"]]  # the route's timed steps: alone
     only = gpu_first.plan(gpu_first.DEFAULT_OUT, steps=["speed", "correctness"])
     assert [[s.name for s in stage] for stage in only][0] == ["speed"]
     assert len(only) == 2 and len(only[1]) == len(gpu_first.CORRECTNESS_PARTS)
@@ -55,7 +47,7 @@ def test_stage_timeouts_add_up_within_seven_minutes():
     20 s for the processes' starts and the summary."""
     stages = gpu_first.plan(gpu_first.DEFAULT_OUT)
     assert sum(max(step.timeout_s for step in stage) for stage in stages) <= gpu_first.BUDGET_S <= 420 - 20
-    assert set(gpu_first.STEPS) == {step.name.split("-")[0] for stage in stages for step in stage}
+    assert set(gpu_first.STEPS) == {step.kind for stage in stages for step in stage}
 
 
 def _python(code):
@@ -65,10 +57,10 @@ def _python(code):
 def test_run_stages_records_a_failure_and_a_timeout_and_goes_on(tmp_path):
     stages = [
         (
-            gpu_first.Step("fails", _python("import sys; print('it broke'); sys.exit(3)"), 30),
-            gpu_first.Step("hangs", _python("import time; time.sleep(60)"), 1),
+            gpu_first.Step("fails", "fails", "", _python("import sys; print('it broke'); sys.exit(3)"), 30),
+            gpu_first.Step("hangs", "hangs", "", _python("import time; time.sleep(60)"), 1),
         ),
-        (gpu_first.Step("works", _python("print('fine')"), 30),),
+        (gpu_first.Step("works", "works", "", _python("print('fine')"), 30),),
     ]
     summaries = []
     gpu_first.run_stages(stages, tmp_path, budget_s=60, after_stage=lambda: summaries.append(1))
@@ -84,7 +76,7 @@ def test_run_stages_records_a_failure_and_a_timeout_and_goes_on(tmp_path):
 
 
 def test_run_stages_skips_what_the_budget_does_not_cover(tmp_path):
-    stages = [(gpu_first.Step("never", _python("pass"), 30),)]
+    stages = [(gpu_first.Step("never", "never", "", _python("pass"), 30),)]
     gpu_first.run_stages(stages, tmp_path, budget_s=0)
     (row,) = _rows(tmp_path / "steps.csv")
     assert row["step"] == "never" and row["status"] == "skipped"
@@ -95,7 +87,7 @@ def test_summary_from_appended_rows_with_the_stored_model(tmp_path):
     out = tmp_path
     gpu_first.append_row(out / "env.csv", {"key": "device", "value": "NVIDIA H100 80GB HBM3"})
     gpu_first.append_row(out / "env.csv", {"key": "sms", "value": 132})
-    speed = {"batch": 32768, "dim": 512, "dtype": "bfloat16", "status": "ok", "bound_ms": 7.3}
+    speed = {"loss": "clip", "batch": 32768, "dim": 512, "dtype": "bfloat16", "status": "ok", "bound_ms": 7.3}
     gpu_first.append_row(out / "speed.csv", {"method": "torch.mm bf16 (q @ k.T)", "gemm_tflops": 750.0, **speed})
     gpu_first.append_row(out / "speed.csv", {"method": "triton", "time_ms": 47.9, "x_bound": 6.5, **speed})
     gpu_first.append_row(
@@ -119,6 +111,7 @@ def test_summary_from_appended_rows_with_the_stored_model(tmp_path):
         out / "correctness.csv",
         {
             "case": "plain",
+            "backend": "triton",
             "batch": 4096,
             "dtype": "float16",
             "symmetric": True,
@@ -130,9 +123,9 @@ def test_summary_from_appended_rows_with_the_stored_model(tmp_path):
     )
     text = gpu_first.write_summary(out).read_text()
     assert "NVIDIA H100 80GB HBM3" in text
-    assert "| 32768 | triton | 47.9 | 1.51 |" in text  # x vanilla = 47.9 / 31.8
+    assert "| clip | 32768 | triton | 47.9 | 1.51 |" in text  # x vanilla = 47.9 / 31.8
     assert "stored bench/results/static.csv" in text
     dq = next(line for line in text.splitlines() if line.startswith("| 32768 | dq |"))
     assert "%" in dq, dq  # the model's estimate and its error beside the measured time
-    assert "| plain | 4096 | float16 | sym |" in text and "8.2e-03" in text
-    assert "| triton bf16 symmetric fwd+bwd, B=16384 | 20.01 | 0.012 | 20.00 |" in text
+    assert "| plain | triton | 4096 | float16 | sym |" in text and "8.2e-03" in text
+    assert "| triton clip bf16 fwd+bwd, B=16384 | 20.01 | 0.012 | 20.00 |" in text

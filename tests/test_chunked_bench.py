@@ -1,12 +1,16 @@
-"""``python -m bench.gpu_ab --dry-run``: the chunked route's GPU A/B command runs its whole control flow on CPU at toy
-sizes, writes every step's rows and records how each step ended; the modelled time prints its assumptions."""
+"""The one GPU runner's dry run (``python -m bench.gpu_first --dry-run``): every step, the chunked route's included,
+runs its control flow on CPU tensors at toy sizes through the one runner and the one float64 harness, writes its rows
+and records how it ended; the auto table's suggestion from measured rows; the peers skipped gracefully on CPU; the
+modelled time prints its assumptions and per-kernel table from the compiled passes."""
 
 import csv
 import subprocess
 import sys
 from pathlib import Path
 
-from bench import chunked_model, gpu_ab, gpu_first
+import pytest
+
+from bench import chunked_model, gpu_first
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -16,53 +20,98 @@ def _rows(path: Path):
         return list(csv.DictReader(f))
 
 
-def test_dry_run_covers_every_step(tmp_path):
-    gpu_ab.main(["--dry-run", "--in-process", "--out", str(tmp_path)])
-    steps = {row["step"]: row["status"] for row in _rows(tmp_path / "steps.csv")}
-    assert steps == {name: "ok" for name, _, _ in gpu_ab.STEPS}
-    rows = _rows(tmp_path / "ab.csv")
-    assert {row["step"] for row in rows} == set(steps)
-    by = {(row["step"], row["case"], row["metric"]): row["value"] for row in rows}
-    assert by["bits", f"B={gpu_ab.DRY.bits}", "rerun identical"] == "1"
-    assert any(
-        step == "bits" and metric == "S fwd == bwd bits" and value == "1" for (step, _, metric), value in by.items()
-    )
-    errors = [row for row in rows if row["step"] == "errors" and row["metric"].endswith("rel err")]
-    cases = {row["case"].split(" chunked")[0] for row in errors if " chunked" in row["case"]}
-    assert cases == {name for name, *_ in gpu_ab.cases(None, 4, 4)}
-    assert all(float(row["value"]) < 0.05 for row in errors), "a dry-run error beyond bf16's class"
-    assert {row["metric"] for row in rows if row["step"] == "gemm"} >= {"scores", "dq", "dk"}
-    assert [row["value"] for row in rows if row["step"] == "million" and row["metric"] == "chunk plan"] == ["C=128"]
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-first-dry")
+    assert gpu_first.main(["--dry-run", "--in-process", "--out", str(out)]) == 0
+    return out
 
 
-def test_steps_run_in_their_own_processes_within_the_budget(tmp_path):
-    gpu_ab.main(["--dry-run", "--only", "env", "bits", "--out", str(tmp_path)])
-    steps = _rows(tmp_path / "steps.csv")
-    assert [(row["step"], row["status"]) for row in steps] == [("env", "ok"), ("bits", "ok")]
-    assert "==== env ====" in (tmp_path / "logs.txt").read_text()
-    gpu_ab.main(["--dry-run", "--only", "env", "--budget-s", "1", "--out", str(tmp_path / "spent")])
-    assert _rows(tmp_path / "spent" / "steps.csv")[0]["status"] == "skipped: budget spent"
+@pytest.mark.slow
+def test_dry_run_covers_every_step(dry_run):
+    steps = {row["step"]: row["status"] for row in _rows(dry_run / "steps.csv")}
+    names = [step.name for stage in gpu_first.plan(dry_run) for step in stage]
+    assert steps == {name: "ok" for name in names}
+    route = {(r["step"], r["case"], r["metric"]): r["value"] for r in _rows(dry_run / "route.csv")}
+    assert {step for step, _, _ in route} == {"probes", "gemm", "passes", "bits", "million", "peers", "autotable"}
+    assert route["bits", f"B={gpu_first.DRY.bits}", "rerun identical"] == "1"
+    assert any(step == "bits" and metric == "S fwd == bwd bits" and value == "1" for (step, _, metric), value in
+               route.items())  # fmt: skip
+    assert {metric for step, _, metric in route if step == "gemm"} >= {"scores", "dq", "dk"}
+    assert [v for (step, _, metric), v in route.items() if step == "million" and metric == "chunk plan"] == ["C=128"]
+    assert {metric for step, _, metric in route if step == "probes"} >= {"mm.dtype", "addmm.dtype"}
 
 
-def test_gpu_first_runs_the_ab_within_its_timeout(tmp_path):
-    """The one bounded GPU command (python -m bench --preset gpu-first) ends with the A/B, into out/ab, on a budget
-    that its seven timed steps fit and that ends before the step's timeout; the same arguments in a dry run."""
-    (ab,) = gpu_first.plan(tmp_path)[-1]
-    assert ab.name == "ab" and ab.argv[1:] == ("-m", "bench.gpu_first", "--step", "ab", "--out", str(tmp_path))
-    command = gpu_first.ab_command(tmp_path)  # what that step runs
-    assert command[1:3] == ("-m", "bench.gpu_ab")
-    args = list(command[3:])
-    assert args[:2] == ["--out", str(tmp_path / "ab")]
-    budget = float(args[args.index("--budget-s") + 1])
-    assert sum(timeout for _, _, timeout in gpu_ab.STEPS[:-1]) <= budget < ab.timeout_s
-    gpu_ab.main(args + ["--dry-run", "--only", "env"])
-    assert [(row["step"], row["status"]) for row in _rows(tmp_path / "ab" / "steps.csv")] == [("env", "ok")]
+@pytest.mark.slow
+def test_dry_run_errors_go_through_the_one_harness_with_several_chunks(dry_run):
+    rows = [r for r in _rows(dry_run / "correctness.csv") if r["status"] != "skipped"]
+    assert all(r["status"] == "ok" for r in rows), [r["note"] for r in rows if r["status"] != "ok"]
+    chunked = [r for r in rows if r["backend"] == "chunked"]
+    assert {r["case"] for r in chunked} == {"plain", "labels", "siglip"}
+    assert {r["dtype"] for r in chunked} == {"bfloat16", "float16", "tf32"}
+    assert all(r["note"] == f"chunk_rows={gpu_first.DRY.check_chunk_rows}" for r in chunked)
+    assert gpu_first.DRY.check[0] > 2 * gpu_first.DRY.check_chunk_rows  # several chunks a block
+    for r in rows:
+        assert r["within_tol"] == "True" and r["bit_identical"] == "True", r
+        assert r.get("within_vanilla") in ("True", ""), r
 
 
-def test_model_prints_its_assumptions():
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.chunked_model"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout
-    assert "MODEL" in out and "652" in out and "4.1" in out
-    times = chunked_model.modelled_ms(65536, 512, chunk_rows=2048)
-    assert 30 < times["overlapped"] <= times["serial"] + 1e-9 < 60, times
+@pytest.mark.slow
+def test_dry_run_speed_has_ours_and_the_peers_skipped_on_cpu(dry_run):
+    speed = _rows(dry_run / "speed.csv")
+    ours = {(r["method"], r["loss"], int(r["batch"])) for r in speed if r["status"] == "ok"}
+    for loss in ("clip", "siglip"):
+        for b in gpu_first.DRY.speed:
+            assert {("chunked", loss, b), ("torch", loss, b), ("vanilla", loss, b)} <= ours
+    peers = [r for r in speed if r["method"] in {name for name, *_ in gpu_first.PEERS}]
+    assert len(peers) == len(gpu_first.PEERS) * len(gpu_first.DRY.speed)
+    assert all(r["status"] == "skipped" and "CUDA-only" in r["note"] for r in peers)
+    assert "## The chunked route (route.csv)" in (dry_run / "summary.md").read_text()
+
+
+def test_one_step_runs_in_its_own_process(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_first", "--dry-run", "--steps", "env", "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [(r["step"], r["status"]) for r in _rows(tmp_path / "steps.csv")] == [("env", "ok")]
+    assert "==== env: ok ====" in (tmp_path / "logs.txt").read_text()
+
+
+def test_the_auto_table_suggestion_from_measured_rows():
+    def row(method, batch, ms, loss="clip"):
+        return {"method": method, "loss": loss, "batch": str(batch), "dtype": "bfloat16", "status": "ok",
+                "time_ms": str(ms)}  # fmt: skip
+
+    rows = [row("triton", 16384, 16.1), row("chunked", 16384, 17.0), row("triton", 32768, 49.5),
+            row("chunked", 32768, 11.0), row("triton", 65536, 191.9), row("chunked", 65536, 41.0)]  # fmt: skip
+    assert gpu_first.suggest_chunked_from(rows) == 32768
+    rows.append(row("chunked", 16384, 9.0, loss="siglip"))  # another loss: not read
+    assert gpu_first.suggest_chunked_from(rows) == 32768
+    slower_at_the_top = rows[:-2] + [row("chunked", 65536, 200.0)]
+    assert gpu_first.suggest_chunked_from(slower_at_the_top) is None
+    assert gpu_first.suggest_chunked_from([]) is None
+    from bench.gpu_first.autotable import family_of
+
+    assert (family_of("90"), family_of("100"), family_of("86"), family_of("")) == (90, 100, 86, None)
+
+
+def test_peers_that_are_not_downloaded_get_a_row_saying_why(tmp_path):
+    _, status = gpu_first.install(tmp_path, wheels=tmp_path / "nowhere")
+    assert set(status) == {dist for _, _, dist, _ in gpu_first.PEERS}
+    assert all(value.startswith("no wheel in") for value in status.values())
+
+
+def test_model_prints_its_assumptions_and_the_table_per_kernel():
+    out = subprocess.run([sys.executable, "-m", "bench.chunked_model"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert "MODEL" in out and "H100 SXM" in out and "H200" in out
+    for words in ("GEMM 652 TFLOP/s, HBM 4.1 TB/s", "GEMM 750 TFLOP/s, HBM 2.85 TB/s", "float32 output"):
+        assert words in out, words
+    for kernel in ("scores", "stats pass", "merge", "grad pass", "dq", "dk", "siglip pass", "launch gaps"):
+        assert f"\n{kernel} " in out, kernel
+    passes = chunked_model.read_passes(chunked_model.STATIC_CSV)
+    rows = chunked_model.model_loss("clip", 65536, chunked_model.GPUS["H200"], passes)
+    total = rows[-1]
+    assert total["kernel"] == "total" and total["ms"] == pytest.approx(sum(r["ms"] for r in rows[:-1]))
+    gemm_floor = 4 * 2.0 * 65536**2 * 512 / (652e12) * 1e3  # four GEMM-equivalents at the GEMM rate
+    assert gemm_floor < total["ms"] < 2 * gemm_floor

@@ -20,6 +20,7 @@ from helpers.support import (
 from infcl import cal_inf_loss
 from infcl.backends import chunked
 from infcl.backends.chunked import ChunkedBackend, torch_passes
+from infcl.lse import lse_merge
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -29,10 +30,12 @@ pytestmark = [
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """The passes' module with one tile a split, so that small chunks have several splits to merge."""
+    """The passes' module with one tile a split and two partials a load of the merge, so that small chunks have
+    several splits and row blocks to merge, over several loads."""
     from infcl.kernels import chunked_softmax
 
     monkeypatch.setattr(chunked_softmax, "CHUNK_SPLIT_TILES", 1)
+    monkeypatch.setattr(chunked_softmax, "CHUNK_MERGE_PARTS", 2)
     return chunked_softmax
 
 
@@ -48,7 +51,7 @@ def _scratch(c, n):
     return [torch.empty(c, n) for _ in range(2)]
 
 
-@pytest.mark.parametrize("c,n", ((5, 300), (64, 129), (70, 40)))
+@pytest.mark.parametrize("c,n", ((5, 300), (64, 129), (70, 40), (130, 70)))
 @pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
 def test_stats_pass_matches_the_torch_pass(kernels, c, n, symmetric):
     raw, pos = _scores(c, n, seed=c + n)
@@ -59,6 +62,27 @@ def test_stats_pass_matches_the_torch_pass(kernels, c, n, symmetric):
     assert_close_verbose(rows, want_rows, 1e-6, 1e-6, "rows")
     if symmetric:
         assert_close_verbose(cols, want_cols, 1e-6, 1e-6, "cols")
+
+
+def test_stats_pass_merges_a_chunk_into_the_running_columns(kernels):
+    """chunk_stats(..., cols) merges the chunk's column stats into the running ones in place, as lse_merge of the
+    chunk's stats would: an empty running column (the first chunk's), a column whose running max is far above the
+    chunk's and one far below, and a NaN running column."""
+    c, n = 37, 130
+    raw, pos = _scores(c, n, seed=11)
+    scale = torch.tensor(11.0)
+    running = torch.randn(2, n, generator=torch.Generator().manual_seed(12)).abs()
+    running[0, :10] = float("-inf")  # empty so far
+    running[1, :10] = float("-inf")
+    running[0, 10:20] += 80.0  # the running max far above the chunk's
+    running[0, 20:30] -= 80.0  # far below
+    running[:, 30] = float("nan")
+    want = lse_merge(running.clone(), kernels.chunk_stats(raw.clone(), scale, pos, True, torch.empty(3, c)))
+    got = running.clone()
+    assert kernels.chunk_stats(raw.clone(), scale, pos, True, torch.empty(3, c), got) is got
+    assert torch.isnan(got[:, 30]).all() and not torch.isnan(got[:, 31:]).any()
+    keep = torch.arange(n) != 30
+    assert_close_verbose(got[:, keep], want[:, keep], 1e-6, 1e-6, "running cols")
 
 
 @pytest.mark.parametrize("operand", (torch.float32, torch.bfloat16, torch.float16), ids=str)

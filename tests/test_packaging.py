@@ -63,6 +63,7 @@ def test_report_names_every_backend_and_compiles_nothing(tmp_path):
     out = result.stdout
     assert f"infcl {infcl.__version__}" in out
     assert f"torch {torch.__version__}" in out and "Triton" in out and "Python" in out
+    assert "infcl needs torch >= 2.8, Triton >= 3.4 for backend 'triton'" in out
     assert "devices: cpu" in out
     for backend in BACKENDS[1:]:
         assert re.search(rf"^  {backend} +on cpu: +\S", out, re.MULTILINE), f"no line for backend {backend!r}:\n{out}"

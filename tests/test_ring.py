@@ -4,7 +4,7 @@ One spawn of 4 processes runs every case and scenario on rings of 2, 3 and 4 ran
 the smaller rings are subgroups) and writes all results; the tests below only read them. The failure
 scenarios each spawn their own group of 2 or 3 processes, which they break.
 
-Convention checked (see README, "Across ranks"): rank r returns its local loss L_r; q_r.grad and
+Convention checked (see docs/ring.md): rank r returns its local loss L_r; q_r.grad and
 k_r.grad are d(sum_s L_s)/d(rank r's copy); scale.grad on rank r is dL_r/dscale, which summed over
 ranks is the full derivative.
 """

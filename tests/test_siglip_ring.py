@@ -3,7 +3,7 @@
 One spawn of 4 processes (tests/workers/siglip_ring_worker.py) runs everything on rings of 2, 3 and 4 ranks and
 writes all results; the tests below only read them.
 
-Convention checked (as cal_inf_loss's, see README "Across ranks"): rank r returns the loss L_r of its rows
+Convention checked (as cal_inf_loss's, see docs/ring.md): rank r returns the loss L_r of its rows
 against every rank's text; image_r.grad and text_r.grad are d(sum_s L_s)/d(rank r's copy); scale.grad and
 bias.grad on rank r are dL_r/dscale and dL_r/dbias, which summed over ranks are the full derivatives --
 exactly open_clip's SigLipLoss(rank, world_size), so DDP's averaging gives the global-mean gradient.

@@ -113,6 +113,7 @@ LBB1:
 --:-:-:-:1\tMUFU.EX2 R5, R5;
 --:-:-:-:1\tMUFU.EX2 R6, R6;
 --:-:-:-:1\tSHFL.BFLY PT, R7, R6, 0x1, 0x1f;
+--:-:-:-:1\tBAR.SYNC.DEFER_BLOCKING 0x0;
 --:-:-:-:1\t@P2 BRA LBB0;
 --:-:-:-:1\tMUFU.LG2 R8, R8;
 --:-:-:-:1\tEXIT;
@@ -120,12 +121,12 @@ LBB1:
 
 
 def test_tile_loop_counts_weights_the_chunk_loop():
-    # Tile loop: 1 HGMMA + [inner: 3 instructions] x (4 - 1) trips + 2 MUFU + 1 SHFL + 1 BRA.
+    # Tile loop: 1 HGMMA + [inner: 3 instructions, one a load] x (4 - 1) trips + 2 MUFU + 1 SHFL + 1 BAR + 1 BRA.
     counts = static.tile_loop_counts(LISTING, static.SASS, n_chunks=4)
-    assert counts == {"static": 8, "instr": 1 + 3 * 3 + 4, "mufu": 2, "ex2": 2, "shfl": 1}
+    assert counts == {"static": 9, "instr": 1 + 3 * 3 + 5, "mufu": 2, "ex2": 2, "shfl": 1, "bar": 1, "loads": 3}
     assert static.tile_loop_counts(LISTING.replace("MUFU.EX2", "FMUL"), static.SASS, 4) is None
     # a chunk loop the source does not peel (Inf-CL's loop over heads) runs n_chunks times
-    assert static.tile_loop_counts(LISTING, static.SASS, n_chunks=4, peeled=False)["instr"] == 1 + 3 * 4 + 4
+    assert static.tile_loop_counts(LISTING, static.SASS, n_chunks=4, peeled=False)["instr"] == 1 + 3 * 4 + 5
 
 
 def test_mma_kinds_reads_ptx_and_sass():
@@ -304,3 +305,34 @@ def test_inf_cl_kernels_compiled_and_counted():
         assert r["listing"] == "sass" and r["instr_per_entry"] > 0 and r["mufu_per_entry"] > 0, r["kernel"]
         assert r["async_mma"] > 0 and r["calls"] == static.INF_CL_CALLS
     assert by["inf-cl forward"]["flops_per_entry"] == 2 * 512 and by["inf-cl dq"]["flops_per_entry"] == 4 * 512
+
+
+@pytest.fixture(scope="module")
+def chunked_rows():
+    out = static.run_chunked(targets=(90,), workers=1)
+    if not out:
+        pytest.skip("the triton wheel's ptxas does not know sm_90")
+    print("\n" + static.format_chunked(out))
+    return out
+
+
+def test_chunked_passes_reported_without_spills(chunked_rows):
+    """The chunked route's passes as a GPU chunk launches them (even tiles, dS in bf16): each found with its tile
+    loop, the tiles without a positive issuing no more than the listing, no spills, the launch plan at every B."""
+    assert {r["kernel"] for r in chunked_rows} == {"chunk stats", "chunk merge", "chunk grad"}
+    for r in chunked_rows:
+        assert r["listing"] == "sass" and r["spill_bytes"] == 0, r
+        assert 0 < r["instr_per_entry_no_pos"] <= r["instr_per_entry"], r
+        assert r["bar_per_tile"] is not None and r["loads_per_tile"] > 0, r
+        for batch in static.BATCHES:
+            assert r[f"programs@{batch}"] >= 1 and r[f"chunk_rows@{batch}"] % 64 == 0, (r["kernel"], batch)
+    by = {r["kernel"]: r for r in chunked_rows}
+    assert by["chunk stats"]["hbm_bytes_per_entry"] == 4 and by["chunk grad"]["hbm_bytes_per_entry"] == 6
+    assert by["chunk grad"]["bar_per_tile"] == 0  # no cross-warp reduction in the backward's tile loop
+
+
+def test_stored_chunked_report_feeds_the_model():
+    rows = static.read_rows(static.DEFAULT_OUT / "static-chunked.csv")
+    assert {r["kernel"] for r in rows if r["target"] == "sm_90"} == {"chunk stats", "chunk merge", "chunk grad"}
+    for r in rows:
+        assert r["instr_per_entry_no_pos"] not in ("", None) or r["target"] != "sm_90", r

@@ -148,7 +148,7 @@ def test_masked_calls_cover_every_mask_kind(results):
     for r in results:
         words = r["call"].split()
         kinds = {w for w in words if w in ("ids", "guide", "both", "mean", "sum", "sym")}
-        if {"ids", "guide", "both"} & kinds and "kernels" in r:
+        if words[1] == "cal_inf_loss" and {"ids", "guide", "both"} & kinds and "kernels" in r:
             seen[words[0], words[2]] |= kinds | ({"one"} if "sym" not in kinds else set())
             guided = {"guide", "both"} & kinds  # the thresholds come from the guide-scores kernel
             expected = {"forward", "dq", "dk"} | ({"guide_label_scores"} if guided else set())
@@ -156,6 +156,22 @@ def test_masked_calls_cover_every_mask_kind(results):
     for arch in ("sm_90", "sm_80"):
         for dtype in ("bf16", "fp32-ieee"):
             assert {"ids", "guide", "both", "mean", "sum", "sym", "one"} <= seen[arch, dtype], (arch, dtype)
+
+
+def test_sigmoid_id_calls_compile_on_sm_90_80_100(results):
+    """cal_siglip_loss with ids (issue 56) compiled, forward and both backward passes, in every dtype on sm_90,
+    sm_80 and (where the wheel's ptxas knows it) sm_100; spills are test_no_register_spills' check."""
+    seen = defaultdict(set)
+    for r in results:
+        words = r["call"].split()
+        if words[1] == "cal_siglip_loss" and "ids" in words and "kernels" in r:
+            assert {row["kernel"] for row in r["kernels"]} == {"siglip_forward", "siglip_backward"}, r["call"]
+            seen[words[0]].add(words[2])
+    arches = [a for a in triton_compile.SIGMOID_ID_TARGETS if triton_compile.ptxas_knows(a)]
+    assert 90 in arches and 80 in arches
+    for arch in arches:
+        dtypes = {triton_compile.dtype_label(d, p) for d, p in triton_compile.api_dtypes(arch, False, _float64_dot())}
+        assert dtypes <= seen[f"sm_{arch}"], (arch, seen[f"sm_{arch}"])
 
 
 def test_big_one_chunk_tiles_compile():

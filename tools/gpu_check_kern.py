@@ -22,26 +22,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infcl
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's infcl and bench
 
+from bench import errors as harness  # noqa: E402
 from infcl import cal_inf_loss  # noqa: E402
 
 NAMES = ("loss", "dq", "dk", "dscale")
 SCALE = 1 / 0.07
 KERNELS = ("_forward_kernel", "_backward_kernel")  # the backward: dq and dk, one kernel (BY_COLUMN)
-
-
-def _inputs(batch, dim, dtype, device, seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(batch, dim, device=device, generator=gen), dim=1)
-    k = torch.nn.functional.normalize(q + 0.5 * torch.randn(batch, dim, device=device, generator=gen) / dim**0.5, dim=1)
-    return q.to(dtype), k.to(dtype)
-
-
-def _grads(fn, q, k, scale):
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, scale)]
-    loss = fn(*leaves)
-    return (loss.detach(), *torch.autograd.grad(loss, leaves))
 
 
 def _vanilla(q, k, scale):
@@ -51,26 +39,31 @@ def _vanilla(q, k, scale):
     return (ce(logits, labels) + ce(logits.T, labels)) / 2
 
 
-def _rel(a, e):
-    return float((a.double() - e).norm() / e.norm())
+def _loss(backend):
+    return lambda q, k, scale: cal_inf_loss(q, k, None, scale, symmetric=True, backend=backend)
+
+
+def _inputs(batch, dim, dtype, device, seed=0):
+    return harness.case_inputs(batch, dim, dtype, device, seed)
 
 
 def errors(batch, dim, device):
+    """The errors of the fused kernels, of torch's own loss and the floor, through the one float64 harness
+    (bench/errors.py)."""
     out = {}
     for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("tf32", torch.float32)):
         torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
         q, k = _inputs(batch, dim, dtype, device)
         scale = torch.tensor(SCALE, device=device)
-        ours = _grads(lambda a, b, s: cal_inf_loss(a, b, None, s, symmetric=True, backend="triton"), q, k, scale)
-        truth = _grads(
-            lambda a, b, s: cal_inf_loss(a, b, None, s, symmetric=True, backend="torch"),
-            q.double(),
-            k.double(),
-            scale.double(),
-        )
-        theirs = _grads(_vanilla, q, k, scale)
+        ours = harness.grads(_loss("triton"), q, k, scale)
+        truth = harness.truth_of(_loss, q, k, scale)
+        theirs = harness.grads(_vanilla, q, k, scale)
         out[name] = {
-            n: {"ours": _rel(a, e), "vanilla": _rel(t, e), "floor": _rel(e.to(a.dtype), e)}
+            n: {
+                "ours": harness.relative(a, e),
+                "vanilla": harness.relative(t, e),
+                "floor": harness.relative(e.to(a.dtype), e),
+            }  # fmt: skip
             for n, a, t, e in zip(NAMES, ours, theirs, truth)
         }
         torch.backends.cuda.matmul.allow_tf32 = False

@@ -12,6 +12,7 @@ FILES = {
     "env.csv": ("key", "value"),
     "speed.csv": (
         "method",
+        "loss",
         "batch",
         "dim",
         "dtype",
@@ -30,6 +31,7 @@ FILES = {
     "kernels.csv": ("target", "dtype", "D", "batch", "kernel", "method", "calls_per_step", "measured_ms", "source"),
     "correctness.csv": (
         "case",
+        "backend",
         "batch",
         "dtype",
         "symmetric",
@@ -47,6 +49,9 @@ FILES = {
         "first_call_s",
         "note",
     ),
+    # the chunked route's own measurements, one result a row: products, passes, S bits, the million, the dtype_out
+    # probes, the auto table's suggestion, the peers' installs
+    "route.csv": ("step", "case", "metric", "value", "unit", "note"),
 }
 
 
@@ -78,6 +83,13 @@ def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def route_row(out: Path, step: str, case: str, metric: str, value, unit: str = "", note: str = "") -> None:
+    """One result of the route's steps appended to route.csv (and printed: the step's log)."""
+    append_row(out / "route.csv", {"step": step, "case": case, "metric": metric, "value": value, "unit": unit,
+                                   "note": note})  # fmt: skip
+    print(f"{step:10} {case:34} {metric:24} {_cell(value)} {unit} {note}", flush=True)
 
 
 def read_rows(path: Path, columns=None) -> List:

@@ -1,14 +1,15 @@
-"""The ``kernels`` step: torch.profiler's time per kernel (forward, dq, dk; Inf-CL's) at B = 32k / 64k
-(kernels.csv, the columns ``python -m bench.static --measured`` reads)."""
+"""The ``kernels`` step: torch.profiler's time per kernel (forward, dq, dk; Inf-CL's) at B = 32k / 64k, and the
+chunked route's every kernel at 64k (kernels.csv, the columns ``python -m bench.static --measured`` reads)."""
 
+import functools
 from pathlib import Path
 from typing import Dict, Tuple
 
 from .files import append_row
-from .plan import DIM
-from .speed import fwd_bwd
+from .plan import DIM, Sizes
+from .speed import _symmetric
+from .timing import fwd_bwd
 
-KERNEL_BATCHES = (32768, 65536)
 PROFILED_STEPS = 3
 
 
@@ -35,10 +36,18 @@ def profile_kernels(step, steps: int) -> Dict[str, Tuple[float, float]]:
     return out
 
 
-def step_kernels(out: Path, batches=KERNEL_BATCHES) -> None:
+def step_kernels(out: Path, sizes: Sizes, dry: bool, part: str = "") -> None:
+    """The fused kernels' (and Inf-CL's) per-kernel times, then the chunked route's every kernel at the largest B
+    (cuBLAS products, the passes, the merges, the small torch ops; method "chunked"). GPU only: a dry run profiles
+    nothing (torch.profiler's CUDA activity)."""
+    if dry or not sizes.kernels:
+        print("kernels: no GPU (a dry run): nothing profiled", flush=True)
+        return
     import torch
 
-    from ..methods import METHODS, make_inputs
+    from ..methods import METHODS, _infcl_loss, make_inputs
+
+    batches = sizes.kernels
 
     props = torch.cuda.get_device_properties(0)
     target = f"sm_{props.major}{props.minor}"
@@ -49,7 +58,8 @@ def step_kernels(out: Path, batches=KERNEL_BATCHES) -> None:
         runs.append(("inf-cl", "inf-cl", ("inf-cl forward", "inf-cl dq", "inf-cl dk"), batches[0]))
     for name, method, kernels, batch in runs:
         q, k, scale = make_inputs(batch, DIM, torch.bfloat16, device)
-        times = profile_kernels(fwd_bwd(METHODS[name].loss, q, k, scale), PROFILED_STEPS)
+        symmetric = functools.partial(_symmetric, METHODS[name].loss)
+        times = profile_kernels(fwd_bwd(symmetric, q, k, scale), PROFILED_STEPS)
         common = {
             "target": target,
             "dtype": "bf16",
@@ -73,3 +83,13 @@ def step_kernels(out: Path, batches=KERNEL_BATCHES) -> None:
         )
         q = k = scale = None
         torch.cuda.empty_cache()
+    batch = batches[-1]
+    q, k, scale = make_inputs(batch, DIM, torch.bfloat16, device)
+    route = functools.partial(_symmetric, _infcl_loss("chunked"))
+    times = profile_kernels(fwd_bwd(route, q, k, scale), PROFILED_STEPS)
+    common = {"target": target, "dtype": "bf16", "D": DIM, "batch": batch, "method": "chunked",
+              "source": f"torch.profiler, {PROFILED_STEPS} steps, the route's every kernel"}  # fmt: skip
+    for kernel, (calls, ms) in sorted(times.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+        append_row(out / "kernels.csv", {**common, "kernel": kernel[:80], "calls_per_step": calls, "measured_ms": ms})
+    total = sum(calls * ms for calls, ms in times.values())
+    append_row(out / "kernels.csv", {**common, "kernel": "chunked total", "calls_per_step": 1, "measured_ms": total})

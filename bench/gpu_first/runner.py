@@ -14,13 +14,37 @@ from .files import append_row
 from .plan import REPO, Step
 
 
-def run_stages(stages: List[Tuple[Step, ...]], out: Path, budget_s: float, after_stage=None) -> None:
+def run_stages(stages: List[Tuple[Step, ...]], out: Path, budget_s: float, after_stage=None, in_process=None) -> None:
     """Run each stage's steps side by side (each a process group, its stdout and stderr in a log of its own
     outside ``out``, appended to out/logs.txt when it ends), each stopped at its timeout or at the end of the
     budget; one steps.csv row per step (ok, error with its exit code and the log's last line, timeout, or
-    skipped when the budget is spent). ``after_stage()`` runs after every stage (the summary)."""
+    skipped when the budget is spent). ``after_stage()`` runs after every stage (the summary). ``in_process(step)``:
+    run each step by that call in this process instead, one after another (tests: an exception is its step's
+    error)."""
+    if in_process is not None:
+        _run_in_process(stages, out, time.monotonic() + budget_s, after_stage, in_process)
+        return
     with tempfile.TemporaryDirectory(prefix="gpu-first-logs-") as logs:
         _run_stages(stages, out, time.monotonic() + budget_s, after_stage, Path(logs))
+
+
+def _run_in_process(stages, out: Path, end: float, after_stage, run) -> None:
+    for stage in stages:
+        for step in stage:
+            start = time.monotonic()
+            if end - start < 5:
+                append_row(out / "steps.csv", {"step": step.name, "status": "skipped", "timeout_s": 0,
+                                               "note": "the run's budget (--budget-s) is spent"})  # fmt: skip
+                continue
+            try:
+                rc, status, note = run(step), "ok", ""
+            except Exception as err:  # the step's error; the next step runs
+                rc, status, note = 1, "error", f"{type(err).__name__}: {str(err)[:300]}"
+            append_row(out / "steps.csv", {"step": step.name, "status": status if not rc else "error", "rc": rc,
+                                           "timeout_s": step.timeout_s, "wall_s": time.monotonic() - start,
+                                           "note": note})  # fmt: skip
+        if after_stage is not None:
+            after_stage()
 
 
 def _run_stages(stages, out: Path, end: float, after_stage, logs: Path) -> None:

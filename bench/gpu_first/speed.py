@@ -1,55 +1,39 @@
-"""The ``speed`` step: bf16, D = 512, symmetric, forward + backward at B = 16k / 32k / 64k, CUDA events, median
-of ``--repeats``: infcl ``backend="triton"``, Inf-CL (when ``inf_cl`` imports), vanilla where its logits fit;
-peak extra memory; the device's own bf16 GEMM rate and each time over the 5-GEMM bound; the first call of
-each method timed apart (Triton's compile)."""
+"""The ``speed`` step: bf16, D = 512, forward + backward at B = 16k / 32k / 64k, the symmetric CLIP loss and the
+SigLIP loss: the chunked route (``backend="chunked"``) against the fused kernels (``"triton"``) and the vanilla loss
+(its [B, B] logits; at 64k too where its ~5 B^2 bf16 buffers fit, as on an 80 GB H100), each timed by CUDA events
+(median of ``--repeats`` after the first call, timed apart: the compiles, and one warm call); peak extra memory; the
+route's plan (C); the device's own bf16 GEMM rate and each time over its GEMM-equivalents' bound (the route 4 for CLIP,
+3 for SigLIP; the fused and vanilla losses 5). The peers (Inf-CL, memeff, siglip-kernel) are the ``peers`` step's, at
+the same B, D and dtype. A dry run: the same on CPU tensors at toy sizes, the torch tiles standing in for the fused
+kernels."""
 
+import functools
 import math
-import subprocess
-import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
+
+import torch
 
 from .files import append_row
-from .plan import DIM, REPEATS
+from .plan import Sizes
+from .timing import device_for, fwd_bwd, time_step
 
-SPEED_BATCHES = (16384, 32768, 65536)
-SPEED_METHODS = ("triton", "inf-cl", "vanilla")
-# Vanilla runs where its ~5 [B, B] buffers (bench.__main__.VANILLA_BUFFERS) take at most this share of memory.
-VANILLA_MEMORY_SHARE = 0.75
+# Vanilla runs where its ~5 [B, B] bf16 buffers take at most this share of the device's memory (64k: 43 GB).
+VANILLA_MEMORY_SHARE = 0.9
 # The GEMM rate: q @ k.T at this B (flat beyond it, bench.gemm.GEMM_MAX_BATCH), best of this many runs.
 GEMM_BATCH, GEMM_RUNS = 16384, 20
-MIB = 2**20
+# GEMM-equivalents (2 B^2 D flops each) of one forward + backward: the route's and the others'.
+GEMM_EQUIVALENTS = {("clip", "chunked"): 4, ("siglip", "chunked"): 3}
+OTHERS_GEMMS = 5
 
 
-def _clock_probe():
-    """nvidia-smi sampling the SM clock while the GPU runs (started before a timed loop, read after)."""
-    try:
-        return subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-    except OSError:
-        return None
-
-
-def _clock_read(probe) -> Optional[float]:
-    if probe is None:
-        return None
-    try:
-        return float(probe.communicate(timeout=10)[0].split()[0])
-    except (subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
-def gemm_tflops(batch: int = GEMM_BATCH, dim: int = DIM) -> float:
+def gemm_tflops(device: torch.device, dim: int, batch: int = GEMM_BATCH) -> Optional[float]:
     """The device's bf16 rate on the loss's S product (q @ k.T into a preallocated output), best of
-    :data:`GEMM_RUNS` CUDA-event timings: the rate the 5-GEMM bound is taken at."""
-    import torch
-
-    a, b = (torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16) for _ in "ab")
-    c = torch.empty(batch, batch, device="cuda", dtype=torch.bfloat16)
+    :data:`GEMM_RUNS` CUDA-event timings (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(batch, dim, device=device, dtype=torch.bfloat16) for _ in "ab")
+    c = torch.empty(batch, batch, device=device, dtype=torch.bfloat16)
     best = math.inf
     for i in range(GEMM_RUNS + 2):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,93 +46,79 @@ def gemm_tflops(batch: int = GEMM_BATCH, dim: int = DIM) -> float:
     return 2.0 * batch * batch * dim / best / 1e12
 
 
-def fwd_bwd(fn, q, k, scale):
-    def step():
-        q.grad = k.grad = scale.grad = None
-        fn(q, k, scale, True).backward()
+def ours(loss: str, dry: bool) -> Dict[str, Callable]:
+    """{method: fn(q, k, scale)} of this step: the fused kernels (the torch tiles in a dry run), the route, vanilla."""
+    from ..methods import METHODS, _infcl_loss, _infcl_siglip
 
-    return step
-
-
-def time_step(step, repeats: int) -> Dict:
-    """First call (with any compile), then one warm call, then ``repeats`` CUDA-event timings; peak extra
-    memory over what is held before a call."""
-    import statistics
-
-    import torch
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    probe = _clock_probe()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return {
-        "first_call_s": first,
-        "time_ms": statistics.median(times),
-        "time_min_ms": min(times),
-        "repeats": repeats,
-        "peak_mib": (torch.cuda.max_memory_allocated() - base) / MIB,
-        "sm_clock_mhz": _clock_read(probe),
-    }
+    fused = "torch" if dry else "triton"
+    fns = {fused: METHODS[fused].loss_fn(loss)}
+    fns["chunked"] = _infcl_loss("chunked") if loss == "clip" else _infcl_siglip("chunked")
+    fns["vanilla"] = METHODS["vanilla"].loss_fn(loss)
+    return {name: functools.partial(_symmetric, fn) for name, fn in fns.items()}
 
 
-def step_speed(out: Path, batches=SPEED_BATCHES, repeats: int = REPEATS) -> None:
-    import torch
+def _symmetric(fn: Callable, q, k, scale):
+    return fn(q, k, scale, True)
 
-    from ..methods import METHODS, make_inputs
 
-    device = torch.device("cuda")
-    rate = gemm_tflops()
-    append_row(
-        out / "speed.csv",
-        {
-            "method": "torch.mm bf16 (q @ k.T)",
-            "batch": GEMM_BATCH,
-            "dim": DIM,
-            "dtype": "bfloat16",
-            "status": "ok",
-            "gemm_tflops": rate,
-        },
-    )
-    memory = torch.cuda.get_device_properties(0).total_memory
-    for batch in batches:
-        bound_ms = 1e3 * 5 * 2.0 * batch * batch * DIM / (rate * 1e12)
-        for name in SPEED_METHODS:
-            row = {
-                "method": name,
-                "batch": batch,
-                "dim": DIM,
-                "dtype": "bfloat16",
-                "gemm_tflops": rate,
-                "bound_ms": bound_ms,
-            }
-            reason = METHODS[name].unavailable_for("clip", device, DIM)
-            if name == "vanilla" and 5 * batch * batch * 2 > VANILLA_MEMORY_SHARE * memory:
-                reason = f"its ~5 [B, B] bf16 buffers exceed {VANILLA_MEMORY_SHARE:g} of the device's memory"
-            if reason:
-                append_row(out / "speed.csv", {**row, "status": "skipped", "note": reason})
-                continue
-            try:
-                q, k, scale = make_inputs(batch, DIM, torch.bfloat16, device)
-                result = time_step(fwd_bwd(METHODS[name].loss, q, k, scale), repeats)
-                row.update(status="ok", x_bound=result["time_ms"] / bound_ms, **result)
-            except Exception as err:  # recorded; the next configuration runs
-                row.update(status="error", note=f"{type(err).__name__}: {str(err)[:200]}")
-            finally:
-                q = k = scale = None
-                torch.cuda.empty_cache()
-            append_row(out / "speed.csv", row)
-            print(row, flush=True)
+def chunk_plan(q: torch.Tensor, k: torch.Tensor) -> str:
+    """What backend="chunked" does with a block of these features: "C=<rows>", or why the fused kernels run it."""
+    from infcl.backends import chunked
+    from infcl.contract import Block
+
+    pos = torch.arange(q.shape[0], device=q.device)
+    block = Block(q=q.detach(), k=k.detach(), scale=torch.ones((), device=q.device), pos=pos)
+    plan = chunked.BACKEND.plan(block)
+    return f"C={plan.rows}" if hasattr(plan, "rows") else plan.reason
+
+
+def vanilla_fits(batch: int, device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return None
+    memory = torch.cuda.get_device_properties(device).total_memory
+    if 5 * batch * batch * 2 > VANILLA_MEMORY_SHARE * memory:
+        return f"its ~5 [B, B] bf16 buffers exceed {VANILLA_MEMORY_SHARE:g} of the device's memory"
+    return None
+
+
+def speed_row(out: Path, row: Dict, loss_fn: Callable, batch: int, sizes: Sizes, device, leaves) -> Dict:
+    """Time one configuration into speed.csv (an error is its row's status; the next configuration runs)."""
+    try:
+        result = time_step(fwd_bwd(loss_fn, *leaves), sizes.repeats, device)
+        row.update(status="ok", **result)
+        if row.get("bound_ms"):
+            row["x_bound"] = result["time_ms"] / row["bound_ms"]
+    except Exception as err:  # recorded; the next configuration runs
+        row.update(status="error", note=f"{type(err).__name__}: {str(err)[:200]}")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    append_row(out / "speed.csv", row)
+    print(row, flush=True)
+    return row
+
+
+def step_speed(out: Path, sizes: Sizes, dry: bool, part: str = "") -> None:
+    from ..methods import make_inputs
+
+    device = device_for(dry)
+    rate = gemm_tflops(device, sizes.dim)
+    append_row(out / "speed.csv", {"method": "torch.mm bf16 (q @ k.T)", "batch": GEMM_BATCH, "dim": sizes.dim,
+                                   "dtype": "bfloat16", "status": "ok" if rate else "skipped", "gemm_tflops": rate,
+                                   "note": "" if rate else "no GPU"})  # fmt: skip
+    for loss in ("clip", "siglip"):
+        for batch in sizes.speed:
+            q, k, scale = make_inputs(batch, sizes.dim, torch.bfloat16, device)
+            plan = chunk_plan(q, k)
+            for name, fn in ours(loss, dry).items():
+                gemms = GEMM_EQUIVALENTS.get((loss, name), OTHERS_GEMMS)
+                row = {"method": name, "loss": loss, "batch": batch, "dim": sizes.dim, "dtype": "bfloat16",
+                       "gemm_tflops": rate, "note": plan if name == "chunked" else ""}  # fmt: skip
+                if rate:
+                    row["bound_ms"] = 1e3 * gemms * 2.0 * batch * batch * sizes.dim / (rate * 1e12)
+                why = vanilla_fits(batch, device) if name == "vanilla" else None
+                if why:
+                    append_row(out / "speed.csv", {**row, "status": "skipped", "note": why})
+                    continue
+                speed_row(out, row, fn, batch, sizes, device, (q, k, scale))
+            q = k = scale = None

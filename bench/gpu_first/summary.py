@@ -8,7 +8,6 @@ from typing import Dict, List, Sequence, Tuple
 from .correctness import GRADS, REL_TOL
 from .files import read_rows
 from .plan import DIM
-from .speed import SPEED_BATCHES
 
 
 def _table(heads: Sequence[str], rows: List[Sequence]) -> str:
@@ -65,7 +64,7 @@ def write_summary(out: Path) -> Path:
         parts += [f"driver, max SM clock, power limit: {env['driver, max SM clock, power limit']}", ""]
     steps = read_rows(out / "steps.csv")
     parts += ["steps: " + "; ".join(f"{s['step']} {s['status']} {_num(s['wall_s'], '{:.0f}')} s" for s in steps), ""]
-    for section in (_speed_section, _kernels_section, _correctness_section, _first_calls_section):
+    for section in (_speed_section, _route_section, _kernels_section, _correctness_section, _first_calls_section):
         parts += section(out)
     path = out / "summary.md"
     path.write_text("\n".join(parts))
@@ -78,14 +77,16 @@ def _speed_section(out: Path) -> List[str]:
     gemm = [r for r in speed if r["method"].startswith("torch.mm")]
     if not speed:
         return []
-    vanilla = {r["batch"]: float(r["time_ms"]) for r in speed if r["method"] == "vanilla" and r["time_ms"]}
+    vanilla = {(r["loss"], r["batch"]): float(r["time_ms"]) for r in speed if r["method"] == "vanilla" and r["time_ms"]}
     rows = []
-    for r in speed:
+    for r in sorted(speed, key=lambda r: (r["loss"], int(r["batch"] or 0))):
         if r["method"].startswith("torch.mm"):
             continue
-        x_vanilla = float(r["time_ms"]) / vanilla[r["batch"]] if r["time_ms"] and r["batch"] in vanilla else None
+        base = vanilla.get((r["loss"], r["batch"]))
+        x_vanilla = float(r["time_ms"]) / base if r["time_ms"] and base else None
         rows.append(
             [
+                r["loss"],
                 r["batch"],
                 r["method"],
                 _num(r["time_ms"], "{:.1f}") if r["status"] == "ok" else r["status"],
@@ -99,13 +100,26 @@ def _speed_section(out: Path) -> List[str]:
         )
     rate = f"{float(gemm[0]['gemm_tflops']):.0f} TFLOP/s" if gemm and gemm[0]["gemm_tflops"] else "?"
     return [
-        f"## Speed: bf16, D = {DIM}, symmetric, forward + backward (CUDA events, median); bf16 GEMM {rate}",
+        f"## Speed: bf16, D = {DIM}, CLIP symmetric and SigLIP, forward + backward (CUDA events, median); bf16 GEMM "
+        f"{rate}; the bound: the route's 4 (CLIP) / 3 (SigLIP) GEMM-equivalents, the others' 5",
         "",
         _table(
-            ["B", "method", "ms", "x vanilla", "x 5-GEMM bound", "peak MiB", "first call s", "SM MHz", "note"], rows
+            ["loss", "B", "method", "ms", "x vanilla", "x GEMM bound", "peak MiB", "first call s", "SM MHz", "note"],
+            rows,
         ),
         "",
     ]
+
+
+def _route_section(out: Path) -> List[str]:
+    """The chunked route's own rows (probes, products, passes, S bits, the million, peers' installs, the auto
+    table's suggestion), as they came."""
+    rows = [[r["step"], r["case"], r["metric"], _num(r["value"]), r["unit"], r["note"][:90]]
+            for r in read_rows(out / "route.csv")]  # fmt: skip
+    if not rows:
+        return []
+    return ["## The chunked route (route.csv)", "", _table(["step", "case", "metric", "value", "unit", "note"], rows),
+            ""]  # fmt: skip
 
 
 def _kernels_section(out: Path) -> List[str]:
@@ -152,6 +166,7 @@ def _correctness_section(out: Path) -> List[str]:
     rows = [
         [
             r["case"],
+            r.get("backend", ""),
             r["batch"],
             r["dtype"],
             {"True": "sym", "False": "one"}.get(r["symmetric"], "-"),
@@ -174,6 +189,7 @@ def _correctness_section(out: Path) -> List[str]:
         _table(
             [
                 "case",
+                "backend",
                 "B",
                 "dtype",
                 "dir",
@@ -195,15 +211,17 @@ def _correctness_section(out: Path) -> List[str]:
 def _first_calls_section(out: Path) -> List[str]:
     """The first calls (the compile) less a warm call, at the smallest speed batch."""
     speed = read_rows(out / "speed.csv")
+    batches = [int(r["batch"]) for r in speed if r["batch"] and not r["method"].startswith("torch.mm")]
+    smallest = str(min(batches)) if batches else None
     firsts = [
         [
-            f"{r['method']} bf16 symmetric fwd+bwd, B={r['batch']}",
+            f"{r['method']} {r['loss']} bf16 fwd+bwd, B={r['batch']}",
             _num(r["first_call_s"], "{:.2f}"),
             _num(float(r["time_ms"]) / 1e3, "{:.3f}"),
             _num(float(r["first_call_s"]) - float(r["time_ms"]) / 1e3, "{:.2f}"),
         ]
         for r in speed
-        if r["status"] == "ok" and r["first_call_s"] and r["batch"] == str(SPEED_BATCHES[0])
+        if r["status"] == "ok" and r["first_call_s"] and r["batch"] == smallest
     ]
     if not firsts:
         return []

@@ -51,6 +51,12 @@ is installed (``--no-inf-cl``: not).
 ``--dims`` and ``--tile KERNEL=MxN[:warps[:stages[:block_out]]]`` (repeatable) report other feature dims
 and candidate configs, e.g. ``--targets 90 --dims 512,1000 --tile dq=64x64 --tile dk=64x64 --name try``.
 
+The chunked route's passes (``backend="chunked"``: the stats pass, the merge of its partials, the grad pass;
+:mod:`.chunked`) are compiled as a GPU chunk launches them and reported in a table of their own: registers,
+spills, lane instructions, MUFU, shuffles per S entry (with and without a positive in the tile), barriers per
+tile, HBM bytes per entry, CTAs per SM, the route's C and the waves at each B (``<name>-chunked.csv``, which
+``python -m bench.chunked_model`` models; ``--no-chunked``: not).
+
 Writes a table (stdout), bench/results/static.csv, static-model.csv and static.png (``--no-plot``: no plot). Figures are
 reported, not asserted; the structural checks (no mma.sync where every product's M >= 64 on sm_90, no
 spills, shared memory within the limit) are tests/test_static_report.py.
@@ -63,6 +69,7 @@ code); :mod:`.resources` and :mod:`.traffic` (what is modelled of it: occupancy,
 internals it reaches into are all in :mod:`.infcl_internals`.
 """
 
+from .chunked import format_chunked, report_chunked, run_chunked
 from .cli import main
 from .compile import report_target
 from .counts import PTX, SASS, Dialect, compiled_figures, mma_kinds, tile_loop_counts
@@ -126,6 +133,7 @@ __all__ = [
     "WORKERS",
     "add_launch",
     "compiled_figures",
+    "format_chunked",
     "format_model",
     "format_table",
     "inf_cl_bytes_flops",
@@ -142,9 +150,11 @@ __all__ = [
     "per_entry_model",
     "read_measured",
     "read_rows",
+    "report_chunked",
     "report_inf_cl",
     "report_target",
     "run",
+    "run_chunked",
     "score_lines",
     "score_mma_layouts",
     "tensor_rate",

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Dict
 
+from .chunked import format_chunked, run_chunked
 from .inf_cl_kernels import inf_cl_installed
 from .infcl_internals import TILE_KERNELS, parse_tile
 from .matrix import BATCHES, BF16, DIM, TARGETS, TF32
@@ -49,6 +50,12 @@ def main(argv=None) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also Inf-CL's kernels, compile-only (default: when inf_cl is importable)",
+    )
+    parser.add_argument(
+        "--chunked",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the chunked route's passes (<name>-chunked.csv; bench.chunked_model reads it)",
     )
     parser.add_argument("--from-csv", type=Path, help="rerun the time model on a stored report CSV, no compile")
     model = parser.add_argument_group("the time model (default: each target's DEVICES entry; H100 SXM for sm_90)")
@@ -104,6 +111,11 @@ def main(argv=None) -> None:
         print(format_table(rows, batches))
         write_csv(rows, path)
         print(f"wrote {path}")
+        if args.chunked:
+            chunked = run_chunked(targets, batches, sms=args.sms)
+            print(format_chunked(chunked, batches))
+            write_csv(chunked, args.out / f"{args.name}-chunked.csv")
+            print(f"wrote {args.out / f'{args.name}-chunked.csv'} (python -m bench.chunked_model models it)")
         if not args.no_plot:
             write_plot(rows, path.with_suffix(".png"))
             print(f"wrote {path.with_suffix('.png')}")

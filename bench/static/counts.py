@@ -19,6 +19,8 @@ class Dialect:
     ex2: "re.Pattern"
     shfl: "re.Pattern"
     store: "re.Pattern"  # a store to global memory
+    bar: "re.Pattern"  # a CTA barrier
+    load: "re.Pattern"  # a load from global memory
     skip: "re.Pattern"  # lines that are not instructions
 
 
@@ -29,6 +31,8 @@ SASS = Dialect(
     ex2=re.compile(r"\bMUFU\.EX2\b"),
     shfl=re.compile(r"\bSHFL\."),
     store=re.compile(r"\b(STG|RED|ATOM)\."),
+    bar=re.compile(r"\bBAR\.(SYNC|RED|ARV)"),
+    load=re.compile(r"\b(LDG|LDGSTS)\b"),
     skip=re.compile(r"^(Function:|\s*$)"),
 )
 PTX = Dialect(
@@ -38,6 +42,8 @@ PTX = Dialect(
     ex2=re.compile(r"\bex2\.approx"),
     shfl=re.compile(r"\bshfl\.sync"),
     store=re.compile(r"\b(st|red|atom)\.global"),
+    bar=re.compile(r"\b(bar|barrier)\.sync"),
+    load=re.compile(r"\b(ld\.global|cp\.async)"),
     skip=re.compile(r"^\s*($|//|\.|\{|\}|\)|\(|@?\$L__|[A-Za-z_.]+:$)"),
 )
 # MMA instructions and their shapes, in PTX and in SASS.
@@ -102,6 +108,8 @@ def tile_loop_counts(listing: str, dialect: Dialect, n_chunks: int, peeled: bool
         "mufu": weighted(dialect.mufu),
         "ex2": weighted(dialect.ex2),
         "shfl": weighted(dialect.shfl),
+        "bar": weighted(dialect.bar),
+        "loads": weighted(dialect.load),
     }
 
 
@@ -154,6 +162,9 @@ def compiled_figures(arch: int, kernel, usage: Dict, n_chunks: int, entries: int
         "mufu_per_entry": loop["mufu"] * per_entry if loop else None,
         "ex2_per_entry": loop["ex2"] * per_entry if loop else None,
         "shfl_per_entry": loop["shfl"] * per_entry if loop else None,
+        # barriers and global loads per pass of the tile loop (per warp: a barrier stops every warp of the CTA)
+        "bar_per_tile": loop["bar"] if loop else None,
+        "loads_per_tile": loop["loads"] if loop else None,
         "regs": usage["regs"],
         "spill_bytes": usage["spill_bytes"],
         "smem": usage["smem"],

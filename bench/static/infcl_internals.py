@@ -88,15 +88,15 @@ def without_positives():
     Only in a process of its own: Triton keys and checks a compiled kernel by the globals it used."""
     import triton
 
+    from infcl.kernels import chunked_softmax, softmax_forward
     from infcl.kernels import softmax_backward_tiles as backward_tiles
-    from infcl.kernels import softmax_forward
     from infcl.kernels import softmax_forward_tiles as forward_tiles
 
     @triton.jit
     def never(lo, hi, c0, BLOCK_N, BRANCH):
         return False
 
-    modules = (softmax_forward, forward_tiles, backward_tiles)
+    modules = (softmax_forward, forward_tiles, backward_tiles, chunked_softmax)
     saved = [module.holds_positive for module in modules]
     for module in modules:
         module.holds_positive = never

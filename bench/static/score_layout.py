@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-# The MMA ops of Triton's GPU dialect (Triton 3.2 spells the dialects out: triton_gpu, triton_nvidia_gpu).
-TTGIR_DOT = re.compile(r"\b((?:tt|triton)\.dot|(?:ttng|triton_nvidia_gpu)\.(?:warp_group_dot|tc_gen5_mma))\b")
+# The MMA ops of Triton's GPU dialect.
+TTGIR_DOT = re.compile(r"\b(tt\.dot|ttng\.(?:warp_group_dot|tc_gen5_mma))\b")
 TTGIR_ALIAS = re.compile(r"^(#[\w.]+) = (.*)$", re.M)
 TTGIR_LOC = re.compile(r"loc\((#loc\d*)\)\s*$")
 # What of an operand's type is not the MMA's layout: buffers' mutability and their multi-buffered allocation

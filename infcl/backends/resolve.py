@@ -49,6 +49,8 @@ AUTO = {
     "distill": {"cpu": "cpu", "cuda": "torch"},
     "rank": {"cpu": "cpu", "cuda": "torch"},
     "topk": {"cpu": "cpu", "cuda": "torch"},
+    # The MaxSim loss runs on the torch tiles only, for now (no native or Triton kernel yet).
+    "maxsim": {"cpu": "torch", "cuda": "torch"},
 }
 # The backend each device type runs best when it can (the one whose unavailability "auto" checks and reports).
 NATIVE_TO = {"cpu": "cpu", "cuda": "triton"}
@@ -58,10 +60,23 @@ HELD_BACK = {
     "(a known fault of the guided Triton kernel; pass backend='triton' to run it anyway)",
 }
 # The call kinds without a "reference" backend, and the public function each belongs to (for the error).
-NO_REFERENCE = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
+NO_REFERENCE = {
+    "distill": "cal_distill_loss",
+    "rank": "retrieval_metrics",
+    "topk": "topk_scores",
+    "maxsim": "cal_maxsim_loss",
+}
 # The call kinds without a "chunked" route (it is the softmax loss's; the sigmoid loss's hands its blocks to the
 # fused kernels). INFCL_BACKEND=chunked runs them on their own "auto" choice.
-NO_CHUNKED = {"distill": "cal_distill_loss", "rank": "retrieval_metrics", "topk": "topk_scores"}
+NO_CHUNKED = {
+    "distill": "cal_distill_loss",
+    "rank": "retrieval_metrics",
+    "topk": "topk_scores",
+    "maxsim": "cal_maxsim_loss",
+}
+# The call kinds that some backends do not run yet, and those backends: an explicit one raises ValueError,
+# INFCL_BACKEND naming one runs the kind's own "auto" choice.
+NOT_YET = {"maxsim": ("cal_maxsim_loss", ("cpu", "triton"))}
 # Where "auto" takes the chunked route instead of AUTO's "triton" for a plain softmax loss (no masks): (GPU family,
 # dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than the fused
 # kernels'; family as infcl.kernels.target's ARCH_FAMILIES keys, e.g. (90, "bfloat16"): 16384. ``python -m
@@ -132,14 +147,16 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference" and kind in NO_REFERENCE:
         raise NotImplementedError(
-            f"{NO_REFERENCE[kind]} has no backend='reference' (it would materialize the B x B scores); use 'auto', "
-            f"'torch', 'cpu' or 'triton'"
+            f"{NO_REFERENCE[kind]} has no backend='reference' (it would materialize the B x B scores); use "
+            f"{_runnable(kind)}"
         )
     if backend == "chunked" and kind in NO_CHUNKED:
         raise ValueError(
-            f"{NO_CHUNKED[kind]} has no backend='chunked' (the softmax loss's route); use 'auto', 'torch', 'cpu' or "
-            f"'triton'"
+            f"{NO_CHUNKED[kind]} has no backend='chunked' (the softmax loss's route); use {_runnable(kind)}"
         )
+    api, not_yet = NOT_YET.get(kind, ("", ()))
+    if backend in not_yet:
+        raise ValueError(f"{api} has no backend={backend!r} yet; use {_runnable(kind)}")
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
@@ -150,12 +167,18 @@ def resolve_backend(backend, device: torch.device, kind: str = "softmax") -> str
         return _auto(device, kind)
     if backend == "reference" and kind in NO_REFERENCE:
         return "torch"  # INFCL_BACKEND=reference: the torch tiles, which materialize nothing either
-    if backend == "chunked" and kind in NO_CHUNKED:
-        return _auto(device, kind)  # INFCL_BACKEND=chunked: this API's own "auto" choice
+    if (backend == "chunked" and kind in NO_CHUNKED) or backend in not_yet:
+        return _auto(device, kind)  # INFCL_BACKEND=chunked (or one not run yet): this API's own "auto" choice
     why = unavailable_reason(backend, device)
     if why is not None:
         raise RuntimeError(why)
     return backend
+
+
+def _runnable(kind: str) -> str:
+    """The backends a call of ``kind`` can be given, for an error message: "'auto', 'torch', 'cpu' or 'triton'"."""
+    names = [f"'{name}'" for name in ("auto", "torch", "cpu", "triton") if name not in NOT_YET.get(kind, ("", ()))[1]]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def _auto(device: torch.device, kind: str) -> str:

@@ -147,6 +147,10 @@ class GradCache:
             for chunk in model_inputs:
                 rnd_states.append(RandContext(*self.get_input_tensors(chunk), devices=devices))
                 chunk_reps.append(self.get_reps(self.model_call(model, chunk)).detach())
+        # Under an outer autocast, torch 2.8 caches the low-precision weight copies made here, under no_grad, and
+        # hands them to the gradient pass, whose weights then get no gradient: drop them (a later torch does not
+        # cache casts without grad; clearing costs one cast per weight).
+        torch.clear_autocast_cache()
         return chunk_reps, rnd_states
 
     def build_cache(self, *reps: torch.Tensor, **loss_kwargs) -> Tuple[List[torch.Tensor], torch.Tensor]:

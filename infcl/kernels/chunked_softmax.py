@@ -1,14 +1,16 @@
-"""The chunked route's two Triton passes (``backend="chunked"``, :mod:`infcl.backends.chunked`).
+"""The chunked route's Triton passes (``backend="chunked"``, :mod:`infcl.backends.chunked`).
 
 The route walks a block's query rows in chunks of C rows; cuBLAS writes ``raw = q_c @ k.T`` (unscaled, float32,
 [C, Bk]) and these passes read it, once per phase:
 
-- :func:`chunk_stats` (forward): ``s = raw * scale`` (an explicit ``mul.rn``, :func:`score_tiles.scale_scores`), each
-  row's stats (max, rest) and positive logit, and (symmetric) each column's stats over the chunk's rows, in one
-  read of ``raw``. Grid (row blocks, column splits): program (i, j) walks the BLOCK_N tiles of split j for the
-  BLOCK_M rows of block i and stores its rows' partials per split and its columns' partials per row block (one
-  owner per entry: no atomics). :func:`merge_parts` then merges the partials of each row (column) in the order
-  of their index, in one launch, and the host turns ``rest`` into ``r = log1p(rest)`` (:mod:`infcl.lse`).
+- :func:`chunk_stats` (forward), two launches: ``s = raw * scale`` (an explicit ``mul.rn``,
+  :func:`score_tiles.scale_scores`), each row's stats (max, rest) and positive logit, and (symmetric) each column's
+  stats over the chunk's rows, in one read of ``raw``. Grid (row blocks, column splits): program (i, j) walks the
+  BLOCK_N tiles of split j for the BLOCK_M rows of block i, the next tile's load issued before the current tile's
+  arithmetic, and stores its rows' partials per split and its columns' partials per row block (one owner per
+  entry: no atomics). One merge launch then takes every partial of the chunk: each row's over the splits into
+  its (max, r = log1p(rest), positive), each column's over the row blocks merged into the running column stats
+  of the chunks before (:func:`infcl.lse.lse_merge`'s arithmetic, in chunk order).
 - :func:`chunk_grad` (backward): the same ``s`` from the same ``raw`` bits, ``dS = g_row * (P_row - Y)`` (+ the
   column term) in float32 with the positive's entry ``g * expm1(x)`` (:func:`tile_stats.softmax_grad`), the
   scale gradient's row and column partials ``sum(dS * raw)`` per program (summed by the host in index order),
@@ -16,8 +18,10 @@ The route walks a block's query rows in chunks of C rows; cuBLAS writes ``raw = 
   1 / gamma: see :mod:`infcl.backends.chunked.softmax`).
 
 Per S entry the forward reads 4 bytes and the backward reads 4 and writes the operand's 2 (bf16 / fp16); the
-partials add O((C / BLOCK_M) * Bk + (Bk / SPLIT) * C) per chunk. Under TRITON_INTERPRET=1 the same kernels run on
-CPU tensors (the tests), where :func:`score_tiles.scale_scores` and :func:`tile_stats.exp` take their numpy forms.
+partials add O((C / BLOCK_M) * Bk + (Bk / SPLIT) * C) per chunk. Positions and columns are int32 (a block has
+fewer than 2**31 columns); row offsets are int64. Every sum has a fixed order (no atomics), so reruns are
+bit-identical. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests), where
+:func:`score_tiles.scale_scores` and :func:`tile_stats.exp` take their numpy forms.
 """
 
 from typing import Optional, Tuple
@@ -26,11 +30,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..lse import REL
 from .kernel_args import COMPILE_OPTIONS
 from .score_tiles import PTX, masked_scores
-from .tile_stats import holds_positive, kept_rest_stats, merge_kept_stats, positive_span, softmax_grad
-from .tiling import CHUNK_GRAD_TILE, CHUNK_MERGE_BLOCK, CHUNK_SPLIT_TILES, CHUNK_STATS_TILE
+from .tile_stats import exp, holds_positive, merge_kept_stats, positive_span, softmax_grad
+from .tiling import (
+    CHUNK_GRAD_TILE,
+    CHUNK_MERGE_BLOCK,
+    CHUNK_MERGE_PARTS,
+    CHUNK_MERGE_WARPS,
+    CHUNK_SPLIT_TILES,
+    CHUNK_STATS_TILE,
+)
+
+# Contiguous score columns a thread loads at once (16 bytes of float32): the stats pass keeps each row's running stats
+# per such lane across its tiles (an in-thread reduction per tile) and merges the lanes once, after its loop.
+LANE = tl.constexpr(4)
 
 
 @triton.jit
@@ -50,14 +64,68 @@ def round_operand(x, OPERAND: tl.constexpr):
 
 
 @triton.jit
-def _load_raw(raw_ptr, rows, cols, n_rows, n_cols, stride_raw, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    """The float32 [BLOCK_M, BLOCK_N] tile raw[rows, cols]; 0 outside the chunk (masked_scores makes s -inf there)."""
-    ptrs = raw_ptr + rows[:, None].to(tl.int64) * stride_raw + cols[None, :]
+def log1p(x):
+    """log(1 + x) to full relative precision near 0 (Kahan's trick: log(u) * x / (u - 1), u = 1 + x); -1 -> -inf.
+    tl.log is libdevice's logf on NVIDIA GPUs (numpy's log under the interpreter)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
+@triton.jit
+def _add_pairs(a_sum, a_ties, b_sum, b_ties):
+    return a_sum + b_sum, a_ties + b_ties
+
+
+@triton.jit
+def _line_stats(s, AXIS: tl.constexpr):
+    """:func:`tile_stats.kept_rest_stats` of a tile along AXIS (0: per column, 1: per row, 2: per row and lane of a
+    [rows, lanes, LANE] view), with the terms' sum and the ties' count in one reduction (one shared-memory round
+    across warps and its barriers, instead of two)."""
+    t = tl.max(s, axis=AXIS)
+    if AXIS == 2:
+        t_b = t[:, :, None]
+    elif AXIS == 1:
+        t_b = t[:, None]
+    else:
+        t_b = t[None, :]
+    at_max = s == t_b
+    others, ties = tl.reduce((tl.where(at_max, 0.0, exp(s - t_b)), at_max.to(tl.float32)), AXIS, _add_pairs)
+    return t, tl.where(t == float("-inf"), -1.0, others + (ties - 1.0))
+
+
+@triton.jit
+def _merged(m, rest, AXIS: tl.constexpr):
+    """Stats in rest form (a tile of them) merged along AXIS (0 or 1): the maximal entries keep their rest and count
+    their 1, the others' rest + 1 is scaled down (:func:`tile_stats.merge_rest_stats`'s arithmetic over a line);
+    a line of empty sets (-inf, -1) stays the empty set. A fixed order of sums: deterministic."""
+    t = tl.max(m, axis=AXIS)
+    if AXIS == 1:
+        t_b = t[:, None]
+    else:
+        t_b = t[None, :]
+    at_max = m == t_b
+    terms = tl.where(at_max, rest, (rest + 1.0) * exp(m - t_b))
+    summed, ties = tl.reduce((terms, at_max.to(tl.float32)), AXIS, _add_pairs)
+    return t, summed + (ties - 1.0)
+
+
+@triton.jit
+def _load_raw(row_ptrs, rows, cols, n_rows, n_cols, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """The float32 [BLOCK_M, BLOCK_N] tile raw[rows, cols] (``row_ptrs``: the rows' starts, [BLOCK_M, 1]); 0 outside
+    the chunk (masked_scores makes s -inf there)."""
+    ptrs = row_ptrs + cols[None, :]
     if EVEN_M and EVEN_N:
         raw = tl.load(ptrs)
     else:
         raw = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
     return raw
+
+
+@triton.jit
+def _split_tiles(split, n_cols, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
+    """(first column tile, tiles) of column split ``split``."""
+    first = split * SPLIT_TILES
+    return first, tl.minimum(SPLIT_TILES, tl.cdiv(n_cols, BLOCK_N) - first)
 
 
 @triton.jit
@@ -84,28 +152,38 @@ def _chunk_stats_kernel(
     row_block = tl.program_id(0)
     split = tl.program_id(1)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ptrs = raw_ptr + rows[:, None].to(tl.int64) * stride_raw
     scale = tl.load(scale_ptr)
-    pos = tl.load(pos_ptr + rows, mask=rows < n_rows, other=-1)
+    # int32 columns (a block has < 2**31): the positives' compares and the column indices in one register each
+    pos = tl.load(pos_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int32)
     lo, hi = positive_span(pos)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    rest = tl.full([BLOCK_M], -1.0, tl.float32)  # the empty set
+    # The rows' running stats per lane: each row's LANE-wide column groups (a thread's contiguous entries) kept apart
+    # across the tiles and merged across lanes once after the loop, so the per-tile row reduction is in-thread.
+    m = tl.full([BLOCK_M, BLOCK_N // LANE], float("-inf"), tl.float32)
+    rest = tl.full([BLOCK_M, BLOCK_N // LANE], -1.0, tl.float32)  # the empty set
     positive = tl.zeros([BLOCK_M], tl.float32)
-    first = split * SPLIT_TILES
-    n_tiles = tl.minimum(SPLIT_TILES, tl.cdiv(n_cols, BLOCK_N) - first)
+    first, n_tiles = _split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
+    offsets = tl.arange(0, BLOCK_N)
+    raw = _load_raw(row_ptrs, rows, first * BLOCK_N + offsets, n_rows, n_cols, EVEN_M, EVEN_N)
     for t in range(0, n_tiles):
         c0 = (first + t) * BLOCK_N
-        cols = c0 + tl.arange(0, BLOCK_N)
-        raw = _load_raw(raw_ptr, rows, cols, n_rows, n_cols, stride_raw, EVEN_M, EVEN_N)
+        cols = c0 + offsets
+        # Software pipelining: the next tile's load is issued before this tile's arithmetic (the last tile loads
+        # itself again, from L2, so the loads stay unmasked on even tiles).
+        ahead = (first + tl.minimum(t + 1, n_tiles - 1)) * BLOCK_N + offsets
+        raw_ahead = _load_raw(row_ptrs, rows, ahead, n_rows, n_cols, EVEN_M, EVEN_N)
         s = masked_scores(raw, scale, rows, cols, n_rows, n_cols, not EVEN_M, not EVEN_N)
-        t_row, rest_row = kept_rest_stats(s, 1)
+        t_row, rest_row = _line_stats(tl.reshape(s, [BLOCK_M, BLOCK_N // LANE, LANE]), 2)
         m, rest = merge_kept_stats(m, rest, t_row, rest_row)
         if holds_positive(lo, hi, c0, BLOCK_N, True):
             positive += tl.sum(tl.where(cols[None, :] == pos[:, None], s, 0.0), axis=1)
         if SYMMETRIC:
-            t_col, rest_col = kept_rest_stats(s, 0)
+            t_col, rest_col = _line_stats(s, 0)
             out = cols_ptr + row_block.to(tl.int64) * stride_cols_part + cols
             tl.store(out, t_col, mask=cols < n_cols)
             tl.store(out + stride_cols_stat, rest_col, mask=cols < n_cols)
+        raw = raw_ahead
+    m, rest = _merged(m, rest, 1)  # the lanes
     out = rows_ptr + split.to(tl.int64) * stride_rows_part + rows
     tl.store(out, m, mask=rows < n_rows)
     tl.store(out + stride_rows_stat, rest, mask=rows < n_rows)
@@ -113,35 +191,98 @@ def _chunk_stats_kernel(
 
 
 @triton.jit
-def _merge_parts_kernel(
-    parts_ptr,
-    out_ptr,
-    n,
-    n_parts,
-    stride_part_stat,
-    stride_part,
-    stride_out_stat,
-    HAS_SUM: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out[:, i] = the merge of parts[:, 0, i], parts[:, 1, i], ... in that order: stats in rest form (rows 0-1),
-    and (HAS_SUM) row 2 summed."""
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = idx < n
+def _parts_stats(parts_ptr, idx, inside, n_parts, stride_stat, stride_part, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """(m, rest) of entries ``idx`` merged over ``n_parts`` partials (rest form, parts[0/1, p, idx]): PARTS of them
+    at a time as one [PARTS, BLOCK] tile (:func:`_merged`), merged into the running stats in order."""
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     rest = tl.full([BLOCK], -1.0, tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
-    for p in range(0, n_parts):
-        part = parts_ptr + p * stride_part + idx
-        t = tl.load(part, mask=inside, other=float("-inf"))
-        rest_t = tl.load(part + stride_part_stat, mask=inside, other=-1.0)
+    for p0 in range(0, n_parts, PARTS):
+        part = p0 + tl.arange(0, PARTS)
+        mask = (part[:, None] < n_parts) & inside[None, :]
+        ptrs = parts_ptr + part[:, None].to(tl.int64) * stride_part + idx[None, :]
+        m_p = tl.load(ptrs, mask=mask, other=float("-inf"))
+        rest_p = tl.load(ptrs + stride_stat, mask=mask, other=-1.0)
+        t, rest_t = _merged(m_p, rest_p, 0)
         m, rest = merge_kept_stats(m, rest, t, rest_t)
-        if HAS_SUM:
-            total += tl.load(part + 2 * stride_part_stat, mask=inside, other=0.0)
-    tl.store(out_ptr + idx, m, mask=inside)
-    tl.store(out_ptr + stride_out_stat + idx, rest, mask=inside)
-    if HAS_SUM:
-        tl.store(out_ptr + 2 * stride_out_stat + idx, total, mask=inside)
+    return m, rest
+
+
+@triton.jit
+def _parts_sum(parts_ptr, idx, inside, n_parts, stride_part, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """sum over p of parts[p, idx], PARTS at a time, in a fixed order."""
+    total = tl.zeros([BLOCK], tl.float32)
+    for p0 in range(0, n_parts, PARTS):
+        part = p0 + tl.arange(0, PARTS)
+        mask = (part[:, None] < n_parts) & inside[None, :]
+        total += tl.sum(tl.load(parts_ptr + part[:, None].to(tl.int64) * stride_part + idx[None, :], mask=mask,
+                                other=0.0), axis=0)  # fmt: skip
+    return total
+
+
+@triton.jit
+def _lse_merge(m_a, r_a, m_b, r_b):
+    """:func:`infcl.lse.lse_merge` of stats in the contract's form (m, r): r = logaddexp(r_a + (m_a - M),
+    r_b + (m_b - M)), an empty side (m = -inf) the identity, NaN kept."""
+    new_m = tl.maximum(m_a, m_b, propagate_nan=tl.PropagateNan.ALL)
+    x = tl.where(m_a == float("-inf"), m_a, r_a + (m_a - new_m))
+    y = tl.where(m_b == float("-inf"), m_b, r_b + (m_b - new_m))
+    hi = tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
+    lo = tl.minimum(x, y, propagate_nan=tl.PropagateNan.ALL)
+    return new_m, tl.where(hi == float("-inf"), hi, hi + log1p(exp(lo - hi)))
+
+
+@triton.jit
+def _merge_chunk_kernel(
+    row_parts_ptr,
+    rows_out_ptr,
+    col_parts_ptr,
+    cols_ptr,
+    n_rows,
+    n_cols,
+    n_splits,
+    n_row_blocks,
+    stride_row_parts_stat,
+    stride_row_parts_part,
+    stride_rows_out_stat,
+    stride_col_parts_stat,
+    stride_col_parts_part,
+    stride_cols_stat,
+    ROW_PROGRAMS: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    PARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One launch for a chunk's partials: the first ROW_PROGRAMS programs merge each row's partials over the
+    column splits into rows_out (max, r = log1p(rest), positive logit); the others (SYMMETRIC) each column's over
+    the row blocks, merged (ACCUMULATE) into the running column stats ``cols`` (the contract's (m, r): the chunks
+    in order), or stored there as (m, r)."""
+    program = tl.program_id(0)
+    if program < ROW_PROGRAMS:
+        idx = program * BLOCK + tl.arange(0, BLOCK)
+        inside = idx < n_rows
+        m, rest = _parts_stats(
+            row_parts_ptr, idx, inside, n_splits, stride_row_parts_stat, stride_row_parts_part, PARTS, BLOCK
+        )
+        positive = _parts_sum(
+            row_parts_ptr + 2 * stride_row_parts_stat, idx, inside, n_splits, stride_row_parts_part, PARTS, BLOCK
+        )
+        tl.store(rows_out_ptr + idx, m, mask=inside)
+        tl.store(rows_out_ptr + stride_rows_out_stat + idx, log1p(rest), mask=inside)
+        tl.store(rows_out_ptr + 2 * stride_rows_out_stat + idx, positive, mask=inside)
+    elif SYMMETRIC:
+        idx = (program - ROW_PROGRAMS) * BLOCK + tl.arange(0, BLOCK)
+        inside = idx < n_cols
+        m, rest = _parts_stats(
+            col_parts_ptr, idx, inside, n_row_blocks, stride_col_parts_stat, stride_col_parts_part, PARTS, BLOCK
+        )
+        r = log1p(rest)
+        if ACCUMULATE:
+            m_acc = tl.load(cols_ptr + idx, mask=inside, other=float("-inf"))
+            r_acc = tl.load(cols_ptr + stride_cols_stat + idx, mask=inside, other=float("-inf"))
+            m, r = _lse_merge(m_acc, r_acc, m, r)
+        tl.store(cols_ptr + idx, m, mask=inside)
+        tl.store(cols_ptr + stride_cols_stat + idx, r, mask=inside)
 
 
 @triton.jit
@@ -176,43 +317,51 @@ def _chunk_grad_kernel(
     split = tl.program_id(1)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = rows < n_rows
+    row_ptrs = raw_ptr + rows[:, None].to(tl.int64) * stride_raw
+    ds_ptrs = ds_ptr + rows[:, None].to(tl.int64) * stride_ds
     scale = tl.load(scale_ptr)
-    pos = tl.load(pos_ptr + rows, mask=row_in, other=-1)
+    pos = tl.load(pos_ptr + rows, mask=row_in, other=-1).to(tl.int32)
     lo, hi = positive_span(pos)
     m_row = tl.load(row_stats_ptr + rows, mask=row_in, other=0.0)[:, None]
     r_row = tl.load(row_stats_ptr + stride_row_stat + rows, mask=row_in, other=0.0)[:, None]
     g_row = tl.load(g_row_ptr + rows, mask=row_in, other=0.0)[:, None]
     factor = tl.load(factor_ptr + rows.to(tl.int64) * stride_factor, mask=row_in, other=0.0)[:, None]
-    row_part = tl.zeros([BLOCK_M], tl.float32)  # the scale gradient's terms, summed per row
-    col_part = tl.zeros([BLOCK_M], tl.float32)
-    first = split * SPLIT_TILES
-    n_tiles = tl.minimum(SPLIT_TILES, tl.cdiv(n_cols, BLOCK_N) - first)
+    # The scale gradient's terms dS * raw, summed per entry of the tile over the split's tiles and reduced once at
+    # the end (no reduction per tile).
+    row_terms = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    col_terms = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    first, n_tiles = _split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
+    offsets = tl.arange(0, BLOCK_N)
+    raw = _load_raw(row_ptrs, rows, first * BLOCK_N + offsets, n_rows, n_cols, EVEN_M, EVEN_N)
     for t in range(0, n_tiles):
         c0 = (first + t) * BLOCK_N
-        cols = c0 + tl.arange(0, BLOCK_N)
-        raw = _load_raw(raw_ptr, rows, cols, n_rows, n_cols, stride_raw, EVEN_M, EVEN_N)
+        cols = c0 + offsets
+        ahead = (first + tl.minimum(t + 1, n_tiles - 1)) * BLOCK_N + offsets  # the next tile, loaded now
+        raw_ahead = _load_raw(row_ptrs, rows, ahead, n_rows, n_cols, EVEN_M, EVEN_N)
         s = masked_scores(raw, scale, rows, cols, n_rows, n_cols, not EVEN_M, not EVEN_N)
         has_pos = holds_positive(lo, hi, c0, BLOCK_N, True)
         is_pos = cols[None, :] == pos[:, None]
         ds = softmax_grad(s, m_row, r_row, g_row, is_pos, has_pos)
-        row_part += tl.sum(ds * raw, axis=1)
         if SYMMETRIC:
             col_in = cols < n_cols
             m_col = tl.load(col_stats_ptr + cols, mask=col_in, other=0.0)[None, :]
             r_col = tl.load(col_stats_ptr + stride_col_stat + cols, mask=col_in, other=0.0)[None, :]
             g_col = tl.load(g_col_ptr + cols, mask=col_in, other=0.0)[None, :]
             dc = softmax_grad(s, m_col, r_col, g_col, is_pos, has_pos)
-            col_part += tl.sum(dc * raw, axis=1)
+            col_terms += dc * raw
+            row_terms += ds * raw
             ds += dc
-        out = ds_ptr + rows[:, None].to(tl.int64) * stride_ds + cols[None, :]
+        else:
+            row_terms += ds * raw
         value = round_operand(ds * factor, OPERAND)
         if EVEN_M and EVEN_N:
-            tl.store(out, value)
+            tl.store(ds_ptrs + cols[None, :], value)
         else:
-            tl.store(out, value, mask=row_in[:, None] & (cols[None, :] < n_cols))
+            tl.store(ds_ptrs + cols[None, :], value, mask=row_in[:, None] & (cols[None, :] < n_cols))
+        raw = raw_ahead
     program = row_block * tl.num_programs(1) + split
-    tl.store(dscale_ptr + program, tl.sum(row_part, axis=0))
-    tl.store(dscale_ptr + stride_dscale + program, tl.sum(col_part, axis=0))
+    tl.store(dscale_ptr + program, tl.sum(tl.sum(row_terms, axis=1), axis=0))
+    tl.store(dscale_ptr + stride_dscale + program, tl.sum(tl.sum(col_terms, axis=1), axis=0))
 
 
 # ---- launchers ----------------------------------------------------------------------------------------
@@ -231,25 +380,12 @@ def _splits(n_cols: int, block_n: int) -> int:
     return triton.cdiv(triton.cdiv(n_cols, block_n), CHUNK_SPLIT_TILES)
 
 
-def merge_parts(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``parts`` [R, P, n] (R = 2 stats in rest form, or 3 with a summed row) merged over P in index order into
-    ``out`` [R, n] (any row stride; the last dim contiguous), then rest -> r = log1p(rest) (the contract's form;
-    the empty set's -1 becomes -inf). Returns ``out``."""
-    n_stats, n_parts, n = parts.shape
-    _merge_parts_kernel[(triton.cdiv(n, CHUNK_MERGE_BLOCK),)](
-        parts_ptr=parts,
-        out_ptr=out,
-        n=n,
-        n_parts=n_parts,
-        stride_part_stat=parts.stride(0),
-        stride_part=parts.stride(1),
-        stride_out_stat=out.stride(0),
-        HAS_SUM=n_stats == 3,
-        BLOCK=CHUNK_MERGE_BLOCK,
-        **COMPILE_OPTIONS,
-    )
-    out[REL].log1p_()
-    return out
+def launch_programs(kernel: str, n_rows: int, n_cols: int, symmetric: bool) -> int:
+    """Programs of one launch of pass ``kernel`` ("stats", "merge", "grad") over a [n_rows, n_cols] chunk."""
+    if kernel == "merge":
+        return triton.cdiv(n_rows, CHUNK_MERGE_BLOCK) + (triton.cdiv(n_cols, CHUNK_MERGE_BLOCK) if symmetric else 0)
+    tile = CHUNK_STATS_TILE if kernel == "stats" else CHUNK_GRAD_TILE
+    return triton.cdiv(n_rows, tile.block_m) * _splits(n_cols, tile.block_n)
 
 
 def chunk_stats(
@@ -258,30 +394,33 @@ def chunk_stats(
     pos: torch.Tensor,
     symmetric: bool,
     rows_out: torch.Tensor,
+    cols: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
-    """The forward pass over one chunk. ``raw`` [C, Bk] float32 (row stride free, columns contiguous), ``scale``
-    0-d float32, ``pos`` [C] int64 (the positive's column, -1 for none). Writes ``rows_out`` [3, C] (max, r,
-    positive logit or 0) and returns the chunk's column stats [2, Bk] (max, r) over its C rows, or None."""
+    """The forward pass over one chunk, in two launches (the stats pass, then one merge of its partials). ``raw``
+    [C, Bk] float32 (row stride free, columns contiguous), ``scale`` 0-d float32, ``pos`` [C] int64 (the positive's
+    column, -1 for none). Writes ``rows_out`` [3, C] (max, r, positive logit or 0). Symmetric: the chunk's column
+    stats [2, Bk] (max, r) over its C rows are merged into ``cols`` in place (the running stats of the chunks
+    before, in the contract's form: :func:`infcl.lse.lse_merge`'s arithmetic), or returned when ``cols`` is None.
+    Returns the column stats (``cols`` itself where given), or None."""
     n_rows, n_cols = raw.shape
     assert raw.stride(1) == 1 and rows_out.stride(1) == 1, "the passes read rows of contiguous columns"
-    pos = _unit(pos)
     block_m, block_n = CHUNK_STATS_TILE.block_m, CHUNK_STATS_TILE.block_n
     row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
-    rows = torch.empty(3, splits, n_rows, dtype=torch.float32, device=raw.device)
-    cols = torch.empty(2, row_blocks, n_cols, dtype=torch.float32, device=raw.device) if symmetric else None
+    row_parts = torch.empty(3, splits, n_rows, dtype=torch.float32, device=raw.device)
+    col_parts = torch.empty(2, row_blocks, n_cols, dtype=torch.float32, device=raw.device) if symmetric else None
     _chunk_stats_kernel[(row_blocks, splits)](
         raw_ptr=raw,
         scale_ptr=scale,
-        pos_ptr=pos,
-        rows_ptr=rows,
-        cols_ptr=cols,
+        pos_ptr=_unit(pos),
+        rows_ptr=row_parts,
+        cols_ptr=col_parts,
         n_rows=n_rows,
         n_cols=n_cols,
         stride_raw=raw.stride(0),
-        stride_rows_stat=rows.stride(0),
-        stride_rows_part=rows.stride(1),
-        stride_cols_stat=cols.stride(0) if symmetric else 0,
-        stride_cols_part=cols.stride(1) if symmetric else 0,
+        stride_rows_stat=row_parts.stride(0),
+        stride_rows_part=row_parts.stride(1),
+        stride_cols_stat=col_parts.stride(0) if symmetric else 0,
+        stride_cols_part=col_parts.stride(1) if symmetric else 0,
         SYMMETRIC=symmetric,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -290,10 +429,35 @@ def chunk_stats(
         num_warps=CHUNK_STATS_TILE.num_warps,
         **COMPILE_OPTIONS,
     )
-    merge_parts(rows, rows_out)
-    if not symmetric:
-        return None
-    return merge_parts(cols, torch.empty(2, n_cols, dtype=torch.float32, device=raw.device))
+    accumulate = cols is not None
+    if symmetric and not accumulate:
+        cols = torch.empty(2, n_cols, dtype=torch.float32, device=raw.device)
+    assert not symmetric or cols.stride(1) == 1, "the running column stats are rows of contiguous columns"
+    row_programs = triton.cdiv(n_rows, CHUNK_MERGE_BLOCK)
+    _merge_chunk_kernel[(launch_programs("merge", n_rows, n_cols, symmetric),)](
+        row_parts_ptr=row_parts,
+        rows_out_ptr=rows_out,
+        col_parts_ptr=col_parts,
+        cols_ptr=cols if symmetric else None,
+        n_rows=n_rows,
+        n_cols=n_cols,
+        n_splits=splits,
+        n_row_blocks=row_blocks,
+        stride_row_parts_stat=row_parts.stride(0),
+        stride_row_parts_part=row_parts.stride(1),
+        stride_rows_out_stat=rows_out.stride(0),
+        stride_col_parts_stat=col_parts.stride(0) if symmetric else 0,
+        stride_col_parts_part=col_parts.stride(1) if symmetric else 0,
+        stride_cols_stat=cols.stride(0) if symmetric else 0,
+        ROW_PROGRAMS=row_programs,
+        SYMMETRIC=symmetric,
+        ACCUMULATE=accumulate,
+        PARTS=CHUNK_MERGE_PARTS,
+        BLOCK=CHUNK_MERGE_BLOCK,
+        num_warps=CHUNK_MERGE_WARPS,
+        **COMPILE_OPTIONS,
+    )
+    return cols if symmetric else None
 
 
 _OPERANDS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -356,15 +520,16 @@ def chunk_grad(
 
 
 def pass_bytes(n_rows: int, n_cols: int, operand: torch.dtype, symmetric: bool) -> Tuple[int, int]:
-    """HBM bytes (forward pass, backward pass) over one chunk, the partials included (the A/B's GB/s)."""
+    """HBM bytes (forward, backward) of the passes over one chunk: the scores read (and dS written), the partials
+    written and read back by the merge, the column stats read and written (the A/B's GB/s)."""
     block_m, block_n = CHUNK_STATS_TILE.block_m, CHUNK_STATS_TILE.block_n
     splits = _splits(n_cols, block_n)
-    forward = n_rows * n_cols * 4 + 12 * splits * n_rows
+    forward = n_rows * n_cols * 4 + 2 * 12 * splits * n_rows + 12 * n_rows
     if symmetric:
-        forward += 8 * triton.cdiv(n_rows, block_m) * n_cols
+        forward += 2 * 8 * triton.cdiv(n_rows, block_m) * n_cols + 16 * n_cols
     element = torch.empty((), dtype=operand).element_size()
-    backward = n_rows * n_cols * (4 + element) + (16 * n_cols if symmetric else 0)
+    backward = n_rows * n_cols * (4 + element) + (12 * n_cols if symmetric else 0)
     return forward, backward
 
 
-__all__ = ["chunk_grad", "chunk_stats", "merge_parts", "pass_bytes"]
+__all__ = ["chunk_grad", "chunk_stats", "launch_programs", "log1p", "pass_bytes"]

@@ -1,15 +1,15 @@
 """The kernels' arguments that the launchers compute on the host: the dtype options (ACC, UPCAST, PRECISION and
 torch's own float32 matmul precision, TF32 rounding of the operands), the mask options' arguments
-(:class:`MaskInputs`), the compiler options of every launch and the shape flags (EVEN_*, ONE_CHUNK).
+(:func:`mask_kernel_args`), the compiler options of every launch and the shape flags (EVEN_*, ONE_CHUNK).
 """
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..contract import MaskOptions
 from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, operand_class_of
 from .env import INTERPRETED
 
@@ -102,63 +102,44 @@ def guide_precision(dtype: torch.dtype, precision: Optional[str], guide_float64:
     return "tf32"
 
 
-@dataclass(frozen=True)
-class MaskInputs:
-    """One block's mask inputs for the softmax kernels (the :class:`infcl.contract.Block` fields of the
-    same names), None where unused: ids [Bq] / [Bk] int64, guide features [Bq, D'] / [Bk, D'] in the guide's
-    accumulation dtype (float32, or float64) and the thresholds [Bq] / [Bk] in that dtype."""
+def mask_kernel_args(masks: Optional[MaskOptions], dtype: torch.dtype, precision: Optional[str]) -> dict:
+    """The launch's flattening of the mask options (:class:`infcl.masks.MaskOptions`, or None for the plain
+    loss): the softmax kernels' mask arguments by keyword for features of ``dtype`` at ``precision``. The
+    pointers (None where absent: the kernels read which mask options are given from them; ids and
+    thresholds stride 1, as the ops pass them), the guides' rows contiguous and their row strides, the
+    guide width and the constexprs POSITIVES and the guide GEMM's BLOCK_G, EVEN_G and GUIDE_PRECISION (its
+    accumulation dtype is the guides' own). With no masks every pointer is None and nothing is read.
 
-    q_ids: Optional[torch.Tensor] = None
-    k_ids: Optional[torch.Tensor] = None
-    guide_q: Optional[torch.Tensor] = None
-    guide_k: Optional[torch.Tensor] = None
-    row_threshold: Optional[torch.Tensor] = None
-    col_threshold: Optional[torch.Tensor] = None  # symmetric only
-    multi_positive: Optional[str] = None
-
-    @property
-    def masked(self) -> bool:
-        return self.q_ids is not None or self.guide_q is not None
-
-    def kernel_args(self, dtype: torch.dtype, precision: Optional[str]) -> dict:
-        """The kernels' mask arguments by keyword for features of ``dtype`` at ``precision``: the pointers
-        (None where absent: the kernels read which mask options are given from them), the guides' rows
-        contiguous and their row strides, the guide width and the constexprs POSITIVES and the guide GEMM's BLOCK_G,
-        EVEN_G and GUIDE_PRECISION (its accumulation dtype is the guides' own).
-        With no masks every pointer is None and nothing is read.
-
-        The guide GEMM (:func:`guide_precision`) runs on the tensor cores wherever the features' products
-        do, and its feature chunk is its operand class's (:data:`FEATURE_CHUNKS`): a function of D' and
-        the dtypes alone, so the forward and both backward kernels sum each guide score over the same
-        chunks and find the same exclusions.
-        """
-        gq, gk = self.guide_q, self.guide_k
-        has_guide = gq is not None
-        if has_guide:  # rows of contiguous features (a copy only where a view is given)
-            gq, gk = (g if g.stride(1) == 1 else g.contiguous() for g in (gq, gk))
-        dim = gq.shape[1] if has_guide else 0
-        guide_float64 = has_guide and gq.dtype == torch.float64
-        precision = guide_precision(dtype, precision, guide_float64)
-        operand_class = operand_class_of(torch.float64 if guide_float64 else torch.float32, precision)
-        block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[operand_class][1])
-        return dict(
-            q_ids_ptr=self.q_ids,
-            k_ids_ptr=self.k_ids,
-            gq_ptr=gq,
-            gk_ptr=gk,
-            row_thr_ptr=self.row_threshold,
-            col_thr_ptr=self.col_threshold,
-            DG=dim,
-            stride_gq=gq.stride(0) if has_guide else 0,
-            stride_gk=gk.stride(0) if has_guide else 0,
-            POSITIVES=POSITIVES[self.multi_positive],
-            BLOCK_G=block_g,
-            EVEN_G=dim % block_g == 0,
-            GUIDE_PRECISION=precision,
-        )
-
-
-NO_MASKS = MaskInputs()
+    The guide GEMM (:func:`guide_precision`) runs on the tensor cores wherever the features' products
+    do, and its feature chunk is its operand class's (:data:`FEATURE_CHUNKS`): a function of D' and
+    the dtypes alone, so the forward and both backward kernels sum each guide score over the same
+    chunks and find the same exclusions.
+    """
+    masks = masks or MaskOptions()
+    gq, gk = masks.guide_q, masks.guide_k
+    has_guide = gq is not None
+    if has_guide:  # rows of contiguous features (a copy only where a view is given)
+        gq, gk = (g if g.stride(1) == 1 else g.contiguous() for g in (gq, gk))
+    dim = gq.shape[1] if has_guide else 0
+    guide_float64 = has_guide and gq.dtype == torch.float64
+    precision = guide_precision(dtype, precision, guide_float64)
+    operand_class = operand_class_of(torch.float64 if guide_float64 else torch.float32, precision)
+    block_g = min(max(triton.next_power_of_2(max(dim, 1)), MIN_DOT), FEATURE_CHUNKS[operand_class][1])
+    return dict(
+        q_ids_ptr=masks.q_ids,
+        k_ids_ptr=masks.k_ids,
+        gq_ptr=gq,
+        gk_ptr=gk,
+        row_thr_ptr=masks.row_threshold,
+        col_thr_ptr=masks.col_threshold,
+        DG=dim,
+        stride_gq=gq.stride(0) if has_guide else 0,
+        stride_gk=gk.stride(0) if has_guide else 0,
+        POSITIVES=POSITIVES[masks.multi_positive],
+        BLOCK_G=block_g,
+        EVEN_G=dim % block_g == 0,
+        GUIDE_PRECISION=precision,
+    )
 
 
 # Every kernel launch passes these compiler options. FMA contraction stays on (it speeds up the

@@ -1,7 +1,8 @@
 """The sigmoid (SigLIP) loss's block math as fused Triton kernels (``backend="triton"``).
 
 With raw = q @ k.T, logits L = scale * raw + bias and the margin t = -z * L (z = +1 at the row's
-positive, -1 elsewhere), the loss of an entry is softplus(t) and its derivative by L is -z * sigmoid(t).
+positive, -1 elsewhere; with ids, z = +1 wherever the row's and the column's ids match: HAS_IDS, read off
+whether the launch passes the ids), the loss of an entry is softplus(t) and its derivative by L is -z * sigmoid(t).
 Both come from one e = exp(-|t|) in (0, 1]: softplus(t) = max(t, 0) + log1p(e) and
 sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e), so no logit overflows and a tiny loss term keeps its digits.
 
@@ -27,7 +28,7 @@ On a GPU dL is rounded to the inputs' dtype before the products (tensor-core ope
 that dtype); under the interpreter see :mod:`infcl.kernels.score_tiles` (UPCAST).
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import triton
@@ -92,6 +93,8 @@ def _siglip_forward_kernel(
     q_ptr,
     k_ptr,
     pos_ptr,
+    q_ids_ptr,
+    k_ids_ptr,
     params_ptr,
     out_ptr,
     n_q,
@@ -108,9 +111,13 @@ def _siglip_forward_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    HAS_IDS: tl.constexpr = q_ids_ptr is not None  # the positives: the ids' matches, else pos
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    if HAS_IDS:
+        row_ids = tl.load(q_ids_ptr + rows, mask=row_ok, other=-1)
+    else:
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
     # Tensors, not launch arguments: a Python float would be rounded to float32.
     scale = tl.load(params_ptr)
     bias = tl.load(params_ptr + 1)
@@ -125,7 +132,11 @@ def _siglip_forward_kernel(
             Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
             Dot(ACC, UPCAST, PRECISION),
         )
-        t = _margins(raw, cols[None, :] == pos[:, None], scale, bias)
+        if HAS_IDS:
+            is_pos = row_ids[:, None] == tl.load(k_ids_ptr + cols, mask=cols < n_k, other=-1)[None, :]
+        else:
+            is_pos = cols[None, :] == pos[:, None]
+        t = _margins(raw, is_pos, scale, bias)
         total += tl.sum(tl.where(cols[None, :] < n_k, _softplus(t), 0.0), axis=1)
     tl.store(out_ptr + rows, total, mask=row_ok)
 
@@ -135,6 +146,8 @@ def _siglip_backward_kernel(
     own_ptr,
     other_ptr,
     pos_ptr,
+    own_ids_ptr,
+    other_ids_ptr,
     g_ptr,
     params_ptr,
     grad_ptr,
@@ -158,12 +171,13 @@ def _siglip_backward_kernel(
     PRECISION: tl.constexpr,
 ):
     """grad[own rows] += scale * dL @ other, where own/other are q/k (OWNS_Q) or k/q. ``pos`` and ``g``
-    are per q row: the owned rows' (OWNS_Q) or the walked ones'. ONE_CHUNK: D <= BLOCK_D."""
+    are per q row: the owned rows' (OWNS_Q) or the walked ones'; the ids (HAS_IDS) go with own and other.
+    ONE_CHUNK: D <= BLOCK_D."""
     _siglip_backward_rows(
         Matrix(own_ptr, n_own, D, stride_own0, stride_own1),
         Matrix(other_ptr, n_other, D, stride_other0, stride_other1),
         Matrix(grad_ptr, n_own, D, stride_grad0, stride_grad1),
-        pos_ptr,
+        (pos_ptr, own_ids_ptr, other_ids_ptr),
         g_ptr,
         params_ptr,
         partials_ptr,
@@ -174,33 +188,42 @@ def _siglip_backward_kernel(
 
 
 @triton.jit
-def _siglip_backward_rows(own, other, grad, pos_ptr, g_ptr, params_ptr, partials_ptr, tile, dot, OWNS_Q: tl.constexpr):
+def _siglip_backward_rows(own, other, grad, labels, g_ptr, params_ptr, partials_ptr, tile, dot, OWNS_Q: tl.constexpr):
     """The backward program's rows of ``own`` (:class:`Matrix`, as ``other`` and ``grad``): their gradient
-    slices and, OWNS_Q, their dscale / dbias partials."""
+    slices and, OWNS_Q, their dscale / dbias partials; ``labels``: (pos_ptr, own_ids_ptr, other_ids_ptr)."""
     BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
     BLOCK_D: tl.constexpr = tile.BLOCK_D
     ACC: tl.constexpr = dot.ACC
+    pos_ptr = labels[0]
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < own.n
     scale = tl.load(params_ptr)
     bias = tl.load(params_ptr + 1)
-    if OWNS_Q:
+    HAS_IDS: tl.constexpr = labels[1] is not None  # the positives: the ids' matches, else pos
+    if HAS_IDS:
+        own_ids = tl.load(labels[1] + rows, mask=row_ok, other=-1)
+    elif OWNS_Q:
         row_pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    if OWNS_Q:
         row_g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
     dscale = tl.zeros([BLOCK_M], dtype=ACC)
     dbias = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)  # the owned rows' gradient when ONE_CHUNK
-    for n0 in range(0, other.n, tile.BLOCK_N):
-        cols = n0 + tl.arange(0, tile.BLOCK_N).to(tl.int64)
+    for n0 in range(0, other.n, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         col_ok = cols < other.n
         raw = score_chunks(own, other, rows, cols, tile, dot)
-        if OWNS_Q:
+        if HAS_IDS:
+            is_pos = own_ids[:, None] == tl.load(labels[2] + cols, mask=col_ok, other=-1)[None, :]
+        elif OWNS_Q:
             is_pos = cols[None, :] == row_pos[:, None]
+        else:
+            is_pos = rows[:, None] == tl.load(pos_ptr + cols, mask=col_ok, other=-1)[None, :]
+        if OWNS_Q:
             g = row_g[:, None]
         else:
-            col_pos = tl.load(pos_ptr + cols, mask=col_ok, other=-1)
-            is_pos = rows[:, None] == col_pos[None, :]
             g = tl.load(g_ptr + cols, mask=col_ok, other=0.0)[None, :]
         s = _sigmoid(_margins(raw, is_pos, scale, bias))
         # Zero outside the block explicitly: a padded entry must not add to any sum, whatever it holds.
@@ -231,7 +254,14 @@ def _params(scale: torch.Tensor, bias: torch.Tensor, acc: torch.dtype) -> torch.
     return torch.stack((scale, bias)).to(acc)
 
 
-def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel):
+def _ids(ids):
+    """Ids as the kernels read them (stride 1: a view is copied, O(B)), or None."""
+    return None if ids is None else ids.contiguous()
+
+
+def siglip_forward(
+    q, k, scale, pos, bias, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel, q_ids=None, k_ids=None
+):
     """Row losses [Bq] (accumulation dtype): sum_j softplus(-z_ij * (scale * q_i.k_j + bias)).
 
     q [Bq, D], k [Bk, D] (any strides, one dtype), scale a 0-d tensor on q's device, pos [Bq] int64: each
@@ -240,7 +270,8 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
     (:func:`infcl.kernels.tiling.sigmoid_tiling`; the interpreter's big tiles under TRITON_INTERPRET=1);
     ``precision`` picks tl.dot's input precision for float32 ("ieee", "tf32"; None follows torch's,
     kernel_args.torch_matmul_precision); ``wrap`` wraps the kernel before its launch (``torch.library.wrap_triton``
-    inside a triton_op).
+    inside a triton_op). ``q_ids`` [Bq], ``k_ids`` [Bk] (both or neither): every column with the row's id is a
+    positive, pos unread.
     """
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
@@ -251,6 +282,8 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
     out = torch.empty(n_q, dtype=acc, device=q.device)
     wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, cfg.block_m),)](
         pos_ptr=pos.contiguous(),
+        q_ids_ptr=_ids(q_ids),
+        k_ids_ptr=_ids(k_ids),
         params_ptr=_params(scale, bias, acc),
         out_ptr=out,
         n_q=n_q,
@@ -269,7 +302,19 @@ def siglip_forward(q, k, scale, pos, bias, tiling: Tiling = None, precision=None
 
 
 def siglip_backward(
-    q, k, scale, pos, bias, g_row, dq, dk, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel
+    q,
+    k,
+    scale,
+    pos,
+    bias,
+    g_row,
+    dq,
+    dk,
+    tiling: Tiling = None,
+    precision=None,
+    wrap=lambda kernel: kernel,
+    q_ids=None,
+    k_ids=None,
 ) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
@@ -299,8 +344,12 @@ def siglip_backward(
         **opts,
         **COMPILE_OPTIONS,
     )
-    for owner, other, grad, n_own, n_other, owns_q in ((q, k, dq, n_q, n_k, True), (k, q, dk, n_k, n_q, False)):
+    q_ids, k_ids = _ids(q_ids), _ids(k_ids)
+    sides = ((q, k, dq, q_ids, k_ids, n_q, n_k, True), (k, q, dk, k_ids, q_ids, n_k, n_q, False))
+    for owner, other, grad, own_ids, other_ids, n_own, n_other, owns_q in sides:
         wrap(_siglip_backward_kernel)[(triton.cdiv(n_own, cfg.block_m),)](
+            own_ids_ptr=own_ids,
+            other_ids_ptr=other_ids,
             n_own=n_own,
             n_other=n_other,
             **matrix_args("own", owner),
@@ -313,16 +362,25 @@ def siglip_backward(
 
 
 # ---- the custom ops ``torch.ops.infcl.triton_sigmoid_*`` (:func:`.registration.register_op`) -------------------
-# triton_sigmoid_forward_block(q, k, scale, pos, bias, precision, tiling) -> rows; triton_sigmoid_backward_block(q,
-# k, scale, pos, bias, g_row, dq!, dk!, precision, tiling) -> dparams (accumulates into dq and dk). ``precision``
-# and ``tiling`` as the softmax ops take them (:mod:`.softmax_ops`).
+# triton_sigmoid_forward_block(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling) -> rows;
+# triton_sigmoid_backward_block(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq!, dk!, precision, tiling) -> dparams
+# (accumulates into dq and dk). ``q_ids`` / ``k_ids``: None, or the ids (the positives: every column with the
+# row's id; pos unread). ``precision`` and ``tiling`` as the softmax ops take them (:mod:`.softmax_ops`).
 
 
 def _forward_op(
-    q: Tensor, k: Tensor, scale: Tensor, pos: Tensor, bias: Tensor, precision: str, tiling: List[int]
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    precision: str,
+    tiling: List[int],
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap=wrap)
+    return siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap, q_ids, k_ids)
 
 
 def _backward_op(
@@ -331,6 +389,8 @@ def _backward_op(
     scale: Tensor,
     pos: Tensor,
     bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
     g_row: Tensor,
     dq: Tensor,
     dk: Tensor,
@@ -338,14 +398,14 @@ def _backward_op(
     tiling: List[int],
 ) -> Tensor:
     chosen = Tiling.from_ints(tiling) if tiling else None
-    return siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap=wrap)
+    return siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap, q_ids, k_ids)
 
 
-def _forward_fake(q, k, scale, pos, bias, precision, tiling):
+def _forward_fake(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling):
     return q.new_empty(q.shape[0], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def _backward_fake(q, k, scale, pos, bias, g_row, dq, dk, precision, tiling):
+def _backward_fake(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq, dk, precision, tiling):
     return dq.new_empty(2)
 
 

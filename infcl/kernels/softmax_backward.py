@@ -43,16 +43,16 @@ from typing import Optional
 import torch
 import triton
 
+from ..contract import MaskOptions
 from .autotune import autotune_bucket, lazy_autotune, neighbours
 from .configs import TENSOR_CORE_CLASSES, TileConfig, Tiling
 from .kernel_args import (
     COMPILE_OPTIONS,
-    NO_MASKS,
-    MaskInputs,
     branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
+    mask_kernel_args,
     matrix_args,
     tf32_operands,
 )
@@ -154,7 +154,7 @@ def softmax_backward(
     autotune: bool = False,
     sms: int = 1,
     wrap=lambda kernel: kernel,
-    masks: MaskInputs = NO_MASKS,
+    masks: Optional[MaskOptions] = None,
     row_positives: Optional[torch.Tensor] = None,
     col_positives: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -199,7 +199,7 @@ def softmax_backward(
         BLOCK_D=block_d,
         **feature_chunks(dim, block_d),
         PRECISION=opts["PRECISION"],
-        **masks.kernel_args(q.dtype, precision),
+        **mask_kernel_args(masks, q.dtype, precision),
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         row_pos_ptr=row_positives,
         col_pos_ptr=col_positives,

@@ -39,18 +39,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import MaskOptions
 from ..lse import MAX, REL, lse_merge
 from ..masks import MASKED_ROWS, POS_MAX, POS_REL, merge_masked
 from .autotune import autotune_bucket, lazy_autotune, neighbours
 from .configs import TENSOR_CORE_CLASSES, TileConfig, Tiling
 from .kernel_args import (
     COMPILE_OPTIONS,
-    NO_MASKS,
-    MaskInputs,
     branch_positives,
     even_blocks,
     feature_chunks,
     launch_options,
+    mask_kernel_args,
     matrix_args,
     tf32_operands,
 )
@@ -332,7 +332,7 @@ def softmax_forward(
     autotune: bool = False,
     sms: int = 1,
     wrap=lambda kernel: kernel,
-    masks: MaskInputs = NO_MASKS,
+    masks: Optional[MaskOptions] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """rows [3, Bq] = (max, log-sum relative to it, positive logit or 0), cols [2, Bk] stats or None.
 
@@ -344,16 +344,17 @@ def softmax_forward(
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    masked = masks is not None
     n_q, dim = q.shape
     n_k = k.shape[0]
     # Pairs of row blocks (TileConfig.row_tiles) in the plain symmetric forward; the autotuner keeps BLOCK_M.
-    row_tiles = tiling.forward.row_tiles if symmetric and not masks.masked else 1
+    row_tiles = tiling.forward.row_tiles if symmetric and not masked else 1
     plan = plan_forward(n_q, n_k, tiling, symmetric, sms, row_tiles)
-    n_rows = MASKED_ROWS if masks.masked else 3
+    n_rows = MASKED_ROWS if masked else 3
     rows = torch.empty(n_rows, plan.splits, n_q, dtype=acc, device=q.device)
     cols = None  # the column stats exist only for the symmetric loss
     if symmetric:
-        cols = _empty_partials(MASKED_ROWS if masks.masked else 2, plan.groups, n_k, acc, q.device)
+        cols = _empty_partials(MASKED_ROWS if masked else 2, plan.groups, n_k, acc, q.device)
     block_d = tiling.block_d(dim)
     args = dict(
         # One direction: an empty placeholder for the column partials, never read (Triton 3.4's autotuner
@@ -378,7 +379,7 @@ def softmax_forward(
         ROW_TILES=row_tiles,
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         EVEN_PAIRS=triton.cdiv(n_q, tiling.forward.block_m) % row_tiles == 0,
-        **masks.kernel_args(q.dtype, precision),
+        **mask_kernel_args(masks, q.dtype, precision),
         **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)
@@ -394,11 +395,11 @@ def softmax_forward(
             **cfg.launch_options(),
             **args,
         )
-    positives = ("sum" if masks.multi_positive == "sum" else "mean") if masks.masked else None
+    positives = masks.loss_kind if masked else None
     results = []
     for parts in (rows, cols) if symmetric else (rows,):
         parts[REL].log1p_()  # rest -> r = log1p(rest), the contract's form; -1 (empty) -> -inf
-        if masks.masked:
+        if masked:
             parts[POS_REL].log1p_()
         results.append(merge_partials(parts, positives))
     return results[0], (results[1] if symmetric else None)

@@ -4,7 +4,7 @@ A row's guide threshold is compared with the guide scores the masked kernels for
 (:func:`infcl.kernels.softmax_mask_tiles.block_masks`). For a tie to compare equal (a column that duplicates the
 labelled one, at margin 0), the threshold must come from the same arithmetic: the same
 :func:`infcl.kernels.score_tiles.score_chunks` over D' in the same BLOCK_G chunks, at the same dot precision and
-accumulation dtype (all from :meth:`infcl.kernels.configs.MaskInputs.kernel_args`). Each program forms the
+accumulation dtype (all from :func:`infcl.kernels.kernel_args.mask_kernel_args`). Each program forms the
 tile gq[rows] @ gk[pos[rows]].T and keeps its diagonal (every other entry is replaced by 0 before the
 sum, so the diagonal is read exactly); a dot's entry does not depend on where it sits in the tile.
 
@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import MaskOptions
 from .configs import MIN_DOT
-from .kernel_args import COMPILE_OPTIONS, MaskInputs, matrix_args
+from .kernel_args import COMPILE_OPTIONS, mask_kernel_args, matrix_args
 from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 
 Tensor = torch.Tensor
@@ -78,7 +79,7 @@ def guide_label_scores(
     """``[Bq]`` G[i, pos[i]] (0 where pos[i] < 0) in the guide's accumulation dtype, as the masked kernels
     for features of ``dtype`` at ``precision`` compute it; guide_q [Bq, D'], guide_k [Bk, D'] in that dtype,
     any strides; pos [Bq] integer, any stride."""
-    args = MaskInputs(guide_q=guide_q, guide_k=guide_k).kernel_args(dtype, precision)
+    args = mask_kernel_args(MaskOptions(guide_q=guide_q, guide_k=guide_k), dtype, precision)
     n_q = guide_q.shape[0]
     out = torch.empty(n_q, dtype=guide_q.dtype, device=guide_q.device)
     wrap(_guide_label_scores_kernel)[(triton.cdiv(n_q, BLOCK_ROWS),)](

@@ -28,10 +28,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..masks import MASKED_ROWS
+from ..masks import MASKED_ROWS, MaskOptions
 from . import softmax_backward, softmax_forward, softmax_guide_scores
 from .configs import Tiling, autotuning
-from .kernel_args import NO_MASKS, MaskInputs
 from .registration import register_op, wrap
 from .target import target_facts
 from .tiling import target_tiling
@@ -56,13 +55,12 @@ def _run_forward(
     symmetric: bool,
     precision: str,
     tiling: List[int],
-    masks: MaskInputs = NO_MASKS,
+    masks: Optional[MaskOptions] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """The forward ops' one body, plain (``masks`` NO_MASKS itself) or masked (the masked ops' tiling): the
-    launch, and an empty placeholder for the one-directional loss's column partials (an op returns a tensor,
-    never None)."""
-    masked = masks is not NO_MASKS
-    chosen, autotune = _tiling(tiling, q, precision, masked, masks.guide_q is not None)
+    """The forward ops' one body, plain (``masks`` None) or masked (the masked ops' tiling): the launch, and an
+    empty placeholder for the one-directional loss's column partials (an op returns a tensor, never None)."""
+    masked = masks is not None
+    chosen, autotune = _tiling(tiling, q, precision, masked, masked and masks.has_guide)
     rows, cols = softmax_forward.softmax_forward(
         q,
         k,
@@ -89,12 +87,13 @@ def _run_backward(
     dk: Tensor,
     precision: str,
     tiling: List[int],
-    masks: MaskInputs = NO_MASKS,
+    masks: Optional[MaskOptions] = None,
     positives: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
 ) -> Tensor:
-    """The backward ops' one body, plain (``masks`` NO_MASKS itself) or masked: ``stats`` (row_stats, g_row,
-    col_stats, g_col) and the masked loss's ``positives`` (row, column) as :func:`softmax_backward` takes them."""
-    chosen, autotune = _tiling(tiling, q, precision, masks is not NO_MASKS, masks.guide_q is not None)
+    """The backward ops' one body, plain (``masks`` None) or masked: ``stats`` (row_stats, g_row, col_stats,
+    g_col) and the masked loss's ``positives`` (row, column) as :func:`softmax_backward` takes them."""
+    masked = masks is not None
+    chosen, autotune = _tiling(tiling, q, precision, masked, masked and masks.has_guide)
     row_stats, g_row, col_stats, g_col = stats
     return softmax_backward.softmax_backward(
         q,
@@ -145,17 +144,19 @@ def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
-def _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive: str) -> MaskInputs:
-    """The kernels read ids and thresholds with stride 1: a view (``meta[:, 1]``, ``ids[::2]``, an expanded
-    id) is copied (O(B)); the guide features go with their strides."""
-    return MaskInputs(
-        _contiguous(q_ids),
-        _contiguous(k_ids),
-        guide_q,
-        guide_k,
-        _contiguous(row_threshold),
-        _contiguous(col_threshold),
-        multi_positive or None,
+def _mask_options(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive: str) -> MaskOptions:
+    """The masked ops' flat arguments (the schema torch.library needs; the caller flattened them with
+    :func:`infcl.backends.triton.softmax.op_masks`) back as the one :class:`MaskOptions` value the launchers
+    take. The kernels read ids and thresholds with stride 1: a view (``meta[:, 1]``, ``ids[::2]``, an
+    expanded id) is copied (O(B)); the guide features go with their strides."""
+    return MaskOptions(
+        q_ids=_contiguous(q_ids),
+        k_ids=_contiguous(k_ids),
+        multi_positive=multi_positive or None,
+        guide_q=guide_q,
+        guide_k=guide_k,
+        row_threshold=_contiguous(row_threshold),
+        col_threshold=_contiguous(col_threshold),
     )
 
 
@@ -175,7 +176,7 @@ def _masked_forward(
     precision: str,
     tiling: List[int],
 ) -> Tuple[Tensor, Tensor]:
-    masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
+    masks = _mask_options(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     return _run_forward(q, k, scale, pos, symmetric, precision, tiling, masks)
 
 
@@ -202,7 +203,7 @@ def _masked_backward(
     precision: str,
     tiling: List[int],
 ) -> Tensor:
-    masks = _mask_inputs(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
+    masks = _mask_options(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     stats, positives = (row_stats, g_row, col_stats, g_col), (row_positives, col_positives)
     return _run_backward(q, k, scale, pos, stats, dq, dk, precision, tiling, masks, positives)
 

@@ -94,16 +94,24 @@ INTERPRETER_TILINGS = {
 
 # The chunked route's passes (kernels/chunked_softmax.py) read a float32 [C, Bk] score chunk that cuBLAS wrote and
 # take no product: memory-bound, so one config on every family and operand dtype. chunk_stats: a 64 x 64 float32
-# tile (16 KiB) per load on 8 warps keeps enough bytes in flight per SM, and 64 rows make its column partials 8 bytes
-# per (64 rows x column), 1/32 of the S read at 4 bytes.
+# tile (16 KiB) per load on 8 warps: 105 registers on sm_90, 2 CTAs per SM, 32 KiB of scores in flight per SM with the
+# next tile's load; and 64 rows make its column partials 8 bytes per (64 rows x column), 1/32 of the S read at 4 bytes.
+# (On 4 warps it issues a sixth fewer instructions per entry but takes 200 registers: 8 warps per SM.)
 CHUNK_STATS_TILE = TileConfig(64, 64, num_warps=8)
-# chunk_grad holds raw, s, dS and (symmetric) the column term at once: 32 rows keep it within registers.
+# chunk_grad holds raw, s, dS and (symmetric) the column term at once: 32 rows on 8 warps keep it within registers
+# (102 on sm_90: 2 CTAs per SM, 16 KiB of scores in flight per SM with the next tile's load; its ragged form 186). On
+# 4 warps the even form takes 166 (3 CTAs) but the ragged one spills.
 CHUNK_GRAD_TILE = TileConfig(32, 64, num_warps=8)
-# Column tiles per program of either pass: 32 tiles of 64 columns. At C = 2048, Bk = 65536 the stats grid is 32 x 32
-# = 1024 programs (about 8 per SM on 132 SMs); the rows' partials are then 32 per row, ~0.15% of the S bytes.
-CHUNK_SPLIT_TILES = 32
-# Entries per program of the passes' partials merge (chunked_softmax.merge_parts).
-CHUNK_MERGE_BLOCK = 1024
+# Column tiles per program of either pass: 16 tiles of 64 columns. At C = 2368, Bk = 65536 the stats grid is 37 x 64
+# = 2368 programs, 8.97 waves of 2 CTAs on 132 SMs (32 tiles: 4.48 waves, the last half idle: an 11% tail); the rows'
+# partials are then 64 per row, 12 bytes each: 0.3% of the S bytes.
+CHUNK_SPLIT_TILES = 16
+# The merge of a chunk's partials (chunked_softmax._merge_chunk_kernel): BLOCK rows (columns) a program, their
+# partials PARTS at a time as one [PARTS, BLOCK] tile, on 4 warps: 4096 values a load, and 19 + 512 programs at
+# C = 2368, Bk = 65536 (the columns' 37 row blocks and the rows' 64 splits in two loads each).
+CHUNK_MERGE_BLOCK = 128
+CHUNK_MERGE_PARTS = 32
+CHUNK_MERGE_WARPS = 4
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ..contract import Ahead, Best, Block, RankBlockBackend, Tensor
+from ..contract import Ahead, Best, Block, MaskOptions, RankBlockBackend, Tensor
 from ..ring.driver import SummedParts
 
 
@@ -37,7 +37,7 @@ class BestPositives:
     def forward_step(self, backend: RankBlockBackend, block: Block, k_side=()):
         col_index, *k_ids = k_side
         if self.any_positive:
-            block = replace(block, q_ids=self.q_ids, k_ids=k_ids[0], multi_positive="any")
+            block = replace(block, masks=MaskOptions(self.q_ids, k_ids[0], "any"))
         return backend.best_positives(block, self.row_index, col_index, True)
 
 
@@ -62,5 +62,5 @@ class AheadCounts(SummedParts):
         col_index, score, index, count, *k_ids = k_side
         if k_ids:
             mode = "any" if self.any_positive else None
-            block = replace(block, q_ids=self.q_ids, k_ids=k_ids[0], multi_positive=mode)
+            block = replace(block, masks=MaskOptions(self.q_ids, k_ids[0], mode))
         return backend.ahead_counts(block, self.rows, Best(score, index, count), self.row_index, col_index)

@@ -8,14 +8,17 @@ and nothing travels back with the columns (the loss is not ``symmetric``). Backw
 loss has two parameters, the scale and the bias. Both belong to this rank's own rows, so each block
 returns them as its own and zeros for the block's owner: summed over ranks, the per-replica gradients are
 the full derivative, as for the softmax loss.
+
+With ids (``cal_siglip_loss(q_ids=, k_ids=)``: a :class:`~infcl.masks.MaskOptions` holding them) the rows' ids
+stay and the columns' travel with k (``k_side``); each step's block holds the options of the block held.
 """
 
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
-from ..contract import Block, SigmoidBlockBackend, Tensor
+from ..contract import Block, MaskOptions, SigmoidBlockBackend, Tensor
 from ..ring.driver import ParamGrads, SummedParts
 
 PARAMS = ("scale", "bias")  # order of the loss parameters in a block's gradient
@@ -35,18 +38,22 @@ class SigmoidUpstream(NamedTuple):
 
 class SigmoidSteps(SummedParts):
     """:class:`infcl.ring.driver.RingLoss` for the sigmoid loss with this call's ``bias`` (0-d, on the features'
-    device)."""
+    device) and ``masks`` (the ids, or None: the positives are the labels)."""
 
     parts = SigmoidPartials  # row losses are sums over the global columns
     symmetric = False  # no column partials
     n_params = len(PARAMS)
-    k_side = ()  # nothing travels with k but k
 
-    def __init__(self, bias: Tensor):
-        self.bias = bias
+    def __init__(self, bias: Tensor, masks: Optional[MaskOptions] = None):
+        self.bias, self.masks = bias, masks
+        self.k_side = () if masks is None else masks.k_side()  # the columns' ids travel with k
+
+    def _block(self, block: Block, k_side, **fields) -> Block:
+        masks = None if self.masks is None else self.masks.holding(k_side)
+        return replace(block, bias=self.bias, masks=masks, **fields)
 
     def forward_step(self, backend: SigmoidBlockBackend, block: Block, k_side=()):
-        return SigmoidPartials(backend.sigmoid_forward_block(replace(block, bias=self.bias))), None
+        return SigmoidPartials(backend.sigmoid_forward_block(self._block(block, k_side))), None
 
     def backward_step(
         self,
@@ -58,5 +65,5 @@ class SigmoidSteps(SummedParts):
         dk: Tensor,
         k_side=(),
     ) -> ParamGrads:
-        own = backend.sigmoid_backward_block(replace(block, g_row=rows.grad, bias=self.bias), dq, dk)
+        own = backend.sigmoid_backward_block(self._block(block, k_side, g_row=rows.grad), dq, dk)
         return ParamGrads(own=own, owner=torch.zeros_like(own))

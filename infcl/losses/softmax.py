@@ -32,7 +32,7 @@ import torch
 
 from ..contract import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, empty_stats, lse_merge
-from ..masks import empty_masked, masked_fields, merge_masked_fields
+from ..masks import MaskOptions, empty_masked, masked_fields, merge_masked_fields
 from ..ring.driver import ParamGrads, SummedParts
 from ..stats import row_info
 
@@ -296,21 +296,17 @@ def _poison(part: "MaskedPartials", threshold: Optional[Tensor]) -> None:
 
 
 class MaskedSoftmaxSteps(SoftmaxSteps):
-    """:class:`infcl.ring.driver.RingLoss` for the softmax loss with mask options; the rows' ids, guide
-    features and thresholds stay here, the columns' travel with k (``k_side``)."""
+    """:class:`infcl.ring.driver.RingLoss` for the softmax loss with mask options (``masks``, thresholds set);
+    the rows' side of the options stays here, the columns' side travels with k (``k_side``:
+    :meth:`infcl.masks.MaskOptions.k_side`), and each step's block holds the options of the block held."""
 
-    def __init__(self, symmetric: bool, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold):
+    def __init__(self, symmetric: bool, masks: MaskOptions):
         super().__init__(symmetric)
-        self.multi_positive = multi_positive
-        self.kind = "sum" if multi_positive == "sum" else "mean"
-        self.rows_side = {"q_ids": q_ids, "guide_q": guide_q, "row_threshold": row_threshold}
-        side = {"k_ids": k_ids, "guide_k": guide_k, "col_threshold": col_threshold if symmetric else None}
-        self.k_side_names = tuple(name for name, t in side.items() if t is not None)
-        self.k_side = tuple(side[name] for name in self.k_side_names)
+        self.masks, self.kind = masks, masks.loss_kind
+        self.k_side = masks.k_side()
 
     def _block(self, block: Block, k_side, **fields) -> Block:
-        columns = dict(zip(self.k_side_names, k_side))
-        return replace(block, **fields, **self.rows_side, **columns, multi_positive=self.multi_positive)
+        return replace(block, **fields, masks=self.masks.holding(k_side))
 
     def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> MaskedPartials:
         return MaskedPartials.empty(n, dtype, device)
@@ -324,11 +320,11 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
         block = self._block(block, k_side)
         rows, cols = backend.forward_block(block, self.symmetric)
         rows = MaskedPartials.unpack(rows)
-        _poison(rows, block.row_threshold)
+        _poison(rows, block.masks.row_threshold)
         if cols is None:
             return rows, None
         cols = MaskedPartials.unpack(cols)
-        _poison(cols, block.col_threshold)
+        _poison(cols, block.masks.col_threshold)
         return rows, cols
 
     def _fields(self, upstream: MaskedUpstream, side: str) -> dict:

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..contract import NO_INDEX, Block, Candidates, Tensor, TopKBlockBackend, accum_dtype
+from ..contract import NO_INDEX, Block, Candidates, MaskOptions, Tensor, TopKBlockBackend, accum_dtype
 from ..ring.driver import ring_forward
 from ..ring.layout import RingLayout
 
@@ -49,7 +49,7 @@ class TopKSearch:
     def forward_step(self, backend: TopKBlockBackend, block: Block, k_side=()):
         col_index, *k_ids = k_side
         if k_ids:
-            block = replace(block, q_ids=self.q_ids, k_ids=k_ids[0])
+            block = replace(block, masks=MaskOptions(self.q_ids, k_ids[0]))
         backend.block_topk(block, col_index, self.found, self.largest, self.exclude_positive)
         return self.found, None
 

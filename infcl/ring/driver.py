@@ -216,15 +216,15 @@ def ring_forward(
 
 
 class _BlockGrads(NamedTuple):
-    """What the backward accumulates for a block over every rank: its dk [n, D] and its column-credited
-    parameter gradients [n_params]."""
+    """What the backward accumulates for a block over every rank: its dk [n, D] (MaxSim: [n, Lk, D]) and its
+    column-credited parameter gradients [n_params]."""
 
     dk: Tensor
     params: Tensor
 
 
 def _resized_grads(grads: _BlockGrads, n: int) -> _BlockGrads:
-    return _BlockGrads(grads.dk.new_empty(n, grads.dk.shape[1]), torch.empty_like(grads.params))
+    return _BlockGrads(grads.dk.new_empty(n, *grads.dk.shape[1:]), torch.empty_like(grads.params))
 
 
 def ring_backward(
@@ -246,8 +246,8 @@ def ring_backward(
     loss (rows, plus the column-credited parts of its own k block) with respect to the loss parameters.
     """
     acc = accum_dtype(q.dtype)
-    dev, dim = q.device, q.shape[1]
-    dq = torch.zeros(q.shape[0], dim, dtype=acc, device=dev)
+    dev = q.device
+    dq = torch.zeros(q.shape, dtype=acc, device=dev)  # [Bq, D], or [Bq, Lq, D] token embeddings (MaxSim)
     own = torch.zeros(loss.n_params, dtype=acc, device=dev)
     k_comm, acc_comm = _comms(layout, "k-backward", "dk")
     blocks = _KBlockRelay(layout, k_comm, "backward", _KBlock(k, cols, tuple(loss.k_side)))
@@ -256,7 +256,7 @@ def ring_backward(
         offset, size = _block_span(layout, step)
         blocks.post(step)
         held = blocks.current
-        dk_part = torch.zeros(size, dim, dtype=acc, device=dev)
+        dk_part = torch.zeros(size, *held.k.shape[1:], dtype=acc, device=dev)
         block = Block(q=q, k=held.k, scale=scale, pos=block_positions(labels, offset, size))
         dparams = loss.backward_step(backend, block, rows, held.cols, dq, dk_part, held.side)
         own += dparams.own

@@ -13,7 +13,9 @@ and ``backend``), and give the same loss and parameter gradients; the loss itsel
 gathered embeddings), and the cached ranking losses run infcl's GradCache phases. How each option
 maps onto ``cal_inf_loss``: :mod:`infcl.sentence_transformers.objective`. ``mine_hard_negatives`` is
 ``sentence_transformers.util.mine_hard_negatives`` with the exact ``infcl.topk_scores`` search
-(:mod:`infcl.sentence_transformers.mining`). Importing this module
+(:mod:`infcl.sentence_transformers.mining`). The multi-vector (late-interaction) losses
+(Cached)MultiVectorMultipleNegativesRankingLoss run on ``infcl.cal_maxsim_loss``
+(:mod:`infcl.sentence_transformers.multi_vector`). Importing this module
 imports sentence-transformers (6.x); ``import infcl`` does not.
 """
 
@@ -29,7 +31,12 @@ if _MAJOR < 6:
 from .cached import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss  # noqa: E402
 from .gist import CachedGISTEmbedLoss, GISTEmbedLoss  # noqa: E402
 from .losses import MultipleNegativesRankingLoss, MultipleNegativesSymmetricRankingLoss  # noqa: E402
+from .matryoshka import MatryoshkaLoss  # noqa: E402
 from .mining import mine_hard_negatives  # noqa: E402
+from .multi_vector import (  # noqa: E402
+    CachedMultiVectorMultipleNegativesRankingLoss,
+    MultiVectorMultipleNegativesRankingLoss,
+)
 
 __all__ = [
     "MultipleNegativesRankingLoss",
@@ -38,5 +45,8 @@ __all__ = [
     "CachedMultipleNegativesSymmetricRankingLoss",
     "GISTEmbedLoss",
     "CachedGISTEmbedLoss",
+    "MatryoshkaLoss",
     "mine_hard_negatives",
+    "MultiVectorMultipleNegativesRankingLoss",
+    "CachedMultiVectorMultipleNegativesRankingLoss",
 ]

@@ -58,6 +58,7 @@ class MultipleNegativesRankingLoss(st_losses.MultipleNegativesRankingLoss):
             partition_mode=self.partition_mode,
             hardness_mode=self.hardness_mode,
             hardness_strength=self.hardness_strength,
+            matryoshka=getattr(self, "matryoshka", None),  # set by infcl.sentence_transformers.MatryoshkaLoss
             **call_options(self),
         )
 

@@ -26,6 +26,7 @@ MAPPED = frozenset(
         "temperature",
         "mini_batch_size",
         "mini_batch_num_tokens",
+        "score_mini_batch_size",
         "show_progress_bar",
         "gather_across_devices",
         "directions",
@@ -36,6 +37,11 @@ MAPPED = frozenset(
         "margin",
         "contrast_anchors",
         "contrast_positives",
+        # MatryoshkaLoss (a wrapper: its infcl options are the wrapped loss's)
+        "loss",
+        "matryoshka_dims",
+        "matryoshka_weights",
+        "n_dims_per_step",
     }
 )
 
@@ -43,14 +49,15 @@ MAPPED = frozenset(
 Body = Callable[[Any, Dict[str, Any], Any, str], None]
 
 
-def mirrors(st_class: type) -> Callable[[Body], Callable[..., None]]:
+def mirrors(st_class: type, extras=EXTRAS) -> Callable[[Body], Callable[..., None]]:
     """Decorator of a loss class's ``__init__(self, arguments, group, backend)``: the constructor then takes
-    ``st_class.__init__``'s arguments (those in :data:`MAPPED`) and :data:`EXTRAS`, binds a call as Python
-    would (TypeError naming the argument on a wrong one), and runs the body with sentence-transformers'
-    arguments by name (defaults filled in, ``self`` left out), ``group`` and ``backend``."""
+    ``st_class.__init__``'s arguments (those in :data:`MAPPED`) and ``extras`` (:data:`EXTRAS`), binds a call
+    as Python would (TypeError naming the argument on a wrong one), and runs the body with
+    sentence-transformers' arguments by name (defaults filled in, ``self`` left out) and the extras' values
+    (``group`` and ``backend``; none for a wrapper, ``extras=()``)."""
     theirs = inspect.signature(st_class.__init__)
     self_param, *params = theirs.parameters.values()
-    signature = theirs.replace(parameters=[self_param, *(p for p in params if p.name in MAPPED), *EXTRAS])
+    signature = theirs.replace(parameters=[self_param, *(p for p in params if p.name in MAPPED), *extras])
 
     def decorate(body: Body) -> Callable[..., None]:
         def __init__(self, *args, **kwargs) -> None:
@@ -60,8 +67,8 @@ def mirrors(st_class: type) -> Callable[[Body], Callable[..., None]]:
                 raise TypeError(f"{type(self).__name__}(): {err}") from None
             bound.apply_defaults()
             arguments = {name: value for name, value in bound.arguments.items() if name != self_param.name}
-            group, backend = arguments.pop("group"), arguments.pop("backend")
-            body(self, arguments, group, backend)
+            values = [arguments.pop(p.name) for p in extras]
+            body(self, arguments, *values)
 
         __init__.__signature__ = signature
         __init__.__doc__ = body.__doc__

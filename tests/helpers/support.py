@@ -173,7 +173,7 @@ def open_clip_loss_module():
     return module
 
 
-def siglip_magnitudes(q, k, scale, bias, labels=None, reduction="mean", upstream=None):
+def siglip_magnitudes(q, k, scale, bias, labels=None, reduction="mean", upstream=None, ids=None):
     """For the sigmoid loss's (loss, dq, dk, dscale, dbias): each entry's sum of |terms|, in float64.
 
     Every output of the sigmoid loss is a sum over Bk (or Bq) terms, each carrying the rounding of its
@@ -181,29 +181,36 @@ def siglip_magnitudes(q, k, scale, bias, labels=None, reduction="mean", upstream
     softmax's), so in float32 no algorithm -- torch's own materialized loss included -- keeps a small
     error relative to such a result; the forward error of a sum is bounded relative to the sum of its
     terms' magnitudes. Tolerances for these outputs are taken relative to that (loss: the terms are
-    positive, so it is the loss itself).
+    positive, so it is the loss itself). ``ids``: (q_ids, k_ids) in place of ``labels`` (:func:`siglip_signs`).
     """
     q, k = q.double(), k.double()
     scale, bias = torch.as_tensor(scale, dtype=torch.float64), torch.as_tensor(bias, dtype=torch.float64)
     bq = q.shape[0]
     raw = q @ k.T
     logits = scale * raw + bias
-    if labels is None:
-        labels = torch.arange(bq)
-    signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+    signs = siglip_signs(logits, labels, ids)
     g = torch.ones(()) if upstream is None else upstream.double()
     g = (g.abs() / (bq if reduction == "mean" else 1)).expand(bq)
     ds = g[:, None] * torch.sigmoid(-signs * logits)  # |d loss / d logit|
-    loss = siglip_truth(q, k, scale, bias, labels, reduction).abs()
+    loss = siglip_truth(q, k, scale, bias, labels, reduction, ids).abs()
     return loss, scale.abs() * ds @ k.abs(), scale.abs() * ds.T @ q.abs(), (ds * raw.abs()).sum(), ds.sum()
 
 
-def siglip_truth(q, k, scale, bias, labels=None, reduction="mean"):
-    """The sigmoid loss on materialized logits in q's dtype: sum_j -logsigmoid(z_ij * L_ij) per row."""
-    logits = scale * q @ k.T + bias
+def siglip_signs(logits, labels=None, ids=None):
+    """z [Bq, Bk]: +1 at each row's label (None: the diagonal) or, with ``ids`` (q_ids, k_ids), wherever the
+    row's and the column's ids are equal; -1 elsewhere."""
+    if ids is not None:
+        return torch.where(ids[0][:, None] == ids[1][None, :], 1.0, -1.0).to(logits)
     if labels is None:
-        labels = torch.arange(q.shape[0], device=q.device)
-    signs = torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+        labels = torch.arange(logits.shape[0], device=logits.device)
+    return torch.full_like(logits, -1.0).scatter_(1, labels[:, None], 1.0)
+
+
+def siglip_truth(q, k, scale, bias, labels=None, reduction="mean", ids=None):
+    """The sigmoid loss on materialized logits in q's dtype: sum_j -logsigmoid(z_ij * L_ij) per row (z:
+    :func:`siglip_signs`)."""
+    logits = scale * q @ k.T + bias
+    signs = siglip_signs(logits, labels, ids)
     rows = -F.logsigmoid(signs * logits).sum(dim=1)
     return {"mean": rows.mean, "sum": rows.sum, "none": lambda: rows}[reduction]()
 

@@ -408,7 +408,7 @@ class Call:
     symmetric: bool = False
     labels: bool = False
     autotune: bool = False
-    masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"
+    masks: str = ""  # cal_inf_loss's mask options: "", "ids", "guide" or "both"; cal_siglip_loss's: "" or "ids"
     multi_positive: str = ""  # "", "mean" or "sum" (with ids)
     # A pinned Tiling (Tiling.to_ints()) for the triton backend's calls, as a user pins one on
     # ``infcl.backends.triton.BACKEND``; () for the device's defaults.
@@ -539,6 +539,19 @@ def mask_options(call: Call) -> Dict:
     return opts
 
 
+def sigmoid_ids(call: Call) -> Dict:
+    """cal_siglip_loss's ids for ``call`` (``masks="ids"``): a few classes, so rows have several positives."""
+    import torch
+
+    if call.masks != "ids":
+        return {}
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "q_ids": torch.randint(0, 7, (call.n_q,), generator=gen),
+        "k_ids": torch.randint(0, 7, (call.n_k,), generator=gen),
+    }
+
+
 def call_topk(call: Call, q, k):
     """topk_scores with backend="triton" on q and k (no gradient); with ``labels``, labels excluded and ids
     of a few classes."""
@@ -567,7 +580,7 @@ def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = Non
         masks = mask_options(call) if masks is None else masks
         return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=call.backend, **masks)
     if call.entry == "cal_siglip_loss":
-        return infcl.cal_siglip_loss(q, k, scale, bias, labels, backend="triton")
+        return infcl.cal_siglip_loss(q, k, scale, bias, labels, backend="triton", **sigmoid_ids(call))
     if call.entry == "InfCLIPLoss":
         return infcl.InfCLIPLoss(backend="triton")(q, k, scale)
     return infcl.InfSigLipLoss(backend="triton")(q, k, scale, bias)
@@ -708,9 +721,25 @@ def api_calls(full: bool) -> List[Call]:
                 if dtype == "bfloat16":
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             out.extend(masked_calls(arch, dtype, precision, full))
+            out.extend(sigmoid_id_calls(arch, dtype, precision, full))
             out.extend(topk_calls(arch, dtype, precision, full))
         out.extend(chunked_calls(arch))
     return out
+
+
+# The targets the sigmoid loss with ids compiles on in CI (issue 56), every dtype.
+SIGMOID_ID_TARGETS = (90, 80, 100)
+
+
+def sigmoid_id_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
+    """cal_siglip_loss with ids (several positives per row; the kernels' HAS_IDS): ragged at D = 1000 (the
+    plain sigmoid's heaviest CI case) on :data:`SIGMOID_ID_TARGETS`; ``full``: every D of :data:`API_DIMS`
+    ragged and one-directional Bk > Bq at D = 1000, on every target."""
+    if not (full or arch in SIGMOID_ID_TARGETS):
+        return []
+    ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
+    cases = [(dim, ragged) for dim in (API_DIMS if full else (1000,))] + ([(1000, wide)] if full else [])
+    return [Call(arch, "cal_siglip_loss", dtype, precision, dim, *sizes, masks="ids") for dim, sizes in cases]
 
 
 def topk_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:

@@ -73,9 +73,10 @@ class ChunkedSoftmax(ChunkedOptions):
         for c in plan.chunks(n_q):
             n = c.stop - c.start
             raw = products.scores(c, work.view(work.raw, n))
-            extra = () if plan.triton_passes else (work.scratch_views(n),)
+            # the Triton pass merges the chunk's column stats into cols itself; the torch pass returns them
+            extra = (cols,) if plan.triton_passes else (work.scratch_views(n),)
             part = passes.chunk_stats(raw, block.scale, block.pos[c], symmetric, rows[:, c], *extra)
-            if symmetric:
+            if symmetric and part is not cols:
                 lse_merge(cols, part)
         return rows, cols
 

@@ -281,11 +281,11 @@ def _guide_label_scores_fake(guide_q, guide_k, pos):
     return guide_q.new_empty(guide_q.shape[0])
 
 
-def _sigmoid_forward_fake(q, k, scale, pos, bias):
+def _sigmoid_forward_fake(q, k, scale, pos, bias, q_ids=None, k_ids=None):
     return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
 
 
-def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk):
+def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk, q_ids=None, k_ids=None):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
 
@@ -331,6 +331,7 @@ FAKES = {
 
 
 def register_fakes() -> None:
-    """Register :data:`FAKES` for the loaded library's ops (registering again replaces them)."""
+    """Register :data:`FAKES` for the loaded library's ops (registering again replaces them: ``allow_override``,
+    whose default is False on torch 2.8, True from a later torch)."""
     for op, fake in FAKES.items():
-        torch.library.register_fake(op, fake)
+        torch.library.register_fake(op, fake, allow_override=True)

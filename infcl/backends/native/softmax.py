@@ -9,7 +9,21 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...contract import Block, Tensor
+from ...contract import Block, MaskOptions, Tensor
+
+
+def _op_masks(masks: MaskOptions) -> tuple:
+    """The launch's flattening of the mask options: the masked ops' arguments (multi_positive, q_ids, k_ids,
+    guide_q, guide_k, row_threshold, col_threshold), the flat schema a custom op needs."""
+    return (
+        masks.multi_positive,
+        masks.q_ids,
+        masks.k_ids,
+        masks.guide_q,
+        masks.guide_k,
+        masks.row_threshold,
+        masks.col_threshold,
+    )
 
 
 class NativeSoftmax:
@@ -24,13 +38,7 @@ class NativeSoftmax:
                 float(block.scale),
                 block.pos,
                 bool(symmetric),
-                block.multi_positive,
-                block.q_ids,
-                block.k_ids,
-                block.guide_q,
-                block.guide_k,
-                block.row_threshold,
-                block.col_threshold,
+                *_op_masks(block.masks),
             )
         else:
             rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(symmetric))
@@ -48,13 +56,7 @@ class NativeSoftmax:
                 float(block.scale),
                 block.pos,
                 *block.upstream,
-                block.multi_positive,
-                block.q_ids,
-                block.k_ids,
-                block.guide_q,
-                block.guide_k,
-                block.row_threshold,
-                block.col_threshold,
+                *_op_masks(block.masks),
                 block.row_pos_count,
                 block.row_pos_stats,
                 block.col_pos_count,

@@ -2,7 +2,7 @@
 (contract, order and eligibility: :mod:`infcl.contract`; the torch tiles' version:
 :mod:`infcl.backends.torch_tiles.topk`)."""
 
-from ...contract import Block, Candidates, Tensor
+from ...contract import Block, Candidates, Tensor, block_ids
 from .build import torch_ops
 
 
@@ -11,4 +11,4 @@ class NativeTopK:
 
     def block_topk(self, block: Block, col_index: Tensor, found: Candidates, largest: bool, exclude_positive: bool):
         pos = block.pos if exclude_positive else None
-        torch_ops().topk_block_(block.q, block.k, col_index, *found, largest, pos, block.q_ids, block.k_ids)
+        torch_ops().topk_block_(block.q, block.k, col_index, *found, largest, pos, *block_ids(block))

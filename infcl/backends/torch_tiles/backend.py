@@ -5,13 +5,15 @@ from typing import Optional
 import torch
 
 from .distill import DistillTiles
+from .matryoshka import MatryoshkaTiles
+from .maxsim import MaxSimTiles
 from .rank import RankTiles
 from .sigmoid import SigmoidTiles
 from .softmax import SoftmaxTiles
 from .topk import TopKTiles
 
 
-class TorchTilesBackend(SoftmaxTiles, SigmoidTiles, DistillTiles, RankTiles, TopKTiles):
+class TorchTilesBackend(SoftmaxTiles, MatryoshkaTiles, SigmoidTiles, DistillTiles, RankTiles, TopKTiles, MaxSimTiles):
     """The tiled pure-PyTorch backend (``backend="torch"``): runs anywhere torch runs (CPU, CUDA, MPS), no
     compiler needed. ``tile_q`` x ``tile_k``: the tiles (None: the device kind's defaults, :mod:`.walk`)."""
 

@@ -13,7 +13,7 @@ with ``row_index`` / ``col_index`` the global indices of the block's rows and co
     the best positive's score and global index (the lowest index among equal scores) and the number of
     positives, over this block, per row (and, ``symmetric``, per column). The positives: the one-hot of
     ``block.pos`` (and, for the columns, the rows whose positive is that column), or, with
-    ``block.multi_positive``, every entry with ``q_ids[i] == k_ids[j]``. Only tiles that hold a positive
+    ``block.masks.multi_positive`` ("any"), every entry with ``q_ids[i] == k_ids[j]``. Only tiles that hold a positive
     are multiplied (a diagonal's pass 1 costs a sliver of one GEMM); deciding which is one host read per
     tile.
 
@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...contract import NO_INDEX, Ahead, Best, Block, Tensor
+from ...contract import NO_INDEX, Ahead, Best, Block, Tensor, any_positive
 from .walk import Tile, TileSizes, Walk, positives
 
 
@@ -63,12 +63,12 @@ class RankTiles(TileSizes):
         walk = self._walk(block)
         rows = Best.empty(walk.q.shape[0], walk.acc, walk.device)
         cols = Best.empty(walk.k.shape[0], walk.acc, walk.device) if symmetric else None
-        if not block.multi_positive:
+        if not any_positive(block):
             holding = _by_tile(torch.arange(walk.q.shape[0], device=walk.device), block.pos, walk)
         (buf,) = walk.buffers(1)
         for tile in walk:
-            if block.multi_positive:
-                positive = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
+            if any_positive(block):
+                positive = block.masks.q_ids[tile.rows, None] == block.masks.k_ids[None, tile.cols]
                 if not bool(positive.any()):
                     continue
                 s = walk.scores(tile, buf)  # pass 2 repeats exactly this product
@@ -85,7 +85,7 @@ class RankTiles(TileSizes):
         walk = self._walk(block)
         out_rows = _zero_counts(walk.q.shape[0], walk.device)
         out_cols = None if cols is None else _zero_counts(walk.k.shape[0], walk.device)
-        if block.q_ids is not None and not block.multi_positive:
+        if block.masks is not None and not any_positive(block):
             return self._ahead_counts_excluding(walk, block, rows, cols, row_index, col_index, out_rows, out_cols)
         # Ties count as ahead below the best's index: there the test is s >= score, i.e. s > lower, the next
         # float below it in the same dtype (exact). A line whose best lies inside the tile's span ("straddling")
@@ -126,7 +126,7 @@ class RankTiles(TileSizes):
         ahead_buf = ahead_buf.view(torch.uint8)[: ahead_buf.numel()].view(torch.bool)
         for tile in walk:
             s = walk.scores(tile, buf)  # bit-identical to pass 1's tile
-            same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
+            same = block.masks.q_ids[tile.rows, None] == block.masks.k_ids[None, tile.cols]
             ahead = tile.view(ahead_buf)
             _ahead(ahead, s, rows.score[tile.rows, None], rows.index[tile.rows, None], col_index[None, tile.cols], same)
             out_rows.ahead[tile.rows] += ahead.sum(dim=1)

@@ -61,24 +61,24 @@ def _plain_masks(block: Block, tile: Tile) -> TileMasks:
 
 
 def _tile_masks(block: Block, tile: Tile, symmetric: bool, scores_buf: Tensor) -> TileMasks:
-    """Form one tile's masks, in place where possible: at most three bool tiles are the extra memory (the ids'
-    matches and the guide's two threshold tests); the guide scores go to ``scores_buf``, a flat tile buffer
-    free until the caller's next use of it."""
-    same = None
-    if block.q_ids is not None:
-        same = block.q_ids[tile.rows, None] == block.k_ids[None, tile.cols]
-    if block.multi_positive is None:
+    """Form one tile's masks (``block.masks``), in place where possible: at most three bool tiles are the extra
+    memory (the ids' matches and the guide's two threshold tests); the guide scores go to ``scores_buf``, a
+    flat tile buffer free until the caller's next use of it."""
+    masks, same = block.masks, None
+    if masks.q_ids is not None:
+        same = masks.q_ids[tile.rows, None] == masks.k_ids[None, tile.cols]
+    if masks.multi_positive is None:
         positive, (inside, idx) = None, positives(block.pos, tile)  # taken out of the exclusions by index
     else:
         positive, same, inside, idx = same, None, None, None  # every same-id column is a positive
     excluded = same  # the false negatives (None under multi_positive: ids exclude nothing then)
     col_excluded = excluded if symmetric else None
-    if block.guide_q is not None:
-        scores = _guide_tile(block.guide_q, block.guide_k, tile.rows, tile.cols, scores_buf)
+    if masks.guide_q is not None:
+        scores = _guide_tile(masks.guide_q, masks.guide_k, tile.rows, tile.cols, scores_buf)
         if symmetric:
-            col_above = torch.gt(scores, block.col_threshold[None, tile.cols])
+            col_above = torch.gt(scores, masks.col_threshold[None, tile.cols])
             col_excluded = col_above if excluded is None else col_above.logical_or_(excluded)
-        above = torch.gt(scores, block.row_threshold[tile.rows, None])
+        above = torch.gt(scores, masks.row_threshold[tile.rows, None])
         excluded = above if excluded is None else above.logical_or_(excluded)
     for mask in {id(m): m for m in (excluded, col_excluded) if m is not None}.values():
         if positive is not None:  # a positive is never excluded
@@ -149,13 +149,13 @@ class _Positives(NamedTuple):
 
 
 def _row_positives(block: Block, tile: Tile) -> _Positives:
-    if block.multi_positive == "sum":
+    if block.masks.multi_positive == "sum":
         return _Positives(None, block.row_pos_stats[:, tile.rows, None])
     return _Positives(block.row_pos_count[tile.rows, None], None)
 
 
 def _col_positives(block: Block, tile: Tile) -> _Positives:
-    if block.multi_positive == "sum":
+    if block.masks.multi_positive == "sum":
         return _Positives(None, block.col_pos_stats[:, None, tile.cols])
     return _Positives(block.col_pos_count[None, tile.cols], None)
 
@@ -229,7 +229,7 @@ class SoftmaxTiles(TileSizes):
         and nothing is excluded, so :func:`probabilities` does exactly the plain loss's operations."""
         walk = Walk(block, self.tiles(block.q.device))
         scale, symmetric = block.scale, block.symmetric
-        single = block.multi_positive is None
+        single = block.masks is None or block.masks.multi_positive is None
         dscale = walk.zeros(2)
         raw_buf, s_buf, ds_buf, col_buf = walk.buffers(4 if symmetric else 3) + ([] if symmetric else [None])
         for tile in walk:
@@ -272,7 +272,7 @@ class SoftmaxTiles(TileSizes):
 
     def _masked_forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         walk = Walk(block, self.tiles(block.q.device))
-        kind = "sum" if block.multi_positive == "sum" else "mean"
+        kind = block.masks.loss_kind
         rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
         cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if symmetric else None
         buf, kept_buf, scratch = walk.buffers(3)

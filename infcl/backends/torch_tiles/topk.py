@@ -73,8 +73,8 @@ def tile_candidates(key: Tensor, eligible: Optional[Tensor], col_index: Tensor, 
 def _eligible(block: Block, tile, exclude_positive: bool) -> Optional[Tensor]:
     """[ni, nj] bool: the tile's entries a row may return (None: all)."""
     eligible = None
-    if block.q_ids is not None:
-        eligible = block.q_ids[tile.rows, None] != block.k_ids[None, tile.cols]
+    if block.masks is not None:
+        eligible = block.masks.q_ids[tile.rows, None] != block.masks.k_ids[None, tile.cols]
     if exclude_positive:
         inside, idx = positives(block.pos, tile)
         if eligible is None:

@@ -1,8 +1,8 @@
 """The sigmoid (SigLIP) loss on the fused Triton kernels (:mod:`infcl.kernels.sigmoid`; contract:
 :mod:`infcl.contract`). GEMM-equivalents per block: forward 1, backward 4 (a q-owning and a k-owning pass, no
-atomics)."""
+atomics). With ids (``Block.masks``) every column with the row's id is a positive."""
 
-from ...contract import Block, Tensor
+from ...contract import Block, Tensor, block_ids
 from ...kernels.sigmoid import sigmoid_backward_block, sigmoid_forward_block
 from .options import FALLBACK, TritonOptions, on_torch_tiles
 
@@ -13,7 +13,8 @@ class TritonSigmoid(TritonOptions):
     def sigmoid_forward_block(self, block: Block) -> Tensor:
         if on_torch_tiles(block.q.dtype):
             return FALLBACK.sigmoid_forward_block(block)
-        return sigmoid_forward_block(block.q, block.k, block.scale, block.pos, block.bias, *self._options())
+        ids = block_ids(block)  # the launch's flattening of the ids (Block.masks)
+        return sigmoid_forward_block(block.q, block.k, block.scale, block.pos, block.bias, *ids, *self._options())
 
     def sigmoid_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         if on_torch_tiles(block.q.dtype):
@@ -24,6 +25,7 @@ class TritonSigmoid(TritonOptions):
             block.scale,
             block.pos,
             block.bias,
+            *block_ids(block),
             block.g_row,
             dq,
             dk,

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...contract import Block, Tensor
+from ...contract import Block, MaskOptions, Tensor
 from ...kernels import backward_block, forward_block
 from ...kernels.softmax_ops import guide_label_scores, masked_backward_block, masked_forward_block
 from .options import FALLBACK, TritonOptions, on_torch_tiles
@@ -25,7 +25,24 @@ from .options import FALLBACK, TritonOptions, on_torch_tiles
 
 def _dtypes(block: Block) -> tuple:
     """The dtypes of the block's products: the features' and, with a guide, the guide's."""
-    return (block.q.dtype,) if block.guide_q is None else (block.q.dtype, block.guide_q.dtype)
+    if block.masks is None or block.masks.guide_q is None:
+        return (block.q.dtype,)
+    return block.q.dtype, block.masks.guide_q.dtype
+
+
+def op_masks(masks: MaskOptions, symmetric: bool) -> tuple:
+    """The launch's flattening of the mask options: the masked custom ops' arguments (q_ids, k_ids, guide_q,
+    guide_k, row_threshold, col_threshold, multi_positive as a string), the flat schema torch.library needs;
+    the ops take them back as one :class:`~infcl.masks.MaskOptions` (:mod:`infcl.kernels.softmax_ops`)."""
+    return (
+        masks.q_ids,
+        masks.k_ids,
+        masks.guide_q,
+        masks.guide_k,
+        masks.row_threshold,
+        masks.col_threshold if symmetric else None,
+        masks.multi_positive or "",
+    )
 
 
 class TritonSoftmax(TritonOptions):
@@ -35,8 +52,9 @@ class TritonSoftmax(TritonOptions):
         if on_torch_tiles(*_dtypes(block)):
             return FALLBACK.forward_block(block, symmetric)
         if block.masked:
+            masks = op_masks(block.masks, symmetric)
             rows, cols = masked_forward_block(
-                block.q, block.k, block.scale, block.pos, symmetric, *self._masks(block, symmetric), *self._options()
+                block.q, block.k, block.scale, block.pos, symmetric, *masks, *self._options()
             )
         else:
             rows, cols = forward_block(block.q, block.k, block.scale, block.pos, symmetric, *self._options())
@@ -49,28 +67,14 @@ class TritonSoftmax(TritonOptions):
             return FALLBACK.guide_label_scores(guide_q, guide_k, pos, feature_dtype)
         return guide_label_scores(guide_q, guide_k, pos, feature_dtype, self._options()[0])
 
-    @staticmethod
-    def _masks(block: Block, symmetric: bool) -> tuple:
-        """The masked ops' mask arguments: (q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold,
-        multi_positive as a string)."""
-        col_threshold = block.col_threshold if symmetric else None
-        return (
-            block.q_ids,
-            block.k_ids,
-            block.guide_q,
-            block.guide_k,
-            block.row_threshold,
-            col_threshold,
-            block.multi_positive or "",
-        )
-
     def backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         if on_torch_tiles(*_dtypes(block)):
             return FALLBACK.backward_block(block, dq, dk)
         if block.masked:
-            if block.multi_positive == "sum":
+            multi_positive = block.masks.multi_positive
+            if multi_positive == "sum":
                 row_positives, col_positives = block.row_pos_stats, block.col_pos_stats
-            elif block.multi_positive == "mean":
+            elif multi_positive == "mean":
                 row_positives, col_positives = block.row_pos_count, block.col_pos_count
             else:  # one positive per row: pos
                 row_positives = col_positives = None
@@ -82,7 +86,7 @@ class TritonSoftmax(TritonOptions):
                 *block.upstream,
                 row_positives,
                 col_positives if block.symmetric else None,
-                *self._masks(block, block.symmetric),
+                *op_masks(block.masks, block.symmetric),
                 dq,
                 dk,
                 *self._options(),

@@ -3,7 +3,7 @@
 block. n above :func:`infcl.kernels.topk.max_top` (64; 32 in float64), and float64 where Triton has no float64
 tl.dot (:func:`.options.on_torch_tiles`), run on the torch tiles."""
 
-from ...contract import Block, Candidates, Tensor
+from ...contract import Block, Candidates, Tensor, block_ids
 from ...kernels.topk import max_top, topk_block_op
 from ..torch_tiles.topk import best_first
 from .options import FALLBACK, TritonOptions, on_torch_tiles
@@ -22,7 +22,7 @@ class TritonTopK(TritonOptions):
             return FALLBACK.block_topk(block, col_index, found, largest, exclude_positive)
         pos = block.pos if exclude_positive else None
         precision = self.precision or TOPK_PRECISION
-        topk_block_op(block.q, block.k, col_index, *found, largest, pos, block.q_ids, block.k_ids, precision)
+        topk_block_op(block.q, block.k, col_index, *found, largest, pos, *block_ids(block), precision)
         key, index = best_first(found.key, found.index, n)
         found.key.copy_(key)
         found.index.copy_(index)

@@ -82,6 +82,7 @@ def ranking_loss(
     hardness_strength: float = 0.0,
     group=None,
     backend: str = "auto",
+    matryoshka=None,
 ) -> torch.Tensor:
     """The local mean MultipleNegativesRankingLoss (docs/integrations.md), O(B·D) memory.
 
@@ -96,7 +97,14 @@ def ranking_loss(
         hardness_mode, hardness_strength: sentence-transformers' hardness weighting.
         group: the process group to ring over (:func:`loss_group`), None for a single process.
         backend: ``cal_inf_loss``'s backend.
+        matryoshka: ``cal_inf_loss``'s Matryoshka prefixes (infcl.sentence_transformers.MatryoshkaLoss), only
+            where :func:`plain_calls` holds (else ValueError): the weighted sum of every prefix's loss.
     """
+    if matryoshka is not None and not plain_calls(directions, partition_mode, hardness_mode, hardness_strength, docs):
+        raise ValueError(
+            "matryoshka prefixes fuse only into the plain MultipleNegativesRankingLoss calls (plain_calls)"
+        )
+    opts = {"group": group, "backend": backend, "matryoshka": matryoshka}
     q = prepare(queries, similarity)
     docs: List[torch.Tensor] = [prepare(d, similarity) for d in docs]
     positives = docs[0]
@@ -107,20 +115,29 @@ def ranking_loss(
         if terms != {QUERY_TO_DOC, DOC_TO_QUERY}:
             raise ValueError(f"partition_mode='per_direction' takes query_to_doc and doc_to_query, got {directions}")
         if hardness is None and len(docs) == 1:
-            return cal_inf_loss(q, positives, None, scale, symmetric=True, group=group, backend=backend)
-        q2d = _joint_loss(q, docs, {QUERY_TO_DOC}, hardness, hardness_strength, scale, group, backend)
-        return (q2d + cal_inf_loss(positives, q, None, scale, group=group, backend=backend)) / 2
-    return _joint_loss(q, docs, terms, hardness, hardness_strength, scale, group, backend)
+            return cal_inf_loss(q, positives, None, scale, symmetric=True, **opts)
+        q2d = _joint_loss(q, docs, {QUERY_TO_DOC}, hardness, hardness_strength, scale, group, backend, matryoshka)
+        return (q2d + cal_inf_loss(positives, q, None, scale, **opts)) / 2
+    return _joint_loss(q, docs, terms, hardness, hardness_strength, scale, group, backend, matryoshka)
 
 
-def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend) -> torch.Tensor:
+def plain_calls(directions, partition_mode: str, hardness_mode, hardness_strength: float, docs) -> bool:
+    """Whether :func:`ranking_loss` is plain ``cal_inf_loss`` calls (no ids, no hardness) for these options and
+    ``docs`` (the positives, then the negative columns): query_to_doc alone, or both of query_to_doc and
+    doc_to_query per direction, without an effective hardness."""
+    terms = set(directions)
+    if _effective_hardness(hardness_mode, hardness_strength, len(docs) - 1) is not None:
+        return False
+    return terms == {QUERY_TO_DOC} or (partition_mode == "per_direction" and terms == {QUERY_TO_DOC, DOC_TO_QUERY})
+
+
+def _joint_loss(q, docs, terms, hardness, alpha, scale, group, backend, matryoshka=None) -> torch.Tensor:
     """One softmax over the selected directions' terms, on prepared features: the cheapest exact call."""
     if hardness is None and terms <= {QUERY_TO_DOC, DOC_TO_QUERY}:  # no ids: the plain loss, any backend
         if terms == {QUERY_TO_DOC}:
             candidates = torch.cat(docs) if len(docs) > 1 else docs[0]
-            return cal_inf_loss(
-                q, candidates, positive_columns(q, candidates, group), scale, group=group, backend=backend
-            )
+            labels = positive_columns(q, candidates, group)
+            return cal_inf_loss(q, candidates, labels, scale, group=group, backend=backend, matryoshka=matryoshka)
         return _padded_loss(q, docs, terms, None, alpha, scale, group, backend)
     if terms == {QUERY_TO_DOC} and hardness in IN_BATCH_HARDNESS:
         return _boosted_query_to_doc_loss(q, docs, hardness, alpha, scale, group, backend)

@@ -1,0 +1,139 @@
+"""The late-interaction (MaxSim) loss stage: sentence-transformers' against infcl's, time and peak memory.
+
+    python -m bench --preset late-interaction [--batch 1024 4096] [--lq 32] [--ld 180] [--dim 128] [--repeats 2]
+    python -m bench.maxsim ...   (the same)
+
+From a batch of token embeddings (B queries [B, Lq, D], one document each [B, Ld, D], random fp32, unit-norm
+tokens, random lengths: each query and document has a real-token count drawn in [L/2, L], the rest masked) to the
+loss and its gradients to the embeddings: theirs is what ``MultiVectorMultipleNegativesRankingLoss.forward`` does
+after embedding (``colbert_scores`` with the masks over the stacked documents, ``cross_entropy`` of the scaled
+scores, ``backward``), ours ``infcl.cal_maxsim_loss`` on each ``--backend``. They run alternately, ``--repeats``
+times, in one process; each keeps its best time and largest peak. Memory: the peak resident set above the one held
+when the call started (the inputs exist before; their gradients, B * (Lq + Ld) * D * 4 bytes, are allocated in
+the call and counted), and the same less those gradients ("beyond grads"). Times on a shared machine are noisy:
+read the ratios. Prints one table row per (batch, backend); ``--csv PATH`` also writes them.
+"""
+
+import argparse
+import csv
+import os
+import sys
+from typing import List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from bench.machine import cpu_name
+from bench.st_loss import MIB, measure
+
+SCALE = 1.0  # MultiVectorMultipleNegativesRankingLoss's default
+
+
+def token_batch(batch: int, lq: int, ld: int, dim: int, seed: int = 0):
+    """(q, docs, q_mask, docs_mask): unit-norm fp32 tokens and masks of random real lengths in [L/2, L]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(batch, lq, dim, generator=gen), dim=-1)
+    docs = F.normalize(torch.randn(batch, ld, dim, generator=gen), dim=-1)
+    masks = []
+    for length in (lq, ld):
+        real = torch.randint(length // 2, length + 1, (batch, 1), generator=gen)
+        masks.append(torch.arange(length)[None] < real)
+    return q, docs, *masks
+
+
+def steps(batch: int, lq: int, ld: int, dim: int, backends: Sequence[str]):
+    """{name: callable} running each loss stage once on leaves made before the call (their grads reset)."""
+    from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+
+    from infcl import cal_maxsim_loss
+
+    q, docs, q_mask, docs_mask = token_batch(batch, lq, ld, dim)
+    q.requires_grad_()
+    docs.requires_grad_()
+    labels = torch.arange(batch)
+
+    def theirs():
+        q.grad = docs.grad = None
+        scores = colbert_scores(q, docs[:, None], queries_mask=q_mask, documents_mask=docs_mask[:, None])
+        F.cross_entropy(scores * SCALE, labels).backward()
+
+    def ours(backend):
+        def run():
+            q.grad = docs.grad = None
+            cal_maxsim_loss(q, docs, scale=SCALE, q_mask=q_mask, docs_mask=docs_mask, backend=backend).backward()
+
+        return run
+
+    return {"theirs": theirs, **{backend: ours(backend) for backend in backends}}
+
+
+def run_batch(batch: int, lq: int, ld: int, dim: int, repeats: int, backends: Sequence[str]) -> List[dict]:
+    named = steps(batch, lq, ld, dim, backends)
+    best = {name: (float("inf"), 0) for name in named}
+    for _ in range(repeats):
+        for name, step in named.items():
+            seconds, peak = measure(step)
+            best[name] = (min(best[name][0], seconds), max(best[name][1], peak))
+    grads = batch * (lq + ld) * dim * 4 / MIB
+    rows = []
+    for backend in backends:
+        rows.append(
+            {
+                "batch": batch,
+                "backend": backend,
+                "theirs_s": best["theirs"][0],
+                "ours_s": best[backend][0],
+                "ratio": best[backend][0] / best["theirs"][0],
+                "theirs_mib": best["theirs"][1] / MIB,
+                "ours_mib": best[backend][1] / MIB,
+                "theirs_beyond_grads_mib": best["theirs"][1] / MIB - grads,
+                "ours_beyond_grads_mib": best[backend][1] / MIB - grads,
+            }
+        )
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench --preset late-interaction", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--preset", default="late-interaction", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--lq", type=int, default=32)
+    parser.add_argument("--ld", type=int, default=180)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--backend", nargs="+", default=["torch"], help="infcl's backends (cal_maxsim_loss's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"# late-interaction loss stage, Lq={args.lq}, Ld={args.ld}, D={args.dim}, fp32, one document per query, "
+        f"random real lengths in [L/2, L]; best of {args.repeats} alternating; {cpu_name()}, "
+        f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} at the start"
+    )
+    print("| B | backend | theirs s | ours s | ours / theirs | theirs MiB (beyond grads) | ours MiB (beyond grads) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    for batch in args.batch:
+        for row in run_batch(batch, args.lq, args.ld, args.dim, args.repeats, args.backend):
+            rows.append(row)
+            print(
+                f"| {batch} | {row['backend']} | {row['theirs_s']:.2f} | {row['ours_s']:.2f} | {row['ratio']:.2f} | "
+                f"{row['theirs_mib']:.0f} ({row['theirs_beyond_grads_mib']:.0f}) | "
+                f"{row['ours_mib']:.0f} ({row['ours_beyond_grads_mib']:.0f}) |",
+                flush=True,
+            )
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""Label smoothing (``cal_inf_loss(label_smoothing=eps)``) on the softmax loss's ring steps.
+
+``F.cross_entropy(..., label_smoothing=eps)``'s target puts 1 - eps on the positive and eps / n on each
+of the row's n classes, so a row's loss is
+
+    loss_i = lse_i - (1 - eps) * S[i, label_i] - eps * mean_j S[i, j]
+           = (1 - eps) * (m_i - S[i, label_i]) + eps * (m_i - mean_j S[i, j]) + r_i
+
+(the second form, a sum of terms that are never negative, is how it is computed), and its gradient is
+``dS = g_i * (P - (1 - eps) * Y - eps / n)``.
+
+The uniform part is linear in S: over one block of columns, sum_j S[i, j] = scale * q_i . (sum_j k_j), one
+matrix-vector product per block (and, symmetric, sum_i S[i, j] = scale * k_j . (sum_i q_i)), in the
+accumulation dtype. So every backend and the ring get it from these steps, with no change to a kernel:
+the forward adds the block's row (column) sums to :class:`SmoothedPartials`; the backward runs the plain
+step (which forms g * (P - Y) in the tiles) and adds the rank-one and one-hot terms
+g * eps * Y - g * eps / n per block: dq += scale * (w * k[pos] - u * sum_j k_j), dk[pos] += scale * w * q,
+dk -= scale * sum_i u_i q_i, with w = eps * g at the positive and u = eps * g / n, and the scale's gradient
+from the same terms (the rows' part is this rank's, the columns' part the block owner's). O(B * D) per
+block, no O(Bq * Bk) anything.
+
+With ids (:class:`SmoothedIdsSteps`; ``multi_positive`` None or "mean") the uniform part spreads over the
+columns that stay in the row's denominator, from same-id sums of the features per block (:func:`grouped_sum`).
+Not with a guide or "sum": which columns a guide leaves out, and "sum"'s target over the positives, are decided
+inside the tiles (docs/options.md).
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ..contract import Block, BlockBackend, MaskOptions, Tensor
+from ..lse import MAX, REL, lse_merge
+from ..masks import merge_masked_fields
+from ..ring.driver import ParamGrads
+from ..stats import row_info
+from .softmax import (
+    MaskedPartials,
+    MaskedSoftmaxSteps,
+    MaskedUpstream,
+    SoftmaxPartials,
+    SoftmaxSteps,
+    SoftmaxUpstream,
+    _finite,
+    _nan_unless,
+    _scatter_to_columns,
+)
+
+
+class SmoothedPartials(NamedTuple):
+    """The plain softmax partials plus the sum of the logits over the set (``total``)."""
+
+    stats: Tensor  # [2, n] (max, rel) of the logits
+    positive: Tensor  # [n] the positive logit where the set holds it, else 0
+    total: Tensor  # [n] sum of the logits over the set
+    count: Tensor  # [n] the number of logits in it: the row's classes, once every block is merged
+
+    def losses(self, eps: float) -> Tensor:
+        """(1 - eps) * (m - pos) + eps * (m - total / count) + r per row, NaN where the lse is not finite."""
+        m, rel = self.stats[MAX], self.stats[REL]
+        loss = (1.0 - eps) * (m - self.positive) + eps * (m - self.total / self.count) + rel
+        return _nan_unless(_finite(self.stats), loss)
+
+    def info(self) -> Tensor:
+        return row_info(self.positive >= self.stats[MAX], self.positive, torch.ones_like(self.positive))
+
+
+class SmoothedSoftmaxSteps(SoftmaxSteps):
+    """:class:`infcl.ring.driver.RingLoss` for the softmax loss with label smoothing ``eps`` (no masks);
+    ``n_cols`` / ``n_rows``: the global number of columns (rows), each row's (column's) class count."""
+
+    def __init__(self, symmetric: bool, eps: float, n_cols: int, n_rows: int):
+        super().__init__(symmetric)
+        self.eps, self.n_cols, self.n_rows = float(eps), n_cols, n_rows
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SmoothedPartials:
+        stats, positive = SoftmaxPartials.empty(n, dtype, device)
+        zeros = torch.zeros(2, n, dtype=dtype, device=device)
+        return SmoothedPartials(stats, positive, zeros[0], zeros[1])
+
+    @staticmethod
+    def merge(acc: SmoothedPartials, part: SmoothedPartials) -> None:
+        lse_merge(acc.stats, part.stats)
+        acc.positive.add_(part.positive)
+        acc.total.add_(part.total)
+        acc.count.add_(part.count)
+
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        rows, col_stats = backend.forward_block(block, self.symmetric)
+        rows = SoftmaxPartials.unpack(rows)
+        acc = rows.stats.dtype
+        q, k = block.q.to(acc), block.k.to(acc)
+        row_total = torch.mv(q, _column_sums(k)).mul_(block.scale)
+        rows = SmoothedPartials(rows.stats, rows.positive, row_total, torch.full_like(row_total, k.shape[0]))
+        if not self.symmetric:
+            return rows, None
+        col_total = torch.mv(k, _column_sums(q)).mul_(block.scale)
+        col_positive = _scatter_to_columns(rows.positive, block.pos, block.k.shape[0])
+        return rows, SmoothedPartials(col_stats, col_positive, col_total, torch.full_like(col_total, q.shape[0]))
+
+    def backward_step(
+        self,
+        backend: BlockBackend,
+        block: Block,
+        rows: SoftmaxUpstream,
+        cols: Optional[SoftmaxUpstream],
+        dq: Tensor,
+        dk: Tensor,
+        k_side=(),
+    ) -> ParamGrads:
+        grads = super().backward_step(backend, block, rows, cols, dq, dk, k_side)
+        own, owner = _smoothing_terms(block, rows, cols, self.eps, self.n_cols, self.n_rows, dq, dk)
+        return ParamGrads(own=grads.own + own, owner=grads.owner + owner)
+
+    def losses(self, part: SmoothedPartials) -> Tensor:
+        return part.losses(self.eps)
+
+    def saved(self, part: SmoothedPartials) -> Tuple[Tensor, ...]:
+        return (part.stats,)
+
+
+def _smoothing_terms(
+    block: Block,
+    rows: SoftmaxUpstream,
+    cols: Optional[SoftmaxUpstream],
+    eps: float,
+    n_cols: int,
+    n_rows: int,
+    dq: Tensor,
+    dk: Tensor,
+) -> Tuple[Tensor, Tensor]:
+    """Add the block's g * eps * Y - g * eps / n terms to dq, dk in place; return the scale gradient's
+    (rows' part [1], columns' part [1]). Few passes over the [n, D] operands: one gather, one row-wise dot,
+    two sums, two matrix-vector products, and one update of each of dq and dk per kind of term (the rank-one
+    terms of both directions as one rank-two ``addmm_``)."""
+    acc, scale = dq.dtype, block.scale
+    q, k = block.q.to(acc), block.k.to(acc)
+    inside = block.pos >= 0
+    idx = torch.where(inside, block.pos, 0)
+    k_pos = k.index_select(0, idx)  # [Bq, D] each row's positive column (row 0 where elsewhere: weight 0)
+    raw_pos = torch.bmm(q[:, None, :], k_pos[:, :, None]).view(-1)  # q_i . k_pos (batched dots: one pass)
+    k_sum, q_sum = _column_sums(k), _column_sums(q)
+
+    w = torch.where(inside, rows.grad * eps, 0.0)  # dS[i, pos_i] += eps * g_i
+    u_row = rows.grad * (eps / n_cols)  # dS[i, :] -= eps * g_i / n
+    q_u = torch.mv(q.T, u_row)  # sum_i u_i q_i
+    own = (w * raw_pos).sum() - torch.dot(q_u, k_sum)
+    owner = torch.zeros((), dtype=acc, device=dq.device)
+    # dq -= scale * (u_row (x) k_sum [+ 1 (x) k^T u_col]); dk -= scale * (1 (x) q^T u_row [+ u_col (x) q_sum])
+    dq_left, dq_right = [u_row], [k_sum]
+    dk_left, dk_right = [torch.ones_like(k_sum[:1]).expand(k.shape[0])], [q_u]
+    if cols is not None:
+        w = w + torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0)  # dS[i, pos_i] += eps * g_col
+        w_col = w - torch.where(inside, rows.grad * eps, 0.0)
+        u_col = cols.grad * (eps / n_rows)  # dS[:, j] -= eps * g_col_j / n
+        k_u = torch.mv(k.T, u_col)  # sum_j u_col_j k_j
+        owner = (w_col * raw_pos).sum() - torch.dot(k_u, q_sum)
+        dq_left.append(torch.ones_like(u_row))
+        dq_right.append(k_u)
+        dk_left.append(u_col)
+        dk_right.append(q_sum)
+    neg_scale = -scale
+    dq.addmm_(torch.stack(dq_left, dim=1), torch.stack(dq_right) * neg_scale)
+    dk.addmm_(torch.stack(dk_left, dim=1), torch.stack(dk_right) * neg_scale)
+    ws = w * scale
+    dq.addcmul_(k_pos, ws[:, None])
+    _add_rows(dk, idx, q * ws[:, None])
+    return own.reshape(1), owner.reshape(1)
+
+
+def _column_sums(x: Tensor) -> Tensor:
+    """[D] the sum of x's rows, as a matrix-vector product (BLAS: one pass; ``sum(dim=0)`` was 30x slower on
+    the 2-vCPU test machine)."""
+    return torch.mv(x.T, x.new_ones(x.shape[0]))
+
+
+def _add_rows(out: Tensor, index: Tensor, rows: Tensor) -> None:
+    """out[index[i]] += rows[i], deterministically: index_put_'s sorted accumulation (a column may be several
+    rows' positive; no float atomics; 9x faster than index_add_'s scatter on the CPU here)."""
+    out.index_put_((index,), rows, accumulate=True)
+
+
+# --- with ids (infcl.masks): the uniform part over the columns that stay in the denominator -----------
+
+
+def grouped_sum(keys: Tensor, values: Tensor, query: Tensor) -> Tensor:
+    """For each ``query`` key, the sum of the ``values`` rows whose key equals it (0 where none does): the
+    same-id sums, O((n + m) * D) with no host synchronization (each key's group is the slot of its first
+    occurrence in sorted order) and deterministic accumulation (``index_put_``)."""
+    sorted_keys, _ = torch.sort(keys)
+    slots = torch.zeros((keys.shape[0],) + values.shape[1:], dtype=values.dtype, device=values.device)
+    slots.index_put_((torch.searchsorted(sorted_keys, keys),), values, accumulate=True)
+    where = torch.searchsorted(sorted_keys, query).clamp(max=max(keys.shape[0] - 1, 0))
+    found = sorted_keys[where] == query if keys.shape[0] else torch.zeros_like(query, dtype=torch.bool)
+    picked = slots[where] if keys.shape[0] else values.new_zeros((query.shape[0],) + values.shape[1:])
+    return torch.where(found.view((-1,) + (1,) * (values.dim() - 1)), picked, 0.0)
+
+
+class SmoothedMaskedPartials(NamedTuple):
+    """The masked partials (:class:`~.softmax.MaskedPartials`) plus the sum and number of the logits that stay
+    in the denominator."""
+
+    stats: Tensor
+    pos_stats: Tensor
+    pos_sum: Tensor
+    pos_count: Tensor
+    total: Tensor  # [n] sum of the kept logits
+    count: Tensor  # [n] their number
+
+    def masked(self) -> MaskedPartials:
+        return MaskedPartials(self.stats, self.pos_stats, self.pos_sum, self.pos_count)
+
+    def losses(self, kind: str, eps: float) -> Tensor:
+        """(1 - eps) * the masked loss + eps * ((m - total / count) + r)."""
+        m, rel = self.stats[MAX], self.stats[REL]
+        return (1.0 - eps) * self.masked().losses(kind) + eps * ((m - self.total / self.count) + rel)
+
+    def info(self) -> Tensor:
+        return self.masked().info()
+
+
+class SmoothedMaskedUpstream(NamedTuple):
+    """:class:`~.softmax.MaskedUpstream` plus each row's number of kept columns."""
+
+    stats: Tensor
+    grad: Tensor
+    pos_stats: Tensor
+    pos_count: Tensor
+    count: Tensor
+
+    def block_fields(self, side: str, kind: str) -> dict:
+        return MaskedUpstream(*self[:4]).block_fields(side, kind)
+
+
+class SmoothedIdsSteps(MaskedSoftmaxSteps):
+    """:class:`infcl.ring.driver.RingLoss` for label smoothing with ids (``multi_positive`` None or "mean"; no
+    guide). Kept columns: every column but the same-id ones that are not the row's positive (None), or every
+    column ("mean": ids exclude nothing). The uniform part and its gradient come from same-id sums
+    (:func:`grouped_sum`) of the features per block; the target's positive part is the one-hot (None) or
+    1 / |P| on the same-id columns ("mean")."""
+
+    def __init__(self, symmetric: bool, eps: float, masks: MaskOptions):
+        super().__init__(symmetric, masks)
+        self.eps, self.multi_positive = float(eps), masks.multi_positive
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SmoothedMaskedPartials:
+        zeros = torch.zeros(2, n, dtype=dtype, device=device)
+        return SmoothedMaskedPartials(*MaskedPartials.empty(n, dtype, device), zeros[0], zeros[1])
+
+    def merge(self, acc: SmoothedMaskedPartials, part: SmoothedMaskedPartials) -> None:
+        merge_masked_fields(acc[:4], part[:4], self.kind)
+        acc.total.add_(part.total)
+        acc.count.add_(part.count)
+
+    def _kept(self, x, x_ids, y, y_ids, part: MaskedPartials, same_pos, scale):
+        """(total, count) of the kept entries of x's rows against y's rows (one direction of the block)."""
+        total = torch.mv(x, _column_sums(y))
+        count = torch.full_like(total, y.shape[0])
+        if self.multi_positive is None:
+            total = total - torch.linalg.vecdot(x, grouped_sum(y_ids, y, x_ids))
+            count = count - grouped_sum(y_ids, torch.ones_like(y[:, 0]), x_ids)
+        total = total.mul_(scale)
+        if self.multi_positive is None:  # the positive stays: its logit as the tile read it, and one count
+            total = total + torch.where(same_pos, part.pos_sum, 0.0)
+            count = count + torch.where(same_pos, part.pos_count, 0.0)
+        return total, count
+
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        rows, cols = super().forward_step(backend, block, k_side)
+        block = self._block(block, k_side)
+        acc = rows.stats.dtype
+        q, k = block.q.to(acc), block.k.to(acc)
+        same_pos = _same_at_positive(block)
+        ids = block.masks
+        total, count = self._kept(q, ids.q_ids, k, ids.k_ids, rows, same_pos, block.scale)
+        rows = SmoothedMaskedPartials(*rows, total, count)
+        if cols is None:
+            return rows, None
+        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
+        total, count = self._kept(k, ids.k_ids, q, ids.q_ids, cols, col_same, block.scale)
+        return rows, SmoothedMaskedPartials(*cols, total, count)
+
+    def backward_step(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor, k_side=()) -> ParamGrads:
+        grads = super().backward_step(backend, block, rows, cols, dq, dk, k_side)
+        block = self._block(block, k_side)
+        own, owner = _smoothing_id_terms(block, rows, cols, self.eps, self.multi_positive, dq, dk)
+        return ParamGrads(own=grads.own + own, owner=grads.owner + owner)
+
+    def losses(self, part: SmoothedMaskedPartials) -> Tensor:
+        return part.losses(self.kind, self.eps)
+
+    def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> SmoothedMaskedUpstream:
+        part = SmoothedMaskedPartials(*saved)
+        up = part.masked().upstream(grad)
+        return SmoothedMaskedUpstream(*up, torch.where(part.pos_count > 0, part.count, 1.0))
+
+
+def _same_at_positive(block: Block) -> Tensor:
+    """[Bq] bool: the row's positive lies in this block and has the row's id."""
+    inside = block.pos >= 0
+    idx = torch.where(inside, block.pos, 0)
+    return inside & (block.masks.q_ids == block.masks.k_ids.index_select(0, idx))
+
+
+def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra):
+    """One direction's terms: dS[a, b] += w_a at the positive (given by the caller), -u_a on every entry, and
+    +v_a on the same-id entries; returns (dx term [na, D], dy term [nb, D], the scale's part, w [na])."""
+    u = up.grad * eps / up.count
+    if multi_positive is None:
+        v = u
+        w = w_extra - torch.where(same_pos, u, 0.0)
+    else:
+        v = up.grad * eps / up.pos_count
+        w = torch.zeros_like(u)
+    y_sum, y_same = _column_sums(y), grouped_sum(y_ids, y, x_ids)
+    dx = torch.outer(-u, y_sum).add_(y_same * v[:, None])
+    x_u = torch.mv(x.T, u)
+    dy = grouped_sum(x_ids, x * v[:, None], y_ids).sub_(x_u[None, :])
+    part = torch.dot(x_u, y_sum).neg() + (v * torch.linalg.vecdot(x, y_same)).sum()
+    return dx.mul_(scale), dy.mul_(scale), part, w
+
+
+def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor):
+    acc, scale = dq.dtype, block.scale
+    q, k = block.q.to(acc), block.k.to(acc)
+    inside = block.pos >= 0
+    idx = torch.where(inside, block.pos, 0)
+    k_pos = k.index_select(0, idx)
+    raw_pos = torch.linalg.vecdot(q, k_pos)
+    same_pos = _same_at_positive(block)
+    one_hot = multi_positive is None
+    w_row = torch.where(inside, rows.grad * eps, 0.0) if one_hot else 0.0
+    dq_t, dk_t, own, w = _direction_terms(
+        q, block.masks.q_ids, k, block.masks.k_ids, rows, eps, multi_positive, scale, same_pos, w_row
+    )
+    dq.add_(dq_t)
+    dk.add_(dk_t)
+    own = own + (w * raw_pos).sum()
+    owner = torch.zeros((), dtype=acc, device=dq.device)
+    if cols is not None:
+        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
+        w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0) if one_hot else 0.0
+        w_col_cols = _scatter_to_columns(torch.as_tensor(w_col, dtype=acc).expand(q.shape[0]), block.pos, k.shape[0])
+        dk_t, dq_t, owner, wc = _direction_terms(
+            k, block.masks.k_ids, q, block.masks.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols
+        )
+        dk.add_(dk_t)
+        dq.add_(dq_t)
+        wc_rows = torch.where(inside, wc.index_select(0, idx), 0.0)  # back to the rows holding each positive
+        owner = owner + (wc_rows * raw_pos).sum()
+        w = w + wc_rows
+    ws = w * scale
+    dq.addcmul_(k_pos, ws[:, None])
+    _add_rows(dk, idx, q * ws[:, None])
+    return own.reshape(1), owner.reshape(1)

@@ -1,0 +1,19 @@
+"""``python -m bench --preset late-interaction`` at a tiny size: it runs both losses and writes its table and CSV."""
+
+import csv
+
+import pytest
+
+pytest.importorskip("sentence_transformers")
+
+from bench.__main__ import main  # noqa: E402
+
+
+@pytest.mark.slow  # importing sentence-transformers takes most of its ~20 s
+def test_late_interaction_preset_writes_its_table(tmp_path, capsys):
+    out = tmp_path / "maxsim.csv"
+    args = ["--preset", "late-interaction", "--batch", "6", "--lq", "3", "--ld", "5", "--dim", "4", "--repeats", "1"]
+    assert main(args + ["--csv", str(out)]) == 0
+    assert "| 6 | torch |" in capsys.readouterr().out
+    (row,) = list(csv.DictReader(open(out)))
+    assert row["backend"] == "torch" and float(row["ours_s"]) > 0 and float(row["theirs_s"]) > 0

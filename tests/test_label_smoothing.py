@@ -1,0 +1,246 @@
+"""``cal_inf_loss(label_smoothing=eps)`` on every backend against ``F.cross_entropy(..., label_smoothing=eps)`` in
+float64 on the materialized logits (built here without infcl): loss and the gradients of q, k and the scale, one
+direction and symmetric, hard negatives, custom labels, every reduction, non-unit and negative upstream
+gradients, confident rows, low precision no worse than torch's own. The ring: tests/test_options_ring.py.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import infcl.backends.torch_tiles as torch_tiles
+from helpers.options_truth import masked_truth
+from helpers.support import (
+    TOLERANCE,
+    assert_close_verbose,
+    assert_no_worse,
+    features_and_labels,
+    reduce_masked_truth,
+    tiled_backends,
+)
+from infcl import InfCLIPLoss, cal_inf_loss
+
+BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
+EPS = (0.1, 0.37, 1.0)
+# (Bq, Bk, D, labels, symmetric)
+CASES = (
+    (7, 7, 3, "perm", True),
+    (7, 7, 3, "random", False),
+    (33, 70, 19, "random", False),  # hard negatives: Bk > Bq
+    (129, 129, 40, "diag", True),
+)
+
+
+def truth_losses(q, k, labels, scale, eps, symmetric):
+    """Per-row (symmetric: per pair) float64 losses of F.cross_entropy(label_smoothing=eps) on the logits."""
+    q, k, scale = q.double(), k.double(), scale.double()
+    logits = scale * q @ k.T
+    labels = torch.arange(q.shape[0]) if labels is None else labels
+    rows = F.cross_entropy(logits, labels, reduction="none", label_smoothing=eps)
+    if not symmetric:
+        return rows
+    return (rows + F.cross_entropy(logits.T, torch.argsort(labels), reduction="none", label_smoothing=eps)) / 2
+
+
+def reduce(per, reduction):
+    return {"mean": per.mean, "sum": per.sum, "none": lambda: per}[reduction]()
+
+
+def run(q, k, labels, scale, upstream, **kwargs):
+    q, k, scale = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+    loss = cal_inf_loss(q, k, labels, scale, **kwargs)
+    loss.backward(upstream.to(loss.dtype))
+    return loss.detach(), q.grad, k.grad, scale.grad
+
+
+def truth(q, k, labels, scale, upstream, eps, symmetric, reduction):
+    q, k, scale = (t.detach().double().requires_grad_() for t in (q, k, scale))
+    loss = reduce(truth_losses(q, k, labels, scale, eps, symmetric), reduction)
+    loss.backward(upstream.double())
+    return loss.detach(), q.grad, k.grad, scale.grad
+
+
+def _backend(name, monkeypatch):
+    if name == "torch-small-tiles":
+        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_q", 5)
+        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_k", 7)
+        return "torch"
+    return name
+
+
+def _upstream(reduction, bq, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    if reduction == "none":
+        return torch.randn(bq, generator=gen, dtype=torch.float64)  # both signs, non-unit
+    return torch.tensor(-0.7, dtype=torch.float64)
+
+
+def _check(got, want, dtype, what):
+    atol, rtol = TOLERANCE[dtype]
+    for name, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, atol, rtol, f"{what} {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bq,bk,d,label_kind,symmetric", CASES)
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+def test_matches_cross_entropy(backend, bq, bk, d, label_kind, symmetric, reduction, monkeypatch):
+    name = _backend(backend, monkeypatch)
+    q, k, labels = features_and_labels(bq, bk, d, label_kind, torch.float32)
+    scale = torch.tensor(14.3)
+    g = _upstream(reduction, bq)
+    for eps in EPS:
+        kw = dict(symmetric=symmetric, reduction=reduction, label_smoothing=eps, backend=name)
+        got = run(q, k, labels, scale, g, **kw)
+        _check(got, truth(q, k, labels, scale, g, eps, symmetric, reduction), torch.float32, f"{backend} eps={eps}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_float64_sum_and_confident_rows(backend, symmetric):
+    # Confident rows (1 - P_pos ~ e^-60) and large logits: the smoothed target keeps the loss ~ eps * spread,
+    # and the gradient's -eps / n terms must hold their digits next to P ~ 0.
+    q, k, labels = features_and_labels(23, 23, 5, "perm", torch.float64, seed=3)
+    k = k.clone()
+    k[labels] = q * 1.0  # the positive is the row itself: the largest logit by far at scale 80
+    scale = torch.tensor(80.0, dtype=torch.float64)
+    g = torch.tensor(2.5, dtype=torch.float64)
+    kw = dict(symmetric=symmetric, reduction="sum", label_smoothing=0.2, backend=backend)
+    got = run(q, k, labels, scale, g, **kw)
+    _check(got, truth(q, k, labels, scale, g, 0.2, symmetric, "sum"), torch.float64, backend)
+
+
+@pytest.mark.parametrize("backend", [b for b in tiled_backends() if b != "chunked"])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_low_precision_no_worse_than_torch(backend, dtype):
+    q, k, labels = features_and_labels(64, 64, 32, "perm", dtype, seed=5)
+    scale = torch.tensor(14.3)
+    g = torch.tensor(1.0, dtype=torch.float64)
+    got = run(q, k, labels, scale, g, symmetric=True, label_smoothing=0.1, backend=backend)
+    want = truth(q, k, labels, scale, g, 0.1, True, "mean")
+    # torch itself in the low dtype: the logits in it, cross-entropy in float32 (as a user writes it)
+    ql, kl = (t.detach().clone().requires_grad_() for t in (q, k))
+    logits = (14.3 * ql @ kl.T).float()
+    vanilla = (
+        F.cross_entropy(logits, labels, label_smoothing=0.1)
+        + F.cross_entropy(logits.T, torch.argsort(labels), label_smoothing=0.1)
+    ) / 2
+    vanilla.backward()
+    atol, rtol = TOLERANCE[dtype]
+    assert_no_worse(got[0], vanilla.detach(), want[0], atol, rtol, f"{backend} {dtype} loss")
+    assert_no_worse(got[1], ql.grad, want[1], atol, rtol, f"{backend} {dtype} dq")
+    assert_no_worse(got[2], kl.grad, want[2], atol, rtol, f"{backend} {dtype} dk")
+
+
+@pytest.mark.parametrize("backend", tiled_backends())
+def test_zero_eps_is_the_plain_loss_bit_for_bit(backend):
+    q, k, labels = features_and_labels(40, 40, 8, "perm", torch.float32, seed=2)
+    scale, g = torch.tensor(10.0), torch.tensor(1.0)
+    plain = run(q, k, labels, scale, g, symmetric=True, backend=backend)
+    zero = run(q, k, labels, scale, g, symmetric=True, label_smoothing=0.0, backend=backend)
+    for a, b in zip(plain, zero):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", tiled_backends())
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_nan_in_nan_out(backend, symmetric):
+    # NaN where F.cross_entropy gives NaN: row 3's loss, and under the symmetric loss every column's.
+    q, k, labels = features_and_labels(9, 9, 4, "perm", torch.float32)
+    q = q.clone()
+    q[3, 1] = float("nan")
+    kw = dict(symmetric=symmetric, reduction="none", label_smoothing=0.1, backend=backend)
+    loss = cal_inf_loss(q, k, labels, torch.tensor(5.0), **kw)
+    want = truth_losses(q, k, labels, torch.tensor(5.0), 0.1, symmetric)
+    assert torch.equal(torch.isnan(loss), torch.isnan(want)) and torch.isnan(loss[3])
+
+
+@pytest.mark.parametrize(
+    "value,error,match",
+    (
+        (-0.1, ValueError, r"label_smoothing must be in \[0, 1\], got -0.1"),
+        (1.5, ValueError, r"label_smoothing must be in \[0, 1\]"),
+        (float("nan"), ValueError, r"label_smoothing must be in \[0, 1\]"),
+        ("0.1", TypeError, "label_smoothing must be a real number, got str"),
+        (True, TypeError, "label_smoothing must be a real number, got bool"),
+    ),
+)
+def test_bad_values_raise(value, error, match):
+    q, k, _ = features_and_labels(4, 4, 3, "diag", torch.float32)
+    with pytest.raises(error, match=match):
+        cal_inf_loss(q, k, label_smoothing=value)
+
+
+def test_with_guide_or_sum_raises():
+    q, k, _ = features_and_labels(4, 4, 3, "diag", torch.float32)
+    ids = torch.arange(4)
+    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide or multi_positive='sum'"):
+        cal_inf_loss(q, k, label_smoothing=0.1, q_ids=ids, k_ids=ids, multi_positive="sum")
+    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide"):
+        cal_inf_loss(q, k, label_smoothing=0.1, guide=(q, k))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("multi_positive", (None, "mean"))
+@pytest.mark.parametrize("symmetric", (False, True))
+@pytest.mark.parametrize("partnerless", (False, True))
+def test_with_ids(backend, multi_positive, symmetric, partnerless, monkeypatch):
+    # Ids from few classes (false negatives under None; several positives under "mean"); partnerless: k ids drawn
+    # apart, so under "mean" some rows and columns have no positive (no loss, left out of the mean).
+    if partnerless and multi_positive is None:
+        pytest.skip("one positive per row: every row has its label")
+    name = _backend(backend, monkeypatch)
+    bq, bk = 17, 17 if symmetric else 29
+    q, k, labels = features_and_labels(bq, bk, 6, "perm" if symmetric else "random", torch.float64, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    q_ids = torch.randint(0, 4, (bq,), generator=gen)
+    k_ids = torch.randint(0, 6 if partnerless else 4, (bk,), generator=gen)
+    if not partnerless:
+        k_ids[labels] = q_ids
+    scale, g = torch.tensor(9.0, dtype=torch.float64), torch.tensor(0.7, dtype=torch.float64)
+    kw = dict(symmetric=symmetric, label_smoothing=0.3, backend=name, q_ids=q_ids, k_ids=k_ids)
+    got = run(q, k, labels, scale, g, multi_positive=multi_positive, **kw)
+
+    def loss_fn(a, b, s):
+        rows, cols = masked_truth(a, b, labels, s, q_ids, k_ids, multi_positive, 0.3, symmetric)
+        return reduce_masked_truth(rows, cols, "mean")
+
+    qa, ka, sa = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+    want_loss = loss_fn(qa, ka, sa)
+    want_loss.backward(g)
+    _check(got, (want_loss.detach(), qa.grad, ka.grad, sa.grad), torch.float64, f"{backend} {multi_positive}")
+
+
+def test_infclip_loss_takes_it():
+    q, k, _ = features_and_labels(16, 16, 8, "diag", torch.float32, seed=4)
+    scale = torch.tensor(20.0)
+    got = InfCLIPLoss(label_smoothing=0.15)(q, k, scale)
+    want = truth_losses(q, k, None, scale, 0.15, True).mean()
+    assert_close_verbose(got, want, 1e-5, 1e-5, "InfCLIPLoss(label_smoothing)")
+
+
+@pytest.mark.parametrize("backend", ("triton",))  # the interpreter (TRITON_INTERPRET=1): small shapes only
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_triton_interpreted(backend, symmetric):
+    q, k, labels = features_and_labels(9, 9 if symmetric else 13, 5, "perm" if symmetric else "random", torch.float32)
+    scale, g = torch.tensor(14.3), _upstream("none", 9)
+    kw = dict(symmetric=symmetric, reduction="none", label_smoothing=0.25, backend=backend)
+    got = run(q, k, labels, scale, g, **kw)
+    _check(got, truth(q, k, labels, scale, g, 0.25, symmetric, "none"), torch.float32, backend)
+
+
+@pytest.mark.parametrize("backend", ("triton",))  # the interpreter: small shapes only
+@pytest.mark.parametrize("multi_positive", (None, "mean"))
+def test_triton_interpreted_with_ids(backend, multi_positive):
+    q, k, labels = features_and_labels(9, 9, 5, "perm", torch.float32, seed=3)
+    q_ids = torch.tensor([0, 1, 0, 2, 1, 0, 3, 2, 1])
+    k_ids = torch.empty_like(q_ids)
+    k_ids[labels] = q_ids
+    scale, g = torch.tensor(9.0), torch.tensor(1.3, dtype=torch.float64)
+    kw = dict(symmetric=True, label_smoothing=0.2, backend=backend, q_ids=q_ids, k_ids=k_ids)
+    got = run(q, k, labels, scale, g, multi_positive=multi_positive, **kw)
+    qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, scale))
+    rows, cols = masked_truth(qa, ka, labels, sa, q_ids, k_ids, multi_positive, 0.2, True)
+    want = reduce_masked_truth(rows, cols, "mean")
+    want.backward(g)
+    _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float32, f"triton {multi_positive}")

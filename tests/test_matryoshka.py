@@ -1,0 +1,243 @@
+"""``cal_inf_loss(matryoshka=...)`` against the float64 truth of sum_k w_k * F.cross_entropy on each prefix's
+materialized logits (the prefix ``F.normalize``d where renormalized), built here without infcl: loss and the
+gradients of q, k and the scale, one direction and symmetric, hard negatives, custom labels, reductions,
+non-unit and negative upstream gradients, dims in any order (not multiples of anything), mixed renormalize
+flags; the stats per dim; bad dims raise. The ring: tests/test_options_ring.py.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import infcl.backends.torch_tiles as torch_tiles
+from helpers.support import (
+    TOLERANCE,
+    assert_close_verbose,
+    features_and_labels,
+    masked_truth_directions,
+    reduce_masked_truth,
+    tiled_backends,
+)
+from infcl import InfCLIPLoss, Matryoshka, cal_inf_loss
+
+# The torch tiles hold the fused pass; the other backends run one pass per prefix (infcl.api).
+BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
+# (Bq, Bk, D, labels, symmetric, dims, renormalize)
+CASES = (
+    (7, 7, 9, "perm", True, (9, 4, 1), (True, True, False)),  # a one-wide unit prefix has gradient 0: docs
+    (7, 13, 9, "random", False, (3, 9), (False, True)),  # hard negatives
+    (33, 33, 40, "diag", True, (17, 40, 5, 32), (True, False, True, False)),
+    (20, 45, 23, "random", False, (23, 11), False),
+)
+
+
+def truth_losses(q, k, labels, scale, symmetric, dims, weights, renormalize):
+    """Per-row (symmetric: per pair) sum_k w_k * loss_k in float64 on each prefix's logits."""
+    q, k, scale = q.double(), k.double(), scale.double()
+    labels = torch.arange(q.shape[0]) if labels is None else labels
+    flags = (renormalize,) * len(dims) if isinstance(renormalize, bool) else renormalize
+    total = 0
+    for m, w, renorm in zip(dims, weights, flags):
+        qm, km = q[:, :m], k[:, :m]
+        if renorm:
+            qm, km = F.normalize(qm, dim=-1), F.normalize(km, dim=-1)
+        logits = scale * qm @ km.T
+        per = F.cross_entropy(logits, labels, reduction="none")
+        if symmetric:
+            per = (per + F.cross_entropy(logits.T, torch.argsort(labels), reduction="none")) / 2
+        total = total + w * per
+    return total
+
+
+def _backend(name, monkeypatch):
+    if name == "torch-small-tiles":
+        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_q", 5)
+        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_k", 7)
+        return "torch"
+    return name
+
+
+def _grads(q, k, scale, upstream, fn):
+    q, k, scale = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+    loss = fn(q, k, scale)
+    loss.backward(upstream.to(loss.dtype))
+    return loss.detach(), q.grad, k.grad, scale.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bq,bk,d,label_kind,symmetric,dims,renormalize", CASES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+def test_matches_per_prefix_cross_entropy(
+    backend, bq, bk, d, label_kind, symmetric, dims, renormalize, dtype, reduction, monkeypatch
+):
+    name = _backend(backend, monkeypatch)
+    q, k, labels = features_and_labels(bq, bk, d, label_kind, dtype)
+    q = q * torch.linspace(0.5, 2.0, d, dtype=dtype)  # rows not unit-norm: the renormalization matters
+    scale = torch.tensor(9.0, dtype=dtype)
+    weights = tuple(0.25 + 0.5 * i for i in range(len(dims)))
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(bq, generator=gen, dtype=torch.float64) if reduction == "none" else torch.tensor(-1.3)
+    spec = Matryoshka(dims, weights, renormalize)
+    opts = dict(symmetric=symmetric, reduction=reduction, backend=name, matryoshka=spec)
+    got = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **opts))
+
+    def want_fn(a, b, s):
+        per = truth_losses(a, b, labels, s, symmetric, dims, weights, renormalize)
+        return per.mean() if reduction == "mean" else per
+
+    want = _grads(q.double(), k.double(), scale.double(), g.double(), want_fn)
+    atol, rtol = TOLERANCE[dtype]
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, atol, rtol, f"{backend} {dims} {what}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+def test_stats_per_dim_in_the_order_given(backend):
+    q, k, labels = features_and_labels(17, 17, 12, "perm", torch.float32, seed=2)
+    dims = (12, 3, 7)
+    loss, stats = cal_inf_loss(q, k, labels, 8.0, symmetric=True, matryoshka=dims, backend=backend, return_stats=True)
+    assert tuple(stats) == dims
+    for m in dims:
+        _, one = cal_inf_loss(
+            F.normalize(q[:, :m]),
+            F.normalize(k[:, :m]),
+            labels,
+            8.0,
+            symmetric=True,
+            backend="reference",
+            return_stats=True,
+        )
+        for a, b in zip(stats[m], one):
+            assert_close_verbose(a, b, 1e-6, 1e-6, f"stats dim {m}")
+
+
+def test_one_full_unnormalized_prefix_is_the_plain_loss():
+    q, k, labels = features_and_labels(30, 30, 16, "perm", torch.float64, seed=3)
+    scale = torch.tensor(12.0, dtype=torch.float64)
+    got = _grads(
+        q,
+        k,
+        scale,
+        torch.tensor(1.0),
+        lambda a, b, s: cal_inf_loss(
+            a, b, labels, s, symmetric=True, backend="torch", matryoshka=Matryoshka((16,), renormalize=False)
+        ),
+    )
+    want = _grads(
+        q, k, scale, torch.tensor(1.0), lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=True, backend="torch")
+    )
+    for a, b in zip(got, want):
+        assert_close_verbose(a, b, 1e-12, 1e-12, "one prefix")
+
+
+def test_nan_in_nan_out():
+    q, k, labels = features_and_labels(9, 9, 6, "perm", torch.float32)
+    q = q.clone()
+    q[2, 5] = float("nan")  # outside the 3-wide prefix: only the 6-wide prefix's row 2 is NaN
+    per = cal_inf_loss(
+        q, k, labels, 5.0, reduction="none", backend="torch", matryoshka=Matryoshka((3, 6), renormalize=False)
+    )
+    assert torch.isnan(per[2]) and not torch.isnan(per[torch.arange(9) != 2]).any()
+
+
+@pytest.mark.parametrize(
+    "spec,error,match",
+    (
+        ((), ValueError, "at least one dimension"),
+        ((8, 9), ValueError, r"in \[1, 8\]"),
+        ((0, 4), ValueError, r"in \[1, 8\]"),
+        ((4, 4), ValueError, "distinct"),
+        ((4.0, 2), TypeError, "integers"),
+        (Matryoshka((4, 2), weights=(1.0,)), ValueError, "one per dim"),
+        (Matryoshka((4, 2), weights=(1.0, float("inf"))), ValueError, "finite"),
+        (Matryoshka((4, 2), renormalize=(True,)), ValueError, "renormalize"),
+        ("8", TypeError, "matryoshka must be"),
+    ),
+)
+def test_bad_specs_raise(spec, error, match):
+    q, k, _ = features_and_labels(4, 4, 8, "diag", torch.float32)
+    with pytest.raises(error, match=match):
+        cal_inf_loss(q, k, matryoshka=spec)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+def test_with_ids_and_label_smoothing_per_prefix(backend):
+    # Mask options and label smoothing run one pass per prefix: the truth is their float64 loss per prefix.
+    q, k, labels = features_and_labels(12, 12, 10, "perm", torch.float64, seed=6)
+    ids = torch.tensor([0, 1, 2, 0, 1, 3, 4, 5, 2, 6, 7, 8])
+    k_ids = torch.empty_like(ids)
+    k_ids[labels] = ids
+    scale, dims, weights = torch.tensor(7.0, dtype=torch.float64), (10, 4), (1.0, 0.5)
+    spec = Matryoshka(dims, weights)
+    opts = dict(symmetric=True, backend=backend, matryoshka=spec)
+    got = _grads(
+        q,
+        k,
+        scale,
+        torch.tensor(1.0),
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, q_ids=ids, k_ids=k_ids, multi_positive="mean", **opts),
+    )
+
+    def ids_truth(a, b, s):
+        total = 0
+        for m, w in zip(dims, weights):
+            rows, cols = masked_truth_directions(
+                F.normalize(a[:, :m], dim=-1),
+                F.normalize(b[:, :m], dim=-1),
+                labels,
+                s,
+                symmetric=True,
+                q_ids=ids,
+                k_ids=k_ids,
+                multi_positive="mean",
+            )
+            total = total + w * reduce_masked_truth(rows, cols, "mean")
+        return total
+
+    want = _grads(q, k, scale, torch.tensor(1.0), ids_truth)
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-10, 1e-10, f"{backend} ids {what}")
+    got = _grads(
+        q, k, scale, torch.tensor(1.0), lambda a, b, s: cal_inf_loss(a, b, labels, s, label_smoothing=0.2, **opts)
+    )
+
+    def smoothed_truth(a, b, s):
+        total = 0
+        for m, w in zip(dims, weights):
+            logits = s * F.normalize(a[:, :m], dim=-1) @ F.normalize(b[:, :m], dim=-1).T
+            pair = F.cross_entropy(logits, labels, label_smoothing=0.2, reduction="none")
+            pair = (pair + F.cross_entropy(logits.T, torch.argsort(labels), label_smoothing=0.2, reduction="none")) / 2
+            total = total + w * pair.mean()
+        return total
+
+    want = _grads(q, k, scale, torch.tensor(1.0), smoothed_truth)
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-10, 1e-10, f"{backend} smoothing {what}")
+
+
+def test_infclip_loss_takes_it():
+    q, k, _ = features_and_labels(16, 16, 8, "diag", torch.float32, seed=4)
+    scale = torch.tensor(20.0)
+    got = InfCLIPLoss(matryoshka=(8, 4))(q, k, scale)
+    want = truth_losses(q, k, None, scale, True, (8, 4), (1.0, 1.0), True).mean()
+    assert_close_verbose(got, want, 1e-5, 1e-5, "InfCLIPLoss(matryoshka)")
+
+
+@pytest.mark.parametrize("backend", ("triton",))  # the interpreter (TRITON_INTERPRET=1): small shapes only
+def test_triton_interpreted(backend):
+    q, k, labels = features_and_labels(9, 9, 10, "perm", torch.float32)
+    scale, g = torch.tensor(9.0), torch.tensor(0.8)
+    spec = Matryoshka((10, 3, 6), (1.0, 0.5, 2.0))
+    got = _grads(
+        q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=True, backend=backend, matryoshka=spec)
+    )
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        g.double(),
+        lambda a, b, s: truth_losses(a, b, labels, s, True, (10, 3, 6), (1.0, 0.5, 2.0), True).mean(),
+    )
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-5, 1e-5, f"triton {what}")
