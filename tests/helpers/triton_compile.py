@@ -787,7 +787,7 @@ def chunked_calls(arch: int) -> List[Call]:
 # Every kernel family compiles at least once in the floor subset (:func:`floor_calls`).
 FLOOR_KERNELS = frozenset(
     {"forward", "dq", "dk", "siglip_forward", "siglip_backward", "guide_label_scores", "topk"}
-    | {"chunk_stats", "merge_parts", "chunk_grad"}
+    | {"chunk_stats", "merge_chunk", "chunk_grad"}
 )
 
 
