@@ -19,7 +19,8 @@ over the chunks:
 
 The kernels run back to back (no overlap between kernels). SigLIP's route (3 GEMM-equivalents: the forward forms
 S, the loss and dS in one pass and takes both products; the backward only scales) reads its pass's figures from
-the report where the report has a ``siglip`` pass, else takes the softmax grad pass's (said in the output).
+the report's ``chunk siglip`` row (infcl/kernels/chunked_sigmoid.py; a report without one: the softmax grad
+pass's, said in the output), its bytes from that kernel's own traffic (S in, dS out, the loss partials).
 ``--from-ab`` replaces the rates with a GPU's measured ones (``python -m bench --preset gpu-first``'s route.csv).
 """
 
@@ -145,8 +146,12 @@ def model_loss(loss: str, batch: int, gpu: GPU, passes: Dict[str, Dict], rates: 
         ]  # fmt: skip
         launches = n_chunks * (LAUNCHES_FORWARD + LAUNCHES_BACKWARD)
     else:
+        from infcl.kernels.chunked_sigmoid import pass_bytes as siglip_bytes
+
         sig = passes.get("chunk siglip", grad)
-        rows.append(_pass("siglip pass", sig, entries, backward_bytes, gpu, rates,
+        # its own traffic: S read (4 B/entry), dS written (bf16), each row's loss partials per split
+        sig_bytes = n_chunks * sum(siglip_bytes(c, batch, torch.bfloat16, True))
+        rows.append(_pass("siglip pass", sig, entries, sig_bytes, gpu, rates,
                           _waves(sig, launch_programs("grad", c, batch, True), gpu)))  # fmt: skip
         launches = n_chunks * LAUNCHES_SIGLIP
     rows += [

@@ -110,9 +110,35 @@ def test_model_prints_its_assumptions_and_the_table_per_kernel():
         assert words in out, words
     for kernel in ("scores", "stats pass", "merge", "grad pass", "dq", "dk", "siglip pass", "launch gaps"):
         assert f"\n{kernel} " in out, kernel
+    assert "no compiled SigLIP pass" not in out  # the stored report holds SigLIP's own pass
     passes = chunked_model.read_passes(chunked_model.STATIC_CSV)
     rows = chunked_model.model_loss("clip", 65536, chunked_model.GPUS["H200"], passes)
     total = rows[-1]
     assert total["kernel"] == "total" and total["ms"] == pytest.approx(sum(r["ms"] for r in rows[:-1]))
     gemm_floor = 4 * 2.0 * 65536**2 * 512 / (652e12) * 1e3  # four GEMM-equivalents at the GEMM rate
     assert gemm_floor < total["ms"] < 2 * gemm_floor
+
+
+def test_siglip_model_reads_its_own_pass_and_bytes():
+    """SigLIP's modelled pass takes the ``chunk siglip`` row's instructions and occupancy (not the softmax grad
+    pass's) and the bytes its kernel moves: S read in float32, dS written in bf16, the loss partials."""
+    import torch
+
+    from infcl.kernels.chunked_sigmoid import pass_bytes
+    from infcl.kernels.tiling import CHUNK_GRAD_TILE as TILE
+    from infcl.kernels.tiling import CHUNK_SPLIT_TILES
+
+    stored = chunked_model.read_passes(chunked_model.STATIC_CSV)
+    passes = {**stored, "chunk siglip": {**stored["chunk grad"], "instr_per_entry_no_pos": "100", "ctas_per_sm": "1"}}
+    gpu, batch = chunked_model.GPUS["H100 SXM"], 65536
+    row = next(r for r in chunked_model.model_loss("siglip", batch, gpu, passes) if r["kernel"] == "siglip pass")
+    c = chunked_model.chunk_rows(batch)
+    lanes = gpu.sms * gpu.issue_per_clk * gpu.clock_ghz * 1e9
+    assert row["issue_ms"] == pytest.approx(100 * float(batch) ** 2 / lanes * 1e3)
+    read, written = pass_bytes(c, batch, torch.bfloat16, True)
+    assert read == 4 * c * batch and written > 2 * c * batch  # dS and the loss partials
+    chunks = -(-batch // c)
+    assert row["hbm_ms"] == pytest.approx(chunks * (read + written) / (gpu.hbm_tbs * 1e12) * 1e3)
+    programs = -(-c // TILE.block_m) * -(-(batch // TILE.block_n) // CHUNK_SPLIT_TILES)  # one CTA per SM
+    waves = programs / gpu.sms
+    assert row["tail"] == pytest.approx(-(-programs // gpu.sms) / waves)

@@ -307,6 +307,9 @@ def test_inf_cl_kernels_compiled_and_counted():
     assert by["inf-cl forward"]["flops_per_entry"] == 2 * 512 and by["inf-cl dq"]["flops_per_entry"] == 4 * 512
 
 
+CHUNKED_PASSES = {"chunk stats", "chunk merge", "chunk grad", "chunk siglip"}
+
+
 @pytest.fixture(scope="module")
 def chunked_rows():
     out = static.run_chunked(targets=(90,), workers=1)
@@ -317,9 +320,10 @@ def chunked_rows():
 
 
 def test_chunked_passes_reported_without_spills(chunked_rows):
-    """The chunked route's passes as a GPU chunk launches them (even tiles, dS in bf16): each found with its tile
-    loop, the tiles without a positive issuing no more than the listing, no spills, the launch plan at every B."""
-    assert {r["kernel"] for r in chunked_rows} == {"chunk stats", "chunk merge", "chunk grad"}
+    """The chunked route's passes as a GPU chunk launches them (even tiles, dS in bf16), SigLIP's one pass (loss and
+    dS at once) among them: each found with its tile loop, the tiles without a positive issuing no more than the
+    listing, no spills, the launch plan at every B."""
+    assert {r["kernel"] for r in chunked_rows} == CHUNKED_PASSES
     for r in chunked_rows:
         assert r["listing"] == "sass" and r["spill_bytes"] == 0, r
         assert 0 < r["instr_per_entry_no_pos"] <= r["instr_per_entry"], r
@@ -328,11 +332,15 @@ def test_chunked_passes_reported_without_spills(chunked_rows):
             assert r[f"programs@{batch}"] >= 1 and r[f"chunk_rows@{batch}"] % 64 == 0, (r["kernel"], batch)
     by = {r["kernel"]: r for r in chunked_rows}
     assert by["chunk stats"]["hbm_bytes_per_entry"] == 4 and by["chunk grad"]["hbm_bytes_per_entry"] == 6
+    assert by["chunk siglip"]["hbm_bytes_per_entry"] == 6  # S read in float32, dS written in bf16
     assert by["chunk grad"]["bar_per_tile"] == 0  # no cross-warp reduction in the backward's tile loop
+    # the SigLIP pass runs the grad pass's grid (its tile and splits): the same programs at every B
+    for batch in static.BATCHES:
+        assert by["chunk siglip"][f"programs@{batch}"] == by["chunk grad"][f"programs@{batch}"], batch
 
 
 def test_stored_chunked_report_feeds_the_model():
     rows = static.read_rows(static.DEFAULT_OUT / "static-chunked.csv")
-    assert {r["kernel"] for r in rows if r["target"] == "sm_90"} == {"chunk stats", "chunk merge", "chunk grad"}
+    assert {r["kernel"] for r in rows if r["target"] == "sm_90"} == CHUNKED_PASSES
     for r in rows:
         assert r["instr_per_entry_no_pos"] not in ("", None) or r["target"] != "sm_90", r

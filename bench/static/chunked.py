@@ -1,4 +1,5 @@
-"""The chunked route's passes (``backend="chunked"``: infcl/kernels/chunked_softmax.py) compiled for a GPU target
+"""The chunked route's passes (``backend="chunked"``: infcl/kernels/chunked_softmax.py, and SigLIP's one pass,
+infcl/kernels/chunked_sigmoid.py) compiled for a GPU target
 as the route launches them on a GPU, one row per pass: registers, spills, the tile loop's lane instructions,
 MUFU, shuffles and barriers per S entry (:mod:`.counts`), and the HBM bytes per S entry the pass moves.
 
@@ -54,6 +55,7 @@ def _pass_calls(dtype: str, symmetric: bool):
     import torch
 
     from infcl.kernels import chunked_softmax as passes
+    from infcl.kernels.chunked_sigmoid import sigmoid_chunk
 
     operand = getattr(torch, dtype)
     c, n = COMPILE_ROWS, COMPILE_COLS
@@ -65,11 +67,14 @@ def _pass_calls(dtype: str, symmetric: bool):
     ds = torch.zeros(c, n, dtype=operand)
     factor = torch.ones(c) if operand == torch.float16 else scale
     g_row, g_col = torch.ones(c), torch.ones(n)
+    params = torch.tensor([10.0, -10.0])
     return (
         lambda: passes.chunk_stats(raw, scale, pos, symmetric, rows, cols),
         lambda: passes.chunk_grad(
             raw, ds, scale, factor, pos, rows[:2], g_row, cols, g_col if symmetric else None, operand
         ),
+        # SigLIP's one pass as its forward launches it: the loss and dS at once (infcl.backends.chunked.sigmoid)
+        lambda: sigmoid_chunk(raw, params, pos, torch.empty(c), ds, factor, g_row, operand),
     )
 
 
@@ -92,8 +97,8 @@ def report_chunked(
             launches = list(zip(compiled[start:], triton_compile._RECORDER.launches[start:]))
     elt = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     for (fn, kernel, log), launch in launches:
-        kind = triton_compile._kernel_name(fn).replace("chunk", "").strip("_")  # stats, merge, grad
-        name = f"chunk {kind}"
+        kind = triton_compile._kernel_name(fn).replace("chunk", "").strip("_")  # stats, merge, grad, sigmoid
+        name = "chunk siglip" if kind == "sigmoid" else f"chunk {kind}"
         if name in rows:
             continue
         usage = triton_compile._resources(fn, kernel, log, arch)
@@ -111,7 +116,7 @@ def report_chunked(
         }
         for batch in batches:
             c = chunk_rows_at(batch, operand_bytes=elt)
-            programs = passes.launch_programs(kind, c, batch, symmetric)
+            programs = passes.launch_programs("grad" if kind == "sigmoid" else kind, c, batch, symmetric)
             row[f"chunk_rows@{batch}"] = c
             row[f"programs@{batch}"] = programs
             row[f"waves@{batch}"] = programs / (sms * max(row["ctas_per_sm"], 1))
@@ -127,9 +132,9 @@ def _config(launch: Dict) -> str:
 
 
 def pass_traffic(kernel: str, elt: int, symmetric: bool) -> Dict:
-    """HBM bytes per S entry a pass moves (the score chunk read, dS written; the O(C + Bk) partials and stats are
-    below 1% and left to :mod:`bench.chunked_model`'s per-chunk terms)."""
-    per_entry = {"chunk stats": 4.0, "chunk grad": 4.0 + elt}.get(kernel, 0.0)
+    """HBM bytes per S entry a pass moves (the score chunk read, dS written; the O(C + Bk) partials and stats, the
+    SigLIP pass's loss partials included, are below 1% and left to :mod:`bench.chunked_model`'s per-chunk terms)."""
+    per_entry = {"chunk stats": 4.0, "chunk grad": 4.0 + elt, "chunk siglip": 4.0 + elt}.get(kernel, 0.0)
     return {"hbm_bytes_per_entry": per_entry, "symmetric": symmetric}
 
 
