@@ -81,14 +81,14 @@ def tile_overrides(arch: int, dtype: str, precision: str, tiles: Dict[str, Tuple
 
 @contextlib.contextmanager
 def without_positives():
-    """The softmax kernels compiled for a tile that holds no positive, as all but one or two column blocks
-    per row block do with the positives on the diagonal: ``holds_positive`` (tile_stats.py) replaced, in the
-    kernels' modules, by a constant False, so the uniform branch around the positives' work folds away.
-    (The real kernels' listing holds that branch's body, and the counts take it as run on every tile.)
+    """The softmax kernels and the chunked SigLIP pass compiled for a tile that holds no positive, as all but one
+    or two column blocks per row block do with the positives on the diagonal: ``holds_positive`` (tile_stats.py)
+    replaced, in the kernels' modules, by a constant False, so the uniform branch around the positives' work folds
+    away. (The real kernels' listing holds that branch's body, and the counts take it as run on every tile.)
     Only in a process of its own: Triton keys and checks a compiled kernel by the globals it used."""
     import triton
 
-    from infcl.kernels import chunked_softmax, softmax_forward
+    from infcl.kernels import chunked_sigmoid, chunked_softmax, softmax_forward
     from infcl.kernels import softmax_backward_tiles as backward_tiles
     from infcl.kernels import softmax_forward_tiles as forward_tiles
 
@@ -96,7 +96,7 @@ def without_positives():
     def never(lo, hi, c0, BLOCK_N, BRANCH):
         return False
 
-    modules = (softmax_forward, forward_tiles, backward_tiles, chunked_softmax)
+    modules = (softmax_forward, forward_tiles, backward_tiles, chunked_softmax, chunked_sigmoid)
     saved = [module.holds_positive for module in modules]
     for module in modules:
         module.holds_positive = never

@@ -14,7 +14,9 @@ Both at once is the route's one-pass SigLIP (its forward takes the loss and, for
 the products dq, dk: 3 GEMM-equivalents per block); LOSS alone a forward without gradient, GRAD alone the backward
 of ``reduction="none"`` (per-row upstream gradients). Grid (row blocks, column splits): program (i, j) walks the
 BLOCK_N tiles of split j for the BLOCK_M rows of block i and writes its rows' loss partials per split and its
-gradient partials in its own slot (one owner per entry: no atomics); torch sums them in index order. Per S entry
+gradient partials in its own slot (one owner per entry: no atomics); torch sums them in index order. A program
+sums its rows' terms per entry over its tiles and reduces them once after its loop; the positive's sign flips run
+only in a tile that may hold one (a uniform branch, as in :mod:`.chunked_softmax`). Per S entry
 it reads 4 bytes and (GRAD) writes the operand's 2.
 """
 
@@ -24,10 +26,33 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunked_softmax import _load_raw, round_operand
+from .chunked_softmax import _load_raw, _split_tiles, round_operand
 from .kernel_args import COMPILE_OPTIONS
 from .sigmoid import _margins, _sigmoid, _softplus
+from .tile_stats import holds_positive, positive_span
 from .tiling import CHUNK_GRAD_TILE, CHUNK_SPLIT_TILES
+
+
+@triton.jit
+def _entries(
+    raw, scale, bias, g, pos_offset, BLOCK_N: tl.constexpr, POS: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr
+):
+    """(softplus(t), dL) of a tile's entries (each 0 where not asked for), ``POS``: the tile may hold a positive,
+    at the offset ``pos_offset`` of its row (an int32 compare with the tile's own offsets: one an entry)."""
+    if POS:
+        is_pos = tl.arange(0, BLOCK_N)[None, :] == pos_offset[:, None]
+        margin = _margins(raw, is_pos, scale, bias)
+    else:
+        margin = raw * scale + bias  # _margins without a positive
+    term = tl.zeros_like(raw)
+    dl = tl.zeros_like(raw)
+    if LOSS:
+        term = _softplus(margin)
+    if GRAD:
+        dl = g * _sigmoid(margin)
+        if POS:
+            dl = tl.where(is_pos, -dl, dl)
+    return term, dl
 
 
 @triton.jit
@@ -62,42 +87,53 @@ def _chunk_sigmoid_kernel(
     row_in = rows < n_rows
     scale = tl.load(params_ptr)
     bias = tl.load(params_ptr + 1)
-    pos = tl.load(pos_ptr + rows, mask=row_in, other=-1)
-    loss = tl.zeros([BLOCK_M], tl.float32)
-    dscale = tl.zeros([BLOCK_M], tl.float32)
-    dbias = tl.zeros([BLOCK_M], tl.float32)
+    pos = tl.load(pos_ptr + rows, mask=row_in, other=-1).to(tl.int32)  # a column index: int32 compares
+    lo, hi = positive_span(pos)
+    # Each row's sums (the loss, dL * raw, dL), accumulated per entry of the tile over the split's tiles and
+    # reduced once after the loop (no reduction per tile; a fixed order: deterministic).
+    loss = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dscale = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dbias = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GRAD:
         g = tl.load(g_ptr + rows, mask=row_in, other=0.0)[:, None]
         factor = tl.load(factor_ptr + rows.to(tl.int64) * stride_factor, mask=row_in, other=0.0)[:, None]
+    else:
+        g = 0.0
     row_ptrs = raw_ptr + rows[:, None].to(tl.int64) * stride_raw
-    first = split * SPLIT_TILES
-    n_tiles = tl.minimum(SPLIT_TILES, tl.cdiv(n_cols, BLOCK_N) - first)
+    first, n_tiles = _split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
+    offsets = tl.arange(0, BLOCK_N)
     for t in range(0, n_tiles):
-        cols = (first + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        inside = row_in[:, None] & (cols[None, :] < n_cols)
+        c0 = (first + t) * BLOCK_N
+        cols = c0 + offsets
         raw = _load_raw(row_ptrs, rows, cols, n_rows, n_cols, EVEN_M, EVEN_N)
-        is_pos = cols[None, :] == pos[:, None]
-        margin = _margins(raw, is_pos, scale, bias)
+        # The positives' work (t = -L and -dL there) only in a tile that may hold one: a uniform branch, all but
+        # one or two column tiles per row block take the other.
+        if holds_positive(lo, hi, c0, BLOCK_N, True):
+            term, dl = _entries(raw, scale, bias, g, pos - c0, BLOCK_N, True, LOSS, GRAD)
+        else:
+            term, dl = _entries(raw, scale, bias, g, pos - c0, BLOCK_N, False, LOSS, GRAD)
         if LOSS:
-            # Zero outside the chunk explicitly: a padded entry must not add to any sum, whatever it holds.
-            loss += tl.sum(tl.where(inside, _softplus(margin), 0.0), axis=1)
+            if not (EVEN_M and EVEN_N):
+                # Zero outside the chunk explicitly: a padded entry must not add to any sum, whatever it holds.
+                term = tl.where(row_in[:, None] & (cols[None, :] < n_cols), term, 0.0)
+            loss += term
         if GRAD:
-            s = _sigmoid(margin)
-            dl = tl.where(inside, g * tl.where(is_pos, -s, s), 0.0)
-            dscale += tl.sum(dl * raw, axis=1)
-            dbias += tl.sum(dl, axis=1)
+            if not (EVEN_M and EVEN_N):
+                dl = tl.where(row_in[:, None] & (cols[None, :] < n_cols), dl, 0.0)
+            dscale += dl * raw
+            dbias += dl
             out = ds_ptr + rows[:, None].to(tl.int64) * stride_ds + cols[None, :]
             value = round_operand(dl * factor, OPERAND)
             if EVEN_M and EVEN_N:
                 tl.store(out, value)
             else:
-                tl.store(out, value, mask=inside)
+                tl.store(out, value, mask=row_in[:, None] & (cols[None, :] < n_cols))
     if LOSS:
-        tl.store(loss_ptr + split.to(tl.int64) * stride_loss + rows, loss, mask=row_in)
+        tl.store(loss_ptr + split.to(tl.int64) * stride_loss + rows, tl.sum(loss, axis=1), mask=row_in)
     if GRAD:
         program = row_block * tl.num_programs(1) + split
-        tl.store(grad_parts_ptr + program, tl.sum(dscale, axis=0))
-        tl.store(grad_parts_ptr + stride_grad_parts + program, tl.sum(dbias, axis=0))
+        tl.store(grad_parts_ptr + program, tl.sum(tl.sum(dscale, axis=1), axis=0))
+        tl.store(grad_parts_ptr + stride_grad_parts + program, tl.sum(tl.sum(dbias, axis=1), axis=0))
 
 
 _OPERANDS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
