@@ -210,7 +210,7 @@ def _tiled_gemms(device, dtype, dim):  # the torch tiles and the native kernel: 
 
 def _triton_gemms(device, dtype, dim, masked=False, guide=False):
     from infcl.kernels.kernel_args import torch_matmul_precision
-    from infcl.kernels.ops import gemm_equivalents
+    from infcl.kernels.softmax_ops import gemm_equivalents
 
     precision = torch_matmul_precision()
     return gemm_equivalents(dim, dtype, device, precision, masked, guide)

@@ -315,8 +315,6 @@ void backward_impl(const Operands<T>& o, const Upstream<T>& rows, const Upstream
 // ---------------------------------------------------------------------------------------------------
 // Op entry points.
 
-at::ScalarType acc_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& tq, const at::Tensor& tk) {
   for (const at::Tensor* t : {&q, &k, &tq, &tk}) {
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && at::isFloatingType(t->scalar_type()),
@@ -328,40 +326,18 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& tq
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "infcl native distill: q and k dtypes differ");
 }
 
-std::tuple<at::Tensor, at::Tensor> distill_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
-                                                         const at::Tensor& tq_in, const at::Tensor& tk_in,
-                                                         double teacher_scale, bool symmetric) {
-  check_inputs(q_in, k_in, tq_in, tk_in);
-  const auto acc = acc_type(q_in);
-  const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous();
-  const at::Tensor tq = tq_in.to(acc).contiguous(), tk = tk_in.to(acc).contiguous();
-  at::Tensor rows = at::empty({5, q.size(0)}, q.options());
-  at::Tensor cols = at::empty({5, symmetric ? k.size(0) : 0}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "distill_forward_block", [&] {
-    const Operands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), tq.data_ptr<scalar_t>(),
-                               tk.data_ptr<scalar_t>(), q.size(0), k.size(0), q.size(1), tq.size(1),
-                               static_cast<scalar_t>(scale), static_cast<scalar_t>(teacher_scale)};
-    forward_impl<scalar_t>(o, symmetric, rows, cols);
-  });
-  return {rows, cols};
-}
-
 at::Tensor distill_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale, const at::Tensor& tq_in,
                                   const at::Tensor& tk_in, double teacher_scale, const at::Tensor& row_stats,
                                   const at::Tensor& g_row, const std::optional<at::Tensor>& col_stats,
                                   const std::optional<at::Tensor>& g_col, at::Tensor& dq, at::Tensor& dk) {
   check_inputs(q_in, k_in, tq_in, tk_in);
-  const auto acc = acc_type(q_in);
+  const auto acc = accumulation_type(q_in.scalar_type());
   TORCH_CHECK(col_stats.has_value() == g_col.has_value(), "infcl native distill: col_stats and g_col go together");
-  TORCH_CHECK(dq.scalar_type() == acc && dk.scalar_type() == acc && dq.sizes() == q_in.sizes() &&
-                  dk.sizes() == k_in.sizes(),
-              "infcl native distill: dq / dk must match q / k in the accumulation dtype");
   TORCH_CHECK(row_stats.dim() == 2 && row_stats.size(0) == 4 && row_stats.size(1) == q_in.size(0),
               "infcl native distill: row_stats must be [4, Bq], got ", row_stats.sizes());
   const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous();
   const at::Tensor tq = tq_in.to(acc).contiguous(), tk = tk_in.to(acc).contiguous();
-  at::Tensor dq_c = dq.is_contiguous() ? dq : dq.contiguous();
-  at::Tensor dk_c = dk.is_contiguous() ? dk : dk.contiguous();
+  ContiguousGrads grads(dq, dk, q_in, k_in, acc, "infcl native distill");
   at::Tensor dscale = at::zeros({2}, at::kDouble);
   AT_DISPATCH_FLOATING_TYPES(acc, "distill_backward_block", [&] {
     const Operands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), tq.data_ptr<scalar_t>(),
@@ -377,30 +353,37 @@ at::Tensor distill_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
       g_c = g_col->to(acc).contiguous();
       cols.emplace(col_stats->to(acc), g_c);
     }
-    backward_impl<scalar_t>(o, rows, cols ? &*cols : nullptr, dq_c.data_ptr<scalar_t>(), dk_c, dscale);
+    backward_impl<scalar_t>(o, rows, cols ? &*cols : nullptr, grads.dq.data_ptr<scalar_t>(), grads.dk, dscale);
   });
-  if (!dq.is_same(dq_c)) dq.copy_(dq_c);
-  if (!dk.is_same(dk_c)) dk.copy_(dk_c);
+  grads.write_back();
   return dscale.to(acc);
 }
 
+std::tuple<at::Tensor, at::Tensor> distill_forward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                                         const at::Tensor& tq_in, const at::Tensor& tk_in,
+                                                         double teacher_scale, bool symmetric) {
+  check_inputs(q_in, k_in, tq_in, tk_in);
+  const auto acc = accumulation_type(q_in.scalar_type());
+  const at::Tensor q = q_in.to(acc).contiguous(), k = k_in.to(acc).contiguous();
+  const at::Tensor tq = tq_in.to(acc).contiguous(), tk = tk_in.to(acc).contiguous();
+  at::Tensor rows = at::empty({5, q.size(0)}, q.options());
+  at::Tensor cols = at::empty({5, symmetric ? k.size(0) : 0}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "distill_forward_block", [&] {
+    const Operands<scalar_t> o{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), tq.data_ptr<scalar_t>(),
+                               tk.data_ptr<scalar_t>(), q.size(0), k.size(0), q.size(1), tq.size(1),
+                               static_cast<scalar_t>(scale), static_cast<scalar_t>(teacher_scale)};
+    forward_impl<scalar_t>(o, symmetric, rows, cols);
+  });
+  return {rows, cols};
+}
+
 }  // namespace
-}  // namespace distill
 
-// The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its ops to it.
-TORCH_LIBRARY_FRAGMENT(infcl, m) {
-  m.def(
-      "distill_forward_block(Tensor q, Tensor k, float scale, Tensor teacher_q, Tensor teacher_k, "
-      "float teacher_scale, bool symmetric) -> (Tensor, Tensor)");
-  m.def(
-      "distill_backward_block(Tensor q, Tensor k, float scale, Tensor teacher_q, Tensor teacher_k, "
-      "float teacher_scale, Tensor row_stats, Tensor g_row, Tensor? col_stats, Tensor? g_col, Tensor(a!) dq, "
-      "Tensor(b!) dk) -> Tensor");
-}
-
+// The op schemas: csrc/library.cpp.
 TORCH_LIBRARY_IMPL(infcl, CPU, m) {
-  m.impl("distill_forward_block", &distill::distill_forward_block);
-  m.impl("distill_backward_block", &distill::distill_backward_block);
+  m.impl("distill_forward_block", &distill_forward_block).impl("distill_backward_block", &distill_backward_block);
 }
+
+}  // namespace distill
 
 }  // namespace infcl

@@ -492,23 +492,12 @@ at::Tensor sigmoid_backward_block(const at::Tensor& q_in, const at::Tensor& k_in
 }
 
 }  // namespace
-}  // namespace siglip
 
-// The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its ops to it.
-TORCH_LIBRARY_FRAGMENT(infcl, m) {
-  // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias; the ids (the positives
-  // in place of pos) last, optional.
-  m.def(
-      "sigmoid_forward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias, Tensor? q_ids=None, "
-      "Tensor? k_ids=None) -> Tensor");
-  m.def(
-      "sigmoid_backward_block(Tensor q, Tensor k, float scale, Tensor pos, float bias, Tensor g_row, "
-      "Tensor(a!) dq, Tensor(b!) dk, Tensor? q_ids=None, Tensor? k_ids=None) -> Tensor");
-}
-
+// The op schemas: csrc/library.cpp.
 TORCH_LIBRARY_IMPL(infcl, CPU, m) {
-  m.impl("sigmoid_forward_block", &siglip::sigmoid_forward_block);
-  m.impl("sigmoid_backward_block", &siglip::sigmoid_backward_block);
+  m.impl("sigmoid_forward_block", &sigmoid_forward_block).impl("sigmoid_backward_block", &sigmoid_backward_block);
 }
+
+}  // namespace siglip
 
 }  // namespace infcl

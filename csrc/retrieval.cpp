@@ -257,22 +257,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rank_ahead_counts(
 }
 
 }  // namespace
-}  // namespace retrieval
 
-// The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its ops to it.
-TORCH_LIBRARY_FRAGMENT(infcl, m) {
-  m.def(
-      "rank_best_positives(Tensor q, Tensor k, Tensor pos, Tensor row_index, Tensor col_index, bool symmetric, "
-      "Tensor? q_ids, Tensor? k_ids) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "rank_ahead_counts(Tensor q, Tensor k, Tensor row_score, Tensor row_best, Tensor? col_score, "
-      "Tensor? col_best, Tensor row_index, Tensor col_index, Tensor? q_ids, Tensor? k_ids) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
-}
-
+// The op schemas: csrc/library.cpp.
 TORCH_LIBRARY_IMPL(infcl, CPU, m) {
-  m.impl("rank_best_positives", &retrieval::rank_best_positives);
-  m.impl("rank_ahead_counts", &retrieval::rank_ahead_counts);
+  m.impl("rank_best_positives", &rank_best_positives).impl("rank_ahead_counts", &rank_ahead_counts);
 }
+
+}  // namespace retrieval
 
 }  // namespace infcl

@@ -298,31 +298,16 @@ at::Tensor guide_label_scores(const at::Tensor& guide_q, const at::Tensor& guide
 }
 
 }  // namespace
-}  // namespace softmax
 
-TORCH_LIBRARY(infcl, m) {
-  m.def("forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool symmetric) -> (Tensor, Tensor)");
-  m.def(
-      "backward_block(Tensor q, Tensor k, float scale, Tensor pos, Tensor row_stats, Tensor g_row, "
-      "Tensor? col_stats, Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
-  m.def(
-      "masked_forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool symmetric, str? multi_positive, "
-      "Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, Tensor? guide_k, Tensor? row_threshold, "
-      "Tensor? col_threshold) -> (Tensor, Tensor)");
-  m.def(
-      "masked_backward_block(Tensor q, Tensor k, float scale, Tensor pos, Tensor row_stats, Tensor g_row, "
-      "Tensor? col_stats, Tensor? g_col, str? multi_positive, Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, "
-      "Tensor? guide_k, Tensor? row_threshold, Tensor? col_threshold, Tensor? row_pos_count, "
-      "Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
-  m.def("guide_label_scores(Tensor guide_q, Tensor guide_k, Tensor pos) -> Tensor");
-}
-
+// The op schemas: csrc/library.cpp.
 TORCH_LIBRARY_IMPL(infcl, CPU, m) {
-  m.impl("forward_block", &softmax::forward_block);
-  m.impl("backward_block", &softmax::backward_block);
-  m.impl("masked_forward_block", &softmax::masked_forward_block);
-  m.impl("masked_backward_block", &softmax::masked_backward_block);
-  m.impl("guide_label_scores", &softmax::guide_label_scores);
+  m.impl("forward_block", &forward_block)
+      .impl("backward_block", &backward_block)
+      .impl("masked_forward_block", &masked_forward_block)
+      .impl("masked_backward_block", &masked_backward_block)
+      .impl("guide_label_scores", &guide_label_scores);
 }
+
+}  // namespace softmax
 
 }  // namespace infcl

@@ -183,15 +183,12 @@ void topk_block_(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tenso
 }
 
 }  // namespace
-}  // namespace topk
 
-// The namespace `infcl` is defined by csrc/softmax_ops.cpp's TORCH_LIBRARY; this file adds its op to it.
-TORCH_LIBRARY_FRAGMENT(infcl, m) {
-  m.def(
-      "topk_block_(Tensor q, Tensor k, Tensor col_index, Tensor(a!) key, Tensor(b!) index, Tensor(c!) nan, "
-      "bool largest, Tensor? pos, Tensor? q_ids, Tensor? k_ids) -> ()");
+// The op schemas: csrc/library.cpp.
+TORCH_LIBRARY_IMPL(infcl, CPU, m) {
+  m.impl("topk_block_", &topk_block_);
 }
 
-TORCH_LIBRARY_IMPL(infcl, CPU, m) { m.impl("topk_block_", &topk::topk_block_); }
+}  // namespace topk
 
 }  // namespace infcl

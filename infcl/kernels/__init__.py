@@ -15,8 +15,9 @@ from above but :mod:`infcl.contract` and the shared numerics (:mod:`infcl.lse`, 
 - Which tile each kernel takes on each GPU: :mod:`.tiling` (the one tiling module); the config dataclasses:
   :mod:`.configs`; launch arguments: :mod:`.kernel_args`; the GPU: :mod:`.target`; :mod:`.split_plan`,
   :mod:`.autotune`, :mod:`.env`.
-- :mod:`.ops`: the softmax and sigmoid steps as the custom ops ``torch.ops.infcl.triton_*`` (the distillation
-  and rank ops are registered in their own modules), all through :func:`.registration.register_op`.
+- The custom ops ``torch.ops.infcl.triton_*``: each loss registers its own, all through
+  :func:`.registration.register_op`: the softmax loss's in :mod:`.softmax_ops`, the others at the end of their
+  module (:mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`).
 
 Importing this package needs triton; whether the kernels are interpreted (TRITON_INTERPRET=1, CPU
 tensors) is fixed when it is imported.
@@ -24,7 +25,7 @@ tensors) is fixed when it is imported.
 
 from .configs import INTERPRETER_TILING, TileConfig, Tiling
 from .env import INTERPRETED, interpret_requested
-from .ops import backward_block, forward_block
+from .softmax_ops import backward_block, forward_block
 from .tiling import target_tiling
 
 __all__ = [

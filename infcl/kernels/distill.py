@@ -28,97 +28,50 @@ slice (S, T, the gradient product): 6 for a D of one slice, against 2 + 4 for th
 backends, the price of no atomics.
 """
 
-from typing import Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..contract import Tensor
-from .kernel_args import tf32_operands
+from .kernel_args import matrix_args, tf32_operands
 from .rank import launch_args, program_lines, tile_at
 from .registration import register_op, wrap
-from .score_tiles import check_blocks, dot_operand, load_tile, load_vector, masked_scores, score_chunks, tile_dot
+from .score_tiles import (
+    Dot,
+    Matrix,
+    Tile,
+    dot_operand,
+    load_tile,
+    load_vector,
+    masked_scores,
+    score_chunks,
+    tile_dot,
+)
 from .tile_stats import exp, expm1, merge_rest_stats, tile_rest_stats
 
 
+class Operands(NamedTuple):
+    """A distillation kernel's operands: the student's q and k and the teacher's tq and tk (:class:`Matrix`
+    each), and ``params_ptr``: (scale, teacher_scale), read in the kernel."""
+
+    q: Any
+    k: Any
+    tq: Any
+    tk: Any
+    params_ptr: Any
+
+
 @triton.jit
-def _tiles(
-    q_ptr,
-    k_ptr,
-    tq_ptr,
-    tk_ptr,
-    params_ptr,
-    rows,
-    cols,
-    n_q,
-    n_k,
-    D,
-    DT,
-    stride_q0,
-    stride_q1,
-    stride_k0,
-    stride_k1,
-    stride_tq0,
-    stride_tq1,
-    stride_tk0,
-    stride_tk1,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DT: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _tiles(ops, rows, cols, tile, t_tile, dot):
     """(raw, s, t) of the tile q[rows] x k[cols]: raw = q @ k.T, s = scale * raw and t = teacher_scale *
-    tq @ tk.T, -inf outside the block. Every kernel forms them here."""
-    raw = score_chunks(
-        q_ptr,
-        k_ptr,
-        rows,
-        cols,
-        n_q,
-        n_k,
-        D,
-        stride_q0,
-        stride_q1,
-        stride_k0,
-        stride_k1,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_D,
-        True,
-        True,
-        True,
-        ACC,
-        UPCAST,
-        PRECISION,
-    )
-    t_raw = score_chunks(
-        tq_ptr,
-        tk_ptr,
-        rows,
-        cols,
-        n_q,
-        n_k,
-        DT,
-        stride_tq0,
-        stride_tq1,
-        stride_tk0,
-        stride_tk1,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_DT,
-        True,
-        True,
-        True,
-        ACC,
-        UPCAST,
-        PRECISION,
-    )
-    s = masked_scores(raw, tl.load(params_ptr), rows, cols, n_q, n_k, True, True)
-    t = masked_scores(t_raw, tl.load(params_ptr + 1), rows, cols, n_q, n_k, True, True)
+    tq @ tk.T (``tile`` / ``t_tile``: the student's and the teacher's S tile), -inf outside the block. Every
+    kernel forms them here."""
+    raw = score_chunks(ops.q, ops.k, rows, cols, tile, dot)
+    t_raw = score_chunks(ops.tq, ops.tk, rows, cols, t_tile, dot)
+    s = masked_scores(raw, tl.load(ops.params_ptr), rows, cols, ops.q.n, ops.k.n, True, True)
+    t = masked_scores(t_raw, tl.load(ops.params_ptr + 1), rows, cols, ops.q.n, ops.k.n, True, True)
     return raw, s, t
 
 
@@ -159,7 +112,31 @@ def _distill_forward_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    _distill_forward_lines(
+        Operands(
+            Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+            Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
+            Matrix(tq_ptr, n_q, DT, stride_tq0, stride_tq1),
+            Matrix(tk_ptr, n_k, DT, stride_tk0, stride_tk1),
+            params_ptr,
+        ),
+        out_ptr,
+        Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+        Tile(BLOCK_M, BLOCK_N, BLOCK_DT, True, True, True),
+        Dot(ACC, UPCAST, PRECISION),
+        BY_COLUMN,
+    )
+
+
+@triton.jit
+def _distill_forward_lines(ops, out_ptr, tile, t_tile, dot, BY_COLUMN: tl.constexpr):
+    """The forward program's lines (rows, or BY_COLUMN columns): their student and teacher stats and cross
+    term, stored to ``out_ptr`` [5, n]."""
+    BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
+    ACC: tl.constexpr = dot.ACC
+    n_q = ops.q.n
+    n_k = ops.k.n
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
     AXIS: tl.constexpr = 0 if BY_COLUMN else 1  # the tile's axis along a line
     zero = tl.zeros(lines.shape, ACC)
@@ -167,34 +144,7 @@ def _distill_forward_kernel(
     m, rest, m_t, rest_t, cross = zero - float("inf"), zero - 1.0, zero - float("inf"), zero - 1.0, zero
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
-        raw, s, t = _tiles(
-            q_ptr,
-            k_ptr,
-            tq_ptr,
-            tk_ptr,
-            params_ptr,
-            rows,
-            cols,
-            n_q,
-            n_k,
-            D,
-            DT,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            stride_tq0,
-            stride_tq1,
-            stride_tk0,
-            stride_tk1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DT,
-            ACC,
-            UPCAST,
-            PRECISION,
-        )
+        raw, s, t = _tiles(ops, rows, cols, tile, t_tile, dot)
         tile_m, tile_rest = tile_rest_stats(s, AXIS)
         tile_m_t, tile_rest_t = tile_rest_stats(t, AXIS)
         if BY_COLUMN:
@@ -278,7 +228,48 @@ def _distill_backward_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
+    _distill_backward_lines(
+        Operands(
+            Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+            Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
+            Matrix(tq_ptr, n_q, DT, stride_tq0, stride_tq1),
+            Matrix(tk_ptr, n_k, DT, stride_tk0, stride_tk1),
+            params_ptr,
+        ),
+        (row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr),
+        Matrix(grad_ptr, n_q if not BY_COLUMN else n_k, D, stride_grad0, stride_grad1),
+        partials_ptr,
+        Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+        Tile(BLOCK_M, BLOCK_N, BLOCK_DT, True, True, True),
+        Dot(ACC, UPCAST, PRECISION),
+        BY_COLUMN,
+        SYMMETRIC,
+        BLOCK_OUT,
+    )
+
+
+@triton.jit
+def _distill_backward_lines(
+    ops,
+    upstream,
+    grad_out,
+    partials_ptr,
+    tile,
+    t_tile,
+    dot,
+    BY_COLUMN: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+):
+    """The backward program's lines (rows, or BY_COLUMN columns) and feature slice: their gradient slice
+    (added to ``grad_out``) and, by rows, the dscale partials; ``upstream``: (row_stats_ptr, g_row_ptr,
+    col_stats_ptr, g_col_ptr)."""
+    BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
+    ACC: tl.constexpr = dot.ACC
+    n_q = ops.q.n
+    n_k = ops.k.n
+    D = ops.q.d
     pid = tl.program_id(0).to(tl.int64)
     feats = tl.program_id(1).to(tl.int64) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
@@ -287,53 +278,26 @@ def _distill_backward_kernel(
     dscale_cols = tl.zeros([BLOCK_M], ACC)
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
-        raw, s, t = _tiles(
-            q_ptr,
-            k_ptr,
-            tq_ptr,
-            tk_ptr,
-            params_ptr,
-            rows,
-            cols,
-            n_q,
-            n_k,
-            D,
-            DT,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            stride_tq0,
-            stride_tq1,
-            stride_tk0,
-            stride_tk1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DT,
-            ACC,
-            UPCAST,
-            PRECISION,
-        )
+        raw, s, t = _tiles(ops, rows, cols, tile, t_tile, dot)
         inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
-        ds = tl.where(inside, _probability_gap(s, t, row_stats_ptr, rows, n_q, g_row_ptr, True), 0.0)
+        ds = tl.where(inside, _probability_gap(s, t, upstream[0], rows, n_q, upstream[1], True), 0.0)
         if not BY_COLUMN:
             dscale_rows += tl.sum(ds * raw, axis=1)
         if SYMMETRIC:
-            ds_cols = tl.where(inside, _probability_gap(s, t, col_stats_ptr, cols, n_k, g_col_ptr, False), 0.0)
+            ds_cols = tl.where(inside, _probability_gap(s, t, upstream[2], cols, n_k, upstream[3], False), 0.0)
             if not BY_COLUMN:
                 dscale_cols += tl.sum(ds_cols * raw, axis=1)
             ds = ds + ds_cols
         if BY_COLUMN:
-            other = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, True, True)
-            operand = dot_operand(tl.trans(ds), q_ptr.dtype.element_ty, PRECISION)
+            other = load_tile(ops.q, rows, feats, True, True)
+            operand = dot_operand(tl.trans(ds), ops.q.ptr.dtype.element_ty, dot.PRECISION)
         else:
-            other = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, True, True)
-            operand = dot_operand(ds, k_ptr.dtype.element_ty, PRECISION)
-        grad = tile_dot(operand, other, grad, UPCAST, PRECISION)
-    scale = tl.load(params_ptr)
+            other = load_tile(ops.k, cols, feats, True, True)
+            operand = dot_operand(ds, ops.k.ptr.dtype.element_ty, dot.PRECISION)
+        grad = tile_dot(operand, other, grad, dot.UPCAST, dot.PRECISION)
+    scale = tl.load(ops.params_ptr)
     mask = (lines[:, None] < n_lines) & (feats[None, :] < D)
-    ptrs = grad_ptr + lines[:, None] * stride_grad0 + feats[None, :] * stride_grad1
+    ptrs = grad_out.ptr + lines[:, None] * grad_out.stride_r + feats[None, :] * grad_out.stride_c
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * grad, mask=mask)
     if not BY_COLUMN:
         first_slice = tl.program_id(1) == 0  # every slice recomputes the same dS: one writes its sums
@@ -350,14 +314,10 @@ def _launch_args(q: Tensor, k: Tensor, scale: Tensor, tq: Tensor, tk: Tensor, te
     # Tensors, not launch arguments: a Python float would be rounded to float32.
     params = torch.stack((scale.to(acc), teacher_scale.to(device=q.device, dtype=acc)))
     args.update(
-        tq_ptr=tq,
-        tk_ptr=tk,
         params_ptr=params,
         DT=tq.shape[1],
-        stride_tq0=tq.stride(0),
-        stride_tq1=tq.stride(1),
-        stride_tk0=tk.stride(0),
-        stride_tk1=tk.stride(1),
+        **matrix_args("tq", tq),
+        **matrix_args("tk", tk),
         BLOCK_DT=tiling.block_d(tq.shape[1]),
     )
     return args, tiling, acc
@@ -425,10 +385,8 @@ def _backward(
             g_row_ptr=g_row,
             col_stats_ptr=col_stats,
             g_col_ptr=g_col,
-            grad_ptr=grad,
             partials_ptr=partials,
-            stride_grad0=grad.stride(0),
-            stride_grad1=grad.stride(1),
+            **matrix_args("grad", grad),
             BY_COLUMN=by_column,
             SYMMETRIC=symmetric,
             BLOCK_OUT=block_out,

@@ -162,3 +162,10 @@ def even_blocks(n_q: int, n_k: int, block_m: int, block_n: int) -> dict:
 def feature_chunks(dim: int, block_d: int) -> dict:
     """ONE_CHUNK: D fits one feature chunk (held in registers); EVEN_D: D is a whole number of chunks."""
     return {"ONE_CHUNK": dim <= block_d, "EVEN_D": dim % block_d == 0}
+
+
+def matrix_args(name: str, x) -> dict:
+    """A strided matrix as a kernel entry takes it, flat: ``<name>_ptr`` and its row and column strides
+    ``stride_<name>0`` / ``stride_<name>1`` (the last two dimensions'). Inside, the entry packs them into one
+    :class:`infcl.kernels.score_tiles.Matrix`."""
+    return {f"{name}_ptr": x, f"stride_{name}0": x.stride(-2), f"stride_{name}1": x.stride(-1)}

@@ -30,9 +30,9 @@ import triton.language as tl
 
 from ..contract import NO_INDEX, Ahead, Best, Tensor
 from .configs import Tiling
-from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
+from .kernel_args import COMPILE_OPTIONS, launch_options, matrix_args, tf32_operands
 from .registration import register_op, wrap
-from .score_tiles import check_blocks, load_vector, score_chunks
+from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 from .tile_stats import positive_span
 from .tiling import target_tiling
 
@@ -101,7 +101,6 @@ def _best_positives_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
     best = tl.full(lines.shape, float("-inf"), ACC)
     best_index = tl.full(lines.shape, NO_BEST, tl.int64)
@@ -121,26 +120,12 @@ def _best_positives_kernel(
             holds = (hi >= c0) & (lo < c0 + BLOCK_N)
         if holds:
             raw = score_chunks(
-                q_ptr,
-                k_ptr,
+                Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+                Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
                 rows,
                 cols,
-                n_q,
-                n_k,
-                D,
-                stride_q0,
-                stride_q1,
-                stride_k0,
-                stride_k1,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_D,
-                True,
-                True,
-                True,
-                ACC,
-                UPCAST,
-                PRECISION,
+                Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+                Dot(ACC, UPCAST, PRECISION),
             )  # pass 2 forms exactly this tile
             values = tl.where(positive, raw, float("-inf"))
             if BY_COLUMN:
@@ -191,7 +176,6 @@ def _ahead_counts_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
     ahead = tl.zeros(lines.shape, tl.int32)
     bad = tl.zeros(lines.shape, tl.int32)
@@ -202,26 +186,12 @@ def _ahead_counts_kernel(
         row_ids = _line_ids(q_ids_ptr, rows, n_q, EXCLUDE)
         col_ids = _line_ids(k_ids_ptr, cols, n_k, EXCLUDE)
         raw = score_chunks(
-            q_ptr,
-            k_ptr,
+            Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+            Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
             rows,
             cols,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            True,
-            True,
-            ACC,
-            UPCAST,
-            PRECISION,
+            Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+            Dot(ACC, UPCAST, PRECISION),
         )  # bit-identical to pass 1's tile
         inside = (rows[:, None] < n_q) & (cols[None, :] < n_k)
         if EXCLUDE:
@@ -262,15 +232,11 @@ def launch_args(q: Tensor, k: Tensor, precision: Optional[str], family: str = "r
     tiling = target_tiling(family, q.dtype, opts["PRECISION"])
     cfg = tiling.forward
     args = dict(
-        q_ptr=q,
-        k_ptr=k,
         n_q=q.shape[0],
         n_k=k.shape[0],
         D=q.shape[1],
-        stride_q0=q.stride(0),
-        stride_q1=q.stride(1),
-        stride_k0=k.stride(0),
-        stride_k1=k.stride(1),
+        **matrix_args("q", q),
+        **matrix_args("k", k),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_D=tiling.block_d(q.shape[1]),

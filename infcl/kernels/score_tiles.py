@@ -1,30 +1,41 @@
 """What the Triton kernels share: strided tile loads, the S tile and the dq / dk products.
 
-**The S tile.** ``raw = q[rows] @ k[cols].T`` (unscaled) in the accumulation dtype, then
-``s = raw * scale``. Every kernel's loop builds it with :func:`block_scores`: :func:`score_chunks` over
-BLOCK_D feature chunks, or, when one chunk covers D, :func:`score_resident` on the tile the program
-holds in registers. Always in this orientation (q rows on the MMA's M side, k rows on its N side),
-over the same chunks in the same order, and with the scale never fused into a later subtraction
-(:func:`scale_scores`). The backward relies on this: S recomputed in either backward kernel is
-bit-identical to the forward's, so ``S - m`` is exact at a row's maximum (the forward took ``m`` from
-the same values) and a confident row keeps ``1 - p`` to full relative precision. On tensor cores this
-holds by construction, not by assumption: the three kernels' configs are built on one S tile
-(:class:`infcl.kernels.configs.ScoreTile`: BLOCK_M, BLOCK_N and num_warps, which set the MMA instruction
-and its layout), and every chunk's product is the one tl.dot in a loop (:func:`score_chunks`,
-:func:`score_resident`), so Triton gives it the same layout in every kernel; each S entry is then
-computed by the same instructions on the same operands in every kernel. ``python -m bench.static``
-reads S's MMA ops and their layouts from the compiled kernels and tests/test_static_report.py asserts
-they are the same in the forward, dq and dk. (FMA products, fp32 "ieee" and fp64, sum each entry in K
-order whatever the tile.) Under the interpreter :func:`score_dot` makes the same guarantee.
+**The S tile.** ``raw = q[rows] @ k[cols].T`` (unscaled) in the accumulation dtype, then ``s = raw * scale``.
+Every kernel builds it with :func:`score_chunks` over BLOCK_D feature chunks (the softmax kernels through
+:func:`block_scores`, which hands it the tile a program holds in registers when one chunk covers D; the guide
+scores, sigmoid, ranks, top-k and distillation directly). Always in this orientation (q rows on the MMA's M
+side, k rows on its N side), over the same chunks in the same order, and with the scale never fused into a later
+subtraction (:func:`scale_scores`). The backward relies on this: S recomputed in either backward kernel is
+bit-identical to the forward's, so ``S - m`` is exact at a row's maximum (the forward took ``m`` from the same
+values) and a confident row keeps ``1 - p`` to full relative precision. On tensor cores this holds by
+construction, not by assumption: the three kernels' configs are built on one S tile
+(:class:`infcl.kernels.configs.ScoreTile`: BLOCK_M, BLOCK_N and num_warps, which set the MMA instruction and its
+layout), and every chunk's product is the one tl.dot in a loop (:func:`score_chunks`), so Triton gives it the
+same layout in every kernel; each S entry is then computed by the same instructions on the same operands in
+every kernel. ``python -m bench.static`` reads S's MMA ops and their layouts from the compiled kernels and
+tests/test_static_report.py asserts they are the same in the forward, dq and dk. (FMA products, fp32 "ieee" and
+fp64, sum each entry in K order whatever the tile.) Under the interpreter :func:`score_dot` makes the same
+guarantee.
 
 Offsets are int64 (rows * stride exceeds 2**31 for large batches). Where the EVEN_* flags (constexprs the
 launchers compute, :func:`infcl.kernels.kernel_args.even_blocks` / ``feature_chunks``: a triton.heuristics
 wrapper is not a kernel torch.library.wrap_triton accepts) say a block can be ragged, rows past the end are
 clamped to the last one and masked out of every result, and features past D read 0 (see :func:`load_tile`).
 
+**Operands as named tuples.** Inside the kernels an operand travels as one :class:`Matrix` (pointer, sizes,
+strides), an S tile's shape as one :class:`Tile` and the product's dtype and precision as one :class:`Dot`
+(Triton's own tuple arguments, ``typing.NamedTuple``). Each kernel entry stays flat (torch.compile's
+wrap_triton takes no tuple launch arguments) and packs them once, as the arguments of the call it makes:
+Triton turns the constexprs of a tuple assigned to a local name into tensors (and 3.4 keeps a namedtuple's
+fields as they are), so a tuple is built in a call's arguments and read through its fields, never assigned.
+The compiled kernels are unchanged by the packing (``python -m bench.static``: the same registers,
+instructions and S layouts); a stride the launch specializes (1, a multiple of 16) stays so in the tuple.
+
 A tile's log-sum-exp stats and dS: :mod:`infcl.kernels.tile_stats`; the mask options formed inside a
 tile: :mod:`infcl.kernels.softmax_mask_tiles`.
 """
+
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
@@ -37,40 +48,63 @@ MIN_DOT = tl.constexpr(16)
 PTX = tl.constexpr(not INTERPRETED)
 
 
+class Matrix(NamedTuple):
+    """A strided [n, d] matrix as a kernel reads it: the pointer, its row and column counts and their strides
+    (q, k, a guide, a gradient). Each kernel entry packs its operands once; a stride the launch specializes
+    (1, or a multiple of 16) stays a constexpr or keeps its divisibility inside the tuple."""
+
+    ptr: Any
+    n: Any
+    d: Any
+    stride_r: Any
+    stride_c: Any
+
+
+class Tile(NamedTuple):
+    """An S tile's shape, constexprs all: BLOCK_M q rows by BLOCK_N k rows, summed over BLOCK_D feature chunks
+    (ONE_CHUNK: one chunk covers D), and which sides may be ragged (MASK_M, MASK_N, MASK_D)."""
+
+    BLOCK_M: Any
+    BLOCK_N: Any
+    BLOCK_D: Any
+    MASK_M: Any
+    MASK_N: Any
+    MASK_D: Any
+    ONE_CHUNK: Any = tl.constexpr(False)  # a constexpr: Triton 3.4 takes a namedtuple's fields as they are
+
+
+class Dot(NamedTuple):
+    """How a kernel multiplies, constexprs all: the accumulation dtype ACC, whether the interpreter upcasts
+    16-bit operands (UPCAST, :func:`tile_dot`) and tl.dot's input precision."""
+
+    ACC: Any
+    UPCAST: Any
+    PRECISION: Any
+
+
 @triton.jit
-def check_blocks(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def check_blocks(tile):
     """Every side of a tl.dot operand is at least MIN_DOT."""
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    tl.static_assert(tile.BLOCK_M >= MIN_DOT and tile.BLOCK_N >= MIN_DOT and tile.BLOCK_D >= MIN_DOT)
 
 
 @triton.jit
-def load_tile(
-    ptr,
-    rows,
-    cols,
-    n_rows,
-    n_cols,
-    stride_r,
-    stride_c,
-    RAGGED_ROWS: tl.constexpr,
-    RAGGED_COLS: tl.constexpr,
-    ZERO_COLS: tl.constexpr = True,
-):
-    """The [len(rows), len(cols)] tile ptr[rows, cols] of an (n_rows x n_cols) strided matrix.
+def load_tile(x, rows, cols, RAGGED_ROWS: tl.constexpr, RAGGED_COLS: tl.constexpr, ZERO_COLS: tl.constexpr = True):
+    """The [len(rows), len(cols)] tile x[rows, cols] of the :class:`Matrix` ``x``.
 
-    Past the last row the tile repeats row n_rows - 1 (finite data; callers mask those rows out of
-    every result or multiply them by 0), so no row mask is needed. Past the last column it reads 0
-    (ZERO_COLS: the columns are summed over, as S's features are) or repeats column n_cols - 1 (the
-    columns land in outputs that are never stored). Clamped indices keep the loads unmasked, which
-    saves the predicate registers a masked tile load holds.
+    Past the last row the tile repeats row x.n - 1 (finite data; callers mask those rows out of every result
+    or multiply them by 0), so no row mask is needed. Past the last column it reads 0 (ZERO_COLS: the columns
+    are summed over, as S's features are) or repeats column x.d - 1 (the columns land in outputs that are
+    never stored). Clamped indices keep the loads unmasked, which saves the predicate registers a masked
+    tile load holds.
     """
     if RAGGED_ROWS:
-        rows = tl.minimum(rows, n_rows - 1)
+        rows = tl.minimum(rows, x.n - 1)
     if RAGGED_COLS and not ZERO_COLS:
-        cols = tl.minimum(cols, n_cols - 1)
-    ptrs = ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
+        cols = tl.minimum(cols, x.d - 1)
+    ptrs = x.ptr + rows[:, None].to(tl.int64) * x.stride_r + cols[None, :].to(tl.int64) * x.stride_c
     if RAGGED_COLS and ZERO_COLS:
-        return tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        return tl.load(ptrs, mask=cols[None, :] < x.d, other=0.0)
     return tl.load(ptrs)
 
 
@@ -109,32 +143,7 @@ def dot_operand(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def score_resident(
-    q_tile,
-    k_tile,
-    D,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """raw = q_tile @ k_tile.T for one feature chunk: q_tile [BLOCK_M, BLOCK_D], k_tile [BLOCK_N, BLOCK_D],
-    D <= BLOCK_D.
-
-    The one chunk of :func:`score_chunks`, for kernels that hold q (or k) in registers across the loop. Its
-    tl.dot sits in a loop of one trip (D <= BLOCK_D) for the reason score_chunks' does: so that its MMA
-    layout is the forward's in the backward too (on sm_80 it is not otherwise).
-    """
-    raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-    for _ in range(0, D, BLOCK_D):
-        raw = score_dot(q_tile, k_tile, raw, UPCAST, PRECISION)
-    return raw
-
-
-@triton.jit
-def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def score_dot(q_tile, k_tile, acc, dot):
     """acc + q_tile @ k_tile.T: tl.dot on a GPU. Under the interpreter, an explicit sum of the products
     over the feature axis instead: numpy's matmul sums in an order that depends on the tile's M and N
     (float32 results differ in the last bit between a 64 x 16 and a 64 x 32 tile), which would break the
@@ -144,9 +153,9 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
     interpreter's [M, N, K] product exceeds Triton's 2**20-entry tensor limit on a GPU's bigger tiles
     (tests/test_triton_api_compile.py compiles such a tile)."""
     if PTX:
-        out = tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=PRECISION, out_dtype=acc.dtype)
+        out = tl.dot(q_tile, tl.trans(k_tile), acc, input_precision=dot.PRECISION, out_dtype=acc.dtype)
     else:
-        if UPCAST:
+        if dot.UPCAST:
             q_tile = q_tile.to(tl.float32)
             k_tile = k_tile.to(tl.float32)
         out = acc + tl.sum(q_tile[:, None, :] * k_tile[None, :, :], axis=2)
@@ -154,282 +163,79 @@ def score_dot(q_tile, k_tile, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
 
 
 @triton.jit
-def chunk_dot(
-    q_ptr,
-    k_ptr,
-    rows,
-    cols,
-    d0,
-    n_q,
-    n_k,
-    D,
-    stride_q0,
-    stride_q1,
-    stride_k0,
-    stride_k1,
-    BLOCK_D: tl.constexpr,
-    MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr,
-    MASK_D: tl.constexpr,
-    acc,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc + q[rows, d0 : d0 + BLOCK_D] @ k[cols, d0 : d0 + BLOCK_D].T: one feature chunk of S (features past D
-    read 0), the step of :func:`score_chunks` and :func:`score_tile`."""
-    feats = d0 + tl.arange(0, BLOCK_D)
-    q_tile = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
-    k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-    return score_dot(q_tile, k_tile, acc, UPCAST, PRECISION)
+def score_chunks(q, k, rows, cols, tile, dot, q_res=None, k_res=None):
+    """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in dot.ACC (unscaled), summed over D in BLOCK_D chunks
+    (1 GEMM): the S tile of every kernel. ``q_res`` / ``k_res``: that side's tile held in registers (with
+    tile.ONE_CHUNK), read in place of a load.
 
-
-@triton.jit
-def score_chunks(
-    q_ptr,
-    k_ptr,
-    rows,
-    cols,
-    n_q,
-    n_k,
-    D,
-    stride_q0,
-    stride_q1,
-    stride_k0,
-    stride_k1,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr,
-    MASK_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM): the
-    softmax kernels' S.
-
-    The sums of :func:`score_tile` in the same order (a zero accumulator plus the first chunk's product,
-    then each later chunk's), but every chunk's product is the one tl.dot inside the loop, none peeled
-    before it: Triton lays out a dot whose result reaches another dot (dS @ k in the backward, not in the
-    forward) like that dot's operand, which a peeled first chunk's result does and the loop's does not, so
-    a peeled chunk takes another MMA layout in the backward than in the forward (sm_80; sm_90 with 64 rows
-    on 8 warps).
+    Every chunk's product is the one tl.dot (:func:`score_dot`) inside the loop, none peeled before it:
+    Triton lays out a dot whose result reaches another dot (dS @ k in the backward, not in the forward) like
+    that dot's operand, which a peeled first chunk's result does and the loop's does not, so a peeled chunk
+    would take another MMA layout in the backward than in the forward (sm_80; sm_90 with 64 rows on 8
+    warps). With one chunk the loop has one trip, for the same reason.
     """
-    raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-    for d0 in range(0, D, BLOCK_D):
-        raw = chunk_dot(
-            q_ptr,
-            k_ptr,
-            rows,
-            cols,
-            d0,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_D,
-            MASK_M,
-            MASK_N,
-            MASK_D,
-            raw,
-            UPCAST,
-            PRECISION,
-        )
+    check_blocks(tile)
+    raw = tl.zeros([tile.BLOCK_M, tile.BLOCK_N], dtype=dot.ACC)
+    for d0 in range(0, q.d, tile.BLOCK_D):
+        feats = d0 + tl.arange(0, tile.BLOCK_D)
+        if q_res is None:
+            q_tile = load_tile(q, rows, feats, tile.MASK_M, tile.MASK_D)
+        else:
+            q_tile = q_res
+        if k_res is None:
+            k_tile = load_tile(k, cols, feats, tile.MASK_N, tile.MASK_D)
+        else:
+            k_tile = k_res
+        raw = score_dot(q_tile, k_tile, raw, dot)
     return raw
 
 
 @triton.jit
-def score_tile(
-    q_ptr,
-    k_ptr,
-    rows,
-    cols,
-    n_q,
-    n_k,
-    D,
-    stride_q0,
-    stride_q1,
-    stride_k0,
-    stride_k1,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr,
-    MASK_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in ACC, summed over D in BLOCK_D chunks (1 GEMM), with
-    the first chunk's product peeled before the loop: the sigmoid kernels' S (their configs are sized on
-    this form; the softmax kernels use :func:`score_chunks`)."""
-    raw = chunk_dot(
-        q_ptr,
-        k_ptr,
-        rows,
-        cols,
-        0,
-        n_q,
-        n_k,
-        D,
-        stride_q0,
-        stride_q1,
-        stride_k0,
-        stride_k1,
-        BLOCK_D,
-        MASK_M,
-        MASK_N,
-        MASK_D,
-        tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC),
-        UPCAST,
-        PRECISION,
-    )
-    for d0 in range(BLOCK_D, D, BLOCK_D):
-        raw = chunk_dot(
-            q_ptr,
-            k_ptr,
-            rows,
-            cols,
-            d0,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_D,
-            MASK_M,
-            MASK_N,
-            MASK_D,
-            raw,
-            UPCAST,
-            PRECISION,
-        )
-    return raw
+def score_pair(q, k, q_res, rows, cols, tile, MASK_M1: tl.constexpr, dot):
+    """(raw0, raw1): the S tiles of two row blocks, q[rows[0]] @ k[cols].T and q[rows[1]] @ k[cols].T, for the
+    symmetric forward's pairs of row blocks (tile.MASK_M: the first block's raggedness, MASK_M1 the second's);
+    each k chunk is loaded once for both.
 
-
-@triton.jit
-def score_pair(
-    q_ptr,
-    k_ptr,
-    q_res0,
-    q_res1,
-    rows0,
-    rows1,
-    cols,
-    n_q,
-    n_k,
-    D,
-    stride_q0,
-    stride_q1,
-    stride_k0,
-    stride_k1,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
-    MASK_M0: tl.constexpr,
-    MASK_M1: tl.constexpr,
-    MASK_N: tl.constexpr,
-    MASK_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """(raw0, raw1): the S tiles of two row blocks, q[rows0] @ k[cols].T and q[rows1] @ k[cols].T, for the
-    symmetric forward's pairs of row blocks; each k chunk is loaded once for both.
-
-    Each tile is :func:`block_scores`' S: with ONE_CHUNK, :func:`score_resident` on the resident q tiles
-    ``q_res0`` / ``q_res1``; otherwise the sums of :func:`score_chunks`, every chunk's product the tl.dot of
-    :func:`score_dot` in the chunk loop, so the same MMA instruction and layout as the single tile's.
+    Each tile is :func:`score_chunks`' S: with tile.ONE_CHUNK on the resident q tiles ``q_res``, otherwise
+    every chunk's product the tl.dot of :func:`score_dot` in the chunk loop, so the same MMA instruction and
+    layout as the single tile's.
     """
-    if ONE_CHUNK:
-        feats = tl.arange(0, BLOCK_D)
-        k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-        raw0 = score_resident(q_res0, k_tile, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
-        raw1 = score_resident(q_res1, k_tile, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
+    check_blocks(tile)
+    if tile.ONE_CHUNK:
+        k_tile = load_tile(k, cols, tl.arange(0, tile.BLOCK_D), tile.MASK_N, tile.MASK_D)
+        raw0 = score_chunks(q, k, rows[0], cols, tile, dot, q_res[0], k_tile)
+        raw1 = score_chunks(q, k, rows[1], cols, tile, dot, q_res[1], k_tile)
     else:
-        raw0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-        raw1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-        for d0 in range(0, D, BLOCK_D):
-            feats = d0 + tl.arange(0, BLOCK_D)
-            k_tile = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-            q_tile0 = load_tile(q_ptr, rows0, feats, n_q, D, stride_q0, stride_q1, MASK_M0, MASK_D)
-            q_tile1 = load_tile(q_ptr, rows1, feats, n_q, D, stride_q0, stride_q1, MASK_M1, MASK_D)
-            raw0 = score_dot(q_tile0, k_tile, raw0, UPCAST, PRECISION)
-            raw1 = score_dot(q_tile1, k_tile, raw1, UPCAST, PRECISION)
+        raw0 = tl.zeros([tile.BLOCK_M, tile.BLOCK_N], dtype=dot.ACC)
+        raw1 = tl.zeros([tile.BLOCK_M, tile.BLOCK_N], dtype=dot.ACC)
+        for d0 in range(0, q.d, tile.BLOCK_D):
+            feats = d0 + tl.arange(0, tile.BLOCK_D)
+            k_tile = load_tile(k, cols, feats, tile.MASK_N, tile.MASK_D)
+            q_tile0 = load_tile(q, rows[0], feats, tile.MASK_M, tile.MASK_D)
+            q_tile1 = load_tile(q, rows[1], feats, MASK_M1, tile.MASK_D)
+            raw0 = score_dot(q_tile0, k_tile, raw0, dot)
+            raw1 = score_dot(q_tile1, k_tile, raw1, dot)
     return raw0, raw1
 
 
 @triton.jit
-def block_scores(
-    q_ptr,
-    k_ptr,
-    resident,
-    rows,
-    cols,
-    n_q,
-    n_k,
-    D,
-    stride_q0,
-    stride_q1,
-    stride_k0,
-    stride_k1,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
-    Q_RESIDENT: tl.constexpr,
-    MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr,
-    MASK_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """(raw, chunk) for the tile q[rows] x k[cols], the one call every kernel's loop makes.
+def block_scores(q, k, resident, rows, cols, tile, dot, Q_RESIDENT: tl.constexpr):
+    """(raw, chunk) for the tile q[rows] x k[cols], the one call every softmax kernel's loop makes.
 
-    ONE_CHUNK: ``resident`` is the side the program holds in registers (the q tile if Q_RESIDENT, else
+    tile.ONE_CHUNK: ``resident`` is the side the program holds in registers (the q tile if Q_RESIDENT, else
     the k tile), the other side's one chunk is loaded here and returned as ``chunk`` for the caller's
     product. Otherwise raw is :func:`score_chunks` and ``chunk`` is a placeholder.
     """
-    if ONE_CHUNK:
-        feats = tl.arange(0, BLOCK_D)
+    if tile.ONE_CHUNK:
+        feats = tl.arange(0, tile.BLOCK_D)
         if Q_RESIDENT:
-            chunk = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, MASK_N, MASK_D)
-            raw = score_resident(resident, chunk, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
+            chunk = load_tile(k, cols, feats, tile.MASK_N, tile.MASK_D)
+            raw = score_chunks(q, k, rows, cols, tile, dot, resident, chunk)
         else:
-            chunk = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, MASK_M, MASK_D)
-            raw = score_resident(chunk, resident, D, BLOCK_M, BLOCK_N, BLOCK_D, ACC, UPCAST, PRECISION)
+            chunk = load_tile(q, rows, feats, tile.MASK_M, tile.MASK_D)
+            raw = score_chunks(q, k, rows, cols, tile, dot, chunk, resident)
     else:
-        raw = score_chunks(
-            q_ptr,
-            k_ptr,
-            rows,
-            cols,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            MASK_M,
-            MASK_N,
-            MASK_D,
-            ACC,
-            UPCAST,
-            PRECISION,
-        )
+        raw = score_chunks(q, k, rows, cols, tile, dot)
         chunk = raw  # unused
     return raw, chunk
 

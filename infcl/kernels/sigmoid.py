@@ -7,7 +7,7 @@ Both come from one e = exp(-|t|) in (0, 1]: softplus(t) = max(t, 0) + log1p(e) a
 sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e), so no logit overflows and a tiny loss term keeps its digits.
 
 Forward (:func:`siglip_forward`): one program per BLOCK_M rows of q walks k in BLOCK_N blocks, builds
-each raw tile (:func:`infcl.kernels.score_tiles.score_tile`, 1 GEMM), and adds sum_j softplus(t) to its
+each raw tile (:func:`infcl.kernels.score_tiles.score_chunks`, 1 GEMM), and adds sum_j softplus(t) to its
 rows' sums in registers; only the [Bq] row losses are written.
 
 Backward (:func:`siglip_backward`): deterministic, without atomics, as the fused-attention backward:
@@ -28,14 +28,19 @@ On a GPU dL is rounded to the inputs' dtype before the products (tensor-core ope
 that dtype); under the interpreter see :mod:`infcl.kernels.score_tiles` (UPCAST).
 """
 
+from typing import List, Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from .configs import Tiling
-from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
-from .score_tiles import MIN_DOT, dot_operand, load_tile, score_tile, tile_dot
+from .kernel_args import COMPILE_OPTIONS, launch_options, matrix_args, tf32_operands
+from .registration import register_op, wrap
+from .score_tiles import Dot, Matrix, Tile, dot_operand, load_tile, score_chunks, tile_dot
 from .tiling import SIGMOID_TILINGS, target_tiling
+
+Tensor = torch.Tensor
 
 # The tilings used when the backend pins none: infcl.kernels.tiling.sigmoid_tiling. ``DEFAULT_TILINGS`` is the
 # tiling module's per-class table itself (bench.static's --tile siglip=... overrides it in place).
@@ -75,10 +80,11 @@ def _margins(raw, is_pos, scale, bias):
 
 
 @triton.jit
-def _add_rows(dst_ptr, rows, feats, n_rows, D, stride0, stride1, value):
-    """dst[rows, feats] += value, masked to the matrix; only the program owning ``rows`` calls it."""
-    mask = (rows[:, None] < n_rows) & (feats[None, :] < D)
-    ptrs = dst_ptr + rows[:, None] * stride0 + feats[None, :] * stride1
+def _add_rows(dst, rows, feats, value):
+    """dst[rows, feats] += value (``dst`` a :class:`Matrix`), masked to the matrix; only the program owning
+    ``rows`` calls it."""
+    mask = (rows[:, None] < dst.n) & (feats[None, :] < dst.d)
+    ptrs = dst.ptr + rows[:, None] * dst.stride_r + feats[None, :] * dst.stride_c
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
 
 
@@ -105,7 +111,6 @@ def _siglip_forward_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
     HAS_IDS: tl.constexpr = q_ids_ptr is not None  # the positives: the ids' matches, else pos
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_q
@@ -119,27 +124,13 @@ def _siglip_forward_kernel(
     total = tl.zeros([BLOCK_M], dtype=ACC)
     for n0 in range(0, n_k, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        raw = score_tile(
-            q_ptr,
-            k_ptr,
+        raw = score_chunks(
+            Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+            Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
             rows,
             cols,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            True,
-            True,
-            ACC,
-            UPCAST,
-            PRECISION,
+            Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+            Dot(ACC, UPCAST, PRECISION),
         )
         if HAS_IDS:
             is_pos = row_ids[:, None] == tl.load(k_ids_ptr + cols, mask=cols < n_k, other=-1)[None, :]
@@ -182,15 +173,37 @@ def _siglip_backward_kernel(
     """grad[own rows] += scale * dL @ other, where own/other are q/k (OWNS_Q) or k/q. ``pos`` and ``g``
     are per q row: the owned rows' (OWNS_Q) or the walked ones'; the ids (HAS_IDS) go with own and other.
     ONE_CHUNK: D <= BLOCK_D."""
-    tl.static_assert(BLOCK_M >= MIN_DOT and BLOCK_N >= MIN_DOT and BLOCK_D >= MIN_DOT)
+    _siglip_backward_rows(
+        Matrix(own_ptr, n_own, D, stride_own0, stride_own1),
+        Matrix(other_ptr, n_other, D, stride_other0, stride_other1),
+        Matrix(grad_ptr, n_own, D, stride_grad0, stride_grad1),
+        (pos_ptr, own_ids_ptr, other_ids_ptr),
+        g_ptr,
+        params_ptr,
+        partials_ptr,
+        Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True, ONE_CHUNK),
+        Dot(ACC, UPCAST, PRECISION),
+        OWNS_Q,
+    )
+
+
+@triton.jit
+def _siglip_backward_rows(own, other, grad, labels, g_ptr, params_ptr, partials_ptr, tile, dot, OWNS_Q: tl.constexpr):
+    """The backward program's rows of ``own`` (:class:`Matrix`, as ``other`` and ``grad``): their gradient
+    slices and, OWNS_Q, their dscale / dbias partials; ``labels``: (pos_ptr, own_ids_ptr, other_ids_ptr)."""
+    BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
+    BLOCK_D: tl.constexpr = tile.BLOCK_D
+    ACC: tl.constexpr = dot.ACC
+    pos_ptr = labels[0]
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_own
+    row_ok = rows < own.n
     scale = tl.load(params_ptr)
     bias = tl.load(params_ptr + 1)
-    HAS_IDS: tl.constexpr = own_ids_ptr is not None  # the positives: the ids' matches, else pos
+    HAS_IDS: tl.constexpr = labels[1] is not None  # the positives: the ids' matches, else pos
     if HAS_IDS:
-        own_ids = tl.load(own_ids_ptr + rows, mask=row_ok, other=-1)
+        own_ids = tl.load(labels[1] + rows, mask=row_ok, other=-1)
     elif OWNS_Q:
         row_pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
     if OWNS_Q:
@@ -198,33 +211,12 @@ def _siglip_backward_kernel(
     dscale = tl.zeros([BLOCK_M], dtype=ACC)
     dbias = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)  # the owned rows' gradient when ONE_CHUNK
-    for n0 in range(0, n_other, BLOCK_N):
+    for n0 in range(0, other.n, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        col_ok = cols < n_other
-        raw = score_tile(
-            own_ptr,
-            other_ptr,
-            rows,
-            cols,
-            n_own,
-            n_other,
-            D,
-            stride_own0,
-            stride_own1,
-            stride_other0,
-            stride_other1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            True,
-            True,
-            ACC,
-            UPCAST,
-            PRECISION,
-        )
+        col_ok = cols < other.n
+        raw = score_chunks(own, other, rows, cols, tile, dot)
         if HAS_IDS:
-            is_pos = own_ids[:, None] == tl.load(other_ids_ptr + cols, mask=col_ok, other=-1)[None, :]
+            is_pos = own_ids[:, None] == tl.load(labels[2] + cols, mask=col_ok, other=-1)[None, :]
         elif OWNS_Q:
             is_pos = cols[None, :] == row_pos[:, None]
         else:
@@ -239,20 +231,19 @@ def _siglip_backward_kernel(
         if OWNS_Q:
             dscale += tl.sum(dl * raw, axis=1)
             dbias += tl.sum(dl, axis=1)
-        dl_op = dot_operand(dl, other_ptr.dtype.element_ty, PRECISION)  # the products' operand (tensor cores)
-        if ONE_CHUNK:
+        dl_op = dot_operand(dl, other.ptr.dtype.element_ty, dot.PRECISION)  # the products' operand (tensor cores)
+        if tile.ONE_CHUNK:
             feats = tl.arange(0, BLOCK_D).to(tl.int64)
-            other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1, True, True)
-            acc = tile_dot(dl_op, other_tile, acc, UPCAST, PRECISION)
+            other_tile = load_tile(other, cols, feats, True, True)
+            acc = tile_dot(dl_op, other_tile, acc, dot.UPCAST, dot.PRECISION)
         else:
-            for d0 in range(0, D, BLOCK_D):
+            for d0 in range(0, own.d, BLOCK_D):
                 feats = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
-                other_tile = load_tile(other_ptr, cols, feats, n_other, D, stride_other0, stride_other1, True, True)
-                part = tile_dot(dl_op, other_tile, tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC), UPCAST, PRECISION)
-                _add_rows(grad_ptr, rows, feats, n_own, D, stride_grad0, stride_grad1, scale * part)
-    if ONE_CHUNK:
-        feats = tl.arange(0, BLOCK_D).to(tl.int64)
-        _add_rows(grad_ptr, rows, feats, n_own, D, stride_grad0, stride_grad1, scale * acc)
+                other_tile = load_tile(other, cols, feats, True, True)
+                zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+                _add_rows(grad, rows, feats, scale * tile_dot(dl_op, other_tile, zero, dot.UPCAST, dot.PRECISION))
+    if tile.ONE_CHUNK:
+        _add_rows(grad, rows, tl.arange(0, BLOCK_D).to(tl.int64), scale * acc)
     if OWNS_Q:
         tl.store(partials_ptr + 2 * pid, tl.sum(dscale, axis=0))
         tl.store(partials_ptr + 2 * pid + 1, tl.sum(dbias, axis=0))
@@ -290,8 +281,6 @@ def siglip_forward(
     cfg = tiling.forward
     out = torch.empty(n_q, dtype=acc, device=q.device)
     wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, cfg.block_m),)](
-        q_ptr=q,
-        k_ptr=k,
         pos_ptr=pos.contiguous(),
         q_ids_ptr=_ids(q_ids),
         k_ids_ptr=_ids(k_ids),
@@ -300,10 +289,8 @@ def siglip_forward(
         n_q=n_q,
         n_k=k.shape[0],
         D=dim,
-        stride_q0=q.stride(0),
-        stride_q1=q.stride(1),
-        stride_k0=k.stride(0),
-        stride_k1=k.stride(1),
+        **matrix_args("q", q),
+        **matrix_args("k", k),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_D=tiling.block_d(dim),
@@ -361,20 +348,66 @@ def siglip_backward(
     sides = ((q, k, dq, q_ids, k_ids, n_q, n_k, True), (k, q, dk, k_ids, q_ids, n_k, n_q, False))
     for owner, other, grad, own_ids, other_ids, n_own, n_other, owns_q in sides:
         wrap(_siglip_backward_kernel)[(triton.cdiv(n_own, cfg.block_m),)](
-            own_ptr=owner,
-            other_ptr=other,
             own_ids_ptr=own_ids,
             other_ids_ptr=other_ids,
-            grad_ptr=grad,
             n_own=n_own,
             n_other=n_other,
-            stride_own0=owner.stride(0),
-            stride_own1=owner.stride(1),
-            stride_other0=other.stride(0),
-            stride_other1=other.stride(1),
-            stride_grad0=grad.stride(0),
-            stride_grad1=grad.stride(1),
+            **matrix_args("own", owner),
+            **matrix_args("other", other),
+            **matrix_args("grad", grad),
             OWNS_Q=owns_q,
             **common,
         )
     return partials.sum(dim=0)
+
+
+# ---- the custom ops ``torch.ops.infcl.triton_sigmoid_*`` (:func:`.registration.register_op`) -------------------
+# triton_sigmoid_forward_block(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling) -> rows;
+# triton_sigmoid_backward_block(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq!, dk!, precision, tiling) -> dparams
+# (accumulates into dq and dk). ``q_ids`` / ``k_ids``: None, or the ids (the positives: every column with the
+# row's id; pos unread). ``precision`` and ``tiling`` as the softmax ops take them (:mod:`.softmax_ops`).
+
+
+def _forward_op(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
+    chosen = Tiling.from_ints(tiling) if tiling else None
+    return siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap, q_ids, k_ids)
+
+
+def _backward_op(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    g_row: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
+    chosen = Tiling.from_ints(tiling) if tiling else None
+    return siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap, q_ids, k_ids)
+
+
+def _forward_fake(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling):
+    return q.new_empty(q.shape[0], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _backward_fake(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq, dk, precision, tiling):
+    return dq.new_empty(2)
+
+
+sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _forward_op, _forward_fake)
+sigmoid_backward_block = register_op("triton_sigmoid_backward_block", _backward_op, _backward_fake, ("dq", "dk"))

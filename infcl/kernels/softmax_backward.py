@@ -53,6 +53,7 @@ from .kernel_args import (
     feature_chunks,
     launch_options,
     mask_kernel_args,
+    matrix_args,
     tf32_operands,
 )
 from .softmax_backward_kernels import _backward_kernel
@@ -180,8 +181,6 @@ def softmax_backward(
     row_positives, col_positives = _contiguous(row_positives), _contiguous(col_positives)
     block_d = tiling.block_d(dim)
     common = dict(
-        q_ptr=q,
-        k_ptr=k,
         scale_ptr=scale,
         pos_ptr=pos,
         row_stats_ptr=row_stats,
@@ -192,10 +191,8 @@ def softmax_backward(
         n_q=n_q,
         n_k=n_k,
         D=dim,
-        stride_q0=q.stride(0),
-        stride_q1=q.stride(1),
-        stride_k0=k.stride(0),
-        stride_k1=k.stride(1),
+        **matrix_args("q", q),
+        **matrix_args("k", k),
         stride_row_stats=row_stats.stride(0),
         stride_col_stats=col_stats.stride(0) if symmetric else 0,
         SYMMETRIC=symmetric,
@@ -223,10 +220,8 @@ def softmax_backward(
         out = grad if splits == 1 else torch.empty(splits, *grad.shape, dtype=acc, device=grad.device)
         args = dict(
             common,
-            out_ptr=out,
             stride_out_split=out.stride(0) if splits > 1 else 0,
-            stride_out0=out.stride(-2),
-            stride_out1=out.stride(-1),
+            **matrix_args("out", out),
             BY_COLUMN=by_column,
             ADD=splits == 1,
             BLOCK_OUT=block_out,

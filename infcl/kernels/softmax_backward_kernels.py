@@ -13,9 +13,11 @@ import triton.language as tl
 
 from .score_tiles import (
     PTX,
+    Dot,
+    Matrix,
+    Tile,
     block_range,
     block_scores,
-    check_blocks,
     dot_operand,
     load_tile,
     load_vector,
@@ -23,6 +25,8 @@ from .score_tiles import (
     tile_dot,
 )
 from .softmax_backward_tiles import (
+    GradSlices,
+    Upstream,
     _inverse,
     _load_positives,
     _load_stats,
@@ -30,7 +34,7 @@ from .softmax_backward_tiles import (
     _plain_tile_grads,
     _store_slice,
 )
-from .softmax_mask_tiles import ONE_POSITIVE, block_masks, load_optional
+from .softmax_mask_tiles import ONE_POSITIVE, Masks, block_masks, load_optional
 from .tile_stats import positive_span
 
 
@@ -94,15 +98,73 @@ def _backward_kernel(
 ):
     # What the launch's inputs say: the mask options given (absent inputs come as None), the accumulation
     # dtype (scale's: float32, float64 for float64 inputs), the guide's, and whether the interpreter upcasts
-    # 16-bit operands (score_tiles.tile_dot).
+    # 16-bit operands (score_tiles.tile_dot). The operands, tiles and dots are packed here, once, as the
+    # arguments of the program's body (a tuple assigned to a name would turn its constexprs into tensors).
     HAS_IDS: tl.constexpr = q_ids_ptr is not None
     HAS_GUIDE: tl.constexpr = gq_ptr is not None
+    NORMALIZE: tl.constexpr = q_ptr.dtype.element_ty == tl.float16  # float16: dS is normalized
+    UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
     ACC: tl.constexpr = scale_ptr.dtype.element_ty
     GUIDE_ACC: tl.constexpr = gq_ptr.dtype.element_ty if HAS_GUIDE else tl.float32
-    UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
-    NORMALIZE: tl.constexpr = q_ptr.dtype.element_ty == tl.float16  # float16: dS is normalized
-    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     tl.static_assert(BLOCK_OUT == BLOCK_D or not ONE_CHUNK)  # one chunk: the other side's tile of S feeds the product
+    _backward_program(
+        Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+        Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
+        Masks(
+            pos_ptr,
+            q_ids_ptr,
+            k_ids_ptr,
+            row_thr_ptr,
+            col_thr_ptr,
+            Matrix(gq_ptr, n_q, DG, stride_gq, 1),
+            Matrix(gk_ptr, n_k, DG, stride_gk, 1),
+            Tile(BLOCK_M, BLOCK_N, BLOCK_G, not EVEN_M, not EVEN_N, not EVEN_G),
+            Dot(GUIDE_ACC, False, GUIDE_PRECISION),
+            HAS_IDS,
+            HAS_GUIDE,
+            POSITIVES,
+            BRANCH_POSITIVES,
+            SYMMETRIC,
+        ),
+        Upstream(row_stats_ptr, stride_row_stats, g_row_ptr, row_pos_ptr, stride_row_pos),
+        Upstream(col_stats_ptr, stride_col_stats, g_col_ptr, col_pos_ptr, stride_col_pos),
+        GradSlices(
+            out_ptr,
+            stride_out_split,
+            stride_out0,
+            stride_out1,
+            dscale_ptr,
+            g_max_ptr,
+            BLOCK_OUT,
+            EVEN_OUT,
+            ADD,
+            NORMALIZE,
+        ),
+        scale_ptr,
+        Tile(BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ONE_CHUNK),
+        Dot(ACC, UPCAST, PRECISION),
+        BY_COLUMN,
+    )
+
+
+@triton.jit
+def _backward_program(q, k, masks, row_up, col_up, out, scale_ptr, tile, dot, BY_COLUMN: tl.constexpr):
+    """Program (owned block, output slice, split)'s walk: dq (BY_COLUMN False) or dk of its block, over the
+    other side's blocks of its split; ``row_up`` / ``col_up``: the rows' and columns' stats, upstream
+    gradients and positives (:class:`Upstream`); ``out``: the gradient's slices (:class:`GradSlices`)."""
+    HAS_IDS: tl.constexpr = masks.HAS_IDS
+    HAS_GUIDE: tl.constexpr = masks.HAS_GUIDE
+    POSITIVES: tl.constexpr = masks.POSITIVES
+    SYMMETRIC: tl.constexpr = masks.SYMMETRIC
+    BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
+    BLOCK_OUT: tl.constexpr = out.BLOCK_OUT
+    MASK_M: tl.constexpr = tile.MASK_M
+    MASK_N: tl.constexpr = tile.MASK_N
+    ACC: tl.constexpr = dot.ACC
+    NORMALIZE: tl.constexpr = out.NORMALIZE
+    n_q = q.n
+    n_k = k.n
     owned = tl.program_id(0)
     out_slice = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,184 +173,93 @@ def _backward_kernel(
         cols = owned * BLOCK_N + tl.arange(0, BLOCK_N)
         scale = tl.load(scale_ptr)
         if SYMMETRIC:
-            m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_col_stats, not EVEN_N)
+            col = _load_stats(col_up, cols, n_k, MASK_N)
             if HAS_IDS or HAS_GUIDE:
-                pos_count_c, pos_max_c, pos_rel_c = _load_positives(
-                    col_pos_ptr, cols, n_k, stride_col_pos, POSITIVES, not EVEN_N
-                )
+                col_pos = _load_positives(col_up, cols, n_k, POSITIVES, MASK_N)
         if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
-            factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(g_max_ptr)
+            factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(out.g_max_ptr)
             if SYMMETRIC:
-                factor = tl.maximum(factor, tl.abs(g_c))
+                factor = tl.maximum(factor, tl.abs(col[2]))
         else:
             factor = scale  # unused
-        feats = tl.arange(0, BLOCK_D)
+        feats = tl.arange(0, tile.BLOCK_D)
         out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-        if ONE_CHUNK:
-            resident = load_tile(k_ptr, cols, feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_D)
+        if tile.ONE_CHUNK:
+            resident = load_tile(k, cols, feats, MASK_N, tile.MASK_D)
         else:
-            resident = k_ptr  # unused
+            resident = k.ptr  # unused
         acc = tl.zeros([BLOCK_N, BLOCK_OUT], dtype=ACC)
     else:  # the program's rows and their stats; it walks the column blocks of its split
         lo, hi = block_range(split, tl.num_programs(2), tl.cdiv(n_k, BLOCK_N))
         rows = owned * BLOCK_M + tl.arange(0, BLOCK_M)
         scale = tl.load(scale_ptr)
-        m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_row_stats, not EVEN_M)
-        pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
-        pos_lo, pos_hi = positive_span(pos)
+        row = _load_stats(row_up, rows, n_q, MASK_M)
+        pos = load_vector(masks.pos_ptr, rows, n_q, 1, -1, MASK_M).to(tl.int32)
+        pos_span = positive_span(pos)
         if HAS_IDS or HAS_GUIDE:
-            q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-            row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-            pos_count_r, pos_max_r, pos_rel_r = _load_positives(
-                row_pos_ptr, rows, n_q, stride_row_pos, POSITIVES, not EVEN_M
-            )
+            q_ids = load_optional(masks.q_ids_ptr, rows, n_q, HAS_IDS, MASK_M)
+            row_thr = load_optional(masks.row_thr_ptr, rows, n_q, HAS_GUIDE, MASK_M)
+            row_pos = _load_positives(row_up, rows, n_q, POSITIVES, MASK_M)
         if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
-            factor = tl.abs(g_r)
+            factor = tl.abs(row[2])
             if SYMMETRIC:
-                factor = tl.maximum(factor, tl.load(g_max_ptr + 1))
+                factor = tl.maximum(factor, tl.load(out.g_max_ptr + 1))
         else:
-            factor = g_r  # unused
-        feats = tl.arange(0, BLOCK_D)
+            factor = row[2]  # unused
+        feats = tl.arange(0, tile.BLOCK_D)
         out_feats = out_slice * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-        if ONE_CHUNK:
-            resident = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
+        if tile.ONE_CHUNK:
+            resident = load_tile(q, rows, feats, MASK_M, tile.MASK_D)
         else:
-            resident = q_ptr  # unused
+            resident = q.ptr  # unused
         acc = tl.zeros([BLOCK_M, BLOCK_OUT], dtype=ACC)
         dscale_row = tl.zeros([BLOCK_M], dtype=ACC)
         dscale_col = tl.zeros([BLOCK_M], dtype=ACC)
     for other in range(lo, hi):
         if BY_COLUMN:
             rows = other * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_r, r_r, g_r = _load_stats(row_stats_ptr, g_row_ptr, rows, n_q, stride_row_stats, not EVEN_M)
-            pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+            row = _load_stats(row_up, rows, n_q, MASK_M)
+            pos = load_vector(masks.pos_ptr, rows, n_q, 1, -1, MASK_M).to(tl.int32)
         else:
             col0 = other * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)
-        raw, chunk = block_scores(
-            q_ptr,
-            k_ptr,
-            resident,
-            rows,
-            cols,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            ONE_CHUNK,
-            not BY_COLUMN,
-            not EVEN_M,
-            not EVEN_N,
-            not EVEN_D,
-            ACC,
-            UPCAST,
-            PRECISION,
-        )
-        s = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, not EVEN_N)
+        raw, chunk = block_scores(q, k, resident, rows, cols, tile, dot, not BY_COLUMN)
+        s = masked_scores(raw, scale, rows, cols, n_q, n_k, MASK_M, MASK_N)
         if SYMMETRIC and not BY_COLUMN:
-            m_c, r_c, g_c = _load_stats(col_stats_ptr, g_col_ptr, cols, n_k, stride_col_stats, not EVEN_N)
+            col = _load_stats(col_up, cols, n_k, MASK_N)
         if HAS_IDS or HAS_GUIDE:
             if BY_COLUMN:
-                q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-                row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-                pos_count_r, pos_max_r, pos_rel_r = _load_positives(
-                    row_pos_ptr, rows, n_q, stride_row_pos, POSITIVES, not EVEN_M
-                )
+                q_ids = load_optional(masks.q_ids_ptr, rows, n_q, HAS_IDS, MASK_M)
+                row_thr = load_optional(masks.row_thr_ptr, rows, n_q, HAS_GUIDE, MASK_M)
+                row_pos = _load_positives(row_up, rows, n_q, POSITIVES, MASK_M)
             elif SYMMETRIC:
-                pos_count_c, pos_max_c, pos_rel_c = _load_positives(
-                    col_pos_ptr, cols, n_k, stride_col_pos, POSITIVES, not EVEN_N
-                )
-            positive, excluded_rows, excluded_cols = block_masks(
-                gq_ptr,
-                gk_ptr,
-                rows,
-                cols,
-                pos,
-                q_ids,
-                k_ids_ptr,
-                row_thr,
-                col_thr_ptr,
-                n_q,
-                n_k,
-                DG,
-                stride_gq,
-                stride_gk,
-                HAS_IDS,
-                HAS_GUIDE,
-                POSITIVES,
-                SYMMETRIC,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_G,
-                EVEN_M,
-                EVEN_N,
-                EVEN_G,
-                GUIDE_ACC,
-                GUIDE_PRECISION,
-            )
+                col_pos = _load_positives(col_up, cols, n_k, POSITIVES, MASK_N)
             if not SYMMETRIC:
-                m_c, r_c, g_c, pos_count_c, pos_max_c, pos_rel_c = m_r, r_r, g_r, pos_count_r, pos_max_r, pos_rel_r
+                col, col_pos = row, row_pos  # unused
+            EXCLUDES: tl.constexpr = HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE)
+            tile_masks = block_masks(masks, rows, cols, pos, q_ids, row_thr)
             ds_row, ds_col = _masked_tile_grads(
-                s,
-                positive,
-                excluded_rows,
-                excluded_cols,
-                m_r,
-                r_r,
-                g_r,
-                pos_count_r,
-                pos_max_r,
-                pos_rel_r,
-                m_c,
-                r_c,
-                g_c,
-                pos_count_c,
-                pos_max_c,
-                pos_rel_c,
-                SYMMETRIC,
-                POSITIVES,
-                HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE),
+                s, tile_masks, row, row_pos, col, col_pos, SYMMETRIC, POSITIVES, EXCLUDES
             )
         else:
             if BY_COLUMN:
                 col0 = owned * BLOCK_N
-                pos_lo, pos_hi = positive_span(pos)
+                pos_span = positive_span(pos)
             if not SYMMETRIC:
-                m_c, r_c, g_c = m_r, r_r, g_r  # unused
+                col = row  # unused
             ds_row, ds_col = _plain_tile_grads(
-                s,
-                cols,
-                col0,
-                pos,
-                pos_lo,
-                pos_hi,
-                m_r,
-                r_r,
-                g_r,
-                m_c,
-                r_c,
-                g_c,
-                SYMMETRIC,
-                BLOCK_N,
-                BRANCH_POSITIVES,
+                s, cols, col0, pos, pos_span, row, col, SYMMETRIC, BLOCK_N, masks.BRANCH_POSITIVES
             )
         if BY_COLUMN:
             ds = ds_row + ds_col
             if NORMALIZE:
                 ds = ds * _inverse(factor)[None, :]
-            if ONE_CHUNK:
+            if tile.ONE_CHUNK:
                 q_out = chunk
             else:  # a ragged last slice as below
-                q_out = load_tile(
-                    q_ptr, rows, out_feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_OUT, EVEN_D
-                )
-            acc = tile_dot(tl.trans(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION)), q_out, acc, UPCAST, PRECISION)
+                q_out = load_tile(q, rows, out_feats, MASK_M, not out.EVEN_OUT, not tile.MASK_D)
+            ds_op = dot_operand(ds, q.ptr.dtype.element_ty, dot.PRECISION)
+            acc = tile_dot(tl.trans(ds_op), q_out, acc, dot.UPCAST, dot.PRECISION)
         else:
             dscale_row += tl.sum(ds_row * raw, axis=1)
             ds = ds_row
@@ -297,55 +268,22 @@ def _backward_kernel(
                 ds = ds + ds_col
             if NORMALIZE:
                 ds = ds * _inverse(factor)[:, None]
-            if ONE_CHUNK:
+            if tile.ONE_CHUNK:
                 k_out = chunk
             else:
                 # A ragged last slice (EVEN_OUT False) reads zeros past D where D is whole chunks (a multiple of
                 # 16, which Triton specializes on, so the masked load stays vectorized); at ragged D it repeats
                 # the last column (:func:`load_tile`). Either way those columns are never stored. Clamped columns
                 # at D = 384 spilled sm_90's dk 12-64 B.
-                k_out = load_tile(
-                    k_ptr, cols, out_feats, n_k, D, stride_k0, stride_k1, not EVEN_N, not EVEN_OUT, EVEN_D
-                )
-            acc = tile_dot(dot_operand(ds, q_ptr.dtype.element_ty, PRECISION), k_out, acc, UPCAST, PRECISION)
+                k_out = load_tile(k, cols, out_feats, MASK_N, not out.EVEN_OUT, not tile.MASK_D)
+            ds_op = dot_operand(ds, q.ptr.dtype.element_ty, dot.PRECISION)
+            acc = tile_dot(ds_op, k_out, acc, dot.UPCAST, dot.PRECISION)
     # A split's partial follows the one before it: [splits, n, D] (one split: the caller's gradient itself).
     if BY_COLUMN:
-        part = out_ptr + split.to(tl.int64) * stride_out_split
-        _store_slice(
-            part,
-            cols,
-            out_feats,
-            n_k,
-            D,
-            stride_out0,
-            stride_out1,
-            acc,
-            scale,
-            factor,
-            NORMALIZE,
-            ADD,
-            not EVEN_N,
-            not EVEN_OUT,
-        )
+        _store_slice(out, split, cols, n_k, out_feats, q.d, acc, scale, factor, MASK_N)
     else:
-        part = out_ptr + split.to(tl.int64) * stride_out_split
-        _store_slice(
-            part,
-            rows,
-            out_feats,
-            n_q,
-            D,
-            stride_out0,
-            stride_out1,
-            acc,
-            scale,
-            factor,
-            NORMALIZE,
-            ADD,
-            not EVEN_M,
-            not EVEN_OUT,
-        )
+        _store_slice(out, split, rows, n_q, out_feats, q.d, acc, scale, factor, MASK_M)
         if out_slice == 0:
-            slot = dscale_ptr + 2 * (owned.to(tl.int64) * tl.num_programs(2) + split)
+            slot = out.dscale_ptr + 2 * (owned.to(tl.int64) * tl.num_programs(2) + split)
             tl.store(slot, tl.sum(dscale_row, axis=0))
             tl.store(slot + 1, tl.sum(dscale_col, axis=0))

@@ -3,10 +3,12 @@ plain path (:func:`_plain_tile_grads`) and on the masked path (:func:`_masked_ti
 positives loads, and the store of a finished slice. The kernel calls one of the two tile helpers, chosen
 by a constexpr, so its body does not interleave the plain and masked dS."""
 
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 
-from .score_tiles import load_tile, load_vector
+from .score_tiles import Matrix, load_tile, load_vector
 from .softmax_mask_tiles import MEAN_POSITIVES, SUM_POSITIVES, masked_softmax_grad
 from .tile_stats import holds_positive, softmax_grad
 
@@ -17,26 +19,22 @@ def _plain_tile_grads(
     cols,
     col_start,
     pos,
-    pos_lo,
-    pos_hi,
-    m_r,
-    r_r,
-    g_r,
-    m_c,
-    r_c,
-    g_c,
+    pos_span,
+    row,
+    col,
     SYMMETRIC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BRANCH_POSITIVES: tl.constexpr,
 ):
-    """The plain path's (row part, column part) of dS for the tile of columns ``cols`` (from ``col_start``);
-    the column part is 0 for the one-directional loss. One positive per row, ``pos`` (-1: none), whose span
-    (``pos_lo``, ``pos_hi``) (:func:`infcl.kernels.tile_stats.positive_span`) tells whether the tile may hold one."""
+    """The plain path's (row part, column part) of dS for the tile of columns ``cols`` (from ``col_start``),
+    with the rows' and columns' stats ``row`` / ``col`` = (m, r, g) (:func:`_load_stats`); the column part is 0
+    for the one-directional loss. One positive per row, ``pos`` (-1: none), whose span ``pos_span``
+    (:func:`infcl.kernels.tile_stats.positive_span`) tells whether the tile may hold one."""
     is_pos = cols[None, :] == pos[:, None]
-    has_pos = holds_positive(pos_lo, pos_hi, col_start, BLOCK_N, BRANCH_POSITIVES)
-    ds_row = softmax_grad(s, m_r[:, None], r_r[:, None], g_r[:, None], is_pos, has_pos)
+    has_pos = holds_positive(pos_span[0], pos_span[1], col_start, BLOCK_N, BRANCH_POSITIVES)
+    ds_row = softmax_grad(s, row[0][:, None], row[1][:, None], row[2][:, None], is_pos, has_pos)
     if SYMMETRIC:
-        ds_col = softmax_grad(s, m_c[None, :], r_c[None, :], g_c[None, :], is_pos, has_pos)
+        ds_col = softmax_grad(s, col[0][None, :], col[1][None, :], col[2][None, :], is_pos, has_pos)
     else:
         ds_col = 0.0
     return ds_row, ds_col
@@ -44,39 +42,18 @@ def _plain_tile_grads(
 
 @triton.jit
 def _masked_tile_grads(
-    s,
-    positive,
-    excluded_rows,
-    excluded_cols,
-    m_r,
-    r_r,
-    g_r,
-    pos_count_r,
-    pos_max_r,
-    pos_rel_r,
-    m_c,
-    r_c,
-    g_c,
-    pos_count_c,
-    pos_max_c,
-    pos_rel_c,
-    SYMMETRIC: tl.constexpr,
-    POSITIVES: tl.constexpr,
-    EXCLUDES: tl.constexpr,
+    s, tile_masks, row, row_pos, col, col_pos, SYMMETRIC: tl.constexpr, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr
 ):
-    """The masked path's (row part, column part) of dS for a tile whose positives and exclusions the kernel
-    formed (:func:`infcl.kernels.softmax_mask_tiles.block_masks`):
+    """The masked path's (row part, column part) of dS for a tile whose (positive, excluded_rows,
+    excluded_cols) ``tile_masks`` the kernel formed (:func:`infcl.kernels.softmax_mask_tiles.block_masks`):
     :func:`infcl.kernels.softmax_mask_tiles.masked_softmax_grad` with the rows' (columns') stats (m, r, g) and
     positives (pos_count, pos_max, pos_rel): their count ("mean") or their global stats ("sum")
     (:func:`_load_positives`); the column part is 0 for the one-directional loss."""
+    positive, excluded_rows, excluded_cols = tile_masks
     ds_row = masked_softmax_grad(
         s,
-        m_r[:, None],
-        r_r[:, None],
-        g_r[:, None],
-        pos_count_r[:, None],
-        pos_max_r[:, None],
-        pos_rel_r[:, None],
+        (row[0][:, None], row[1][:, None], row[2][:, None]),
+        (row_pos[0][:, None], row_pos[1][:, None], row_pos[2][:, None]),
         positive,
         excluded_rows,
         POSITIVES,
@@ -85,12 +62,8 @@ def _masked_tile_grads(
     if SYMMETRIC:
         ds_col = masked_softmax_grad(
             s,
-            m_c[None, :],
-            r_c[None, :],
-            g_c[None, :],
-            pos_count_c[None, :],
-            pos_max_c[None, :],
-            pos_rel_c[None, :],
+            (col[0][None, :], col[1][None, :], col[2][None, :]),
+            (col_pos[0][None, :], col_pos[1][None, :], col_pos[2][None, :]),
             positive,
             excluded_cols,
             POSITIVES,
@@ -101,19 +74,47 @@ def _masked_tile_grads(
     return ds_row, ds_col
 
 
+class Upstream(NamedTuple):
+    """One side's (rows' or columns') inputs to the backward: its stats [2, n] (m's row ``stride_stat`` before
+    r's, each contiguous), its upstream gradients [n] and, with mask options, its positives' count [n] or
+    global stats [2, n] (``stride_pos`` apart)."""
+
+    stats_ptr: Any
+    stride_stat: Any
+    g_ptr: Any
+    pos_ptr: Any
+    stride_pos: Any
+
+
+class GradSlices(NamedTuple):
+    """Where a backward program writes: the gradient's partials [splits, n, D] (one split: the caller's
+    gradient itself), the dscale partials and, for float16, the largest |g| (NORMALIZE: dS is divided by it);
+    constexprs BLOCK_OUT (a slice's width), EVEN_OUT (D is whole slices) and ADD (add to what is there)."""
+
+    ptr: Any
+    stride_split: Any
+    stride_r: Any
+    stride_c: Any
+    dscale_ptr: Any
+    g_max_ptr: Any
+    BLOCK_OUT: Any
+    EVEN_OUT: Any
+    ADD: Any
+    NORMALIZE: Any
+
+
 @triton.jit
-def _load_positives(pos_ptr, idx, n, stride_stat, POSITIVES: tl.constexpr, MASK: tl.constexpr):
-    """(pos_count, pos_max, pos_rel) of the rows (columns) ``idx`` from their positives, each row contiguous:
-    the count [n] for "mean", the global stats (max, rel) [2, n], ``stride_stat`` apart, for "sum" (the others
-    are placeholders, never read);
-    past ``n`` a count of 1 and zero stats (those entries' dS is 0 anyway)."""
+def _load_positives(up, idx, n, POSITIVES: tl.constexpr, MASK: tl.constexpr):
+    """(pos_count, pos_max, pos_rel) of the rows (columns) ``idx`` from their positives (:class:`Upstream`):
+    the count [n] for "mean", the global stats (max, rel) [2, n] for "sum" (the others are placeholders,
+    never read); past ``n`` a count of 1 and zero stats (those entries' dS is 0 anyway)."""
     if POSITIVES == MEAN_POSITIVES:
-        pos_count = load_vector(pos_ptr, idx, n, 1, 1.0, MASK)
+        pos_count = load_vector(up.pos_ptr, idx, n, 1, 1.0, MASK)
         pos_max = pos_count  # unused
         pos_rel = pos_count
     elif POSITIVES == SUM_POSITIVES:
-        pos_max = load_vector(pos_ptr, idx, n, 1, 0.0, MASK)
-        pos_rel = load_vector(pos_ptr + stride_stat, idx, n, 1, 0.0, MASK)
+        pos_max = load_vector(up.pos_ptr, idx, n, 1, 0.0, MASK)
+        pos_rel = load_vector(up.pos_ptr + up.stride_pos, idx, n, 1, 0.0, MASK)
         pos_count = pos_max  # unused
     else:
         pos_count = idx  # unused: one positive per row
@@ -123,13 +124,12 @@ def _load_positives(pos_ptr, idx, n, stride_stat, POSITIVES: tl.constexpr, MASK:
 
 
 @triton.jit
-def _load_stats(stats_ptr, g_ptr, idx, n, stride_stat, MASK: tl.constexpr):
-    """(m, r, g) of the rows (columns) ``idx`` from their stats [2, n] (m's row ``stride_stat`` before r's,
-    each contiguous) and contiguous gradients [n]: zero past ``n``, where the entries' S is -inf anyway
-    (masked_scores), so their dS is 0."""
-    m = load_vector(stats_ptr, idx, n, 1, 0.0, MASK)
-    r = load_vector(stats_ptr + stride_stat, idx, n, 1, 0.0, MASK)
-    return m, r, load_vector(g_ptr, idx, n, 1, 0.0, MASK)
+def _load_stats(up, idx, n, MASK: tl.constexpr):
+    """(m, r, g) of the rows (columns) ``idx`` (:class:`Upstream`): zero past ``n``, where the entries' S is
+    -inf anyway (masked_scores), so their dS is 0."""
+    m = load_vector(up.stats_ptr, idx, n, 1, 0.0, MASK)
+    r = load_vector(up.stats_ptr + up.stride_stat, idx, n, 1, 0.0, MASK)
+    return m, r, load_vector(up.g_ptr, idx, n, 1, 0.0, MASK)
 
 
 @triton.jit
@@ -139,31 +139,20 @@ def _inverse(factor):
 
 
 @triton.jit
-def _store_slice(
-    ptr,
-    rows,
-    feats,
-    n_rows,
-    D,
-    stride_r,
-    stride_f,
-    acc,
-    scale,
-    factor,
-    NORMALIZE: tl.constexpr,
-    ADD: tl.constexpr,
-    MASK_ROWS: tl.constexpr,
-    MASK_FEATS: tl.constexpr,
-):
-    """ptr[rows, feats] (+)= scale * acc (times each row's dS factor): the program's one write of its
-    gradient slice."""
-    if NORMALIZE:
+def _store_slice(out, split, rows, n_rows, feats, D, acc, scale, factor, MASK_ROWS: tl.constexpr):
+    """out[split][rows, feats] (+)= scale * acc (times each row's dS factor) (:class:`GradSlices`): the
+    program's one write of its gradient slice."""
+    MASK_FEATS: tl.constexpr = not out.EVEN_OUT
+    if out.NORMALIZE:
         value = acc * (factor * scale)[:, None]
     else:
         value = acc * scale
-    ptrs = ptr + rows[:, None].to(tl.int64) * stride_r + feats[None, :].to(tl.int64) * stride_f
-    if ADD:
-        value += load_tile(ptr, rows, feats, n_rows, D, stride_r, stride_f, MASK_ROWS, MASK_FEATS, False)
+    part = out.ptr + split.to(tl.int64) * out.stride_split
+    ptrs = part + rows[:, None].to(tl.int64) * out.stride_r + feats[None, :].to(tl.int64) * out.stride_c
+    if out.ADD:
+        value += load_tile(
+            Matrix(part, n_rows, D, out.stride_r, out.stride_c), rows, feats, MASK_ROWS, MASK_FEATS, False
+        )
     if MASK_ROWS and MASK_FEATS:
         tl.store(ptrs, value, mask=(rows[:, None] < n_rows) & (feats[None, :] < D))
     elif MASK_ROWS:

@@ -51,18 +51,22 @@ from .kernel_args import (
     feature_chunks,
     launch_options,
     mask_kernel_args,
+    matrix_args,
     tf32_operands,
 )
-from .score_tiles import PTX, block_range, block_scores, check_blocks, load_tile, load_vector, masked_scores
-from .softmax_forward_tiles import (
-    _fold_rows,
-    _merge_columns,
-    _merge_masked_columns,
-    _store_rows,
-    _store_vector,
-    _symmetric_pair,
+from .score_tiles import (
+    PTX,
+    Dot,
+    Matrix,
+    Tile,
+    block_range,
+    block_scores,
+    load_tile,
+    load_vector,
+    masked_scores,
 )
-from .softmax_mask_tiles import ONE_POSITIVE, block_masks, load_optional, positive_partials
+from .softmax_forward_tiles import _fold_rows, _merge_columns, _merge_masked_columns, _store_rows, _symmetric_pair
+from .softmax_mask_tiles import ONE_POSITIVE, Masks, block_masks, load_optional, positive_partials
 from .split_plan import plan_forward
 from .target import ARCH_FAMILIES
 from .tile_stats import holds_positive, kept_rest_stats, merge_kept_stats, positive_span, tile_rest_stats
@@ -117,167 +121,83 @@ def _forward_kernel(
 ):
     # What the launch's inputs say: the mask options given (absent inputs come as None), the accumulation
     # dtype (scale's: float32, float64 for float64 inputs), the guide's, and whether the interpreter upcasts
-    # 16-bit operands (score_tiles.tile_dot).
+    # 16-bit operands (score_tiles.tile_dot). The operands, tiles and dots are packed here, once, as the
+    # arguments of the program's body (a tuple assigned to a name would turn its constexprs into tensors).
     HAS_IDS: tl.constexpr = q_ids_ptr is not None
     HAS_GUIDE: tl.constexpr = gq_ptr is not None
+    UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
     ACC: tl.constexpr = scale_ptr.dtype.element_ty
     GUIDE_ACC: tl.constexpr = gq_ptr.dtype.element_ty if HAS_GUIDE else tl.float32
-    UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
-    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
-    tl.static_assert(ROW_TILES == 1 or (SYMMETRIC and not (HAS_IDS or HAS_GUIDE)))  # pairs: the plain symmetric loss
-    group = tl.program_id(0)
-    split = tl.program_id(1)
-    # The program walks units of ROW_TILES row blocks (the last unit's second block may lie past n_q).
-    rb_lo, rb_hi = block_range(group, tl.num_programs(0), tl.cdiv(tl.cdiv(n_q, BLOCK_M), ROW_TILES))
-    cb_lo, cb_hi = block_range(split, tl.num_programs(1), tl.cdiv(n_k, BLOCK_N))
-    scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
-    # The program's own partials, offset once: its split's rows, and (symmetric) its group's columns.
-    row_out = rows_ptr + split.to(tl.int64) * stride_rows_split
-    col_part = cols_ptr + group.to(tl.int64) * stride_cols_group
-    for rb in range(rb_lo, rb_hi):
-        rows = rb * (ROW_TILES * BLOCK_M) + tl.arange(0, BLOCK_M)
-        if ROW_TILES == 2:
-            _symmetric_pair(
-                q_ptr,
-                k_ptr,
-                pos_ptr,
-                row_out,
-                col_part,
-                scale,
-                rows,
-                cb_lo,
-                cb_hi,
-                n_q,
-                n_k,
-                D,
-                stride_q0,
-                stride_q1,
-                stride_k0,
-                stride_k1,
-                stride_rows_stat,
-                stride_cols_stat,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_D,
-                ONE_CHUNK,
-                not EVEN_M,
-                not (EVEN_M and EVEN_PAIRS),
-                not EVEN_N,
-                not EVEN_D,
-                ACC,
-                UPCAST,
-                PRECISION,
-                BRANCH_POSITIVES,
-            )
-        else:
-            _forward_rows(
-                q_ptr,
-                k_ptr,
-                pos_ptr,
-                row_out,
-                col_part,
-                scale,
-                rows,
-                cb_lo,
-                cb_hi,
-                n_q,
-                n_k,
-                D,
-                stride_q0,
-                stride_q1,
-                stride_k0,
-                stride_k1,
-                stride_rows_stat,
-                stride_cols_stat,
-                q_ids_ptr,
-                k_ids_ptr,
-                gq_ptr,
-                gk_ptr,
-                row_thr_ptr,
-                col_thr_ptr,
-                DG,
-                stride_gq,
-                stride_gk,
-                SYMMETRIC,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_D,
-                ONE_CHUNK,
-                EVEN_M,
-                EVEN_N,
-                EVEN_D,
-                ACC,
-                UPCAST,
-                PRECISION,
-                HAS_IDS,
-                HAS_GUIDE,
-                POSITIVES,
-                BRANCH_POSITIVES,
-                BLOCK_G,
-                EVEN_G,
-                GUIDE_ACC,
-                GUIDE_PRECISION,
-            )
+    # The program's own partials, offset once: its split's rows [R, n_q], and (symmetric) its group's columns
+    # [R, n_k] (R stats, each row contiguous).
+    row_out = rows_ptr + tl.program_id(1).to(tl.int64) * stride_rows_split
+    col_part = cols_ptr + tl.program_id(0).to(tl.int64) * stride_cols_group
+    MASK_M1: tl.constexpr = not (EVEN_M and EVEN_PAIRS)  # a pair's second block may reach past n_q
+    _forward_program(
+        Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+        Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
+        Masks(
+            pos_ptr,
+            q_ids_ptr,
+            k_ids_ptr,
+            row_thr_ptr,
+            col_thr_ptr,
+            Matrix(gq_ptr, n_q, DG, stride_gq, 1),
+            Matrix(gk_ptr, n_k, DG, stride_gk, 1),
+            Tile(BLOCK_M, BLOCK_N, BLOCK_G, not EVEN_M, not EVEN_N, not EVEN_G),
+            Dot(GUIDE_ACC, False, GUIDE_PRECISION),
+            HAS_IDS,
+            HAS_GUIDE,
+            POSITIVES,
+            BRANCH_POSITIVES,
+            SYMMETRIC,
+        ),
+        (Matrix(row_out, 0, n_q, stride_rows_stat, 1), Matrix(col_part, 0, n_k, stride_cols_stat, 1)),
+        scale_ptr,
+        Tile(BLOCK_M, BLOCK_N, BLOCK_D, not EVEN_M, not EVEN_N, not EVEN_D, ONE_CHUNK),
+        Dot(ACC, UPCAST, PRECISION),
+        ROW_TILES,
+        MASK_M1,
+    )
 
 
 @triton.jit
-def _forward_rows(
-    q_ptr,
-    k_ptr,
-    pos_ptr,
-    row_out,
-    col_part,
-    scale,
-    rows,
-    cb_lo,
-    cb_hi,
-    n_q,
-    n_k,
-    D,
-    stride_q0,
-    stride_q1,
-    stride_k0,
-    stride_k1,
-    stride_rows_stat,
-    stride_cols_stat,
-    q_ids_ptr,
-    k_ids_ptr,
-    gq_ptr,
-    gk_ptr,
-    row_thr_ptr,
-    col_thr_ptr,
-    DG,
-    stride_gq,
-    stride_gk,
-    SYMMETRIC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-    HAS_IDS: tl.constexpr,
-    HAS_GUIDE: tl.constexpr,
-    POSITIVES: tl.constexpr,
-    BRANCH_POSITIVES: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    EVEN_G: tl.constexpr,
-    GUIDE_ACC: tl.constexpr,
-    GUIDE_PRECISION: tl.constexpr,
-):
-    """One row block's pass over the k blocks [cb_lo, cb_hi): its rows' stats (stored to ``row_out``) and,
-    symmetric, the group's column partials (merged into ``col_part``); with mask options the masked rows of
-    :mod:`infcl.masks`."""
-    feats = tl.arange(0, BLOCK_D)
-    if ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
-        q_res = load_tile(q_ptr, rows, feats, n_q, D, stride_q0, stride_q1, not EVEN_M, not EVEN_D)
+def _forward_program(q, k, masks, out, scale_ptr, tile, dot, ROW_TILES: tl.constexpr, MASK_M1: tl.constexpr):
+    """Program (group, split)'s walk: the row blocks of its group, in units of ROW_TILES blocks (pairs:
+    :func:`_symmetric_pair`, the plain symmetric loss; MASK_M1: a pair's second block may reach past n_q), over
+    the k blocks of its split; ``out``: the program's (row, column) partials."""
+    tl.static_assert(ROW_TILES == 1 or (masks.SYMMETRIC and not (masks.HAS_IDS or masks.HAS_GUIDE)))
+    # The program walks units of ROW_TILES row blocks (the last unit's second block may lie past n_q).
+    n_units = tl.cdiv(tl.cdiv(q.n, tile.BLOCK_M), ROW_TILES)
+    rb_lo, rb_hi = block_range(tl.program_id(0), tl.num_programs(0), n_units)
+    col_blocks = block_range(tl.program_id(1), tl.num_programs(1), tl.cdiv(k.n, tile.BLOCK_N))
+    scale = tl.load(scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
+    for rb in range(rb_lo, rb_hi):
+        rows = rb * (ROW_TILES * tile.BLOCK_M) + tl.arange(0, tile.BLOCK_M)
+        if ROW_TILES == 2:
+            _symmetric_pair(q, k, masks, out, scale, rows, col_blocks, tile, MASK_M1, dot)
+        else:
+            _forward_rows(q, k, masks, out, scale, rows, col_blocks, tile, dot)
+
+
+@triton.jit
+def _forward_rows(q, k, masks, out, scale, rows, col_blocks, tile, dot):
+    """One row block's pass over the k blocks [col_blocks[0], col_blocks[1]): its rows' stats (stored to
+    ``out[0]``) and, symmetric, the group's column partials (merged into ``out[1]``); with mask options the
+    masked rows of :mod:`infcl.masks`."""
+    HAS_IDS: tl.constexpr = masks.HAS_IDS
+    HAS_GUIDE: tl.constexpr = masks.HAS_GUIDE
+    POSITIVES: tl.constexpr = masks.POSITIVES
+    BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
+    ACC: tl.constexpr = dot.ACC
+    n_q = q.n
+    n_k = k.n
+    if tile.ONE_CHUNK:  # the q tile is loaded once and held in registers for the whole k loop
+        q_res = load_tile(q, rows, tl.arange(0, tile.BLOCK_D), tile.MASK_M, tile.MASK_D)
     else:
-        q_res = q_ptr  # unused
-    pos = load_vector(pos_ptr, rows, n_q, 1, -1, not EVEN_M).to(tl.int32)
+        q_res = q.ptr  # unused
+    pos = load_vector(masks.pos_ptr, rows, n_q, 1, -1, tile.MASK_M).to(tl.int32)
     pos_lo, pos_hi = positive_span(pos)
     run_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     run_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
@@ -286,66 +206,15 @@ def _forward_rows(
         pos_max = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
         pos_rest = tl.full([BLOCK_M], -1.0, dtype=ACC)
         pos_count = tl.zeros([BLOCK_M], dtype=ACC)
-        q_ids = load_optional(q_ids_ptr, rows, n_q, HAS_IDS, not EVEN_M)
-        row_thr = load_optional(row_thr_ptr, rows, n_q, HAS_GUIDE, not EVEN_M)
-    for cb in range(cb_lo, cb_hi):
+        q_ids = load_optional(masks.q_ids_ptr, rows, n_q, HAS_IDS, tile.MASK_M)
+        row_thr = load_optional(masks.row_thr_ptr, rows, n_q, HAS_GUIDE, tile.MASK_M)
+    for cb in range(col_blocks[0], col_blocks[1]):
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-        raw, _ = block_scores(
-            q_ptr,
-            k_ptr,
-            q_res,
-            rows,
-            cols,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            ONE_CHUNK,
-            True,
-            not EVEN_M,
-            not EVEN_N,
-            not EVEN_D,
-            ACC,
-            UPCAST,
-            PRECISION,
-        )
+        raw, _ = block_scores(q, k, q_res, rows, cols, tile, dot, True)
         # Row stats see only real columns; padded rows are finite (zero features) and never stored.
-        s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, not EVEN_N)
+        s_rows = masked_scores(raw, scale, rows, cols, n_q, n_k, False, tile.MASK_N)
         if HAS_IDS or HAS_GUIDE:
-            positive, excluded_rows, excluded_cols = block_masks(
-                gq_ptr,
-                gk_ptr,
-                rows,
-                cols,
-                pos,
-                q_ids,
-                k_ids_ptr,
-                row_thr,
-                col_thr_ptr,
-                n_q,
-                n_k,
-                DG,
-                stride_gq,
-                stride_gk,
-                HAS_IDS,
-                HAS_GUIDE,
-                POSITIVES,
-                SYMMETRIC,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_G,
-                EVEN_M,
-                EVEN_N,
-                EVEN_G,
-                GUIDE_ACC,
-                GUIDE_PRECISION,
-            )
+            positive, excluded_rows, excluded_cols = block_masks(masks, rows, cols, pos, q_ids, row_thr)
             kept = s_rows
             if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
                 kept = tl.where(excluded_rows, float("-inf"), s_rows)
@@ -355,36 +224,22 @@ def _forward_rows(
                 s_rows, positive, pos_max, pos_rest, pos_logit, pos_count, 1, POSITIVES
             )
         else:
-            run_max, run_rest, pos_logit = _fold_rows(
-                s_rows,
-                cols,
-                pos,
-                holds_positive(pos_lo, pos_hi, cb * BLOCK_N, BLOCK_N, BRANCH_POSITIVES),
-                run_max,
-                run_rest,
-                pos_logit,
-            )
-        if SYMMETRIC:  # col_part is an empty placeholder otherwise
-            s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, not EVEN_M, False)
+            has_pos = holds_positive(pos_lo, pos_hi, cb * BLOCK_N, BLOCK_N, masks.BRANCH_POSITIVES)
+            run_max, run_rest, pos_logit = _fold_rows(s_rows, cols, pos, has_pos, run_max, run_rest, pos_logit)
+        if masks.SYMMETRIC:  # col_part is an empty placeholder otherwise
+            s_cols = masked_scores(raw, scale, rows, cols, n_q, n_k, tile.MASK_M, False)
             if HAS_IDS or HAS_GUIDE:
                 kept = s_cols
                 if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
                     kept = tl.where(excluded_cols, float("-inf"), s_cols)
-                _merge_masked_columns(
-                    col_part, stride_cols_stat, cols, n_k, s_cols, kept, positive, POSITIVES, not EVEN_N
-                )
+                _merge_masked_columns(out[1], cols, s_cols, kept, positive, POSITIVES, tile.MASK_N)
             else:
                 col_max, col_rest = tile_rest_stats(s_cols, 0)
-                _merge_columns(col_part, stride_cols_stat, cols, n_k, col_max, col_rest, not EVEN_N)
+                _merge_columns(out[1], cols, col_max, col_rest, tile.MASK_N)
     if HAS_IDS or HAS_GUIDE:  # the rows of infcl.masks, rest in place of rel
-        _store_vector(row_out, rows, n_q, run_max, not EVEN_M)
-        _store_vector(row_out + stride_rows_stat, rows, n_q, run_rest, not EVEN_M)
-        _store_vector(row_out + 2 * stride_rows_stat, rows, n_q, pos_max, not EVEN_M)
-        _store_vector(row_out + 3 * stride_rows_stat, rows, n_q, pos_rest, not EVEN_M)
-        _store_vector(row_out + 4 * stride_rows_stat, rows, n_q, pos_logit, not EVEN_M)
-        _store_vector(row_out + 5 * stride_rows_stat, rows, n_q, pos_count, not EVEN_M)
+        _store_rows(out[0], rows, (run_max, run_rest, pos_max, pos_rest, pos_logit, pos_count), tile.MASK_M)
     else:
-        _store_rows(row_out, stride_rows_stat, rows, n_q, run_max, run_rest, pos_logit, not EVEN_M)
+        _store_rows(out[0], rows, (run_max, run_rest, pos_logit), tile.MASK_M)
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -504,8 +359,6 @@ def softmax_forward(
     args = dict(
         # One direction: an empty placeholder for the column partials, never read (Triton 3.4's autotuner
         # clones every restore_value argument, and fails on None).
-        q_ptr=q,
-        k_ptr=k,
         scale_ptr=scale,
         pos_ptr=pos,
         rows_ptr=rows,
@@ -513,10 +366,8 @@ def softmax_forward(
         n_q=n_q,
         n_k=n_k,
         D=dim,
-        stride_q0=q.stride(0),
-        stride_q1=q.stride(1),
-        stride_k0=k.stride(0),
-        stride_k1=k.stride(1),
+        **matrix_args("q", q),
+        **matrix_args("k", k),
         stride_rows_stat=rows.stride(0),
         stride_rows_split=rows.stride(1),
         stride_cols_stat=cols.stride(0) if symmetric else 0,

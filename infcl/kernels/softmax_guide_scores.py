@@ -3,7 +3,7 @@
 A row's guide threshold is compared with the guide scores the masked kernels form in every tile
 (:func:`infcl.kernels.softmax_mask_tiles.block_masks`). For a tie to compare equal (a column that duplicates the
 labelled one, at margin 0), the threshold must come from the same arithmetic: the same
-:func:`infcl.kernels.score_tiles.score_tile` over D' in the same BLOCK_G chunks, at the same dot precision and
+:func:`infcl.kernels.score_tiles.score_chunks` over D' in the same BLOCK_G chunks, at the same dot precision and
 accumulation dtype (all from :func:`infcl.kernels.kernel_args.mask_kernel_args`). Each program forms the
 tile gq[rows] @ gk[pos[rows]].T and keeps its diagonal (every other entry is replaced by 0 before the
 sum, so the diagonal is read exactly); a dot's entry does not depend on where it sits in the tile.
@@ -19,8 +19,8 @@ import triton.language as tl
 
 from ..contract import MaskOptions
 from .configs import MIN_DOT
-from .kernel_args import COMPILE_OPTIONS, mask_kernel_args
-from .score_tiles import load_vector, score_tile
+from .kernel_args import COMPILE_OPTIONS, mask_kernel_args, matrix_args
+from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 
 Tensor = torch.Tensor
 
@@ -54,27 +54,13 @@ def _guide_label_scores_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pos = load_vector(pos_ptr, rows, n_q, stride_pos, -1, not EVEN_M)
     cols = tl.where(pos >= 0, pos, 0)  # a row whose labelled column is in another block reads column 0
-    scores = score_tile(
-        gq_ptr,
-        gk_ptr,
+    scores = score_chunks(
+        Matrix(gq_ptr, n_q, DG, stride_gq0, stride_gq1),
+        Matrix(gk_ptr, n_k, DG, stride_gk0, stride_gk1),
         rows,
         cols,
-        n_q,
-        n_k,
-        DG,
-        stride_gq0,
-        stride_gq1,
-        stride_gk0,
-        stride_gk1,
-        BLOCK_M,
-        BLOCK_M,
-        BLOCK_G,
-        not EVEN_M,
-        False,
-        not EVEN_G,
-        GUIDE_ACC,
-        False,
-        GUIDE_PRECISION,
+        Tile(BLOCK_M, BLOCK_M, BLOCK_G, not EVEN_M, False, not EVEN_G),
+        Dot(GUIDE_ACC, False, GUIDE_PRECISION),
     )
     diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
     score = tl.sum(tl.where(diagonal, scores, 0.0), axis=1)
@@ -97,17 +83,13 @@ def guide_label_scores(
     n_q = guide_q.shape[0]
     out = torch.empty(n_q, dtype=guide_q.dtype, device=guide_q.device)
     wrap(_guide_label_scores_kernel)[(triton.cdiv(n_q, BLOCK_ROWS),)](
-        gq_ptr=guide_q,
-        gk_ptr=guide_k,
         pos_ptr=pos,
         out_ptr=out,
         n_q=n_q,
         n_k=guide_k.shape[0],
         DG=args["DG"],
-        stride_gq0=guide_q.stride(0),
-        stride_gq1=guide_q.stride(1),
-        stride_gk0=guide_k.stride(0),
-        stride_gk1=guide_k.stride(1),
+        **matrix_args("gq", guide_q),
+        **matrix_args("gk", guide_k),
         stride_pos=pos.stride(0),
         BLOCK_M=BLOCK_ROWS,
         BLOCK_G=args["BLOCK_G"],

@@ -6,10 +6,12 @@ are the empty set's: :func:`infcl.kernels.tile_stats.kept_rest_stats`).
 Compiled only where a launch sets HAS_IDS or HAS_GUIDE; the plain loss's kernels never reach them.
 """
 
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 
-from .score_tiles import load_vector, score_tile
+from .score_tiles import load_vector, score_chunks
 from .tile_stats import exp, expm1, kept_rest_stats, merge_kept_stats
 
 # The POSITIVES constexpr (configs.POSITIVES): one positive per row at ``pos`` (multi_positive None),
@@ -19,25 +21,32 @@ MEAN_POSITIVES = tl.constexpr(1)
 SUM_POSITIVES = tl.constexpr(2)
 
 
+class Masks(NamedTuple):
+    """What a softmax kernel knows of each row's positives and exclusions (:mod:`infcl.masks`), packed once by
+    the kernel entry: ``pos`` (the column of each row's one positive in this block, -1: elsewhere), the ids'
+    and guide thresholds' pointers (None: absent), the guide operands (:class:`Matrix` gq [n_q, D'] and gk
+    [n_k, D']: their row counts are the block's even without a guide), the guide's S tile and dot, and the
+    constexprs: HAS_IDS, HAS_GUIDE, POSITIVES, BRANCH_POSITIVES (:func:`infcl.kernels.tile_stats.holds_positive`)
+    and SYMMETRIC."""
+
+    pos_ptr: Any
+    q_ids_ptr: Any
+    k_ids_ptr: Any
+    row_thr_ptr: Any
+    col_thr_ptr: Any
+    gq: Any
+    gk: Any
+    tile: Any
+    dot: Any
+    HAS_IDS: Any
+    HAS_GUIDE: Any
+    POSITIVES: Any
+    BRANCH_POSITIVES: Any
+    SYMMETRIC: Any
+
+
 @triton.jit
-def tile_masks(
-    rows,
-    cols,
-    pos,
-    q_ids,
-    k_ids,
-    scores,
-    row_thr,
-    col_thr,
-    n_q,
-    n_k,
-    HAS_IDS: tl.constexpr,
-    HAS_GUIDE: tl.constexpr,
-    POSITIVES: tl.constexpr,
-    SYMMETRIC: tl.constexpr,
-    MASK_M: tl.constexpr,
-    MASK_N: tl.constexpr,
-):
+def tile_masks(masks, rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr):
     """(positive, excluded_rows, excluded_cols) [BLOCK_M, BLOCK_N] bool of one tile (see infcl.masks).
 
     positive: the one-hot of ``pos`` (ONE_POSITIVE) or q_ids[i] == k_ids[j] on the block's real rows and
@@ -46,18 +55,20 @@ def tile_masks(
     it is excluded_rows). Where nothing can be excluded (no guide; ids with several positives) both are
     ``positive``, unused.
     """
+    HAS_IDS: tl.constexpr = masks.HAS_IDS
+    POSITIVES: tl.constexpr = masks.POSITIVES
     tl.static_assert(HAS_IDS or POSITIVES == ONE_POSITIVE)  # several positives are named by ids
     if POSITIVES == ONE_POSITIVE:
         positive = cols[None, :] == pos[:, None]  # pos is -1 past n_q and where it lies in another block
     else:
         positive = q_ids[:, None] == k_ids[None, :]
-        if MASK_M:
-            positive = positive & (rows[:, None] < n_q)
-        if MASK_N:
-            positive = positive & (cols[None, :] < n_k)
-    if HAS_GUIDE:
+        if masks.tile.MASK_M:
+            positive = positive & (rows[:, None] < masks.gq.n)
+        if masks.tile.MASK_N:
+            positive = positive & (cols[None, :] < masks.gk.n)
+    if masks.HAS_GUIDE:
         excluded_rows = scores > row_thr[:, None]
-        if SYMMETRIC:
+        if masks.SYMMETRIC:
             excluded_cols = scores > col_thr[None, :]
         else:
             excluded_cols = excluded_rows
@@ -88,81 +99,18 @@ def load_optional(ptr, idx, n, PRESENT: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
-def block_masks(
-    gq_ptr,
-    gk_ptr,
-    rows,
-    cols,
-    pos,
-    q_ids,
-    k_ids_ptr,
-    row_thr,
-    col_thr_ptr,
-    n_q,
-    n_k,
-    DG,
-    stride_gq,
-    stride_gk,
-    HAS_IDS: tl.constexpr,
-    HAS_GUIDE: tl.constexpr,
-    POSITIVES: tl.constexpr,
-    SYMMETRIC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    EVEN_G: tl.constexpr,
-    GUIDE_ACC: tl.constexpr,
-    GUIDE_PRECISION: tl.constexpr,
-):
-    """One tile's (positive, excluded_rows, excluded_cols) (:func:`tile_masks`): the columns' ids and, with a
-    guide, the guide scores (one GEMM over D'; each guide row contiguous) and the columns' thresholds."""
-    k_ids = load_optional(k_ids_ptr, cols, n_k, HAS_IDS, not EVEN_N)
-    if HAS_GUIDE:
-        scores = score_tile(
-            gq_ptr,
-            gk_ptr,
-            rows,
-            cols,
-            n_q,
-            n_k,
-            DG,
-            stride_gq,
-            1,
-            stride_gk,
-            1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_G,
-            not EVEN_M,
-            not EVEN_N,
-            not EVEN_G,
-            GUIDE_ACC,
-            False,
-            GUIDE_PRECISION,
-        )
+def block_masks(masks, rows, cols, pos, q_ids, row_thr):
+    """One tile's (positive, excluded_rows, excluded_cols) (:func:`tile_masks`) from its rows' ``pos``, ids and
+    thresholds: the columns' ids and, with a guide, the guide scores (the S tile of :func:`score_chunks` over
+    D') and the columns' thresholds."""
+    k_ids = load_optional(masks.k_ids_ptr, cols, masks.gk.n, masks.HAS_IDS, masks.tile.MASK_N)
+    if masks.HAS_GUIDE:
+        scores = score_chunks(masks.gq, masks.gk, rows, cols, masks.tile, masks.dot)
     else:
         scores = rows  # unused
-    col_thr = load_optional(col_thr_ptr, cols, n_k, HAS_GUIDE and SYMMETRIC, not EVEN_N)
-    return tile_masks(
-        rows,
-        cols,
-        pos,
-        q_ids,
-        k_ids,
-        scores,
-        row_thr,
-        col_thr,
-        n_q,
-        n_k,
-        HAS_IDS,
-        HAS_GUIDE,
-        POSITIVES,
-        SYMMETRIC,
-        not EVEN_M,
-        not EVEN_N,
-    )
+    SYMMETRIC_GUIDE: tl.constexpr = masks.HAS_GUIDE and masks.SYMMETRIC
+    col_thr = load_optional(masks.col_thr_ptr, cols, masks.gk.n, SYMMETRIC_GUIDE, masks.tile.MASK_N)
+    return tile_masks(masks, rows, cols, pos, q_ids, k_ids, scores, row_thr, col_thr)
 
 
 @triton.jit
@@ -182,12 +130,10 @@ def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: 
 
 
 @triton.jit
-def masked_softmax_grad(
-    s, m, r, g, pos_count, pos_max, pos_rel, positive, excluded, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr
-):
-    """g * (P - Y) for a tile with masks: P = exp((s - m) - r) off the exclusions and 0 on them; m, r, g and
-    the positives' count or stats come broadcast like :func:`softmax_grad`'s stats (each only where its
-    POSITIVES reads it). Y, and a positive's entry:
+def masked_softmax_grad(s, stats, positives, positive, excluded, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr):
+    """g * (P - Y) for a tile with masks: P = exp((s - m) - r) off the exclusions and 0 on them; ``stats``
+    (m, r, g) and ``positives`` (pos_count, pos_max, pos_rel) come broadcast like :func:`softmax_grad`'s stats
+    (each only where its POSITIVES reads it). Y, and a positive's entry:
 
     - ONE_POSITIVE: the one-hot of ``positive``; g * expm1(x) there, picked out per row (as softmax_grad);
     - MEAN_POSITIVES (``pos_count`` c = |P|): 1 / c on the positives; (p - 1/c) = expm1(x + log c) / c;
@@ -197,6 +143,8 @@ def masked_softmax_grad(
 
     Never a difference of two rounded probabilities, so a confident row keeps its digits.
     """
+    m, r, g = stats
+    pos_count, pos_max, pos_rel = positives
     x = (s - m) - r
     p = exp(x)
     if EXCLUDES:

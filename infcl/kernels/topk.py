@@ -29,7 +29,7 @@ import triton.language as tl
 from ..contract import NO_INDEX
 from .rank import launch_args
 from .registration import register_op, wrap
-from .score_tiles import check_blocks, load_vector, score_chunks
+from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 
 # The widest list a program holds in registers beside its S tile (two [BLOCK_M, MAX_TOP] tensors, a key and
 # an int64 index); a larger n runs on the torch tiles. ptxas (compile gate, D = 384): 128 spills on sm_90 in
@@ -93,7 +93,6 @@ def _topk_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    check_blocks(BLOCK_M, BLOCK_N, BLOCK_D)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.arange(0, BLOCK_TOP)
     in_list = (rows[:, None] < n_q) & (slots[None, :] < n_top)
@@ -110,49 +109,35 @@ def _topk_kernel(
     for c0 in range(0, n_k, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N).to(tl.int64)
         raw = score_chunks(
-            q_ptr,
-            k_ptr,
+            Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+            Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
             rows,
             cols,
-            n_q,
-            n_k,
-            D,
-            stride_q0,
-            stride_q1,
-            stride_k0,
-            stride_k1,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            True,
-            True,
-            True,
-            ACC,
-            UPCAST,
-            PRECISION,
+            Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+            Dot(ACC, UPCAST, PRECISION),
         )
-        tile = raw if LARGEST else -raw  # the key: exact, the order reversed and ties kept
+        keys = raw if LARGEST else -raw  # the key: exact, the order reversed and ties kept
         eligible = (rows[:, None] < n_q) & (cols[None, :] < n_k)
         if pos_ptr is not None:
             eligible = eligible & (cols[None, :] != row_pos[:, None])
         if q_ids_ptr is not None:
             col_ids = load_vector(k_ids_ptr, cols, n_k, 1, -1, True)
             eligible = eligible & (row_ids[:, None] != col_ids[None, :])
-        is_nan = tile != tile
+        is_nan = keys != keys
         nan += tl.sum((is_nan & eligible).to(tl.int64), axis=1)
         col_index = load_vector(col_index_ptr, cols, n_k, 1, EMPTY, True)[None, :]
         open_ = eligible & ~is_nan  # candidates not yet taken
-        beats = open_ & _beats(tile, col_index, w_key, w_index)
+        beats = open_ & _beats(keys, col_index, w_key, w_index)
         while tl.max(beats.to(tl.int32)) > 0:
             has = tl.max(beats.to(tl.int32), axis=1) > 0
-            b_key = tl.max(tl.where(beats, tile, float("-inf")), axis=1)
-            b_index = tl.min(tl.where(beats & (tile == b_key[:, None]), col_index, EMPTY), axis=1)
+            b_key = tl.max(tl.where(beats, keys, float("-inf")), axis=1)
+            b_index = tl.min(tl.where(beats & (keys == b_key[:, None]), col_index, EMPTY), axis=1)
             put = has[:, None] & (slots[None, :] == w_slot[:, None])
             key = tl.where(put, b_key[:, None], key)
             index = tl.where(put, b_index[:, None], index)
             open_ = open_ & ~(has[:, None] & (col_index == b_index[:, None]))
             w_key, w_index, w_slot = _worst(key, index, slots, BLOCK_TOP)
-            beats = open_ & _beats(tile, col_index, w_key, w_index)
+            beats = open_ & _beats(keys, col_index, w_key, w_index)
     tl.store(key_ptr + at, key, mask=in_list)
     tl.store(index_ptr + at, index, mask=in_list)
     row_ok = rows < n_q

@@ -3,7 +3,7 @@
 atomics). With ids (``Block.masks``) every column with the row's id is a positive."""
 
 from ...contract import Block, Tensor, block_ids
-from ...kernels.ops import sigmoid_backward_block, sigmoid_forward_block
+from ...kernels.sigmoid import sigmoid_backward_block, sigmoid_forward_block
 from .options import FALLBACK, TritonOptions, on_torch_tiles
 
 

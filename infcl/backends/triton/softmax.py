@@ -19,7 +19,7 @@ import torch
 
 from ...contract import Block, MaskOptions, Tensor
 from ...kernels import backward_block, forward_block
-from ...kernels.ops import guide_label_scores, masked_backward_block, masked_forward_block
+from ...kernels.softmax_ops import guide_label_scores, masked_backward_block, masked_forward_block
 from .options import FALLBACK, TritonOptions, on_torch_tiles
 
 
@@ -33,7 +33,7 @@ def _dtypes(block: Block) -> tuple:
 def op_masks(masks: MaskOptions, symmetric: bool) -> tuple:
     """The launch's flattening of the mask options: the masked custom ops' arguments (q_ids, k_ids, guide_q,
     guide_k, row_threshold, col_threshold, multi_positive as a string), the flat schema torch.library needs;
-    the ops take them back as one :class:`~infcl.masks.MaskOptions` (:mod:`infcl.kernels.ops`)."""
+    the ops take them back as one :class:`~infcl.masks.MaskOptions` (:mod:`infcl.kernels.softmax_ops`)."""
     return (
         masks.q_ids,
         masks.k_ids,

@@ -1,7 +1,6 @@
-"""The Triton block steps of both losses as torch.library custom ops, so the dispatcher and torch.compile
-see them.
-
-Softmax (InfoNCE / CLIP):
+"""The softmax (InfoNCE / CLIP) loss's Triton block steps as torch.library custom ops, so the dispatcher and
+torch.compile see them (each loss registers its own: the sigmoid loss's in :mod:`.sigmoid`, distillation's in
+:mod:`.distill`, the ranks' in :mod:`.rank`, top-k's in :mod:`.topk`):
 - ``torch.ops.infcl.triton_forward_block(q, k, scale, pos, symmetric, precision, tiling) -> (rows, cols)``
 - ``torch.ops.infcl.triton_backward_block(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq!, dk!,
   precision, tiling) -> dscale`` (accumulates into dq and dk)
@@ -17,12 +16,6 @@ tensors and ``multi_positive`` as "" (None), "mean" or "sum":
 - ``torch.ops.infcl.triton_guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision) -> [Bq]``: each
   row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.softmax_guide_scores`).
 
-Sigmoid (SigLIP):
-- ``torch.ops.infcl.triton_sigmoid_forward_block(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling) -> rows``
-- ``torch.ops.infcl.triton_sigmoid_backward_block(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq!, dk!, precision,
-  tiling) -> dparams`` (accumulates into dq and dk)
-  ``q_ids`` / ``k_ids``: None, or the ids (the positives: every column with the row's id; pos unread).
-
 ``precision`` is tl.dot's input precision for float32 ("ieee", "tf32", "tf32x3"), resolved by the
 caller; ``tiling`` is a :class:`Tiling` as ``Tiling.to_ints()``, or ``[]`` for the defaults
 (:func:`infcl.kernels.tiling.target_tiling`, or the autotuner under INFCL_AUTOTUNE=1). cols is ``[2, 0]``
@@ -36,7 +29,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..masks import MASKED_ROWS, MaskOptions
-from . import sigmoid, softmax_backward, softmax_forward, softmax_guide_scores
+from . import softmax_backward, softmax_forward, softmax_guide_scores
 from .configs import Tiling, autotuning
 from .registration import register_op, wrap
 from .target import target_facts
@@ -221,40 +214,6 @@ def _guide_label_scores(
     return softmax_guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=wrap)
 
 
-def _sigmoid_forward(
-    q: Tensor,
-    k: Tensor,
-    scale: Tensor,
-    pos: Tensor,
-    bias: Tensor,
-    q_ids: Optional[Tensor],
-    k_ids: Optional[Tensor],
-    precision: str,
-    tiling: List[int],
-) -> Tensor:
-    chosen = Tiling.from_ints(tiling) if tiling else None
-    return sigmoid.siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap, q_ids, k_ids)
-
-
-def _sigmoid_backward(
-    q: Tensor,
-    k: Tensor,
-    scale: Tensor,
-    pos: Tensor,
-    bias: Tensor,
-    q_ids: Optional[Tensor],
-    k_ids: Optional[Tensor],
-    g_row: Tensor,
-    dq: Tensor,
-    dk: Tensor,
-    precision: str,
-    tiling: List[int],
-) -> Tensor:
-    chosen = Tiling.from_ints(tiling) if tiling else None
-    args = (q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap)
-    return sigmoid.siglip_backward(*args, q_ids, k_ids)
-
-
 def _accum(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -317,14 +276,6 @@ def _guide_label_scores_fake(guide_q, guide_k, pos, feature_dtype, precision):
     return guide_q.new_empty(guide_q.shape[0])
 
 
-def _sigmoid_forward_fake(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling):
-    return q.new_empty(q.shape[0], dtype=_accum(q))
-
-
-def _sigmoid_backward_fake(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq, dk, precision, tiling):
-    return dq.new_empty(2)
-
-
 forward_block = register_op("triton_forward_block", _forward, _forward_fake)
 backward_block = register_op("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
 masked_forward_block = register_op("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
@@ -332,10 +283,6 @@ masked_backward_block = register_op(
     "triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk")
 )
 guide_label_scores = register_op("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
-sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _sigmoid_forward, _sigmoid_forward_fake)
-sigmoid_backward_block = register_op(
-    "triton_sigmoid_backward_block", _sigmoid_backward, _sigmoid_backward_fake, ("dq", "dk")
-)
 
 
 def gemm_equivalents(
