@@ -8,7 +8,7 @@ import torch
 
 from helpers.distributed import launch, results_by_ring
 from helpers.support import TOLERANCE, assert_close_verbose, open_clip_loss_module
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 from infcl.distill import InfDistillClipLoss, cal_distill_loss
 from workers.distill_ring_worker import MAIN_WORLD, RINGS, run_uneven, uneven_inputs
 
@@ -18,10 +18,9 @@ NORMWISE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 
 @pytest.fixture(params=TILES, ids=lambda t: f"tiles{t[0]}x{t[1]}")
-def tiles(request, monkeypatch):
-    monkeypatch.setenv("INFCL_BACKEND", "torch")  # "auto" would run the native kernel: these test the tiles
-    monkeypatch.setattr(TORCH_TILES, "tile_q", request.param[0])
-    monkeypatch.setattr(TORCH_TILES, "tile_k", request.param[1])
+def tiles(request):
+    """The backend these tests pass: the torch tiles at these sizes ("auto" would run the native kernel)."""
+    return TorchTilesBackend(*request.param)
 
 
 def _direction_truth(s, t):
@@ -114,7 +113,16 @@ def test_matches_float64_truth(tiles, dtype, symmetric, reduction):
         "none": per_item,
     }[reduction]
     loss, dq, dk, dscale = _run(
-        q, k, tq, tk, 12.0, 20.0, per_item if reduction == "none" else None, symmetric=symmetric, reduction=reduction
+        q,
+        k,
+        tq,
+        tk,
+        12.0,
+        20.0,
+        per_item if reduction == "none" else None,
+        symmetric=symmetric,
+        reduction=reduction,
+        backend=tiles,
     )
     items, want_dq, want_dk, want_dscale = truth(q, k, tq, tk, 12.0, 20.0, symmetric, upstream)
     want_loss = {"mean": items.mean(), "sum": items.sum(), "none": items}[reduction]
@@ -138,7 +146,7 @@ def test_confident_teacher_and_student(tiles, dtype, margin):
     tq = eye + 0.05 * torch.randn(n, d, generator=gen, dtype=torch.float64)
     q, k, tq = (x.to(dtype) for x in (q, k, tq))
     scale, teacher_scale = margin, 1.3 * margin
-    loss, dq, dk, dscale = _run(q, k, tq, tq, scale, teacher_scale)
+    loss, dq, dk, dscale = _run(q, k, tq, tq, scale, teacher_scale, backend=tiles)
     items, want_dq, want_dk, want_dscale = truth(
         q, k, tq, tq, scale, teacher_scale, upstream=torch.full((n,), 1 / n, dtype=torch.float64)
     )
@@ -159,7 +167,7 @@ def test_confident_teacher_and_student(tiles, dtype, margin):
 def test_huge_logits(tiles):
     """Logits of +-1e4 (scale 1e4 on unit features): nothing overflows, float64 truth to round-off."""
     q, k, tq, tk = _features(17, 17, 6, 6, torch.float64, 4)
-    loss, dq, dk, dscale = _run(q, k, tq, tk, 1e4, 3e3)
+    loss, dq, dk, dscale = _run(q, k, tq, tk, 1e4, 3e3, backend=tiles)
     items, want_dq, want_dk, want_dscale = truth(
         q, k, tq, tk, 1e4, 3e3, upstream=torch.full((17,), 1 / 17, dtype=torch.float64)
     )

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import infcl.backends.torch_tiles as torch_tiles
 from helpers.options_truth import masked_truth
 from helpers.support import (
     TOLERANCE,
@@ -19,6 +18,7 @@ from helpers.support import (
     tiled_backends,
 )
 from infcl import InfCLIPLoss, cal_inf_loss
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 EPS = (0.1, 0.37, 1.0)
@@ -60,11 +60,9 @@ def truth(q, k, labels, scale, upstream, eps, symmetric, reduction):
     return loss.detach(), q.grad, k.grad, scale.grad
 
 
-def _backend(name, monkeypatch):
+def _backend(name):
     if name == "torch-small-tiles":
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_q", 5)
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_k", 7)
-        return "torch"
+        return TorchTilesBackend(5, 7)  # the torch tiles at these sizes, passed by the call
     return name
 
 
@@ -84,8 +82,8 @@ def _check(got, want, dtype, what):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bq,bk,d,label_kind,symmetric", CASES)
 @pytest.mark.parametrize("reduction", ("mean", "none"))
-def test_matches_cross_entropy(backend, bq, bk, d, label_kind, symmetric, reduction, monkeypatch):
-    name = _backend(backend, monkeypatch)
+def test_matches_cross_entropy(backend, bq, bk, d, label_kind, symmetric, reduction):
+    name = _backend(backend)
     q, k, labels = features_and_labels(bq, bk, d, label_kind, torch.float32)
     scale = torch.tensor(14.3)
     g = _upstream(reduction, bq)
@@ -184,12 +182,12 @@ def test_with_guide_or_sum_raises():
 @pytest.mark.parametrize("multi_positive", (None, "mean"))
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("partnerless", (False, True))
-def test_with_ids(backend, multi_positive, symmetric, partnerless, monkeypatch):
+def test_with_ids(backend, multi_positive, symmetric, partnerless):
     # Ids from few classes (false negatives under None; several positives under "mean"); partnerless: k ids drawn
     # apart, so under "mean" some rows and columns have no positive (no loss, left out of the mean).
     if partnerless and multi_positive is None:
         pytest.skip("one positive per row: every row has its label")
-    name = _backend(backend, monkeypatch)
+    name = _backend(backend)
     bq, bk = 17, 17 if symmetric else 29
     q, k, labels = features_and_labels(bq, bk, 6, "perm" if symmetric else "random", torch.float64, seed=8)
     gen = torch.Generator().manual_seed(9)

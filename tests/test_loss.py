@@ -7,7 +7,6 @@ labels, all reductions, non-unit upstream gradients, non-contiguous inputs and e
 import pytest
 import torch
 
-import infcl.backends.torch_tiles as torch_tiles
 from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
@@ -18,6 +17,7 @@ from helpers.support import (
     vanilla_loss,
 )
 from infcl import cal_inf_loss
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 # (Bq, Bk, D, labels, symmetric): labels "diag" (None), "perm" (a permutation) or "random" (any column).
 CASES = (
@@ -40,15 +40,13 @@ BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 
 
 @pytest.fixture
-def backend_name(request, monkeypatch):
+def backend_name(request):
     name = request.param
     if name == "torch-small-tiles":
         params = request.node.callspec.params
         if params.get("bq", 0) * params.get("bk", 0) > 200 * 200:  # (7, 7) and (129, 129) cross the tiles already
             pytest.skip("5 x 7 tiles on a large case only repeat what the small cases show, slowly")
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_q", 5)
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_k", 7)
-        return "torch"
+        return TorchTilesBackend(5, 7)  # the torch tiles at these sizes, passed by the call
     return name
 
 

@@ -23,7 +23,7 @@ from helpers.exact_scores import truth_scores
 from helpers.support import TOLERANCE, assert_close_verbose, grads_of_inputs, masked_loss_truth
 from infcl import cal_inf_loss
 from infcl.backends import unavailable_reason
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 NATIVE = unavailable_reason("cpu", torch.device("cpu")) is None
 TRITON = unavailable_reason("triton", torch.device("cpu")) is None
@@ -34,11 +34,9 @@ TINY_TILES = (3, 5)  # duplicates and their labelled columns fall in different t
 CLEAR_OF_TIES = 1e-4
 
 
-def _backend(name, monkeypatch):
+def _backend(name):
     if name == "torch-tiny":
-        monkeypatch.setattr(TORCH_TILES, "tile_q", TINY_TILES[0])
-        monkeypatch.setattr(TORCH_TILES, "tile_k", TINY_TILES[1])
-        return "torch"
+        return TorchTilesBackend(TINY_TILES[0], TINY_TILES[1])  # the torch tiles at these sizes, passed by the call
     return name
 
 
@@ -101,8 +99,8 @@ def _compare(backend, q, k, guide, symmetric=False, margin=0.0):
 
 @pytest.mark.parametrize("guide_dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_issue_repro_keeps_the_duplicate(backend, guide_dtype, monkeypatch):
-    be = _backend(backend, monkeypatch)
+def test_issue_repro_keeps_the_duplicate(backend, guide_dtype):
+    be = _backend(backend)
     for seed in range(1, 6 if backend != "triton" else 3):
         q, k, guide = issue_repro(seed, guide_dtype=guide_dtype)
         row0 = cal_inf_loss(q, k, None, 10.0, guide=guide, reduction="none", backend=be)[0]
@@ -114,8 +112,8 @@ def test_issue_repro_keeps_the_duplicate(backend, guide_dtype, monkeypatch):
 
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_duplicates_across_tiles_match_reference(backend, symmetric, monkeypatch):
-    be = _backend(backend, monkeypatch)
+def test_duplicates_across_tiles_match_reference(backend, symmetric):
+    be = _backend(backend)
     b = 23 if backend != "triton" else 19
     for seed in range(3):
         q, k, guide = _with_duplicates(b, seed, pairs=((1, 0), (7, 2), (b - 1, 4), (12, 11)))

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import infcl.backends.torch_tiles as torch_tiles
 from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
@@ -19,6 +18,7 @@ from helpers.support import (
     tiled_backends,
 )
 from infcl import InfCLIPLoss, Matryoshka, cal_inf_loss
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 # The torch tiles hold the fused pass; the other backends run one pass per prefix (infcl.api).
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
@@ -49,11 +49,9 @@ def truth_losses(q, k, labels, scale, symmetric, dims, weights, renormalize):
     return total
 
 
-def _backend(name, monkeypatch):
+def _backend(name):
     if name == "torch-small-tiles":
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_q", 5)
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_k", 7)
-        return "torch"
+        return TorchTilesBackend(5, 7)  # the torch tiles at these sizes, passed by the call
     return name
 
 
@@ -69,9 +67,9 @@ def _grads(q, k, scale, upstream, fn):
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
 @pytest.mark.parametrize("reduction", ("mean", "none"))
 def test_matches_per_prefix_cross_entropy(
-    backend, bq, bk, d, label_kind, symmetric, dims, renormalize, dtype, reduction, monkeypatch
+    backend, bq, bk, d, label_kind, symmetric, dims, renormalize, dtype, reduction
 ):
-    name = _backend(backend, monkeypatch)
+    name = _backend(backend)
     q, k, labels = features_and_labels(bq, bk, d, label_kind, dtype)
     q = q * torch.linspace(0.5, 2.0, d, dtype=dtype)  # rows not unit-norm: the renormalization matters
     scale = torch.tensor(9.0, dtype=dtype)

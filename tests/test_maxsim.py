@@ -7,7 +7,7 @@ import torch
 
 from helpers.maxsim_truth import maxsim_loss, maxsim_scores
 from infcl import cal_maxsim_loss
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 # (dtype, tolerance relative to the largest truth value): float32 round-off; the half types' tokens are rounded
 # before the truth sees them, so what is left is float32 accumulation plus the gradients' own rounding.
@@ -23,8 +23,9 @@ SMALL_TILES = (8, 24)  # (query tokens, document tokens) per tile: several ragge
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(TORCH_TILES, "token_tiles", SMALL_TILES)
+def small_tiles():
+    """The backend the tests pass (``backend=small_tiles``): the torch tiles with SMALL_TILES token tiles."""
+    return TorchTilesBackend(token_tiles=SMALL_TILES)
 
 
 def _inputs(bq, bk, lq, lk, d, dtype, seed=0, masks=True):
@@ -49,9 +50,9 @@ def _close(ours, truth, tol, what):
     assert err.max().item() <= bound, f"{what}: max error {err.max().item():.3g} > {bound:.3g} at flat index {worst}"
 
 
-def _run(q, docs, labels=None, scale=1.0, reduction="mean", upstream=None, **kwargs):
-    """(loss, grads of q, docs and the scale) of infcl and of the truth, with ``upstream`` the gradient of a
-    "none" loss."""
+def _run(q, docs, labels=None, scale=1.0, reduction="mean", upstream=None, backend="auto", **kwargs):
+    """(loss, grads of q, docs and the scale) of infcl (by ``backend``) and of the truth, with ``upstream`` the
+    gradient of a "none" loss."""
     results = []
     for fn in (cal_maxsim_loss, maxsim_loss):
         qq = q.detach().clone().requires_grad_()
@@ -60,7 +61,7 @@ def _run(q, docs, labels=None, scale=1.0, reduction="mean", upstream=None, **kwa
         if fn is maxsim_loss:
             loss = fn(qq.double(), dd.double(), labels, ss, reduction=reduction, **kwargs)
         else:
-            loss = fn(qq, dd, labels, ss, reduction=reduction, **kwargs)
+            loss = fn(qq, dd, labels, ss, reduction=reduction, backend=backend, **kwargs)
         weights = torch.ones_like(loss) if upstream is None else upstream.to(loss.dtype)
         (loss * weights).sum().backward()
         results.append((loss.detach(), qq.grad, dd.grad, ss.grad))
@@ -72,7 +73,9 @@ def _run(q, docs, labels=None, scale=1.0, reduction="mean", upstream=None, **kwa
 @pytest.mark.parametrize("length_normalize", (False, True))
 def test_matches_float64_truth(small_tiles, dtype, tol, shape, length_normalize):
     q, docs, q_mask, docs_mask, labels = _inputs(*shape, dtype)
-    ours, truth = _run(q, docs, labels, 1.7, q_mask=q_mask, docs_mask=docs_mask, length_normalize=length_normalize)
+    ours, truth = _run(
+        q, docs, labels, 1.7, q_mask=q_mask, docs_mask=docs_mask, length_normalize=length_normalize, backend=small_tiles
+    )
     assert ours[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert ours[1].dtype == dtype and ours[2].dtype == dtype
     for name, a, b in zip(("loss", "dq", "docs grad", "dscale"), ours, truth):
@@ -89,7 +92,17 @@ def test_upstream_grads_ids_and_confident_rows(small_tiles, scale):
     k_ids = torch.tensor([9, 0, 0, 1, 2, 2, 4, 5, 6, 7, 7, 3])  # several false negatives, positives kept
     upstream = torch.tensor([1.0, -2.0, 0.0, 3.5, 1e3, -0.5, 2.0, 0.25])
     ours, truth = _run(
-        q, docs, labels, scale, "none", upstream, q_mask=q_mask, docs_mask=docs_mask, q_ids=q_ids, k_ids=k_ids
+        q,
+        docs,
+        labels,
+        scale,
+        "none",
+        upstream,
+        small_tiles,
+        q_mask=q_mask,
+        docs_mask=docs_mask,
+        q_ids=q_ids,
+        k_ids=k_ids,
     )
     for name, a, b in zip(("loss", "dq", "docs grad", "dscale"), ours, truth):
         _close(a, b, 2e-5, name)
@@ -104,7 +117,7 @@ def test_sum_reduction_strides_and_tensor_scale(small_tiles):
     docs = docs[..., :8]
     assert not q.is_contiguous() and not docs.is_contiguous()
     scale = torch.tensor([2.5], requires_grad=True)
-    loss = cal_maxsim_loss(q.requires_grad_(), docs.requires_grad_(), scale=scale, reduction="sum")
+    loss = cal_maxsim_loss(q.requires_grad_(), docs.requires_grad_(), scale=scale, reduction="sum", backend=small_tiles)
     loss.backward()
     qq = q.detach().double().requires_grad_()
     dd = docs.detach().double().requires_grad_()
@@ -128,7 +141,7 @@ def test_ties_go_to_the_lowest_index(small_tiles):
     docs[2, 4] = docs[2, 0]
     q.requires_grad_()
     docs.requires_grad_()
-    loss = cal_maxsim_loss(q, docs, scale=0.25)
+    loss = cal_maxsim_loss(q, docs, scale=0.25, backend=small_tiles)
     loss.backward()
     dd = docs.detach().double().requires_grad_()
     qq = q.detach().double().requires_grad_()
@@ -141,10 +154,9 @@ def test_ties_go_to_the_lowest_index(small_tiles):
 
 
 @pytest.mark.parametrize("tiles", (SMALL_TILES, (40, 63), None))
-def test_random_float_copies_route_to_the_first(monkeypatch, tiles):
+def test_random_float_copies_route_to_the_first(tiles):
     """Exact copies of random float32 document tokens, at the ends of the token products and across tiles: each
     copy scores the same bits as its original, so only the lowest index gets a gradient."""
-    monkeypatch.setattr(TORCH_TILES, "token_tiles", tiles)
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(6, 5, 16, generator=gen)
     docs = torch.randn(7, 21, 16, generator=gen)
@@ -154,7 +166,7 @@ def test_random_float_copies_route_to_the_first(monkeypatch, tiles):
     docs[:, 15] = docs[:, 0]
     q.requires_grad_()
     docs.requires_grad_()
-    loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5)
+    loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5, backend=TorchTilesBackend(token_tiles=tiles))
     loss.backward()
     for copy in (17, 20, 15):
         assert torch.equal(docs.grad[:, copy], torch.zeros_like(docs.grad[:, copy])), copy
@@ -168,7 +180,7 @@ def test_empty_document_and_empty_query(small_tiles):
     q, docs, q_mask, docs_mask, _ = _inputs(5, 5, 3, 4, 6, torch.float32, seed=7)
     docs_mask[3] = False
     q_mask[1] = False
-    ours, truth = _run(q, docs, None, 1.3, "none", q_mask=q_mask, docs_mask=docs_mask)
+    ours, truth = _run(q, docs, None, 1.3, "none", backend=small_tiles, q_mask=q_mask, docs_mask=docs_mask)
     loss = ours[0]
     assert torch.isinf(loss[3]) and loss[3] > 0
     assert torch.allclose(loss[1], torch.tensor(5.0).log(), rtol=1e-6)
@@ -177,7 +189,7 @@ def test_empty_document_and_empty_query(small_tiles):
     finite = torch.isfinite(truth[0])
     _close(loss[finite], truth[0][finite], 2e-5, "finite losses")
     upstream = torch.tensor([1.0, 0.5, -1.0, 0.0, 2.0])  # the inf row's upstream 0: its terms drop out
-    ours, truth = _run(q, docs, None, 1.3, "none", upstream, q_mask=q_mask, docs_mask=docs_mask)
+    ours, truth = _run(q, docs, None, 1.3, "none", upstream, small_tiles, q_mask=q_mask, docs_mask=docs_mask)
     for name, a, b in zip(("dq", "docs grad"), ours[1:3], truth[1:3]):
         _close(a, b, 2e-5, name)
 
@@ -188,11 +200,11 @@ def test_nan_in_a_real_token_and_in_a_masked_token(small_tiles):
     docs[2, 1, 0] = float("nan")  # in a masked token: never read
     q_mask[0, 2] = False
     q[0, 2, 3] = float("nan")
-    ours, truth = _run(q, docs, None, 1.0, "mean", q_mask=q_mask, docs_mask=docs_mask)
+    ours, truth = _run(q, docs, None, 1.0, "mean", backend=small_tiles, q_mask=q_mask, docs_mask=docs_mask)
     assert torch.isfinite(ours[0]) and torch.isfinite(ours[1]).all() and torch.isfinite(ours[2]).all()
     _close(ours[0], truth[0], 2e-5, "loss")
     docs[1, 0, 0] = float("nan")  # in a real token: every query's score against it is NaN
-    loss = cal_maxsim_loss(q, docs, q_mask=q_mask, docs_mask=docs_mask, reduction="none")
+    loss = cal_maxsim_loss(q, docs, q_mask=q_mask, docs_mask=docs_mask, reduction="none", backend=small_tiles)
     assert torch.isnan(loss).all()
 
 

@@ -30,7 +30,7 @@ from helpers.support import assert_close_verbose, grads_of, tiled_backends, vani
 from helpers.truth import truth_directions, truth_losses
 from infcl import InfCLIPLoss, InfSigLipLoss, cal_inf_loss, cal_siglip_loss
 from infcl.backends import unavailable_reason
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 settings.register_profile(
     "ci",
@@ -56,11 +56,9 @@ ATOL, RTOL = 2e-5, 2e-5  # float32 inputs against the float64 truth: a few float
 ID_DTYPES = (torch.int64, torch.int32, torch.uint8)
 
 
-def _backend(name, monkeypatch):
+def _backend(name):
     if name == "torch-tiny":
-        monkeypatch.setattr(TORCH_TILES, "tile_q", 2)
-        monkeypatch.setattr(TORCH_TILES, "tile_k", 3)
-        return "torch"
+        return TorchTilesBackend(2, 3)  # the torch tiles at these sizes, passed by the call
     return name
 
 
@@ -203,12 +201,12 @@ def _check_masked(problem, backend):
 
 
 @given(problem=masked_problems(), backend=st.sampled_from(CPU_BACKENDS))
-def test_masked_losses_match_truth(problem, backend, monkeypatch):
-    _check_masked(problem, _backend(backend, monkeypatch))
+def test_masked_losses_match_truth(problem, backend):
+    _check_masked(problem, _backend(backend))
 
 
 @given(problem=masked_problems(ties=True), backend=st.sampled_from(CPU_BACKENDS))
-def test_guide_ties_match_truth(problem, backend, monkeypatch):
+def test_guide_ties_match_truth(problem, backend):
     """Exact duplicates of labelled columns (and rows) under a wide guide at margin 0: the tie is kept.
 
     Known limit (issue 31, docs/numerics.md): a threshold and the scores compared with it come from one
@@ -216,11 +214,7 @@ def test_guide_ties_match_truth(problem, backend, monkeypatch):
     rows, or 2 x 3) differently from the same dot product elsewhere, so at such shapes an exact duplicate
     can still fall either way -- in the reference backend's one matrix too, as in sentence-transformers'.
     These batches are multiples of 8 and the tiny tiles 8 x 16, where MKL's entries agree."""
-    if backend == "torch-tiny":
-        monkeypatch.setattr(TORCH_TILES, "tile_q", 8)
-        monkeypatch.setattr(TORCH_TILES, "tile_k", 16)
-        backend = "torch"
-    _check_masked(problem, backend)
+    _check_masked(problem, TorchTilesBackend(8, 16) if backend == "torch-tiny" else backend)
 
 
 @pytest.mark.interpreter
@@ -304,14 +298,14 @@ def test_siglip_layouts_match_truth(problem, backend):
 
 
 @given(problem=masked_problems(symmetric=True), backend=st.sampled_from(CPU_BACKENDS[1:]))
-def test_drop_ins_match_truth(problem, backend, monkeypatch):
+def test_drop_ins_match_truth(problem, backend):
     """InfCLIPLoss (the symmetric mean over the rows and columns that have a positive) and InfSigLipLoss
     (the sum over the columns, mean over the rows) on the same inputs; finite inputs only."""
     q, k, _, scale, _, options = problem
     guide = options["guide"]
     finite = torch.isfinite(q).all() and torch.isfinite(k).all()
     assume(finite and (guide is None or all(torch.isfinite(g).all() for g in guide)))
-    backend = _backend(backend, monkeypatch)
+    backend = _backend(backend)
     loss = InfCLIPLoss(
         backend=backend,
         multi_positive=options["multi_positive"],

@@ -12,9 +12,9 @@ import torch
 
 from helpers.distributed import launch, results_by_ring
 from helpers.exact_scores import truth_scores
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 from infcl.metrics import retrieval_metrics
-from workers.retrieval_ring_worker import CASES, MAIN_WORLD, RINGS, global_inputs
+from workers.retrieval_ring_worker import CASES, MAIN_WORLD, RINGS, ROUTES, global_inputs
 
 DIRECTIONS = ("image_to_text", "text_to_image")
 # (tile_q, tile_k): the default tiles (one tile at these sizes) and tiles that cut every block unevenly.
@@ -22,10 +22,9 @@ TILES = ((None, None), (7, 13))
 
 
 @pytest.fixture(params=TILES, ids=lambda t: f"tiles{t[0]}x{t[1]}")
-def tiles(request, monkeypatch):
-    monkeypatch.setenv("INFCL_BACKEND", "torch")  # "auto" would run the native kernel: these test the tiles
-    monkeypatch.setattr(TORCH_TILES, "tile_q", request.param[0])
-    monkeypatch.setattr(TORCH_TILES, "tile_k", request.param[1])
+def tiles(request):
+    """The backend these tests pass: the torch tiles at these sizes ("auto" would run the native kernel)."""
+    return TorchTilesBackend(*request.param)
 
 
 def truth_ranks(scores, positive, excluded):
@@ -94,7 +93,7 @@ def test_matches_argsort_truth(tiles, permuted):
     if permuted:
         labels = torch.randperm(41, generator=torch.Generator().manual_seed(2))
         text = torch.empty_like(text).index_copy_(0, labels, text)  # image i's partner is text labels[i]
-    got, ranks = retrieval_metrics(image, text, labels, return_ranks=True)
+    got, ranks = retrieval_metrics(image, text, labels, return_ranks=True, backend=tiles)
     assert_same(got, ranks, truth(image, text, labels), "float64")
     assert 0 < got["image_to_text_R@1"] < 1 and got["image_to_text_mean_rank"] > 2  # neither trivial case
 
@@ -107,7 +106,7 @@ def test_ties_follow_the_stable_order(tiles, dtype):
     image = torch.randint(-1, 2, (37, 4), generator=gen).to(dtype)
     text = torch.randint(-1, 2, (37, 4), generator=gen).to(dtype)
     text[5] = text[20]
-    got, ranks = retrieval_metrics(image, text, return_ranks=True)
+    got, ranks = retrieval_metrics(image, text, return_ranks=True, backend=tiles)
     want = truth(image, text)
     assert_same(got, ranks, want, str(dtype))
     scores = truth_scores(image, text)
@@ -115,13 +114,11 @@ def test_ties_follow_the_stable_order(tiles, dtype):
 
 
 @pytest.mark.parametrize("tile_q, tile_k", ((4, 4), (3, 5), (7, 10)))
-def test_rounded_duplicates_tie_across_ragged_tiles(tile_q, tile_k, monkeypatch):
+def test_rounded_duplicates_tie_across_ragged_tiles(tile_q, tile_k):
     """Random unit features (rounded float32 scores) with a text repeated in another tile, ragged ones
     included: the copy's score equals the original's whatever the tile's shape (a BLAS may sum a ragged
     tile's dot products in another order), so it is ahead of the original only when its index is lower."""
-    monkeypatch.setenv("INFCL_BACKEND", "torch")
-    monkeypatch.setattr(TORCH_TILES, "tile_q", tile_q)
-    monkeypatch.setattr(TORCH_TILES, "tile_k", tile_k)
+    tiles = TorchTilesBackend(tile_q, tile_k)
     gen = torch.Generator().manual_seed(7)
     n = 21  # every block ends in a ragged tile of one row and one column (MKL's sgemm sums those otherwise)
     image = torch.nn.functional.normalize(torch.randn(n, 32, generator=gen), dim=1)
@@ -129,7 +126,7 @@ def test_rounded_duplicates_tie_across_ragged_tiles(tile_q, tile_k, monkeypatch)
     for original, copy in ((0, n - 1), (9, n - 1), (n - 2, 1), (3, 12)):
         repeated = text.clone()
         repeated[copy] = repeated[original]
-        got, ranks = retrieval_metrics(image, repeated, return_ranks=True)
+        got, ranks = retrieval_metrics(image, repeated, return_ranks=True, backend=tiles)
         assert_same(got, ranks, truth(image, repeated), f"text {original} repeated at {copy}")
 
 
@@ -140,9 +137,9 @@ def test_ids_leave_duplicates_out(tiles):
     gen = torch.Generator().manual_seed(5)
     q_ids = torch.randint(0, 8, (30,), generator=gen)
     k_ids = q_ids.clone()
-    got, ranks = retrieval_metrics(image, text, q_ids=q_ids, k_ids=k_ids, return_ranks=True)
+    got, ranks = retrieval_metrics(image, text, q_ids=q_ids, k_ids=k_ids, return_ranks=True, backend=tiles)
     assert_same(got, ranks, truth(image, text, None, q_ids, k_ids), "ids")
-    plain = retrieval_metrics(image, text, return_ranks=True)[1]
+    plain = retrieval_metrics(image, text, return_ranks=True, backend=tiles)[1]
     assert bool((ranks["image_to_text"] < plain["image_to_text"]).any()), "ids must change some rank"
 
 
@@ -155,7 +152,9 @@ def test_any_positive_coco(tiles):
     text = image[k_ids] + 1.2 * torch.randn(60, 7, generator=gen, dtype=torch.float64)
     k_ids = torch.where(k_ids == 4, 99, k_ids)  # image 4 has no caption, captions 20..24 no image
     q_ids = torch.arange(12)
-    got, ranks = retrieval_metrics(image, text, q_ids=q_ids, k_ids=k_ids, any_positive=True, return_ranks=True)
+    got, ranks = retrieval_metrics(
+        image, text, q_ids=q_ids, k_ids=k_ids, any_positive=True, return_ranks=True, backend=tiles
+    )
     want = truth(image, text, None, q_ids, k_ids, any_positive=True)
     assert_same(got, ranks, want, "any_positive")
     assert math.isnan(float(ranks["image_to_text"][4])) and int(torch.isnan(ranks["text_to_image"]).sum()) == 5
@@ -228,15 +227,17 @@ def spawned(tmp_path_factory):
     return results_by_ring(outcomes, RINGS)
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_ring_of_two_gives_the_global_metrics_on_every_rank(spawned, case):
+def test_ring_of_two_gives_the_global_metrics_on_every_rank(spawned, case, route):
     image, text, labels, q_ids, k_ids = global_inputs(case)
     want = truth(image, text, labels, q_ids, k_ids, case.any_positive)
     per_rank = spawned(2)
+    key = f"{case.name}/{route}"
     for results in per_rank:
-        assert results[case.name]["metrics"] == per_rank[0][case.name]["metrics"], "the same dict on every rank"
-    ranks = {name: torch.cat([r[case.name]["ranks"][name] for r in per_rank]) for name in DIRECTIONS}
-    assert_same(per_rank[0][case.name]["metrics"], ranks, want, case.name)
+        assert results[key]["metrics"] == per_rank[0][key]["metrics"], "the same dict on every rank"
+    ranks = {name: torch.cat([r[key]["ranks"][name] for r in per_rank]) for name in DIRECTIONS}
+    assert_same(per_rank[0][key]["metrics"], ranks, want, key)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

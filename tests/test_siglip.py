@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import infcl.backends.torch_tiles as torch_tiles
 from helpers.support import (
     BF16_ROUTES,
     TOLERANCE,
@@ -25,6 +24,7 @@ from helpers.support import (
     tiled_backends,
 )
 from infcl import InfSigLipLoss, cal_siglip_loss
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 GRAD_NAMES = ("loss", "dimage", "dtext", "dscale", "dbias")
 # (Bq, Bk, D, labels): labels "diag" (None), "perm" (a permutation) or "random" (any column, repeats allowed).
@@ -46,19 +46,17 @@ BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 
 
 @pytest.fixture
-def backend_name(request, monkeypatch):
+def backend_name(request):
     name = request.param
     if name == "torch-small-tiles":
         bq, bk = request.node.callspec.params.get("case", (0, 0))[:2]
         if bq * bk > 130 * 130:
             pytest.skip("5 x 7 tiles on a large case only repeat what the small cases show, slowly")
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_q", 5)
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_k", 7)
         # One thread: on a busy machine BLAS threads spin on 5 x 7 products (10x slower, same results).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         request.addfinalizer(lambda: torch.set_num_threads(threads))
-        return "torch"
+        return TorchTilesBackend(5, 7)  # the torch tiles at these sizes, passed by the call
     return name
 
 

@@ -10,7 +10,6 @@ every reduction with non-unit and negative upstream gradients, logits up to |1e4
 import pytest
 import torch
 
-import infcl.backends.torch_tiles as torch_tiles
 from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
@@ -23,6 +22,7 @@ from helpers.support import (
 )
 from infcl import InfSigLipLoss, cal_siglip_loss
 from infcl.backends import unavailable_reason
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 GRAD_NAMES = ("loss", "dimage", "dtext", "dscale", "dbias")
 # (Bq, Bk, D, classes): ids drawn from ``classes`` values, so rows have several positives (and, with more
@@ -41,12 +41,10 @@ BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 
 
 @pytest.fixture
-def backend_name(request, monkeypatch):
+def backend_name(request):
     name = request.param
     if name == "torch-small-tiles":
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_q", 5)
-        monkeypatch.setattr(torch_tiles.TORCH_TILES, "tile_k", 7)
-        return "torch"
+        return TorchTilesBackend(5, 7)  # the torch tiles at these sizes, passed by the call
     return name
 
 

@@ -22,7 +22,7 @@ from sentence_transformers.sentence_transformer import losses as st_losses  # no
 import infcl.sentence_transformers as infcl_losses  # noqa: E402
 from helpers.st_models import tiny_model  # noqa: E402
 from helpers.support import assert_close_verbose, assert_no_worse, tiled_backends  # noqa: E402
-from infcl.backends.torch_tiles import TORCH_TILES  # noqa: E402
+from infcl.backends.torch_tiles import TorchTilesBackend  # noqa: E402
 
 BATCH = 11
 DIM = 6
@@ -45,14 +45,6 @@ def model():
     return tiny_model()  # the classes need a model with a tokenizer; the embeddings here are random
 
 
-@pytest.fixture(autouse=True)
-def small_tiles():
-    saved = TORCH_TILES.tile_q, TORCH_TILES.tile_k
-    TORCH_TILES.tile_q, TORCH_TILES.tile_k = SMALL_TILES
-    yield
-    TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
-
-
 def embeddings(columns, seed, dim=DIM, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(BATCH, dim, generator=gen, dtype=dtype) for _ in range(columns)]
@@ -71,9 +63,9 @@ def assert_same(ours, theirs, what):
         assert_close_verbose(g, ref, REL_TOL * float(ref.abs().max()), REL_TOL, what=f"{what} grad of column {i}")
 
 
-def mnrl(module, model, **kwargs):
+def mnrl(module, model, tiles=SMALL_TILES, **kwargs):
     if module is infcl_losses:
-        kwargs["backend"] = "torch"
+        kwargs["backend"] = TorchTilesBackend(*tiles)
     logging.disable(logging.WARNING)  # sentence-transformers warns about hardness_mode without strength
     try:
         return module.MultipleNegativesRankingLoss(model, **kwargs)
@@ -141,9 +133,9 @@ CONTRAST = {"both": (True, True), "anchors": (True, False), "positives": (False,
 GUIDE_DIM = 5
 
 
-def gist(module, model, **kwargs):
+def gist(module, model, tiles=SMALL_TILES, **kwargs):
     if module is infcl_losses:
-        kwargs["backend"] = "torch"
+        kwargs["backend"] = TorchTilesBackend(*tiles)
     # One mini-batch: sentence-transformers' calculate_loss then scores the whole batch at once.
     return module.CachedGISTEmbedLoss(model, model, mini_batch_size=BATCH, **kwargs)
 
@@ -203,21 +195,25 @@ def largest_tensor(fn, inputs):
 
 @pytest.mark.parametrize("loss", ["gte-in-batch-hardness", "gist"])
 def test_no_tensor_has_batch_squared_elements(model, loss):
-    TORCH_TILES.tile_q, TORCH_TILES.tile_k = MEMORY_TILES
     gen = torch.Generator().manual_seed(50)
     inputs = [torch.randn(MEMORY_BATCH, MEMORY_DIM, generator=gen) for _ in range(5)]  # 3 negative columns
     guides = [torch.randn(MEMORY_BATCH, MEMORY_DIM, generator=gen) for _ in range(5)]
     if loss == "gist":
 
         def run(module):
-            objective = gist(module, model, margin=0.1)
+            objective = gist(module, model, tiles=MEMORY_TILES, margin=0.1)
             objective.mini_batch_size = MEMORY_BATCH
             return lambda e: objective.calculate_loss([[x] for x in e], [[x] for x in guides])
     else:
 
         def run(module):
             objective = mnrl(
-                module, model, directions=DIRECTION_SETS[-1], hardness_mode="in_batch_negatives", hardness_strength=9.0
+                module,
+                model,
+                tiles=MEMORY_TILES,
+                directions=DIRECTION_SETS[-1],
+                hardness_mode="in_batch_negatives",
+                hardness_strength=9.0,
             )
             return lambda e: objective.compute_loss_from_embeddings(e, None)
 
@@ -252,7 +248,7 @@ def test_in_batch_hardness_confident_rows_keep_their_digits(model, backend, hard
     def run(module, dtype, **extra):
         loss = mnrl(module, model, hardness_mode=mode, hardness_strength=strength)
         if module is infcl_losses:
-            loss.backend = backend
+            loss.backend = TorchTilesBackend(*SMALL_TILES) if backend == "torch" else backend
         return loss_and_grads(lambda e: loss.compute_loss_from_embeddings(e, None), [x.to(dtype) for x in inputs])
 
     truth, vanilla, ours = (

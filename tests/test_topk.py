@@ -9,7 +9,7 @@ import torch
 from helpers.topk_truth import quarter_features, separated_rows, topk_truth
 from infcl import TopK, topk_scores
 from infcl.backends import unavailable_reason
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 CPU = torch.device("cpu")
 # torch tiles at their default size (one tile at these shapes) and cut small and ragged; the native kernel;
@@ -21,12 +21,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
+def backend(request):
     name = request.param
     if name == "torch-7x13":
-        monkeypatch.setattr(TORCH_TILES, "tile_q", 7)
-        monkeypatch.setattr(TORCH_TILES, "tile_k", 13)
-        name = "torch"
+        name = TorchTilesBackend(7, 13)  # the torch tiles at these sizes, passed by the call
     return name
 
 
@@ -95,19 +93,17 @@ def test_random_low_precision_matches_where_separated(backend, dtype):
 
 
 @pytest.mark.parametrize("tiles", ((None, None), (4, 4), (3, 5), (7, 10)), ids=lambda t: f"{t[0]}x{t[1]}")
-def test_rounded_duplicates_tie_across_ragged_tiles(tiles, monkeypatch):
+def test_rounded_duplicates_tie_across_ragged_tiles(tiles):
     """Random unit features (rounded float32 scores) with columns repeated in other tiles, ragged ones
     included: a copy's score equals its original's whatever the tile's shape (a BLAS may sum a ragged
     tile's dot products in another order), so the lower index comes first, as in the float64 truth."""
-    monkeypatch.setattr(TORCH_TILES, "tile_q", tiles[0])
-    monkeypatch.setattr(TORCH_TILES, "tile_k", tiles[1])
     gen = torch.Generator().manual_seed(8)
     bq, bk = 22, 21  # every block ends in a ragged tile of one column (MKL's sgemm sums that one otherwise)
     q = torch.nn.functional.normalize(torch.randn(bq, 32, generator=gen), dim=1)
     k = torch.nn.functional.normalize(torch.randn(bk, 32, generator=gen), dim=1)
     for original, copy in ((4, 20), (0, 18), (19, 10), (2, 11)):
         k[copy] = k[original]
-    got = topk_scores(q, k, bk, backend="torch")
+    got = topk_scores(q, k, bk, backend=TorchTilesBackend(*tiles))
     want_scores, want_index = topk_truth(q, k, bk)
     torch.testing.assert_close(got.scores.double(), want_scores, atol=1e-6, rtol=0)
     gaps = want_scores[:, :-1] - want_scores[:, 1:]

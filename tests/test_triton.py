@@ -53,9 +53,8 @@ SPLIT = GPU_LIKE.with_splits(groups=2, splits=3, backward_splits=2)
 SINGLE = dataclasses.replace(GPU_LIKE, forward=dataclasses.replace(GPU_LIKE.forward, row_tiles=1))
 
 
-@pytest.fixture(autouse=True)
-def gpu_like_tiling(monkeypatch):
-    monkeypatch.setattr(triton_backend.BACKEND, "tiling", GPU_LIKE)
+# The backend every call of this file runs, passed by the call (backend=TRITON): the GPU-like tiles.
+TRITON = triton_backend.TritonBackend(tiling=GPU_LIKE)
 
 
 def _inputs(bq, bk, dim, seed=0, dtype=torch.float64):
@@ -76,9 +75,9 @@ def _labels(bq, bk, symmetric, seed=1):
     return torch.randperm(bk, generator=gen)[:bq].to(DEVICE)
 
 
-def _ours(q, k, scale, labels=None, symmetric=False, reduction="mean", upstream=None):
+def _ours(q, k, scale, labels=None, symmetric=False, reduction="mean", upstream=None, backend=TRITON):
     return grads_of(
-        lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction=reduction, backend="triton"),
+        lambda q_, k_, s_: cal_inf_loss(q_, k_, labels, s_, symmetric=symmetric, reduction=reduction, backend=backend),
         q,
         k,
         scale,
@@ -86,7 +85,7 @@ def _ours(q, k, scale, labels=None, symmetric=False, reduction="mean", upstream=
     )
 
 
-def _compare(q, k, scale, labels=None, symmetric=False, reduction="mean", upstream=None):
+def _compare(q, k, scale, labels=None, symmetric=False, reduction="mean", upstream=None, backend=TRITON):
     """Our (loss, dq, dk, dscale) in q's dtype and the float64 vanilla truth on the same values."""
     truth = grads_of(
         lambda q_, k_, s_: vanilla_loss(q_, k_, labels, s_, symmetric, reduction),
@@ -95,7 +94,7 @@ def _compare(q, k, scale, labels=None, symmetric=False, reduction="mean", upstre
         scale.double(),
         upstream,
     )
-    return _ours(q, k, scale, labels, symmetric, reduction, upstream), truth
+    return _ours(q, k, scale, labels, symmetric, reduction, upstream, backend), truth
 
 
 def _torch_in_dtype(q, k, scale, labels, symmetric, reduction="mean", upstream=None):
@@ -182,21 +181,21 @@ def test_low_precision_no_worse_than_torch(dtype, bq, bk, dim, symmetric):
 
 
 @pytest.mark.parametrize("symmetric", (False, True))
-def test_split_work_matches_vanilla(monkeypatch, symmetric):
+def test_split_work_matches_vanilla(symmetric):
     """Row groups and k splits (forward) and split dq/dk blocks (backward), merged in a fixed order."""
-    monkeypatch.setattr(triton_backend.BACKEND, "tiling", SPLIT)
     q, k, scale = _inputs(130, 130, 72, seed=16)
-    ours, truth = _compare(q, k, scale, _labels(130, 130, True) if symmetric else None, symmetric)
+    labels = _labels(130, 130, True) if symmetric else None
+    ours, truth = _compare(q, k, scale, labels, symmetric, backend=triton_backend.TritonBackend(tiling=SPLIT))
     _assert_exact(ours, truth, torch.float64, f"split symmetric={symmetric}")
 
 
-def test_interpreter_default_tiles(monkeypatch):
+def test_interpreter_default_tiles():
     """No tiling: the interpreter's big tiles here (INTERPRETER_TILING), the device's defaults on a GPU."""
-    monkeypatch.setattr(triton_backend.BACKEND, "tiling", None)
     # 130 rows: a full 128-row tile and a ragged one; D = 1030: 16 whole 64-wide chunks, a ragged one, and
     # a 1024-wide output slice plus a ragged one.
     q, k, scale = _inputs(130, 130, 1030, seed=15, dtype=torch.float32)
-    ours, truth = _compare(q, k, scale, _labels(130, 130, True), symmetric=True)
+    untiled = triton_backend.TritonBackend(tiling=None)
+    ours, truth = _compare(q, k, scale, _labels(130, 130, True), symmetric=True, backend=untiled)
     _assert_exact(ours, truth, torch.float32, "default tiles")
 
 
@@ -361,13 +360,13 @@ def test_negated_upstream_gives_negated_gradients_exactly(dtype):
         assert torch.equal(a, -b), f"{name}: grad(-w) != -grad(w)"
 
 
-def test_two_calls_are_bit_identical(monkeypatch):
+def test_two_calls_are_bit_identical():
     """No atomics, fixed merge orders: the same inputs give the same bits (splits included)."""
-    monkeypatch.setattr(triton_backend.BACKEND, "tiling", SPLIT)
+    split = triton_backend.TritonBackend(tiling=SPLIT)
     q, k, scale = _inputs(100, 100, 72, seed=27, dtype=torch.float32)
     labels = _labels(100, 100, True)
-    first = _ours(q, k, scale, labels, True)
-    second = _ours(q, k, scale, labels, True)
+    first = _ours(q, k, scale, labels, True, backend=split)
+    second = _ours(q, k, scale, labels, True, backend=split)
     for name, a, b in zip(GRAD_NAMES, first, second):
         assert torch.equal(a, b), f"{name} differs between two calls"
 
@@ -377,7 +376,7 @@ def test_row_losses_are_never_negative(dtype, scale):
     """loss_i = (m - positive) + r with the positive read off the same tile as m: never below 0, even
     for rows whose loss rounds to 0."""
     q, k, scale_t = _confident(90, 32, scale, dtype, seed=28)
-    losses = cal_inf_loss(q, k, scale=scale_t, symmetric=True, reduction="none", backend="triton")
+    losses = cal_inf_loss(q, k, scale=scale_t, symmetric=True, reduction="none", backend=TRITON)
     assert (losses >= 0).all(), losses.min()
 
 
@@ -385,7 +384,7 @@ def test_row_losses_are_never_negative(dtype, scale):
 def test_nan_in_nan_out():
     q, k, scale = _inputs(33, 33, 16, seed=11)
     q[5, 3] = float("nan")
-    loss = cal_inf_loss(q, k, scale=scale, reduction="none", backend="triton")
+    loss = cal_inf_loss(q, k, scale=scale, reduction="none", backend=TRITON)
     expected = vanilla_loss(q, k, scale=scale, reduction="none")
     assert torch.equal(torch.isnan(loss), torch.isnan(expected)) and torch.isnan(loss[5])
 
@@ -495,7 +494,7 @@ def test_torch_compile_matches_eager():
     labels = _labels(40, 40, True)
 
     def loss(q_, k_, s_):
-        return cal_inf_loss(q_, k_, labels, s_, symmetric=True, backend="triton")
+        return cal_inf_loss(q_, k_, labels, s_, symmetric=True, backend=TRITON)
 
     eager = grads_of(loss, q, k, scale)
     compiled = grads_of(torch.compile(loss, backend="aot_eager"), q, k, scale)

@@ -32,14 +32,11 @@ def main():
     default = target_tiling("softmax", torch.bfloat16, "ieee", DIM)
     results = []
     for chunk_d in sorted({default.chunk_d, 64}, reverse=True):
-        triton_backend.BACKEND.tiling = dataclasses.replace(default, chunk_d=chunk_d)
-        try:
-            for batch in BATCHES:
-                out = profile(batch, DIM)
-                results.append({"chunk_d": chunk_d, "default": chunk_d == default.chunk_d, **out})
-                print(f"chunk {chunk_d}{' (default)' if chunk_d == default.chunk_d else ''}: {out}", flush=True)
-        finally:
-            triton_backend.BACKEND.tiling = None
+        backend = triton_backend.TritonBackend(tiling=dataclasses.replace(default, chunk_d=chunk_d))
+        for batch in BATCHES:
+            out = profile(batch, DIM, backend)
+            results.append({"chunk_d": chunk_d, "default": chunk_d == default.chunk_d, **out})
+            print(f"chunk {chunk_d}{' (default)' if chunk_d == default.chunk_d else ''}: {out}", flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "chunk_ab.json"), "w") as f:
             json.dump(results, f, indent=1)

@@ -78,13 +78,14 @@ def errors(batch, dim, device):
     return out
 
 
-def profile(batch, dim):
+def profile(batch, dim, backend="triton"):
+    """One symmetric bf16 forward + backward by ``backend`` (a name, or a TritonBackend with its tiling)."""
     q, k = _inputs(batch, dim, torch.bfloat16, "cuda", seed=1)
     scale = torch.tensor(SCALE, device="cuda")
 
     def step():
         q_, k_ = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
-        cal_inf_loss(q_, k_, None, scale, symmetric=True, backend="triton").backward()
+        cal_inf_loss(q_, k_, None, scale, symmetric=True, backend=backend).backward()
 
     for _ in range(2):  # compile and warm up
         step()

@@ -42,13 +42,13 @@ CASES = [
 ]
 
 
-def _pin(tiling: str, dtype: torch.dtype, dim: int) -> None:
-    from infcl.backends import triton as triton_backend
+def _pin(tiling: str, dtype: torch.dtype, dim: int):
+    """The Tiling a case pins (None: the device's defaults)."""
     from infcl.kernels.target import target_family
     from infcl.kernels.tiling import tiling_for
 
     if tiling == "default":
-        return
+        return None
     base = tiling_for(target_family(), dtype, "ieee", dim, masked=True, guide=True)
     if tiling == "chunk32":
         base = replace(base, resident_d=32, chunk_d=32)
@@ -59,7 +59,7 @@ def _pin(tiling: str, dtype: torch.dtype, dim: int) -> None:
             dq=replace(base.dq, num_warps=4),
             dk=replace(base.dk, num_warps=4),
         )
-    triton_backend.BACKEND.tiling = base
+    return base
 
 
 def run(
@@ -76,11 +76,15 @@ def run(
     from infcl.backends import triton as triton_backend
     from infcl.backends.torch_tiles import TORCH_TILES
 
-    if scores == "torchscores":
-        tiles = TORCH_TILES
-        triton_backend.TritonBackend.guide_label_scores = lambda self, *args: tiles.guide_label_scores(*args)
+    class TorchScores(triton_backend.TritonBackend):
+        """The Triton kernels with the guide's label scores from the torch tiles."""
+
+        def guide_label_scores(self, *args):
+            return TORCH_TILES.guide_label_scores(*args)
+
     dtype = getattr(torch, dtype_name)
-    _pin(tiling, dtype, dim)
+    chosen = TorchScores if scores == "torchscores" else triton_backend.TritonBackend
+    backend = chosen(tiling=_pin(tiling, dtype, dim))
     gen = torch.Generator().manual_seed(0)
     q = F.normalize(torch.randn(b, dim, generator=gen), dim=1)
     k = F.normalize(q + 0.3 * torch.randn(b, dim, generator=gen), dim=1)
@@ -88,7 +92,7 @@ def run(
     gk = F.normalize(gq + torch.randn(b, guide_dim, generator=gen), dim=1)
     q, k = q.to(dtype).cuda().requires_grad_(), k.to(dtype).cuda().requires_grad_()
     gq, gk = ((g.to(dtype) if guide_cast else g).cuda() for g in (gq, gk))
-    out = cal_inf_loss(q, k, None, 10.0, symmetric=symmetric, reduction="none", backend="triton", guide=(gq, gk))
+    out = cal_inf_loss(q, k, None, 10.0, symmetric=symmetric, reduction="none", backend=backend, guide=(gq, gk))
     torch.cuda.synchronize()
     out.sum().backward()
     torch.cuda.synchronize()

@@ -14,7 +14,6 @@ bound. A dry run: the same cases on CPU tensors at toy sizes, the torch tiles st
 """
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List
@@ -101,17 +100,14 @@ def _losses(case: Case, q):
     return infcl, vanilla if case.name != "ids+guide" else None
 
 
-@contextmanager
-def chunk_rows(rows: int):
-    """The chunked route in chunks of at most ``rows`` rows (its size thresholds lifted: a 4096-row block runs it)."""
-    from infcl.backends import chunked
+def _route(backend: str, sizes: Sizes, dry: bool):
+    """What a case's ``backend`` passes: the torch tiles for "triton" in a dry run; for "chunked" the route in chunks
+    of at most ``sizes.check_chunk_rows`` rows (its size thresholds lifted: a 4096-row block runs it)."""
+    if backend == "chunked":
+        from infcl.backends import ChunkedBackend
 
-    saved = chunked.BACKEND
-    chunked.BACKEND = chunked.ChunkedBackend(budget_mb=saved.budget_mb, chunk_rows=rows)
-    try:
-        yield
-    finally:
-        chunked.BACKEND = saved
+        return ChunkedBackend(chunk_rows=sizes.check_chunk_rows)
+    return "torch" if dry and backend == "triton" else backend
 
 
 def check_case(case: Case, sizes: Sizes, dry: bool) -> Dict:
@@ -124,7 +120,7 @@ def check_case(case: Case, sizes: Sizes, dry: bool) -> Dict:
     scale = torch.tensor(LOGIT_SCALE, device=device)
     bias = torch.tensor(SIGLIP_BIAS, device=device) if case.name == "siglip" else None
     fn_of, vanilla = _losses(case, q)
-    ours = fn_of("torch" if dry and case.backend == "triton" else case.backend)
+    ours = fn_of(_route(case.backend, sizes, dry))
     parts = GRADS if bias is not None else GRADS[:4]
     sync(device)
     t0 = time.perf_counter()
@@ -142,18 +138,17 @@ def step_correctness(out: Path, sizes: Sizes, dry: bool, part: str) -> None:
         append_row(out / "correctness.csv", {"case": "S bits forward vs dq vs dk", "status": "skipped",
                    "note": "no hook exposes S from the fused kernels; bench.static checks that the three compile S "
                    "from one MMA layout (tests/test_static_report.py); the route's S bits: route.csv"})  # fmt: skip
-    with chunk_rows(sizes.check_chunk_rows):
-        for case in correctness_cases(part, sizes.check):
-            row = {"case": case.name, "backend": case.backend, "batch": case.batch, "dtype": case.dtype,
-                   "symmetric": case.symmetric}  # fmt: skip
-            if case.backend == "chunked":
-                row["note"] = f"chunk_rows={sizes.check_chunk_rows}"
-            try:
-                row.update(status="ok", **check_case(case, sizes, dry))
-            except Exception as err:  # recorded; the next case runs
-                row.update(status="error", note=f"{type(err).__name__}: {str(err)[:200]}")
-            if not dry:
-                torch.cuda.empty_cache()
-            append_row(out / "correctness.csv", row)
-            print(row, flush=True)
+    for case in correctness_cases(part, sizes.check):
+        row = {"case": case.name, "backend": case.backend, "batch": case.batch, "dtype": case.dtype,
+               "symmetric": case.symmetric}  # fmt: skip
+        if case.backend == "chunked":
+            row["note"] = f"chunk_rows={sizes.check_chunk_rows}"
+        try:
+            row.update(status="ok", **check_case(case, sizes, dry))
+        except Exception as err:  # recorded; the next case runs
+            row.update(status="error", note=f"{type(err).__name__}: {str(err)[:200]}")
+        if not dry:
+            torch.cuda.empty_cache()
+        append_row(out / "correctness.csv", row)
+        print(row, flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -12,7 +12,6 @@ A dry run: the same on CPU tensors at toy sizes (the products as float32 product
 
 import importlib
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -113,36 +112,24 @@ def step_route(out: Path, sizes: Sizes, dry: bool, part: str = "") -> None:
     bits_case(out, sizes.bits, sizes.dim, device)
 
 
-@contextmanager
-def budget(budget_mb: float):
-    """backend="chunked" with a workspace budget of ``budget_mb`` MiB (as ChunkedBackend(budget_mb=...) sets it)."""
-    from infcl.backends import chunked
-
-    saved = chunked.BACKEND
-    chunked.BACKEND = chunked.ChunkedBackend(budget_mb=budget_mb, chunk_rows=saved.chunk_rows, passes=saved.passes)
-    try:
-        yield
-    finally:
-        chunked.BACKEND = saved
-
-
 def step_million(out: Path, sizes: Sizes, dry: bool, part: str = "") -> None:
     from infcl import cal_inf_loss
+    from infcl.backends import ChunkedBackend
 
     from ..methods import make_inputs
 
     device, n = device_for(dry), sizes.million
     case = f"B={n} D={sizes.dim} bf16 symmetric, budget {sizes.million_budget_mb:g} MiB"
     q, k, scale = make_inputs(n, sizes.dim, torch.bfloat16, device)
-    with budget(sizes.million_budget_mb):
-        route_row(out, "million", case, "chunk plan", chunk_plan(q, k))
-        base = 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        cal_inf_loss(q, k, scale=scale, symmetric=True, backend="chunked").backward()
-        sync(device)
-        seconds = time.perf_counter() - t0
+    route = ChunkedBackend(budget_mb=sizes.million_budget_mb)  # the chunked route with the step's workspace budget
+    route_row(out, "million", case, "chunk plan", chunk_plan(q, k, route))
+    base = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    cal_inf_loss(q, k, scale=scale, symmetric=True, backend=route).backward()
+    sync(device)
+    seconds = time.perf_counter() - t0
     peak = f"{(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB" if device.type == "cuda" else "-"
     route_row(out, "million", case, "fwd+bwd", seconds, "s", f"first call (compiles included); peak extra {peak}")

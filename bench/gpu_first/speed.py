@@ -61,14 +61,15 @@ def _symmetric(fn: Callable, q, k, scale):
     return fn(q, k, scale, True)
 
 
-def chunk_plan(q: torch.Tensor, k: torch.Tensor) -> str:
-    """What backend="chunked" does with a block of these features: "C=<rows>", or why the fused kernels run it."""
+def chunk_plan(q: torch.Tensor, k: torch.Tensor, route=None) -> str:
+    """What backend="chunked" (or ``route``, a ChunkedBackend with its options) does with a block of these features:
+    "C=<rows>", or why the fused kernels run it."""
     from infcl.backends import chunked
     from infcl.contract import Block
 
     pos = torch.arange(q.shape[0], device=q.device)
     block = Block(q=q.detach(), k=k.detach(), scale=torch.ones((), device=q.device), pos=pos)
-    plan = chunked.BACKEND.plan(block)
+    plan = (chunked.BACKEND if route is None else route).plan(block)
     return f"C={plan.rows}" if hasattr(plan, "rows") else plan.reason
 
 

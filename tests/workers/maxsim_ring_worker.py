@@ -14,11 +14,13 @@ import torch
 
 from helpers.distributed import run_on_rings
 from infcl import cal_maxsim_loss
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 
 MAIN_WORLD = 3
 RINGS = {1: (0,), 2: (1, 2), 3: (0, 1, 2)}
 TINY_TOKEN_TILES = (9, 20)
+# The backend every call passes: the torch tiles with TINY_TOKEN_TILES.
+TINY = TorchTilesBackend(token_tiles=TINY_TOKEN_TILES)
 # Uneven shards per world size: (queries per rank, documents per rank); documents beyond the queries are negatives.
 SHARDS = {1: ((11,), (17,)), 2: ((7, 4), (5, 12)), 3: ((2, 5, 4), (8, 3, 6))}
 # Padded lengths per world size: (Lq per rank, Lk per rank); the whole set's are the longest.
@@ -91,7 +93,7 @@ def _run(case: MaxSimCase, rank: int, world: int, group):
         q_ids=None if q_ids is None else q_ids[mine],
         k_ids=None if k_ids is None else k_ids[theirs],
         group=group,
-        backend="torch",
+        backend=TINY,
     )
     loss.backward()
     return {"loss": loss.detach(), "dq": q_local.grad, "dd": docs_local.grad, "dscale": scale.grad}
@@ -126,7 +128,7 @@ def _run_st_gather(rank: int, world: int, group):
         scale=1.5,
         similarity_fct=None,
         model=SimpleNamespace(similarity_fn_name="maxsim"),
-        backend="torch",
+        backend=TINY,
     )
     q_local = q[mine].clone().requires_grad_()
     cols_local = [c[mine].clone().requires_grad_() for c in columns]
@@ -136,7 +138,6 @@ def _run_st_gather(rank: int, world: int, group):
 
 
 def scenarios(rank, world, group):
-    TORCH_TILES.token_tiles = TINY_TOKEN_TILES
     results = {case.name: _run(case, rank, world, group) for case in CASES}
     results["st-gather"] = _run_st_gather(rank, world, group)
     return results

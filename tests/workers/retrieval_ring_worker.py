@@ -1,7 +1,8 @@
 """One rank of the retrieval ring test, started by tests/test_retrieval.py through tests/helpers/distributed.py.
 
-``python -m workers.retrieval_ring_worker`` (2 processes) runs every case of :func:`cases` on the ring of 2 ranks with
-the rank tiles shrunk (each block spans several tiles) and writes each rank's metrics and local ranks.
+``python -m workers.retrieval_ring_worker`` (2 processes) runs every case of :data:`CASES` on the ring of 2 ranks by
+each route of :data:`ROUTES` (``backend="auto"``, and the torch tiles shrunk so that each block spans several tiles)
+and writes each rank's metrics and local ranks.
 The cases are global inputs (:func:`global_inputs`) cut into uneven shards: the test compares with a
 float64 argsort truth of the whole set.
 """
@@ -12,12 +13,15 @@ from typing import Optional, Tuple
 import torch
 
 from helpers.distributed import run_on_rings
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 from infcl.metrics import retrieval_metrics
 
 MAIN_WORLD = 2
 RINGS = {2: (0, 1)}
 TINY_TILES = (5, 7)
+# The backend each run passes, by name: "auto" (the native kernel where it is built), and the torch tiles with
+# TINY_TILES (each block spans several tiles).
+ROUTES = {"auto": "auto", "torch-tiny": TorchTilesBackend(*TINY_TILES)}
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def _shard(t, sizes, rank):
     return t[start : start + sizes[rank]]
 
 
-def _run(case: RetrievalCase, rank: int, group):
+def _run(case: RetrievalCase, rank: int, group, backend):
     image, text, labels, q_ids, k_ids = global_inputs(case)
     metrics, ranks = retrieval_metrics(
         _shard(image, case.q_sizes, rank),
@@ -77,13 +81,13 @@ def _run(case: RetrievalCase, rank: int, group):
         any_positive=case.any_positive,
         return_ranks=True,
         group=group,
+        backend=backend,
     )
     return {"metrics": metrics, "ranks": ranks}
 
 
 def scenarios(rank, world, group):
-    TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
-    return {case.name: _run(case, rank, group) for case in CASES}
+    return {f"{case.name}/{route}": _run(case, rank, group, ROUTES[route]) for case in CASES for route in ROUTES}
 
 
 if __name__ == "__main__":

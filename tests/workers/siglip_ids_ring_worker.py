@@ -16,7 +16,7 @@ import torch
 
 from helpers.distributed import run_on_rings
 from infcl import cal_siglip_loss
-from infcl.backends.torch_tiles import TORCH_TILES
+from infcl.backends.torch_tiles import TorchTilesBackend
 from workers.ring_worker import TINY_SUFFIX
 
 MAIN_WORLD = 3
@@ -56,7 +56,7 @@ def shard(sizes: Tuple[int, ...], rank: int) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def _run(world: int, rank: int, group, backend: str, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+def _run(world: int, rank: int, group, backend, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     g = global_inputs(world)
     qs, ks = shard(Q_SIZES[world], rank), shard(K_SIZES[world], rank)
     q = g.q[qs].to(dtype).requires_grad_()
@@ -75,16 +75,10 @@ def scenarios(backends):
     def run(rank: int, world: int, group) -> dict:
         out = {}
         for backend in backends:
-            tiny = backend.endswith(TINY_SUFFIX)
-            name = backend[: -len(TINY_SUFFIX)] if tiny else backend
-            saved = TORCH_TILES.tile_q, TORCH_TILES.tile_k
-            if tiny:
-                TORCH_TILES.tile_q, TORCH_TILES.tile_k = TINY_TILES
-            try:
-                for dtype in DTYPES:
-                    out[(backend, str(dtype))] = _run(world, rank, group, name, dtype)
-            finally:
-                TORCH_TILES.tile_q, TORCH_TILES.tile_k = saved
+            # the torch tiles shrunk: a backend object the call takes (ring_worker.TINY_SUFFIX names it)
+            route = TorchTilesBackend(*TINY_TILES) if backend == "torch" + TINY_SUFFIX else backend
+            for dtype in DTYPES:
+                out[(backend, str(dtype))] = _run(world, rank, group, route, dtype)
         return out
 
     return run
