@@ -69,7 +69,11 @@ SIGMOID_TILINGS = {
     "mma": Tiling(
         *(TileConfig(block_m=64, block_n=64, num_warps=8, max_registers=255),) * 3, resident_d=32, chunk_d=32
     ),
-    "tf32": Tiling(*(TileConfig(block_m=64, block_n=32, num_warps=8),) * 3, resident_d=32, chunk_d=32),
+    # maxnreg 255 too: since the S product is no longer peeled (one S-tile builder), ptxas 12 capped tf32's
+    # backward at 80 registers on sm_80/86 and spilled 32 B at D = 512 on block-multiple batches.
+    "tf32": Tiling(
+        *(TileConfig(block_m=64, block_n=32, num_warps=8, max_registers=255),) * 3, resident_d=32, chunk_d=32
+    ),
     "ieee": Tiling(*(TileConfig(block_m=32, block_n=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(block_m=32, block_n=16, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
