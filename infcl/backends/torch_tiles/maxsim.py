@@ -29,7 +29,7 @@ import torch
 from ...contract import Block, Tensor, accum_dtype
 from ...lse import empty_stats, lse_merge, tile_stats
 from .softmax import _plain_masks, _tile_masks, probabilities
-from .walk import CPU_PRODUCT_MULTIPLE, Tile, positives
+from .walk import CPU_PRODUCT_MULTIPLE, Tile, positives, product_rows
 
 # (query tokens, document tokens) per token tile. CPU: 512 x 4096 fp32 is 8 MiB, two of which live in the backward;
 # at Lq = 32, Lk = 180 that is 16 queries x 22 documents, products large enough for MKL's full rate on 2 threads.
@@ -65,15 +65,6 @@ def token_tiles(device: torch.device, lq: int, lk: int, tiles: Optional[Tuple[in
     return max(1, tq // lq), max(1, tk // lk)
 
 
-def _product_rows(n: int, device: torch.device) -> int:
-    """The rows a product of ``n`` token rows takes: on a CPU, a multiple of :data:`.walk.CPU_PRODUCT_MULTIPLE`
-    (MKL sums the rows and columns beyond its micro-kernel in another order: an exact copy of a token would miss
-    its tie by an ulp at the edge of a product)."""
-    if device.type != "cpu":
-        return n
-    return -(-n // CPU_PRODUCT_MULTIPLE) * CPU_PRODUCT_MULTIPLE
-
-
 def _walk(block: Block, tiles: Optional[Tuple[int, int]]):
     """The block's tiles, document blocks outer. The queries are copied once per block and each document tile
     once: the tokens in the accumulation dtype with the masked ones zeroed and, with a document mask, one more
@@ -98,12 +89,12 @@ def _walk(block: Block, tiles: Optional[Tuple[int, int]]):
             k_rows = _tokens(block.k[cols], None, acc, None)
         nd = cols.stop - cols.start
         kj = k_rows[: nd * lk].view(nd, lk, -1)
-        k_window = k_rows[: _product_rows(nd * lk, device)]
+        k_window = k_rows[: product_rows(nd * lk, device)]
         for i0 in range(0, bq, nq):
             rows = slice(i0, min(i0 + nq, bq))
             first, count = i0 * lq, (rows.stop - i0) * lq
             qi = q_rows[first : first + count].view(-1, lq, q_rows.shape[1])
-            q_window = q_rows[first : first + _product_rows(count, device)]
+            q_window = q_rows[first : first + product_rows(count, device)]
             yield MaxSimTile(rows, cols, qi, kj, q_window, k_window, weight[rows], mask, empty)
 
 
@@ -156,7 +147,7 @@ def _tile_buffer(block: Block, tiles: Optional[Tuple[int, int]]) -> Tensor:
     bk, lk, _ = block.k.shape
     device = block.q.device
     nq, nk = token_tiles(device, lq, lk, tiles)
-    numel = _product_rows(min(nq, bq) * lq, device) * _product_rows(min(nk, bk) * lk, device)
+    numel = product_rows(min(nq, bq) * lq, device) * product_rows(min(nk, bk) * lk, device)
     return torch.empty(numel, dtype=accum_dtype(block.q.dtype), device=device)
 
 

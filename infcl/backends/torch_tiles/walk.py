@@ -93,18 +93,25 @@ def window_product(a: Tensor, b: Tensor, rows: slice, cols: slice, buf: Optional
     axis): every tile of a block is then one product shape. ``buf``: a flat buffer of a's dtype for the
     product (None: a new tensor); the result is a view into it."""
     (row_window, row_part), (col_window, col_part) = full_window(rows, a.shape[0]), full_window(cols, b.shape[0])
-    aw, bw = a[row_window], b[col_window]
-    if aw.device.type == "cpu" and (aw.shape[0] % CPU_PRODUCT_MULTIPLE or bw.shape[0] % CPU_PRODUCT_MULTIPLE):
-        aw, bw = _zero_padded(aw), _zero_padded(bw)
+    aw, bw = _zero_padded(a[row_window]), _zero_padded(b[col_window])
+    if aw.shape[0] != row_window.stop - row_window.start or bw.shape[0] != col_window.stop - col_window.start:
         buf = None  # the padded product is larger than a tile buffer
     out = None if buf is None else buf[: aw.shape[0] * bw.shape[0]].view(aw.shape[0], bw.shape[0])
     return torch.mm(aw, bw.T, out=out)[row_part, col_part]
 
 
+def product_rows(n: int, device: torch.device) -> int:
+    """The rows (or columns) a compared product of ``n`` takes: on a CPU, ``n`` rounded up to a multiple of
+    :data:`CPU_PRODUCT_MULTIPLE`; elsewhere ``n``."""
+    if device.type != "cpu":
+        return n
+    return -(-n // CPU_PRODUCT_MULTIPLE) * CPU_PRODUCT_MULTIPLE
+
+
 def _zero_padded(x: Tensor) -> Tensor:
-    """``x`` [n, D] with zero rows appended up to a multiple of :data:`CPU_PRODUCT_MULTIPLE` (x itself if it is one)."""
+    """``x`` [n, D] with zero rows appended up to :func:`product_rows` (x itself where that is n)."""
     n = x.shape[0]
-    padded = -(-n // CPU_PRODUCT_MULTIPLE) * CPU_PRODUCT_MULTIPLE
+    padded = product_rows(n, x.device)
     if padded == n:
         return x
     out = x.new_zeros(padded, x.shape[1])
