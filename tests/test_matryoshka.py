@@ -10,9 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from helpers.support import (
+    EXACT_NORMWISE,
     TOLERANCE,
     assert_close_verbose,
+    assert_normwise,
+    exact_softmax_truth,
     features_and_labels,
+    grads_of,
+    margin_features,
     masked_truth_directions,
     reduce_masked_truth,
     tiled_backends,
@@ -239,3 +244,39 @@ def test_triton_interpreted(backend):
     )
     for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
         assert_close_verbose(a, b, 1e-5, 1e-5, f"triton {what}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+@pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
+def test_confident_prefixes_are_exact(backend, dtype, symmetric):
+    """Both prefixes of a confident batch (1 - P_pos ~ 1e-11 .. 1e-24 at scale 100) against the weighted sum of
+    the cancellation-free float64 truth per prefix, where F.cross_entropy, even in float64, rounds the loss and
+    its gradient to 0: the fused pass's per-prefix statistics must keep those digits."""
+    scale = 100.0
+    base_q, base_k, labels = margin_features(128, 32, scale, symmetric, seed=3 + symmetric)
+    gen = torch.Generator().manual_seed(11)
+    tail_q, tail_k = (1e-3 * torch.randn(128, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    q, k = torch.cat([base_q, tail_q], 1).to(dtype), torch.cat([base_k, tail_k], 1).to(dtype)
+    dims, weights = (48, 32), (1.0, 0.5)
+    spec = Matryoshka(dims, weights, renormalize=False)
+    scale_t = torch.tensor(scale, dtype=dtype)
+    ours = grads_of(
+        lambda a, b, s: cal_inf_loss(
+            a, b, labels, s, symmetric=symmetric, reduction="none", backend=_backend(backend), matryoshka=spec
+        ),
+        q,
+        k,
+        scale_t,
+    )
+    truth = [torch.zeros(128, dtype=torch.float64), torch.zeros(q.shape, dtype=torch.float64)]
+    truth += [torch.zeros(k.shape, dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
+    for m, w in zip(dims, weights):
+        loss, dq, dk, dscale = exact_softmax_truth(q[:, :m], k[:, :m], scale_t, labels, symmetric)
+        lo, hi = float(loss.min()), float(loss.max())
+        assert lo < 1e-20 and hi < 1e-9, f"prefix {m}: losses {lo:.3g} .. {hi:.3g}: not the confident regime"
+        truth[0] += w * loss
+        truth[1][:, :m] += w * dq
+        truth[2][:, :m] += w * dk
+        truth[3] += w * dscale
+    assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
