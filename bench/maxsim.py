@@ -1,6 +1,7 @@
 """The late-interaction (MaxSim) loss stage: sentence-transformers' against infcl's, time and peak memory.
 
     python -m bench --preset late-interaction [--batch 1024 4096] [--lq 32] [--ld 180] [--dim 128] [--repeats 2]
+        [--backend cpu torch]
     python -m bench.maxsim ...   (the same)
 
 From a batch of token embeddings (B queries [B, Lq, D], one document each [B, Ld, D], random fp32, unit-norm
@@ -12,6 +13,12 @@ times, in one process; each keeps its best time and largest peak. Memory: the pe
 when the call started (the inputs exist before; their gradients, B * (Lq + Ld) * D * 4 bytes, are allocated in
 the call and counted), and the same less those gradients ("beyond grads"). Times on a shared machine are noisy:
 read the ratios. Prints one table row per (batch, backend); ``--csv PATH`` also writes them.
+
+The GEMM bound, measured in the same run as ``bench.gemm`` does for the dense loss (``torch.mm`` of [B, D] x [D, B]
+into a preallocated output, best of the runs interleaved with the loss's): each backend's forward alone (no grad)
+is timed too, and its token-product rate is the real tokens' products, 2 * D * (sum of the queries' real lengths)
+* (sum of the documents'), over that time (everything else the forward does counts against it), next to the GEMM
+rate.
 """
 
 import argparse
@@ -23,10 +30,14 @@ from typing import List, Sequence
 import torch
 import torch.nn.functional as F
 
+from bench.gemm import gemm_rates, gemm_steps
 from bench.machine import cpu_name
+from bench.measure import time_step
 from bench.st_loss import MIB, measure
 
 SCALE = 1.0  # MultiVectorMultipleNegativesRankingLoss's default
+# The GEMM's runs per round (after its warm-up runs): a [B, D] x [D, B] product takes milliseconds.
+GEMM_WARMUP, GEMM_RUNS = 2, 10
 
 
 def token_batch(batch: int, lq: int, ld: int, dim: int, seed: int = 0):
@@ -42,7 +53,8 @@ def token_batch(batch: int, lq: int, ld: int, dim: int, seed: int = 0):
 
 
 def steps(batch: int, lq: int, ld: int, dim: int, backends: Sequence[str]):
-    """{name: callable} running each loss stage once on leaves made before the call (their grads reset)."""
+    """({name: callable} running each loss stage once on leaves made before the call (their grads reset),
+    {backend: callable} running its forward alone without grad, the real tokens' product flops)."""
     from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
 
     from infcl import cal_maxsim_loss
@@ -64,19 +76,37 @@ def steps(batch: int, lq: int, ld: int, dim: int, backends: Sequence[str]):
 
         return run
 
-    return {"theirs": theirs, **{backend: ours(backend) for backend in backends}}
+    def forward(backend):
+        def run():
+            with torch.no_grad():
+                cal_maxsim_loss(q, docs, scale=SCALE, q_mask=q_mask, docs_mask=docs_mask, backend=backend)
+
+        return run
+
+    flops = 2.0 * dim * float(q_mask.sum()) * float(docs_mask.sum())
+    named = {"theirs": theirs, **{backend: ours(backend) for backend in backends}}
+    return named, {backend: forward(backend) for backend in backends}, flops
 
 
 def run_batch(batch: int, lq: int, ld: int, dim: int, repeats: int, backends: Sequence[str]) -> List[dict]:
-    named = steps(batch, lq, ld, dim, backends)
+    named, forwards, flops = steps(batch, lq, ld, dim, backends)
+    gemm = gemm_steps(batch, dim, torch.float32, torch.device("cpu"))
     best = {name: (float("inf"), 0) for name in named}
+    forward_s = {name: float("inf") for name in forwards}
+    gemm_times = {name: [] for name in gemm}
     for _ in range(repeats):
         for name, step in named.items():
             seconds, peak = measure(step)
             best[name] = (min(best[name][0], seconds), max(best[name][1], peak))
+        for name, step in forwards.items():
+            forward_s[name] = min(forward_s[name], measure(step)[0])
+        for name, step in gemm.items():
+            gemm_times[name] += time_step(step, torch.device("cpu"), GEMM_WARMUP, GEMM_RUNS)
+    gemm_gflops = gemm_rates(batch, dim, gemm_times)["gflops"]
     grads = batch * (lq + ld) * dim * 4 / MIB
     rows = []
     for backend in backends:
+        product_gflops = flops / forward_s[backend] / 1e9
         rows.append(
             {
                 "batch": batch,
@@ -88,6 +118,10 @@ def run_batch(batch: int, lq: int, ld: int, dim: int, repeats: int, backends: Se
                 "ours_mib": best[backend][1] / MIB,
                 "theirs_beyond_grads_mib": best["theirs"][1] / MIB - grads,
                 "ours_beyond_grads_mib": best[backend][1] / MIB - grads,
+                "ours_forward_s": forward_s[backend],
+                "product_gflops": product_gflops,
+                "gemm_gflops": gemm_gflops,
+                "of_gemm": product_gflops / gemm_gflops,
             }
         )
     return rows
@@ -103,7 +137,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ld", type=int, default=180)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--backend", nargs="+", default=["torch"], help="infcl's backends (cal_maxsim_loss's)")
+    parser.add_argument(
+        "--backend", nargs="+", default=["cpu", "torch"], help="infcl's backends (cal_maxsim_loss's: cpu, torch)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
@@ -114,8 +150,11 @@ def main(argv=None) -> int:
         f"random real lengths in [L/2, L]; best of {args.repeats} alternating; {cpu_name()}, "
         f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} at the start"
     )
-    print("| B | backend | theirs s | ours s | ours / theirs | theirs MiB (beyond grads) | ours MiB (beyond grads) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| B | backend | theirs s | ours s | ours / theirs | theirs MiB (beyond grads) | ours MiB (beyond grads) "
+        "| ours fwd s | token products GFLOP/s | GEMM GFLOP/s | of GEMM |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     for batch in args.batch:
         for row in run_batch(batch, args.lq, args.ld, args.dim, args.repeats, args.backend):
@@ -123,7 +162,8 @@ def main(argv=None) -> int:
             print(
                 f"| {batch} | {row['backend']} | {row['theirs_s']:.2f} | {row['ours_s']:.2f} | {row['ratio']:.2f} | "
                 f"{row['theirs_mib']:.0f} ({row['theirs_beyond_grads_mib']:.0f}) | "
-                f"{row['ours_mib']:.0f} ({row['ours_beyond_grads_mib']:.0f}) |",
+                f"{row['ours_mib']:.0f} ({row['ours_beyond_grads_mib']:.0f}) | {row['ours_forward_s']:.2f} | "
+                f"{row['product_gflops']:.0f} | {row['gemm_gflops']:.0f} | {row['of_gemm']:.2f} |",
                 flush=True,
             )
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")

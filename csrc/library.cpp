@@ -49,4 +49,9 @@ TORCH_LIBRARY(infcl, m) {
   m.def(
       "topk_block_(Tensor q, Tensor k, Tensor col_index, Tensor(a!) key, Tensor(b!) index, Tensor(c!) nan, "
       "bool largest, Tensor? pos, Tensor? q_ids, Tensor? k_ids) -> ()");
+  // the MaxSim (late-interaction) loss: maxsim.cpp
+  m.def("maxsim_scores(Tensor q, Tensor docs, Tensor q_weight, Tensor? docs_mask, bool with_winners) -> (Tensor, Tensor)");
+  m.def(
+      "maxsim_route_(Tensor q, Tensor docs, Tensor winners, Tensor coef, Tensor q_weight, Tensor(a!) dq, "
+      "Tensor(b!) dk) -> ()");
 }

@@ -1,13 +1,19 @@
-"""cal_maxsim_loss on the torch tiles against the float64 MaxSim truth (tests/helpers/maxsim_truth.py): every dtype,
-odd shapes in ragged tiles, masks, MeanMaxSim, labels with extra documents, false negatives, the scale's gradient,
-strides, the lowest-index rule for ties, the edge rules and the input errors."""
+"""cal_maxsim_loss on the torch tiles and the native kernel against the float64 MaxSim truth
+(tests/helpers/maxsim_truth.py): every dtype, odd shapes in ragged tiles, masks, MeanMaxSim, labels with extra
+documents, false negatives, the scale's gradient, strides, the lowest-index rule for ties, the edge rules and the
+input errors."""
 
 import pytest
 import torch
 
 from helpers.maxsim_truth import maxsim_loss, maxsim_scores
 from infcl import cal_maxsim_loss
+from infcl.backends import unavailable_reason
+from infcl.backends.native import maxsim as native_maxsim
 from infcl.backends.torch_tiles import TorchTilesBackend
+
+NATIVE_REASON = unavailable_reason("cpu", torch.device("cpu"))
+needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native kernel unavailable: {NATIVE_REASON}")
 
 # (dtype, tolerance relative to the largest truth value): float32 round-off; the half types' tokens are rounded
 # before the truth sees them, so what is left is float32 accumulation plus the gradients' own rounding.
@@ -20,11 +26,18 @@ DTYPES = (
 # (Bq, Bk, Lq, Lk, D): odd sizes, none a multiple of the small tiles below; Bk > Bq takes labels.
 SHAPES = ((7, 7, 5, 11, 13), (3, 10, 1, 4, 1), (9, 9, 6, 3, 33))
 SMALL_TILES = (8, 24)  # (query tokens, document tokens) per tile: several ragged tiles per block
+# The native kernel's bytes per document tile in these tests (its TILE_BYTES): 1 or 2 documents a tile at the
+# SHAPES above (one tile at the second), so the softmax merges several tiles per block.
+NATIVE_TILE_BYTES = 1000
 
 
-@pytest.fixture
-def small_tiles():
-    """The backend the tests pass (``backend=small_tiles``): the torch tiles with SMALL_TILES token tiles."""
+@pytest.fixture(params=("torch", pytest.param("cpu", marks=needs_native)))
+def small_tiles(request, monkeypatch):
+    """The backend the tests pass (``backend=small_tiles``): the torch tiles with SMALL_TILES token tiles, and the
+    native kernel with NATIVE_TILE_BYTES document tiles."""
+    if request.param == "cpu":
+        monkeypatch.setattr(native_maxsim, "TILE_BYTES", NATIVE_TILE_BYTES)
+        return "cpu"
     return TorchTilesBackend(token_tiles=SMALL_TILES)
 
 
@@ -153,25 +166,75 @@ def test_ties_go_to_the_lowest_index(small_tiles):
     assert docs.grad[:, 1].abs().sum() > 0  # the copies' gradient went somewhere: to token 1
 
 
-@pytest.mark.parametrize("tiles", (SMALL_TILES, (40, 63), None))
-def test_random_float_copies_route_to_the_first(tiles):
+@pytest.mark.parametrize(
+    "backend,dim",
+    (
+        (TorchTilesBackend(token_tiles=SMALL_TILES), 16),
+        (TorchTilesBackend(token_tiles=(40, 63)), 16),
+        (TorchTilesBackend(), 16),
+        pytest.param("cpu", 16, marks=needs_native),
+        # D = 1024: the native kernel's column chunks (csrc/maxsim_tokens.h CHUNK_BYTES) hold 64 tokens, so the
+        # copies sit in other chunks than their originals, and documents straddle chunks.
+        pytest.param("cpu", 1024, marks=needs_native),
+    ),
+)
+def test_random_float_copies_route_to_the_first(backend, dim):
     """Exact copies of random float32 document tokens, at the ends of the token products and across tiles: each
     copy scores the same bits as its original, so only the lowest index gets a gradient."""
     gen = torch.Generator().manual_seed(9)
-    q = torch.randn(6, 5, 16, generator=gen)
-    docs = torch.randn(7, 21, 16, generator=gen)
+    q = torch.randn(6, 5, dim, generator=gen)
+    docs = torch.randn(7, 21, dim, generator=gen)
     docs[:, 2] *= 4.0  # a large token: it wins most maxima
     docs[:, 17] = docs[:, 2]
     docs[:, 20] = docs[:, 2]
     docs[:, 15] = docs[:, 0]
     q.requires_grad_()
     docs.requires_grad_()
-    loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5, backend=TorchTilesBackend(token_tiles=tiles))
+    loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5, backend=backend)
     loss.backward()
     for copy in (17, 20, 15):
         assert torch.equal(docs.grad[:, copy], torch.zeros_like(docs.grad[:, copy])), copy
     assert (docs.grad[:, 2].abs().sum(dim=1) > 0).all()
     _close(loss.detach(), maxsim_loss(q.detach().double(), docs.detach().double(), torch.arange(6), 0.5), 2e-5, "loss")
+
+
+@needs_native
+def test_native_same_bits_at_any_thread_count(monkeypatch):
+    """Several query groups (Bq * Lq above the kernel's 256 token rows a group, csrc/maxsim.cpp GROUP_ROWS), ragged
+    masks and several document tiles: 1, 2 and 3 threads give the same loss and gradients bit for bit, within
+    float32 rounding of the truth."""
+    monkeypatch.setattr(native_maxsim, "TILE_BYTES", 20_000)  # 6 documents a tile
+    q, docs, q_mask, docs_mask, labels = _inputs(60, 50, 9, 13, 20, torch.float32, seed=4)
+    upstream = torch.linspace(-1.0, 2.0, 60)
+    kwargs = dict(q_mask=q_mask, docs_mask=docs_mask, length_normalize=True)
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(_run(q, docs, labels, 3.0, "none", upstream, "cpu", **kwargs))
+    finally:
+        torch.set_num_threads(saved)
+    (ours, truth), others = results[0], [r[0] for r in results[1:]]
+    for other in others:
+        for a, b in zip(ours, other):
+            assert torch.equal(a, b)
+    for name, a, b in zip(("loss", "dq", "docs grad", "dscale"), ours, truth):
+        _close(a, b, 2e-5, name)
+
+
+@needs_native
+def test_native_nan_query_token_rule_as_the_torch_tiles():
+    """A NaN in a real query token: that query's loss is NaN and the others' are the torch tiles', finite."""
+    q, docs, q_mask, docs_mask, _ = _inputs(4, 4, 3, 5, 6, torch.float32, seed=12)
+    q[2, 1, 0] = float("nan")
+    results = [
+        cal_maxsim_loss(q, docs, q_mask=q_mask, docs_mask=docs_mask, reduction="none", backend=backend)
+        for backend in ("torch", "cpu")
+    ]
+    for loss in results:
+        assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+    _close(results[1][[0, 1, 3]], results[0][[0, 1, 3]], 2e-5, "the other queries' losses")
 
 
 def test_empty_document_and_empty_query(small_tiles):
@@ -233,7 +296,6 @@ def test_return_stats_and_defaults():
         (lambda q, d: cal_maxsim_loss(q, d, q_ids=torch.arange(4)), ValueError, "q_ids was given without k_ids"),
         (lambda q, d: cal_maxsim_loss(q, d, length_normalize=1), TypeError, "length_normalize must be a bool"),
         (lambda q, d: cal_maxsim_loss(q, d, reduction="max"), ValueError, "reduction must be"),
-        (lambda q, d: cal_maxsim_loss(q, d, backend="cpu"), ValueError, "no backend='cpu' yet; use 'auto' or 'torch'"),
         (lambda q, d: cal_maxsim_loss(q, d, backend="reference"), NotImplementedError, "no backend='reference'"),
         (lambda q, d: cal_maxsim_loss(q, d[:, :0]), ValueError, "non-empty"),
     ),

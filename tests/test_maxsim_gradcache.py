@@ -2,10 +2,15 @@
 the whole batch, the masks passed to the loss as loss kwargs), and every parameter's gradient equals the one full
 batch's forward and backward."""
 
+import pytest
 import torch
 from torch import nn
 
 from infcl import GradCache, cal_maxsim_loss
+from infcl.backends import unavailable_reason
+
+NATIVE_REASON = unavailable_reason("cpu", torch.device("cpu"))
+needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native kernel unavailable: {NATIVE_REASON}")
 
 
 class TokenEncoder(nn.Module):
@@ -21,7 +26,8 @@ class TokenEncoder(nn.Module):
         return self.proj(self.drop(torch.tanh(self.embed(ids))))
 
 
-def test_gradcache_matches_the_full_batch():
+@pytest.mark.parametrize("backend", ("torch", pytest.param("cpu", marks=needs_native)))
+def test_gradcache_matches_the_full_batch(backend):
     torch.manual_seed(0)
     q_enc, d_enc = TokenEncoder(), TokenEncoder()
     gen = torch.Generator().manual_seed(1)
@@ -31,7 +37,7 @@ def test_gradcache_matches_the_full_batch():
     scale = torch.tensor(3.0, requires_grad=True)
 
     def loss_fn(q, d, **masks):
-        return cal_maxsim_loss(q, d, scale=scale, length_normalize=True, **masks)
+        return cal_maxsim_loss(q, d, scale=scale, length_normalize=True, backend=backend, **masks)
 
     cache = GradCache([q_enc, d_enc], chunk_sizes=3, loss_fn=loss_fn)
     torch.manual_seed(7)

@@ -19,6 +19,10 @@ from sentence_transformers.multi_vector_encoder import losses as st_losses  # no
 from sentence_transformers.multi_vector_encoder.scoring import mean_colbert_scores  # noqa: E402
 
 import infcl.sentence_transformers as infcl_losses  # noqa: E402
+from infcl.backends import unavailable_reason  # noqa: E402
+
+NATIVE_REASON = unavailable_reason("cpu", torch.device("cpu"))
+needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native kernel unavailable: {NATIVE_REASON}")
 
 NAMES = ("MultiVectorMultipleNegativesRankingLoss", "CachedMultiVectorMultipleNegativesRankingLoss")
 WORDS = ("river", "stone", "light", "green", "music", "paper", "cloud", "quiet", "market", "train", "winter", "code")
@@ -57,7 +61,8 @@ def test_constructor_mirrors_upstream(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("mean", (False, True), ids=("maxsim", "meanmaxsim"))
-def test_loss_and_gradients_match_upstream(name, mean):
+@pytest.mark.parametrize("backend", ("torch", pytest.param("cpu", marks=needs_native)))
+def test_loss_and_gradients_match_upstream(name, mean, backend):
     model = encoder()
     model.eval()  # no dropout: the three runs see the same embeddings
     feats = features(model, texts(6, 3, seed=1))
@@ -65,7 +70,7 @@ def test_loss_and_gradients_match_upstream(name, mean):
     if name.startswith("Cached"):
         kwargs["mini_batch_size"] = 4
     theirs = loss_and_grads(getattr(st_losses, name)(model, **kwargs), model, feats)
-    ours = loss_and_grads(getattr(infcl_losses, name)(model, **kwargs, backend="torch"), model, feats)
+    ours = loss_and_grads(getattr(infcl_losses, name)(model, **kwargs, backend=backend), model, feats)
     model.double()
     truth = loss_and_grads(getattr(st_losses, name)(model, **kwargs), model, feats)
     assert abs(ours[0] - truth[0]) <= 2 * abs(theirs[0] - truth[0]) + 1e-6 * abs(truth[0])

@@ -85,7 +85,7 @@ NO_CHUNKED = {
 }
 # The call kinds that some backends do not run yet, and those backends: an explicit one raises ValueError,
 # INFCL_BACKEND naming one runs the kind's own "auto" choice.
-NOT_YET = {"maxsim": ("cal_maxsim_loss", ("cpu", "triton"))}
+NOT_YET = {"maxsim": ("cal_maxsim_loss", ("triton",))}
 # Where "auto" takes the chunked route instead of AUTO's "triton" for a plain softmax loss (no masks): (GPU family,
 # dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than the fused
 # kernels'; family as infcl.kernels.target's ARCH_FAMILIES keys, e.g. (90, "bfloat16"): 16384. ``python -m

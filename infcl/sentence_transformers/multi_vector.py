@@ -97,7 +97,7 @@ class MultiVectorMultipleNegativesRankingLoss(st_losses.MultiVectorMultipleNegat
 
     Extra keyword-only arguments:
         group: the process group to ring over (default: the world); only with ``gather_across_devices=True``.
-        backend: ``cal_maxsim_loss``'s backend ("auto", "torch").
+        backend: ``cal_maxsim_loss``'s backend ("auto", "torch", "cpu").
     """
 
     @mirrors(st_losses.MultiVectorMultipleNegativesRankingLoss)

@@ -1,7 +1,8 @@
 """One rank of the MaxSim ring test, started by tests/test_maxsim_ring.py through tests/helpers/distributed.py.
 
 ``python -m workers.maxsim_ring_worker`` (3 processes) runs every case of :data:`CASES` on the rings of 1, 2 and 3
-ranks (``RINGS``) on the torch tiles (shrunk: each block spans several ragged tiles). Each rank passes its uneven
+ranks (``RINGS``) on the torch tiles and on the native kernel (both shrunk: each block spans several ragged tiles;
+the native cases where the kernel is available). Each rank passes its uneven
 shard of the queries and of the documents, each shard at its own padded lengths (``LENGTHS``: the queries' Lq and
 the documents' Lk differ per rank), and writes its local loss and gradients; the test compares them with the
 float64 truth of the whole set (:func:`global_inputs`, padded to the longest lengths as masked tokens).
@@ -14,13 +15,18 @@ import torch
 
 from helpers.distributed import run_on_rings
 from infcl import cal_maxsim_loss
+from infcl.backends import unavailable_reason
+from infcl.backends.native import maxsim as native_maxsim
 from infcl.backends.torch_tiles import TorchTilesBackend
 
 MAIN_WORLD = 3
 RINGS = {1: (0,), 2: (1, 2), 3: (0, 1, 2)}
 TINY_TOKEN_TILES = (9, 20)
-# The backend every call passes: the torch tiles with TINY_TOKEN_TILES.
+# The torch tiles' calls pass: the torch tiles with TINY_TOKEN_TILES.
 TINY = TorchTilesBackend(token_tiles=TINY_TOKEN_TILES)
+# The native kernel's bytes per document tile here: 1 to 3 documents a tile.
+NATIVE_TILE_BYTES = 500
+NATIVE_REASON = unavailable_reason("cpu", torch.device("cpu"))
 # Uneven shards per world size: (queries per rank, documents per rank); documents beyond the queries are negatives.
 SHARDS = {1: ((11,), (17,)), 2: ((7, 4), (5, 12)), 3: ((2, 5, 4), (8, 3, 6))}
 # Padded lengths per world size: (Lq per rank, Lk per rank); the whole set's are the longest.
@@ -34,12 +40,16 @@ class MaxSimCase:
     dtype: torch.dtype = torch.float32
     ids: bool = False
     length_normalize: bool = False
+    native: bool = False  # the native kernel ("cpu") instead of the torch tiles
 
 
 CASES = (
     MaxSimCase("fp32"),
     MaxSimCase("ids-meanmaxsim-fp64", torch.float64, ids=True, length_normalize=True),
     MaxSimCase("bf16", torch.bfloat16),
+    MaxSimCase("native-fp32", native=True),
+    MaxSimCase("native-ids-meanmaxsim-fp64", torch.float64, ids=True, length_normalize=True, native=True),
+    MaxSimCase("native-bf16", torch.bfloat16, native=True),
 )
 SCALE = 1.5
 
@@ -93,7 +103,7 @@ def _run(case: MaxSimCase, rank: int, world: int, group):
         q_ids=None if q_ids is None else q_ids[mine],
         k_ids=None if k_ids is None else k_ids[theirs],
         group=group,
-        backend=TINY,
+        backend="cpu" if case.native else TINY,
     )
     loss.backward()
     return {"loss": loss.detach(), "dq": q_local.grad, "dd": docs_local.grad, "dscale": scale.grad}
@@ -138,7 +148,8 @@ def _run_st_gather(rank: int, world: int, group):
 
 
 def scenarios(rank, world, group):
-    results = {case.name: _run(case, rank, world, group) for case in CASES}
+    native_maxsim.TILE_BYTES = NATIVE_TILE_BYTES
+    results = {case.name: _run(case, rank, world, group) for case in CASES if NATIVE_REASON is None or not case.native}
     results["st-gather"] = _run_st_gather(rank, world, group)
     return results
 

@@ -1,5 +1,5 @@
 """The native CPU backend (``backend="cpu"``): the fused C++ block kernels (the repository's ``csrc/``), a file per
-loss (:mod:`.softmax`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`), put together in
+loss (:mod:`.softmax`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`, :mod:`.maxsim`), put together in
 :mod:`.backend`.
 
 The kernel registers one custom op per block operation (``torch.ops.infcl.forward_block`` ...); the loader

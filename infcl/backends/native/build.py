@@ -314,6 +314,16 @@ def _topk_block_fake(q, k, col_index, key, index, nan, largest, pos, q_ids, k_id
     return None  # continues key, index and nan in place
 
 
+def _maxsim_scores_fake(q, docs, q_weight, docs_mask, with_winners):
+    bq, lq, nk = q.shape[0], q.shape[1], docs.shape[0]
+    raw = q.new_empty(bq, nk, dtype=accum_dtype(q.dtype))
+    return raw, q.new_empty(bq if with_winners else 0, lq, nk, dtype=torch.int32)
+
+
+def _maxsim_route_fake(q, docs, winners, coef, q_weight, dq, dk) -> None:
+    return None  # accumulates into dq and dk in place
+
+
 FAKES = {
     "infcl::forward_block": _forward_fake,  # csrc/softmax_ops.cpp
     "infcl::backward_block": _backward_fake,
@@ -327,6 +337,8 @@ FAKES = {
     "infcl::rank_best_positives": _rank_best_positives_fake,  # csrc/retrieval.cpp
     "infcl::rank_ahead_counts": _rank_ahead_counts_fake,
     "infcl::topk_block_": _topk_block_fake,  # csrc/topk.cpp
+    "infcl::maxsim_scores": _maxsim_scores_fake,  # csrc/maxsim.cpp
+    "infcl::maxsim_route_": _maxsim_route_fake,
 }
 
 

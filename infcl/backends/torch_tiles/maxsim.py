@@ -151,6 +151,43 @@ def _tile_buffer(block: Block, tiles: Optional[Tuple[int, int]]) -> Tensor:
     return torch.empty(numel, dtype=accum_dtype(block.q.dtype), device=device)
 
 
+def merge_score_tile(block: Block, rows: Tensor, tile: Tile, raw: Tensor) -> None:
+    """The forward's softmax over one tile of scores ``raw`` = R [nq, nd] (queries ``tile.rows`` against documents
+    ``tile.cols``, overwritten with S = scale * R): its stats merged into ``rows[:2]`` by :func:`infcl.lse.lse_merge`
+    (the ids' false negatives left out), the positives' S into ``rows[2]``. Every backend's MaxSim forward ends
+    here (the native kernel forms R in C++)."""
+    s = raw.mul_(block.scale)  # score_tile_gradients repeats this product
+    masks = _tile_masks(block, tile, False, None) if block.masks is not None else None
+    kept = s if masks is None else s.masked_fill(masks.excluded, NEG_INF)
+    lse_merge(rows[:2, tile.rows], tile_stats(kept, 1))
+    inside, idx = positives(block.pos, tile)
+    pos_row = rows[2, tile.rows]
+    torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
+
+
+def score_tile_gradients(block: Block, tile: Tile, raw: Tensor, dscale: Tensor) -> Tensor:
+    """The backward's softmax over one tile of scores ``raw`` = R [nq, nd] (bit-identical to the forward's):
+    adds sum dS * R to ``dscale[0]`` and returns C = scale * dS [nq, nd], with dS = g * (P - Y) by the softmax
+    tiles' own :func:`~.softmax.probabilities`; C[i, j] * w[i, t] is what query token (i, t) routes to its
+    winning token of document j."""
+    scale = block.scale
+    s = raw * scale  # bit-identical to the forward's tile
+    masks = _tile_masks(block, tile, False, None) if block.masks is not None else _plain_masks(block, tile)
+    ds = probabilities(
+        torch.empty_like(s),
+        s,
+        masks,
+        masks.excluded,
+        block.row_stats[:, tile.rows, None],
+        block.g_row[tile.rows, None],
+        None,
+        s,
+    )
+    # An empty document's -inf score meets dS = 0 off its row's positive: that term is 0, not NaN.
+    dscale[0] += torch.where(ds == 0, 0.0, ds * raw).sum()
+    return ds.mul_(scale)
+
+
 class MaxSimTiles:
     """The MaxSim loss's block operations on the torch tiles. ``token_tiles``: (query tokens, document tokens) per
     tile (None: the device kind's default, :data:`CPU_TOKEN_TILES` / :data:`GPU_TOKEN_TILES`)."""
@@ -164,18 +201,11 @@ class MaxSimTiles:
         buf = _tile_buffer(block, self.token_tiles)
         for tile in _walk(block, self.token_tiles):
             product = _token_product(tile, buf)
-            s = _scores(tile, torch.amax(product, dim=2)).mul_(block.scale)  # the backward repeats these operations
-            masks = _tile_masks(block, tile.as_tile(), False, None) if block.masks is not None else None
-            kept = s if masks is None else s.masked_fill(masks.excluded, NEG_INF)
-            lse_merge(rows[:2, tile.rows], tile_stats(kept, 1))
-            inside, idx = positives(block.pos, tile.as_tile())
-            pos_row = rows[2, tile.rows]
-            torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
+            merge_score_tile(block, rows, tile.as_tile(), _scores(tile, torch.amax(product, dim=2)))
         return rows
 
     def maxsim_backward_block(self, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
         acc = accum_dtype(block.q.dtype)
-        scale = block.scale
         dscale = torch.zeros(2, dtype=acc, device=block.q.device)
         buf = _tile_buffer(block, self.token_tiles)
         routing_buf = torch.zeros_like(buf)  # all zeros between tiles: each tile resets the entries it wrote
@@ -183,24 +213,9 @@ class MaxSimTiles:
         for tile in _walk(block, self.token_tiles):
             product = _token_product(tile, buf)
             maxima, winner = torch.max(product, dim=2)  # the lowest index among equal maxima
-            raw = _scores(tile, maxima)
-            s = raw * scale  # bit-identical to the forward's tile
-            t = tile.as_tile()
-            masks = _tile_masks(block, t, False, None) if block.masks is not None else _plain_masks(block, t)
-            ds = probabilities(
-                torch.empty_like(s),
-                s,
-                masks,
-                masks.excluded,
-                block.row_stats[:, tile.rows, None],
-                block.g_row[tile.rows, None],
-                None,
-                s,
-            )
-            # An empty document's -inf score meets dS = 0 off its row's positive: that term is 0, not NaN.
-            dscale[0] += torch.where(ds == 0, 0.0, ds * raw).sum()
+            coef = score_tile_gradients(block, tile.as_tile(), _scores(tile, maxima), dscale)
             # The routing: each (query token, document) sends scale * dS * w to its winning document token.
-            routed = ds.mul_(scale)[:, None, :] * tile.weight[:, :, None]  # [nq, Lq, nd]
+            routed = coef[:, None, :] * tile.weight[:, :, None]  # [nq, Lq, nd]
             if tile.empty is not None:
                 routed.masked_fill_(tile.empty[None, None], 0.0)
             routing = routing_buf[: product.numel()].view(product.shape)
