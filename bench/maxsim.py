@@ -23,6 +23,9 @@ rate.
 
 import argparse
 import csv
+import ctypes
+import ctypes.util
+import math
 import os
 import sys
 from typing import List, Sequence
@@ -36,6 +39,8 @@ from bench.measure import time_step
 from bench.st_loss import MIB, measure
 
 SCALE = 1.0  # MultiVectorMultipleNegativesRankingLoss's default
+# glibc's mallopt parameter and the value main() sets: buffers from 64 KiB up are mapped and unmapped on their own.
+M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES = -3, 64 * 1024
 # The GEMM's runs per round (after its warm-up runs): a [B, D] x [D, B] product takes milliseconds.
 GEMM_WARMUP, GEMM_RUNS = 2, 10
 
@@ -52,7 +57,16 @@ def token_batch(batch: int, lq: int, ld: int, dim: int, seed: int = 0):
     return q, docs, *masks
 
 
-def steps(batch: int, lq: int, ld: int, dim: int, backends: Sequence[str]):
+def fixed_mmap_threshold() -> None:
+    """Pin glibc's mmap threshold (as MALLOC_MMAP_THRESHOLD_ would): glibc otherwise raises it after the first large
+    free, and a later call then reuses the heap a previous one left, so its peak resident set misses its own buffers
+    (sentence-transformers' 2 GiB run first made infcl's gradients look free)."""
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        ctypes.CDLL(libc).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def steps(batch: int, lq: int, ld: int, dim: int, backends: Sequence[str], theirs_too: bool = True):
     """({name: callable} running each loss stage once on leaves made before the call (their grads reset),
     {backend: callable} running its forward alone without grad, the real tokens' product flops)."""
     from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
@@ -84,14 +98,17 @@ def steps(batch: int, lq: int, ld: int, dim: int, backends: Sequence[str]):
         return run
 
     flops = 2.0 * dim * float(q_mask.sum()) * float(docs_mask.sum())
-    named = {"theirs": theirs, **{backend: ours(backend) for backend in backends}}
+    named = {**({"theirs": theirs} if theirs_too else {}), **{backend: ours(backend) for backend in backends}}
     return named, {backend: forward(backend) for backend in backends}, flops
 
 
-def run_batch(batch: int, lq: int, ld: int, dim: int, repeats: int, backends: Sequence[str]) -> List[dict]:
-    named, forwards, flops = steps(batch, lq, ld, dim, backends)
+def run_batch(
+    batch: int, lq: int, ld: int, dim: int, repeats: int, backends: Sequence[str], theirs_too: bool = True
+) -> List[dict]:
+    named, forwards, flops = steps(batch, lq, ld, dim, backends, theirs_too)
     gemm = gemm_steps(batch, dim, torch.float32, torch.device("cpu"))
     best = {name: (float("inf"), 0) for name in named}
+    best.setdefault("theirs", (math.nan, math.nan))  # not run (--no-theirs)
     forward_s = {name: float("inf") for name in forwards}
     gemm_times = {name: [] for name in gemm}
     for _ in range(repeats):
@@ -141,8 +158,15 @@ def main(argv=None) -> int:
         "--backend", nargs="+", default=["cpu", "torch"], help="infcl's backends (cal_maxsim_loss's: cpu, torch)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument(
+        "--theirs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run sentence-transformers' loss too (--no-theirs: infcl's rows alone, e.g. where theirs takes an hour)",
+    )
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
+    fixed_mmap_threshold()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
@@ -157,7 +181,7 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     for batch in args.batch:
-        for row in run_batch(batch, args.lq, args.ld, args.dim, args.repeats, args.backend):
+        for row in run_batch(batch, args.lq, args.ld, args.dim, args.repeats, args.backend, args.theirs):
             rows.append(row)
             print(
                 f"| {batch} | {row['backend']} | {row['theirs_s']:.2f} | {row['ours_s']:.2f} | {row['ratio']:.2f} | "

@@ -8,7 +8,7 @@ import torch
 
 from helpers.maxsim_truth import maxsim_loss, maxsim_scores
 from infcl import cal_maxsim_loss
-from infcl.backends import unavailable_reason
+from infcl.backends import resolve_backend, unavailable_reason
 from infcl.backends.native import maxsim as native_maxsim
 from infcl.backends.torch_tiles import TorchTilesBackend
 
@@ -280,6 +280,11 @@ def test_return_stats_and_defaults():
     assert stats.q2k_positive_logit.item() == pytest.approx(scores.diagonal().mean().item(), rel=1e-5)
     assert stats.k2q_accuracy is None
     _close(loss, maxsim_loss(q.double(), docs.double()), 2e-5, "loss")
+
+
+@needs_native
+def test_auto_runs_the_native_kernel_on_cpu():
+    assert resolve_backend("auto", torch.device("cpu"), "maxsim") == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,9 @@ AUTO = {
     "distill": {"cpu": "cpu", "cuda": "torch"},
     "rank": {"cpu": "cpu", "cuda": "torch"},
     "topk": {"cpu": "cpu", "cuda": "torch"},
-    # The MaxSim loss runs on the torch tiles only, for now (no native or Triton kernel yet).
-    "maxsim": {"cpu": "torch", "cuda": "torch"},
+    # The MaxSim loss: the native kernel on CPU (docs/maxsim.md: 2 token products over the real tokens against the
+    # torch tiles' 4 over padded ones); no Triton kernel yet.
+    "maxsim": {"cpu": "cpu", "cuda": "torch"},
 }
 # The backend each device type runs best when it can (the one whose unavailability "auto" checks and reports).
 NATIVE_TO = {"cpu": "cpu", "cuda": "triton"}
