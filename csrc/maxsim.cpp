@@ -74,23 +74,28 @@ class ScoreWorker {
         maxima_(group * lq_ * nk), winner_(with_winners ? group * lq_ * nk : 0), row_query_(group * lq_),
         row_token_(group * lq_) {}
 
-  // Queries [i0, i1): their scores into raw [Bq, nk] and (with_winners) their winners [Bq, Lq, nk].
-  void run(int64_t i0, int64_t i1, T* raw, int32_t* winners) {
+  // Queries [i0, i1) against documents [j0, j1): their scores into raw [Bq, nk] and (with_winners) their winners
+  // [Bq, Lq, nk]. The column blocks the documents touch are formed whole (a block two calls share is formed by
+  // each, the same bits), so the results do not depend on how the documents are split.
+  void run(int64_t i0, int64_t i1, int64_t j0, int64_t j1, T* raw, int32_t* winners) {
     const int64_t m = pack_rows(i0, i1);
     const int64_t padded = (m + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     std::fill(maxima_.begin(), maxima_.begin() + m * nk_, -std::numeric_limits<T>::infinity());
     if (with_winners_) std::fill(winner_.begin(), winner_.begin() + m * nk_, -1);
-    const int64_t all = panel_.blocks * COL_BLOCK<T>;
-    for (int64_t c0 = 0; c0 < all; c0 += chunk_) {
-      const int64_t c1 = std::min(all, c0 + chunk_);
+    const int64_t first = panel_.start[j0] / COL_BLOCK<T> * COL_BLOCK<T>;
+    const int64_t last = (panel_.start[j1] + COL_BLOCK<T> - 1) / COL_BLOCK<T> * COL_BLOCK<T>;
+    for (int64_t c0 = first; c0 < last; c0 += chunk_) {
+      const int64_t c1 = std::min(last, c0 + chunk_);
       for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK) {
         for (int64_t c = c0; c < c1; c += COL_BLOCK<T>) {
           token_block(a_.data() + r0 * d_, panel_.block(c / COL_BLOCK<T>), d_, strip_.data() + (c - c0), chunk_);
         }
-        for (int64_t r = 0; r < std::min(ROW_BLOCK, m - r0); ++r) fold(strip_.data() + r * chunk_, c0, c1, r0 + r);
+        for (int64_t r = 0; r < std::min(ROW_BLOCK, m - r0); ++r) {
+          fold(strip_.data() + r * chunk_, c0, c1, j0, j1, r0 + r);
+        }
       }
     }
-    write(i0, i1, m, raw, winners);
+    write(i0, i1, j0, j1, m, raw, winners);
   }
 
  private:
@@ -111,15 +116,15 @@ class ScoreWorker {
     return m;
   }
 
-  // A strip row (columns [c0, c1) of the panel) into row `row`'s running maxima of the documents it covers; a
-  // max replaces the running one only when greater (or the first NaN), so the lowest index wins a tie.
-  void fold(const T* s, int64_t c0, int64_t c1, int64_t row) {
+  // A strip row (columns [c0, c1) of the panel) into row `row`'s running maxima of the documents of [j0, j1) it
+  // covers; a max replaces the running one only when greater (or the first NaN), so the lowest index wins a tie.
+  void fold(const T* s, int64_t c0, int64_t c1, int64_t j0, int64_t j1, int64_t row) {
     const int64_t end = std::min(c1, panel_.columns);
     const std::vector<int64_t>& start = panel_.start;
-    int64_t j = std::upper_bound(start.begin(), start.end(), c0) - start.begin() - 1;
+    int64_t j = std::max<int64_t>(j0, std::upper_bound(start.begin(), start.end(), c0) - start.begin() - 1);
     T* maxima = maxima_.data() + row * nk_;
     int32_t* winner = with_winners_ ? winner_.data() + row * nk_ : nullptr;
-    for (; j < nk_ && start[j] < end; ++j) {
+    for (; j < j1 && start[j] < end; ++j) {
       const int64_t lo = std::max(start[j], c0) - c0, hi = std::min(start[j + 1], end) - c0;
       if (lo >= hi) continue;
       const T m = segment_max(s, lo, hi);
@@ -133,17 +138,20 @@ class ScoreWorker {
     }
   }
 
-  // R [i, j] = sum over query i's weighted tokens (in order) of w * max; its winners by token.
-  void write(int64_t i0, int64_t i1, int64_t m, T* raw, int32_t* winners) const {
+  // R[i, j] = sum over query i's weighted tokens (in order) of w * max, j in [j0, j1); its winners by token.
+  void write(int64_t i0, int64_t i1, int64_t j0, int64_t j1, int64_t m, T* raw, int32_t* winners) const {
     int64_t row = 0;
     for (int64_t i = i0; i < i1; ++i) {
       T* out = raw + i * nk_;
-      std::fill(out, out + nk_, T(0));
+      std::fill(out + j0, out + j1, T(0));
       for (; row < m && row_query_[row] == i; ++row) {
         const T w = weight_[i * lq_ + row_token_[row]];
         const T* mx = maxima_.data() + row * nk_;
-        for (int64_t j = 0; j < nk_; ++j) out[j] += w * mx[j];
-        if (winners) std::copy_n(winner_.data() + row * nk_, nk_, winners + (i * lq_ + row_token_[row]) * nk_);
+        for (int64_t j = j0; j < j1; ++j) out[j] += w * mx[j];
+        if (winners) {
+          std::copy(winner_.data() + row * nk_ + j0, winner_.data() + row * nk_ + j1,
+                    winners + (i * lq_ + row_token_[row]) * nk_ + j0);
+        }
       }
     }
   }
@@ -180,12 +188,17 @@ void scores_impl(const at::Tensor& q, const at::Tensor& docs, const at::Tensor& 
   panel.template pack<In>(docs, real);
   const int64_t group = std::max<int64_t>(1, GROUP_ROWS / lq);
   const int64_t groups = (bq + group - 1) / group;
+  // Fewer query groups than threads (a small block): the documents are split too, so that every thread has work.
+  const int64_t parts = std::clamp<int64_t>((at::get_num_threads() + groups - 1) / groups, 1, std::max<int64_t>(1, nk));
   const T* w = weight.data_ptr<T>();
   T* out = raw.data_ptr<T>();
   int32_t* win = winners.numel() ? winners.data_ptr<int32_t>() : nullptr;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups * parts, 1, [&](int64_t u0, int64_t u1) {
     ScoreWorker<In, T> work(q, w, panel, nk, group, win != nullptr);
-    for (int64_t g = g0; g < g1; ++g) work.run(g * group, std::min(bq, (g + 1) * group), out, win);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / parts, p = u % parts;
+      work.run(g * group, std::min(bq, (g + 1) * group), nk * p / parts, nk * (p + 1) / parts, out, win);
+    }
   });
 }
 

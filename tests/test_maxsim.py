@@ -199,13 +199,14 @@ def test_random_float_copies_route_to_the_first(backend, dim):
 
 
 @needs_native
-def test_native_same_bits_at_any_thread_count(monkeypatch):
-    """Several query groups (Bq * Lq above the kernel's 256 token rows a group, csrc/maxsim.cpp GROUP_ROWS), ragged
-    masks and several document tiles: 1, 2 and 3 threads give the same loss and gradients bit for bit, within
-    float32 rounding of the truth."""
-    monkeypatch.setattr(native_maxsim, "TILE_BYTES", 20_000)  # 6 documents a tile
-    q, docs, q_mask, docs_mask, labels = _inputs(60, 50, 9, 13, 20, torch.float32, seed=4)
-    upstream = torch.linspace(-1.0, 2.0, 60)
+@pytest.mark.parametrize("shape", ((60, 50, 9, 13, 20), (3, 40, 4, 13, 20)))
+def test_native_same_bits_at_any_thread_count(monkeypatch, shape):
+    """Several query groups (Bq * Lq above the kernel's 256 token rows a group, csrc/maxsim.cpp GROUP_ROWS), or one
+    group whose documents the threads split, ragged masks and several document tiles: 1, 2 and 3 threads give the
+    same loss and gradients bit for bit, within float32 rounding of the truth."""
+    monkeypatch.setattr(native_maxsim, "TILE_BYTES", 20_000)  # 6 documents a tile at the first shape
+    q, docs, q_mask, docs_mask, labels = _inputs(*shape, torch.float32, seed=4)
+    upstream = torch.linspace(-1.0, 2.0, shape[0])
     kwargs = dict(q_mask=q_mask, docs_mask=docs_mask, length_normalize=True)
     saved = torch.get_num_threads()
     results = []
