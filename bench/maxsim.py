@@ -15,10 +15,11 @@ the call and counted), and the same less those gradients ("beyond grads"). Times
 read the ratios. Prints one table row per (batch, backend); ``--csv PATH`` also writes them.
 
 The GEMM bound, measured in the same run as ``bench.gemm`` does for the dense loss (``torch.mm`` of [B, D] x [D, B]
-into a preallocated output, best of the runs interleaved with the loss's): each backend's forward alone (no grad)
-is timed too, and its token-product rate is the real tokens' products, 2 * D * (sum of the queries' real lengths)
-* (sum of the documents'), over that time (everything else the forward does counts against it), next to the GEMM
-rate.
+into a preallocated output): each backend's forward alone (no grad) on the first ``RATE_QUERIES`` queries against
+every document, and a run of those products with as many flops, in turn, ``RATE_ROUNDS`` times, best of each (runs of
+about the same length, so that a shared machine's load weighs on both alike). The token-product rate is the real
+tokens' products, 2 * D * (sum of those queries' real lengths) * (sum of the documents'), over the forward's time
+(everything else the forward does counts against it).
 """
 
 import argparse
@@ -33,16 +34,16 @@ from typing import List, Sequence
 import torch
 import torch.nn.functional as F
 
-from bench.gemm import gemm_rates, gemm_steps
+from bench.gemm import gemm_flops
 from bench.machine import cpu_name
-from bench.measure import time_step
 from bench.st_loss import MIB, measure
 
 SCALE = 1.0  # MultiVectorMultipleNegativesRankingLoss's default
 # glibc's mallopt parameter and the value main() sets: buffers from 64 KiB up are mapped and unmapped on their own.
 M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES = -3, 64 * 1024
-# The GEMM's runs per round (after its warm-up runs): a [B, D] x [D, B] product takes milliseconds.
-GEMM_WARMUP, GEMM_RUNS = 2, 10
+# The rate measurement: the forward's queries (the first ones, against every document) and its rounds.
+RATE_QUERIES = 128
+RATE_ROUNDS = 3
 
 
 def token_batch(batch: int, lq: int, ld: int, dim: int, seed: int = 0):
@@ -90,36 +91,55 @@ def steps(batch: int, lq: int, ld: int, dim: int, backends: Sequence[str], their
 
         return run
 
+    n = min(RATE_QUERIES, batch)
+
     def forward(backend):
         def run():
             with torch.no_grad():
-                cal_maxsim_loss(q, docs, scale=SCALE, q_mask=q_mask, docs_mask=docs_mask, backend=backend)
+                cal_maxsim_loss(
+                    q[:n], docs, torch.arange(n), SCALE, q_mask=q_mask[:n], docs_mask=docs_mask, backend=backend
+                )
 
         return run
 
-    flops = 2.0 * dim * float(q_mask.sum()) * float(docs_mask.sum())
+    flops = 2.0 * dim * float(q_mask[:n].sum()) * float(docs_mask.sum())
     named = {**({"theirs": theirs} if theirs_too else {}), **{backend: ours(backend) for backend in backends}}
     return named, {backend: forward(backend) for backend in backends}, flops
+
+
+def gemm_run(batch: int, dim: int, flops: float):
+    """(callable, its flops): ``torch.mm`` [B, D] x [D, B] into a preallocated output, as ``bench.gemm`` times the
+    dense loss's bound, repeated for at least ``flops``."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(batch, dim, generator=gen), torch.randn(batch, dim, generator=gen)
+    out = torch.empty(batch, batch)
+    reps = max(1, math.ceil(flops / gemm_flops(batch, dim)))
+
+    def run():
+        for _ in range(reps):
+            torch.mm(a, b.T, out=out)
+
+    return run, reps * gemm_flops(batch, dim)
 
 
 def run_batch(
     batch: int, lq: int, ld: int, dim: int, repeats: int, backends: Sequence[str], theirs_too: bool = True
 ) -> List[dict]:
     named, forwards, flops = steps(batch, lq, ld, dim, backends, theirs_too)
-    gemm = gemm_steps(batch, dim, torch.float32, torch.device("cpu"))
     best = {name: (float("inf"), 0) for name in named}
     best.setdefault("theirs", (math.nan, math.nan))  # not run (--no-theirs)
-    forward_s = {name: float("inf") for name in forwards}
-    gemm_times = {name: [] for name in gemm}
     for _ in range(repeats):
         for name, step in named.items():
             seconds, peak = measure(step)
             best[name] = (min(best[name][0], seconds), max(best[name][1], peak))
+    gemm, gemm_total = gemm_run(batch, dim, flops)
+    forward_s = {name: float("inf") for name in forwards}
+    gemm_s = float("inf")
+    for _ in range(RATE_ROUNDS):
         for name, step in forwards.items():
             forward_s[name] = min(forward_s[name], measure(step)[0])
-        for name, step in gemm.items():
-            gemm_times[name] += time_step(step, torch.device("cpu"), GEMM_WARMUP, GEMM_RUNS)
-    gemm_gflops = gemm_rates(batch, dim, gemm_times)["gflops"]
+        gemm_s = min(gemm_s, measure(gemm)[0])
+    gemm_gflops = gemm_total / gemm_s / 1e9
     grads = batch * (lq + ld) * dim * 4 / MIB
     rows = []
     for backend in backends:
@@ -176,7 +196,7 @@ def main(argv=None) -> int:
     )
     print(
         "| B | backend | theirs s | ours s | ours / theirs | theirs MiB (beyond grads) | ours MiB (beyond grads) "
-        "| ours fwd s | token products GFLOP/s | GEMM GFLOP/s | of GEMM |"
+        f"| fwd s ({RATE_QUERIES} queries) | token products GFLOP/s | GEMM GFLOP/s | of GEMM |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []

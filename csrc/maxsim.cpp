@@ -13,8 +13,9 @@
 //   the same bits at any thread count.
 //
 // Tiling: the documents are packed once per call (maxsim_tokens.h: real tokens only); threads take groups of
-// queries, whose weighted tokens are packed into row blocks, and pass the row blocks over one L2-sized column
-// chunk of the documents at a time, folding each strip of scores into the running maxima per (token, document).
+// queries (and, when the groups are fewer than the threads, ranges of the documents), whose weighted tokens are
+// packed into row blocks, and pass the row blocks over one L2-sized column chunk of the documents at a time,
+// folding each strip of scores into the running maxima per (token, document).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
