@@ -284,6 +284,20 @@ def test_return_stats_and_defaults():
 
 
 @needs_native
+def test_native_ops_pass_opcheck():
+    """Schema, fake (torch.compile) impls and in-place annotations of the two ops agree with the kernel."""
+    gen = torch.Generator().manual_seed(8)
+    q, docs = torch.randn(3, 4, 5, generator=gen), torch.randn(6, 7, 5, generator=gen)
+    weight, mask = torch.ones(3, 4), torch.rand(6, 7, generator=gen) > 0.3
+    scores = torch.ops.infcl.maxsim_scores
+    torch.library.opcheck(scores.default, (q, docs, weight, mask, True))
+    raw, winners = scores(q, docs, weight, mask, True)
+    assert raw.shape == (3, 6) and winners.shape == (3, 4, 6) and winners.dtype == torch.int32
+    args = (q, docs, winners, torch.randn(3, 6, generator=gen), weight, torch.zeros(3, 4, 5), torch.zeros(6, 7, 5))
+    torch.library.opcheck(torch.ops.infcl.maxsim_route_.default, args)
+
+
+@needs_native
 def test_auto_runs_the_native_kernel_on_cpu():
     assert resolve_backend("auto", torch.device("cpu"), "maxsim") == "cpu"
 
