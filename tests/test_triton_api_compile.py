@@ -174,6 +174,24 @@ def test_sigmoid_id_calls_compile_on_sm_90_80_100(results):
         assert dtypes <= seen[f"sm_{arch}"], (arch, seen[f"sm_{arch}"])
 
 
+def test_matryoshka_calls_compile_on_sm_90_80_100(results):
+    """cal_inf_loss(matryoshka=...) (issue 56) compiled its fused kernels, forward and both backward walks, in
+    every dtype on sm_90, sm_80 and (where the wheel's ptxas knows it) sm_100; spills are test_no_register_spills'
+    check."""
+    seen = defaultdict(set)
+    for r in results:
+        words = r["call"].split()
+        if any(w.startswith("matryoshka=") for w in words) and "kernels" in r:
+            expected = {"matryoshka_forward", "matryoshka_dq", "matryoshka_dk"}
+            assert {row["kernel"] for row in r["kernels"]} == expected, r["call"]
+            seen[words[0]].add(words[2])
+    arches = [a for a in triton_compile.MATRYOSHKA_TARGETS if triton_compile.ptxas_knows(a)]
+    assert 90 in arches and 80 in arches
+    for arch in arches:
+        dtypes = {triton_compile.dtype_label(d, p) for d, p in triton_compile.api_dtypes(arch, False, _float64_dot())}
+        assert dtypes <= seen[f"sm_{arch}"], (arch, seen[f"sm_{arch}"])
+
+
 def test_big_one_chunk_tiles_compile():
     """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
     sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (score_tiles.score_dot's [M, N, D]

@@ -29,9 +29,12 @@ GEMM-equivalents per block (D, dims m_k, slices of width BLOCK_OUT): forward 1 p
 columns as well); backward, per walk, S once per slice plus sum_k m_k / D for the products (1 + 2.25 at
 dims (768, 512, 256, 128, 64) in one slice), against K passes of the plain loss.
 
-float16: dS^k a^k b^k can fall below float16's range (a mean over a large batch times small probabilities
-and factors), so the gradient products take float32 operands at "tf32" (float16's 10 mantissa bits, exactly;
-float32's exponent range) instead of float16 ones.
+16-bit inputs: the gradient products take float32 operands at "tf32" (10 mantissa bits; float32's exponent
+range), the features exactly. In float16, dS^k a^k b^k can fall below the dtype's range (a mean over a large
+batch times small probabilities and factors); in bfloat16, its 8 bits cost the gradient of a renormalized
+prefix digits: the product's radial part, of the size of the gradient itself, cancels against the
+normalization's term (-a^2 c x), and bfloat16 operands left dq 1.5x further from the truth than torch's own
+bfloat16 formula in tests/test_matryoshka.py.
 """
 
 from typing import Any, NamedTuple, Optional, Tuple
@@ -90,14 +93,16 @@ class Operands(NamedTuple):
 @triton.jit
 def _grown(q, k, rows, cols, lo, hi, raw, tile, dot):
     """raw + q[rows, lo:hi] @ k[cols, lo:hi].T: the tile's raw product grown by the segment [lo, hi)
-    (:func:`~infcl.kernels.score_tiles.score_chunks` on the segment's columns, features past hi read 0)."""
-    return raw + score_chunks(
+    (:func:`~infcl.kernels.score_tiles.score_chunks` on the segment's columns, features past hi read 0,
+    continuing ``raw`` in the products' own accumulator)."""
+    return score_chunks(
         Matrix(q.ptr + lo.to(tl.int64) * q.stride_c, q.n, hi - lo, q.stride_r, q.stride_c),
         Matrix(k.ptr + lo.to(tl.int64) * k.stride_c, k.n, hi - lo, k.stride_r, k.stride_c),
         rows,
         cols,
         tile,
         dot,
+        raw=raw,
     )
 
 
@@ -247,9 +252,9 @@ def _matryoshka_backward_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # float16: the gradient products take float32 operands at tf32 (module docstring); under the interpreter
+    # 16-bit inputs: the gradient products take float32 operands at tf32 (module docstring); under the interpreter
     # at "ieee", which it computes in float32 anyway.
-    GRAD_F32: tl.constexpr = q_ptr.dtype.element_ty == tl.float16
+    GRAD_F32: tl.constexpr = q_ptr.dtype.element_ty.primitive_bitwidth == 16
     GRAD_PRECISION: tl.constexpr = ("tf32" if PTX else "ieee") if GRAD_F32 else PRECISION
     _backward_lines(
         Operands(
@@ -304,14 +309,15 @@ def _backward_lines(
     scale = tl.load(ops.scale_ptr)
     grad = tl.zeros([lines.shape[0], BLOCK_OUT], dot.ACC)
     if BY_COLUMN:
-        pos = lines  # loaded per tile below
+        pos = lines  # unused: the tile's rows' positives are loaded per tile
     else:
         pos = load_vector(ops.pos_ptr, lines, n_q, 1, -1, True)
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
         if BY_COLUMN:
-            pos = load_vector(ops.pos_ptr, rows, n_q, 1, -1, True)
-        is_pos = cols[None, :] == pos[:, None]
+            is_pos = cols[None, :] == load_vector(ops.pos_ptr, rows, n_q, 1, -1, True)[:, None]
+        else:
+            is_pos = cols[None, :] == pos[:, None]
         raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=dot.ACC)
         hi = tl.load(ops.prefixes.bounds_ptr)
         for p in range(count):
@@ -330,19 +336,18 @@ def _backward_lines(
                 tl.store(at, tl.load(at, mask=write_sums, other=0.0) + part, mask=write_sums)
                 ds = ds + ds_col
             if hi > f0:  # prefix p holds features of this slice: those below hi
-                weighted = ds * a[:, None] * b[None, :]
+                operand = dot_operand(ds * a[:, None] * b[None, :], grad_dot.ACC, grad_dot.PRECISION)
                 if BY_COLUMN:
                     other = load_tile(
                         Matrix(ops.q.ptr, n_q, hi, ops.q.stride_r, ops.q.stride_c), rows, feats, True, True
                     )
-                    weighted = tl.trans(weighted)
+                    operand = tl.trans(operand)
                 else:
                     other = load_tile(
                         Matrix(ops.k.ptr, n_k, hi, ops.k.stride_r, ops.k.stride_c), cols, feats, True, True
                     )
                 if GRAD_F32:
                     other = other.to(tl.float32)
-                operand = dot_operand(weighted, grad_dot.ACC, grad_dot.PRECISION)
                 grad = tile_dot(operand, other, grad, grad_dot.UPCAST, grad_dot.PRECISION)
     D = ops.q.d
     mask = ok[:, None] & (feats[None, :] < D)
@@ -354,10 +359,10 @@ def _backward_lines(
 
 
 def _launch_args(q: Tensor, k: Tensor, scale: Tensor, bounds: Tensor, q_factors: Tensor, k_factors: Tensor, precision):
-    """The rank kernels' arguments (:func:`infcl.kernels.rank.launch_args`: q, k, the S tile of the ranks' and
-    distillation's tiling, tl.dot's precision) plus the scale, the prefixes and their factors; the tiling and
-    the accumulation dtype."""
-    args, tiling = launch_args(q, k, precision)
+    """The rank kernels' arguments (:func:`infcl.kernels.rank.launch_args`: q, k, the S tile of
+    :func:`infcl.kernels.tiling.matryoshka_tiling`, tl.dot's precision) plus the scale, the prefixes and their
+    factors; the tiling and the accumulation dtype."""
+    args, tiling = launch_args(q, k, precision, "matryoshka")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_factors, k_factors = (f.to(acc).contiguous() for f in (q_factors, k_factors))
     args.update(

@@ -86,6 +86,17 @@ RANK_TILINGS = {
     "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
+# The fused Matryoshka kernels' tilings per operand class (kernels/matryoshka.py), the same on every family. Their
+# backward holds a gradient slice, the running raw product, S, u = S / scale and both directions' dS beside the
+# S chunk's operands: on tensor cores the 64 x 32 tile on 8 warps (the ranks' 64 x 64 on sm_90 spilled dk
+# 92-108 B in bf16/fp16 at D = 1000) and 64-wide slices (each slice recomputes S: wider is cheaper while it fits);
+# the FMA classes take the ranks' tiles.
+MATRYOSHKA_TILINGS = {
+    "mma": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32, chunk_d=32),
+    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=32, chunk_d=32),
+    "ieee": RANK_TILINGS["ieee"],
+    "fp64": RANK_TILINGS["fp64"],
+}
 # Under the interpreter: the softmax and sigmoid kernels take few big tiles (configs.INTERPRETER_TILING); the
 # rank, distillation and top-k kernels small ones, so that the tests' small shapes cut into several ragged blocks.
 _SMALL_INTERPRETER_TILING = Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32)
@@ -94,6 +105,7 @@ INTERPRETER_TILINGS = {
     "sigmoid": INTERPRETER_TILING,
     "rank": _SMALL_INTERPRETER_TILING,
     "topk": _SMALL_INTERPRETER_TILING,
+    "matryoshka": _SMALL_INTERPRETER_TILING,
 }
 
 # The chunked route's passes (kernels/chunked_softmax.py) read a float32 [C, Bk] score chunk that cuBLAS wrote and
@@ -389,6 +401,12 @@ def rank_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     return _one_config("rank", RANK_TILINGS, arch, dtype, precision)
 
 
+def matryoshka_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """The fused Matryoshka kernels' tiling for inputs of ``dtype`` at ``precision``: one per operand class on
+    every family ``arch`` (:data:`MATRYOSHKA_TILINGS`)."""
+    return MATRYOSHKA_TILINGS[operand_class_of(dtype, precision)]
+
+
 def topk_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     """The top-k kernel's tiling on family ``arch`` for inputs of ``dtype`` at ``precision``."""
     return _one_config("topk", RANK_TILINGS, arch, dtype, precision)
@@ -402,11 +420,13 @@ def target_tiling(
     masked: bool = False,
     guide: bool = False,
 ) -> Tiling:
-    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank", "topk") on the active target's architecture
-    family, the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax kernels')."""
+    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank", "topk", "matryoshka") on the active target's
+    architecture family, the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax
+    kernels')."""
     if INTERPRETED:
         return INTERPRETER_TILINGS[family]
     arch = target_family()
     if family == "softmax":
         return tiling_for(arch, dtype, precision, dim, masked, guide)
-    return {"sigmoid": sigmoid_tiling, "rank": rank_tiling, "topk": topk_tiling}[family](arch, dtype, precision)
+    tilings = {"sigmoid": sigmoid_tiling, "rank": rank_tiling, "topk": topk_tiling, "matryoshka": matryoshka_tiling}
+    return tilings[family](arch, dtype, precision)
