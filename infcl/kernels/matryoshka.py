@@ -24,10 +24,15 @@ line's maximum.
   own term (c^k = scale * their sum; the host applies -a^2 c x[:m_k]). No atomics: each output has one
   program.
 
-GEMM-equivalents per block (D, dims m_k, slices of width BLOCK_OUT): forward 1 per direction (symmetric:
-2; the plain loss's symmetric forward takes its column stats from the row walk's tiles, this one walks the
-columns as well); backward, per walk, S once per slice plus sum_k m_k / D for the products (1 + 2.25 at
-dims (768, 512, 256, 128, 64) in one slice), against K passes of the plain loss.
+GEMM-equivalents per block (D, dims m_k, slices of BLOCK_OUT = 128 features on tensor cores): forward 1 per
+direction (symmetric: 2; the plain kernel's symmetric forward takes its column stats from the row walk's
+tiles, this one walks the columns too); backward, per walk, one S per slice (ceil(D / BLOCK_OUT)) plus the
+products: in each slice, one BLOCK_OUT-wide product per prefix that reaches it. At D = 768, dims (768, 512,
+256, 128, 64): 6 + 2.33 per walk, 18.7 in all, against 9 for one plain symmetric loss on sm_90 (256-wide
+slices: 1 + 2 x (3 + 1)) and 16.6 for the five prefixes' plain losses one after another: the S recomputed per
+slice dominates. The way down is a backward that builds S once per tile and adds each prefix's product into
+the gradient in memory (as the sigmoid backward does per chunk; 2 + 2 x 3.25 = 8.5 at that shape), not built:
+its read-modify-write traffic wants measuring on a GPU first.
 
 16-bit inputs: the gradient products take float32 operands at "tf32" (10 mantissa bits; float32's exponent
 range), the features exactly. In float16, dS^k a^k b^k can fall below the dtype's range (a mean over a large

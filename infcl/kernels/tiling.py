@@ -89,12 +89,14 @@ RANK_TILINGS = {
 # The fused Matryoshka kernels' tilings per operand class (kernels/matryoshka.py), the same on every family. Their
 # backward holds a gradient slice, the running raw product, S, u = S / scale and both directions' dS beside the
 # S chunk's operands: on tensor cores the 64 x 32 tile on 8 warps (the ranks' 64 x 64 on sm_90 spilled dk
-# 92-108 B in bf16/fp16 at D = 1000) and 64-wide slices (each slice recomputes S: wider is cheaper while it fits);
+# 92-108 B in bf16/fp16 at D = 1000) and 128-wide slices (each slice recomputes S, so wider is cheaper while it
+# fits: 256 spilled dq and dk 272-792 B in bf16/fp16 on sm_80/90/100; 128 takes 221-255 registers, no spill);
 # the FMA classes: fp32 "ieee" on 32 x 16 tiles (the ranks' 32 x 32 spilled dk 12 B at 255 registers on sm_100,
 # D = 1000), fp64 on the ranks' 32 x 16.
+_MATRYOSHKA_TENSOR_CORES = TileConfig(64, 32, num_warps=8, block_out=128, max_registers=255)
 MATRYOSHKA_TILINGS = {
-    "mma": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=256, max_registers=255),) * 3, resident_d=32, chunk_d=32),
-    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=128, max_registers=255),) * 3, resident_d=32, chunk_d=32),
+    "mma": Tiling(*(_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
+    "tf32": Tiling(*(_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
     "ieee": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": RANK_TILINGS["fp64"],
 }
