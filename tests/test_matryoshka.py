@@ -351,3 +351,56 @@ def _assert_confident_exact(backend, dtype, symmetric, batch):
         truth[2][:, :m] += w * dk
         truth[3] += w * dscale
     assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_triton_fused_ops_pass_opcheck(symmetric):
+    """torch.library.opcheck (schema, fake impls, the mutated dq and dk, FakeTensor and AOT tracing) of the fused
+    kernels' custom ops: the forward, then the backward on the forward's own stats (standing in for the global
+    ones); 14 columns against 12 rows, so each side's outputs have their own size."""
+    from infcl.kernels.matryoshka import backward_op, forward_op
+
+    gen = torch.Generator().manual_seed(5)
+    bq, bk, dim = 12, 14, 9
+    q, k = torch.randn(bq, dim, generator=gen), torch.randn(bk, dim, generator=gen)
+    pos = torch.randint(-1, bk, (bq,), generator=gen)
+    bounds = torch.tensor((0, 4, 9), dtype=torch.int32)
+    q_factors, k_factors = torch.rand(2, bq, generator=gen) + 0.5, torch.rand(2, bk, generator=gen) + 0.5
+    scale = torch.tensor(3.0)
+    forward = (q, k, scale, pos, bounds, q_factors, k_factors, symmetric, "ieee")
+    torch.library.opcheck(forward_op, forward)
+    rows, cols = forward_op(*forward)
+    g_row, g_col = torch.full((2, bq), 1 / bq), torch.full((2, bk), 1 / bk)
+    col_args = (cols[:2], g_col) if symmetric else (None, None)
+    grads = (torch.zeros(bq, dim), torch.zeros(bk, dim))
+    backward = (q, k, scale, pos, bounds, q_factors, k_factors, rows[:2], g_row, *col_args, *grads, "ieee")
+    torch.library.opcheck(backward_op, backward)
+
+
+@pytest.mark.interpreter
+def test_triton_fused_strided_inputs():
+    """A q that skips every other feature and a column-major k: the fused kernels read through the strides
+    (the segments' views included)."""
+    q_wide, k, labels = features_and_labels(20, 20, 46, "perm", torch.float32)
+    q, k = q_wide[:, ::2], k[:, :23].T.contiguous().T
+    assert not q.is_contiguous() and not k.is_contiguous()
+    scale, upstream = torch.tensor(5.0), torch.linspace(-1.0, 2.0, 20, dtype=torch.float64)
+    dims, weights, renormalize = (23, 6, 15), (1.0, 0.5, 2.0), (True, False, True)
+    spec = Matryoshka(dims, weights, renormalize)
+    got = _grads(
+        q,
+        k,
+        scale,
+        upstream,
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, reduction="none", backend="triton", matryoshka=spec),
+    )
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        upstream,
+        lambda a, b, s: truth_losses(a, b, labels, s, False, dims, weights, renormalize),
+    )
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, *TOLERANCE[torch.float32], f"strided {what}")
