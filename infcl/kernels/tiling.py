@@ -91,14 +91,14 @@ RANK_TILINGS = {
 # S chunk's operands: on tensor cores the 64 x 32 tile on 8 warps (the ranks' 64 x 64 on sm_90 spilled dk
 # 92-108 B in bf16/fp16 at D = 1000) and 128-wide slices (each slice recomputes S, so wider is cheaper while it
 # fits: 256 spilled dq and dk 272-792 B in bf16/fp16 on sm_80/90/100; 128 takes 221-255 registers, no spill);
-# the FMA classes: fp32 "ieee" on 32 x 16 tiles (the ranks' 32 x 32 spilled dk 12 B at 255 registers on sm_100,
-# D = 1000), fp64 on the ranks' 32 x 16.
+# the FMA classes on 32 x 16 tiles (fp32 "ieee": the ranks' 32 x 32 spilled dk 12 B at 255 registers on sm_100,
+# D = 1000) and 64-wide slices (fp32's 128 spilled dq and dk 24-228 B; 64 takes 208-250 registers, fp64 208-217).
 _MATRYOSHKA_TENSOR_CORES = TileConfig(64, 32, num_warps=8, block_out=128, max_registers=255)
 MATRYOSHKA_TILINGS = {
     "mma": Tiling(*(_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
     "tf32": Tiling(*(_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
-    "ieee": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
-    "fp64": RANK_TILINGS["fp64"],
+    "ieee": Tiling(*(TileConfig(32, 16, block_out=64, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(32, 16, block_out=64, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
 # Under the interpreter: the softmax and sigmoid kernels take few big tiles (configs.INTERPRETER_TILING); the
 # rank, distillation and top-k kernels small ones, so that the tests' small shapes cut into several ragged blocks.
