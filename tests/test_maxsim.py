@@ -274,7 +274,11 @@ def test_return_stats_and_defaults():
         (lambda q, d: cal_maxsim_loss(q, d, q_ids=torch.arange(4)), ValueError, "q_ids was given without k_ids"),
         (lambda q, d: cal_maxsim_loss(q, d, length_normalize=1), TypeError, "length_normalize must be a bool"),
         (lambda q, d: cal_maxsim_loss(q, d, reduction="max"), ValueError, "reduction must be"),
-        (lambda q, d: cal_maxsim_loss(q, d, backend="cpu"), ValueError, "no backend='cpu' yet; use 'auto' or 'torch'"),
+        (
+            lambda q, d: cal_maxsim_loss(q, d, backend="cpu"),
+            ValueError,
+            "no backend='cpu' yet; use 'auto', 'torch' or 'triton'",
+        ),
         (lambda q, d: cal_maxsim_loss(q, d, backend="reference"), NotImplementedError, "no backend='reference'"),
         (lambda q, d: cal_maxsim_loss(q, d[:, :0]), ValueError, "non-empty"),
     ),

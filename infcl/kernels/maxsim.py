@@ -33,8 +33,8 @@ Backward, deterministic without atomics, two kernels as the softmax family's dq 
 
 GEMM-equivalents per block (each 2 * Bq * Bk * Lq * Lk * D flops): forward 1, backward 3 (each pass recomputes
 the token products; dk's P.T @ q is one more), against 1 + 3 for the torch tiles. A query longer than BLOCK_M
-rows costs the backward up to one more product per row block (its scores need every block before the routing:
-dq recomputes the winners of its blocks beyond the first, dk of every block).
+rows costs the backward one more product per row block (its scores need every block before the routing: dq and
+dk recompute the winners of each block after them).
 
 On a GPU, C is rounded to the inputs' dtype for dk's product (tensor-core operands, as the softmax kernels' dS);
 under the interpreter bfloat16 / float16 operands are upcast (UPCAST, :func:`infcl.kernels.score_tiles.tile_dot`).
@@ -338,8 +338,8 @@ def _maxsim_forward_rows(qs, docs, labels, out_ptr, tile, dot):
     m = tl.full([QUERIES], float("-inf"), dot.ACC)
     rest = tl.full([QUERIES], -1.0, dot.ACC)  # the empty set
     positive = tl.zeros([QUERIES], dot.ACC)
-    for j in range(0, docs.n):
-        j = tl.cast(j, tl.int64)
+    for doc in range(0, docs.n):
+        j = tl.cast(doc, tl.int64)  # a new name: Triton 3.4 takes a reassigned loop variable for a carried one
         raw = _doc_scores(qs, docs, j, i0, q_res, weighted, tile, dot, False)[0]
         s = scale_scores(raw, scale)
         kept = tl.where(_excluded(labels, j, pos, q_ids), float("-inf"), s)
@@ -367,12 +367,13 @@ def _maxsim_dq_rows(qs, docs, labels, grad, partials_ptr, tile, dot):
     scale = tl.load(labels.scale_ptr)
     acc = tl.zeros([tile.BLOCK_M, tile.BLOCK_OUT], dot.ACC)
     dscale = tl.zeros([QUERIES], dot.ACC)
-    for j in range(0, docs.n):
-        j = tl.cast(j, tl.int64)
-        raw, best, winner, n_real = _doc_scores(qs, docs, j, i0, q_res, weighted, tile, dot)
-        if not tile.ONE_QCHUNK:
-            if tl.program_id(1) > 0:  # not the first row block: its winners again
-                best, winner, n_real = _doc_maxima(qs, docs, j, own, None, tile, dot)
+    for doc in range(0, docs.n):
+        j = tl.cast(doc, tl.int64)  # a new name: Triton 3.4 takes a reassigned loop variable for a carried one
+        if tile.ONE_QCHUNK:
+            raw, best, winner, n_real = _doc_scores(qs, docs, j, i0, q_res, weighted, tile, dot)
+        else:  # the scores over every row block, then the own block's winners again
+            raw = _doc_scores(qs, docs, j, i0, q_res, weighted, tile, dot, False)[0]
+            best, winner, n_real = _doc_maxima(qs, docs, j, own, None, tile, dot)
         ds = _dscores(scale_scores(raw, scale), j, upstream, pos, _excluded(labels, j, pos, q_ids))
         # An empty document's -inf score meets dS = 0 off its row's positive: that term is 0, not NaN.
         dscale += tl.where(ds == 0, 0.0, ds * raw)
@@ -391,8 +392,8 @@ def _maxsim_dk_rows(qs, docs, labels, grad, tile, dot):
     j = tl.program_id(0).to(tl.int64)
     feats = tl.program_id(1).to(tl.int64) * tile.BLOCK_OUT + tl.arange(0, tile.BLOCK_OUT)
     scale = tl.load(labels.scale_ptr)
-    for i0 in range(0, qs.n, QUERIES):
-        i0 = tl.cast(i0, tl.int64)
+    for first in range(0, qs.n, QUERIES):
+        i0 = tl.cast(first, tl.int64)
         qrow, pos, q_ids = _query_labels(labels, i0, qs.n, QUERIES)
         rows = _query_rows(qs, i0, 0, tile)
         q_res = _resident_rows(qs, rows, tile)

@@ -89,10 +89,11 @@ RANK_TILINGS = {
 # The MaxSim kernels' tilings per operand class (one config for the forward, dq and dk kernels: the token products
 # are the same bits in each). block_m query-token rows x block_n document tokens; a program holds the rows' resident
 # feature chunk, the token product and, in dk, the [block_n, block_out] product of the routing with a q slice.
+# bf16/fp16: D up to 128 resident (ColBERT's D = 128: 78-207 registers); beyond, 32-feature chunks and 64-wide slices:
+# with 64-feature chunks and 128-wide slices a query longer than 64 tokens at D = 1000 spilled 8-1152 B in dq / dk on
+# sm_90 and sm_100 (ptxas 12/13, 255 registers).
 MAXSIM_TILINGS = {
-    "mma": Tiling(
-        *(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=128, chunk_d=64
-    ),
+    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=128, chunk_d=32),
     "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=64, chunk_d=32),
     "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
