@@ -49,7 +49,7 @@ import triton.language as tl
 from ..contract import Tensor
 from .kernel_args import COMPILE_OPTIONS, launch_options, tf32_operands
 from .registration import register_op, wrap
-from .score_tiles import Dot, Matrix, dot_operand, load_tile, scale_scores, score_dot, tile_dot
+from .score_tiles import MIN_DOT, Dot, Matrix, dot_operand, load_tile, scale_scores, score_dot, tile_dot
 from .tile_stats import merge_kept_stats, softmax_grad
 from .tiling import target_tiling
 
@@ -99,6 +99,15 @@ class Labels(NamedTuple):
     scale_ptr: Any
     stats_ptr: Any
     g_ptr: Any
+
+
+@triton.jit
+def _check_tile(tile):
+    """A row block holds whole queries (or one chunk of one), and every side of a tl.dot operand is at least
+    MIN_DOT."""
+    tl.static_assert(tile.BLOCK_M % tile.TOKENS == 0)
+    tl.static_assert(tile.BLOCK_M >= MIN_DOT and tile.BLOCK_N >= MIN_DOT)
+    tl.static_assert(tile.BLOCK_D >= MIN_DOT and tile.BLOCK_OUT >= MIN_DOT)
 
 
 @triton.jit
@@ -329,6 +338,7 @@ def _route_to_doc(qs, grad, j, rows, winner, p, feats, tile, dot):
 def _maxsim_forward_rows(qs, docs, labels, out_ptr, tile, dot):
     """The forward program's QUERIES queries: their (m, rest, positive score) over the block's documents, stored
     to ``out_ptr`` [3, n_q]."""
+    _check_tile(tile)
     QUERIES: tl.constexpr = tile.BLOCK_M // tile.TOKENS
     i0 = tl.program_id(0).to(tl.int64) * QUERIES
     qrow, pos, q_ids = _query_labels(labels, i0, qs.n, QUERIES)
@@ -356,6 +366,7 @@ def _maxsim_forward_rows(qs, docs, labels, out_ptr, tile, dot):
 def _maxsim_dq_rows(qs, docs, labels, grad, partials_ptr, tile, dot):
     """The dq program's rows (token chunk ``program_id(1)`` of QUERIES queries) and feature slice
     (``program_id(2)``): their dq slice, and (chunk 0, slice 0) the queries' dscale partial sum."""
+    _check_tile(tile)
     QUERIES: tl.constexpr = tile.BLOCK_M // tile.TOKENS
     i0 = tl.program_id(0).to(tl.int64) * QUERIES
     feats = tl.program_id(2).to(tl.int64) * tile.BLOCK_OUT + tl.arange(0, tile.BLOCK_OUT)
@@ -388,6 +399,7 @@ def _maxsim_dq_rows(qs, docs, labels, grad, partials_ptr, tile, dot):
 def _maxsim_dk_rows(qs, docs, labels, grad, tile, dot):
     """The dk program's document (``program_id(0)``) and feature slice (``program_id(1)``): its dk slice, over
     every row block of the queries."""
+    _check_tile(tile)
     QUERIES: tl.constexpr = tile.BLOCK_M // tile.TOKENS
     j = tl.program_id(0).to(tl.int64)
     feats = tl.program_id(1).to(tl.int64) * tile.BLOCK_OUT + tl.arange(0, tile.BLOCK_OUT)
