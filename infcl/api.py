@@ -78,8 +78,10 @@ def cal_inf_loss(
             eps / n on each of the row's n columns (the column's n rows for the k->q direction), so
             row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. With ids, the uniform
             part spreads over the columns that stay in the denominator (the row's positive's target keeps
-            1 - eps: the one-hot, or 1 / |P| for multi_positive="mean"); not with a guide or
-            multi_positive="sum" (ValueError). See :mod:`infcl.losses.smoothing`.
+            1 - eps: the one-hot, or 1 / |P| for multi_positive="mean"); with multi_positive="sum" the loss
+            is (1 - eps) * (lse - logsumexp of the positives) + eps * (lse - the mean logit), as
+            ``F.cross_entropy`` mixes its two terms. Not with a guide (ValueError). See
+            :mod:`infcl.losses.smoothing`.
         matryoshka: None, an :class:`infcl.Matryoshka` (prefix dims, weights, renormalize) or a sequence of
             prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
             the features' first m_k columns (each prefix divided by its norm where renormalized, as

@@ -108,7 +108,7 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
         return SmoothedSoftmaxSteps(plan.symmetric, plan.label_smoothing, layout.total_k, layout.total_q)
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
-    if plan.label_smoothing:  # ids only (infcl.checks.check_label_smoothing)
+    if plan.label_smoothing:  # ids only, any multi_positive (infcl.checks.check_label_smoothing)
         return SmoothedIdsSteps(plan.symmetric, plan.label_smoothing, masks)
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)

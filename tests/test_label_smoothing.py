@@ -169,22 +169,19 @@ def test_bad_values_raise(value, error, match):
         cal_inf_loss(q, k, label_smoothing=value)
 
 
-def test_with_guide_or_sum_raises():
+def test_with_guide_raises():
     q, k, _ = features_and_labels(4, 4, 3, "diag", torch.float32)
-    ids = torch.arange(4)
-    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide or multi_positive='sum'"):
-        cal_inf_loss(q, k, label_smoothing=0.1, q_ids=ids, k_ids=ids, multi_positive="sum")
     with pytest.raises(ValueError, match="label_smoothing=0.1 with guide"):
         cal_inf_loss(q, k, label_smoothing=0.1, guide=(q, k))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("multi_positive", (None, "mean"))
+@pytest.mark.parametrize("multi_positive", (None, "mean", "sum"))
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("partnerless", (False, True))
 def test_with_ids(backend, multi_positive, symmetric, partnerless):
-    # Ids from few classes (false negatives under None; several positives under "mean"); partnerless: k ids drawn
-    # apart, so under "mean" some rows and columns have no positive (no loss, left out of the mean).
+    # Ids from few classes (false negatives under None; several positives under "mean" / "sum"); partnerless: k ids
+    # drawn apart, so under "mean" / "sum" some rows and columns have no positive (no loss, left out of the mean).
     if partnerless and multi_positive is None:
         pytest.skip("one positive per row: every row has its label")
     name = _backend(backend)
@@ -227,8 +224,45 @@ def test_triton_interpreted(backend, symmetric):
     _check(got, truth(q, k, labels, scale, g, 0.25, symmetric, "none"), torch.float32, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_sum_with_unique_ids_is_cross_entropy(backend, symmetric):
+    # One positive per row (ids never repeat): "sum" is the plain loss, so F.cross_entropy(label_smoothing) itself
+    # is the truth; eps = 1 too (the positives' part has weight 0).
+    name = _backend(backend)
+    q, k, labels = features_and_labels(19, 19, 6, "perm", torch.float64, seed=6)
+    ids = torch.arange(19)
+    scale, g = torch.tensor(11.0, dtype=torch.float64), _upstream("none", 19)
+    for eps in (0.4, 1.0):
+        kw = dict(symmetric=symmetric, reduction="none", label_smoothing=eps, backend=name)
+        got = run(q, k, labels, scale, g, q_ids=ids, k_ids=ids[torch.argsort(labels)], multi_positive="sum", **kw)
+        want = truth(q, k, labels, scale, g, eps, symmetric, "none")
+        _check(got, want, torch.float64, f"{backend} eps={eps}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+@pytest.mark.parametrize("eps", (0.999, 1.0))
+def test_sum_confident_and_eps_one(backend, eps):
+    # Several positives per row, confident (scale 60): the positives' share 1 - P(P) ~ e^-40, the (1 - eps)
+    # scaled target y' = (1 - eps) * y next to p ~ y; eps = 1 is "mean"'s uniform target.
+    q, k, labels = features_and_labels(21, 21, 5, "perm", torch.float64, seed=12)
+    q_ids = torch.arange(21) % 7
+    k_ids = torch.empty_like(q_ids)
+    k_ids[labels] = q_ids
+    k = k.clone()
+    k[labels] = q  # each row's positives: its own copy and those of its class
+    scale, g = torch.tensor(60.0, dtype=torch.float64), torch.tensor(-1.7, dtype=torch.float64)
+    kw = dict(symmetric=True, label_smoothing=eps, backend=backend, q_ids=q_ids, k_ids=k_ids, multi_positive="sum")
+    got = run(q, k, labels, scale, g, **kw)
+    qa, ka, sa = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+    rows, cols = masked_truth(qa, ka, labels, sa, q_ids, k_ids, "sum", eps, True)
+    want = reduce_masked_truth(rows, cols, "mean")
+    want.backward(g)
+    _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float64, f"{backend} eps={eps}")
+
+
 @pytest.mark.parametrize("backend", ("triton",))  # the interpreter: small shapes only
-@pytest.mark.parametrize("multi_positive", (None, "mean"))
+@pytest.mark.parametrize("multi_positive", (None, "mean", "sum"))
 def test_triton_interpreted_with_ids(backend, multi_positive):
     q, k, labels = features_and_labels(9, 9, 5, "perm", torch.float32, seed=3)
     q_ids = torch.tensor([0, 1, 0, 2, 1, 0, 3, 2, 1])

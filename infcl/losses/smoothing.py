@@ -19,12 +19,18 @@ dk -= scale * sum_i u_i q_i, with w = eps * g at the positive and u = eps * g / 
 from the same terms (the rows' part is this rank's, the columns' part the block owner's). O(B * D) per
 block, no O(Bq * Bk) anything.
 
-With ids (:class:`SmoothedIdsSteps`; ``multi_positive`` None or "mean") the uniform part spreads over the
-columns that stay in the row's denominator, from same-id sums of the features per block (:func:`grouped_sum`).
-Not with a guide or "sum": which columns a guide leaves out, and "sum"'s target over the positives, are decided
-inside the tiles (docs/options.md).
+With ids (:class:`SmoothedIdsSteps`) the uniform part spreads over the columns that stay in the row's
+denominator, from same-id sums of the features per block (:func:`grouped_sum`). Under ``multi_positive="sum"``
+(MIL-NCE, -log of the positives' total probability) the smoothed loss is, as ``F.cross_entropy``'s,
+(1 - eps) * the unsmoothed loss + eps * the uniform cross-entropy over the columns kept (all of them: ids exclude
+nothing under "sum"); its gradient g * (P - (1 - eps) * Y - eps / n), Y the softmax over the positives, is the
+tiles' own g * (P - Y') with the positives' log-sum raised by -log(1 - eps) (Y' = (1 - eps) * Y, the entry
+y' * expm1(d') as before), plus the uniform terms. At eps = 1 the positives' part has weight 0 and "sum" is
+"mean". Not with a guide: which columns a guide leaves out is decided inside the tiles (docs/options.md).
 """
 
+import math
+from dataclasses import replace
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -233,15 +239,19 @@ class SmoothedMaskedUpstream(NamedTuple):
 
 
 class SmoothedIdsSteps(MaskedSoftmaxSteps):
-    """:class:`infcl.ring.driver.RingLoss` for label smoothing with ids (``multi_positive`` None or "mean"; no
-    guide). Kept columns: every column but the same-id ones that are not the row's positive (None), or every
-    column ("mean": ids exclude nothing). The uniform part and its gradient come from same-id sums
-    (:func:`grouped_sum`) of the features per block; the target's positive part is the one-hot (None) or
-    1 / |P| on the same-id columns ("mean")."""
+    """:class:`infcl.ring.driver.RingLoss` for label smoothing with ids (no guide). Kept columns: every column
+    but the same-id ones that are not the row's positive (None), or every column ("mean", "sum": ids exclude
+    nothing). The uniform part and its gradient come from same-id sums (:func:`grouped_sum`) of the features
+    per block; the target's positive part is the one-hot (None), 1 / |P| on the same-id columns ("mean"), or
+    the softmax over them ("sum": the tiles' own, scaled by 1 - eps through the positives' stats,
+    :meth:`upstream`)."""
 
     def __init__(self, symmetric: bool, eps: float, masks: MaskOptions):
+        eps = float(eps)
+        if eps == 1.0 and masks.multi_positive == "sum":  # the positives' part has weight 0: "sum" is "mean"
+            masks = replace(masks, multi_positive="mean")
         super().__init__(symmetric, masks)
-        self.eps, self.multi_positive = float(eps), masks.multi_positive
+        self.eps, self.multi_positive = eps, masks.multi_positive
 
     def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SmoothedMaskedPartials:
         zeros = torch.zeros(2, n, dtype=dtype, device=device)
@@ -292,6 +302,9 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
     def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> SmoothedMaskedUpstream:
         part = SmoothedMaskedPartials(*saved)
         up = part.masked().upstream(grad)
+        if self.multi_positive == "sum":  # Y' = (1 - eps) * Y: the positives' log-sum raised by -log(1 - eps)
+            pos_max, pos_rel = up.pos_stats
+            up = up._replace(pos_stats=torch.stack((pos_max, pos_rel - math.log1p(-self.eps))))
         return SmoothedMaskedUpstream(*up, torch.where(part.pos_count > 0, part.count, 1.0))
 
 
@@ -304,20 +317,25 @@ def _same_at_positive(block: Block) -> Tensor:
 
 def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra):
     """One direction's terms: dS[a, b] += w_a at the positive (given by the caller), -u_a on every entry, and
-    +v_a on the same-id entries; returns (dx term [na, D], dy term [nb, D], the scale's part, w [na])."""
+    +v_a on the same-id entries (None: the excluded ones' -u_a back; "mean": eps * g_a * Y; "sum": none, the
+    tiles scaled Y); returns (dx term [na, D], dy term [nb, D], the scale's part, w [na])."""
     u = up.grad * eps / up.count
+    w = torch.zeros_like(u)
     if multi_positive is None:
         v = u
         w = w_extra - torch.where(same_pos, u, 0.0)
-    else:
+    elif multi_positive == "mean":
         v = up.grad * eps / up.pos_count
-        w = torch.zeros_like(u)
-    y_sum, y_same = _column_sums(y), grouped_sum(y_ids, y, x_ids)
-    dx = torch.outer(-u, y_sum).add_(y_same * v[:, None])
-    x_u = torch.mv(x.T, u)
-    dy = grouped_sum(x_ids, x * v[:, None], y_ids).sub_(x_u[None, :])
-    part = torch.dot(x_u, y_sum).neg() + (v * torch.linalg.vecdot(x, y_same)).sum()
-    return dx.mul_(scale), dy.mul_(scale), part, w
+    y_sum, x_u = _column_sums(y), torch.mv(x.T, u)
+    dx = torch.outer(-u, y_sum)
+    dy = x_u.neg()[None, :].expand(y.shape[0], -1)
+    part = torch.dot(x_u, y_sum).neg()
+    if multi_positive != "sum":
+        y_same = grouped_sum(y_ids, y, x_ids)
+        dx.add_(y_same * v[:, None])
+        dy = grouped_sum(x_ids, x * v[:, None], y_ids).add_(dy)
+        part = part + (v * torch.linalg.vecdot(x, y_same)).sum()
+    return dx.mul_(scale), dy * scale, part, w
 
 
 def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor):

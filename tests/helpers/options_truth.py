@@ -6,7 +6,8 @@ import torch
 def masked_truth(q, k, labels, scale, q_ids, k_ids, multi_positive, eps, symmetric):
     """Per-row (symmetric: per pair) float64 losses with ids: (1 - eps) * the masked loss + eps * (lse - the mean
     logit over the kept columns), the kept columns every column but the same-id non-positives (None) or all
-    ("mean"); NaN for rows without a positive."""
+    ("mean", "sum"); the masked loss lse - the positives' mean logit (None, "mean") or lse - their logsumexp
+    ("sum"); NaN for rows without a positive."""
     q, k, scale = q.double(), k.double(), scale.double()
 
     def direction(logits, lab, ids_a, ids_b):
@@ -16,7 +17,11 @@ def masked_truth(q, k, labels, scale, q_ids, k_ids, multi_positive, eps, symmetr
         excluded = same & ~positive if multi_positive is None else torch.zeros_like(same)
         lse = torch.logsumexp(logits.masked_fill(excluded, float("-inf")), dim=1)
         count = positive.sum(dim=1)
-        base = lse - torch.where(positive, logits, 0).sum(dim=1) / count
+        if multi_positive == "sum":  # MIL-NCE: -log of the positives' total probability
+            some = positive | (count == 0)[:, None]  # rows without a positive: finite, so no NaN gradient
+            base = lse - torch.logsumexp(logits.masked_fill(~some, float("-inf")), dim=1)
+        else:
+            base = lse - torch.where(positive, logits, 0).sum(dim=1) / count
         uniform = lse - torch.where(excluded, 0, logits).sum(dim=1) / (~excluded).sum(dim=1)
         return torch.where(count > 0, (1 - eps) * base + eps * uniform, float("nan"))
 
