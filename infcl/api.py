@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .backends import call_backend
+from .backends import backend_object, call_backend
 from .checks import (
     check_features,
     check_head_dim,
@@ -120,7 +120,7 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
-        eps = check_label_smoothing(label_smoothing, masks)
+        eps = check_label_smoothing(label_smoothing)
         prefixes = make_prefixes(matryoshka, q.shape[1])
         kind = "guided" if masks is not None and masks.has_guide else "softmax"
         # "auto" takes the chunked route for a plain loss where a GPU measured it faster (none yet).
@@ -150,6 +150,7 @@ def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, bloc
             q, k, scale_t, labels_t, symmetric, layout, masks, eps
         )
     else:
+        block_backend = smoothing_backend(block_backend, masks, eps)
         plan = LossPlan(block_backend, symmetric, layout, masks, label_smoothing=eps)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
@@ -159,6 +160,16 @@ def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, bloc
         col_valid = col_info[HAS_POS] > 0 if symmetric else None
         loss = reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
     return loss, row_info, col_info
+
+
+def smoothing_backend(block_backend, masks, eps: float):
+    """The backend of a call's blocks: ``block_backend``, but label smoothing with a guide runs on the torch tiles
+    where the backend's masked tiles do not sum the kept logits (``kept_sums``: the native and Triton kernels
+    not yet; :mod:`infcl.losses.smoothing`), so that one backend's guide arithmetic decides both the thresholds
+    and the exclusions."""
+    if not eps or masks is None or not masks.has_guide or getattr(block_backend, "kept_sums", False):
+        return block_backend
+    return backend_object("torch")
 
 
 def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.options_truth import masked_truth
+from helpers.options_truth import kept_truth, masked_truth
 from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
@@ -169,12 +169,6 @@ def test_bad_values_raise(value, error, match):
         cal_inf_loss(q, k, label_smoothing=value)
 
 
-def test_with_guide_raises():
-    q, k, _ = features_and_labels(4, 4, 3, "diag", torch.float32)
-    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide"):
-        cal_inf_loss(q, k, label_smoothing=0.1, guide=(q, k))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("multi_positive", (None, "mean", "sum"))
 @pytest.mark.parametrize("symmetric", (False, True))
@@ -276,3 +270,85 @@ def test_triton_interpreted_with_ids(backend, multi_positive):
     want = reduce_masked_truth(rows, cols, "mean")
     want.backward(g)
     _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float32, f"triton {multi_positive}")
+
+
+def guided_inputs(bq, bk, symmetric, dtype=torch.float64, seed=21):
+    """Features, labels, ids from few classes and integer-valued guide features (exact scores), where some
+    columns duplicate a row's labelled column's guide features: at margin 0 they tie its threshold and stay."""
+    q, k, labels = features_and_labels(bq, bk, 6, "perm" if symmetric else "random", dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    q_ids = torch.randint(0, 4, (bq,), generator=gen)
+    k_ids = torch.randint(0, 4, (bk,), generator=gen)
+    k_ids[labels] = q_ids
+    gq = torch.randint(-2, 3, (bq, 3), generator=gen).to(dtype)
+    gk = torch.randint(-2, 3, (bk, 3), generator=gen).to(dtype)
+    for i in range(0, bq, 3):  # ties: a column that is not row i's label with its guide features
+        j = (int(labels[i]) + 1) % bk
+        gk[j] = gk[labels[i]]
+    return q, k, labels, q_ids, k_ids, (gq, gk)
+
+
+GUIDE_MODES = (("guide", None), ("both", None), ("both", "mean"), ("both", "sum"))
+MARGINS = ((0.0, "absolute"), (0.25, "relative"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,multi_positive", GUIDE_MODES)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_with_guide(backend, kind, multi_positive, symmetric):
+    # The uniform part over the columns the guide (and the ids) leave in the denominator, ties at margin 0 kept;
+    # against F.cross_entropy on each row's logits with its excluded columns removed.
+    name = _backend(backend)
+    bq, bk = 17, 17 if symmetric else 23
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(bq, bk, symmetric)
+    scale, g = torch.tensor(9.0, dtype=torch.float64), _upstream("none", bq)
+    ids = {} if kind == "guide" else dict(q_ids=q_ids, k_ids=k_ids, multi_positive=multi_positive)
+    for (margin, strategy), eps in zip(MARGINS, (0.3, 1.0 if multi_positive == "sum" else 0.15)):
+        kw = dict(symmetric=symmetric, reduction="none", label_smoothing=eps, backend=name, guide=guide)
+        kw.update(guide_margin=margin, guide_margin_strategy=strategy, **ids)
+        got = run(q, k, labels, scale, g, **kw)
+        qa, ka, sa = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+        rows, cols = kept_truth(
+            qa,
+            ka,
+            labels,
+            sa,
+            ids.get("q_ids"),
+            ids.get("k_ids"),
+            multi_positive,
+            guide,
+            margin,
+            strategy,
+            eps,
+            symmetric,
+        )
+        want = reduce_masked_truth(rows, cols, "none")
+        torch.where(torch.isnan(want), 0.0, want * g).sum().backward()
+        got_loss = torch.where(torch.isnan(got[0]), 0.0, got[0])
+        want_loss = torch.where(torch.isnan(want), 0.0, want.detach())
+        assert torch.equal(torch.isnan(got[0]), torch.isnan(want))
+        what = f"{backend} {kind} {multi_positive} margin={margin} eps={eps}"
+        _check((got_loss, *got[1:]), (want_loss, qa.grad, ka.grad, sa.grad), torch.float64, what)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+def test_with_guide_float32(backend):
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(29, 29, True, torch.float32, seed=4)
+    scale, g = torch.tensor(14.0), torch.tensor(1.0, dtype=torch.float64)
+    kw = dict(symmetric=True, label_smoothing=0.2, backend=backend, guide=guide, q_ids=q_ids, k_ids=k_ids)
+    got = run(q, k, labels, scale, g, **kw)
+    qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, scale))
+    rows, cols = kept_truth(qa, ka, labels, sa, q_ids, k_ids, None, guide, 0.0, "absolute", 0.2, True)
+    want = reduce_masked_truth(rows, cols, "mean")
+    want.backward(g)
+    _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float32, f"{backend} float32 guide")
+
+
+def test_kept_truth_is_masked_truth_without_guide():
+    # The row-by-row F.cross_entropy truth and the closed form of test_with_ids agree where both apply.
+    q, k, labels, q_ids, k_ids, _ = guided_inputs(13, 13, True)
+    for mode in (None, "mean", "sum"):
+        a = kept_truth(q, k, labels, torch.tensor(5.0), q_ids, k_ids, mode, None, 0.0, "absolute", 0.3, True)
+        b = masked_truth(q, k, labels, torch.tensor(5.0), q_ids, k_ids, mode, 0.3, True)
+        for x, y in zip(a, b):
+            assert_close_verbose(x, y, 1e-12, 1e-12, f"truths {mode}")

@@ -37,7 +37,7 @@ import torch
 
 from ..contract import Block, BlockBackend, MaskOptions, Tensor
 from ..lse import MAX, REL, lse_merge
-from ..masks import merge_masked_fields
+from ..masks import KEPT_COUNT, KEPT_SUM, merge_masked_fields
 from ..ring.driver import ParamGrads
 from ..stats import row_info
 from .softmax import (
@@ -49,6 +49,7 @@ from .softmax import (
     SoftmaxUpstream,
     _finite,
     _nan_unless,
+    _poison,
     _scatter_to_columns,
 )
 
@@ -308,6 +309,40 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
         return SmoothedMaskedUpstream(*up, torch.where(part.pos_count > 0, part.count, 1.0))
 
 
+class SmoothedKeptSteps(SmoothedIdsSteps):
+    """:class:`infcl.ring.driver.RingLoss` for label smoothing with a guide (and any ids, ``multi_positive``),
+    on a backend whose masked tiles sum the kept logits (``backend.kept_sums``: the torch tiles). Which columns
+    a guide leaves out is decided by the guide scores inside the tiles, so the tiles that decide it also sum
+    and count what stays (``Block.kept_sums``: [8, n] partials) and, in the backward, subtract the uniform
+    target's ``u = eps * g / n_kept`` from dS on every kept entry (``Block.row_uniform`` / ``col_uniform``):
+    one decision, by the same guide product and threshold, for the denominator and the uniform target. The
+    positives' part of the target (eps * g * Y back) is added here as with ids alone."""
+
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        block = self._block(block, k_side, kept_sums=True)
+        rows, cols = backend.forward_block(block, self.symmetric)
+        rows = _kept_partials(rows, block.masks.row_threshold)
+        return rows, (None if cols is None else _kept_partials(cols, block.masks.col_threshold))
+
+    def backward_step(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor, k_side=()) -> ParamGrads:
+        fields = {**rows.block_fields("row", self.kind), "row_uniform": rows.grad * (self.eps / rows.count)}
+        if cols is not None:
+            fields.update(cols.block_fields("col", self.kind), col_uniform=cols.grad * (self.eps / cols.count))
+        dscale = backend.backward_block(self._block(block, k_side, **fields), dq, dk)
+        own, owner = _smoothing_id_terms(
+            self._block(block, k_side), rows, cols, self.eps, self.multi_positive, dq, dk, False
+        )
+        return ParamGrads(own=dscale[:1] + own, owner=dscale[1:] + owner)
+
+
+def _kept_partials(packed: Tensor, threshold: Optional[Tensor]) -> SmoothedMaskedPartials:
+    """A backend's ``[8, n]`` masked forward result (:data:`infcl.masks.KEPT_ROWS`) as named partials, with a NaN
+    guide threshold's NaN in its line's max (:class:`~.softmax.MaskedSoftmaxSteps`)."""
+    part = SmoothedMaskedPartials(*MaskedPartials.unpack(packed), packed[KEPT_SUM], packed[KEPT_COUNT])
+    _poison(part, threshold)
+    return part
+
+
 def _same_at_positive(block: Block) -> Tensor:
     """[Bq] bool: the row's positive lies in this block and has the row's id."""
     inside = block.pos >= 0
@@ -315,55 +350,71 @@ def _same_at_positive(block: Block) -> Tensor:
     return inside & (block.masks.q_ids == block.masks.k_ids.index_select(0, idx))
 
 
-def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra):
-    """One direction's terms: dS[a, b] += w_a at the positive (given by the caller), -u_a on every entry, and
-    +v_a on the same-id entries (None: the excluded ones' -u_a back; "mean": eps * g_a * Y; "sum": none, the
-    tiles scaled Y); returns (dx term [na, D], dy term [nb, D], the scale's part, w [na])."""
-    u = up.grad * eps / up.count
-    w = torch.zeros_like(u)
-    if multi_positive is None:
-        v = u
-        w = w_extra - torch.where(same_pos, u, 0.0)
-    elif multi_positive == "mean":
-        v = up.grad * eps / up.pos_count
-    y_sum, x_u = _column_sums(y), torch.mv(x.T, u)
-    dx = torch.outer(-u, y_sum)
-    dy = x_u.neg()[None, :].expand(y.shape[0], -1)
-    part = torch.dot(x_u, y_sum).neg()
-    if multi_positive != "sum":
+def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra, uniform: bool):
+    """One direction's terms: dS[a, b] += w_a at the positive (None: eps * g_a, given by the caller), +v_a on the
+    same-id entries ("mean": eps * g_a / |P|, the target's eps * g * Y back; "sum": none, the tiles scaled Y) and,
+    where ``uniform`` (the tiles did not subtract it), -u_a on every kept entry: -u_a on every entry and, under
+    None, +u_a back on the excluded same-id ones. Returns (dx term [na, D] or None, dy term [nb, D] or None, the
+    scale's part, w [na])."""
+    w = w_extra if multi_positive is None else torch.zeros_like(up.grad)
+    v = up.grad * eps / up.pos_count if multi_positive == "mean" else None
+    dx = dy = None
+    part = torch.zeros((), dtype=x.dtype, device=x.device)
+    if uniform:
+        u = up.grad * eps / up.count
+        y_sum, x_u = _column_sums(y), torch.mv(x.T, u)
+        dx = torch.outer(-u, y_sum)
+        dy = x_u.neg()[None, :].expand(y.shape[0], -1)
+        part = torch.dot(x_u, y_sum).neg()
+        if multi_positive is None:
+            v = u
+            w = w - torch.where(same_pos, u, 0.0)
+    if v is not None:
         y_same = grouped_sum(y_ids, y, x_ids)
-        dx.add_(y_same * v[:, None])
-        dy = grouped_sum(x_ids, x * v[:, None], y_ids).add_(dy)
+        dx = y_same * v[:, None] if dx is None else dx.add_(y_same * v[:, None])
+        x_same = grouped_sum(x_ids, x * v[:, None], y_ids)
+        dy = x_same if dy is None else x_same.add_(dy)
         part = part + (v * torch.linalg.vecdot(x, y_same)).sum()
-    return dx.mul_(scale), dy * scale, part, w
+    return (None if dx is None else dx.mul_(scale)), (None if dy is None else dy * scale), part, w
 
 
-def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor):
+def _add_term(out: Tensor, term: Optional[Tensor]) -> None:
+    if term is not None:
+        out.add_(term)
+
+
+def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor, uniform=True):
+    """Add the smoothing's terms with ids to dq, dk in place (``uniform``: the uniform part too, else only the
+    positives' eps * g * Y, the tiles having subtracted the rest); return the scale gradient's (rows' part [1],
+    columns' part [1])."""
     acc, scale = dq.dtype, block.scale
+    if multi_positive == "sum" and not uniform:  # nothing left: the tiles scaled Y and subtracted the uniform part
+        zero = torch.zeros(1, dtype=acc, device=dq.device)
+        return zero, zero
     q, k = block.q.to(acc), block.k.to(acc)
     inside = block.pos >= 0
     idx = torch.where(inside, block.pos, 0)
     k_pos = k.index_select(0, idx)
     raw_pos = torch.linalg.vecdot(q, k_pos)
-    same_pos = _same_at_positive(block)
+    same_pos = _same_at_positive(block) if uniform else None
     one_hot = multi_positive is None
     w_row = torch.where(inside, rows.grad * eps, 0.0) if one_hot else 0.0
     dq_t, dk_t, own, w = _direction_terms(
-        q, block.masks.q_ids, k, block.masks.k_ids, rows, eps, multi_positive, scale, same_pos, w_row
+        q, block.masks.q_ids, k, block.masks.k_ids, rows, eps, multi_positive, scale, same_pos, w_row, uniform
     )
-    dq.add_(dq_t)
-    dk.add_(dk_t)
+    _add_term(dq, dq_t)
+    _add_term(dk, dk_t)
     own = own + (w * raw_pos).sum()
     owner = torch.zeros((), dtype=acc, device=dq.device)
     if cols is not None:
-        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
+        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0 if uniform else None
         w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0) if one_hot else 0.0
         w_col_cols = _scatter_to_columns(torch.as_tensor(w_col, dtype=acc).expand(q.shape[0]), block.pos, k.shape[0])
         dk_t, dq_t, owner, wc = _direction_terms(
-            k, block.masks.k_ids, q, block.masks.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols
+            k, block.masks.k_ids, q, block.masks.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols, uniform
         )
-        dk.add_(dk_t)
-        dq.add_(dq_t)
+        _add_term(dk, dk_t)
+        _add_term(dq, dq_t)
         wc_rows = torch.where(inside, wc.index_select(0, idx), 0.0)  # back to the rows holding each positive
         owner = owner + (wc_rows * raw_pos).sum()
         w = w + wc_rows

@@ -31,7 +31,11 @@ RINGS = {2: (1, 2), 3: (0, 1, 2)}
 class OptionRingCase(ring_cases.RingCase):
     label_smoothing: float = 0.0
     matryoshka: Optional[Tuple[int, ...]] = None  # prefix dims (weights WEIGHTS[:K], renormalized)
-    ids: Optional[str] = None  # label smoothing with ids: "one" (multi_positive None) or "mean"
+    ids: Optional[str] = None  # label smoothing with ids: "one" (multi_positive None), "mean" or "sum"
+
+    @property
+    def multi_positive(self) -> Optional[str]:
+        return None if self.ids == "one" else self.ids
 
 
 def option_cases(world: int) -> List[OptionRingCase]:
@@ -50,6 +54,7 @@ def option_cases(world: int) -> List[OptionRingCase]:
         ),
         replace(base, name="ls-one-hardneg-sum", symmetric=False, k_sizes=hard, reduction="sum", label_smoothing=0.3),
         replace(base, name="ls-ids-sym-mean-positives", label_smoothing=0.25, ids="mean"),
+        replace(base, name="ls-ids-sym-sum-positives", label_smoothing=0.35, ids="sum"),
         replace(
             base,
             name="ls-ids-one-hardneg-none",
@@ -96,10 +101,10 @@ def case_ids(case: OptionRingCase):
 
 def _ids_losses(case: OptionRingCase, q, k, labels, params) -> list:
     q_ids, k_ids = case_ids(case)
-    multi = "mean" if case.ids == "mean" else None
     losses = []
     for s, (scale,) in enumerate(params):
-        rows, cols = masked_truth(q, k, labels, scale, q_ids, k_ids, multi, case.label_smoothing, case.symmetric)
+        multi, eps = case.multi_positive, case.label_smoothing
+        rows, cols = masked_truth(q, k, labels, scale, q_ids, k_ids, multi, eps, case.symmetric)
         qo, ko, nq, nk = case.q_offsets[s], case.k_offsets[s], case.q_sizes[s], case.k_sizes[s]
         local_cols = None if cols is None else cols[ko : ko + nk]
         losses.append(reduce_masked_truth(rows[qo : qo + nq], local_cols, case.reduction))
@@ -140,7 +145,7 @@ def _run_case(case: OptionRingCase, backend, rank, group):
         ids = {
             "q_ids": q_ids[qo : qo + case.q_sizes[rank]],
             "k_ids": k_ids[ko : ko + case.k_sizes[rank]],
-            "multi_positive": "mean" if case.ids == "mean" else None,
+            "multi_positive": case.multi_positive,
         }
     loss = cal_inf_loss(
         q,
