@@ -108,7 +108,10 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
         return SmoothedSoftmaxSteps(plan.symmetric, plan.label_smoothing, layout.total_k, layout.total_q)
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
-    if plan.label_smoothing and not masks.has_guide:
+    # Label smoothing over the kept columns: summed by the tiles that decide them where the backend's do
+    # (``kept_sums``; a guide always runs on such a backend: infcl.api.smoothing_backend), else from ids.
+    kept_in_tiles = getattr(plan.backend, "kept_sums", False)
+    if plan.label_smoothing and not kept_in_tiles:
         return SmoothedIdsSteps(plan.symmetric, plan.label_smoothing, masks)
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
@@ -123,7 +126,7 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
             row_threshold=guide_threshold(rows.score, masks.margin, masks.strategy),
             col_threshold=col_threshold,
         )
-    if plan.label_smoothing:  # with a guide: on a backend whose tiles sum the kept logits (smoothing_backend)
+    if plan.label_smoothing:
         return SmoothedKeptSteps(plan.symmetric, plan.label_smoothing, masks)
     return MaskedSoftmaxSteps(plan.symmetric, masks)
 

@@ -310,9 +310,10 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
 
 
 class SmoothedKeptSteps(SmoothedIdsSteps):
-    """:class:`infcl.ring.driver.RingLoss` for label smoothing with a guide (and any ids, ``multi_positive``),
-    on a backend whose masked tiles sum the kept logits (``backend.kept_sums``: the torch tiles). Which columns
-    a guide leaves out is decided by the guide scores inside the tiles, so the tiles that decide it also sum
+    """:class:`infcl.ring.driver.RingLoss` for label smoothing with any mask options (a guide, ids, any
+    ``multi_positive``) on a backend whose masked tiles sum the kept logits (``backend.kept_sums``: the torch
+    tiles; a guide needs it). Which columns a guide leaves out is decided by the guide scores inside the tiles,
+    so the tiles that decide it also sum
     and count what stays (``Block.kept_sums``: [8, n] partials) and, in the backward, subtract the uniform
     target's ``u = eps * g / n_kept`` from dS on every kept entry (``Block.row_uniform`` / ``col_uniform``):
     one decision, by the same guide product and threshold, for the denominator and the uniform target. The
