@@ -20,7 +20,7 @@ from the same terms (the rows' part is this rank's, the columns' part the block 
 block, no O(Bq * Bk) anything.
 
 With ids (:class:`SmoothedIdsSteps`) the uniform part spreads over the columns that stay in the row's
-denominator, from same-id sums of the features per block (:func:`grouped_sum`). Under ``multi_positive="sum"``
+denominator, from same-id sums of the features per block (:class:`IdGroups`). Under ``multi_positive="sum"``
 (MIL-NCE, -log of the positives' total probability) the smoothed loss is, as ``F.cross_entropy``'s,
 (1 - eps) * the unsmoothed loss + eps * the uniform cross-entropy over the columns kept (all of them: ids exclude
 nothing under "sum"); its gradient g * (P - (1 - eps) * Y - eps / n), Y the softmax over the positives, is the
@@ -190,17 +190,29 @@ def _add_rows(out: Tensor, index: Tensor, rows: Tensor) -> None:
 # --- with ids (infcl.masks): the uniform part over the columns that stay in the denominator -----------
 
 
-def grouped_sum(keys: Tensor, values: Tensor, query: Tensor) -> Tensor:
-    """For each ``query`` key, the sum of the ``values`` rows whose key equals it (0 where none does): the
-    same-id sums, O((n + m) * D) with no host synchronization (each key's group is the slot of its first
-    occurrence in sorted order) and deterministic accumulation (``index_put_``)."""
-    sorted_keys, _ = torch.sort(keys)
-    slots = torch.zeros((keys.shape[0],) + values.shape[1:], dtype=values.dtype, device=values.device)
-    slots.index_put_((torch.searchsorted(sorted_keys, keys),), values, accumulate=True)
-    where = torch.searchsorted(sorted_keys, query).clamp(max=max(keys.shape[0] - 1, 0))
-    found = sorted_keys[where] == query if keys.shape[0] else torch.zeros_like(query, dtype=torch.bool)
-    picked = slots[where] if keys.shape[0] else values.new_zeros((query.shape[0],) + values.shape[1:])
-    return torch.where(found.view((-1,) + (1,) * (values.dim() - 1)), picked, 0.0)
+class IdGroups(NamedTuple):
+    """A block's ids as group numbers its rows and columns share: the position of each id's first occurrence
+    among the block's sorted ids (no host synchronization, unlike ``unique``). Found once per block step, so
+    that every same-id sum of the step is one ``index_put_`` into a table and one ``index_select`` out of it:
+    O((Bq + Bk) * D), deterministic (``index_put_``'s sorted accumulation), few operations."""
+
+    q: Tensor  # [Bq] int64
+    k: Tensor  # [Bk] int64
+
+    @classmethod
+    def of(cls, q_ids: Tensor, k_ids: Tensor) -> "IdGroups":
+        keys, _ = torch.sort(torch.cat((q_ids, k_ids)))
+        return cls(torch.searchsorted(keys, q_ids), torch.searchsorted(keys, k_ids))
+
+    def swapped(self) -> "IdGroups":
+        """The column direction's view: its lines are the k side."""
+        return IdGroups(self.k, self.q)
+
+    def same_sum(self, of: Tensor, values: Tensor, at: Tensor) -> Tensor:
+        """For each group in ``at`` (one side's groups), the sum of the ``values`` rows whose group in ``of`` (the
+        other side's) is the same: 0 where none is."""
+        table = values.new_zeros((self.q.shape[0] + self.k.shape[0],) + values.shape[1:])
+        return table.index_put_((of,), values, accumulate=True).index_select(0, at)
 
 
 class SmoothedMaskedPartials(NamedTuple):
@@ -242,7 +254,7 @@ class SmoothedMaskedUpstream(NamedTuple):
 class SmoothedIdsSteps(MaskedSoftmaxSteps):
     """:class:`infcl.ring.driver.RingLoss` for label smoothing with ids (no guide). Kept columns: every column
     but the same-id ones that are not the row's positive (None), or every column ("mean", "sum": ids exclude
-    nothing). The uniform part and its gradient come from same-id sums (:func:`grouped_sum`) of the features
+    nothing). The uniform part and its gradient come from same-id sums (:class:`IdGroups`) of the features
     per block; the target's positive part is the one-hot (None), 1 / |P| on the same-id columns ("mean"), or
     the softmax over them ("sum": the tiles' own, scaled by 1 - eps through the positives' stats,
     :meth:`upstream`)."""
@@ -263,13 +275,13 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
         acc.total.add_(part.total)
         acc.count.add_(part.count)
 
-    def _kept(self, x, x_ids, y, y_ids, part: MaskedPartials, same_pos, scale):
+    def _kept(self, x, y, groups: Optional[IdGroups], part: MaskedPartials, same_pos, scale):
         """(total, count) of the kept entries of x's rows against y's rows (one direction of the block)."""
         total = torch.mv(x, _column_sums(y))
         count = torch.full_like(total, y.shape[0])
         if self.multi_positive is None:
-            total = total - torch.linalg.vecdot(x, grouped_sum(y_ids, y, x_ids))
-            count = count - grouped_sum(y_ids, torch.ones_like(y[:, 0]), x_ids)
+            total = total - torch.linalg.vecdot(x, groups.same_sum(groups.k, y, groups.q))
+            count = count - groups.same_sum(groups.k, torch.ones_like(y[:, 0]), groups.q)
         total = total.mul_(scale)
         if self.multi_positive is None:  # the positive stays: its logit as the tile read it, and one count
             total = total + torch.where(same_pos, part.pos_sum, 0.0)
@@ -283,12 +295,13 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
         q, k = block.q.to(acc), block.k.to(acc)
         same_pos = _same_at_positive(block)
         ids = block.masks
-        total, count = self._kept(q, ids.q_ids, k, ids.k_ids, rows, same_pos, block.scale)
+        groups = IdGroups.of(ids.q_ids, ids.k_ids) if self.multi_positive is None else None
+        total, count = self._kept(q, k, groups, rows, same_pos, block.scale)
         rows = SmoothedMaskedPartials(*rows, total, count)
         if cols is None:
             return rows, None
         col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
-        total, count = self._kept(k, ids.k_ids, q, ids.q_ids, cols, col_same, block.scale)
+        total, count = self._kept(k, q, None if groups is None else groups.swapped(), cols, col_same, block.scale)
         return rows, SmoothedMaskedPartials(*cols, total, count)
 
     def backward_step(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor, k_side=()) -> ParamGrads:
@@ -351,7 +364,7 @@ def _same_at_positive(block: Block) -> Tensor:
     return inside & (block.masks.q_ids == block.masks.k_ids.index_select(0, idx))
 
 
-def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra, uniform: bool):
+def _direction_terms(x, y, groups, up, eps, multi_positive, scale, same_pos, w_extra, uniform):
     """One direction's terms: dS[a, b] += w_a at the positive (None: eps * g_a, given by the caller), +v_a on the
     same-id entries ("mean": eps * g_a / |P|, the target's eps * g * Y back; "sum": none, the tiles scaled Y) and,
     where ``uniform`` (the tiles did not subtract it), -u_a on every kept entry: -u_a on every entry and, under
@@ -371,9 +384,9 @@ def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_po
             v = u
             w = w - torch.where(same_pos, u, 0.0)
     if v is not None:
-        y_same = grouped_sum(y_ids, y, x_ids)
+        y_same = groups.same_sum(groups.k, y, groups.q)
         dx = y_same * v[:, None] if dx is None else dx.add_(y_same * v[:, None])
-        x_same = grouped_sum(x_ids, x * v[:, None], y_ids)
+        x_same = groups.same_sum(groups.q, x * v[:, None], groups.k)
         dy = x_same if dy is None else x_same.add_(dy)
         part = part + (v * torch.linalg.vecdot(x, y_same)).sum()
     return (None if dx is None else dx.mul_(scale)), (None if dy is None else dy * scale), part, w
@@ -399,10 +412,11 @@ def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq
     raw_pos = torch.linalg.vecdot(q, k_pos)
     same_pos = _same_at_positive(block) if uniform else None
     one_hot = multi_positive is None
+    # same-id sums: the uniform part's under None, the target's under "mean"
+    needs_groups = (one_hot and uniform) or multi_positive == "mean"
+    groups = IdGroups.of(block.masks.q_ids, block.masks.k_ids) if needs_groups else None
     w_row = torch.where(inside, rows.grad * eps, 0.0) if one_hot else 0.0
-    dq_t, dk_t, own, w = _direction_terms(
-        q, block.masks.q_ids, k, block.masks.k_ids, rows, eps, multi_positive, scale, same_pos, w_row, uniform
-    )
+    dq_t, dk_t, own, w = _direction_terms(q, k, groups, rows, eps, multi_positive, scale, same_pos, w_row, uniform)
     _add_term(dq, dq_t)
     _add_term(dk, dk_t)
     own = own + (w * raw_pos).sum()
@@ -411,8 +425,9 @@ def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq
         col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0 if uniform else None
         w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0) if one_hot else 0.0
         w_col_cols = _scatter_to_columns(torch.as_tensor(w_col, dtype=acc).expand(q.shape[0]), block.pos, k.shape[0])
+        col_groups = None if groups is None else groups.swapped()
         dk_t, dq_t, owner, wc = _direction_terms(
-            k, block.masks.k_ids, q, block.masks.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols, uniform
+            k, q, col_groups, cols, eps, multi_positive, scale, col_same, w_col_cols, uniform
         )
         _add_term(dk, dk_t)
         _add_term(dq, dq_t)
