@@ -76,12 +76,13 @@ def cal_inf_loss(
             its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
         label_smoothing: eps in [0, 1], ``F.cross_entropy``'s: the target puts 1 - eps on the positive and
             eps / n on each of the row's n columns (the column's n rows for the k->q direction), so
-            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. With ids, the uniform
-            part spreads over the columns that stay in the denominator (the row's positive's target keeps
-            1 - eps: the one-hot, or 1 / |P| for multi_positive="mean"); with multi_positive="sum" the loss
-            is (1 - eps) * (lse - logsumexp of the positives) + eps * (lse - the mean logit), as
-            ``F.cross_entropy`` mixes its two terms. Not with a guide (ValueError). See
-            :mod:`infcl.losses.smoothing`.
+            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. With the mask options
+            the uniform part spreads over the columns that stay in the denominator (those a guide or the
+            ids leave out get nothing) and the positives' target keeps 1 - eps: the loss is (1 - eps) * the
+            masked loss + eps * (lse - the mean logit over the kept columns) for every ``multi_positive``
+            ("sum": -log of the positives' total probability). With a guide the call runs on the torch
+            tiles (whose masked tiles sum the kept logits) whatever ``backend`` names, "reference" apart.
+            See :mod:`infcl.losses.smoothing` and docs/options.md.
         matryoshka: None, an :class:`infcl.Matryoshka` (prefix dims, weights, renormalize) or a sequence of
             prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
             the features' first m_k columns (each prefix divided by its norm where renormalized, as

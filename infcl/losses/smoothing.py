@@ -19,14 +19,20 @@ dk -= scale * sum_i u_i q_i, with w = eps * g at the positive and u = eps * g / 
 from the same terms (the rows' part is this rank's, the columns' part the block owner's). O(B * D) per
 block, no O(Bq * Bk) anything.
 
-With ids (:class:`SmoothedIdsSteps`) the uniform part spreads over the columns that stay in the row's
-denominator, from same-id sums of the features per block (:class:`IdGroups`). Under ``multi_positive="sum"``
-(MIL-NCE, -log of the positives' total probability) the smoothed loss is, as ``F.cross_entropy``'s,
-(1 - eps) * the unsmoothed loss + eps * the uniform cross-entropy over the columns kept (all of them: ids exclude
-nothing under "sum"); its gradient g * (P - (1 - eps) * Y - eps / n), Y the softmax over the positives, is the
-tiles' own g * (P - Y') with the positives' log-sum raised by -log(1 - eps) (Y' = (1 - eps) * Y, the entry
-y' * expm1(d') as before), plus the uniform terms. At eps = 1 the positives' part has weight 0 and "sum" is
-"mean". Not with a guide: which columns a guide leaves out is decided inside the tiles (docs/options.md).
+With mask options the uniform part spreads over the columns that stay in the row's denominator (not in E,
+:mod:`infcl.masks`), and the positives keep 1 - eps of their mode's target: (1 - eps) * the masked loss
++ eps * (lse - the mean logit over the kept columns), as ``F.cross_entropy`` mixes its two terms. Under
+``multi_positive="sum"`` (MIL-NCE, -log of the positives' total probability) the target's positive part is
+the softmax over the positives: the tiles' own g * (P - Y') with the positives' log-sum raised by
+-log(1 - eps) (Y' = (1 - eps) * Y, the entry y' * expm1(d') as before); at eps = 1 it has weight 0 and "sum"
+is "mean". Two ways to the kept columns' sum and number:
+
+- :class:`SmoothedKeptSteps`, on a backend whose masked tiles sum them (``kept_sums``: the torch tiles): the
+  tiles that decide E (the guide's scores against its threshold, the ids) sum and count what stays and
+  subtract eps * g / n_kept from dS there (``Block.kept_sums``, ``row_uniform``, ``col_uniform``). Any mask
+  options; a guide needs it (infcl.api.smoothing_backend runs such a call on the torch tiles).
+- :class:`SmoothedIdsSteps`, ids without a guide on the other backends: same-id sums of the features per block
+  (:class:`IdGroups`), O(B * D), no kernel change.
 """
 
 import math
