@@ -13,7 +13,9 @@ Pairs (forward + backward from fp32 unit-norm features to their gradients; the s
   a positive).
 
 The methods run alternately, ``--repeats`` rounds after one warm-up; each keeps its best time and the ratio is
-with / without. Times on a shared machine are noisy: read the ratios with the load average printed beside them.
+with / without. ``--clock cpu`` (the default) times the process's CPU time, which a loaded machine's other
+processes do not inflate (with ``--threads 1`` it is the one thread's); ``--clock wall`` the wall-clock time.
+Read the ratios with the load average printed beside them.
 """
 
 import argparse
@@ -65,15 +67,16 @@ def pairs(batch: int, dim: int, backend: str) -> Dict[str, Tuple[Callable[[], No
     }
 
 
-def run(batch: int, dim: int, backend: str, repeats: int) -> List[dict]:
+def run(batch: int, dim: int, backend: str, repeats: int, clock: str = "cpu") -> List[dict]:
     table = pairs(batch, dim, backend)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     best = {(name, i): float("inf") for name in table for i in (0, 1)}
     for round_ in range(repeats + 1):  # round 0: warm-up (builds, caches)
         for name, steps in table.items():
-            for i, step in enumerate(steps):
-                start = time.perf_counter()
-                step()
-                seconds = time.perf_counter() - start
+            for i in (round_ % 2, 1 - round_ % 2):  # without / with first in turn
+                start = now()
+                steps[i]()
+                seconds = now() - start
                 if round_:
                     best[name, i] = min(best[name, i], seconds)
     return [
@@ -85,6 +88,7 @@ def run(batch: int, dim: int, backend: str, repeats: int) -> List[dict]:
             "without_s": round(best[name, 0], 4),
             "with_s": round(best[name, 1], 4),
             "ratio": round(best[name, 1] / best[name, 0], 3),
+            "clock": clock,
         }
         for name in table
     ]
@@ -97,10 +101,11 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="cpu")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--csv", help="also write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = run(args.batch, args.dim, args.backend, args.repeats)
+    rows = run(args.batch, args.dim, args.backend, args.repeats, args.clock)
     load = os.getloadavg()[0]
     print(f"option cost, fp32 fwd+bwd, {cpu_name()}, {args.threads} thread(s), load {load:.1f}")
     cols = list(rows[0])

@@ -370,37 +370,31 @@ def _same_at_positive(block: Block) -> Tensor:
     return inside & (block.masks.q_ids == block.masks.k_ids.index_select(0, idx))
 
 
-def _direction_terms(x, y, groups, up, eps, multi_positive, scale, same_pos, w_extra, uniform):
-    """One direction's terms: dS[a, b] += w_a at the positive (None: eps * g_a, given by the caller), +v_a on the
-    same-id entries ("mean": eps * g_a / |P|, the target's eps * g * Y back; "sum": none, the tiles scaled Y) and,
-    where ``uniform`` (the tiles did not subtract it), -u_a on every kept entry: -u_a on every entry and, under
-    None, +u_a back on the excluded same-id ones. Returns (dx term [na, D] or None, dy term [nb, D] or None, the
-    scale's part, w [na])."""
+def _direction_terms(x, y, dx, dy, groups, up, eps, multi_positive, scale, same_pos, w_extra, uniform):
+    """One direction's terms, added to dx [na, D] and dy [nb, D] in place (no [n, D] temporary but the same-id
+    sums): dS[a, b] += w_a at the positive (None: eps * g_a, given by the caller), +v_a on the same-id entries
+    ("mean": eps * g_a / |P|, the target's eps * g * Y back; "sum": none, the tiles scaled Y) and, where
+    ``uniform`` (the tiles did not subtract it), -u_a on every kept entry: -u_a on every entry and, under None,
+    +u_a back on the excluded same-id ones. Returns (the scale's part, w [na]); the one-hot terms of w are the
+    caller's."""
     w = w_extra if multi_positive is None else torch.zeros_like(up.grad)
     v = up.grad * eps / up.pos_count if multi_positive == "mean" else None
-    dx = dy = None
     part = torch.zeros((), dtype=x.dtype, device=x.device)
     if uniform:
         u = up.grad * eps / up.count
         y_sum, x_u = _column_sums(y), torch.mv(x.T, u)
-        dx = torch.outer(-u, y_sum)
-        dy = x_u.neg()[None, :].expand(y.shape[0], -1)
+        dx.addr_(u * -scale, y_sum)
+        dy.sub_(x_u * scale)
         part = torch.dot(x_u, y_sum).neg()
         if multi_positive is None:
             v = u
             w = w - torch.where(same_pos, u, 0.0)
     if v is not None:
         y_same = groups.same_sum(groups.k, y, groups.q)
-        dx = y_same * v[:, None] if dx is None else dx.add_(y_same * v[:, None])
-        x_same = groups.same_sum(groups.q, x * v[:, None], groups.k)
-        dy = x_same if dy is None else x_same.add_(dy)
+        dx.addcmul_(y_same, (v * scale)[:, None])
+        dy.add_(groups.same_sum(groups.q, x * (v * scale)[:, None], groups.k))
         part = part + (v * torch.linalg.vecdot(x, y_same)).sum()
-    return (None if dx is None else dx.mul_(scale)), (None if dy is None else dy * scale), part, w
-
-
-def _add_term(out: Tensor, term: Optional[Tensor]) -> None:
-    if term is not None:
-        out.add_(term)
+    return part, w
 
 
 def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor, uniform=True):
@@ -414,29 +408,28 @@ def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq
     q, k = block.q.to(acc), block.k.to(acc)
     inside = block.pos >= 0
     idx = torch.where(inside, block.pos, 0)
-    k_pos = k.index_select(0, idx)
-    raw_pos = torch.linalg.vecdot(q, k_pos)
     same_pos = _same_at_positive(block) if uniform else None
     one_hot = multi_positive is None
     # same-id sums: the uniform part's under None, the target's under "mean"
     needs_groups = (one_hot and uniform) or multi_positive == "mean"
     groups = IdGroups.of(block.masks.q_ids, block.masks.k_ids) if needs_groups else None
     w_row = torch.where(inside, rows.grad * eps, 0.0) if one_hot else 0.0
-    dq_t, dk_t, own, w = _direction_terms(q, k, groups, rows, eps, multi_positive, scale, same_pos, w_row, uniform)
-    _add_term(dq, dq_t)
-    _add_term(dk, dk_t)
-    own = own + (w * raw_pos).sum()
+    own, w = _direction_terms(q, k, dq, dk, groups, rows, eps, multi_positive, scale, same_pos, w_row, uniform)
     owner = torch.zeros((), dtype=acc, device=dq.device)
     if cols is not None:
         col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0 if uniform else None
         w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0) if one_hot else 0.0
         w_col_cols = _scatter_to_columns(torch.as_tensor(w_col, dtype=acc).expand(q.shape[0]), block.pos, k.shape[0])
         col_groups = None if groups is None else groups.swapped()
-        dk_t, dq_t, owner, wc = _direction_terms(
-            k, q, col_groups, cols, eps, multi_positive, scale, col_same, w_col_cols, uniform
+        owner, wc = _direction_terms(
+            k, q, dk, dq, col_groups, cols, eps, multi_positive, scale, col_same, w_col_cols, uniform
         )
-        _add_term(dk, dk_t)
-        _add_term(dq, dq_t)
+    if not one_hot:  # w is 0: no one-hot terms
+        return own.reshape(1), owner.reshape(1)
+    k_pos = k.index_select(0, idx)
+    raw_pos = torch.linalg.vecdot(q, k_pos)
+    own = own + (w * raw_pos).sum()
+    if cols is not None:
         wc_rows = torch.where(inside, wc.index_select(0, idx), 0.0)  # back to the rows holding each positive
         owner = owner + (wc_rows * raw_pos).sum()
         w = w + wc_rows
