@@ -85,8 +85,8 @@ def run(batch: int, dim: int, backend: str, repeats: int, clock: str = "cpu") ->
             "backend": backend,
             "batch": batch,
             "dim": dim,
-            "without_s": round(best[name, 0], 4),
-            "with_s": round(best[name, 1], 4),
+            "without_s": round(best[name, 0], 6),
+            "with_s": round(best[name, 1], 6),
             "ratio": round(best[name, 1] / best[name, 0], 3),
             "clock": clock,
         }

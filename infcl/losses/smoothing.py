@@ -197,28 +197,51 @@ def _add_rows(out: Tensor, index: Tensor, rows: Tensor) -> None:
 
 
 class IdGroups(NamedTuple):
-    """A block's ids as group numbers its rows and columns share: the position of each id's first occurrence
-    among the block's sorted ids (no host synchronization, unlike ``unique``). Found once per block step, so
-    that every same-id sum of the step is one ``index_put_`` into a table and one ``index_select`` out of it:
-    O((Bq + Bk) * D), deterministic (``index_put_``'s sorted accumulation), few operations."""
+    """A block's ids as group numbers, found once per block step (no host synchronization, unlike ``unique``):
+    each line's group among its own side's sorted ids (its id's first occurrence there) and its group among the
+    other side's, or that side's size where its id is absent there (a zero row past that side's table). Each
+    same-id sum is then one ``index_put_`` into a table of one side's size and one ``index_select`` out of it:
+    O((Bq + Bk) * D), deterministic (``index_put_``'s sorted accumulation). "rows" and "cols" are a direction's
+    lines and the other side (:meth:`swapped` gives the column direction's view)."""
 
-    q: Tensor  # [Bq] int64
-    k: Tensor  # [Bk] int64
+    rows: Tensor  # [n_rows] int64 each row's group among the rows' ids
+    rows_in_cols: Tensor  # [n_rows] its group among the columns' ids, n_cols where absent
+    cols: Tensor  # [n_cols] each column's group among the columns' ids
+    cols_in_rows: Tensor  # [n_cols] its group among the rows' ids, n_rows where absent
 
     @classmethod
     def of(cls, q_ids: Tensor, k_ids: Tensor) -> "IdGroups":
-        keys, _ = torch.sort(torch.cat((q_ids, k_ids)))
-        return cls(torch.searchsorted(keys, q_ids), torch.searchsorted(keys, k_ids))
+        q_sorted, _ = torch.sort(q_ids)
+        k_sorted, _ = torch.sort(k_ids)
+        rows, cols = torch.searchsorted(q_sorted, q_ids), torch.searchsorted(k_sorted, k_ids)
+        return cls(rows, _group_in(k_sorted, q_ids), cols, _group_in(q_sorted, k_ids))
 
     def swapped(self) -> "IdGroups":
         """The column direction's view: its lines are the k side."""
-        return IdGroups(self.k, self.q)
+        return IdGroups(self.cols, self.cols_in_rows, self.rows, self.rows_in_cols)
 
-    def same_sum(self, of: Tensor, values: Tensor, at: Tensor) -> Tensor:
-        """For each group in ``at`` (one side's groups), the sum of the ``values`` rows whose group in ``of`` (the
-        other side's) is the same: 0 where none is."""
-        table = values.new_zeros((self.q.shape[0] + self.k.shape[0],) + values.shape[1:])
-        return table.index_put_((of,), values, accumulate=True).index_select(0, at)
+    def cols_at_rows(self, values: Tensor) -> Tensor:
+        """[n_rows, ...] for each row, the sum of the ``values`` ([n_cols, ...]) of the columns with its id."""
+        return _table(values, self.cols).index_select(0, self.rows_in_cols)
+
+    def rows_at_cols(self, values: Tensor) -> Tensor:
+        """[n_cols, ...] for each column, the sum of the ``values`` ([n_rows, ...]) of the rows with its id."""
+        return _table(values, self.rows).index_select(0, self.cols_in_rows)
+
+
+def _group_in(sorted_ids: Tensor, ids: Tensor) -> Tensor:
+    """Each id's group among ``sorted_ids`` (its first occurrence), or len(sorted_ids) where it is absent."""
+    n = sorted_ids.shape[0]
+    if n == 0:
+        return torch.zeros_like(ids)
+    at = torch.searchsorted(sorted_ids, ids).clamp_(max=n - 1)
+    return torch.where(sorted_ids[at] == ids, at, n)
+
+
+def _table(values: Tensor, groups: Tensor) -> Tensor:
+    """[n + 1, ...] the sum of ``values`` per group (row n: the absent ids' zero)."""
+    table = values.new_zeros((values.shape[0] + 1,) + values.shape[1:])
+    return table.index_put_((groups,), values, accumulate=True)
 
 
 class SmoothedMaskedPartials(NamedTuple):
@@ -286,8 +309,8 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
         total = torch.mv(x, _column_sums(y))
         count = torch.full_like(total, y.shape[0])
         if self.multi_positive is None:
-            total = total - torch.linalg.vecdot(x, groups.same_sum(groups.k, y, groups.q))
-            count = count - groups.same_sum(groups.k, torch.ones_like(y[:, 0]), groups.q)
+            total = total - torch.linalg.vecdot(x, groups.cols_at_rows(y))
+            count = count - groups.cols_at_rows(torch.ones_like(y[:, 0]))
         total = total.mul_(scale)
         if self.multi_positive is None:  # the positive stays: its logit as the tile read it, and one count
             total = total + torch.where(same_pos, part.pos_sum, 0.0)
@@ -390,9 +413,9 @@ def _direction_terms(x, y, dx, dy, groups, up, eps, multi_positive, scale, same_
             v = u
             w = w - torch.where(same_pos, u, 0.0)
     if v is not None:
-        y_same = groups.same_sum(groups.k, y, groups.q)
+        y_same = groups.cols_at_rows(y)
         dx.addcmul_(y_same, (v * scale)[:, None])
-        dy.add_(groups.same_sum(groups.q, x * (v * scale)[:, None], groups.k))
+        dy.add_(groups.rows_at_cols(x * (v * scale)[:, None]))
         part = part + (v * torch.linalg.vecdot(x, y_same)).sum()
     return part, w
 
