@@ -1,7 +1,8 @@
-"""cal_maxsim_loss on the torch tiles and the native kernel against the float64 MaxSim truth
-(tests/helpers/maxsim_truth.py): every dtype, odd shapes in ragged tiles, masks, MeanMaxSim, labels with extra
-documents, false negatives, the scale's gradient, strides, the lowest-index rule for ties, the edge rules and the
-input errors."""
+"""cal_maxsim_loss on the torch tiles, the native kernel and the Triton kernels (under TRITON_INTERPRET=1 here: the
+tests with a "triton" parameter are marked interpreter and slow) against the float64 MaxSim truth
+(tests/helpers/maxsim_truth.py):
+every dtype, odd shapes in ragged tiles, masks, MeanMaxSim, labels with extra documents, false negatives, the
+scale's gradient, strides, the lowest-index rule for ties, the edge rules and the input errors."""
 
 import pytest
 import torch
@@ -31,13 +32,15 @@ SMALL_TILES = (8, 24)  # (query tokens, document tokens) per tile: several ragge
 NATIVE_TILE_BYTES = 1000
 
 
-@pytest.fixture(params=("torch", pytest.param("cpu", marks=needs_native)))
+@pytest.fixture(params=("torch", pytest.param("cpu", marks=needs_native), "triton"))
 def small_tiles(request, monkeypatch):
-    """The backend the tests pass (``backend=small_tiles``): the torch tiles with SMALL_TILES token tiles, and the
-    native kernel with NATIVE_TILE_BYTES document tiles."""
+    """The backend the tests pass (``backend=small_tiles``): the torch tiles with SMALL_TILES token tiles, the native
+    kernel with NATIVE_TILE_BYTES document tiles, and the Triton kernels (the interpreter's tiles: 32 query-token
+    rows x 16 document tokens, several ragged chunks)."""
     if request.param == "cpu":
         monkeypatch.setattr(native_maxsim, "TILE_BYTES", NATIVE_TILE_BYTES)
-        return "cpu"
+    if request.param in ("cpu", "triton"):
+        return request.param
     return TorchTilesBackend(token_tiles=SMALL_TILES)
 
 
@@ -85,6 +88,8 @@ def _run(q, docs, labels=None, scale=1.0, reduction="mean", upstream=None, backe
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("length_normalize", (False, True))
 def test_matches_float64_truth(small_tiles, dtype, tol, shape, length_normalize):
+    if small_tiles == "triton" and not length_normalize:
+        pytest.skip("the kernels' path with length_normalize=True (the weights are formed on the host), interpreted")
     q, docs, q_mask, docs_mask, labels = _inputs(*shape, dtype)
     ours, truth = _run(
         q, docs, labels, 1.7, q_mask=q_mask, docs_mask=docs_mask, length_normalize=length_normalize, backend=small_tiles
@@ -167,20 +172,22 @@ def test_ties_go_to_the_lowest_index(small_tiles):
 
 
 @pytest.mark.parametrize(
-    "backend,dim",
+    "tiles,dim",
     (
-        (TorchTilesBackend(token_tiles=SMALL_TILES), 16),
-        (TorchTilesBackend(token_tiles=(40, 63)), 16),
-        (TorchTilesBackend(), 16),
+        (SMALL_TILES, 16),
+        ((40, 63), 16),
+        (None, 16),
+        ("triton", 16),
         pytest.param("cpu", 16, marks=needs_native),
         # D = 1024: the native kernel's column chunks (csrc/maxsim_tokens.h CHUNK_BYTES) hold 64 tokens, so the
         # copies sit in other chunks than their originals, and documents straddle chunks.
         pytest.param("cpu", 1024, marks=needs_native),
     ),
 )
-def test_random_float_copies_route_to_the_first(backend, dim):
-    """Exact copies of random float32 document tokens, at the ends of the token products and across tiles: each
-    copy scores the same bits as its original, so only the lowest index gets a gradient."""
+def test_random_float_copies_route_to_the_first(tiles, dim):
+    """Exact copies of random float32 document tokens, at the ends of the token products and across tiles (the
+    Triton kernels' 16-token document chunks: copies in the first, second and last chunk): each copy scores the
+    same bits as its original, so only the lowest index gets a gradient."""
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(6, 5, dim, generator=gen)
     docs = torch.randn(7, 21, dim, generator=gen)
@@ -190,12 +197,46 @@ def test_random_float_copies_route_to_the_first(backend, dim):
     docs[:, 15] = docs[:, 0]
     q.requires_grad_()
     docs.requires_grad_()
+    backend = tiles if tiles in ("triton", "cpu") else TorchTilesBackend(token_tiles=tiles)
     loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5, backend=backend)
     loss.backward()
     for copy in (17, 20, 15):
         assert torch.equal(docs.grad[:, copy], torch.zeros_like(docs.grad[:, copy])), copy
     assert (docs.grad[:, 2].abs().sum(dim=1) > 0).all()
     _close(loss.detach(), maxsim_loss(q.detach().double(), docs.detach().double(), torch.arange(6), 0.5), 2e-5, "loss")
+
+
+def test_long_queries_wide_features_and_views(small_tiles):
+    """Queries longer than one row block of the Triton kernels (Lq = 37 > 32 rows: two token chunks, whose scores the
+    backward needs before routing; ragged feature chunks and gradient slices: D = 33 in test_matches_float64_truth),
+    documents over two chunks, masks, ids, MeanMaxSim, non-unit upstream gradients, and views of the tokens (a
+    transposed document tensor) and of the masks."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(3, 37, 40, generator=gen)[:, :, ::2]  # [3, 37, 20]
+    docs = torch.randn(5, 20, 20, generator=gen).transpose(1, 2)  # [5, 20, 20], token stride 1
+    q_mask = (torch.rand(37, 3, generator=gen) > 0.3).T  # a transposed view
+    q_mask[:, 0] = True
+    docs_mask = torch.rand(5, 20, generator=gen) > 0.3
+    docs_mask[:, 19] = True
+    labels = torch.tensor([4, 0, 2])
+    q_ids, k_ids = torch.tensor([0, 1, 0]), torch.tensor([1, 1, 0, 2, 0])
+    upstream = torch.tensor([1.5, -0.5, 2.0])
+    ours, truth = _run(
+        q,
+        docs,
+        labels,
+        2.0,
+        "none",
+        upstream,
+        small_tiles,
+        q_mask=q_mask,
+        docs_mask=docs_mask,
+        length_normalize=True,
+        q_ids=q_ids,
+        k_ids=k_ids,
+    )
+    for name, a, b in zip(("loss", "dq", "docs grad", "dscale"), ours, truth):
+        _close(a, b, 2e-5, name)
 
 
 @needs_native

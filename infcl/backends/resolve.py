@@ -60,7 +60,8 @@ AUTO = {
     "rank": {"cpu": "cpu", "cuda": "torch"},
     "topk": {"cpu": "cpu", "cuda": "torch"},
     # The MaxSim loss: the native kernel on CPU (docs/maxsim.md: 2 token products over the real tokens against the
-    # torch tiles' 4 over padded ones); no Triton kernel yet.
+    # torch tiles' 4 over padded ones); its Triton kernels pass the interpreter tests and the compile gate, but no GPU
+    # has run them yet (backend="triton" runs them).
     "maxsim": {"cpu": "cpu", "cuda": "torch"},
 }
 # The backend each device type runs best when it can (the one whose unavailability "auto" checks and reports).
@@ -87,7 +88,7 @@ NO_CHUNKED = {
 }
 # The call kinds that some backends do not run yet, and those backends: an explicit one raises ValueError,
 # INFCL_BACKEND naming one runs the kind's own "auto" choice.
-NOT_YET = {"maxsim": ("cal_maxsim_loss", ("triton",))}
+NOT_YET: Dict[str, Tuple[str, Tuple[str, ...]]] = {}  # every call kind runs on every backend it has
 # Where "auto" takes the chunked route instead of AUTO's "triton" for a loss without mask options: call kind ->
 # (GPU family, dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than
 # the fused kernels'; family as infcl.kernels.target's ARCH_FAMILIES keys. ``python -m bench --preset gpu-first``

@@ -2,7 +2,8 @@
 
 ``python -m workers.maxsim_ring_worker`` (3 processes) runs every case of :data:`CASES` on the rings of 1, 2 and 3
 ranks (``RINGS``) on the torch tiles and on the native kernel (both shrunk: each block spans several ragged tiles;
-the native cases where the kernel is available). Each rank passes its uneven
+the native cases where the kernel is available), and one case on the Triton kernels (interpreted without a GPU).
+Each rank passes its uneven
 shard of the queries and of the documents, each shard at its own padded lengths (``LENGTHS``: the queries' Lq and
 the documents' Lk differ per rank), and writes its local loss and gradients; the test compares them with the
 float64 truth of the whole set (:func:`global_inputs`, padded to the longest lengths as masked tokens).
@@ -40,16 +41,19 @@ class MaxSimCase:
     dtype: torch.dtype = torch.float32
     ids: bool = False
     length_normalize: bool = False
-    native: bool = False  # the native kernel ("cpu") instead of the torch tiles
+    # "torch": TINY; "cpu": the native kernel (where it is available); "triton": the Triton kernels (interpreted
+    # without a GPU)
+    backend: str = "torch"
 
 
 CASES = (
     MaxSimCase("fp32"),
     MaxSimCase("ids-meanmaxsim-fp64", torch.float64, ids=True, length_normalize=True),
     MaxSimCase("bf16", torch.bfloat16),
-    MaxSimCase("native-fp32", native=True),
-    MaxSimCase("native-ids-meanmaxsim-fp64", torch.float64, ids=True, length_normalize=True, native=True),
-    MaxSimCase("native-bf16", torch.bfloat16, native=True),
+    MaxSimCase("triton-ids-fp32", ids=True, backend="triton"),
+    MaxSimCase("native-fp32", backend="cpu"),
+    MaxSimCase("native-ids-meanmaxsim-fp64", torch.float64, ids=True, length_normalize=True, backend="cpu"),
+    MaxSimCase("native-bf16", torch.bfloat16, backend="cpu"),
 )
 SCALE = 1.5
 
@@ -103,7 +107,7 @@ def _run(case: MaxSimCase, rank: int, world: int, group):
         q_ids=None if q_ids is None else q_ids[mine],
         k_ids=None if k_ids is None else k_ids[theirs],
         group=group,
-        backend="cpu" if case.native else TINY,
+        backend=TINY if case.backend == "torch" else case.backend,
     )
     loss.backward()
     return {"loss": loss.detach(), "dq": q_local.grad, "dd": docs_local.grad, "dscale": scale.grad}
@@ -149,7 +153,9 @@ def _run_st_gather(rank: int, world: int, group):
 
 def scenarios(rank, world, group):
     native_maxsim.TILE_BYTES = NATIVE_TILE_BYTES
-    results = {case.name: _run(case, rank, world, group) for case in CASES if NATIVE_REASON is None or not case.native}
+    results = {
+        case.name: _run(case, rank, world, group) for case in CASES if NATIVE_REASON is None or case.backend != "cpu"
+    }
     results["st-gather"] = _run_st_gather(rank, world, group)
     return results
 
