@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..contract import NO_INDEX, Ahead, Best, Tensor
+from ..op_fakes import ahead_counts_fake, best_positives_fake
 from .configs import Tiling
 from .kernel_args import COMPILE_OPTIONS, launch_options, matrix_args, tf32_operands
 from .registration import register_op, wrap
@@ -286,11 +287,6 @@ def _best_positives(
     return tuple(out)
 
 
-def _best_positives_fake(q, k, pos, row_index, col_index, symmetric, q_ids, k_ids, precision):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (*Best.empty(q.shape[0], acc, q.device), *Best.empty(k.shape[0] if symmetric else 0, acc, q.device))
-
-
 def _ahead_counts(
     q: Tensor,
     k: Tensor,
@@ -330,17 +326,13 @@ def _ahead_counts(
     return tuple(out)
 
 
-def _ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_index, col_index, q_ids, k_ids, precision):
-    return (*Ahead.empty(q.shape[0], q.device), *Ahead.empty(k.shape[0] if col_score is not None else 0, q.device))
-
-
 # The two passes as custom ops, registered as the loss kernels' block steps are (:func:`.registration.register_op`):
 # torch.ops.infcl.triton_rank_best_positives (the schema of the native kernel's rank_best_positives, plus
 # ``precision``: "" for None) -> (row score, index, count, column score, index, count; the columns' empty
 # unless symmetric), torch.ops.infcl.triton_rank_ahead_counts -> (row ahead, nonfinite, column ahead,
 # nonfinite). The ids are None unless they decide the positives (pass 1) or what is never ahead (pass 2).
-best_positives_op = register_op("triton_rank_best_positives", _best_positives, _best_positives_fake)
-ahead_counts_op = register_op("triton_rank_ahead_counts", _ahead_counts, _ahead_counts_fake)
+best_positives_op = register_op("triton_rank_best_positives", _best_positives, best_positives_fake)
+ahead_counts_op = register_op("triton_rank_ahead_counts", _ahead_counts, ahead_counts_fake)
 
 
 def best_positives(

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..op_fakes import dscale_fake, row_fake
 from .configs import Tiling
 from .kernel_args import COMPILE_OPTIONS, launch_options, matrix_args, tf32_operands
 from .registration import register_op, wrap
@@ -415,13 +416,5 @@ def _backward_op(
     return siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap, q_ids, k_ids)
 
 
-def _forward_fake(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling):
-    return q.new_empty(q.shape[0], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-
-
-def _backward_fake(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq, dk, precision, tiling):
-    return dq.new_empty(2)
-
-
-sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _forward_op, _forward_fake)
-sigmoid_backward_block = register_op("triton_sigmoid_backward_block", _backward_op, _backward_fake, ("dq", "dk"))
+sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _forward_op, row_fake)
+sigmoid_backward_block = register_op("triton_sigmoid_backward_block", _backward_op, dscale_fake, ("dq", "dk"))
