@@ -56,6 +56,16 @@ def check_features(q, k, names=("q", "k"), layout=FEATURES) -> None:
         raise ValueError(f"{nq} and {nk} must be on the same device: {nq} on {q.device}, {nk} on {k.device}")
 
 
+def check_rows_like(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """``t`` has one row per row of ``like`` and lives on its device (a guide beside its features, a teacher's
+    features beside the student's)."""
+    if t.shape[0] != like.shape[0]:
+        rows = f"{like_name} {shape_text(like)}, {name} {shape_text(t)}"
+        raise ValueError(f"{name} must have one row per row of {like_name}: {rows}")
+    if t.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {t.device}")
+
+
 def check_reduction(reduction) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -219,13 +229,7 @@ def _guide(guide, q: torch.Tensor, k: torch.Tensor):
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-d [rows, guide dim], got shape {shape_text(t)}")
-        if t.shape[0] != feats.shape[0]:
-            raise ValueError(
-                f"{name} must have one row per row of {feats_name}: "
-                f"{feats_name} {shape_text(feats)}, {name} {shape_text(t)}"
-            )
-        if t.device != feats.device:
-            raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {t.device}")
+        check_rows_like(name, t, feats_name, feats)
     if gq.shape[1] != gk.shape[1] or gq.shape[1] == 0:
         raise ValueError(f"guide[0] and guide[1] must have the same non-zero width: {shape_text(gq)}, {shape_text(gk)}")
     if gq.dtype != gk.dtype:
