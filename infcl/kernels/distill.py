@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ..contract import DISTILL_ROWS, Tensor
 from ..op_fakes import dscale_fake, stats_fake
-from .kernel_args import matrix_args, tf32_operands
-from .rank import launch_args, program_lines, tile_at
+from .kernel_args import launch_args, matrix_args, tf32_operands
+from .rank import program_lines, tile_at
 from .registration import register_op, wrap
 from .score_tiles import (
     Dot,

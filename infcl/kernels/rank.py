@@ -31,11 +31,10 @@ import triton.language as tl
 from ..contract import NO_INDEX, Ahead, Best, Tensor
 from ..op_fakes import ahead_counts_fake, best_positives_fake
 from .configs import Tiling
-from .kernel_args import COMPILE_OPTIONS, launch_options, matrix_args, tf32_operands
+from .kernel_args import launch_args
 from .registration import register_op, wrap
 from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 from .tile_stats import positive_span
-from .tiling import target_tiling
 
 # infcl.contract.NO_INDEX where the kernels see it (a module-level value inside @triton.jit must be a constexpr).
 NO_BEST = tl.constexpr(NO_INDEX)
@@ -222,30 +221,6 @@ def _walks(q: Tensor, k: Tensor, symmetric: bool, tiling: Tiling):
     if symmetric:
         out.append((True, k.shape[0], triton.cdiv(k.shape[0], cfg.block_n)))
     return out
-
-
-def launch_args(q: Tensor, k: Tensor, precision: Optional[str], family: str = "rank") -> Tuple[dict, Tiling]:
-    """The launch arguments every rank, distillation and top-k kernel takes (q and k, their sizes and strides, the
-    S tile, tl.dot's precision, the compile options) and the tiling of kernel ``family`` ("rank": the ranks' and
-    the distillation loss's, :func:`infcl.kernels.tiling.rank_tiling`; "topk": :func:`~.tiling.topk_tiling`)."""
-    opts = launch_options(q.dtype, precision)
-    q, k = tf32_operands(opts["PRECISION"], q, k)
-    tiling = target_tiling(family, q.dtype, opts["PRECISION"])
-    cfg = tiling.forward
-    args = dict(
-        n_q=q.shape[0],
-        n_k=k.shape[0],
-        D=q.shape[1],
-        **matrix_args("q", q),
-        **matrix_args("k", k),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=tiling.block_d(q.shape[1]),
-        **cfg.launch_options(),
-        **opts,
-        **COMPILE_OPTIONS,
-    )
-    return args, tiling
 
 
 def _best_positives(

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..contract import NO_INDEX
 from ..op_fakes import in_place_fake
-from .rank import launch_args
+from .kernel_args import launch_args
 from .registration import register_op, wrap
 from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 
