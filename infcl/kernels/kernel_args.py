@@ -184,7 +184,7 @@ def launch_args(q, k, precision: Optional[str], family: str = "rank", tiling: Op
     top-k's, the sigmoid forward's): q and k (:func:`qk_args`, TF32-rounded at "tf32"), the forward config's S
     tile and feature chunk, the dtype options and the compile options; ``tiling`` the caller's, else kernel
     ``family``'s on the active target (:func:`infcl.kernels.tiling.target_tiling`: "rank", the ranks' and
-    distillation's; "topk"; "sigmoid")."""
+    distillation's; "topk"; "sigmoid"; "matryoshka")."""
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
     if tiling is None:
