@@ -127,9 +127,9 @@ def _smoothing_terms(
     block: Block, eps: float, n_cols: int, n_rows: int, dq: Tensor, dk: Tensor
 ) -> Tuple[Tensor, Tensor]:
     """Add the block's g * eps * Y - g * eps / n terms to dq, dk in place (g: the block's ``g_row`` and, symmetric,
-    ``g_col``); return the scale gradient's (rows' part [1], columns' part [1]). Few passes over the [n, D] operands: one gather, one row-wise dot,
-    two sums, two matrix-vector products, and one update of each of dq and dk per kind of term (the rank-one
-    terms of both directions as one rank-two ``addmm_``)."""
+    ``g_col``); return the scale gradient's (rows' part [1], columns' part [1]). Few passes over the [n, D]
+    operands: one gather, one row-wise dot, two sums, two matrix-vector products, and one update of each of dq and
+    dk per kind of term (the rank-one terms of both directions as one rank-two ``addmm_``)."""
     acc, scale = dq.dtype, block.scale
     q, k = block.q.to(acc), block.k.to(acc)
     inside = block.pos >= 0
