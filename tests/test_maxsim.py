@@ -358,7 +358,7 @@ def test_auto_runs_the_native_kernel_on_cpu():
         (lambda q, d: cal_maxsim_loss(q, d, length_normalize=1), TypeError, "length_normalize must be a bool"),
         (lambda q, d: cal_maxsim_loss(q, d, reduction="max"), ValueError, "reduction must be"),
         (lambda q, d: cal_maxsim_loss(q, d, backend="reference"), NotImplementedError, "no backend='reference'"),
-        (lambda q, d: cal_maxsim_loss(q, d[:, :0]), ValueError, "non-empty"),
+        (lambda q, d: cal_maxsim_loss(q, d[:, :0]), ValueError, "docs has token dimension 0"),
     ),
 )
 def test_bad_input_names_the_argument(call, error, match):
