@@ -6,13 +6,14 @@ import torch
 
 from .build import load_error
 from .distill import NativeDistill
+from .matryoshka import NativeMatryoshka
 from .rank import NativeRanks
 from .sigmoid import NativeSigmoid
 from .softmax import NativeSoftmax
 from .topk import NativeTopK
 
 
-class NativeBackend(NativeSoftmax, NativeSigmoid, NativeDistill, NativeRanks, NativeTopK):
+class NativeBackend(NativeSoftmax, NativeMatryoshka, NativeSigmoid, NativeDistill, NativeRanks, NativeTopK):
     """The native CPU kernel (``backend="cpu"``)."""
 
     name = "cpu"

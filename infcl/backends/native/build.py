@@ -281,6 +281,15 @@ def _guide_label_scores_fake(guide_q, guide_k, pos):
     return guide_q.new_empty(guide_q.shape[0])
 
 
+def _matryoshka_forward_fake(q, k, scale, pos, symmetric, dims, renormalize):
+    acc, count = accum_dtype(q.dtype), len(dims)
+    return q.new_empty(3, count, q.shape[0], dtype=acc), q.new_empty(2, count, k.shape[0] if symmetric else 0, dtype=acc)
+
+
+def _matryoshka_backward_fake(q, k, scale, pos, dims, renormalize, row_stats, g_row, col_stats, g_col, dq, dk):
+    return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
 def _sigmoid_forward_fake(q, k, scale, pos, bias, q_ids=None, k_ids=None):
     return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
 
@@ -320,6 +329,8 @@ FAKES = {
     "infcl::masked_forward_block": _masked_forward_fake,
     "infcl::masked_backward_block": _masked_backward_fake,
     "infcl::guide_label_scores": _guide_label_scores_fake,
+    "infcl::matryoshka_forward_block": _matryoshka_forward_fake,
+    "infcl::matryoshka_backward_block": _matryoshka_backward_fake,
     "infcl::sigmoid_forward_block": _sigmoid_forward_fake,  # csrc/infcl_siglip.cpp
     "infcl::sigmoid_backward_block": _sigmoid_backward_fake,
     "infcl::distill_forward_block": _distill_forward_fake,  # csrc/distill.cpp
