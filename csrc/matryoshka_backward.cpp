@@ -128,7 +128,12 @@ class PrefixBackwardLane {
       tile_row += parts.first;
       tile_col += parts.second;
       T* col_sums = col_sums_.data();
-      if (renorm) {
+      if (renorm && p.dims[k] == 1) {
+        // A one-wide renormalized prefix: S = scale * sign(q_0) * sign(k_0), whose gradient of the features is
+        // exactly 0 (infcl.matryoshka.Prefixes.sign_only); formed, it would be the difference of two equal
+        // sums of size |g| / |x_0| that cancel only to their rounding. Nothing joins W or the sums.
+        if (k == n - 1) std::fill(w, w + ni * nj, T(0));
+      } else if (renorm) {
         std::fill(col_sums, col_sums + nj, T(0));
         add_prefix_gradient<true>(u, s, ni, nj, f, k == n - 1, w, g_.row_c + k * a_.bq + i0, col_sums);
         double* cc = col_c + k * a_.bk + j0;

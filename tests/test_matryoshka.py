@@ -29,7 +29,7 @@ from infcl.backends.torch_tiles import TorchTilesBackend
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 # (Bq, Bk, D, labels, symmetric, dims, renormalize)
 CASES = (
-    (7, 7, 9, "perm", True, (9, 4, 1), (True, True, False)),  # a one-wide unit prefix has gradient 0: docs
+    (7, 7, 9, "perm", True, (9, 4, 1), (True, True, True)),  # a one-wide unit prefix: its gradient is exactly 0
     (7, 13, 9, "random", False, (3, 9), (False, True)),  # hard negatives
     (33, 33, 40, "diag", True, (17, 40, 5, 32), (True, False, True, False)),
     (20, 45, 23, "random", False, (23, 11), False),
@@ -280,3 +280,72 @@ def test_confident_prefixes_are_exact(backend, dtype, symmetric):
         truth[2][:, :m] += w * dk
         truth[3] += w * dscale
     assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
+
+
+# Past one tile of each side: 600 rows make 3 row tiles of 256 (the last ragged) and 3 key tiles of the native
+# kernel's 256 (several column groups forward, two lanes backward on two threads), 2 key tiles of the torch tiles.
+MANY_TILES = (600, 600, 70, (70, 33, 1, 9), (True, False, True, True))
+
+
+@pytest.mark.parametrize("backend", tiled_backends())
+@pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
+def test_past_one_tile(backend, symmetric):
+    bq, bk, d, dims, renormalize = MANY_TILES
+    q, k, labels = features_and_labels(bq, bk, d, "perm", torch.float64, seed=8)
+    q = q * torch.linspace(0.5, 2.0, d, dtype=torch.float64)
+    scale, weights = torch.tensor(11.0, dtype=torch.float64), (1.0, 0.5, 0.25, 2.0)
+    g = torch.randn(bq, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    spec = Matryoshka(dims, weights, renormalize)
+    got = _grads(
+        q,
+        k,
+        scale,
+        g,
+        lambda a, b, s: cal_inf_loss(
+            a, b, labels, s, symmetric=symmetric, reduction="none", backend=backend, matryoshka=spec
+        ),
+    )
+    want = _grads(q, k, scale, g, lambda a, b, s: truth_losses(a, b, labels, s, symmetric, dims, weights, renormalize))
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-10, 1e-10, f"{backend} {what}")
+
+
+@pytest.mark.parametrize("backend", tiled_backends())
+def test_bfloat16_inputs(backend):
+    # bfloat16 features are exact in float32, which the fused passes accumulate in: the truth is their float64.
+    q, k, labels = features_and_labels(40, 40, 24, "perm", torch.bfloat16, seed=10)
+    spec, scale = Matryoshka((24, 8, 16), (1.0, 0.5, 0.5)), torch.tensor(10.0)
+    got = _grads(
+        q,
+        k,
+        scale,
+        torch.tensor(1.0),
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=True, backend=backend, matryoshka=spec),
+    )
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        torch.tensor(1.0, dtype=torch.float64),
+        lambda a, b, s: truth_losses(a, b, labels, s, True, (24, 8, 16), (1.0, 0.5, 0.5), True).mean(),
+    )
+    assert got[1].dtype == torch.bfloat16
+    atol, rtol = TOLERANCE[torch.float32]
+    for what, a, b in zip(("loss", "dscale"), (got[0], got[3]), (want[0], want[3])):
+        assert_close_verbose(a, b, atol, rtol, f"{backend} bf16 {what}")
+    for what, a, b in zip(("dq", "dk"), got[1:3], want[1:3]):  # rounded to bfloat16 on the way out
+        assert_close_verbose(a, b, 0, 2.0**-8, f"{backend} bf16 {what}")
+
+
+def test_native_ops_pass_opcheck():
+    """The fused Matryoshka ops' schemas, fake impls and mutation declarations hold (torch.library.opcheck)."""
+    if "cpu" not in tiled_backends():
+        pytest.skip("the native kernel is not available here")
+    q, k, labels = features_and_labels(12, 12, 10, "perm", torch.float32, seed=11)
+    pos, dims, renorm = labels, [3, 10], [True, False]
+    torch.library.opcheck(torch.ops.infcl.matryoshka_forward_block.default, (q, k, 5.0, pos, True, dims, renorm))
+    rows, cols = torch.ops.infcl.matryoshka_forward_block(q, k, 5.0, pos, True, dims, renorm)
+    args = (q, k, 5.0, pos, dims, renorm, rows[:2].contiguous(), torch.ones(2, 12), cols, torch.ones(2, 12))
+    torch.library.opcheck(
+        torch.ops.infcl.matryoshka_backward_block.default, (*args, torch.zeros(12, 10), torch.zeros(12, 10))
+    )

@@ -283,7 +283,9 @@ def _guide_label_scores_fake(guide_q, guide_k, pos):
 
 def _matryoshka_forward_fake(q, k, scale, pos, symmetric, dims, renormalize):
     acc, count = accum_dtype(q.dtype), len(dims)
-    return q.new_empty(3, count, q.shape[0], dtype=acc), q.new_empty(2, count, k.shape[0] if symmetric else 0, dtype=acc)
+    return q.new_empty(3, count, q.shape[0], dtype=acc), q.new_empty(
+        2, count, k.shape[0] if symmetric else 0, dtype=acc
+    )
 
 
 def _matryoshka_backward_fake(q, k, scale, pos, dims, renormalize, row_stats, g_row, col_stats, g_col, dq, dk):
