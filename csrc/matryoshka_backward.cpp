@@ -41,28 +41,39 @@ void scale_prefix_tile(T* u, T* s, int64_t ni, int64_t nj, T sc, const TileFacto
   }
 }
 
+// One row of add_prefix_gradient: W (+)= dS * a * b_j, returning the row's sum of dS * S (renorm), its
+// columns' added to col_c. Separate loops for W = and W += (first), so that each vectorizes.
+template <bool renorm, bool first, typename T>
+inline T prefix_gradient_row(const T* dr, const T* sr, int64_t nj, T a, const T* b, T* wr, T* col_c) {
+  T rc = 0;
+#pragma omp simd reduction(+ : rc)
+  for (int64_t c = 0; c < nj; ++c) {
+    T v = dr[c];
+    if constexpr (renorm) {
+      const T ds_s = v * sr[c];
+      rc += ds_s;
+      col_c[c] += ds_s;
+      v = (v * a) * b[c];
+    }
+    if constexpr (first) {
+      wr[c] = v;
+    } else {
+      wr[c] += v;
+    }
+  }
+  return rc;
+}
+
 // W (+)= dS * a_i * b_j (first: W = ...), and for a renormalized prefix the normalization's sums
 // c = sum dS * S of each row (row_c) and column (col_c, nj partial sums of this tile).
 template <bool renorm, typename T>
 void add_prefix_gradient(const T* ds, const T* s, int64_t ni, int64_t nj, const TileFactors<T>& f, bool first,
                          T* w, double* row_c, T* col_c) {
   for (int64_t r = 0; r < ni; ++r) {
-    const T* dr = ds + r * nj;
-    const T* sr = s + r * nj;
-    T* wr = w + r * nj;
+    const int64_t at = r * nj;
     const T a = renorm ? f.row[r] : T(1);
-    T rc = 0;
-#pragma omp simd reduction(+ : rc)
-    for (int64_t c = 0; c < nj; ++c) {
-      T v = dr[c];
-      if constexpr (renorm) {
-        const T ds_s = v * sr[c];
-        rc += ds_s;
-        col_c[c] += ds_s;
-        v = (v * a) * f.col[c];
-      }
-      wr[c] = first ? v : wr[c] + v;
-    }
+    const T rc = first ? prefix_gradient_row<renorm, true>(ds + at, s + at, nj, a, f.col, w + at, col_c)
+                       : prefix_gradient_row<renorm, false>(ds + at, s + at, nj, a, f.col, w + at, col_c);
     if constexpr (renorm) row_c[r] += rc;
   }
 }
