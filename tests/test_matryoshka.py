@@ -2,7 +2,8 @@
 materialized logits (the prefix ``F.normalize``d where renormalized), built here without infcl: loss and the
 gradients of q, k and the scale, one direction and symmetric, hard negatives, custom labels, reductions,
 non-unit and negative upstream gradients, dims in any order (not multiples of anything), mixed renormalize
-flags; the stats per dim; bad dims raise. The ring: tests/test_options_ring.py.
+flags, a one-wide renormalized prefix (its gradient exactly 0), shapes past one tile, bfloat16 inputs; the
+stats per dim; bad dims raise; the native ops' schemas (opcheck). The ring: tests/test_options_ring.py.
 """
 
 import pytest
@@ -25,7 +26,7 @@ from helpers.support import (
 from infcl import InfCLIPLoss, Matryoshka, cal_inf_loss
 from infcl.backends.torch_tiles import TorchTilesBackend
 
-# The torch tiles hold the fused pass; the other backends run one pass per prefix (infcl.api).
+# The native kernel ("cpu") and the torch tiles hold the fused pass; the others run one pass per prefix (infcl.api).
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 # (Bq, Bk, D, labels, symmetric, dims, renormalize)
 CASES = (
