@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 
 PARTS = ("loss", "dq", "dk", "dscale", "dbias")
-# Relative 2-norm error bounds against float64 (tests/test_triton_gpu.py's REL_TOL), and ours must be no worse than
-# twice torch's own loss in the same dtype plus VANILLA_SLACK (the same test's criterion).
-REL_TOL = {"bfloat16": 1e-2, "float16": 3e-3, "tf32": 2e-2, "float32": 1e-5}
+# Relative 2-norm error bounds against float64 beyond the result's own storage floor (tests/test_triton_gpu.py's
+# REL_TOL and its _floor: the truth rounded to the result's dtype; float16 gradients of a mean loss lie mostly below
+# float16's smallest normal at these batches, so storing them costs ~8e-3 of the norm whatever a kernel computes),
+# and ours must be no worse than twice torch's own loss in the same dtype plus VANILLA_SLACK (the same test's).
+REL_TOL = {"bfloat16": 1e-2, "float16": 1e-3, "tf32": 2e-2, "float32": 1e-5}
 VANILLA_SLACK = 2.0**-9
 
 Loss = Callable[..., torch.Tensor]
@@ -76,7 +78,8 @@ def compare(
     rerun: bool = True,
 ) -> Dict:
     """One row: ``fn``'s errors against ``truth`` (``<part>_err``), whether a rerun is bit-identical, the
-    tolerance and whether the worst error is within it, and with ``vanilla`` (torch's own loss in the inputs'
+    tolerance, the worst storage floor (a part's truth rounded to its result's dtype) and whether each error is
+    within its floor + the tolerance, and with ``vanilla`` (torch's own loss in the inputs'
     dtype) its worst error and whether ours is no worse than 2 x its + :data:`VANILLA_SLACK` part by part."""
     got = grads(fn, q, k, scale, bias)
     errs = errors(got, truth, parts)
@@ -84,8 +87,10 @@ def compare(
     if rerun:
         again = grads(fn, q, k, scale, bias)
         row["bit_identical"] = all(torch.equal(a, b) for a, b in zip(got, again))
+    floors = {name: relative(e.to(a.dtype), e) for name, a, e in zip(parts, got, truth)}
     row["tolerance"] = REL_TOL[dtype_name]
-    row["within_tol"] = max(errs.values()) <= REL_TOL[dtype_name]
+    row["storage_floor"] = max(floors.values())
+    row["within_tol"] = all(errs[n] <= floors[n] + REL_TOL[dtype_name] for n in errs)
     if vanilla is not None:
         theirs = errors(grads(vanilla, q, k, scale, bias), truth, parts)
         row["vanilla_err"] = max(theirs.values())

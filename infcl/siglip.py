@@ -70,7 +70,8 @@ def cal_siglip_loss(
     with rejected_everywhere(ring):
         check_features(image, text, NAMES)
         check_reduction(reduction)
-        name, block_backend = call_backend(backend, image.device, "sigmoid")
+        plain = q_ids is None and k_ids is None  # where "auto" may take the chunked route (measured_route)
+        name, block_backend = call_backend(backend, image.device, "sigmoid", operands=(image, text) if plain else None)
         scale_t = make_scale(scale)
         bias_t = make_bias(bias)
         labels_t = local_labels(labels, image)

@@ -281,12 +281,15 @@ def test_handoffs_run_the_fused_route(case):
     _same(ours, grads_of(loss("torch"), q, k, scale))
 
 
-def test_auto_keeps_todays_choice_until_measured():
-    """The resolver's measured table is empty: auto's choice is AUTO's wherever it was made."""
-    assert resolve.CHUNKED_FROM == {}
+def test_auto_takes_the_route_only_where_measured():
+    """The resolver's measured table: the route where a GPU measured it faster (Hopper, bf16, from 16384 rows, both
+    losses), AUTO's choice everywhere else; never for a backend other than the fused kernels."""
+    assert resolve.CHUNKED_FROM == {"softmax": {(90, "bfloat16"): 16384}, "sigmoid": {(90, "bfloat16"): 16384}}
     q = torch.zeros(70000, 4)
-    for name in ("triton", "cpu", "torch"):
-        assert measured_route(name, "softmax", q, q) == name
+    for kind in ("softmax", "sigmoid", "distill"):
+        for name in ("cpu", "torch"):
+            assert measured_route(name, kind, q, q) == name
+    assert measured_route("triton", "distill", q, q) == "triton"
     assert backend_object("chunked") is chunked.BACKEND
 
 
@@ -301,10 +304,10 @@ def test_a_measured_entry_takes_the_route(monkeypatch):
     assert not measured_faster(big, big, table, budget, family=80)
     assert not measured_faster(big.float(), big.float(), table, budget, family=90)
     assert not measured_faster(big, big, table, 1.0, family=90)  # 1 MiB fits no 256 rows of 16384 columns
-    monkeypatch.setattr(resolve, "CHUNKED_FROM", table)
+    monkeypatch.setattr(resolve, "CHUNKED_FROM", {"softmax": table})
     monkeypatch.setattr(chunked, "measured_faster", lambda q, k, t, budget_mb: t is table)
     assert measured_route("triton", "softmax", big, big) == "chunked"
-    assert measured_route("triton", "sigmoid", big, big) == "triton"
+    assert measured_route("triton", "sigmoid", big, big) == "triton"  # no entry for this kind
     assert measured_route("cpu", "softmax", big, big) == "cpu"
     # Through a call's resolution (a CUDA call's auto choice stood in), unless INFCL_BACKEND names a backend.
     monkeypatch.setattr(resolve, "_resolve", lambda name, device, kind, env: env or "triton")
@@ -518,3 +521,26 @@ def test_siglip_budget_is_the_peak_on_cpu(dtype):
         cal_siglip_loss(q, k, scale, bias, labels, backend=route).backward()
     assert 0 < tracker.peak <= 0.75 * 2**20, tracker.peak
     assert tracker.peak_sized == 4
+
+
+@pytest.mark.parametrize("with_ids", (False, True))
+def test_the_sigmoid_loss_offers_its_operands_to_the_measured_table(with_ids, monkeypatch):
+    """cal_siglip_loss hands "auto" its features (so the measured table can route it) unless ids mask it, as
+    cal_inf_loss does without mask options."""
+    import infcl
+    import infcl.siglip as siglip
+
+    seen = []
+
+    def spy(backend, device, kind, operands=None):
+        seen.append((kind, operands))
+        return resolve.call_backend(backend, device, kind, operands)
+
+    monkeypatch.setattr(siglip, "call_backend", spy)
+    x = torch.randn(6, 4)
+    ids = {"q_ids": torch.arange(6) % 3, "k_ids": torch.arange(6) % 3} if with_ids else {}
+    infcl.cal_siglip_loss(x, x, 10.0, -10.0, **ids)
+    ((kind, operands),) = seen
+    assert kind == "sigmoid" and (operands is None) == with_ids
+    if not with_ids:
+        assert operands[0] is x and operands[1] is x

@@ -142,3 +142,22 @@ def test_siglip_model_reads_its_own_pass_and_bytes():
     programs = -(-c // TILE.block_m) * -(-(batch // TILE.block_n) // CHUNK_SPLIT_TILES)  # one CTA per SM
     waves = programs / gpu.sms
     assert row["tail"] == pytest.approx(-(-programs // gpu.sms) / waves)
+
+
+@pytest.mark.slow
+def test_the_prepared_sweep_runs_on_cpu_tensors(tmp_path):
+    """bench.chunked_sweep (the next GPU's A/B of the stats pass's tilings and of auto's table at small B), its
+    control flow on CPU tensors through the interpreter: every row ok, the tilings' stats within 1e-5 of the shipped
+    one's, the route timed under both, every method of the auto table timed."""
+    import json
+
+    from bench import chunked_sweep
+
+    assert chunked_sweep.main(["--dry-run", "--repeats", "1", "--candidates", "2", "--out", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    stats = [r for r in rows if r["step"] == "stats"]
+    assert [r["status"] for r in stats] == ["ok", "ok"]
+    assert all(r["row_r_rel"] < 1e-5 and r["col_r_rel"] < 1e-5 and r["row_max_equal"] for r in stats)
+    assert [r["step"] for r in rows].count("route") in (1, 2)
+    auto = {(r["loss"], r["method"]) for r in rows if r["step"] == "auto" and r["status"] == "ok"}
+    assert auto == {(loss, m) for loss in ("clip", "siglip") for m in ("torch", "chunked", "vanilla")}

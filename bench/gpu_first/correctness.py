@@ -10,7 +10,8 @@ gradients against the float64 truth (infcl's torch tiles in float64) at B = 4096
 
 Each case runs twice (bit-identical?), and torch's own loss in the same dtype gives the baseline error (``vanilla_err``;
 ``within_vanilla``: no worse than 2 x torch's own + 2**-9, part by part); ``within_tol``: tests/test_triton_gpu.py's
-bound. A dry run: the same cases on CPU tensors at toy sizes, the torch tiles standing in for the fused kernels.
+bound (each part's error within its storage floor, the truth rounded to the result's dtype, + the tolerance).
+A dry run: the same cases on CPU tensors at toy sizes, the torch tiles standing in for the fused kernels.
 """
 
 import time

@@ -10,7 +10,7 @@ from typing import Dict, List
 import torch
 
 from .files import append_row, route_row
-from .plan import REPO, Sizes
+from .plan import PEERS_DIR, REPO, Sizes
 from .timing import device_for
 
 
@@ -55,8 +55,9 @@ def step_env(out: Path, sizes: Sizes, dry: bool, part: str = "") -> None:
     for package in ("triton", "inf_cl", "memeff", "siglip_kernel"):
         try:
             rows[package] = importlib.metadata.version(package.replace("_", "-"))
-        except importlib.metadata.PackageNotFoundError:
-            rows[package] = "not installed"
+        except importlib.metadata.PackageNotFoundError:  # a peer the peers step installs from its carried wheel
+            wheel = sorted(PEERS_DIR.glob(f"{package}-*.whl")) if PEERS_DIR.is_dir() else []
+            rows[package] = f"{wheel[-1].name.split('-')[1]} (wheel in .peers)" if wheel else "not installed"
     rows["infcl_commit"] = _run(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
     if device.type == "cuda":
         smi = _run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"])

@@ -43,6 +43,7 @@ FILES = {
         "dbias_err",
         "vanilla_err",
         "tolerance",
+        "storage_floor",
         "within_tol",
         "within_vanilla",
         "bit_identical",

@@ -4,13 +4,15 @@ temperature, so no scale gradient) and siglip-kernel (SigLIP, its ``auto`` kerne
 
 The GPU has no network: their wheels are downloaded beforehand (``pip download --no-deps siglip-kernel memeff
 inf-cl -d .peers``, an ignored folder carried with the checkout) and installed here, without dependencies and
-without an index, into the run's folder (``<out>/peers-site``, put on ``sys.path``). A peer that does not install,
+without an index, into a temporary folder beside the run (put on ``sys.path``; not under ``<out>``, whose files a
+device run copies back, a few at a time). A peer that does not install,
 import or run gets a row saying why; on CPU (a dry run) each gets a "skipped" row (they are CUDA-only)."""
 
 import importlib
 import math
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
@@ -28,9 +30,9 @@ TEMPERATURE = 0.07  # memeff's fixed temperature: the scale 1 / 0.07 of the othe
 
 
 def install(out: Path, wheels: Path = PEERS_DIR) -> Tuple[Path, Dict[str, str]]:
-    """pip-install every wheel in ``wheels`` into ``out/peers-site`` (no dependencies, no index); (the folder,
-    {distribution: "installed" or why not})."""
-    site = out / "peers-site"
+    """pip-install every wheel in ``wheels`` into a temporary folder (no dependencies, no index); (the folder,
+    {distribution: "installed" or why not}). ``out``: the run's folder, kept free of the installed packages."""
+    site = Path(tempfile.mkdtemp(prefix="infcl-peers-site-"))
     status = {}
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     for _, _, dist, _ in PEERS:

@@ -184,7 +184,8 @@ def _correctness_section(out: Path) -> List[str]:
     return [
         "## Correctness: relative 2-norm error against float64 (infcl's torch tiles in float64)",
         "",
-        f"within tol: max error <= {REL_TOL}; within vanilla: each <= 2 x torch's own + 2^-9",
+        f"within tol: each error <= its storage floor (the truth rounded to the result's dtype) + {REL_TOL}; "
+        "within vanilla: each <= 2 x torch's own + 2^-9",
         "",
         _table(
             [

@@ -23,7 +23,8 @@ a file per loss inside. ``backend="auto"`` reads :data:`AUTO`; where the backend
 device (triton missing, a ROCm GPU, an architecture with no compiled configs; the native kernel not built)
 it runs the torch tiles, and warns once for a CUDA device, naming why. ``INFCL_BACKEND=<name>`` overrides
 "auto" (never an explicit name). "auto" takes "chunked" only where :data:`CHUNKED_FROM`, a table of measured
-times, says it is faster (:func:`measured_route`): the table is empty, so nowhere yet. Float64 blocks on a Triton
+times, says it is faster (:func:`measured_route`): on Hopper (sm_90) in bfloat16 from Bq = 16384, for the softmax
+and the sigmoid losses without mask options (an H100, 2026-12-06). Float64 blocks on a Triton
 without a float64 ``tl.dot`` run on the torch tiles: the one rule is
 :func:`infcl.backends.triton.options.on_torch_tiles`.
 
@@ -86,12 +87,19 @@ NO_CHUNKED = {
 # The call kinds that some backends do not run yet, and those backends: an explicit one raises ValueError,
 # INFCL_BACKEND naming one runs the kind's own "auto" choice.
 NOT_YET = {"maxsim": ("cal_maxsim_loss", ("cpu", "triton"))}
-# Where "auto" takes the chunked route instead of AUTO's "triton" for a plain softmax loss (no masks): (GPU family,
-# dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than the fused
-# kernels'; family as infcl.kernels.target's ARCH_FAMILIES keys, e.g. (90, "bfloat16"): 16384. ``python -m
-# bench.gpu_ab`` measures it; an entry goes in by hand with the run's file named beside it. Empty: no GPU has run
-# the route yet, so "auto" keeps AUTO's choice everywhere (docs/chunked.md).
-CHUNKED_FROM: Dict[Tuple[int, str], int] = {}
+# Where "auto" takes the chunked route instead of AUTO's "triton" for a loss without mask options: call kind ->
+# (GPU family, dtype name) -> the smallest Bq from which a GPU measured the route's forward + backward faster than
+# the fused kernels'; family as infcl.kernels.target's ARCH_FAMILIES keys. ``python -m bench --preset gpu-first``
+# measures it (its ``autotable`` step suggests the entry); an entry goes in by hand with the run's file named beside
+# it. A family or dtype without an entry keeps AUTO's choice (docs/chunked.md).
+CHUNKED_FROM: Dict[str, Dict[Tuple[int, str], int]] = {
+    # One H100 SXM, torch 2.11, Triton 3.6, bf16, D = 512 (bench/results/gpu-first-h100.md): the route beat the
+    # fused kernels at every B measured (16k, 32k, 64k): CLIP 5.0 / 16.1 / 65.4 ms against 13.7 / 43.6 / 169.0,
+    # SigLIP 3.0 / 9.8 / 39.6 against 28.2 / 107.6 / 429.9. Smaller B was not measured (bench.chunked_sweep's
+    # ``auto`` step measures 2k-8k).
+    "softmax": {(90, "bfloat16"): 16384},
+    "sigmoid": {(90, "bfloat16"): 16384},
+}
 
 # The backends beside the torch tiles live in their own packages, each exposing ``BACKEND`` and
 # ``unavailable_reason(device)`` (None when usable on that device); imported only when asked for.
@@ -213,14 +221,15 @@ def measured_route(name: str, kind: str, q: torch.Tensor, k: torch.Tensor, budge
     kernels on this GPU family and dtype from this Bq on and the workspace budget (``budget_mb``: the chunked
     route's default, :meth:`ChunkedBackend.for_call`'s) fits it (:func:`infcl.backends.chunked.auto.measured_faster`),
     else ``name``. Only for ``backend="auto"`` without an INFCL_BACKEND override (:func:`call_backend` says when)."""
-    if name != "triton" or kind != "softmax" or not CHUNKED_FROM:
+    table = CHUNKED_FROM.get(kind)
+    if name != "triton" or not table:
         return name
     module, why = _backend_module("chunked")
     if why is not None:
         return name
     if budget_mb is None:
         budget_mb = module.BACKEND.for_call().budget_mb
-    return "chunked" if module.measured_faster(q, k, CHUNKED_FROM, budget_mb) else name
+    return "chunked" if module.measured_faster(q, k, table, budget_mb) else name
 
 
 def backend_object(name: str):
@@ -237,13 +246,13 @@ def call_backend(backend, device: torch.device, kind: str, operands=None) -> Tup
     a backend object, :func:`backend_name`); the object is None for "reference". The environment is read here,
     once per call: INFCL_BACKEND for "auto", and each backend's own variables by its ``for_call()`` (the chunked
     route's INFCL_CHUNK_BUDGET_MB), whose result the call's blocks share. ``operands``: (q, k) where "auto" may
-    take the chunked route (:func:`measured_route`: a plain softmax loss)."""
+    take the chunked route (:func:`measured_route`: a loss without mask options)."""
     name = backend_name(backend)
     env = _env_backend() if name == "auto" else ""
     resolved = _resolve(name, device, kind, env)
     chosen = backend if not isinstance(backend, str) else None
     if name == "auto" and not env and operands is not None:
-        default = backend_object("chunked").for_call() if CHUNKED_FROM else None
+        default = backend_object("chunked").for_call() if CHUNKED_FROM.get(kind) else None
         resolved = measured_route(resolved, kind, *operands, None if default is None else default.budget_mb)
         chosen = default if resolved == "chunked" else None
     if resolved == "reference":

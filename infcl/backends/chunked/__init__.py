@@ -16,7 +16,7 @@ Everything a block holds at once is bounded by the budget (``ChunkedBackend(budg
 - :mod:`.torch_passes`: the passes' math in torch (CPU tensors); the Triton passes:
   :mod:`infcl.kernels.chunked_softmax`, :mod:`infcl.kernels.chunked_sigmoid`.
 - :mod:`.auto`: whether ``backend="auto"`` takes the route (the resolver's measured table,
-  :data:`infcl.backends.resolve.CHUNKED_FROM`, empty until a GPU measures the route).
+  :data:`infcl.backends.resolve.CHUNKED_FROM`: sm_90, bfloat16, from 16384 rows, as an H100 measured it).
 
 Runs on CUDA tensors (with Triton for the passes), and on CPU tensors with float32 products and torch passes.
 The distillation loss and the ranks have no chunked route: the resolver refuses ``backend="chunked"`` for them.
