@@ -73,7 +73,8 @@ class KeySegments {
   std::vector<ReusedB<T, T, T>> parts_;
 };
 
-// What both passes' threads read: the block (BlockOperands), the prefixes and the features' factors a^k ([K, Bq] / [K, Bk]: row 0 of the factors).
+// What both passes' threads read: the block (BlockOperands), the prefixes and the features' factors a^k
+// ([K, Bq] / [K, Bk]: row 0 of the factors).
 template <typename T>
 struct PrefixOperands : BlockOperands<T, T> {
   const Prefixes& prefixes;
