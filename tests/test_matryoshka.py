@@ -135,12 +135,14 @@ def test_one_full_unnormalized_prefix_is_the_plain_loss():
         assert_close_verbose(a, b, 1e-12, 1e-12, "one prefix")
 
 
-def test_nan_in_nan_out():
+@pytest.mark.parametrize("backend", tiled_backends())
+@pytest.mark.parametrize("renormalize", (False, True))
+def test_nan_in_nan_out(backend, renormalize):
     q, k, labels = features_and_labels(9, 9, 6, "perm", torch.float32)
     q = q.clone()
     q[2, 5] = float("nan")  # outside the 3-wide prefix: only the 6-wide prefix's row 2 is NaN
     per = cal_inf_loss(
-        q, k, labels, 5.0, reduction="none", backend="torch", matryoshka=Matryoshka((3, 6), renormalize=False)
+        q, k, labels, 5.0, reduction="none", backend=backend, matryoshka=Matryoshka((3, 6), renormalize=renormalize)
     )
     assert torch.isnan(per[2]) and not torch.isnan(per[torch.arange(9) != 2]).any()
 
