@@ -75,7 +75,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
                   at::Tensor& rows, at::Tensor& cols) {
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1), n = prefixes.count();
   const RowTiles tiles(bq);
-  const int64_t groups = std::max<int64_t>(1, std::min(tiles.count, MAX_COLUMN_GROUPS));
+  // Symmetric: every column group keeps K prefixes' partials (20 bytes per prefix and column), so the groups
+  // share the plain forward's budget of MAX_COLUMN_GROUPS partials, which caps this forward at
+  // MAX_COLUMN_GROUPS / K threads (12 at K = 5); one direction keeps none.
+  const int64_t group_cap = symmetric ? std::max<int64_t>(1, MAX_COLUMN_GROUPS / n) : MAX_COLUMN_GROUPS;
+  const int64_t groups = std::max<int64_t>(1, std::min(tiles.count, group_cap));
   const int64_t tk = std::min(MATRYOSHKA_TILE_K, bk);
   auto row_run = prefix_stores<T>(n, bq);
   auto col_parts = prefix_stores<T>(n, symmetric ? groups * bk : 0);  // each [groups, bk]

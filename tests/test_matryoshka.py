@@ -285,18 +285,23 @@ def test_confident_prefixes_are_exact(backend, dtype, symmetric):
     assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
 
 
-# Past one tile of each side: 600 rows make 3 row tiles of 256 (the last ragged) and 3 key tiles of the native
+# Past one tile of each side: 600 rows make 7 row tiles of 96 (the last ragged) and 3 key tiles of the native
 # kernel's 256 (several column groups forward, two lanes backward on two threads), 2 key tiles of the torch tiles.
-MANY_TILES = (600, 600, 70, (70, 33, 1, 9), (True, False, True, True))
+# Seventeen prefixes cap the native symmetric forward's column groups at 64 // 17 = 3, fewer than the row tiles.
+PAST_ONE_TILE = (
+    ((70, 33, 1, 9), (True, False, True, True)),
+    (tuple(range(70, 5, -4)), True),
+)
 
 
 @pytest.mark.parametrize("backend", tiled_backends())
 @pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
-def test_past_one_tile(backend, symmetric):
-    bq, bk, d, dims, renormalize = MANY_TILES
+@pytest.mark.parametrize("dims,renormalize", PAST_ONE_TILE, ids=("4-dims", "17-dims"))
+def test_past_one_tile(backend, symmetric, dims, renormalize):
+    bq, bk, d = 600, 600, 70
     q, k, labels = features_and_labels(bq, bk, d, "perm", torch.float64, seed=8)
     q = q * torch.linspace(0.5, 2.0, d, dtype=torch.float64)
-    scale, weights = torch.tensor(11.0, dtype=torch.float64), (1.0, 0.5, 0.25, 2.0)
+    scale, weights = torch.tensor(11.0, dtype=torch.float64), tuple(0.25 + 0.125 * i for i in range(len(dims)))
     g = torch.randn(bq, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     spec = Matryoshka(dims, weights, renormalize)
     got = _grads(
