@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .backends import call_backend
+from .backends import backend_object, call_backend
 from .checks import (
     check_features,
     check_head_dim,
@@ -76,15 +76,18 @@ def cal_inf_loss(
             its relative form is G - |G| * margin, which equals this one where G[i, labels[i]] >= 0).
         label_smoothing: eps in [0, 1], ``F.cross_entropy``'s: the target puts 1 - eps on the positive and
             eps / n on each of the row's n columns (the column's n rows for the k->q direction), so
-            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. With ids, the uniform
-            part spreads over the columns that stay in the denominator (the row's positive's target keeps
-            1 - eps: the one-hot, or 1 / |P| for multi_positive="mean"); not with a guide or
-            multi_positive="sum" (ValueError). See :mod:`infcl.losses.smoothing`.
+            row loss_i = lse_i - (1 - eps) * S[i, labels_i] - eps * mean_j S[i, j]. With the mask options
+            the uniform part spreads over the columns that stay in the denominator (those a guide or the
+            ids leave out get nothing) and the positives' target keeps 1 - eps: the loss is (1 - eps) * the
+            masked loss + eps * (lse - the mean logit over the kept columns) for every ``multi_positive``
+            ("sum": -log of the positives' total probability). With a guide the call runs on the torch
+            tiles (whose masked tiles sum the kept logits) whatever ``backend`` names, "reference" apart.
+            See :mod:`infcl.losses.smoothing` and docs/options.md.
         matryoshka: None, an :class:`infcl.Matryoshka` (prefix dims, weights, renormalize) or a sequence of
             prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
             the features' first m_k columns (each prefix divided by its norm where renormalized, as
             sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
-            backward on the native kernel ("cpu", and "auto" on CPU tensors) and the "torch" tiles
+            backward on the native kernel ("cpu", and "auto" on CPU tensors), the "torch" tiles and "triton"
             (:mod:`infcl.matryoshka`); the other backends run their block
             operations once per prefix in each ring step, and with the mask options or label smoothing every
             backend runs one call per prefix. Dims: distinct integers in [1, D],
@@ -119,7 +122,7 @@ def cal_inf_loss(
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
         masks = make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_margin_strategy)
-        eps = check_label_smoothing(label_smoothing, masks)
+        eps = check_label_smoothing(label_smoothing)
         prefixes = make_prefixes(matryoshka, q.shape[1])
         kind = "guided" if masks is not None and masks.has_guide else "softmax"
         # "auto" takes the chunked route for a plain loss where a GPU measured it faster (none yet).
@@ -149,6 +152,7 @@ def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, bloc
             q, k, scale_t, labels_t, symmetric, layout, masks, eps
         )
     else:
+        block_backend = smoothing_backend(block_backend, masks, eps)
         plan = LossPlan(block_backend, symmetric, layout, masks, label_smoothing=eps)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
@@ -158,6 +162,16 @@ def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, bloc
         col_valid = col_info[HAS_POS] > 0 if symmetric else None
         loss = reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
     return loss, row_info, col_info
+
+
+def smoothing_backend(block_backend, masks, eps: float):
+    """The backend of a call's blocks: ``block_backend``, but label smoothing with a guide runs on the torch tiles
+    where the backend's masked tiles do not sum the kept logits (``kept_sums``: the native and Triton kernels
+    not yet; :mod:`infcl.losses.smoothing`), so that one backend's guide arithmetic decides both the thresholds
+    and the exclusions."""
+    if not eps or masks is None or not masks.has_guide or getattr(block_backend, "kept_sums", False):
+        return block_backend
+    return backend_object("torch")
 
 
 def cal_inf_loss_reference(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -185,10 +199,9 @@ def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
 def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, options, return_stats):
     """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given.
 
-    The plain loss: :class:`MatryoshkaLossFunction` (one fused pass on the native kernel and the torch tiles; the
-    other backends' block
-    operations once per prefix inside each ring step). With mask options or label smoothing: one call per
-    prefix on the prefix's features."""
+    The plain loss: :class:`MatryoshkaLossFunction` (one fused pass on the native kernel, the torch tiles and
+    Triton; the other backends' block operations once per prefix inside each ring step). With mask options or
+    label smoothing: one call per prefix on the prefix's features."""
     symmetric, layout, masks, eps, name, block_backend, reduction = options
     if masks is None and not eps and name != "reference":
         plan = LossPlan(block_backend, symmetric, layout, prefixes=prefixes)

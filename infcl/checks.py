@@ -242,18 +242,12 @@ def make_masks(q, k, q_ids, k_ids, multi_positive, guide, guide_margin, guide_ma
     return MaskOptions(qi, ki, multi_positive, gq, gk, float(guide_margin), guide_margin_strategy)
 
 
-def check_label_smoothing(label_smoothing, masks) -> float:
-    """``label_smoothing`` checked: a real number in [0, 1] (``F.cross_entropy``'s range); with mask options,
-    ids only (``multi_positive`` None or "mean"): with a guide or "sum" which columns stay in the denominator,
-    or the positives' target, is decided inside the tiles (not built yet)."""
+def check_label_smoothing(label_smoothing) -> float:
+    """``label_smoothing`` checked: a real number in [0, 1] (``F.cross_entropy``'s range), with any mask options
+    (:mod:`infcl.losses.smoothing`)."""
     if isinstance(label_smoothing, (bool, np.bool_)) or not isinstance(label_smoothing, numbers.Real):
         raise TypeError(f"label_smoothing must be a real number, got {type(label_smoothing).__name__}")
     eps = float(label_smoothing)
     if not 0.0 <= eps <= 1.0:  # also rejects NaN
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if eps and masks is not None and (masks.has_guide or masks.multi_positive == "sum"):
-        raise ValueError(
-            f"label_smoothing={label_smoothing} with guide or multi_positive='sum' is not supported: label "
-            "smoothing runs on the plain loss and with q_ids/k_ids (multi_positive None or 'mean')"
-        )
     return eps

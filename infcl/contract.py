@@ -55,6 +55,13 @@ by the same arithmetic as the guide scores of the backend's tiles for features o
 so a column that duplicates the labelled one ties its threshold exactly. With ids that never repeat
 (nothing excluded, one positive per row) every one of these is the plain loss bit for bit.
 
+Label smoothing over the kept entries (a backend whose ``kept_sums`` attribute is True;
+:mod:`infcl.losses.smoothing`): with ``Block.kept_sums`` the masked forward's rows and columns are ``[8, n]``,
+rows 6 and 7 (:data:`infcl.masks.KEPT_SUM`, ``KEPT_COUNT``) the sum of the line's logits over the entries not
+in E and their number, from the tile's own E;
+the masked backward subtracts ``row_uniform[i]`` (and ``col_uniform[j]``) from dS on every entry not in the
+row's (column's) E, so dq, dk and dscale take it as they take the rest of dS.
+
 Sigmoid (SigLIP) loss — ``Block.bias`` is set, logits are L = scale * q @ k.T + bias and z = +1 at the
 positive (Y = one-hot of ``pos``; with ``Block.masks``, its ids: wherever ``q_ids[i] == k_ids[j]``, ``pos``
 unread), -1 elsewhere; nothing is merged across blocks but plain sums:
@@ -209,6 +216,11 @@ class Block:
     row_pos_stats: Optional[Tensor] = None  # [2, Bq] global stats of the row's positives (masked backward, "sum")
     col_pos_count: Optional[Tensor] = None  # [Bk] the same per column (symmetric)
     col_pos_stats: Optional[Tensor] = None  # [2, Bk]
+    # Label smoothing's uniform part over the kept entries (masked blocks on a backend with ``kept_sums``; see
+    # the module docstring): the forward's two more rows, the backward's weights.
+    kept_sums: bool = False  # forward: also the sum and the number of each line's kept logits ([8, n] rows)
+    row_uniform: Optional[Tensor] = None  # [Bq] subtracted from dS on each kept entry of the row (backward)
+    col_uniform: Optional[Tensor] = None  # [Bk] the same for the column direction (symmetric backward)
     # MaxSim (late interaction; q [Bq, Lq, D], k [Bk, Lk, D]; see the module docstring), None otherwise.
     q_weight: Optional[Tensor] = None  # [Bq, Lq] accumulation dtype: each query token's weight in its score
     k_mask: Optional[Tensor] = None  # [Bk, Lk] bool: the block's real document tokens

@@ -30,7 +30,7 @@ from .losses.distill import DistillSteps, DistillUpstream
 from .losses.matryoshka import MatryoshkaSteps
 from .losses.maxsim import MaxSimSteps
 from .losses.sigmoid import SigmoidOnePassSteps, SigmoidSteps, SigmoidUpstream
-from .losses.smoothing import SmoothedIdsSteps, SmoothedSoftmaxSteps
+from .losses.smoothing import SmoothedIdsSteps, SmoothedKeptSteps, SmoothedSoftmaxSteps
 from .losses.softmax import GuideScores, MaskedSoftmaxSteps, SoftmaxSteps
 from .masks import MaskOptions, guide_dtype, guide_threshold
 from .matryoshka import Prefixes
@@ -108,7 +108,10 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
         return SmoothedSoftmaxSteps(plan.symmetric, plan.label_smoothing, layout.total_k, layout.total_q)
     if masks is None:
         return SoftmaxSteps(plan.symmetric)
-    if plan.label_smoothing:  # ids only (infcl.checks.check_label_smoothing)
+    # Label smoothing over the kept columns: summed by the tiles that decide them where the backend's do
+    # (``kept_sums``; a guide always runs on such a backend: infcl.api.smoothing_backend), else from ids.
+    kept_in_tiles = getattr(plan.backend, "kept_sums", False)
+    if plan.label_smoothing and not kept_in_tiles:
         return SmoothedIdsSteps(plan.symmetric, plan.label_smoothing, masks)
     if masks.has_guide:
         gdt = guide_dtype(masks.guide_q)
@@ -123,6 +126,8 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
             row_threshold=guide_threshold(rows.score, masks.margin, masks.strategy),
             col_threshold=col_threshold,
         )
+    if plan.label_smoothing:
+        return SmoothedKeptSteps(plan.symmetric, plan.label_smoothing, masks)
     return MaskedSoftmaxSteps(plan.symmetric, masks)
 
 

@@ -38,6 +38,10 @@ MULTI_POSITIVE = (None, "mean", "sum")
 # logits and their number.
 POS_MAX, POS_REL, POS_SUM, POS_COUNT = 2, 3, 4, 5
 MASKED_ROWS = 6
+# With Block.kept_sums (label smoothing's uniform part, infcl.losses.smoothing) two more rows: the sum of the
+# logits over the columns not excluded and their number.
+KEPT_SUM, KEPT_COUNT = 6, 7
+KEPT_ROWS = 8
 MARGIN_STRATEGIES = ("absolute", "relative")
 
 
@@ -53,9 +57,10 @@ def guide_dtype(guide: Tensor) -> torch.dtype:
     return torch.float64 if guide.dtype == torch.float64 else torch.float32
 
 
-def empty_masked(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[6, n]`` masked forward partials of n empty sets (the identity of :func:`merge_masked`)."""
-    sums = torch.zeros(2, n, dtype=dtype, device=device)
+def empty_masked(n: int, dtype: torch.dtype, device: torch.device, kept_sums: bool = False) -> Tensor:
+    """``[6, n]`` masked forward partials of n empty sets (the identity of :func:`merge_masked`); ``[8, n]`` with
+    ``kept_sums`` (the kept logits' sum and number, 0)."""
+    sums = torch.zeros(4 if kept_sums else 2, n, dtype=dtype, device=device)
     return torch.cat((empty_stats(n, dtype, device), empty_stats(n, dtype, device), sums))
 
 

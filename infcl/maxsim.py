@@ -1,8 +1,9 @@
 """The MaxSim (late-interaction, ColBERT-style) contrastive loss: ``cal_maxsim_loss``.
 
 Every query is scored against every document by MaxSim, and the loss is the softmax cross-entropy over those
-scores, exact and tile by tile (:mod:`infcl.backends.torch_tiles.maxsim`): never the [Bq, Bk, Lq, Lk] token scores,
-nor the [Bq, Bk] scores. Under a ring the documents travel with their token masks (:mod:`infcl.losses.maxsim`).
+scores, exact and tile by tile (:mod:`infcl.backends.torch_tiles.maxsim`, :mod:`infcl.kernels.maxsim`): never the
+[Bq, Bk, Lq, Lk] token scores, nor the [Bq, Bk] scores. Under a ring the documents travel with their token masks
+(:mod:`infcl.losses.maxsim`).
 """
 
 from typing import Optional
@@ -62,7 +63,8 @@ def cal_maxsim_loss(
         group: torch.distributed process group for the ring (default: the world when initialized; "local": none).
             Each rank passes its own queries and documents (any sizes, any Lk: shorter documents are padded to the
             ring's longest, as masked tokens).
-        backend: "auto" | "torch" (the MaxSim loss runs on the torch tiles, on any device, for now).
+        backend: "auto" (the torch tiles, on any device, for now) | "torch" | "triton" (the Triton kernels: CUDA
+            tensors, or CPU tensors under TRITON_INTERPRET=1; docs/maxsim.md), or a backend object of those.
         return_stats: also return an :class:`infcl.stats.InfLossStats` (top-1 accuracy, mean positive score S).
 
     Returns:

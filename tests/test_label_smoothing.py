@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.options_truth import masked_truth
+from helpers.options_truth import kept_truth, masked_truth
 from helpers.support import (
     TOLERANCE,
     assert_close_verbose,
@@ -169,22 +169,13 @@ def test_bad_values_raise(value, error, match):
         cal_inf_loss(q, k, label_smoothing=value)
 
 
-def test_with_guide_or_sum_raises():
-    q, k, _ = features_and_labels(4, 4, 3, "diag", torch.float32)
-    ids = torch.arange(4)
-    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide or multi_positive='sum'"):
-        cal_inf_loss(q, k, label_smoothing=0.1, q_ids=ids, k_ids=ids, multi_positive="sum")
-    with pytest.raises(ValueError, match="label_smoothing=0.1 with guide"):
-        cal_inf_loss(q, k, label_smoothing=0.1, guide=(q, k))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("multi_positive", (None, "mean"))
+@pytest.mark.parametrize("multi_positive", (None, "mean", "sum"))
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("partnerless", (False, True))
 def test_with_ids(backend, multi_positive, symmetric, partnerless):
-    # Ids from few classes (false negatives under None; several positives under "mean"); partnerless: k ids drawn
-    # apart, so under "mean" some rows and columns have no positive (no loss, left out of the mean).
+    # Ids from few classes (false negatives under None; several positives under "mean" / "sum"); partnerless: k ids
+    # drawn apart, so under "mean" / "sum" some rows and columns have no positive (no loss, left out of the mean).
     if partnerless and multi_positive is None:
         pytest.skip("one positive per row: every row has its label")
     name = _backend(backend)
@@ -227,8 +218,45 @@ def test_triton_interpreted(backend, symmetric):
     _check(got, truth(q, k, labels, scale, g, 0.25, symmetric, "none"), torch.float32, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_sum_with_unique_ids_is_cross_entropy(backend, symmetric):
+    # One positive per row (ids never repeat): "sum" is the plain loss, so F.cross_entropy(label_smoothing) itself
+    # is the truth; eps = 1 too (the positives' part has weight 0).
+    name = _backend(backend)
+    q, k, labels = features_and_labels(19, 19, 6, "perm", torch.float64, seed=6)
+    ids = torch.arange(19)
+    scale, g = torch.tensor(11.0, dtype=torch.float64), _upstream("none", 19)
+    for eps in (0.4, 1.0):
+        kw = dict(symmetric=symmetric, reduction="none", label_smoothing=eps, backend=name)
+        got = run(q, k, labels, scale, g, q_ids=ids, k_ids=ids[torch.argsort(labels)], multi_positive="sum", **kw)
+        want = truth(q, k, labels, scale, g, eps, symmetric, "none")
+        _check(got, want, torch.float64, f"{backend} eps={eps}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+@pytest.mark.parametrize("eps", (0.999, 1.0))
+def test_sum_confident_and_eps_one(backend, eps):
+    # Several positives per row, confident (scale 60): the positives' share 1 - P(P) ~ e^-40, the (1 - eps)
+    # scaled target y' = (1 - eps) * y next to p ~ y; eps = 1 is "mean"'s uniform target.
+    q, k, labels = features_and_labels(21, 21, 5, "perm", torch.float64, seed=12)
+    q_ids = torch.arange(21) % 7
+    k_ids = torch.empty_like(q_ids)
+    k_ids[labels] = q_ids
+    k = k.clone()
+    k[labels] = q  # each row's positives: its own copy and those of its class
+    scale, g = torch.tensor(60.0, dtype=torch.float64), torch.tensor(-1.7, dtype=torch.float64)
+    kw = dict(symmetric=True, label_smoothing=eps, backend=backend, q_ids=q_ids, k_ids=k_ids, multi_positive="sum")
+    got = run(q, k, labels, scale, g, **kw)
+    qa, ka, sa = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+    rows, cols = masked_truth(qa, ka, labels, sa, q_ids, k_ids, "sum", eps, True)
+    want = reduce_masked_truth(rows, cols, "mean")
+    want.backward(g)
+    _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float64, f"{backend} eps={eps}")
+
+
 @pytest.mark.parametrize("backend", ("triton",))  # the interpreter: small shapes only
-@pytest.mark.parametrize("multi_positive", (None, "mean"))
+@pytest.mark.parametrize("multi_positive", (None, "mean", "sum"))
 def test_triton_interpreted_with_ids(backend, multi_positive):
     q, k, labels = features_and_labels(9, 9, 5, "perm", torch.float32, seed=3)
     q_ids = torch.tensor([0, 1, 0, 2, 1, 0, 3, 2, 1])
@@ -242,3 +270,85 @@ def test_triton_interpreted_with_ids(backend, multi_positive):
     want = reduce_masked_truth(rows, cols, "mean")
     want.backward(g)
     _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float32, f"triton {multi_positive}")
+
+
+def guided_inputs(bq, bk, symmetric, dtype=torch.float64, seed=21):
+    """Features, labels, ids from few classes and integer-valued guide features (exact scores), where some
+    columns duplicate a row's labelled column's guide features: at margin 0 they tie its threshold and stay."""
+    q, k, labels = features_and_labels(bq, bk, 6, "perm" if symmetric else "random", dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    q_ids = torch.randint(0, 4, (bq,), generator=gen)
+    k_ids = torch.randint(0, 4, (bk,), generator=gen)
+    k_ids[labels] = q_ids
+    gq = torch.randint(-2, 3, (bq, 3), generator=gen).to(dtype)
+    gk = torch.randint(-2, 3, (bk, 3), generator=gen).to(dtype)
+    for i in range(0, bq, 3):  # ties: a column that is not row i's label with its guide features
+        j = (int(labels[i]) + 1) % bk
+        gk[j] = gk[labels[i]]
+    return q, k, labels, q_ids, k_ids, (gq, gk)
+
+
+GUIDE_MODES = (("guide", None), ("both", None), ("both", "mean"), ("both", "sum"))
+MARGINS = ((0.0, "absolute"), (0.25, "relative"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,multi_positive", GUIDE_MODES)
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_with_guide(backend, kind, multi_positive, symmetric):
+    # The uniform part over the columns the guide (and the ids) leave in the denominator, ties at margin 0 kept;
+    # against F.cross_entropy on each row's logits with its excluded columns removed.
+    name = _backend(backend)
+    bq, bk = 17, 17 if symmetric else 23
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(bq, bk, symmetric)
+    scale, g = torch.tensor(9.0, dtype=torch.float64), _upstream("none", bq)
+    ids = {} if kind == "guide" else dict(q_ids=q_ids, k_ids=k_ids, multi_positive=multi_positive)
+    for (margin, strategy), eps in zip(MARGINS, (0.3, 1.0 if multi_positive == "sum" else 0.15)):
+        kw = dict(symmetric=symmetric, reduction="none", label_smoothing=eps, backend=name, guide=guide)
+        kw.update(guide_margin=margin, guide_margin_strategy=strategy, **ids)
+        got = run(q, k, labels, scale, g, **kw)
+        qa, ka, sa = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+        rows, cols = kept_truth(
+            qa,
+            ka,
+            labels,
+            sa,
+            ids.get("q_ids"),
+            ids.get("k_ids"),
+            multi_positive,
+            guide,
+            margin,
+            strategy,
+            eps,
+            symmetric,
+        )
+        want = reduce_masked_truth(rows, cols, "none")
+        torch.where(torch.isnan(want), 0.0, want * g).sum().backward()
+        got_loss = torch.where(torch.isnan(got[0]), 0.0, got[0])
+        want_loss = torch.where(torch.isnan(want), 0.0, want.detach())
+        assert torch.equal(torch.isnan(got[0]), torch.isnan(want))
+        what = f"{backend} {kind} {multi_positive} margin={margin} eps={eps}"
+        _check((got_loss, *got[1:]), (want_loss, qa.grad, ka.grad, sa.grad), torch.float64, what)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:-1])
+def test_with_guide_float32(backend):
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(29, 29, True, torch.float32, seed=4)
+    scale, g = torch.tensor(14.0), torch.tensor(1.0, dtype=torch.float64)
+    kw = dict(symmetric=True, label_smoothing=0.2, backend=backend, guide=guide, q_ids=q_ids, k_ids=k_ids)
+    got = run(q, k, labels, scale, g, **kw)
+    qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, scale))
+    rows, cols = kept_truth(qa, ka, labels, sa, q_ids, k_ids, None, guide, 0.0, "absolute", 0.2, True)
+    want = reduce_masked_truth(rows, cols, "mean")
+    want.backward(g)
+    _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), torch.float32, f"{backend} float32 guide")
+
+
+def test_kept_truth_is_masked_truth_without_guide():
+    # The row-by-row F.cross_entropy truth and the closed form of test_with_ids agree where both apply.
+    q, k, labels, q_ids, k_ids, _ = guided_inputs(13, 13, True)
+    for mode in (None, "mean", "sum"):
+        a = kept_truth(q, k, labels, torch.tensor(5.0), q_ids, k_ids, mode, None, 0.0, "absolute", 0.3, True)
+        b = masked_truth(q, k, labels, torch.tensor(5.0), q_ids, k_ids, mode, 0.3, True)
+        for x, y in zip(a, b):
+            assert_close_verbose(x, y, 1e-12, 1e-12, f"truths {mode}")

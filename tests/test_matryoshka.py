@@ -2,7 +2,8 @@
 materialized logits (the prefix ``F.normalize``d where renormalized), built here without infcl: loss and the
 gradients of q, k and the scale, one direction and symmetric, hard negatives, custom labels, reductions,
 non-unit and negative upstream gradients, dims in any order (not multiples of anything), mixed renormalize
-flags, a one-wide renormalized prefix (its gradient exactly 0), shapes past one tile, bfloat16 inputs; the
+flags, a one-wide renormalized prefix (its gradient exactly 0; not yet on the Triton fused kernels), shapes
+past one tile, bfloat16 inputs; the
 stats per dim; bad dims raise; the native ops' schemas (opcheck). The ring: tests/test_options_ring.py.
 """
 
@@ -14,6 +15,7 @@ from helpers.support import (
     EXACT_NORMWISE,
     TOLERANCE,
     assert_close_verbose,
+    assert_no_worse,
     assert_normwise,
     exact_softmax_truth,
     features_and_labels,
@@ -30,7 +32,7 @@ from infcl.backends.torch_tiles import TorchTilesBackend
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 # (Bq, Bk, D, labels, symmetric, dims, renormalize)
 CASES = (
-    (7, 7, 9, "perm", True, (9, 4, 1), (True, True, True)),  # a one-wide unit prefix: its gradient is exactly 0
+    (7, 7, 9, "perm", True, (9, 4, 1), (True, True, False)),  # one-wide renormalized: test_one_wide_renormalized
     (7, 13, 9, "random", False, (3, 9), (False, True)),  # hard negatives
     (33, 33, 40, "diag", True, (17, 40, 5, 32), (True, False, True, False)),
     (20, 45, 23, "random", False, (23, 11), False),
@@ -94,6 +96,33 @@ def test_matches_per_prefix_cross_entropy(
     atol, rtol = TOLERANCE[dtype]
     for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
         assert_close_verbose(a, b, atol, rtol, f"{backend} {dims} {what}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_wide_renormalized_prefix(backend):
+    """A one-wide renormalized prefix is scale * sign(q_0) * sign(k_0): its features' gradient is exactly 0, as
+    F.normalize's backward gives it. The fused passes (native, torch tiles) leave it out of the gradient instead
+    of cancelling two equal sums of size |g| / |x_0| (which left ~7e-5 relative); alone, it gives exact zeros."""
+    bq, bk, d, label_kind, symmetric, dims, _ = CASES[0]
+    q, k, labels = features_and_labels(bq, bk, d, label_kind, torch.float32)
+    q = q * torch.linspace(0.5, 2.0, d)
+    scale, g, weights = torch.tensor(9.0), torch.tensor(-1.3), (0.25, 0.75, 1.25)
+    spec = Matryoshka(dims, weights, True)
+    opts = dict(symmetric=symmetric, backend=_backend(backend), matryoshka=spec)
+    got = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **opts))
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        g.double(),
+        lambda a, b, s: truth_losses(a, b, labels, s, symmetric, dims, weights, True).mean(),
+    )
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, *TOLERANCE[torch.float32], f"{backend} {what}")
+    if backend in ("cpu", "torch", "torch-small-tiles"):
+        alone = dict(opts, matryoshka=Matryoshka((1,), renormalize=True))
+        _, dq, dk, _ = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **alone))
+        assert not dq.any() and not dk.any(), f"{backend}: the one-wide prefix's gradient is not exactly 0"
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:-1])
@@ -230,23 +259,81 @@ def test_infclip_loss_takes_it():
     assert_close_verbose(got, want, 1e-5, 1e-5, "InfCLIPLoss(matryoshka)")
 
 
-@pytest.mark.parametrize("backend", ("triton",))  # the interpreter (TRITON_INTERPRET=1): small shapes only
-def test_triton_interpreted(backend):
-    q, k, labels = features_and_labels(9, 9, 10, "perm", torch.float32)
-    scale, g = torch.tensor(9.0), torch.tensor(0.8)
-    spec = Matryoshka((10, 3, 6), (1.0, 0.5, 2.0))
-    got = _grads(
-        q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=True, backend=backend, matryoshka=spec)
-    )
+# The fused Triton kernels (infcl/kernels/matryoshka.py) under the interpreter (TRITON_INTERPRET=1, set by
+# conftest.py): small shapes, every case of CASES in float32 (the rank tiling's 32 x 32 tiles cut them into
+# ragged blocks, every prefix boundary inside a 32-wide chunk), and one case in each 16-bit dtype.
+TRITON_DTYPES = (
+    (torch.float32, CASES),
+    (torch.bfloat16, CASES[2:3]),
+    (torch.float16, CASES[2:3]),
+)
+
+
+def _truth_in_dtype(q, k, labels, scale, symmetric, dims, weights, renormalize):
+    """truth_losses' formula in q's own dtype (torch's low-precision error, for assert_no_worse)."""
+    labels = torch.arange(q.shape[0]) if labels is None else labels
+    flags = (renormalize,) * len(dims) if isinstance(renormalize, bool) else renormalize
+    total = 0
+    for m, w, renorm in zip(dims, weights, flags):
+        qm, km = q[:, :m], k[:, :m]
+        if renorm:
+            qm, km = F.normalize(qm, dim=-1), F.normalize(km, dim=-1)
+        logits = scale.to(q.dtype) * qm @ km.T
+        per = F.cross_entropy(logits, labels, reduction="none")
+        if symmetric:
+            per = (per + F.cross_entropy(logits.T, torch.argsort(labels), reduction="none")) / 2
+        total = total + w * per
+    return total
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "dtype,case", [(dtype, case) for dtype, cases in TRITON_DTYPES for case in cases], ids=lambda x: str(x)
+)
+def test_triton_fused_interpreted(dtype, case):
+    """backend="triton" (the fused kernels) against the float64 truth: loss and the gradients of q, k and the
+    scale under a non-unit, mixed-sign upstream gradient (reduction "none"); float32 to round-off, the 16-bit
+    dtypes no worse than torch's own formula in that dtype."""
+    bq, bk, d, label_kind, symmetric, dims, renormalize = case
+    q, k, labels = features_and_labels(bq, bk, d, label_kind, dtype)
+    q, k = q * 1.5, k * 0.7  # renormalization differs from the identity
+    weights = tuple(0.5 + i for i in range(len(dims)))
+    spec = Matryoshka(dims, weights, renormalize)
+    scale = torch.tensor(6.0)
+    upstream = torch.randn(bq, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    opts = dict(symmetric=symmetric, reduction="none", matryoshka=spec)
+    got = _grads(q, k, scale, upstream, lambda a, b, s: cal_inf_loss(a, b, labels, s, backend="triton", **opts))
     want = _grads(
         q.double(),
         k.double(),
         scale.double(),
-        g.double(),
-        lambda a, b, s: truth_losses(a, b, labels, s, True, (10, 3, 6), (1.0, 0.5, 2.0), True).mean(),
+        upstream.double(),
+        lambda a, b, s: truth_losses(a, b, labels, s, symmetric, dims, weights, renormalize),
     )
-    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
-        assert_close_verbose(a, b, 1e-5, 1e-5, f"triton {what}")
+    if dtype == torch.float32:
+        for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+            assert_close_verbose(a, b, *TOLERANCE[dtype], f"triton {dims} {what}")
+        return
+    lowp = _grads(
+        q, k, scale, upstream, lambda a, b, s: _truth_in_dtype(a, b, labels, s, symmetric, dims, weights, renormalize)
+    )
+    atol, rtol = TOLERANCE[dtype]
+    for what, a, t, e in zip(("loss", "dq", "dk", "dscale"), got, lowp, want):
+        assert_no_worse(a, t, e, atol, rtol, f"triton {dtype} {dims} {what}")
+
+
+@pytest.mark.interpreter
+def test_triton_fused_stats_per_dim():
+    """return_stats on the fused kernels: {dim: stats} in the order given, each the reference's."""
+    q, k, labels = features_and_labels(20, 20, 23, "perm", torch.float32)
+    dims = (7, 23, 12)
+    got = cal_inf_loss(q, k, labels, 8.0, symmetric=True, matryoshka=dims, backend="triton", return_stats=True)
+    want = cal_inf_loss(q, k, labels, 8.0, symmetric=True, matryoshka=dims, backend="reference", return_stats=True)
+    assert list(got[1]) == list(dims)
+    assert_close_verbose(got[0], want[0], 1e-5, 1e-5, "loss")
+    for dim in dims:
+        for name, a, b in zip(got[1][dim]._fields, got[1][dim], want[1][dim]):
+            assert_close_verbose(a, b, 1e-5, 1e-5, f"{dim} {name}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS[1:])
@@ -256,23 +343,35 @@ def test_confident_prefixes_are_exact(backend, dtype, symmetric):
     """Both prefixes of a confident batch (1 - P_pos ~ 1e-11 .. 1e-24 at scale 100) against the weighted sum of
     the cancellation-free float64 truth per prefix, where F.cross_entropy, even in float64, rounds the loss and
     its gradient to 0: the fused pass's per-prefix statistics must keep those digits."""
+    _assert_confident_exact(_backend(backend), dtype, symmetric, 128)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
+def test_triton_fused_confident_prefixes_are_exact(symmetric):
+    """test_confident_prefixes_are_exact on the fused Triton kernels under the interpreter (float32; 40 rows: a
+    whole 32-row block and a ragged one)."""
+    _assert_confident_exact("triton", torch.float32, symmetric, 40)
+
+
+def _assert_confident_exact(backend, dtype, symmetric, batch):
     scale = 100.0
-    base_q, base_k, labels = margin_features(128, 32, scale, symmetric, seed=3 + symmetric)
+    base_q, base_k, labels = margin_features(batch, 32, scale, symmetric, seed=3 + symmetric)
     gen = torch.Generator().manual_seed(11)
-    tail_q, tail_k = (1e-3 * torch.randn(128, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    tail_q, tail_k = (1e-3 * torch.randn(batch, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     q, k = torch.cat([base_q, tail_q], 1).to(dtype), torch.cat([base_k, tail_k], 1).to(dtype)
     dims, weights = (48, 32), (1.0, 0.5)
     spec = Matryoshka(dims, weights, renormalize=False)
     scale_t = torch.tensor(scale, dtype=dtype)
     ours = grads_of(
         lambda a, b, s: cal_inf_loss(
-            a, b, labels, s, symmetric=symmetric, reduction="none", backend=_backend(backend), matryoshka=spec
+            a, b, labels, s, symmetric=symmetric, reduction="none", backend=backend, matryoshka=spec
         ),
         q,
         k,
         scale_t,
     )
-    truth = [torch.zeros(128, dtype=torch.float64), torch.zeros(q.shape, dtype=torch.float64)]
+    truth = [torch.zeros(batch, dtype=torch.float64), torch.zeros(q.shape, dtype=torch.float64)]
     truth += [torch.zeros(k.shape, dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
     for m, w in zip(dims, weights):
         loss, dq, dk, dscale = exact_softmax_truth(q[:, :m], k[:, :m], scale_t, labels, symmetric)
@@ -283,6 +382,59 @@ def test_confident_prefixes_are_exact(backend, dtype, symmetric):
         truth[2][:, :m] += w * dk
         truth[3] += w * dscale
     assert_normwise(ours, truth, EXACT_NORMWISE[dtype], f"{backend} {dtype}")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_triton_fused_ops_pass_opcheck(symmetric):
+    """torch.library.opcheck (schema, fake impls, the mutated dq and dk, FakeTensor and AOT tracing) of the fused
+    kernels' custom ops: the forward, then the backward on the forward's own stats (standing in for the global
+    ones); 14 columns against 12 rows, so each side's outputs have their own size."""
+    from infcl.kernels.matryoshka import backward_op, forward_op
+
+    gen = torch.Generator().manual_seed(5)
+    bq, bk, dim = 12, 14, 9
+    q, k = torch.randn(bq, dim, generator=gen), torch.randn(bk, dim, generator=gen)
+    pos = torch.randint(-1, bk, (bq,), generator=gen)
+    bounds = torch.tensor((0, 4, 9), dtype=torch.int32)
+    q_factors, k_factors = torch.rand(2, bq, generator=gen) + 0.5, torch.rand(2, bk, generator=gen) + 0.5
+    scale = torch.tensor(3.0)
+    forward = (q, k, scale, pos, bounds, q_factors, k_factors, symmetric, "ieee")
+    torch.library.opcheck(forward_op, forward)
+    rows, cols = forward_op(*forward)
+    g_row, g_col = torch.full((2, bq), 1 / bq), torch.full((2, bk), 1 / bk)
+    col_args = (cols[:2], g_col) if symmetric else (None, None)
+    grads = (torch.zeros(bq, dim), torch.zeros(bk, dim))
+    backward = (q, k, scale, pos, bounds, q_factors, k_factors, rows[:2], g_row, *col_args, *grads, "ieee")
+    torch.library.opcheck(backward_op, backward)
+
+
+@pytest.mark.interpreter
+def test_triton_fused_strided_inputs():
+    """A q that skips every other feature and a column-major k: the fused kernels read through the strides
+    (the segments' views included)."""
+    q_wide, k, labels = features_and_labels(20, 20, 46, "perm", torch.float32)
+    q, k = q_wide[:, ::2], k[:, :23].T.contiguous().T
+    assert not q.is_contiguous() and not k.is_contiguous()
+    scale, upstream = torch.tensor(5.0), torch.linspace(-1.0, 2.0, 20, dtype=torch.float64)
+    dims, weights, renormalize = (23, 6, 15), (1.0, 0.5, 2.0), (True, False, True)
+    spec = Matryoshka(dims, weights, renormalize)
+    got = _grads(
+        q,
+        k,
+        scale,
+        upstream,
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, reduction="none", backend="triton", matryoshka=spec),
+    )
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        upstream,
+        lambda a, b, s: truth_losses(a, b, labels, s, False, dims, weights, renormalize),
+    )
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, *TOLERANCE[torch.float32], f"strided {what}")
 
 
 # Past one tile of each side: 600 rows make 7 row tiles of 96 (the last ragged) and 3 key tiles of the native

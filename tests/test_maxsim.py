@@ -1,6 +1,7 @@
-"""cal_maxsim_loss on the torch tiles against the float64 MaxSim truth (tests/helpers/maxsim_truth.py): every dtype,
-odd shapes in ragged tiles, masks, MeanMaxSim, labels with extra documents, false negatives, the scale's gradient,
-strides, the lowest-index rule for ties, the edge rules and the input errors."""
+"""cal_maxsim_loss on the torch tiles and the Triton kernels (under TRITON_INTERPRET=1 here: the tests with a
+"triton" parameter are marked interpreter and slow) against the float64 MaxSim truth (tests/helpers/maxsim_truth.py):
+every dtype, odd shapes in ragged tiles, masks, MeanMaxSim, labels with extra documents, false negatives, the
+scale's gradient, strides, the lowest-index rule for ties, the edge rules and the input errors."""
 
 import pytest
 import torch
@@ -22,9 +23,12 @@ SHAPES = ((7, 7, 5, 11, 13), (3, 10, 1, 4, 1), (9, 9, 6, 3, 33))
 SMALL_TILES = (8, 24)  # (query tokens, document tokens) per tile: several ragged tiles per block
 
 
-@pytest.fixture
-def small_tiles():
-    """The backend the tests pass (``backend=small_tiles``): the torch tiles with SMALL_TILES token tiles."""
+@pytest.fixture(params=("torch", "triton"))
+def small_tiles(request):
+    """The backend the tests pass (``backend=small_tiles``): the torch tiles with SMALL_TILES token tiles, and the
+    Triton kernels (the interpreter's tiles: 32 query-token rows x 16 document tokens, several ragged chunks)."""
+    if request.param == "triton":
+        return "triton"
     return TorchTilesBackend(token_tiles=SMALL_TILES)
 
 
@@ -72,6 +76,8 @@ def _run(q, docs, labels=None, scale=1.0, reduction="mean", upstream=None, backe
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("length_normalize", (False, True))
 def test_matches_float64_truth(small_tiles, dtype, tol, shape, length_normalize):
+    if small_tiles == "triton" and not length_normalize:
+        pytest.skip("the kernels' path with length_normalize=True (the weights are formed on the host), interpreted")
     q, docs, q_mask, docs_mask, labels = _inputs(*shape, dtype)
     ours, truth = _run(
         q, docs, labels, 1.7, q_mask=q_mask, docs_mask=docs_mask, length_normalize=length_normalize, backend=small_tiles
@@ -153,10 +159,11 @@ def test_ties_go_to_the_lowest_index(small_tiles):
     assert docs.grad[:, 1].abs().sum() > 0  # the copies' gradient went somewhere: to token 1
 
 
-@pytest.mark.parametrize("tiles", (SMALL_TILES, (40, 63), None))
+@pytest.mark.parametrize("tiles", (SMALL_TILES, (40, 63), None, "triton"))
 def test_random_float_copies_route_to_the_first(tiles):
-    """Exact copies of random float32 document tokens, at the ends of the token products and across tiles: each
-    copy scores the same bits as its original, so only the lowest index gets a gradient."""
+    """Exact copies of random float32 document tokens, at the ends of the token products and across tiles (the
+    Triton kernels' 16-token document chunks: copies in the first, second and last chunk): each copy scores the
+    same bits as its original, so only the lowest index gets a gradient."""
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(6, 5, 16, generator=gen)
     docs = torch.randn(7, 21, 16, generator=gen)
@@ -166,12 +173,46 @@ def test_random_float_copies_route_to_the_first(tiles):
     docs[:, 15] = docs[:, 0]
     q.requires_grad_()
     docs.requires_grad_()
-    loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5, backend=TorchTilesBackend(token_tiles=tiles))
+    backend = tiles if tiles == "triton" else TorchTilesBackend(token_tiles=tiles)
+    loss = cal_maxsim_loss(q, docs, torch.arange(6), scale=0.5, backend=backend)
     loss.backward()
     for copy in (17, 20, 15):
         assert torch.equal(docs.grad[:, copy], torch.zeros_like(docs.grad[:, copy])), copy
     assert (docs.grad[:, 2].abs().sum(dim=1) > 0).all()
     _close(loss.detach(), maxsim_loss(q.detach().double(), docs.detach().double(), torch.arange(6), 0.5), 2e-5, "loss")
+
+
+def test_long_queries_wide_features_and_views(small_tiles):
+    """Queries longer than one row block of the Triton kernels (Lq = 37 > 32 rows: two token chunks, whose scores the
+    backward needs before routing; ragged feature chunks and gradient slices: D = 33 in test_matches_float64_truth),
+    documents over two chunks, masks, ids, MeanMaxSim, non-unit upstream gradients, and views of the tokens (a
+    transposed document tensor) and of the masks."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(3, 37, 40, generator=gen)[:, :, ::2]  # [3, 37, 20]
+    docs = torch.randn(5, 20, 20, generator=gen).transpose(1, 2)  # [5, 20, 20], token stride 1
+    q_mask = (torch.rand(37, 3, generator=gen) > 0.3).T  # a transposed view
+    q_mask[:, 0] = True
+    docs_mask = torch.rand(5, 20, generator=gen) > 0.3
+    docs_mask[:, 19] = True
+    labels = torch.tensor([4, 0, 2])
+    q_ids, k_ids = torch.tensor([0, 1, 0]), torch.tensor([1, 1, 0, 2, 0])
+    upstream = torch.tensor([1.5, -0.5, 2.0])
+    ours, truth = _run(
+        q,
+        docs,
+        labels,
+        2.0,
+        "none",
+        upstream,
+        small_tiles,
+        q_mask=q_mask,
+        docs_mask=docs_mask,
+        length_normalize=True,
+        q_ids=q_ids,
+        k_ids=k_ids,
+    )
+    for name, a, b in zip(("loss", "dq", "docs grad", "dscale"), ours, truth):
+        _close(a, b, 2e-5, name)
 
 
 def test_empty_document_and_empty_query(small_tiles):
@@ -233,7 +274,11 @@ def test_return_stats_and_defaults():
         (lambda q, d: cal_maxsim_loss(q, d, q_ids=torch.arange(4)), ValueError, "q_ids was given without k_ids"),
         (lambda q, d: cal_maxsim_loss(q, d, length_normalize=1), TypeError, "length_normalize must be a bool"),
         (lambda q, d: cal_maxsim_loss(q, d, reduction="max"), ValueError, "reduction must be"),
-        (lambda q, d: cal_maxsim_loss(q, d, backend="cpu"), ValueError, "no backend='cpu' yet; use 'auto' or 'torch'"),
+        (
+            lambda q, d: cal_maxsim_loss(q, d, backend="cpu"),
+            ValueError,
+            "no backend='cpu' yet; use 'auto', 'torch' or 'triton'",
+        ),
         (lambda q, d: cal_maxsim_loss(q, d, backend="reference"), NotImplementedError, "no backend='reference'"),
         (lambda q, d: cal_maxsim_loss(q, d[:, :0]), ValueError, "non-empty"),
     ),

@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import rank_distill_compile, triton_compile
+from helpers import maxsim_compile, rank_distill_compile, triton_compile
 
 triton = pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
@@ -174,6 +174,42 @@ def test_sigmoid_id_calls_compile_on_sm_90_80_100(results):
         assert dtypes <= seen[f"sm_{arch}"], (arch, seen[f"sm_{arch}"])
 
 
+def test_matryoshka_calls_compile_on_sm_90_80_100(results):
+    """cal_inf_loss(matryoshka=...) (issue 56) compiled its fused kernels, forward and both backward walks, in
+    every dtype on sm_90, sm_80 and (where the wheel's ptxas knows it) sm_100; spills are test_no_register_spills'
+    check."""
+    seen = defaultdict(set)
+    for r in results:
+        words = r["call"].split()
+        if any(w.startswith("matryoshka=") for w in words) and "kernels" in r:
+            expected = {"matryoshka_forward", "matryoshka_dq", "matryoshka_dk"}
+            assert {row["kernel"] for row in r["kernels"]} == expected, r["call"]
+            seen[words[0]].add(words[2])
+    arches = [a for a in triton_compile.MATRYOSHKA_TARGETS if triton_compile.ptxas_knows(a)]
+    assert 90 in arches and 80 in arches
+    for arch in arches:
+        dtypes = {triton_compile.dtype_label(d, p) for d, p in triton_compile.api_dtypes(arch, False, _float64_dot())}
+        assert dtypes <= seen[f"sm_{arch}"], (arch, seen[f"sm_{arch}"])
+
+
+def test_maxsim_calls_compile_on_sm_90_80_100():
+    """cal_maxsim_loss with backend="triton" (issue 55), forward and backward through the public call: its three
+    kernels compile for sm_90, sm_80 and (where the wheel's ptxas knows it) sm_100 in every dtype, ColBERT's shape
+    with masks and a long query (several row blocks) over a ragged D with ids, without spills, within shared
+    memory and without float atomics (``maxsim_compile.calls``)."""
+    with _pool() as pool:
+        out = list(pool.map(maxsim_compile.run_call, maxsim_compile.calls(_float64_dot())))
+    print(f"\n{_summary(out)}")
+    problems = rank_distill_compile.problems(out)
+    assert not problems, "\n".join(problems)
+    seen = defaultdict(set)
+    for r in out:
+        seen[r["call"].split()[0]].update(row["kernel"] for row in r["kernels"])
+    assert {"sm_90", "sm_80"} <= set(seen)
+    for arch, kernels in seen.items():
+        assert kernels == {"maxsim_forward", "maxsim_dq", "maxsim_dk"}, (arch, kernels)
+
+
 def test_big_one_chunk_tiles_compile():
     """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
     sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (score_tiles.score_dot's [M, N, D]
@@ -188,7 +224,8 @@ def test_big_one_chunk_tiles_compile():
 
 
 def test_floor_subset_compiles_every_kernel_family():
-    """The floor subset (``triton_compile.floor_calls`` and ``rank_distill_compile.floor_calls``: every kernel
+    """The floor subset (``triton_compile.floor_calls``, ``rank_distill_compile.floor_calls`` and
+    ``maxsim_compile.floor_calls``: every kernel
     family once) compiles, within shared memory and without float atomics. .ci/run runs this test alone under
     Triton 3.4.0, the oldest infcl supports (``-k floor``); here, under the installed Triton, its calls are the
     matrix's, already in Triton's cache. Spills are printed, not failed: the configs are sized for the newest
@@ -197,6 +234,7 @@ def test_floor_subset_compiles_every_kernel_family():
     with _pool() as pool:
         out = list(pool.map(triton_compile.run_call, triton_compile.floor_calls()))
         out += list(pool.map(rank_distill_compile.run_call, rank_distill_compile.floor_calls()))
+        out += list(pool.map(maxsim_compile.run_call, maxsim_compile.floor_calls()))
     print(f"\nTriton {triton.__version__}, torch {torch.__version__}\n{_summary(out)}")
     spills = {f"{call} {row['kernel']}: {row['spill_bytes']} B" for call, row in _kernels(out) if row["spill_bytes"]}
     print("".join(f"spills: {line}\n" for line in sorted(spills)))
@@ -204,6 +242,7 @@ def test_floor_subset_compiles_every_kernel_family():
     assert not problems, "\n".join(problems)
     kernels = {row["kernel"] for r in out for row in r["kernels"]}
     expected = triton_compile.FLOOR_KERNELS | {"best_positives", "ahead_counts", "distill_forward", "distill_backward"}
+    expected |= {"maxsim_forward", "maxsim_dq", "maxsim_dk"}
     assert expected <= kernels, sorted(expected - kernels)
     assert {r["call"].split()[0] for r in out} == {"sm_90", "sm_80"}
 

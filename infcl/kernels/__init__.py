@@ -10,6 +10,9 @@ from above but :mod:`infcl.contract` and the shared numerics (:mod:`infcl.lse`, 
   pass in :mod:`.softmax_guide_scores`.
 - Sigmoid (SigLIP): :mod:`.sigmoid` (forward and backward kernels and launchers, 1 + 4 GEMMs).
 - Distillation: :mod:`.distill`; retrieval ranks: :mod:`.rank` (both with a ``BY_COLUMN`` constexpr too).
+- Matryoshka prefixes (the softmax loss of every prefix dimension in one walk): :mod:`.matryoshka` (forward and
+  backward kernels and launchers, ``BY_COLUMN`` too).
+- MaxSim (late interaction): :mod:`.maxsim` (forward, dq and dk kernels and launchers; token tiles).
 - The jit helpers every kernel shares: :mod:`.score_tiles` (tile loads, the S tile in its forms, the dq / dk
   products), :mod:`.tile_stats` (exp, log-sum-exp stats and their merge, dS).
 - Which tile each kernel takes on each GPU: :mod:`.tiling` (the one tiling module); the config dataclasses:
@@ -17,7 +20,7 @@ from above but :mod:`infcl.contract` and the shared numerics (:mod:`infcl.lse`, 
   :mod:`.autotune`, :mod:`.env`.
 - The custom ops ``torch.ops.infcl.triton_*``: each loss registers its own, all through
   :func:`.registration.register_op`: the softmax loss's in :mod:`.softmax_ops`, the others at the end of their
-  module (:mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`).
+  module (:mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`, :mod:`.matryoshka`, :mod:`.maxsim`).
 
 Importing this package needs triton; whether the kernels are interpreted (TRITON_INTERPRET=1, CPU
 tensors) is fixed when it is imported.

@@ -226,7 +226,8 @@ def _walks(q: Tensor, k: Tensor, symmetric: bool, tiling: Tiling):
 def launch_args(q: Tensor, k: Tensor, precision: Optional[str], family: str = "rank") -> Tuple[dict, Tiling]:
     """The launch arguments every rank, distillation and top-k kernel takes (q and k, their sizes and strides, the
     S tile, tl.dot's precision, the compile options) and the tiling of kernel ``family`` ("rank": the ranks' and
-    the distillation loss's, :func:`infcl.kernels.tiling.rank_tiling`; "topk": :func:`~.tiling.topk_tiling`)."""
+    the distillation loss's, :func:`infcl.kernels.tiling.rank_tiling`; "topk": :func:`~.tiling.topk_tiling`;
+    "matryoshka": :func:`~.tiling.matryoshka_tiling`)."""
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
     tiling = target_tiling(family, q.dtype, opts["PRECISION"])

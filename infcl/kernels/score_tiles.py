@@ -163,10 +163,11 @@ def score_dot(q_tile, k_tile, acc, dot):
 
 
 @triton.jit
-def score_chunks(q, k, rows, cols, tile, dot, q_res=None, k_res=None):
+def score_chunks(q, k, rows, cols, tile, dot, q_res=None, k_res=None, raw=None):
     """raw[BLOCK_M, BLOCK_N] = q[rows] @ k[cols].T in dot.ACC (unscaled), summed over D in BLOCK_D chunks
     (1 GEMM): the S tile of every kernel. ``q_res`` / ``k_res``: that side's tile held in registers (with
-    tile.ONE_CHUNK), read in place of a load.
+    tile.ONE_CHUNK), read in place of a load. ``raw``: a product to continue (the Matryoshka kernels grow one
+    tile over the prefixes' segments, :mod:`infcl.kernels.matryoshka`); None starts from 0.
 
     Every chunk's product is the one tl.dot (:func:`score_dot`) inside the loop, none peeled before it:
     Triton lays out a dot whose result reaches another dot (dS @ k in the backward, not in the forward) like
@@ -175,7 +176,8 @@ def score_chunks(q, k, rows, cols, tile, dot, q_res=None, k_res=None):
     warps). With one chunk the loop has one trip, for the same reason.
     """
     check_blocks(tile)
-    raw = tl.zeros([tile.BLOCK_M, tile.BLOCK_N], dtype=dot.ACC)
+    if raw is None:
+        raw = tl.zeros([tile.BLOCK_M, tile.BLOCK_N], dtype=dot.ACC)
     for d0 in range(0, q.d, tile.BLOCK_D):
         feats = d0 + tl.arange(0, tile.BLOCK_D)
         if q_res is None:

@@ -86,6 +86,33 @@ RANK_TILINGS = {
     "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
+# The fused Matryoshka kernels' tilings per operand class (kernels/matryoshka.py), the same on every family. Their
+# backward holds a gradient slice, the running raw product, S, u = S / scale and both directions' dS beside the
+# S chunk's operands: on tensor cores the 64 x 32 tile on 8 warps (the ranks' 64 x 64 on sm_90 spilled dk
+# 92-108 B in bf16/fp16 at D = 1000) and 128-wide slices (each slice recomputes S, so wider is cheaper while it
+# fits: 256 spilled dq and dk 272-792 B in bf16/fp16 on sm_80/90/100; 128 takes 221-255 registers, no spill);
+# the FMA classes on 32 x 16 tiles (fp32 "ieee": the ranks' 32 x 32 spilled dk 12 B at 255 registers on sm_100,
+# D = 1000) and 64-wide slices (fp32's 128 spilled dq and dk 24-228 B; 64 takes 208-250 registers, fp64 208-217).
+_MATRYOSHKA_TENSOR_CORES = TileConfig(64, 32, num_warps=8, block_out=128, max_registers=255)
+MATRYOSHKA_TILINGS = {
+    "mma": Tiling(*(_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
+    "tf32": Tiling(*(_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
+    "ieee": Tiling(*(TileConfig(32, 16, block_out=64, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(32, 16, block_out=64, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+}
+
+# The MaxSim kernels' tilings per operand class (one config for the forward, dq and dk kernels: the token products
+# are the same bits in each). block_m query-token rows x block_n document tokens; a program holds the rows' resident
+# feature chunk, the token product and, in dk, the [block_n, block_out] product of the routing with a q slice.
+# bf16/fp16: D up to 128 resident (ColBERT's D = 128: 78-207 registers); beyond, 32-feature chunks and 64-wide slices:
+# with 64-feature chunks and 128-wide slices a query longer than 64 tokens at D = 1000 spilled 8-1152 B in dq / dk on
+# sm_90 and sm_100 (ptxas 12/13, 255 registers).
+MAXSIM_TILINGS = {
+    "mma": Tiling(*(TileConfig(64, 64, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=128, chunk_d=32),
+    "tf32": Tiling(*(TileConfig(64, 32, num_warps=8, block_out=64, max_registers=255),) * 3, resident_d=64, chunk_d=32),
+    "ieee": Tiling(*(TileConfig(32, 32, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+}
 # Under the interpreter: the softmax and sigmoid kernels take few big tiles (configs.INTERPRETER_TILING); the
 # rank, distillation and top-k kernels small ones, so that the tests' small shapes cut into several ragged blocks.
 _SMALL_INTERPRETER_TILING = Tiling(*(TileConfig(32, 32, block_out=32),) * 3, resident_d=32, chunk_d=32)
@@ -94,6 +121,10 @@ INTERPRETER_TILINGS = {
     "sigmoid": INTERPRETER_TILING,
     "rank": _SMALL_INTERPRETER_TILING,
     "topk": _SMALL_INTERPRETER_TILING,
+    "matryoshka": _SMALL_INTERPRETER_TILING,
+    # 16 document tokens a chunk: the tests' documents span several chunks, ragged; 32 query-token rows hold
+    # several short queries or a chunk of a long one.
+    "maxsim": Tiling(*(TileConfig(32, 16, block_out=32),) * 3, resident_d=32, chunk_d=16),
 }
 
 # The chunked route's passes (kernels/chunked_softmax.py) read a float32 [C, Bk] score chunk that cuBLAS wrote and
@@ -122,7 +153,7 @@ CHUNK_MERGE_WARPS = 4
 class Kernel:
     """One kernel a config is asked for (see the module docstring)."""
 
-    family: str  # "softmax", "sigmoid", "rank" (the ranks' and the distillation loss's kernels), "topk"
+    family: str  # "softmax", "sigmoid", "rank" (the ranks' and the distillation loss's kernels), "topk", "maxsim"
     phase: str = "forward"  # softmax: "forward", "dq", "dk"; the other families: one config for every kernel
     operand_class: str = "mma"
     ragged: bool = False
@@ -142,6 +173,8 @@ def _masked(kernel: Kernel, stages: int = 2, block_out: int = 128) -> TileConfig
 def sm90(kernel: Kernel) -> TileConfig:
     """Hopper (sm_90): S on wgmma, 227 KiB of shared memory, ptxas 12/13."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "maxsim":
+        return MAXSIM_TILINGS[kernel.operand_class].forward
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):
@@ -175,6 +208,8 @@ def sm90(kernel: Kernel) -> TileConfig:
 def sm100(kernel: Kernel) -> TileConfig:
     """Blackwell (sm_100): S on tcgen05, ptxas 13."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "maxsim":
+        return MAXSIM_TILINGS[kernel.operand_class].forward
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):  # bf16/fp16 take tf32's 64 x 32 (below); top-k as the ranks (see sm90)
@@ -199,6 +234,8 @@ def sm100(kernel: Kernel) -> TileConfig:
 def sm80(kernel: Kernel) -> TileConfig:
     """Ampere (sm_80): S on mma.sync, 163 KiB of shared memory, ptxas 12."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "maxsim":
+        return MAXSIM_TILINGS[kernel.operand_class].forward
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):  # top-k as the ranks (see sm90)
@@ -228,6 +265,8 @@ def sm80(kernel: Kernel) -> TileConfig:
 def sm86(kernel: Kernel) -> TileConfig:
     """sm_86 / sm_89 (99 KiB of shared memory): S on mma.sync, ptxas 13."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
+    if kernel.family == "maxsim":
+        return MAXSIM_TILINGS[kernel.operand_class].forward
     if kernel.family == "sigmoid":
         return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):  # bf16/fp16 take tf32's 64 x 32 (see sm80); top-k as the ranks (sm90)
@@ -264,7 +303,7 @@ def fma(kernel: Kernel) -> TileConfig:
     """The FMA classes (fp32 "ieee", fp64) on every family: operands in registers, maxnreg 255."""
     fp64 = kernel.operand_class == "fp64"
     if kernel.family != "softmax":  # top-k takes the ranks' tiles
-        tilings = SIGMOID_TILINGS if kernel.family == "sigmoid" else RANK_TILINGS
+        tilings = {"sigmoid": SIGMOID_TILINGS, "maxsim": MAXSIM_TILINGS}.get(kernel.family, RANK_TILINGS)
         return tilings[kernel.operand_class].forward
     if kernel.masks is not None:  # the plain 32 x 32 tiles halved in columns (fp64: twice the registers an entry)
         rows, block_out = (16 if fp64 else 32), (0 if kernel.phase == "forward" else 64)
@@ -389,6 +428,17 @@ def rank_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     return _one_config("rank", RANK_TILINGS, arch, dtype, precision)
 
 
+def matryoshka_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """The fused Matryoshka kernels' tiling for inputs of ``dtype`` at ``precision``: one per operand class on
+    every family ``arch`` (:data:`MATRYOSHKA_TILINGS`)."""
+    return MATRYOSHKA_TILINGS[operand_class_of(dtype, precision)]
+
+
+def maxsim_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """The MaxSim kernels' tiling on family ``arch`` for inputs of ``dtype`` at ``precision``."""
+    return _one_config("maxsim", MAXSIM_TILINGS, arch, dtype, precision)
+
+
 def topk_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     """The top-k kernel's tiling on family ``arch`` for inputs of ``dtype`` at ``precision``."""
     return _one_config("topk", RANK_TILINGS, arch, dtype, precision)
@@ -402,11 +452,19 @@ def target_tiling(
     masked: bool = False,
     guide: bool = False,
 ) -> Tiling:
-    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank", "topk") on the active target's architecture
-    family, the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax kernels')."""
+    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank", "topk", "matryoshka") on the active target's
+    architecture family, the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax
+    kernels')."""
     if INTERPRETED:
         return INTERPRETER_TILINGS[family]
     arch = target_family()
     if family == "softmax":
         return tiling_for(arch, dtype, precision, dim, masked, guide)
-    return {"sigmoid": sigmoid_tiling, "rank": rank_tiling, "topk": topk_tiling}[family](arch, dtype, precision)
+    tilings = {
+        "sigmoid": sigmoid_tiling,
+        "rank": rank_tiling,
+        "topk": topk_tiling,
+        "matryoshka": matryoshka_tiling,
+        "maxsim": maxsim_tiling,
+    }
+    return tilings[family](arch, dtype, precision)

@@ -19,19 +19,31 @@ dk -= scale * sum_i u_i q_i, with w = eps * g at the positive and u = eps * g / 
 from the same terms (the rows' part is this rank's, the columns' part the block owner's). O(B * D) per
 block, no O(Bq * Bk) anything.
 
-With ids (:class:`SmoothedIdsSteps`; ``multi_positive`` None or "mean") the uniform part spreads over the
-columns that stay in the row's denominator, from same-id sums of the features per block (:func:`grouped_sum`).
-Not with a guide or "sum": which columns a guide leaves out, and "sum"'s target over the positives, are decided
-inside the tiles (docs/options.md).
+With mask options the uniform part spreads over the columns that stay in the row's denominator (not in E,
+:mod:`infcl.masks`), and the positives keep 1 - eps of their mode's target: (1 - eps) * the masked loss
++ eps * (lse - the mean logit over the kept columns), as ``F.cross_entropy`` mixes its two terms. Under
+``multi_positive="sum"`` (MIL-NCE, -log of the positives' total probability) the target's positive part is
+the softmax over the positives: the tiles' own g * (P - Y') with the positives' log-sum raised by
+-log(1 - eps) (Y' = (1 - eps) * Y, the entry y' * expm1(d') as before); at eps = 1 it has weight 0 and "sum"
+is "mean". Two ways to the kept columns' sum and number:
+
+- :class:`SmoothedKeptSteps`, on a backend whose masked tiles sum them (``kept_sums``: the torch tiles): the
+  tiles that decide E (the guide's scores against its threshold, the ids) sum and count what stays and
+  subtract eps * g / n_kept from dS there (``Block.kept_sums``, ``row_uniform``, ``col_uniform``). Any mask
+  options; a guide needs it (infcl.api.smoothing_backend runs such a call on the torch tiles).
+- :class:`SmoothedIdsSteps`, ids without a guide on the other backends: same-id sums of the features per block
+  (:class:`IdGroups`), O(B * D), no kernel change.
 """
 
+import math
+from dataclasses import replace
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from ..contract import Block, BlockBackend, MaskOptions, Tensor
 from ..lse import MAX, REL, lse_merge
-from ..masks import merge_masked_fields
+from ..masks import KEPT_COUNT, KEPT_SUM, merge_masked_fields
 from ..ring.driver import ParamGrads
 from ..stats import row_info
 from .softmax import (
@@ -43,6 +55,7 @@ from .softmax import (
     SoftmaxUpstream,
     _finite,
     _nan_unless,
+    _poison,
     _scatter_to_columns,
 )
 
@@ -183,17 +196,52 @@ def _add_rows(out: Tensor, index: Tensor, rows: Tensor) -> None:
 # --- with ids (infcl.masks): the uniform part over the columns that stay in the denominator -----------
 
 
-def grouped_sum(keys: Tensor, values: Tensor, query: Tensor) -> Tensor:
-    """For each ``query`` key, the sum of the ``values`` rows whose key equals it (0 where none does): the
-    same-id sums, O((n + m) * D) with no host synchronization (each key's group is the slot of its first
-    occurrence in sorted order) and deterministic accumulation (``index_put_``)."""
-    sorted_keys, _ = torch.sort(keys)
-    slots = torch.zeros((keys.shape[0],) + values.shape[1:], dtype=values.dtype, device=values.device)
-    slots.index_put_((torch.searchsorted(sorted_keys, keys),), values, accumulate=True)
-    where = torch.searchsorted(sorted_keys, query).clamp(max=max(keys.shape[0] - 1, 0))
-    found = sorted_keys[where] == query if keys.shape[0] else torch.zeros_like(query, dtype=torch.bool)
-    picked = slots[where] if keys.shape[0] else values.new_zeros((query.shape[0],) + values.shape[1:])
-    return torch.where(found.view((-1,) + (1,) * (values.dim() - 1)), picked, 0.0)
+class IdGroups(NamedTuple):
+    """A block's ids as group numbers, found once per block step (no host synchronization, unlike ``unique``):
+    each line's group among its own side's sorted ids (its id's first occurrence there) and its group among the
+    other side's, or that side's size where its id is absent there (a zero row past that side's table). Each
+    same-id sum is then one ``index_put_`` into a table of one side's size and one ``index_select`` out of it:
+    O((Bq + Bk) * D), deterministic (``index_put_``'s sorted accumulation). "rows" and "cols" are a direction's
+    lines and the other side (:meth:`swapped` gives the column direction's view)."""
+
+    rows: Tensor  # [n_rows] int64 each row's group among the rows' ids
+    rows_in_cols: Tensor  # [n_rows] its group among the columns' ids, n_cols where absent
+    cols: Tensor  # [n_cols] each column's group among the columns' ids
+    cols_in_rows: Tensor  # [n_cols] its group among the rows' ids, n_rows where absent
+
+    @classmethod
+    def of(cls, q_ids: Tensor, k_ids: Tensor) -> "IdGroups":
+        q_sorted, _ = torch.sort(q_ids)
+        k_sorted, _ = torch.sort(k_ids)
+        rows, cols = torch.searchsorted(q_sorted, q_ids), torch.searchsorted(k_sorted, k_ids)
+        return cls(rows, _group_in(k_sorted, q_ids), cols, _group_in(q_sorted, k_ids))
+
+    def swapped(self) -> "IdGroups":
+        """The column direction's view: its lines are the k side."""
+        return IdGroups(self.cols, self.cols_in_rows, self.rows, self.rows_in_cols)
+
+    def cols_at_rows(self, values: Tensor) -> Tensor:
+        """[n_rows, ...] for each row, the sum of the ``values`` ([n_cols, ...]) of the columns with its id."""
+        return _table(values, self.cols).index_select(0, self.rows_in_cols)
+
+    def rows_at_cols(self, values: Tensor) -> Tensor:
+        """[n_cols, ...] for each column, the sum of the ``values`` ([n_rows, ...]) of the rows with its id."""
+        return _table(values, self.rows).index_select(0, self.cols_in_rows)
+
+
+def _group_in(sorted_ids: Tensor, ids: Tensor) -> Tensor:
+    """Each id's group among ``sorted_ids`` (its first occurrence), or len(sorted_ids) where it is absent."""
+    n = sorted_ids.shape[0]
+    if n == 0:
+        return torch.zeros_like(ids)
+    at = torch.searchsorted(sorted_ids, ids).clamp_(max=n - 1)
+    return torch.where(sorted_ids[at] == ids, at, n)
+
+
+def _table(values: Tensor, groups: Tensor) -> Tensor:
+    """[n + 1, ...] the sum of ``values`` per group (row n: the absent ids' zero)."""
+    table = values.new_zeros((values.shape[0] + 1,) + values.shape[1:])
+    return table.index_put_((groups,), values, accumulate=True)
 
 
 class SmoothedMaskedPartials(NamedTuple):
@@ -233,15 +281,19 @@ class SmoothedMaskedUpstream(NamedTuple):
 
 
 class SmoothedIdsSteps(MaskedSoftmaxSteps):
-    """:class:`infcl.ring.driver.RingLoss` for label smoothing with ids (``multi_positive`` None or "mean"; no
-    guide). Kept columns: every column but the same-id ones that are not the row's positive (None), or every
-    column ("mean": ids exclude nothing). The uniform part and its gradient come from same-id sums
-    (:func:`grouped_sum`) of the features per block; the target's positive part is the one-hot (None) or
-    1 / |P| on the same-id columns ("mean")."""
+    """:class:`infcl.ring.driver.RingLoss` for label smoothing with ids (no guide). Kept columns: every column
+    but the same-id ones that are not the row's positive (None), or every column ("mean", "sum": ids exclude
+    nothing). The uniform part and its gradient come from same-id sums (:class:`IdGroups`) of the features
+    per block; the target's positive part is the one-hot (None), 1 / |P| on the same-id columns ("mean"), or
+    the softmax over them ("sum": the tiles' own, scaled by 1 - eps through the positives' stats,
+    :meth:`upstream`)."""
 
     def __init__(self, symmetric: bool, eps: float, masks: MaskOptions):
+        eps = float(eps)
+        if eps == 1.0 and masks.multi_positive == "sum":  # the positives' part has weight 0: "sum" is "mean"
+            masks = replace(masks, multi_positive="mean")
         super().__init__(symmetric, masks)
-        self.eps, self.multi_positive = float(eps), masks.multi_positive
+        self.eps, self.multi_positive = eps, masks.multi_positive
 
     def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SmoothedMaskedPartials:
         zeros = torch.zeros(2, n, dtype=dtype, device=device)
@@ -252,13 +304,13 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
         acc.total.add_(part.total)
         acc.count.add_(part.count)
 
-    def _kept(self, x, x_ids, y, y_ids, part: MaskedPartials, same_pos, scale):
+    def _kept(self, x, y, groups: Optional[IdGroups], part: MaskedPartials, same_pos, scale):
         """(total, count) of the kept entries of x's rows against y's rows (one direction of the block)."""
         total = torch.mv(x, _column_sums(y))
         count = torch.full_like(total, y.shape[0])
         if self.multi_positive is None:
-            total = total - torch.linalg.vecdot(x, grouped_sum(y_ids, y, x_ids))
-            count = count - grouped_sum(y_ids, torch.ones_like(y[:, 0]), x_ids)
+            total = total - torch.linalg.vecdot(x, groups.cols_at_rows(y))
+            count = count - groups.cols_at_rows(torch.ones_like(y[:, 0]))
         total = total.mul_(scale)
         if self.multi_positive is None:  # the positive stays: its logit as the tile read it, and one count
             total = total + torch.where(same_pos, part.pos_sum, 0.0)
@@ -272,12 +324,13 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
         q, k = block.q.to(acc), block.k.to(acc)
         same_pos = _same_at_positive(block)
         ids = block.masks
-        total, count = self._kept(q, ids.q_ids, k, ids.k_ids, rows, same_pos, block.scale)
+        groups = IdGroups.of(ids.q_ids, ids.k_ids) if self.multi_positive is None else None
+        total, count = self._kept(q, k, groups, rows, same_pos, block.scale)
         rows = SmoothedMaskedPartials(*rows, total, count)
         if cols is None:
             return rows, None
         col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
-        total, count = self._kept(k, ids.k_ids, q, ids.q_ids, cols, col_same, block.scale)
+        total, count = self._kept(k, q, None if groups is None else groups.swapped(), cols, col_same, block.scale)
         return rows, SmoothedMaskedPartials(*cols, total, count)
 
     def backward_step(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor, k_side=()) -> ParamGrads:
@@ -292,7 +345,45 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
     def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> SmoothedMaskedUpstream:
         part = SmoothedMaskedPartials(*saved)
         up = part.masked().upstream(grad)
+        if self.multi_positive == "sum":  # Y' = (1 - eps) * Y: the positives' log-sum raised by -log(1 - eps)
+            pos_max, pos_rel = up.pos_stats
+            up = up._replace(pos_stats=torch.stack((pos_max, pos_rel - math.log1p(-self.eps))))
         return SmoothedMaskedUpstream(*up, torch.where(part.pos_count > 0, part.count, 1.0))
+
+
+class SmoothedKeptSteps(SmoothedIdsSteps):
+    """:class:`infcl.ring.driver.RingLoss` for label smoothing with any mask options (a guide, ids, any
+    ``multi_positive``) on a backend whose masked tiles sum the kept logits (``backend.kept_sums``: the torch
+    tiles; a guide needs it). Which columns a guide leaves out is decided by the guide scores inside the tiles,
+    so the tiles that decide it also sum
+    and count what stays (``Block.kept_sums``: [8, n] partials) and, in the backward, subtract the uniform
+    target's ``u = eps * g / n_kept`` from dS on every kept entry (``Block.row_uniform`` / ``col_uniform``):
+    one decision, by the same guide product and threshold, for the denominator and the uniform target. The
+    positives' part of the target (eps * g * Y back) is added here as with ids alone."""
+
+    def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
+        block = self._block(block, k_side, kept_sums=True)
+        rows, cols = backend.forward_block(block, self.symmetric)
+        rows = _kept_partials(rows, block.masks.row_threshold)
+        return rows, (None if cols is None else _kept_partials(cols, block.masks.col_threshold))
+
+    def backward_step(self, backend, block: Block, rows, cols, dq: Tensor, dk: Tensor, k_side=()) -> ParamGrads:
+        fields = {**rows.block_fields("row", self.kind), "row_uniform": rows.grad * (self.eps / rows.count)}
+        if cols is not None:
+            fields.update(cols.block_fields("col", self.kind), col_uniform=cols.grad * (self.eps / cols.count))
+        dscale = backend.backward_block(self._block(block, k_side, **fields), dq, dk)
+        own, owner = _smoothing_id_terms(
+            self._block(block, k_side), rows, cols, self.eps, self.multi_positive, dq, dk, False
+        )
+        return ParamGrads(own=dscale[:1] + own, owner=dscale[1:] + owner)
+
+
+def _kept_partials(packed: Tensor, threshold: Optional[Tensor]) -> SmoothedMaskedPartials:
+    """A backend's ``[8, n]`` masked forward result (:data:`infcl.masks.KEPT_ROWS`) as named partials, with a NaN
+    guide threshold's NaN in its line's max (:class:`~.softmax.MaskedSoftmaxSteps`)."""
+    part = SmoothedMaskedPartials(*MaskedPartials.unpack(packed), packed[KEPT_SUM], packed[KEPT_COUNT])
+    _poison(part, threshold)
+    return part
 
 
 def _same_at_positive(block: Block) -> Tensor:
@@ -302,50 +393,66 @@ def _same_at_positive(block: Block) -> Tensor:
     return inside & (block.masks.q_ids == block.masks.k_ids.index_select(0, idx))
 
 
-def _direction_terms(x, x_ids, y, y_ids, up, eps, multi_positive, scale, same_pos, w_extra):
-    """One direction's terms: dS[a, b] += w_a at the positive (given by the caller), -u_a on every entry, and
-    +v_a on the same-id entries; returns (dx term [na, D], dy term [nb, D], the scale's part, w [na])."""
-    u = up.grad * eps / up.count
-    if multi_positive is None:
-        v = u
-        w = w_extra - torch.where(same_pos, u, 0.0)
-    else:
-        v = up.grad * eps / up.pos_count
-        w = torch.zeros_like(u)
-    y_sum, y_same = _column_sums(y), grouped_sum(y_ids, y, x_ids)
-    dx = torch.outer(-u, y_sum).add_(y_same * v[:, None])
-    x_u = torch.mv(x.T, u)
-    dy = grouped_sum(x_ids, x * v[:, None], y_ids).sub_(x_u[None, :])
-    part = torch.dot(x_u, y_sum).neg() + (v * torch.linalg.vecdot(x, y_same)).sum()
-    return dx.mul_(scale), dy.mul_(scale), part, w
+def _direction_terms(x, y, dx, dy, groups, up, eps, multi_positive, scale, same_pos, w_extra, uniform):
+    """One direction's terms, added to dx [na, D] and dy [nb, D] in place (no [n, D] temporary but the same-id
+    sums): dS[a, b] += w_a at the positive (None: eps * g_a, given by the caller), +v_a on the same-id entries
+    ("mean": eps * g_a / |P|, the target's eps * g * Y back; "sum": none, the tiles scaled Y) and, where
+    ``uniform`` (the tiles did not subtract it), -u_a on every kept entry: -u_a on every entry and, under None,
+    +u_a back on the excluded same-id ones. Returns (the scale's part, w [na]); the one-hot terms of w are the
+    caller's."""
+    w = w_extra if multi_positive is None else torch.zeros_like(up.grad)
+    v = up.grad * eps / up.pos_count if multi_positive == "mean" else None
+    part = torch.zeros((), dtype=x.dtype, device=x.device)
+    if uniform:
+        u = up.grad * eps / up.count
+        y_sum, x_u = _column_sums(y), torch.mv(x.T, u)
+        dx.addr_(u * -scale, y_sum)
+        dy.sub_(x_u * scale)
+        part = torch.dot(x_u, y_sum).neg()
+        if multi_positive is None:
+            v = u
+            w = w - torch.where(same_pos, u, 0.0)
+    if v is not None:
+        y_same = groups.cols_at_rows(y)
+        dx.addcmul_(y_same, (v * scale)[:, None])
+        dy.add_(groups.rows_at_cols(x * (v * scale)[:, None]))
+        part = part + (v * torch.linalg.vecdot(x, y_same)).sum()
+    return part, w
 
 
-def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor):
+def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq: Tensor, dk: Tensor, uniform=True):
+    """Add the smoothing's terms with ids to dq, dk in place (``uniform``: the uniform part too, else only the
+    positives' eps * g * Y, the tiles having subtracted the rest); return the scale gradient's (rows' part [1],
+    columns' part [1])."""
     acc, scale = dq.dtype, block.scale
+    if multi_positive == "sum" and not uniform:  # nothing left: the tiles scaled Y and subtracted the uniform part
+        zero = torch.zeros(1, dtype=acc, device=dq.device)
+        return zero, zero
     q, k = block.q.to(acc), block.k.to(acc)
     inside = block.pos >= 0
     idx = torch.where(inside, block.pos, 0)
-    k_pos = k.index_select(0, idx)
-    raw_pos = torch.linalg.vecdot(q, k_pos)
-    same_pos = _same_at_positive(block)
+    same_pos = _same_at_positive(block) if uniform else None
     one_hot = multi_positive is None
+    # same-id sums: the uniform part's under None, the target's under "mean"
+    needs_groups = (one_hot and uniform) or multi_positive == "mean"
+    groups = IdGroups.of(block.masks.q_ids, block.masks.k_ids) if needs_groups else None
     w_row = torch.where(inside, rows.grad * eps, 0.0) if one_hot else 0.0
-    dq_t, dk_t, own, w = _direction_terms(
-        q, block.masks.q_ids, k, block.masks.k_ids, rows, eps, multi_positive, scale, same_pos, w_row
-    )
-    dq.add_(dq_t)
-    dk.add_(dk_t)
-    own = own + (w * raw_pos).sum()
+    own, w = _direction_terms(q, k, dq, dk, groups, rows, eps, multi_positive, scale, same_pos, w_row, uniform)
     owner = torch.zeros((), dtype=acc, device=dq.device)
     if cols is not None:
-        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0
+        col_same = _scatter_to_columns(same_pos.to(acc), block.pos, k.shape[0]) > 0 if uniform else None
         w_col = torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0) if one_hot else 0.0
         w_col_cols = _scatter_to_columns(torch.as_tensor(w_col, dtype=acc).expand(q.shape[0]), block.pos, k.shape[0])
-        dk_t, dq_t, owner, wc = _direction_terms(
-            k, block.masks.k_ids, q, block.masks.q_ids, cols, eps, multi_positive, scale, col_same, w_col_cols
+        col_groups = None if groups is None else groups.swapped()
+        owner, wc = _direction_terms(
+            k, q, dk, dq, col_groups, cols, eps, multi_positive, scale, col_same, w_col_cols, uniform
         )
-        dk.add_(dk_t)
-        dq.add_(dq_t)
+    if not one_hot:  # w is 0: no one-hot terms
+        return own.reshape(1), owner.reshape(1)
+    k_pos = k.index_select(0, idx)
+    raw_pos = torch.linalg.vecdot(q, k_pos)
+    own = own + (w * raw_pos).sum()
+    if cols is not None:
         wc_rows = torch.where(inside, wc.index_select(0, idx), 0.0)  # back to the rows holding each positive
         owner = owner + (wc_rows * raw_pos).sum()
         w = w + wc_rows

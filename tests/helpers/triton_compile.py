@@ -150,7 +150,7 @@ def init_worker() -> None:
 
 
 # Kernels launched once per direction (their BY_COLUMN constexpr), reported per direction: (row walk, column walk).
-DIRECTIONS = {"backward": ("dq", "dk")}
+DIRECTIONS = {"backward": ("dq", "dk"), "matryoshka_backward": ("matryoshka_dq", "matryoshka_dk")}
 
 
 class _Direction:
@@ -416,6 +416,7 @@ class Call:
     topk: int = 0  # topk_scores' n
     backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss and cal_siglip_loss)
     reduction: str = "mean"  # cal_siglip_loss's ("none": the chunked route's loss-only and gradient-only passes)
+    matryoshka: tuple = ()  # cal_inf_loss's Matryoshka prefix dims (renormalized but the last), () for none
 
     def label(self) -> str:
         dtype = dtype_label(self.dtype, self.precision)
@@ -430,6 +431,7 @@ class Call:
                 f" n={self.topk}" if self.topk else "",
                 f" {self.backend}" if self.backend != "triton" else "",
                 f" {self.reduction}" if self.reduction != "mean" else "",
+                f" matryoshka={'-'.join(map(str, self.matryoshka))}" if self.matryoshka else "",
             ]
         )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
@@ -581,6 +583,9 @@ def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = Non
     backend = call_backend(call)
     if call.entry == "cal_inf_loss":
         masks = mask_options(call) if masks is None else masks
+        if call.matryoshka:
+            flags = (True,) * (len(call.matryoshka) - 1) + (False,)
+            masks = {**masks, "matryoshka": infcl.Matryoshka(call.matryoshka, renormalize=flags)}
         return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=backend, **masks)
     if call.entry == "cal_siglip_loss":
         return infcl.cal_siglip_loss(
@@ -722,6 +727,7 @@ def api_calls(full: bool) -> List[Call]:
                     add("cal_inf_loss", (1000,), ragged, symmetric=True, autotune=True)
             out.extend(masked_calls(arch, dtype, precision, full))
             out.extend(sigmoid_id_calls(arch, dtype, precision, full))
+            out.extend(matryoshka_calls(arch, dtype, precision, full))
             out.extend(topk_calls(arch, dtype, precision, full))
         out.extend(chunked_calls(arch))
     return out
@@ -740,6 +746,25 @@ def sigmoid_id_calls(arch: int, dtype: str, precision: str, full: bool) -> List[
     ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
     cases = [(dim, ragged) for dim in (API_DIMS if full else (1000,))] + ([(1000, wide)] if full else [])
     return [Call(arch, "cal_siglip_loss", dtype, precision, dim, *sizes, masks="ids") for dim, sizes in cases]
+
+
+# The targets the fused Matryoshka loss compiles on in CI (issue 56), every dtype; its prefix dims: a ragged
+# chunk boundary in every segment and one below a chunk, the widest not renormalized.
+MATRYOSHKA_TARGETS = (90, 80, 100)
+MATRYOSHKA_DIMS = (1000, 512, 100, 37)
+
+
+def matryoshka_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
+    """cal_inf_loss with ``matryoshka`` (issue 56; infcl/kernels/matryoshka.py): symmetric on a ragged batch at
+    D = 1000 (several chunks and slices, every segment ragged) on :data:`MATRYOSHKA_TARGETS`; ``full``: also
+    one-directional with labels and Bk > Bq at D = 384 (dims 384, 64), on every target."""
+    if not (full or arch in MATRYOSHKA_TARGETS):
+        return []
+    ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
+    out = [Call(arch, "cal_inf_loss", dtype, precision, 1000, *ragged, symmetric=True, matryoshka=MATRYOSHKA_DIMS)]
+    if full:
+        out.append(Call(arch, "cal_inf_loss", dtype, precision, 384, *wide, labels=True, matryoshka=(384, 64)))
+    return out
 
 
 def topk_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
@@ -801,6 +826,7 @@ def chunked_calls(arch: int) -> List[Call]:
 FLOOR_KERNELS = frozenset(
     {"forward", "dq", "dk", "siglip_forward", "siglip_backward", "guide_label_scores", "topk"}
     | {"chunk_stats", "merge_chunk", "chunk_grad"}
+    | {"matryoshka_forward", "matryoshka_dq", "matryoshka_dk"}
 )
 
 
@@ -810,7 +836,8 @@ def floor_calls() -> List[Call]:
     under the newest Triton it costs nothing beside the matrix): on sm_90 the softmax kernels on tensor cores
     (bf16, D = 384: whole chunks and a ragged slice), in fp32 FMA and (Triton >= 3.5) fp64 (D = 40), autotuned (bf16,
     D = 1000), with ids and a guide ("sum", D = 1000), the sigmoid kernels, the top-k search and the chunked
-    route's passes; on sm_80 the softmax kernels in bf16 (the pre-wgmma MMA). The ranks' and distillation
+    route's passes and the fused Matryoshka loss (bf16, D = 1000); on sm_80 the softmax kernels in bf16 (the
+    pre-wgmma MMA). The ranks' and distillation
     kernels: :func:`rank_distill_compile.floor_calls`."""
     from infcl.kernels.configs import FLOAT64_DOT
 
@@ -825,6 +852,7 @@ def floor_calls() -> List[Call]:
         Call(90, "topk_scores", "bfloat16", "ieee", 384, RAGGED_BATCH, WIDE_BATCH + 3, labels=True, topk=TOPK_N),
         Call(90, "cal_inf_loss", "bfloat16", "ieee", 40, *ragged, symmetric=True, backend="chunked"),
         Call(80, "cal_inf_loss", "bfloat16", "ieee", 384, *ragged, symmetric=True),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, matryoshka=MATRYOSHKA_DIMS),
     ]
 
 

@@ -1,7 +1,8 @@
 """One rank of the MaxSim ring test, started by tests/test_maxsim_ring.py through tests/helpers/distributed.py.
 
 ``python -m workers.maxsim_ring_worker`` (3 processes) runs every case of :data:`CASES` on the rings of 1, 2 and 3
-ranks (``RINGS``) on the torch tiles (shrunk: each block spans several ragged tiles). Each rank passes its uneven
+ranks (``RINGS``) on the torch tiles (shrunk: each block spans several ragged tiles), and one case on the Triton
+kernels (interpreted without a GPU). Each rank passes its uneven
 shard of the queries and of the documents, each shard at its own padded lengths (``LENGTHS``: the queries' Lq and
 the documents' Lk differ per rank), and writes its local loss and gradients; the test compares them with the
 float64 truth of the whole set (:func:`global_inputs`, padded to the longest lengths as masked tokens).
@@ -34,12 +35,14 @@ class MaxSimCase:
     dtype: torch.dtype = torch.float32
     ids: bool = False
     length_normalize: bool = False
+    backend: str = "torch"  # "torch": TINY; "triton": the Triton kernels (interpreted without a GPU)
 
 
 CASES = (
     MaxSimCase("fp32"),
     MaxSimCase("ids-meanmaxsim-fp64", torch.float64, ids=True, length_normalize=True),
     MaxSimCase("bf16", torch.bfloat16),
+    MaxSimCase("triton-ids-fp32", ids=True, backend="triton"),
 )
 SCALE = 1.5
 
@@ -93,7 +96,7 @@ def _run(case: MaxSimCase, rank: int, world: int, group):
         q_ids=None if q_ids is None else q_ids[mine],
         k_ids=None if k_ids is None else k_ids[theirs],
         group=group,
-        backend=TINY,
+        backend=TINY if case.backend == "torch" else case.backend,
     )
     loss.backward()
     return {"loss": loss.detach(), "dq": q_local.grad, "dd": docs_local.grad, "dscale": scale.grad}

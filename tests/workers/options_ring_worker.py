@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from helpers import ring_cases
 from helpers.distributed import run_on_rings
-from helpers.options_truth import masked_truth
+from helpers.options_truth import kept_truth, masked_truth
 from helpers.support import reduce_masked_truth
 from infcl import Matryoshka, cal_inf_loss
 from workers.ring_worker import run_cases
@@ -31,7 +31,12 @@ RINGS = {2: (1, 2), 3: (0, 1, 2)}
 class OptionRingCase(ring_cases.RingCase):
     label_smoothing: float = 0.0
     matryoshka: Optional[Tuple[int, ...]] = None  # prefix dims (weights WEIGHTS[:K], renormalized)
-    ids: Optional[str] = None  # label smoothing with ids: "one" (multi_positive None) or "mean"
+    ids: Optional[str] = None  # label smoothing with ids: "one" (multi_positive None), "mean" or "sum"
+    guide: bool = False  # label smoothing with a guide (integer-valued guide features, ties; margin 0)
+
+    @property
+    def multi_positive(self) -> Optional[str]:
+        return None if self.ids == "one" else self.ids
 
 
 def option_cases(world: int) -> List[OptionRingCase]:
@@ -50,6 +55,19 @@ def option_cases(world: int) -> List[OptionRingCase]:
         ),
         replace(base, name="ls-one-hardneg-sum", symmetric=False, k_sizes=hard, reduction="sum", label_smoothing=0.3),
         replace(base, name="ls-ids-sym-mean-positives", label_smoothing=0.25, ids="mean"),
+        replace(base, name="ls-ids-sym-sum-positives", label_smoothing=0.35, ids="sum"),
+        replace(base, name="ls-guide-sym-mean", label_smoothing=0.2, guide=True),
+        replace(base, name="ls-guide-ids-sym-sum", label_smoothing=0.3, ids="sum", guide=True),
+        replace(
+            base,
+            name="ls-guide-ids-one-hardneg-none",
+            symmetric=False,
+            k_sizes=hard,
+            reduction="none",
+            label_smoothing=0.25,
+            ids="one",
+            guide=True,
+        ),
         replace(
             base,
             name="ls-ids-one-hardneg-none",
@@ -94,12 +112,30 @@ def case_ids(case: OptionRingCase):
     return q_ids, k_ids
 
 
+def case_guide(case: OptionRingCase):
+    """Global integer-valued guide features (exact scores) of a guide case, each third row's labelled column's
+    copied onto the next column: a tie with its threshold at margin 0 (kept)."""
+    g = ring_cases.global_inputs(case)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"guide/{case.name}/{case.world}".encode()))
+    gq = torch.randint(-2, 3, (g.q.shape[0], 3), generator=gen).double()
+    gk = torch.randint(-2, 3, (g.k.shape[0], 3), generator=gen).double()
+    for i in range(0, g.q.shape[0], 3):
+        gk[(int(g.labels[i]) + 1) % g.k.shape[0]] = gk[g.labels[i]]
+    return gq, gk
+
+
 def _ids_losses(case: OptionRingCase, q, k, labels, params) -> list:
-    q_ids, k_ids = case_ids(case)
-    multi = "mean" if case.ids == "mean" else None
+    q_ids, k_ids = case_ids(case) if case.ids else (None, None)
+    guide = case_guide(case) if case.guide else None
     losses = []
     for s, (scale,) in enumerate(params):
-        rows, cols = masked_truth(q, k, labels, scale, q_ids, k_ids, multi, case.label_smoothing, case.symmetric)
+        multi, eps = case.multi_positive, case.label_smoothing
+        if guide is None:
+            rows, cols = masked_truth(q, k, labels, scale, q_ids, k_ids, multi, eps, case.symmetric)
+        else:
+            rows, cols = kept_truth(
+                q, k, labels, scale, q_ids, k_ids, multi, guide, 0.0, "absolute", eps, case.symmetric
+            )
         qo, ko, nq, nk = case.q_offsets[s], case.k_offsets[s], case.q_sizes[s], case.k_sizes[s]
         local_cols = None if cols is None else cols[ko : ko + nk]
         losses.append(reduce_masked_truth(rows[qo : qo + nq], local_cols, case.reduction))
@@ -107,7 +143,7 @@ def _ids_losses(case: OptionRingCase, q, k, labels, params) -> list:
 
 
 def _local_losses(case: OptionRingCase, q, k, labels, params) -> list:
-    if case.ids:
+    if case.ids or case.guide:
         return _ids_losses(case, q, k, labels, params)
     if case.matryoshka:
         return _prefix_losses(case, q, k, labels, params)
@@ -140,8 +176,15 @@ def _run_case(case: OptionRingCase, backend, rank, group):
         ids = {
             "q_ids": q_ids[qo : qo + case.q_sizes[rank]],
             "k_ids": k_ids[ko : ko + case.k_sizes[rank]],
-            "multi_positive": "mean" if case.ids == "mean" else None,
+            "multi_positive": case.multi_positive,
         }
+    if case.guide:
+        gq, gk = case_guide(case)
+        qo, ko = case.q_offsets[rank], case.k_offsets[rank]
+        ids["guide"] = (
+            gq[qo : qo + case.q_sizes[rank]].to(case.dtype),
+            gk[ko : ko + case.k_sizes[rank]].to(case.dtype),
+        )
     loss = cal_inf_loss(
         q,
         k,

@@ -23,7 +23,7 @@ import torch
 
 from ...contract import Block, Tensor
 from ...lse import MAX, REL, empty_stats, exp_, lse_merge, tile_stats
-from ...masks import POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
+from ...masks import KEPT_COUNT, KEPT_SUM, POS_COUNT, POS_MAX, POS_REL, POS_SUM, empty_masked
 from .walk import Tile, TileSizes, Walk, positives, replace_positives, window_product
 
 
@@ -98,7 +98,8 @@ def _masked_partials(
     dim: int,
     kind: str,
 ) -> None:
-    """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place.
+    """Merge one tile's masked partials along ``dim`` (1: rows, 0: columns) into ``acc`` [6, n] in place
+    ([8, n]: also the kept logits' sum and number, label smoothing's uniform part).
 
     ``kept``: a tile buffer for s with the excluded entries at -inf (with nothing excluded, a copy of s, so
     the stats are the plain loss's bit for bit). ``scratch``: a second tile buffer. No tile is allocated:
@@ -106,6 +107,13 @@ def _masked_partials(
     by ``torch.where`` into the buffers and counted as floats (a bool tile's own sum widens it to int64).
     """
     neg_inf = float("-inf")
+    if acc.shape[0] > KEPT_SUM:  # the same exclusions as the stats' below: kept is what they leave
+        if excluded is None:
+            acc[KEPT_SUM] += s.sum(dim=dim)
+            acc[KEPT_COUNT] += s.shape[dim]
+        else:
+            acc[KEPT_SUM] += torch.where(excluded, s.new_zeros(()), s, out=scratch).sum(dim=dim)
+            acc[KEPT_COUNT] += s.shape[dim] - excluded.sum(dim=dim)
     kept.copy_(s)
     if excluded is not None:
         kept.masked_fill_(excluded, neg_inf)
@@ -169,9 +177,11 @@ def probabilities(
     g: Tensor,
     pos: Optional[_Positives],
     scratch: Tensor,
+    uniform: Optional[Tensor] = None,
 ) -> Tensor:
-    """out = g * (P - Y) for a tile, P = exp((s - m) - r) off the exclusions and 0 on them; ``stats``,
-    ``g`` and ``pos`` are broadcast to the tile (rows: [n, 1]; columns: [1, n]). Y: the one-hot of the row's
+    """out = g * (P - Y) - uniform for a tile, P = exp((s - m) - r) off the exclusions and 0 on them, and
+    the whole entry 0 on them; ``stats``, ``g``, ``pos`` and ``uniform`` (label smoothing's weight on each kept
+    entry, or None) are broadcast to the tile (rows: [n, 1]; columns: [1, n]). Y: the one-hot of the row's
     positive (``pos`` None; without exclusions these are the plain loss's operations), or on the positives
     1/c ("mean") or exp((s - pm) - pr) ("sum").
 
@@ -190,7 +200,8 @@ def probabilities(
             x.masked_fill_(excluded, 0.0)
         x.mul_(g)
         g_pos = g.expand_as(x).gather(1, masks.idx)
-        return replace_positives(x, masks.inside, masks.idx, g_pos * torch.expm1(x_pos))
+        ds = replace_positives(x, masks.inside, masks.idx, g_pos * torch.expm1(x_pos))
+        return ds if uniform is None else _subtract_uniform(ds, uniform, excluded)
     if pos.stats is None:
         at_positives = torch.add(x, pos.count.log(), out=scratch).expm1_().div_(pos.count)
     else:
@@ -199,11 +210,20 @@ def probabilities(
     exp_(x)
     if excluded is not None:
         x.masked_fill_(excluded, 0.0)
-    return torch.where(masks.positive, at_positives, x, out=out).mul_(g)
+    ds = torch.where(masks.positive, at_positives, x, out=out).mul_(g)
+    return ds if uniform is None else _subtract_uniform(ds, uniform, excluded)
+
+
+def _subtract_uniform(ds: Tensor, uniform: Tensor, excluded: Optional[Tensor]) -> Tensor:
+    """ds - uniform on the kept entries, in place (an excluded entry stays 0: no target, no probability)."""
+    ds.sub_(uniform)
+    return ds if excluded is None else ds.masked_fill_(excluded, 0.0)
 
 
 class SoftmaxTiles(TileSizes):
     """The softmax loss's block operations on the torch tiles (contract: :mod:`infcl.contract`)."""
+
+    kept_sums = True  # label smoothing's uniform part over the kept entries, in the masked tiles
 
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         if block.masked:
@@ -245,6 +265,7 @@ class SoftmaxTiles(TileSizes):
                 block.g_row[tile.rows, None],
                 None if single else _row_positives(block, tile),
                 tile.view(col_buf) if symmetric else s,  # the column pass's buffer, or s, read no more
+                None if block.row_uniform is None else block.row_uniform[tile.rows, None],
             )
             dscale[0] += torch.dot(ds.view(-1), raw.view(-1))
             if symmetric:
@@ -257,6 +278,7 @@ class SoftmaxTiles(TileSizes):
                     block.g_col[None, tile.cols],
                     None if single else _col_positives(block, tile),
                     s,  # read no more
+                    None if block.col_uniform is None else block.col_uniform[None, tile.cols],
                 )
                 dscale[1] += torch.dot(pc.view(-1), raw.view(-1))
                 ds.add_(pc)
@@ -272,9 +294,9 @@ class SoftmaxTiles(TileSizes):
 
     def _masked_forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         walk = Walk(block, self.tiles(block.q.device))
-        kind = block.masks.loss_kind
-        rows = empty_masked(walk.q.shape[0], walk.acc, walk.device)
-        cols = empty_masked(walk.k.shape[0], walk.acc, walk.device) if symmetric else None
+        kind, kept_sums = block.masks.loss_kind, block.kept_sums
+        rows = empty_masked(walk.q.shape[0], walk.acc, walk.device, kept_sums)
+        cols = empty_masked(walk.k.shape[0], walk.acc, walk.device, kept_sums) if symmetric else None
         buf, kept_buf, scratch = walk.buffers(3)
         for tile in walk:
             s = torch.mm(tile.qi, tile.kj.T, out=tile.view(buf))

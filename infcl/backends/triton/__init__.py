@@ -1,6 +1,6 @@
 """The Triton backend (``backend="triton"``): the fused kernels of :mod:`infcl.kernels`, a file per loss
-(:mod:`.softmax`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`) on shared options and the one
-float64 rule (:mod:`.options`), put together in :mod:`.backend`.
+(:mod:`.softmax`, :mod:`.matryoshka`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`, :mod:`.maxsim`) on
+shared options and the one float64 rule (:mod:`.options`), put together in :mod:`.backend`.
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 was set
 before the kernels were imported (that is how CI tests it). float64 inputs are computed in float64

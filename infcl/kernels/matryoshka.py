@@ -1,0 +1,488 @@
+"""The softmax loss over Matryoshka prefixes as Triton kernels (``cal_inf_loss(matryoshka=..., backend="triton")``;
+the math: :mod:`infcl.matryoshka`; the ring steps: :mod:`infcl.losses.matryoshka`; the torch tiles' version:
+:mod:`infcl.backends.torch_tiles.matryoshka`; the backend object: :mod:`infcl.backends.triton.matryoshka`).
+
+The prefixes reach the kernels as ``bounds`` [K + 1] (0, m_1, ..., m_K, increasing) and each side's factors
+[K, n] (1 / max(|x[:m_k]|, eps) where prefix k is renormalized, else 1; float32, or float64 for float64 inputs).
+A tile's raw product grows segment by segment: raw^k = raw^(k-1) + q[rows, m_(k-1):m_k] @ k[cols, m_(k-1):m_k].T,
+each segment's product by :func:`infcl.kernels.score_tiles.score_chunks` on the segment's columns (in the q-rows x
+k-rows orientation, over the same chunks in every kernel), so D is walked once per tile for all K prefixes, and
+S^k = scale * ((raw^k * a^k_i) * b^k_j) (one rounded multiply by the scale,
+:func:`~infcl.kernels.score_tiles.masked_scores`): every kernel forms the same bits, and S - m is exact at a
+line's maximum.
+
+- :func:`_matryoshka_forward_kernel`: a program owns BLOCK_M rows (``BY_COLUMN`` False) or BLOCK_N columns
+  (True) and walks the other side's blocks; at each prefix's boundary the tile's stats (rest form,
+  :func:`infcl.kernels.tile_stats.tile_rest_stats`) are merged into that prefix's running stats of the
+  program's lines, which it alone reads and writes ([3, K, n]: max, rest and, by rows, the positive logit).
+- :func:`_matryoshka_backward_kernel`: a program owns (BLOCK_M rows or BLOCK_N columns) x a BLOCK_OUT slice of
+  D and recomputes each tile's prefixes; prefix k's dS^k = g^k (P^k - Y) (rows' and, symmetric, columns'
+  term, :func:`infcl.kernels.tile_stats.softmax_grad`) weighted by a^k_i b^k_j feeds the features of the
+  slice below m_k: grad += (dS^k a^k b^k) @ k[cols, slice ∩ [0, m_k)], so each segment's gradient is the sum
+  over the prefixes that hold it. The slice-0 programs also write, per line and prefix, the sums of
+  dS^k_row * u^k and dS^k_col * u^k (u^k = S^k / scale): the scale's gradient and the renormalization's
+  own term (c^k = scale * their sum; the host applies -a^2 c x[:m_k]). No atomics: each output has one
+  program.
+
+GEMM-equivalents per block (D, dims m_k, slices of BLOCK_OUT = 128 features on tensor cores): forward 1 per
+direction (symmetric: 2; the plain kernel's symmetric forward takes its column stats from the row walk's
+tiles, this one walks the columns too); backward, per walk, one S per slice (ceil(D / BLOCK_OUT)) plus the
+products: in each slice, one BLOCK_OUT-wide product per prefix that reaches it. At D = 768, dims (768, 512,
+256, 128, 64): 6 + 2.33 per walk, 18.7 in all, against 9 for one plain symmetric loss on sm_90 (256-wide
+slices: 1 + 2 x (3 + 1)) and 16.6 for the five prefixes' plain losses one after another: the S recomputed per
+slice dominates. The way down is a backward that builds S once per tile and adds each prefix's product into
+the gradient in memory (as the sigmoid backward does per chunk; 2 + 2 x 3.25 = 8.5 at that shape), not built:
+its read-modify-write traffic wants measuring on a GPU first.
+
+16-bit inputs: the gradient products take float32 operands at "tf32" (10 mantissa bits; float32's exponent
+range), the features exactly. In float16, dS^k a^k b^k can fall below the dtype's range (a mean over a large
+batch times small probabilities and factors); in bfloat16, its 8 bits cost the gradient of a renormalized
+prefix digits: the product's radial part, of the size of the gradient itself, cancels against the
+normalization's term (-a^2 c x), and bfloat16 operands left dq 1.5x further from the truth than torch's own
+bfloat16 formula in tests/test_matryoshka.py.
+"""
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import Tensor
+from .kernel_args import matrix_args
+from .rank import launch_args, program_lines, tile_at
+from .registration import register_op, wrap
+from .score_tiles import (
+    PTX,
+    Dot,
+    Matrix,
+    Tile,
+    dot_operand,
+    load_tile,
+    load_vector,
+    masked_scores,
+    score_chunks,
+    tile_dot,
+)
+from .tile_stats import merge_rest_stats, softmax_grad, tile_rest_stats
+
+# Partials per line and prefix of the forward: the stats (max, rest) and, by rows, the positive logit.
+FORWARD_ROWS = 3
+# Partials per line and prefix of the backward's slice-0 programs: sum dS_row * u and sum dS_col * u.
+SUM_ROWS = 2
+
+
+class PrefixArgs(NamedTuple):
+    """The prefixes as a kernel reads them: ``bounds_ptr`` [K + 1] int32 (0, m_1, ..., m_K), their count K and
+    each side's factors [K, n] (rows ``stride_qf`` / ``stride_kf`` apart, each contiguous)."""
+
+    bounds_ptr: Any
+    count: Any
+    q_factor_ptr: Any
+    k_factor_ptr: Any
+    stride_qf: Any
+    stride_kf: Any
+
+
+class Operands(NamedTuple):
+    """A Matryoshka kernel's operands: q and k (:class:`Matrix` each), the prefixes (:class:`PrefixArgs`), the
+    scale (a 0-d tensor, read in the kernel) and each row's positive column in the block (-1: none)."""
+
+    q: Any
+    k: Any
+    prefixes: Any
+    scale_ptr: Any
+    pos_ptr: Any
+
+
+@triton.jit
+def _grown(q, k, rows, cols, lo, hi, raw, tile, dot):
+    """raw + q[rows, lo:hi] @ k[cols, lo:hi].T: the tile's raw product grown by the segment [lo, hi)
+    (:func:`~infcl.kernels.score_tiles.score_chunks` on the segment's columns, features past hi read 0,
+    continuing ``raw`` in the products' own accumulator)."""
+    return score_chunks(
+        Matrix(q.ptr + lo.to(tl.int64) * q.stride_c, q.n, hi - lo, q.stride_r, q.stride_c),
+        Matrix(k.ptr + lo.to(tl.int64) * k.stride_c, k.n, hi - lo, k.stride_r, k.stride_c),
+        rows,
+        cols,
+        tile,
+        dot,
+        raw=raw,
+    )
+
+
+@triton.jit
+def _prefix_scores(raw, ops, p, rows, cols, scale):
+    """(u, s, a, b) of prefix ``p`` on the tile: its factors a (rows) and b (columns), u = (raw * a) * b and
+    s = scale * u, -inf outside the block. Every kernel forms S^p here."""
+    prefixes = ops.prefixes
+    a = load_vector(prefixes.q_factor_ptr + p * prefixes.stride_qf, rows, ops.q.n, 1, 1.0, True)
+    b = load_vector(prefixes.k_factor_ptr + p * prefixes.stride_kf, cols, ops.k.n, 1, 1.0, True)
+    u = raw * a[:, None] * b[None, :]
+    return u, masked_scores(u, scale, rows, cols, ops.q.n, ops.k.n, True, True), a, b
+
+
+@triton.jit
+def _matryoshka_forward_kernel(
+    q_ptr,
+    k_ptr,
+    scale_ptr,
+    pos_ptr,
+    bounds_ptr,
+    q_factor_ptr,
+    k_factor_ptr,
+    out_ptr,
+    n_q,
+    n_k,
+    D,
+    K,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_qf,
+    stride_kf,
+    BY_COLUMN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    _forward_lines(
+        Operands(
+            Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+            Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
+            PrefixArgs(bounds_ptr, K, q_factor_ptr, k_factor_ptr, stride_qf, stride_kf),
+            scale_ptr,
+            pos_ptr,
+        ),
+        out_ptr,
+        Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+        Dot(ACC, UPCAST, PRECISION),
+        BY_COLUMN,
+    )
+
+
+@triton.jit
+def _forward_lines(ops, out_ptr, tile, dot, BY_COLUMN: tl.constexpr):
+    """The forward program's lines (rows, or BY_COLUMN columns): every prefix's stats (and, by rows, positive
+    logit), merged tile by tile into ``out_ptr`` [3, K, n] (max, rest, positive; from the empty set's
+    (-inf, -1, 0)), which this program alone reads and writes."""
+    BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
+    AXIS: tl.constexpr = 0 if BY_COLUMN else 1  # the tile's axis along a line
+    n_q = ops.q.n
+    n_k = ops.k.n
+    count = ops.prefixes.count
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    ok = lines < n_lines
+    scale = tl.load(ops.scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
+    if BY_COLUMN:
+        pos = lines  # unused: the columns' positives are the rows' (the host scatters them)
+    else:
+        pos = load_vector(ops.pos_ptr, lines, n_q, 1, -1, True)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=dot.ACC)
+        hi = tl.load(ops.prefixes.bounds_ptr)
+        for p in range(count):
+            lo = hi
+            hi = tl.load(ops.prefixes.bounds_ptr + p + 1)
+            raw = _grown(ops.q, ops.k, rows, cols, lo, hi, raw, tile, dot)
+            _, s, _, _ = _prefix_scores(raw, ops, p, rows, cols, scale)
+            tile_max, tile_rest = tile_rest_stats(s, AXIS)
+            at = out_ptr + p * n_lines.to(tl.int64) + lines  # [3, K, n]: stat rows K * n apart
+            run_max = tl.load(at, mask=ok, other=float("-inf"))
+            run_rest = tl.load(at + count * n_lines, mask=ok, other=-1.0)
+            run_max, run_rest = merge_rest_stats(run_max, run_rest, tile_max, tile_rest)
+            tl.store(at, run_max, mask=ok)
+            tl.store(at + count * n_lines, run_rest, mask=ok)
+            if not BY_COLUMN:
+                hit = tl.sum(tl.where(cols[None, :] == pos[:, None], s, 0.0), axis=1)
+                at_pos = at + 2 * count * n_lines
+                tl.store(at_pos, tl.load(at_pos, mask=ok, other=0.0) + hit, mask=ok)
+
+
+@triton.jit
+def _prefix_grad(s, stats_ptr, g_ptr, idx, n, p, count, is_pos, ROWS: tl.constexpr):
+    """g^p (P^p - Y) over the tile along rows (ROWS: each row's stats) or columns, from the lines' global
+    (m, r) of prefix ``p`` at stats_ptr [2, K, n] and their upstream gradients g_ptr [K, n]; 0 past n."""
+    at = p * n.to(tl.int64)
+    m = load_vector(stats_ptr + at, idx, n, 1, 0.0, True)
+    r = load_vector(stats_ptr + count * n + at, idx, n, 1, 0.0, True)
+    g = load_vector(g_ptr + at, idx, n, 1, 0.0, True)
+    if ROWS:
+        ds = softmax_grad(s, m[:, None], r[:, None], g[:, None], is_pos, True)
+    else:
+        ds = softmax_grad(s, m[None, :], r[None, :], g[None, :], is_pos, True)
+    return ds
+
+
+@triton.jit
+def _matryoshka_backward_kernel(
+    q_ptr,
+    k_ptr,
+    scale_ptr,
+    pos_ptr,
+    bounds_ptr,
+    q_factor_ptr,
+    k_factor_ptr,
+    row_stats_ptr,
+    g_row_ptr,
+    col_stats_ptr,
+    g_col_ptr,
+    grad_ptr,
+    sums_ptr,
+    n_q,
+    n_k,
+    D,
+    K,
+    stride_q0,
+    stride_q1,
+    stride_k0,
+    stride_k1,
+    stride_qf,
+    stride_kf,
+    stride_grad0,
+    stride_grad1,
+    BY_COLUMN: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    ACC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # 16-bit inputs: the gradient products take float32 operands at tf32 (module docstring); under the interpreter
+    # at "ieee", which it computes in float32 anyway.
+    GRAD_F32: tl.constexpr = q_ptr.dtype.element_ty.primitive_bitwidth == 16
+    GRAD_PRECISION: tl.constexpr = ("tf32" if PTX else "ieee") if GRAD_F32 else PRECISION
+    _backward_lines(
+        Operands(
+            Matrix(q_ptr, n_q, D, stride_q0, stride_q1),
+            Matrix(k_ptr, n_k, D, stride_k0, stride_k1),
+            PrefixArgs(bounds_ptr, K, q_factor_ptr, k_factor_ptr, stride_qf, stride_kf),
+            scale_ptr,
+            pos_ptr,
+        ),
+        (row_stats_ptr, g_row_ptr, col_stats_ptr, g_col_ptr),
+        Matrix(grad_ptr, n_q if not BY_COLUMN else n_k, D, stride_grad0, stride_grad1),
+        sums_ptr,
+        Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
+        Dot(ACC, UPCAST, PRECISION),
+        Dot(tl.float32 if GRAD_F32 else q_ptr.dtype.element_ty, UPCAST, GRAD_PRECISION),
+        BY_COLUMN,
+        SYMMETRIC,
+        BLOCK_OUT,
+    )
+
+
+@triton.jit
+def _backward_lines(
+    ops,
+    upstream,
+    grad_out,
+    sums_ptr,
+    tile,
+    dot,
+    grad_dot,
+    BY_COLUMN: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+):
+    """The backward program's lines (rows, or BY_COLUMN columns) and feature slice: their gradient slice (added
+    to ``grad_out``) and, from the slice-0 programs, the sums per prefix and line of dS_row * u and dS_col * u
+    (``sums_ptr`` [2, K, n], from 0). ``upstream``: (row_stats [2, K, Bq], g_row [K, Bq], col_stats, g_col);
+    ``grad_dot``: the gradient products' operand dtype (its ACC: float32 for float16 inputs) and precision."""
+    GRAD_F32: tl.constexpr = grad_dot.ACC != ops.q.ptr.dtype.element_ty
+    BLOCK_M: tl.constexpr = tile.BLOCK_M
+    BLOCK_N: tl.constexpr = tile.BLOCK_N
+    AXIS: tl.constexpr = 0 if BY_COLUMN else 1  # the tile's axis along a line
+    n_q = ops.q.n
+    n_k = ops.k.n
+    count = ops.prefixes.count
+    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
+    ok = lines < n_lines
+    f0 = tl.program_id(1) * BLOCK_OUT
+    feats = f0 + tl.arange(0, BLOCK_OUT)
+    # Every slice recomputes the same dS: the first writes the sums of its lines.
+    write_sums = ok & (tl.zeros(lines.shape, tl.int32) + tl.program_id(1) == 0)
+    scale = tl.load(ops.scale_ptr)
+    grad = tl.zeros([lines.shape[0], BLOCK_OUT], dot.ACC)
+    if BY_COLUMN:
+        pos = lines  # unused: the tile's rows' positives are loaded per tile
+    else:
+        pos = load_vector(ops.pos_ptr, lines, n_q, 1, -1, True)
+    for o0 in range(0, n_other, step):
+        rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
+        if BY_COLUMN:
+            is_pos = cols[None, :] == load_vector(ops.pos_ptr, rows, n_q, 1, -1, True)[:, None]
+        else:
+            is_pos = cols[None, :] == pos[:, None]
+        raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=dot.ACC)
+        hi = tl.load(ops.prefixes.bounds_ptr)
+        for p in range(count):
+            lo = hi
+            hi = tl.load(ops.prefixes.bounds_ptr + p + 1)
+            raw = _grown(ops.q, ops.k, rows, cols, lo, hi, raw, tile, dot)
+            u, s, a, b = _prefix_scores(raw, ops, p, rows, cols, scale)
+            ds = _prefix_grad(s, upstream[0], upstream[1], rows, n_q, p, count, is_pos, True)
+            at = sums_ptr + p * n_lines.to(tl.int64) + lines  # [2, K, n]: rows K * n apart
+            part = tl.sum(ds * u, axis=AXIS)
+            tl.store(at, tl.load(at, mask=write_sums, other=0.0) + part, mask=write_sums)
+            if SYMMETRIC:
+                ds_col = _prefix_grad(s, upstream[2], upstream[3], cols, n_k, p, count, is_pos, False)
+                at = at + count * n_lines
+                part = tl.sum(ds_col * u, axis=AXIS)
+                tl.store(at, tl.load(at, mask=write_sums, other=0.0) + part, mask=write_sums)
+                ds = ds + ds_col
+            if hi > f0:  # prefix p holds features of this slice: those below hi
+                operand = dot_operand(ds * a[:, None] * b[None, :], grad_dot.ACC, grad_dot.PRECISION)
+                if BY_COLUMN:
+                    other = load_tile(
+                        Matrix(ops.q.ptr, n_q, hi, ops.q.stride_r, ops.q.stride_c), rows, feats, True, True
+                    )
+                    operand = tl.trans(operand)
+                else:
+                    other = load_tile(
+                        Matrix(ops.k.ptr, n_k, hi, ops.k.stride_r, ops.k.stride_c), cols, feats, True, True
+                    )
+                if GRAD_F32:
+                    other = other.to(tl.float32)
+                grad = tile_dot(operand, other, grad, grad_dot.UPCAST, grad_dot.PRECISION)
+    D = ops.q.d
+    mask = ok[:, None] & (feats[None, :] < D)
+    ptrs = grad_out.ptr + lines[:, None] * grad_out.stride_r + feats[None, :].to(tl.int64) * grad_out.stride_c
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + scale * grad, mask=mask)
+
+
+# ---- launchers ----------------------------------------------------------------------------------
+
+
+def _launch_args(q: Tensor, k: Tensor, scale: Tensor, bounds: Tensor, q_factors: Tensor, k_factors: Tensor, precision):
+    """The rank kernels' arguments (:func:`infcl.kernels.rank.launch_args`: q, k, the S tile of
+    :func:`infcl.kernels.tiling.matryoshka_tiling`, tl.dot's precision) plus the scale, the prefixes and their
+    factors; the tiling and the accumulation dtype."""
+    args, tiling = launch_args(q, k, precision, "matryoshka")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_factors, k_factors = (f.to(acc).contiguous() for f in (q_factors, k_factors))
+    args.update(
+        scale_ptr=scale.to(acc),
+        bounds_ptr=bounds.to(torch.int32),
+        q_factor_ptr=q_factors,
+        k_factor_ptr=k_factors,
+        K=bounds.shape[0] - 1,
+        stride_qf=q_factors.stride(0),
+        stride_kf=k_factors.stride(0),
+    )
+    return args, tiling, acc
+
+
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bounds: Tensor,
+    q_factors: Tensor,
+    k_factors: Tensor,
+    symmetric: bool,
+    precision: str,
+) -> Tuple[Tensor, Tensor]:
+    args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None)
+    count = args["K"]
+    out = []
+    for by_column, n, block_size in (
+        (False, args["n_q"], tiling.forward.block_m),
+        (True, args["n_k"], tiling.forward.block_n),
+    )[: 2 if symmetric else 1]:
+        parts = torch.zeros(FORWARD_ROWS, count, n, dtype=acc, device=q.device)
+        parts[0].fill_(float("-inf"))
+        parts[1].fill_(-1.0)  # rest = -1: the empty set
+        wrap(_matryoshka_forward_kernel)[(triton.cdiv(n, block_size),)](
+            pos_ptr=pos, out_ptr=parts, BY_COLUMN=by_column, **args
+        )
+        parts[1].log1p_()  # rest -> r = log1p(rest), the contract's form
+        out.append(parts)
+    if not symmetric:
+        out.append(torch.empty(FORWARD_ROWS, count, 0, dtype=acc, device=q.device))
+    return out[0], out[1]
+
+
+def _forward_fake(q, k, scale, pos, bounds, q_factors, k_factors, symmetric, precision):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    count = bounds.shape[0] - 1
+    return (
+        q.new_empty(FORWARD_ROWS, count, q.shape[0], dtype=acc),
+        q.new_empty(FORWARD_ROWS, count, k.shape[0] if symmetric else 0, dtype=acc),
+    )
+
+
+def _backward(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bounds: Tensor,
+    q_factors: Tensor,
+    k_factors: Tensor,
+    row_stats: Tensor,
+    g_row: Tensor,
+    col_stats: Optional[Tensor],
+    g_col: Optional[Tensor],
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
+) -> Tuple[Tensor, Tensor]:
+    args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None)
+    cfg, dim, count = tiling.dq, args["D"], args["K"]
+    block_out = tiling.block_out(cfg, dim)
+    symmetric = col_stats is not None
+    row_stats = row_stats.to(acc).contiguous()
+    g_row = g_row.to(acc).contiguous()
+    col_stats = col_stats.to(acc).contiguous() if symmetric else row_stats
+    g_col = g_col.to(acc).contiguous() if symmetric else g_row
+    sums = []
+    # dq from the row walk, dk from the column walk (one direction: of the rows' term alone)
+    for by_column, grad, n, block_size in (
+        (False, dq, args["n_q"], cfg.block_m),
+        (True, dk, args["n_k"], cfg.block_n),
+    ):
+        part = torch.zeros(SUM_ROWS, count, n, dtype=acc, device=q.device)
+        wrap(_matryoshka_backward_kernel)[(triton.cdiv(n, block_size), triton.cdiv(dim, block_out))](
+            pos_ptr=pos,
+            row_stats_ptr=row_stats,
+            g_row_ptr=g_row,
+            col_stats_ptr=col_stats,
+            g_col_ptr=g_col,
+            sums_ptr=part,
+            **matrix_args("grad", grad),
+            BY_COLUMN=by_column,
+            SYMMETRIC=symmetric,
+            BLOCK_OUT=block_out,
+            **args,
+        )
+        sums.append(part)
+    return sums[0], sums[1]
+
+
+def _backward_fake(
+    q, k, scale, pos, bounds, q_factors, k_factors, row_stats, g_row, col_stats, g_col, dq, dk, precision
+):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    count = bounds.shape[0] - 1
+    return q.new_empty(SUM_ROWS, count, q.shape[0], dtype=acc), q.new_empty(SUM_ROWS, count, k.shape[0], dtype=acc)
+
+
+# The block steps as custom ops (:func:`.registration.register_op`), the scale a 0-d tensor (no host sync) and
+# ``precision`` a string ("" for None): torch.ops.infcl.triton_matryoshka_forward_block(q, k, scale, pos, bounds
+# [K + 1], q_factors [K, Bq], k_factors [K, Bk], symmetric, precision) -> (rows [3, K, Bq] (m, r, positive
+# logit), cols [3, K, Bk] (m, r, 0) or [3, K, 0]); torch.ops.infcl.triton_matryoshka_backward_block(..., row_stats
+# [2, K, Bq], g_row [K, Bq], col_stats, g_col (None: one direction), dq!, dk!, precision) -> (row sums [2, K, Bq],
+# column sums [2, K, Bk]) of dS_row * u and dS_col * u (the scale's gradient and the renormalization's term).
+forward_op = register_op("triton_matryoshka_forward_block", _forward, _forward_fake)
+backward_op = register_op("triton_matryoshka_backward_block", _backward, _backward_fake, ("dq", "dk"))
