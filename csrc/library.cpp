@@ -20,6 +20,13 @@ TORCH_LIBRARY(infcl, m) {
       "Tensor? guide_k, Tensor? row_threshold, Tensor? col_threshold, Tensor? row_pos_count, "
       "Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
   m.def("guide_label_scores(Tensor guide_q, Tensor guide_k, Tensor pos) -> Tensor");
+  // every Matryoshka prefix's softmax loss in one pass: softmax_ops.cpp (kernels: matryoshka_*.cpp)
+  m.def(
+      "matryoshka_forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool symmetric, int[] dims, "
+      "bool[] renormalize) -> (Tensor, Tensor)");
+  m.def(
+      "matryoshka_backward_block(Tensor q, Tensor k, float scale, Tensor pos, int[] dims, bool[] renormalize, "
+      "Tensor row_stats, Tensor g_row, Tensor? col_stats, Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
   // the sigmoid (SigLIP) loss: infcl_siglip.cpp
   // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias; the ids (the positives
   // in place of pos) last, optional.

@@ -103,6 +103,18 @@ struct Types<at::BFloat16> {
   using ds = at::BFloat16;
 };
 
+// A block as a kernel's threads read it: q [bq, d] and k [bk, d] (contiguous), the row tiles, the scale, and
+// each row's positive column in the block (-1: in another block).
+template <typename In, typename Acc>
+struct BlockOperands {
+  const In* q;
+  const In* k;
+  int64_t bq, bk, d;
+  RowTiles tiles;
+  Acc scale;
+  const int64_t* pos;
+};
+
 // raw = q_i @ k_j.T, the tile product, by one route in both passes: the same ReusedB (packing
 // decision, tile shapes, alpha = 1) for the same tiles, or for bfloat16 on the Brgemm route (brgemm set)
 // common.h's BrgemmKeyTile, so the backward's raw is the forward's bit for bit. set_keys() once per key

@@ -23,12 +23,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "matryoshka.h"
 #include "softmax.h"
 
 namespace infcl {
@@ -245,6 +247,99 @@ at::Tensor masked_backward_block(
   return run_backward(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, &masks->args, row_pos, col_pos);
 }
 
+// The Matryoshka ops' prefixes: dims increasing in [1, d], one renormalize flag each.
+Prefixes prefixes_arg(at::IntArrayRef dims, const c10::List<bool>& renormalize, int64_t d) {
+  TORCH_CHECK(!dims.empty() && dims.size() == renormalize.size(), "infcl native: matryoshka needs one renormalize ",
+              "flag per dim and at least one dim, got dims ", dims, " and ", renormalize.size(), " flags");
+  Prefixes p;
+  for (size_t k = 0; k < dims.size(); ++k) {
+    TORCH_CHECK(dims[k] > (k ? dims[k - 1] : 0) && dims[k] <= d, "infcl native: matryoshka dims must increase ",
+                "within [1, ", d, "], got ", dims);
+    p.dims.push_back(dims[k]);
+    p.renormalize.push_back(renormalize.get(k));
+  }
+  return p;
+}
+
+// x's per-prefix factors ([2, K, n], matryoshka.h): each row's norms from running sums of squares over the
+// segments, in double, rounded once into x's dtype.
+template <typename T>
+at::Tensor prefix_factors(const at::Tensor& x, const Prefixes& p) {
+  const int64_t n = x.size(0), d = x.size(1), count = p.count();
+  at::Tensor out = at::empty({FACTOR_ROWS, count, n}, x.options());
+  const T* data = x.data_ptr<T>();
+  T* a = out.data_ptr<T>();
+  T* weight = a + count * n;
+  at::parallel_for(0, n, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      double squares = 0.0;
+      for (int64_t k = 0; k < count; ++k) {
+        const T* seg = data + i * d + p.begin(k);
+        double part = 0.0;
+#pragma omp simd reduction(+ : part)
+        for (int64_t e = 0; e < p.width(k); ++e) part += static_cast<double>(seg[e]) * seg[e];
+        squares += part;
+        const double norm = std::sqrt(squares);
+        const bool clamped = !(norm >= NORM_EPS);  // a NaN norm is not clamped: NaN in, NaN out
+        const T factor = static_cast<T>(1.0 / (clamped ? NORM_EPS : norm));
+        a[k * n + i] = p.renormalize[k] ? factor : T(1);
+        weight[k * n + i] = p.renormalize[k] && !clamped ? factor * factor : T(0);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor factors_of(const at::Tensor& x, const Prefixes& p) {
+  return x.scalar_type() == at::kDouble ? prefix_factors<double>(x, p) : prefix_factors<float>(x, p);
+}
+
+// matryoshka_forward_block(q, k, scale, pos, symmetric, dims, renormalize) -> (rows [3, K, Bq], cols [2, K, Bk]
+// or [2, K, 0]): every prefix's stats and positive logit, as forward_block's per prefix. float16 and
+// bfloat16 run on exact float32 copies.
+std::tuple<at::Tensor, at::Tensor> matryoshka_forward_block(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                            double scale, const at::Tensor& pos_in, bool symmetric,
+                                                            at::IntArrayRef dims, c10::List<bool> renormalize) {
+  check_features(q_in, k_in);
+  const Prefixes p = prefixes_arg(dims, renormalize, q_in.size(1));
+  at::Tensor q = prepared(q_in, Bf16Gemm::None), k = prepared(k_in, Bf16Gemm::None);
+  at::Tensor pos = positions(pos_in, q.size(0), k.size(0));
+  const int64_t count = p.count();
+  at::Tensor rows = at::empty({count, 3, q.size(0)}, q.options());
+  at::Tensor cols = at::empty({count, 2, symmetric ? k.size(0) : 0}, q.options());
+  matryoshka_forward(q, k, scale, pos, symmetric, p, factors_of(q, p), factors_of(k, p), rows, cols);
+  return {rows.transpose(0, 1).contiguous(), cols.transpose(0, 1).contiguous()};
+}
+
+// matryoshka_backward_block(q, k, scale, pos, dims, renormalize, row_stats [2, K, Bq], g_row [K, Bq],
+// col_stats? [2, K, Bk], g_col? [K, Bk], dq!, dk!) -> dscale [2]: backward_block's, summed over the prefixes.
+at::Tensor matryoshka_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                     const at::Tensor& pos_in, at::IntArrayRef dims, c10::List<bool> renormalize,
+                                     const at::Tensor& row_stats, const at::Tensor& g_row,
+                                     const std::optional<at::Tensor>& col_stats,
+                                     const std::optional<at::Tensor>& g_col, at::Tensor& dq, at::Tensor& dk) {
+  check_features(q_in, k_in);
+  const Prefixes p = prefixes_arg(dims, renormalize, q_in.size(1));
+  const auto acc = accumulation_type(q_in.scalar_type());
+  const int64_t bq = q_in.size(0), bk = k_in.size(0), count = p.count();
+  TORCH_CHECK(col_stats.has_value() == g_col.has_value(), "infcl native: col_stats and g_col go together");
+  ContiguousGrads grads(dq, dk, q_in, k_in, acc, "infcl native");
+  at::Tensor q = prepared(q_in, Bf16Gemm::None), k = prepared(k_in, Bf16Gemm::None);
+  at::Tensor pos = positions(pos_in, bq, bk);
+  at::Tensor rs = stats_arg(row_stats, {2, count, bq}, acc, "row_stats");
+  at::Tensor gr = stats_arg(g_row, {count, bq}, acc, "g_row");
+  at::Tensor cs, gc;
+  if (col_stats.has_value()) {
+    cs = stats_arg(*col_stats, {2, count, bk}, acc, "col_stats");
+    gc = stats_arg(*g_col, {count, bk}, acc, "g_col");
+  }
+  at::Tensor dscale = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
+  matryoshka_backward(q, k, scale, pos, p, factors_of(q, p), factors_of(k, p), rs, gr, cs, gc, grads.dq, grads.dk,
+                      dscale);
+  grads.write_back();
+  return dscale.to(acc);
+}
+
 // G[i, pos[i]] (0 where pos[i] < 0), each read off the very guide tile TileMasks forms for row i's tile
 // and pos[i]'s key tile (the same RowTiles grid, TILE_K key tiles and RawTiles route), so that a guide
 // threshold and the scores compared with it come from the same arithmetic: a column duplicating the
@@ -305,7 +400,9 @@ TORCH_LIBRARY_IMPL(infcl, CPU, m) {
       .impl("backward_block", &backward_block)
       .impl("masked_forward_block", &masked_forward_block)
       .impl("masked_backward_block", &masked_backward_block)
-      .impl("guide_label_scores", &guide_label_scores);
+      .impl("guide_label_scores", &guide_label_scores)
+      .impl("matryoshka_forward_block", &matryoshka_forward_block)
+      .impl("matryoshka_backward_block", &matryoshka_backward_block);
 }
 
 }  // namespace softmax

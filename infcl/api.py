@@ -87,7 +87,8 @@ def cal_inf_loss(
             prefix dims (weights 1, renormalized): the loss becomes sum_k w_k * loss(S^k), S^k the logits of
             the features' first m_k columns (each prefix divided by its norm where renormalized, as
             sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
-            backward on the "torch" tiles and "triton" (:mod:`infcl.matryoshka`); the other backends run their block
+            backward on the native kernel ("cpu", and "auto" on CPU tensors), the "torch" tiles and "triton"
+            (:mod:`infcl.matryoshka`); the other backends run their block
             operations once per prefix in each ring step, and with the mask options or label smoothing every
             backend runs one call per prefix. Dims: distinct integers in [1, D],
             any order; the guide features are never truncated.
@@ -198,9 +199,9 @@ def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
 def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, options, return_stats):
     """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given.
 
-    The plain loss: :class:`MatryoshkaLossFunction` (one fused pass on the torch tiles and Triton; the other
-    backends' block operations once per prefix inside each ring step). With mask options or label smoothing: one
-    call per prefix on the prefix's features."""
+    The plain loss: :class:`MatryoshkaLossFunction` (one fused pass on the native kernel, the torch tiles and
+    Triton; the other backends' block operations once per prefix inside each ring step). With mask options or
+    label smoothing: one call per prefix on the prefix's features."""
     symmetric, layout, masks, eps, name, block_backend, reduction = options
     if masks is None and not eps and name != "reference":
         plan = LossPlan(block_backend, symmetric, layout, prefixes=prefixes)

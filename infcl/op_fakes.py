@@ -26,6 +26,14 @@ def stats_fake(rows: int, cols: int, symmetric_at: int = 4) -> Callable:
     return fake
 
 
+def prefix_stats_fake(q: Tensor, k: Tensor, scale, pos, symmetric: bool, dims, *_):
+    """The native Matryoshka forward's fake (schema: q, k, scale, pos, symmetric, dims, renormalize): every prefix's
+    row partials [3, K, Bq] (max, log-sum, positive) and column stats [2, K, Bk] ([2, K, 0] unless symmetric)."""
+    acc, count = accum_dtype(q.dtype), len(dims)
+    n_cols = k.shape[0] if symmetric else 0
+    return q.new_empty(3, count, q.shape[0], dtype=acc), q.new_empty(2, count, n_cols, dtype=acc)
+
+
 def dscale_fake(q: Tensor, *_) -> Tensor:
     """Every backward step's fake: the scale's (and bias') gradient [2] in the accumulation dtype (dq and dk are
     updated in place)."""

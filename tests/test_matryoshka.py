@@ -2,7 +2,9 @@
 materialized logits (the prefix ``F.normalize``d where renormalized), built here without infcl: loss and the
 gradients of q, k and the scale, one direction and symmetric, hard negatives, custom labels, reductions,
 non-unit and negative upstream gradients, dims in any order (not multiples of anything), mixed renormalize
-flags; the stats per dim; bad dims raise. The ring: tests/test_options_ring.py.
+flags, a one-wide renormalized prefix (its gradient exactly 0; not yet on the Triton fused kernels), shapes
+past one tile, bfloat16 inputs; the
+stats per dim; bad dims raise; the native ops' schemas (opcheck). The ring: tests/test_options_ring.py.
 """
 
 import pytest
@@ -26,11 +28,11 @@ from helpers.support import (
 from infcl import InfCLIPLoss, Matryoshka, cal_inf_loss
 from infcl.backends.torch_tiles import TorchTilesBackend
 
-# The torch tiles hold the fused pass; the other backends run one pass per prefix (infcl.api).
+# The native kernel ("cpu") and the torch tiles hold the fused pass; the others run one pass per prefix (infcl.api).
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 # (Bq, Bk, D, labels, symmetric, dims, renormalize)
 CASES = (
-    (7, 7, 9, "perm", True, (9, 4, 1), (True, True, False)),  # a one-wide unit prefix has gradient 0: docs
+    (7, 7, 9, "perm", True, (9, 4, 1), (True, True, False)),  # one-wide renormalized: test_one_wide_renormalized
     (7, 13, 9, "random", False, (3, 9), (False, True)),  # hard negatives
     (33, 33, 40, "diag", True, (17, 40, 5, 32), (True, False, True, False)),
     (20, 45, 23, "random", False, (23, 11), False),
@@ -96,6 +98,33 @@ def test_matches_per_prefix_cross_entropy(
         assert_close_verbose(a, b, atol, rtol, f"{backend} {dims} {what}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_wide_renormalized_prefix(backend):
+    """A one-wide renormalized prefix is scale * sign(q_0) * sign(k_0): its features' gradient is exactly 0, as
+    F.normalize's backward gives it. The fused passes (native, torch tiles) leave it out of the gradient instead
+    of cancelling two equal sums of size |g| / |x_0| (which left ~7e-5 relative); alone, it gives exact zeros."""
+    bq, bk, d, label_kind, symmetric, dims, _ = CASES[0]
+    q, k, labels = features_and_labels(bq, bk, d, label_kind, torch.float32)
+    q = q * torch.linspace(0.5, 2.0, d)
+    scale, g, weights = torch.tensor(9.0), torch.tensor(-1.3), (0.25, 0.75, 1.25)
+    spec = Matryoshka(dims, weights, True)
+    opts = dict(symmetric=symmetric, backend=_backend(backend), matryoshka=spec)
+    got = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **opts))
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        g.double(),
+        lambda a, b, s: truth_losses(a, b, labels, s, symmetric, dims, weights, True).mean(),
+    )
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, *TOLERANCE[torch.float32], f"{backend} {what}")
+    if backend in ("cpu", "torch", "torch-small-tiles"):
+        alone = dict(opts, matryoshka=Matryoshka((1,), renormalize=True))
+        _, dq, dk, _ = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **alone))
+        assert not dq.any() and not dk.any(), f"{backend}: the one-wide prefix's gradient is not exactly 0"
+
+
 @pytest.mark.parametrize("backend", BACKENDS[:-1])
 def test_stats_per_dim_in_the_order_given(backend):
     q, k, labels = features_and_labels(17, 17, 12, "perm", torch.float32, seed=2)
@@ -135,12 +164,14 @@ def test_one_full_unnormalized_prefix_is_the_plain_loss():
         assert_close_verbose(a, b, 1e-12, 1e-12, "one prefix")
 
 
-def test_nan_in_nan_out():
+@pytest.mark.parametrize("backend", tiled_backends())
+@pytest.mark.parametrize("renormalize", (False, True))
+def test_nan_in_nan_out(backend, renormalize):
     q, k, labels = features_and_labels(9, 9, 6, "perm", torch.float32)
     q = q.clone()
     q[2, 5] = float("nan")  # outside the 3-wide prefix: only the 6-wide prefix's row 2 is NaN
     per = cal_inf_loss(
-        q, k, labels, 5.0, reduction="none", backend="torch", matryoshka=Matryoshka((3, 6), renormalize=False)
+        q, k, labels, 5.0, reduction="none", backend=backend, matryoshka=Matryoshka((3, 6), renormalize=renormalize)
     )
     assert torch.isnan(per[2]) and not torch.isnan(per[torch.arange(9) != 2]).any()
 
@@ -404,3 +435,77 @@ def test_triton_fused_strided_inputs():
     )
     for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
         assert_close_verbose(a, b, *TOLERANCE[torch.float32], f"strided {what}")
+
+
+# Past one tile of each side: 600 rows make 7 row tiles of 96 (the last ragged) and 3 key tiles of the native
+# kernel's 256 (several column groups forward, two lanes backward on two threads), 2 key tiles of the torch tiles.
+# Seventeen prefixes cap the native symmetric forward's column groups at 64 // 17 = 3, fewer than the row tiles.
+PAST_ONE_TILE = (
+    ((70, 33, 1, 9), (True, False, True, True)),
+    (tuple(range(70, 5, -4)), True),
+)
+
+
+@pytest.mark.parametrize("backend", tiled_backends())
+@pytest.mark.parametrize("symmetric", (False, True), ids=("one-way", "symmetric"))
+@pytest.mark.parametrize("dims,renormalize", PAST_ONE_TILE, ids=("4-dims", "17-dims"))
+def test_past_one_tile(backend, symmetric, dims, renormalize):
+    bq, bk, d = 600, 600, 70
+    q, k, labels = features_and_labels(bq, bk, d, "perm", torch.float64, seed=8)
+    q = q * torch.linspace(0.5, 2.0, d, dtype=torch.float64)
+    scale, weights = torch.tensor(11.0, dtype=torch.float64), tuple(0.25 + 0.125 * i for i in range(len(dims)))
+    g = torch.randn(bq, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    spec = Matryoshka(dims, weights, renormalize)
+    got = _grads(
+        q,
+        k,
+        scale,
+        g,
+        lambda a, b, s: cal_inf_loss(
+            a, b, labels, s, symmetric=symmetric, reduction="none", backend=backend, matryoshka=spec
+        ),
+    )
+    want = _grads(q, k, scale, g, lambda a, b, s: truth_losses(a, b, labels, s, symmetric, dims, weights, renormalize))
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, 1e-10, 1e-10, f"{backend} {what}")
+
+
+@pytest.mark.parametrize("backend", tiled_backends())
+def test_bfloat16_inputs(backend):
+    # bfloat16 features are exact in float32, which the fused passes accumulate in: the truth is their float64.
+    q, k, labels = features_and_labels(40, 40, 24, "perm", torch.bfloat16, seed=10)
+    spec, scale = Matryoshka((24, 8, 16), (1.0, 0.5, 0.5)), torch.tensor(10.0)
+    got = _grads(
+        q,
+        k,
+        scale,
+        torch.tensor(1.0),
+        lambda a, b, s: cal_inf_loss(a, b, labels, s, symmetric=True, backend=backend, matryoshka=spec),
+    )
+    want = _grads(
+        q.double(),
+        k.double(),
+        scale.double(),
+        torch.tensor(1.0, dtype=torch.float64),
+        lambda a, b, s: truth_losses(a, b, labels, s, True, (24, 8, 16), (1.0, 0.5, 0.5), True).mean(),
+    )
+    assert got[1].dtype == torch.bfloat16
+    atol, rtol = TOLERANCE[torch.float32]
+    for what, a, b in zip(("loss", "dscale"), (got[0], got[3]), (want[0], want[3])):
+        assert_close_verbose(a, b, atol, rtol, f"{backend} bf16 {what}")
+    for what, a, b in zip(("dq", "dk"), got[1:3], want[1:3]):  # rounded to bfloat16 on the way out
+        assert_close_verbose(a, b, 0, 2.0**-8, f"{backend} bf16 {what}")
+
+
+def test_native_ops_pass_opcheck():
+    """The fused Matryoshka ops' schemas, fake impls and mutation declarations hold (torch.library.opcheck)."""
+    if "cpu" not in tiled_backends():
+        pytest.skip("the native kernel is not available here")
+    q, k, labels = features_and_labels(12, 12, 10, "perm", torch.float32, seed=11)
+    pos, dims, renorm = labels, [3, 10], [True, False]
+    torch.library.opcheck(torch.ops.infcl.matryoshka_forward_block.default, (q, k, 5.0, pos, True, dims, renorm))
+    rows, cols = torch.ops.infcl.matryoshka_forward_block(q, k, 5.0, pos, True, dims, renorm)
+    args = (q, k, 5.0, pos, dims, renorm, rows[:2].contiguous(), torch.ones(2, 12), cols, torch.ones(2, 12))
+    torch.library.opcheck(
+        torch.ops.infcl.matryoshka_backward_block.default, (*args, torch.zeros(12, 10), torch.zeros(12, 10))
+    )

@@ -1,6 +1,6 @@
 """The native CPU backend (``backend="cpu"``): the fused C++ block kernels (the repository's ``csrc/``), a file per
-loss (:mod:`.softmax`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`, :mod:`.maxsim`), put together in
-:mod:`.backend`.
+loss (:mod:`.softmax`, :mod:`.matryoshka`, :mod:`.sigmoid`, :mod:`.distill`, :mod:`.rank`, :mod:`.topk`,
+:mod:`.maxsim`), put together in :mod:`.backend`.
 
 The kernel registers one custom op per block operation (``torch.ops.infcl.forward_block`` ...); the loader
 registers their fake impls, so that ``torch.compile`` can trace them, right after the library loads. It is compiled
@@ -12,7 +12,7 @@ explicit ``backend="cpu"`` raises a RuntimeError with the reason.
 
 Block contract and math: :mod:`infcl.contract`. Kernel layout, tiling and determinism: docs/kernels.md
 ("Native CPU kernel"); the ops are ``csrc/softmax_ops.cpp`` (phases in ``csrc/softmax_forward.cpp`` and
-``csrc/softmax_backward.cpp``).
+``csrc/softmax_backward.cpp``; the fused Matryoshka prefixes, :mod:`.matryoshka`, in ``csrc/matryoshka_*.cpp``).
 """
 
 from .backend import BACKEND, NativeBackend, unavailable_reason

@@ -6,6 +6,7 @@ import torch
 
 from .build import load_error
 from .distill import NativeDistill
+from .matryoshka import NativeMatryoshka
 from .maxsim import NativeMaxSim
 from .rank import NativeRanks
 from .sigmoid import NativeSigmoid
@@ -13,7 +14,9 @@ from .softmax import NativeSoftmax
 from .topk import NativeTopK
 
 
-class NativeBackend(NativeSoftmax, NativeSigmoid, NativeDistill, NativeRanks, NativeTopK, NativeMaxSim):
+class NativeBackend(
+    NativeSoftmax, NativeMatryoshka, NativeSigmoid, NativeDistill, NativeRanks, NativeTopK, NativeMaxSim
+):
     """The native CPU kernel (``backend="cpu"``)."""
 
     name = "cpu"

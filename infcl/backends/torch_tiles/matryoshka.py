@@ -110,12 +110,15 @@ class MatryoshkaTiles(TileSizes):
                     )
                     dscale[1] += torch.dot(pc.view(-1), u.reshape(-1))
                     ds.add_(pc)
-                if renorm:  # probabilities left s as it was (one positive per row: no scratch use)
+                if prefixes.sign_only(k):
+                    pass  # its features' gradient is exactly 0: nothing joins W or the normalization's sums
+                elif renorm:  # probabilities left s as it was (one positive per row: no scratch use)
                     prod = s.mul_(ds)
                     row_c[k, tile.rows] += prod.sum(dim=1)
                     col_c[k, tile.cols] += prod.sum(dim=0)
-                    ds.mul_(ak[:, None]).mul_(bk[None, :])
-                w.add_(ds.mul_(scale))  # sum over the prefixes holding segment k of scale * dS^k * a^k b^k
+                    w.add_(ds.mul_(ak[:, None]).mul_(bk[None, :]).mul_(scale))
+                else:
+                    w.add_(ds.mul_(scale))  # W: the sum over the prefixes holding segment k of scale * dS^k * a^k b^k
                 seg = prefixes.segment(k)
                 dq[tile.rows, seg].addmm_(w, tile.kj[:, seg])
                 dk[tile.cols, seg].addmm_(w.T, tile.qi[:, seg])
