@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ...contract import accum_dtype
-from ...masks import MASKED_ROWS
+from ...masks import KEPT_ROWS, MASKED_ROWS
 
 EXTENSION_PREFIX = "infcl_cpu"
 DISABLE_VAR = "INFCL_NATIVE"  # INFCL_NATIVE=0 turns the native backend off
@@ -244,11 +244,22 @@ def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk)
 
 
 def _masked_forward_fake(
-    q, k, scale, pos, symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold
+    q,
+    k,
+    scale,
+    pos,
+    symmetric,
+    multi_positive,
+    q_ids,
+    k_ids,
+    guide_q,
+    guide_k,
+    row_threshold,
+    col_threshold,
+    kept_sums=False,
 ):
-    acc = accum_dtype(q.dtype)
-    rows = q.new_empty(MASKED_ROWS, q.shape[0], dtype=acc)
-    return rows, q.new_empty(MASKED_ROWS, k.shape[0] if symmetric else 0, dtype=acc)
+    acc, n = accum_dtype(q.dtype), KEPT_ROWS if kept_sums else MASKED_ROWS
+    return q.new_empty(n, q.shape[0], dtype=acc), q.new_empty(n, k.shape[0] if symmetric else 0, dtype=acc)
 
 
 def _masked_backward_fake(
@@ -273,6 +284,8 @@ def _masked_backward_fake(
     col_pos_stats,
     dq,
     dk,
+    row_uniform=None,
+    col_uniform=None,
 ):
     return q.new_empty(2, dtype=accum_dtype(q.dtype))
 
