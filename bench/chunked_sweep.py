@@ -9,6 +9,10 @@ Two questions the first gpu-first run on an H100 left open (docs/benchmarks.md, 
   whole forward + backward at the largest B, with the shipped tiling and the fastest candidate, in one process.
 - ``auto``: where ``backend="auto"`` should take the route below B = 16384 (the smallest B gpu-first measured):
   the CLIP and SigLIP losses' forward + backward, bf16, D = 512, the route against the fused kernels and vanilla.
+- ``matryoshka``: the fused Matryoshka kernels (``backend="triton"``, :mod:`infcl.kernels.matryoshka`) against the
+  same Triton backend running one loss per prefix and against one full-dimension loss: bf16, D = 768, dims
+  (768, 512, 256, 128, 64), symmetric, B = 16384 (their GEMM-equivalents model 18.7 fused against 16.6 per prefix
+  and 9 for one loss: ``auto`` takes the fused kernels until this measures them).
 
 Rows go to ``<out>/sweep.jsonl`` as they come. ``--dry-run``: the same on CPU tensors at toy sizes (with
 TRITON_INTERPRET=1, the passes run in Triton's interpreter; the torch tiles stand in for the fused kernels).
@@ -159,10 +163,55 @@ def auto_table(out: Path, batches, dim: int, repeats: int, device, dry: bool) ->
                 print(row, flush=True)
 
 
+MATRYOSHKA_DIMS = (768, 512, 256, 128, 64)
+
+
+def _per_prefix_triton():
+    """The Triton backend without its fused Matryoshka block operations: the loss runs its plain ones per prefix
+    (:class:`infcl.losses.matryoshka.MatryoshkaSteps` looks them up by name)."""
+    from infcl.backends.triton.backend import TritonBackend
+
+    def hidden(self):
+        raise AttributeError("per prefix")
+
+    fused = ("matryoshka_forward_block", "matryoshka_backward_block")
+    return type("PerPrefixTriton", (TritonBackend,), {name: property(hidden) for name in fused})()
+
+
+def matryoshka_ab(out: Path, batch: int, dim: int, dims, repeats: int, device, dry: bool) -> None:
+    from infcl import cal_inf_loss
+
+    from .methods import make_inputs
+
+    q, k, scale = make_inputs(batch, dim, torch.float32 if dry else torch.bfloat16, device)
+    fused = "torch" if dry else "triton"
+    methods = {
+        "one loss": lambda q_, k_, s_: cal_inf_loss(q_, k_, scale=s_, symmetric=True, backend=fused),
+        "matryoshka fused": lambda q_, k_, s_: cal_inf_loss(
+            q_, k_, scale=s_, symmetric=True, matryoshka=dims, backend=fused
+        ),
+        "matryoshka per prefix": lambda q_, k_, s_: cal_inf_loss(
+            q_, k_, scale=s_, symmetric=True, matryoshka=dims, backend="cpu" if dry else _per_prefix_triton()
+        ),
+    }
+    for name, fn in methods.items():
+        row = {"step": "matryoshka", "method": name, "batch": batch, "dim": dim, "dims": list(dims)}
+        try:
+            row.update(status="ok", **time_step(fwd_bwd(fn, q, k, scale), repeats, device))
+        except Exception as err:
+            row.update(status="error", note=f"{type(err).__name__}: {str(err)[:160]}")
+        append_row(out / "sweep.jsonl", row)
+        print(row, flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.chunked_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/chunked-sweep"))
-    p.add_argument("--steps", default="stats,auto", help="stats (the stats pass's tilings + the route's A/B), auto")
+    p.add_argument(
+        "--steps",
+        default="stats,auto,matryoshka",
+        help="stats (the stats pass's tilings + the route's A/B), auto, matryoshka",
+    )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dry-run", action="store_true", help="CPU tensors at toy sizes (TRITON_INTERPRET=1)")
     p.add_argument("--candidates", type=int, default=len(CANDIDATES), help="only the first N stats tilings")
@@ -181,6 +230,9 @@ def main(argv=None) -> int:
                  args.repeats, device, args.dry_run)  # fmt: skip
     if "auto" in steps:
         auto_table(args.out, (64,) if args.dry_run else (2048, 4096, 8192), dim, args.repeats, device, args.dry_run)
+    if "matryoshka" in steps:
+        dims = (32, 16, 8) if args.dry_run else MATRYOSHKA_DIMS
+        matryoshka_ab(args.out, 64 if args.dry_run else 16384, dims[0], dims, args.repeats, device, args.dry_run)
     return 0
 
 

@@ -146,7 +146,8 @@ def test_siglip_model_reads_its_own_pass_and_bytes():
 
 @pytest.mark.slow
 def test_the_prepared_sweep_runs_on_cpu_tensors(tmp_path):
-    """bench.chunked_sweep (the next GPU's A/B of the stats pass's tilings and of auto's table at small B), its
+    """bench.chunked_sweep (the next GPU's A/B of the stats pass's tilings, of auto's table at small B and of the
+    fused Matryoshka kernels), its
     control flow on CPU tensors through the interpreter: every row ok, the tilings' stats within 1e-5 of the shipped
     one's, the route timed under both, every method of the auto table timed."""
     import json
@@ -161,3 +162,15 @@ def test_the_prepared_sweep_runs_on_cpu_tensors(tmp_path):
     assert [r["step"] for r in rows].count("route") in (1, 2)
     auto = {(r["loss"], r["method"]) for r in rows if r["step"] == "auto" and r["status"] == "ok"}
     assert auto == {(loss, m) for loss in ("clip", "siglip") for m in ("torch", "chunked", "vanilla")}
+    matryoshka = {r["method"]: r["status"] for r in rows if r["step"] == "matryoshka"}
+    assert matryoshka == {m: "ok" for m in ("one loss", "matryoshka fused", "matryoshka per prefix")}
+
+
+def test_the_sweep_hides_only_the_fused_matryoshka_operations():
+    """The per-prefix stand-in is the Triton backend less its two fused Matryoshka block operations."""
+    from bench.chunked_sweep import _per_prefix_triton
+
+    backend = _per_prefix_triton()
+    assert backend.name == "triton"
+    assert not hasattr(backend, "matryoshka_forward_block") and not hasattr(backend, "matryoshka_backward_block")
+    assert hasattr(backend, "forward_block") and hasattr(backend, "backward_block")
