@@ -17,12 +17,20 @@ from .ring.layout import RingLayout
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _shape(t: torch.Tensor) -> str:
+def shape_text(t: torch.Tensor) -> str:
+    """``t``'s shape as the input errors print it: ``[2, 3]``."""
     return "[" + ", ".join(str(n) for n in t.shape) + "]"
 
 
-def check_features(q, k, names=("q", "k")) -> None:
-    """q [Bq, D] and k [Bk, D]: float tensors of one dtype and device; ``names`` as the caller calls them."""
+# The layouts of the inputs :func:`check_features` takes: feature vectors, and (MaxSim) tokens' feature vectors.
+FEATURES = ("batch", "dim")
+TOKENS = ("batch", "tokens", "dim")
+_DIM_WORDS = {"dim": "feature", "tokens": "token"}
+
+
+def check_features(q, k, names=("q", "k"), layout=FEATURES) -> None:
+    """q [Bq, ..., D] and k [Bk, ..., D] with the dimensions ``layout`` names: float tensors of one dtype, device
+    and D, no dimension empty; ``names`` as the caller calls them."""
     nq, nk = names
     for name, t in ((nq, q), (nk, k)):
         if not isinstance(t, torch.Tensor):
@@ -31,18 +39,31 @@ def check_features(q, k, names=("q", "k")) -> None:
             raise TypeError(
                 f"{name} must be a floating-point tensor (float32, bfloat16, float16, float64), got {t.dtype}"
             )
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-d [batch, dim], got shape {_shape(t)}")
+        if t.dim() != len(layout):
+            raise ValueError(f"{name} must be {len(layout)}-d [{', '.join(layout)}], got shape {shape_text(t)}")
         if t.shape[0] == 0:
-            raise ValueError(f"{name} is an empty batch: shape {_shape(t)}")
-        if t.shape[1] == 0:
-            raise ValueError(f"{name} has feature dimension 0: shape {_shape(t)}")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"{nq} and {nk} must have the same feature dimension: {nq} {_shape(q)}, {nk} {_shape(k)}")
+            raise ValueError(f"{name} is an empty batch: shape {shape_text(t)}")
+        for size, dim in zip(t.shape[1:], layout[1:]):
+            if size == 0:
+                raise ValueError(f"{name} has {_DIM_WORDS[dim]} dimension 0: shape {shape_text(t)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{nq} and {nk} must have the same feature dimension: {nq} {shape_text(q)}, {nk} {shape_text(k)}"
+        )
     if q.dtype != k.dtype:
         raise TypeError(f"{nq} and {nk} must have the same dtype: {nq} {q.dtype}, {nk} {k.dtype}")
     if q.device != k.device:
         raise ValueError(f"{nq} and {nk} must be on the same device: {nq} on {q.device}, {nk} on {k.device}")
+
+
+def check_rows_like(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """``t`` has one row per row of ``like`` and lives on its device (a guide beside its features, a teacher's
+    features beside the student's)."""
+    if t.shape[0] != like.shape[0]:
+        rows = f"{like_name} {shape_text(like)}, {name} {shape_text(t)}"
+        raise ValueError(f"{name} must have one row per row of {like_name}: {rows}")
+    if t.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {t.device}")
 
 
 def check_reduction(reduction) -> None:
@@ -79,7 +100,7 @@ def make_scale(scale, name: str = "scale") -> torch.Tensor:
     if not scale.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got {scale.dtype}")
     if scale.numel() != 1:
-        raise ValueError(f"{name} must be a 0-d or one-element tensor, got shape {_shape(scale)}")
+        raise ValueError(f"{name} must be a 0-d or one-element tensor, got shape {shape_text(scale)}")
     return scale
 
 
@@ -112,7 +133,7 @@ def integer_rows(value, name: str, rows: int, shape: str) -> Optional[torch.Tens
     if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
     if value.dim() != 1 or value.shape[0] != rows:
-        raise ValueError(f"{name} must have shape {shape}, got {_shape(value)}")
+        raise ValueError(f"{name} must have shape {shape}, got {shape_text(value)}")
     return value
 
 
@@ -187,7 +208,7 @@ def make_sigmoid_ids(q, k, q_ids, k_ids, labels, names) -> Optional[MaskOptions]
 def make_ids(ids, name: str, rows: int, feats: torch.Tensor, feats_name: str) -> Optional[torch.Tensor]:
     """``ids``: None or an integer tensor [rows] on the features' device; returned as contiguous int64 (a
     view such as ``meta[:, 1]`` or an expanded id is copied, O(B): the kernels read ids with stride 1)."""
-    if integer_rows(ids, name, rows, f"[{rows}] (one id per row of {feats_name} {_shape(feats)})") is None:
+    if integer_rows(ids, name, rows, f"[{rows}] (one id per row of {feats_name} {shape_text(feats)})") is None:
         return None
     if ids.device != feats.device:
         raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {ids.device}")
@@ -207,15 +228,10 @@ def _guide(guide, q: torch.Tensor, k: torch.Tensor):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-d [rows, guide dim], got shape {_shape(t)}")
-        if t.shape[0] != feats.shape[0]:
-            raise ValueError(
-                f"{name} must have one row per row of {feats_name}: {feats_name} {_shape(feats)}, {name} {_shape(t)}"
-            )
-        if t.device != feats.device:
-            raise ValueError(f"{name} must be on {feats_name}'s device {feats.device}, got {t.device}")
+            raise ValueError(f"{name} must be 2-d [rows, guide dim], got shape {shape_text(t)}")
+        check_rows_like(name, t, feats_name, feats)
     if gq.shape[1] != gk.shape[1] or gq.shape[1] == 0:
-        raise ValueError(f"guide[0] and guide[1] must have the same non-zero width: {_shape(gq)}, {_shape(gk)}")
+        raise ValueError(f"guide[0] and guide[1] must have the same non-zero width: {shape_text(gq)}, {shape_text(gk)}")
     if gq.dtype != gk.dtype:
         raise TypeError(f"guide[0] and guide[1] must have the same dtype: {gq.dtype}, {gk.dtype}")
     return gq.detach(), gk.detach()

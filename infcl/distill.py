@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .api import reduce_losses
 from .backends import backend_for
-from .checks import check_features, check_reduction, make_scale
+from .checks import check_features, check_reduction, check_rows_like, make_scale
 from .function import DistillLossFunction, LossPlan
 from .modules import InfCLIPLoss, loss_group, rows_mean, scale_gradient
 from .ring.layout import RingLayout, exchange_layout, rejected_everywhere, ring_group, single_layout
@@ -62,17 +62,8 @@ def cal_distill_loss(
     with rejected_everywhere(ring):
         check_features(student_q, student_k, names=("student_q", "student_k"))
         check_features(teacher_q, teacher_k, names=("teacher_q", "teacher_k"))
-        for name, t, like, like_name in (
-            ("teacher_q", teacher_q, student_q, "student_q"),
-            ("teacher_k", teacher_k, student_k, "student_k"),
-        ):
-            if t.shape[0] != like.shape[0]:
-                raise ValueError(
-                    f"{name} must have one row per row of {like_name}: {like_name} {list(like.shape)}, "
-                    f"{name} {list(t.shape)}"
-                )
-            if t.device != like.device:
-                raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {t.device}")
+        check_rows_like("teacher_q", teacher_q, "student_q", student_q)
+        check_rows_like("teacher_k", teacher_k, "student_k", student_k)
         check_reduction(reduction)
         if not isinstance(symmetric, bool):
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")

@@ -67,36 +67,47 @@ def _param_grad(needed: bool, grad: torch.Tensor, meta):
     return grad.to(device=device, dtype=dtype).reshape(shape)
 
 
+def _stats_loss_forward(ctx, q, k, scale, labels, plan: LossPlan, ring):
+    """The forward of a loss whose ring steps keep per-line stats (:class:`InfLossFunction`,
+    :class:`MatryoshkaLossFunction`): (row losses, column losses, row infos, column infos), the column ones empty
+    ([..., 0]) for the one-directional loss; saves q, k, the scale, the labels and ``ring.saved`` of each side."""
+    scale_t = device_scale(scale, q)
+    rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
+    row_loss, row_info, saved = ring.losses(rows), rows.info(), ring.saved(rows)
+    if plan.symmetric:
+        col_loss, col_info = ring.losses(cols), cols.info()
+        saved += ring.saved(cols)
+    else:
+        col_loss, col_info = row_loss.new_empty(*row_loss.shape[:-1], 0), row_info.new_empty(*row_info.shape[:-1], 0)
+    ctx.save_for_backward(q, k, scale_t, labels, *saved)
+    ctx.plan, ctx.ring, ctx.n_saved = plan, ring, len(ring.saved(rows))
+    ctx.scale_meta = _param_meta(scale)
+    ctx.mark_non_differentiable(labels, row_info, col_info)
+    return row_loss, col_loss, row_info, col_info
+
+
+def _stats_loss_backward(ctx, g_row, g_col):
+    """The backward of :func:`_stats_loss_forward`: (dq, dk, dscale, None, None)."""
+    plan: LossPlan = ctx.plan
+    q, k, scale_t, labels, *saved = ctx.saved_tensors
+    rows = ctx.ring.upstream(saved[: ctx.n_saved], g_row)
+    cols = ctx.ring.upstream(saved[ctx.n_saved :], g_col) if plan.symmetric else None
+    dq, dk, dparams = ring_backward(q, k, scale_t, labels, ctx.ring, plan.backend, plan.layout, rows, cols)
+    scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
+    return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
+
+
 class InfLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
         """(row losses [Bq], column losses [Bk] or empty, row info [3, Bq], column info [3, Bk] or empty):
         the infos (:mod:`infcl.stats`) carry no gradient."""
-        ring = _softmax_ring(q, k, labels, plan)
-        scale_t = device_scale(scale, q)
-        rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
-        row_loss, row_info, saved = ring.losses(rows), rows.info(), ring.saved(rows)
-        if plan.symmetric:
-            col_loss, col_info = ring.losses(cols), cols.info()
-            saved += ring.saved(cols)
-        else:
-            col_loss, col_info = row_loss.new_empty(0), row_info.new_empty(3, 0)
-        ctx.save_for_backward(q, k, scale_t, labels, *saved)
-        ctx.plan, ctx.ring, ctx.n_saved = plan, ring, len(ring.saved(rows))
-        ctx.scale_meta = _param_meta(scale)
-        ctx.mark_non_differentiable(labels, row_info, col_info)
-        return row_loss, col_loss, row_info, col_info
+        return _stats_loss_forward(ctx, q, k, scale, labels, plan, _softmax_ring(q, k, labels, plan))
 
     @staticmethod
     @once_differentiable  # the backward is itself a tiled loop: no double backward
     def backward(ctx, g_row, g_col, _g_row_info, _g_col_info):
-        plan: LossPlan = ctx.plan
-        q, k, scale_t, labels, *saved = ctx.saved_tensors
-        rows = ctx.ring.upstream(saved[: ctx.n_saved], g_row)
-        cols = ctx.ring.upstream(saved[ctx.n_saved :], g_col) if plan.symmetric else None
-        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ctx.ring, plan.backend, plan.layout, rows, cols)
-        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
-        return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
+        return _stats_loss_backward(ctx, g_row, g_col)
 
 
 def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
@@ -138,31 +149,12 @@ class MatryoshkaLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
-        ring = MatryoshkaSteps(plan.symmetric, plan.prefixes)
-        scale_t = device_scale(scale, q)
-        rows, cols = ring_forward(q, k, scale_t, labels, ring, plan.backend, plan.layout)
-        row_loss, row_info, saved = ring.losses(rows), rows.info(), ring.saved(rows)
-        if plan.symmetric:
-            col_loss, col_info = ring.losses(cols), cols.info()
-            saved += ring.saved(cols)
-        else:
-            col_loss, col_info = row_loss.new_empty(row_loss.shape[0], 0), row_info.new_empty(row_info.shape[0], 3, 0)
-        ctx.save_for_backward(q, k, scale_t, labels, *saved)
-        ctx.plan, ctx.ring = plan, ring
-        ctx.scale_meta = _param_meta(scale)
-        ctx.mark_non_differentiable(labels, row_info, col_info)
-        return row_loss, col_loss, row_info, col_info
+        return _stats_loss_forward(ctx, q, k, scale, labels, plan, MatryoshkaSteps(plan.symmetric, plan.prefixes))
 
     @staticmethod
     @once_differentiable  # the backward is itself a tiled loop: no double backward
     def backward(ctx, g_row, g_col, _g_row_info, _g_col_info):
-        plan: LossPlan = ctx.plan
-        q, k, scale_t, labels, *saved = ctx.saved_tensors
-        rows = ctx.ring.upstream(saved[:1], g_row)
-        cols = ctx.ring.upstream(saved[1:], g_col) if plan.symmetric else None
-        dq, dk, dparams = ring_backward(q, k, scale_t, labels, ctx.ring, plan.backend, plan.layout, rows, cols)
-        scale_grad = _param_grad(ctx.needs_input_grad[2], dparams[0], ctx.scale_meta)
-        return dq.to(q.dtype), dk.to(k.dtype), scale_grad, None, None
+        return _stats_loss_backward(ctx, g_row, g_col)
 
 
 class SigmoidLossFunction(torch.autograd.Function):

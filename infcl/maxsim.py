@@ -14,7 +14,16 @@ import torch.nn.functional as F
 
 from .api import reduce_losses
 from .backends import call_backend
-from .checks import check_reduction, global_labels, local_labels, make_masks, make_scale
+from .checks import (
+    TOKENS,
+    check_features,
+    check_reduction,
+    global_labels,
+    local_labels,
+    make_masks,
+    make_scale,
+    shape_text,
+)
 from .contract import accum_dtype
 from .function import LossPlan, MaxSimLossFunction
 from .losses.maxsim import MaxSimSteps
@@ -81,7 +90,7 @@ def cal_maxsim_loss(
     """
     ring = ring_group(group)
     with rejected_everywhere(ring):
-        _check_tokens(q, docs)
+        check_features(q, docs, ("q", "docs"), TOKENS)
         check_reduction(reduction)
         for name, flag in (("length_normalize", length_normalize), ("return_stats", return_stats)):
             if not isinstance(flag, bool):
@@ -108,31 +117,6 @@ def cal_maxsim_loss(
     return (loss, loss_stats(row_info, None)) if return_stats else loss
 
 
-def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(n) for n in t.shape) + "]"
-
-
-def _check_tokens(q, docs) -> None:
-    """q [Bq, Lq, D] and docs [Bk, Lk, D]: float tensors of one dtype, device and D, no dimension empty."""
-    for name, t in (("q", q), ("docs", docs)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(
-                f"{name} must be a floating-point tensor (float32, bfloat16, float16, float64), got {t.dtype}"
-            )
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-d [batch, tokens, dim], got shape {_shape(t)}")
-        if 0 in t.shape:
-            raise ValueError(f"{name} must have a non-empty batch, token and feature dimension: shape {_shape(t)}")
-    if q.shape[2] != docs.shape[2]:
-        raise ValueError(f"q and docs must have the same feature dimension: q {_shape(q)}, docs {_shape(docs)}")
-    if q.dtype != docs.dtype:
-        raise TypeError(f"q and docs must have the same dtype: q {q.dtype}, docs {docs.dtype}")
-    if q.device != docs.device:
-        raise ValueError(f"q and docs must be on the same device: q on {q.device}, docs on {docs.device}")
-
-
 def _token_mask(mask, name: str, tokens: torch.Tensor, tokens_name: str) -> Optional[torch.Tensor]:
     """``mask``: None or a [B, L] bool / integer / float tensor on the tokens' device; returned as bool (nonzero)."""
     if mask is None:
@@ -144,7 +128,7 @@ def _token_mask(mask, name: str, tokens: torch.Tensor, tokens_name: str) -> Opti
     if tuple(mask.shape) != tuple(tokens.shape[:2]):
         raise ValueError(
             f"{name} must have shape [{tokens.shape[0]}, {tokens.shape[1]}] (one entry per token of {tokens_name} "
-            f"{_shape(tokens)}), got {_shape(mask)}"
+            f"{shape_text(tokens)}), got {shape_text(mask)}"
         )
     if mask.device != tokens.device:
         raise ValueError(f"{name} must be on {tokens_name}'s device {tokens.device}, got {mask.device}")

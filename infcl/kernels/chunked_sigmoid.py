@@ -26,8 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunked_softmax import _load_raw, _split_tiles, round_operand
-from .kernel_args import COMPILE_OPTIONS
+from .chunk_tiles import (
+    OPERANDS,
+    column_splits,
+    load_scores,
+    round_operand,
+    split_tiles,
+    store_scores,
+    tile_pass,
+    unit_rows,
+)
 from .sigmoid import _margins, _sigmoid, _softplus
 from .tile_stats import holds_positive, positive_span
 from .tiling import CHUNK_GRAD_TILE, CHUNK_SPLIT_TILES
@@ -97,15 +105,16 @@ def _chunk_sigmoid_kernel(
     if GRAD:
         g = tl.load(g_ptr + rows, mask=row_in, other=0.0)[:, None]
         factor = tl.load(factor_ptr + rows.to(tl.int64) * stride_factor, mask=row_in, other=0.0)[:, None]
+        ds_ptrs = ds_ptr + rows[:, None].to(tl.int64) * stride_ds
     else:
         g = 0.0
     row_ptrs = raw_ptr + rows[:, None].to(tl.int64) * stride_raw
-    first, n_tiles = _split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
+    first, n_tiles = split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
     offsets = tl.arange(0, BLOCK_N)
     for t in range(0, n_tiles):
         c0 = (first + t) * BLOCK_N
         cols = c0 + offsets
-        raw = _load_raw(row_ptrs, rows, cols, n_rows, n_cols, EVEN_M, EVEN_N)
+        raw = load_scores(row_ptrs, rows, cols, n_rows, n_cols, EVEN_M, EVEN_N)
         # The positives' work (t = -L and -dL there) only in a tile that may hold one: a uniform branch, all but
         # one or two column tiles per row block take the other.
         if holds_positive(lo, hi, c0, BLOCK_N, True):
@@ -122,26 +131,13 @@ def _chunk_sigmoid_kernel(
                 dl = tl.where(row_in[:, None] & (cols[None, :] < n_cols), dl, 0.0)
             dscale += dl * raw
             dbias += dl
-            out = ds_ptr + rows[:, None].to(tl.int64) * stride_ds + cols[None, :]
-            value = round_operand(dl * factor, OPERAND)
-            if EVEN_M and EVEN_N:
-                tl.store(out, value)
-            else:
-                tl.store(out, value, mask=row_in[:, None] & (cols[None, :] < n_cols))
+            store_scores(ds_ptrs, rows, cols, round_operand(dl * factor, OPERAND), n_rows, n_cols, EVEN_M, EVEN_N)
     if LOSS:
         tl.store(loss_ptr + split.to(tl.int64) * stride_loss + rows, tl.sum(loss, axis=1), mask=row_in)
     if GRAD:
         program = row_block * tl.num_programs(1) + split
         tl.store(grad_parts_ptr + program, tl.sum(tl.sum(dscale, axis=1), axis=0))
         tl.store(grad_parts_ptr + stride_grad_parts + program, tl.sum(tl.sum(dbias, axis=1), axis=0))
-
-
-_OPERANDS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _unit(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a unit stride in its last dim (the kernel reads its rows so; a copy only for such a view)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def sigmoid_chunk(
@@ -160,42 +156,30 @@ def sigmoid_chunk(
     (or None: no gradient): written with dL * factor rounded to ``operand`` (stored in ``ds``'s dtype), dL =
     g_row * -z * sigmoid(t); ``factor`` [C] or 0-d (read with stride 0). Returns the (scale, bias) gradients'
     parts ``[2]`` (sums of dL * raw and dL), or None without ``ds``."""
-    n_rows, n_cols = raw.shape
+    n_rows = raw.shape[0]
     grad = ds is not None
     assert raw.stride(1) == 1 and (not grad or ds.stride(1) == 1), "the pass reads and writes contiguous rows"
     assert loss_out is not None or grad, "a pass that computes nothing"
-    pos = _unit(pos)
-    block_m, block_n = CHUNK_GRAD_TILE.block_m, CHUNK_GRAD_TILE.block_n
-    row_blocks = triton.cdiv(n_rows, block_m)
-    splits = triton.cdiv(triton.cdiv(n_cols, block_n), CHUNK_SPLIT_TILES)
-    losses = torch.empty(splits, n_rows, dtype=torch.float32, device=raw.device) if loss_out is not None else None
-    parts = torch.empty(2, row_blocks * splits, dtype=torch.float32, device=raw.device) if grad else None
-    _chunk_sigmoid_kernel[(row_blocks, splits)](
-        raw_ptr=raw,
+    pos = unit_rows(pos)
+    grid, tile_args = tile_pass(raw, CHUNK_GRAD_TILE, CHUNK_SPLIT_TILES)
+    losses = torch.empty(grid[1], n_rows, dtype=torch.float32, device=raw.device) if loss_out is not None else None
+    parts = torch.empty(2, grid[0] * grid[1], dtype=torch.float32, device=raw.device) if grad else None
+    _chunk_sigmoid_kernel[grid](
         ds_ptr=ds,  # None (never traced) without a gradient
         params_ptr=params,
         factor_ptr=factor,
         pos_ptr=pos,
-        g_ptr=_unit(g_row) if grad else None,
+        g_ptr=unit_rows(g_row) if grad else None,
         loss_ptr=losses,
         grad_parts_ptr=parts,
-        n_rows=n_rows,
-        n_cols=n_cols,
-        stride_raw=raw.stride(0),
         stride_ds=ds.stride(0) if grad else 0,
         stride_factor=factor.stride(0) if grad and factor.dim() else 0,
         stride_loss=losses.stride(0) if losses is not None else 0,
         stride_grad_parts=parts.stride(0) if grad else 0,
         LOSS=loss_out is not None,
         GRAD=grad,
-        OPERAND=_OPERANDS[operand],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        SPLIT_TILES=CHUNK_SPLIT_TILES,
-        EVEN_M=n_rows % block_m == 0,
-        EVEN_N=n_cols % block_n == 0,
-        num_warps=CHUNK_GRAD_TILE.num_warps,
-        **COMPILE_OPTIONS,
+        OPERAND=OPERANDS[operand],
+        **tile_args,
     )
     if loss_out is not None:
         torch.sum(losses, dim=0, out=loss_out)
@@ -204,7 +188,7 @@ def sigmoid_chunk(
 
 def pass_bytes(n_rows: int, n_cols: int, operand: torch.dtype, grad: bool) -> Tuple[int, int]:
     """HBM bytes of one chunk's pass: (read, written), the partials included (the A/B's GB/s)."""
-    splits = triton.cdiv(triton.cdiv(n_cols, CHUNK_GRAD_TILE.block_n), CHUNK_SPLIT_TILES)
+    splits = column_splits(n_cols, CHUNK_GRAD_TILE.block_n, CHUNK_SPLIT_TILES)
     element = torch.empty((), dtype=operand).element_size()
     written = 4 * splits * n_rows + (n_rows * n_cols * element if grad else 0)
     return n_rows * n_cols * 4, written

@@ -30,8 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_tiles import (
+    OPERANDS,
+    column_splits,
+    load_scores,
+    round_operand,
+    split_tiles,
+    store_scores,
+    tile_pass,
+    unit_rows,
+)
 from .kernel_args import COMPILE_OPTIONS
-from .score_tiles import PTX, masked_scores
+from .score_tiles import masked_scores
 from .tile_stats import exp, holds_positive, merge_kept_stats, positive_span, softmax_grad
 from .tiling import (
     CHUNK_GRAD_TILE,
@@ -45,22 +55,6 @@ from .tiling import (
 # Contiguous score columns a thread loads at once (16 bytes of float32): the stats pass keeps each row's running stats
 # per such lane across its tiles (an in-thread reduction per tile) and merges the lanes once, after its loop.
 LANE = tl.constexpr(4)
-
-
-@triton.jit
-def round_operand(x, OPERAND: tl.constexpr):
-    """float32 ``x`` rounded to ``OPERAND`` to nearest even. Triton's interpreter casts float32 to bfloat16 by
-    truncation (numpy has no bfloat16), a bias of -2**-9 per entry on average; there the rounding is done on the
-    bits (add 0x7FFF plus the kept part's lowest bit, clear the low 16), as float32 values."""
-    if OPERAND == tl.float32:
-        y = x
-    elif not PTX and OPERAND == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        y = bits.to(tl.float32, bitcast=True)
-    else:
-        y = x.to(OPERAND, fp_downcast_rounding="rtne")
-    return y
 
 
 @triton.jit
@@ -110,25 +104,6 @@ def _merged(m, rest, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _load_raw(row_ptrs, rows, cols, n_rows, n_cols, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    """The float32 [BLOCK_M, BLOCK_N] tile raw[rows, cols] (``row_ptrs``: the rows' starts, [BLOCK_M, 1]); 0 outside
-    the chunk (masked_scores makes s -inf there)."""
-    ptrs = row_ptrs + cols[None, :]
-    if EVEN_M and EVEN_N:
-        raw = tl.load(ptrs)
-    else:
-        raw = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
-    return raw
-
-
-@triton.jit
-def _split_tiles(split, n_cols, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr):
-    """(first column tile, tiles) of column split ``split``."""
-    first = split * SPLIT_TILES
-    return first, tl.minimum(SPLIT_TILES, tl.cdiv(n_cols, BLOCK_N) - first)
-
-
-@triton.jit
 def _chunk_stats_kernel(
     raw_ptr,
     scale_ptr,
@@ -162,16 +137,16 @@ def _chunk_stats_kernel(
     m = tl.full([BLOCK_M, BLOCK_N // LANE], float("-inf"), tl.float32)
     rest = tl.full([BLOCK_M, BLOCK_N // LANE], -1.0, tl.float32)  # the empty set
     positive = tl.zeros([BLOCK_M], tl.float32)
-    first, n_tiles = _split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
+    first, n_tiles = split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
     offsets = tl.arange(0, BLOCK_N)
-    raw = _load_raw(row_ptrs, rows, first * BLOCK_N + offsets, n_rows, n_cols, EVEN_M, EVEN_N)
+    raw = load_scores(row_ptrs, rows, first * BLOCK_N + offsets, n_rows, n_cols, EVEN_M, EVEN_N)
     for t in range(0, n_tiles):
         c0 = (first + t) * BLOCK_N
         cols = c0 + offsets
         # Software pipelining: the next tile's load is issued before this tile's arithmetic (the last tile loads
         # itself again, from L2, so the loads stay unmasked on even tiles).
         ahead = (first + tl.minimum(t + 1, n_tiles - 1)) * BLOCK_N + offsets
-        raw_ahead = _load_raw(row_ptrs, rows, ahead, n_rows, n_cols, EVEN_M, EVEN_N)
+        raw_ahead = load_scores(row_ptrs, rows, ahead, n_rows, n_cols, EVEN_M, EVEN_N)
         s = masked_scores(raw, scale, rows, cols, n_rows, n_cols, not EVEN_M, not EVEN_N)
         t_row, rest_row = _line_stats(tl.reshape(s, [BLOCK_M, BLOCK_N // LANE, LANE]), 2)
         m, rest = merge_kept_stats(m, rest, t_row, rest_row)
@@ -330,14 +305,14 @@ def _chunk_grad_kernel(
     # the end (no reduction per tile).
     row_terms = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     col_terms = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    first, n_tiles = _split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
+    first, n_tiles = split_tiles(split, n_cols, BLOCK_N, SPLIT_TILES)
     offsets = tl.arange(0, BLOCK_N)
-    raw = _load_raw(row_ptrs, rows, first * BLOCK_N + offsets, n_rows, n_cols, EVEN_M, EVEN_N)
+    raw = load_scores(row_ptrs, rows, first * BLOCK_N + offsets, n_rows, n_cols, EVEN_M, EVEN_N)
     for t in range(0, n_tiles):
         c0 = (first + t) * BLOCK_N
         cols = c0 + offsets
         ahead = (first + tl.minimum(t + 1, n_tiles - 1)) * BLOCK_N + offsets  # the next tile, loaded now
-        raw_ahead = _load_raw(row_ptrs, rows, ahead, n_rows, n_cols, EVEN_M, EVEN_N)
+        raw_ahead = load_scores(row_ptrs, rows, ahead, n_rows, n_cols, EVEN_M, EVEN_N)
         s = masked_scores(raw, scale, rows, cols, n_rows, n_cols, not EVEN_M, not EVEN_N)
         has_pos = holds_positive(lo, hi, c0, BLOCK_N, True)
         is_pos = cols[None, :] == pos[:, None]
@@ -353,11 +328,7 @@ def _chunk_grad_kernel(
             ds += dc
         else:
             row_terms += ds * raw
-        value = round_operand(ds * factor, OPERAND)
-        if EVEN_M and EVEN_N:
-            tl.store(ds_ptrs + cols[None, :], value)
-        else:
-            tl.store(ds_ptrs + cols[None, :], value, mask=row_in[:, None] & (cols[None, :] < n_cols))
+        store_scores(ds_ptrs, rows, cols, round_operand(ds * factor, OPERAND), n_rows, n_cols, EVEN_M, EVEN_N)
         raw = raw_ahead
     program = row_block * tl.num_programs(1) + split
     tl.store(dscale_ptr + program, tl.sum(tl.sum(row_terms, axis=1), axis=0))
@@ -367,25 +338,12 @@ def _chunk_grad_kernel(
 # ---- launchers ----------------------------------------------------------------------------------------
 
 
-def _even(n_rows: int, n_cols: int, block_m: int, block_n: int) -> dict:
-    return {"EVEN_M": n_rows % block_m == 0, "EVEN_N": n_cols % block_n == 0}
-
-
-def _unit(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a unit stride in its last dim (the kernels read its rows so; a copy only for such a view)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _splits(n_cols: int, block_n: int) -> int:
-    return triton.cdiv(triton.cdiv(n_cols, block_n), CHUNK_SPLIT_TILES)
-
-
 def launch_programs(kernel: str, n_rows: int, n_cols: int, symmetric: bool) -> int:
     """Programs of one launch of pass ``kernel`` ("stats", "merge", "grad") over a [n_rows, n_cols] chunk."""
     if kernel == "merge":
         return triton.cdiv(n_rows, CHUNK_MERGE_BLOCK) + (triton.cdiv(n_cols, CHUNK_MERGE_BLOCK) if symmetric else 0)
     tile = CHUNK_STATS_TILE if kernel == "stats" else CHUNK_GRAD_TILE
-    return triton.cdiv(n_rows, tile.block_m) * _splits(n_cols, tile.block_n)
+    return triton.cdiv(n_rows, tile.block_m) * column_splits(n_cols, tile.block_n, CHUNK_SPLIT_TILES)
 
 
 def chunk_stats(
@@ -404,30 +362,21 @@ def chunk_stats(
     Returns the column stats (``cols`` itself where given), or None."""
     n_rows, n_cols = raw.shape
     assert raw.stride(1) == 1 and rows_out.stride(1) == 1, "the passes read rows of contiguous columns"
-    block_m, block_n = CHUNK_STATS_TILE.block_m, CHUNK_STATS_TILE.block_n
-    row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
+    grid, tile_args = tile_pass(raw, CHUNK_STATS_TILE, CHUNK_SPLIT_TILES)
+    row_blocks, splits = grid
     row_parts = torch.empty(3, splits, n_rows, dtype=torch.float32, device=raw.device)
     col_parts = torch.empty(2, row_blocks, n_cols, dtype=torch.float32, device=raw.device) if symmetric else None
-    _chunk_stats_kernel[(row_blocks, splits)](
-        raw_ptr=raw,
+    _chunk_stats_kernel[grid](
         scale_ptr=scale,
-        pos_ptr=_unit(pos),
+        pos_ptr=unit_rows(pos),
         rows_ptr=row_parts,
         cols_ptr=col_parts,
-        n_rows=n_rows,
-        n_cols=n_cols,
-        stride_raw=raw.stride(0),
         stride_rows_stat=row_parts.stride(0),
         stride_rows_part=row_parts.stride(1),
         stride_cols_stat=col_parts.stride(0) if symmetric else 0,
         stride_cols_part=col_parts.stride(1) if symmetric else 0,
         SYMMETRIC=symmetric,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        SPLIT_TILES=CHUNK_SPLIT_TILES,
-        **_even(n_rows, n_cols, block_m, block_n),
-        num_warps=CHUNK_STATS_TILE.num_warps,
-        **COMPILE_OPTIONS,
+        **tile_args,
     )
     accumulate = cols is not None
     if symmetric and not accumulate:
@@ -460,9 +409,6 @@ def chunk_stats(
     return cols if symmetric else None
 
 
-_OPERANDS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def chunk_grad(
     raw: torch.Tensor,
     ds: torch.Tensor,
@@ -479,17 +425,14 @@ def chunk_grad(
     ``ds``'s dtype: the operand's on a GPU, float32 holding the rounded values for the CPU products) and returns
     the scale gradient's (row, column) parts ``[2]``, sums of dS * raw. ``factor``: [C] or a 0-d tensor (the scale)
     read with stride 0. ``row_stats`` [2, C], ``g_row`` [C]; symmetric: ``col_stats`` [2, Bk], ``g_col`` [Bk]."""
-    n_rows, n_cols = raw.shape
     assert raw.stride(1) == 1 and ds.stride(1) == 1, "the passes read and write rows of contiguous columns"
-    pos, row_stats, g_row = _unit(pos), _unit(row_stats), _unit(g_row)
+    pos, row_stats, g_row = unit_rows(pos), unit_rows(row_stats), unit_rows(g_row)
     if col_stats is not None:
-        col_stats, g_col = _unit(col_stats), _unit(g_col)
-    block_m, block_n = CHUNK_GRAD_TILE.block_m, CHUNK_GRAD_TILE.block_n
-    row_blocks, splits = triton.cdiv(n_rows, block_m), _splits(n_cols, block_n)
-    parts = torch.empty(2, row_blocks * splits, dtype=torch.float32, device=raw.device)
+        col_stats, g_col = unit_rows(col_stats), unit_rows(g_col)
+    grid, tile_args = tile_pass(raw, CHUNK_GRAD_TILE, CHUNK_SPLIT_TILES)
+    parts = torch.empty(2, grid[0] * grid[1], dtype=torch.float32, device=raw.device)
     symmetric = col_stats is not None
-    _chunk_grad_kernel[(row_blocks, splits)](
-        raw_ptr=raw,
+    _chunk_grad_kernel[grid](
         ds_ptr=ds,
         scale_ptr=scale,
         factor_ptr=factor,
@@ -499,22 +442,14 @@ def chunk_grad(
         col_stats_ptr=col_stats,  # None (never traced) for the one-directional loss
         g_col_ptr=g_col if symmetric else None,
         dscale_ptr=parts,
-        n_rows=n_rows,
-        n_cols=n_cols,
-        stride_raw=raw.stride(0),
         stride_ds=ds.stride(0),
         stride_factor=factor.stride(0) if factor.dim() else 0,
         stride_row_stat=row_stats.stride(0),
         stride_col_stat=col_stats.stride(0) if symmetric else 0,
         stride_dscale=parts.stride(0),
         SYMMETRIC=symmetric,
-        OPERAND=_OPERANDS[operand],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        SPLIT_TILES=CHUNK_SPLIT_TILES,
-        **_even(n_rows, n_cols, block_m, block_n),
-        num_warps=CHUNK_GRAD_TILE.num_warps,
-        **COMPILE_OPTIONS,
+        OPERAND=OPERANDS[operand],
+        **tile_args,
     )
     return parts.sum(dim=1)
 
@@ -523,7 +458,7 @@ def pass_bytes(n_rows: int, n_cols: int, operand: torch.dtype, symmetric: bool) 
     """HBM bytes (forward, backward) of the passes over one chunk: the scores read (and dS written), the partials
     written and read back by the merge, the column stats read and written (the A/B's GB/s)."""
     block_m, block_n = CHUNK_STATS_TILE.block_m, CHUNK_STATS_TILE.block_n
-    splits = _splits(n_cols, block_n)
+    splits = column_splits(n_cols, block_n, CHUNK_SPLIT_TILES)
     forward = n_rows * n_cols * 4 + 2 * 12 * splits * n_rows + 12 * n_rows
     if symmetric:
         forward += 2 * 8 * triton.cdiv(n_rows, block_m) * n_cols + 16 * n_cols

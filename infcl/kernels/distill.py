@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import Tensor
-from .kernel_args import matrix_args, tf32_operands
-from .rank import launch_args, program_lines, tile_at
+from ..contract import DISTILL_ROWS, Tensor
+from ..op_fakes import dscale_fake, stats_fake
+from .kernel_args import launch_args, matrix_args, tf32_operands
+from .rank import program_lines, tile_at
 from .registration import register_op, wrap
 from .score_tiles import (
     Dot,
@@ -339,18 +340,13 @@ def _forward(
         (False, args["n_q"], tiling.forward.block_m),
         (True, args["n_k"], tiling.forward.block_n),
     )[: 2 if symmetric else 1]:
-        packed = torch.empty(5, n, dtype=acc, device=q.device)
+        packed = torch.empty(DISTILL_ROWS, n, dtype=acc, device=q.device)
         wrap(_distill_forward_kernel)[(triton.cdiv(n, block_size),)](out_ptr=packed, BY_COLUMN=by_column, **args)
         packed[1:4:2].log1p_()  # rest -> r = log1p(rest) (-inf for the empty set), the student's and the teacher's
         out.append(packed)
     if not symmetric:
-        out.append(torch.empty(5, 0, dtype=acc, device=q.device))
+        out.append(torch.empty(DISTILL_ROWS, 0, dtype=acc, device=q.device))
     return tuple(out)
-
-
-def _forward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, symmetric, precision):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(5, q.shape[0], dtype=acc), q.new_empty(5, k.shape[0] if symmetric else 0, dtype=acc)
 
 
 def _backward(
@@ -395,16 +391,10 @@ def _backward(
     return partials.sum(dim=0)
 
 
-def _backward_fake(
-    q, k, scale, teacher_q, teacher_k, teacher_scale, row_stats, g_row, col_stats, g_col, dq, dk, precision
-):
-    return q.new_empty(2, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-
-
 # The block steps as custom ops, registered as the loss kernels' are (:func:`.registration.register_op`), with the
 # native kernel's schemas (csrc/distill.cpp) but the scales as 0-d tensors (no host sync) and ``precision``
 # ("" for None): torch.ops.infcl.triton_distill_forward_block -> (rows [5, Bq], cols [5, Bk] or [5, 0]),
 # packed (m, r, mT, rT, cross); torch.ops.infcl.triton_distill_backward_block(..., row_stats [4, Bq]
 # (m, r, mT, rT), g_row, col_stats, g_col (None: one direction), dq!, dk!, precision) -> dscale [2].
-forward_op = register_op("triton_distill_forward_block", _forward, _forward_fake)
-backward_op = register_op("triton_distill_backward_block", _backward, _backward_fake, ("dq", "dk"))
+forward_op = register_op("triton_distill_forward_block", _forward, stats_fake(DISTILL_ROWS, DISTILL_ROWS, 6))
+backward_op = register_op("triton_distill_backward_block", _backward, dscale_fake, ("dq", "dk"))

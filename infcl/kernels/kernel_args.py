@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 
 from ..contract import MaskOptions
-from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, operand_class_of
+from .configs import DOT_PRECISIONS, FEATURE_CHUNKS, MIN_DOT, TENSOR_CORE_CLASSES, Tiling, operand_class_of
 from .env import INTERPRETED
+from .tiling import target_tiling
 
 
 def torch_matmul_precision() -> str:
@@ -160,8 +161,9 @@ def even_blocks(n_q: int, n_k: int, block_m: int, block_n: int) -> dict:
 
 
 def feature_chunks(dim: int, block_d: int) -> dict:
-    """ONE_CHUNK: D fits one feature chunk (held in registers); EVEN_D: D is a whole number of chunks."""
-    return {"ONE_CHUNK": dim <= block_d, "EVEN_D": dim % block_d == 0}
+    """BLOCK_D, the feature chunk; ONE_CHUNK: D fits one chunk (held in registers); EVEN_D: D is a whole number of
+    chunks."""
+    return {"BLOCK_D": block_d, "ONE_CHUNK": dim <= block_d, "EVEN_D": dim % block_d == 0}
 
 
 def matrix_args(name: str, x) -> dict:
@@ -169,3 +171,32 @@ def matrix_args(name: str, x) -> dict:
     ``stride_<name>0`` / ``stride_<name>1`` (the last two dimensions'). Inside, the entry packs them into one
     :class:`infcl.kernels.score_tiles.Matrix`."""
     return {f"{name}_ptr": x, f"stride_{name}0": x.stride(-2), f"stride_{name}1": x.stride(-1)}
+
+
+def qk_args(q, k) -> dict:
+    """q [Bq, D] and k [Bk, D] as every kernel entry takes them, flat: the sizes ``n_q``, ``n_k``, ``D`` and each
+    one's :func:`matrix_args`."""
+    return dict(n_q=q.shape[0], n_k=k.shape[0], D=q.shape[1], **matrix_args("q", q), **matrix_args("k", k))
+
+
+def launch_args(q, k, precision: Optional[str], family: str = "rank", tiling: Optional[Tiling] = None):
+    """(arguments, tiling) of a kernel over one S tile per program with no mask options (the ranks', distillation's,
+    top-k's, the sigmoid forward's): q and k (:func:`qk_args`, TF32-rounded at "tf32"), the forward config's S
+    tile and feature chunk, the dtype options and the compile options; ``tiling`` the caller's, else kernel
+    ``family``'s on the active target (:func:`infcl.kernels.tiling.target_tiling`: "rank", the ranks' and
+    distillation's; "topk"; "sigmoid"; "matryoshka")."""
+    opts = launch_options(q.dtype, precision)
+    q, k = tf32_operands(opts["PRECISION"], q, k)
+    if tiling is None:
+        tiling = target_tiling(family, q.dtype, opts["PRECISION"])
+    cfg = tiling.forward
+    args = dict(
+        **qk_args(q, k),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=tiling.block_d(q.shape[1]),
+        **cfg.launch_options(),
+        **opts,
+        **COMPILE_OPTIONS,
+    )
+    return args, tiling

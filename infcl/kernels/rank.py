@@ -29,12 +29,11 @@ import triton
 import triton.language as tl
 
 from ..contract import NO_INDEX, Ahead, Best, Tensor
-from .configs import Tiling
-from .kernel_args import COMPILE_OPTIONS, launch_options, matrix_args, tf32_operands
+from ..op_fakes import ahead_counts_fake, best_positives_fake
+from .kernel_args import launch_args
 from .registration import register_op, wrap
 from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 from .tile_stats import positive_span
-from .tiling import target_tiling
 
 # infcl.contract.NO_INDEX where the kernels see it (a module-level value inside @triton.jit must be a constexpr).
 NO_BEST = tl.constexpr(NO_INDEX)
@@ -93,7 +92,6 @@ def _best_positives_kernel(
     stride_k0,
     stride_k1,
     BY_COLUMN: tl.constexpr,
-    ANY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -101,6 +99,7 @@ def _best_positives_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    ANY: tl.constexpr = q_ids_ptr is not None  # the positives: the ids' matches, else pos
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
     best = tl.full(lines.shape, float("-inf"), ACC)
     best_index = tl.full(lines.shape, NO_BEST, tl.int64)
@@ -168,7 +167,6 @@ def _ahead_counts_kernel(
     stride_k0,
     stride_k1,
     BY_COLUMN: tl.constexpr,
-    EXCLUDE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -176,6 +174,7 @@ def _ahead_counts_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    EXCLUDE: tl.constexpr = q_ids_ptr is not None  # equal ids are never ahead
     lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
     ahead = tl.zeros(lines.shape, tl.int32)
     bad = tl.zeros(lines.shape, tl.int32)
@@ -214,38 +213,14 @@ def _ahead_counts_kernel(
     tl.store(nonfinite_ptr + lines, bad.to(tl.int64), mask=ok)
 
 
-def _walks(q: Tensor, k: Tensor, symmetric: bool, tiling: Tiling):
-    """(BY_COLUMN, lines, grid) of the walks a pass makes: the rows', and the columns' when symmetric."""
+def _walks(q: Tensor, k: Tensor, symmetric: bool, precision: str, launch, empty) -> tuple:
+    """A pass's outputs, flat: ``launch(args, by_column, n, grid)`` (the kernel's launch arguments, BY_COLUMN, the
+    walk's lines and grid) for the rows' walk, then for the columns' (``empty`` for the one-directional loss)."""
+    args, tiling = launch_args(q, k, precision or None)
     cfg = tiling.forward
-    out = [(False, q.shape[0], triton.cdiv(q.shape[0], cfg.block_m))]
-    if symmetric:
-        out.append((True, k.shape[0], triton.cdiv(k.shape[0], cfg.block_n)))
-    return out
-
-
-def launch_args(q: Tensor, k: Tensor, precision: Optional[str], family: str = "rank") -> Tuple[dict, Tiling]:
-    """The launch arguments every rank, distillation and top-k kernel takes (q and k, their sizes and strides, the
-    S tile, tl.dot's precision, the compile options) and the tiling of kernel ``family`` ("rank": the ranks' and
-    the distillation loss's, :func:`infcl.kernels.tiling.rank_tiling`; "topk": :func:`~.tiling.topk_tiling`;
-    "matryoshka": :func:`~.tiling.matryoshka_tiling`)."""
-    opts = launch_options(q.dtype, precision)
-    q, k = tf32_operands(opts["PRECISION"], q, k)
-    tiling = target_tiling(family, q.dtype, opts["PRECISION"])
-    cfg = tiling.forward
-    args = dict(
-        n_q=q.shape[0],
-        n_k=k.shape[0],
-        D=q.shape[1],
-        **matrix_args("q", q),
-        **matrix_args("k", k),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=tiling.block_d(q.shape[1]),
-        **cfg.launch_options(),
-        **opts,
-        **COMPILE_OPTIONS,
-    )
-    return args, tiling
+    rows = launch(args, False, q.shape[0], triton.cdiv(q.shape[0], cfg.block_m))
+    cols = launch(args, True, k.shape[0], triton.cdiv(k.shape[0], cfg.block_n)) if symmetric else empty
+    return (*rows, *cols)
 
 
 def _best_positives(
@@ -259,37 +234,25 @@ def _best_positives(
     k_ids: Optional[Tensor],
     precision: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    args, tiling = launch_args(q, k, precision or None)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    ids = dict(q_ids_ptr=q_ids if q_ids is not None else pos, k_ids_ptr=k_ids if k_ids is not None else pos)
-    out = []
-    for by_column, n, grid in _walks(q, k, symmetric, tiling):
-        best = Best(
-            torch.empty(n, dtype=acc, device=q.device),
-            torch.empty(n, dtype=torch.int64, device=q.device),
-            torch.empty(n, dtype=torch.int64, device=q.device),
-        )
+
+    def launch(args, by_column, n, grid) -> Best:
+        best = Best(*(torch.empty(n, dtype=dtype, device=q.device) for dtype in (acc, torch.int64, torch.int64)))
         wrap(_best_positives_kernel)[(grid,)](
             pos_ptr=pos.contiguous(),
+            q_ids_ptr=q_ids,
+            k_ids_ptr=k_ids,
             row_index_ptr=row_index.contiguous(),
             col_index_ptr=col_index.contiguous(),
             score_ptr=best.score,
             best_ptr=best.index,
             count_ptr=best.count,
             BY_COLUMN=by_column,
-            ANY=q_ids is not None,
-            **ids,
             **args,
         )
-        out.extend(best)
-    if not symmetric:
-        out.extend(Best.empty(0, acc, q.device))
-    return tuple(out)
+        return best
 
-
-def _best_positives_fake(q, k, pos, row_index, col_index, symmetric, q_ids, k_ids, precision):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (*Best.empty(q.shape[0], acc, q.device), *Best.empty(k.shape[0] if symmetric else 0, acc, q.device))
+    return _walks(q, k, symmetric, precision, launch, Best.empty(0, acc, q.device))
 
 
 def _ahead_counts(
@@ -305,34 +268,24 @@ def _ahead_counts(
     k_ids: Optional[Tensor],
     precision: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    args, tiling = launch_args(q, k, precision or None)
-    symmetric = col_score is not None
-    ids = dict(q_ids_ptr=q_ids if q_ids is not None else row_index, k_ids_ptr=k_ids if k_ids is not None else col_index)
-    out = []
-    for (by_column, n, grid), (score, best) in zip(
-        _walks(q, k, symmetric, tiling), ((row_score, row_best), (col_score, col_best))
-    ):
+    def launch(args, by_column, n, grid) -> Ahead:
         counts = Ahead.empty(n, q.device)
+        score, best = (col_score, col_best) if by_column else (row_score, row_best)
         wrap(_ahead_counts_kernel)[(grid,)](
             score_ptr=score.contiguous(),
             best_ptr=best.contiguous(),
+            q_ids_ptr=q_ids,
+            k_ids_ptr=k_ids,
             row_index_ptr=row_index.contiguous(),
             col_index_ptr=col_index.contiguous(),
             ahead_ptr=counts.ahead,
             nonfinite_ptr=counts.nonfinite,
             BY_COLUMN=by_column,
-            EXCLUDE=q_ids is not None,
-            **ids,
             **args,
         )
-        out.extend(counts)
-    if not symmetric:
-        out.extend(Ahead.empty(0, q.device))
-    return tuple(out)
+        return counts
 
-
-def _ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_index, col_index, q_ids, k_ids, precision):
-    return (*Ahead.empty(q.shape[0], q.device), *Ahead.empty(k.shape[0] if col_score is not None else 0, q.device))
+    return _walks(q, k, col_score is not None, precision, launch, Ahead.empty(0, q.device))
 
 
 # The two passes as custom ops, registered as the loss kernels' block steps are (:func:`.registration.register_op`):
@@ -340,8 +293,8 @@ def _ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_index
 # ``precision``: "" for None) -> (row score, index, count, column score, index, count; the columns' empty
 # unless symmetric), torch.ops.infcl.triton_rank_ahead_counts -> (row ahead, nonfinite, column ahead,
 # nonfinite). The ids are None unless they decide the positives (pass 1) or what is never ahead (pass 2).
-best_positives_op = register_op("triton_rank_best_positives", _best_positives, _best_positives_fake)
-ahead_counts_op = register_op("triton_rank_ahead_counts", _ahead_counts, _ahead_counts_fake)
+best_positives_op = register_op("triton_rank_best_positives", _best_positives, best_positives_fake)
+ahead_counts_op = register_op("triton_rank_ahead_counts", _ahead_counts, ahead_counts_fake)
 
 
 def best_positives(

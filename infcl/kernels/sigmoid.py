@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..op_fakes import dscale_fake, row_fake
 from .configs import Tiling
-from .kernel_args import COMPILE_OPTIONS, launch_options, matrix_args, tf32_operands
+from .kernel_args import COMPILE_OPTIONS, launch_args, launch_options, matrix_args, tf32_operands
 from .registration import register_op, wrap
 from .score_tiles import PTX, Dot, Matrix, Tile, dot_operand, load_tile, score_chunks, tile_dot
 from .tiling import SIGMOID_TILINGS, target_tiling
@@ -287,30 +288,17 @@ def siglip_forward(
     inside a triton_op). ``q_ids`` [Bq], ``k_ids`` [Bk] (both or neither): every column with the row's id is a
     positive, pos unread.
     """
-    opts = launch_options(q.dtype, precision)
-    q, k = tf32_operands(opts["PRECISION"], q, k)
+    args, tiling = launch_args(q, k, precision, "sigmoid", tiling)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    n_q, dim = q.shape
-    tiling = _pick(tiling, q.dtype, opts["PRECISION"])
-    cfg = tiling.forward
+    n_q = q.shape[0]
     out = torch.empty(n_q, dtype=acc, device=q.device)
-    wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, cfg.block_m),)](
+    wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, tiling.forward.block_m),)](
         pos_ptr=pos.contiguous(),
         q_ids_ptr=_ids(q_ids),
         k_ids_ptr=_ids(k_ids),
         params_ptr=_params(scale, bias, acc),
         out_ptr=out,
-        n_q=n_q,
-        n_k=k.shape[0],
-        D=dim,
-        **matrix_args("q", q),
-        **matrix_args("k", k),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=tiling.block_d(dim),
-        **cfg.launch_options(),
-        **opts,
-        **COMPILE_OPTIONS,
+        **args,
     )
     return out
 
@@ -415,13 +403,5 @@ def _backward_op(
     return siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap, q_ids, k_ids)
 
 
-def _forward_fake(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling):
-    return q.new_empty(q.shape[0], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-
-
-def _backward_fake(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq, dk, precision, tiling):
-    return dq.new_empty(2)
-
-
-sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _forward_op, _forward_fake)
-sigmoid_backward_block = register_op("triton_sigmoid_backward_block", _backward_op, _backward_fake, ("dq", "dk"))
+sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _forward_op, row_fake)
+sigmoid_backward_block = register_op("triton_sigmoid_backward_block", _backward_op, dscale_fake, ("dq", "dk"))

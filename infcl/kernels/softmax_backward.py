@@ -54,6 +54,7 @@ from .kernel_args import (
     launch_options,
     mask_kernel_args,
     matrix_args,
+    qk_args,
     tf32_operands,
 )
 from .softmax_backward_kernels import _backward_kernel
@@ -179,7 +180,6 @@ def softmax_backward(
     # The stats' rows and the positives, as the kernel reads them: each row contiguous.
     row_stats, col_stats = _contiguous(row_stats), _contiguous(col_stats)
     row_positives, col_positives = _contiguous(row_positives), _contiguous(col_positives)
-    block_d = tiling.block_d(dim)
     common = dict(
         scale_ptr=scale,
         pos_ptr=pos,
@@ -188,16 +188,11 @@ def softmax_backward(
         col_stats_ptr=col_stats,
         g_col_ptr=_contiguous(g_col),
         g_max_ptr=g_max,
-        n_q=n_q,
-        n_k=n_k,
-        D=dim,
-        **matrix_args("q", q),
-        **matrix_args("k", k),
+        **qk_args(q, k),
         stride_row_stats=row_stats.stride(0),
         stride_col_stats=col_stats.stride(0) if symmetric else 0,
         SYMMETRIC=symmetric,
-        BLOCK_D=block_d,
-        **feature_chunks(dim, block_d),
+        **feature_chunks(dim, tiling.block_d(dim)),
         PRECISION=opts["PRECISION"],
         **mask_kernel_args(masks, q.dtype, precision),
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),

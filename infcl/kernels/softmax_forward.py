@@ -51,7 +51,7 @@ from .kernel_args import (
     feature_chunks,
     launch_options,
     mask_kernel_args,
-    matrix_args,
+    qk_args,
     tf32_operands,
 )
 from .score_tiles import (
@@ -355,7 +355,6 @@ def softmax_forward(
     cols = None  # the column stats exist only for the symmetric loss
     if symmetric:
         cols = _empty_partials(MASKED_ROWS if masked else 2, plan.groups, n_k, acc, q.device)
-    block_d = tiling.block_d(dim)
     args = dict(
         # One direction: an empty placeholder for the column partials, never read (Triton 3.4's autotuner
         # clones every restore_value argument, and fails on None).
@@ -363,18 +362,13 @@ def softmax_forward(
         pos_ptr=pos,
         rows_ptr=rows,
         cols_ptr=rows[:, :0] if cols is None else cols,
-        n_q=n_q,
-        n_k=n_k,
-        D=dim,
-        **matrix_args("q", q),
-        **matrix_args("k", k),
+        **qk_args(q, k),
         stride_rows_stat=rows.stride(0),
         stride_rows_split=rows.stride(1),
         stride_cols_stat=cols.stride(0) if symmetric else 0,
         stride_cols_group=cols.stride(1) if symmetric else 0,
         SYMMETRIC=symmetric,
-        BLOCK_D=block_d,
-        **feature_chunks(dim, block_d),
+        **feature_chunks(dim, tiling.block_d(dim)),
         PRECISION=opts["PRECISION"],
         ROW_TILES=row_tiles,
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),

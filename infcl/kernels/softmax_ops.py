@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..masks import MASKED_ROWS, MaskOptions
+from ..op_fakes import dscale_fake, guide_scores_fake, stats_fake
 from . import softmax_backward, softmax_forward, softmax_guide_scores
 from .configs import Tiling, autotuning
 from .registration import register_op, wrap
@@ -214,75 +215,11 @@ def _guide_label_scores(
     return softmax_guide_scores.guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision or None, wrap=wrap)
 
 
-def _accum(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _forward_fake(q, k, scale, pos, symmetric, precision, tiling):
-    return q.new_empty(3, q.shape[0], dtype=_accum(q)), q.new_empty(2, k.shape[0] if symmetric else 0, dtype=_accum(q))
-
-
-def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, precision, tiling):
-    return dq.new_empty(2)
-
-
-def _masked_forward_fake(
-    q,
-    k,
-    scale,
-    pos,
-    symmetric,
-    q_ids,
-    k_ids,
-    guide_q,
-    guide_k,
-    row_threshold,
-    col_threshold,
-    multi_positive,
-    precision,
-    tiling,
-):
-    cols = k.shape[0] if symmetric else 0
-    return q.new_empty(MASKED_ROWS, q.shape[0], dtype=_accum(q)), q.new_empty(MASKED_ROWS, cols, dtype=_accum(q))
-
-
-def _masked_backward_fake(
-    q,
-    k,
-    scale,
-    pos,
-    row_stats,
-    g_row,
-    col_stats,
-    g_col,
-    row_positives,
-    col_positives,
-    q_ids,
-    k_ids,
-    guide_q,
-    guide_k,
-    row_threshold,
-    col_threshold,
-    multi_positive,
-    dq,
-    dk,
-    precision,
-    tiling,
-):
-    return dq.new_empty(2)
-
-
-def _guide_label_scores_fake(guide_q, guide_k, pos, feature_dtype, precision):
-    return guide_q.new_empty(guide_q.shape[0])
-
-
-forward_block = register_op("triton_forward_block", _forward, _forward_fake)
-backward_block = register_op("triton_backward_block", _backward, _backward_fake, ("dq", "dk"))
-masked_forward_block = register_op("triton_masked_forward_block", _masked_forward, _masked_forward_fake)
-masked_backward_block = register_op(
-    "triton_masked_backward_block", _masked_backward, _masked_backward_fake, ("dq", "dk")
-)
-guide_label_scores = register_op("triton_guide_label_scores", _guide_label_scores, _guide_label_scores_fake)
+forward_block = register_op("triton_forward_block", _forward, stats_fake(3, 2))
+backward_block = register_op("triton_backward_block", _backward, dscale_fake, ("dq", "dk"))
+masked_forward_block = register_op("triton_masked_forward_block", _masked_forward, stats_fake(MASKED_ROWS, MASKED_ROWS))
+masked_backward_block = register_op("triton_masked_backward_block", _masked_backward, dscale_fake, ("dq", "dk"))
+guide_label_scores = register_op("triton_guide_label_scores", _guide_label_scores, guide_scores_fake)
 
 
 def gemm_equivalents(

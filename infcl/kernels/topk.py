@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from ..contract import NO_INDEX
-from .rank import launch_args
+from ..op_fakes import in_place_fake
+from .kernel_args import launch_args
 from .registration import register_op, wrap
 from .score_tiles import Dot, Matrix, Tile, load_vector, score_chunks
 
@@ -178,11 +179,7 @@ def _topk_block(
     )
 
 
-def _topk_block_fake(q, k, col_index, key, index, nan, largest, pos, q_ids, k_ids, precision) -> None:
-    return None
-
-
 # torch.ops.infcl.triton_topk_block_, registered as the loss kernels' block steps are
 # (:func:`.registration.register_op`): the native kernel's topk_block_ (csrc/topk.cpp) plus ``precision`` ("" for
 # None), continuing key / index / nan in place; the lists come back unsorted.
-topk_block_op = register_op("triton_topk_block_", _topk_block, _topk_block_fake, mutates=("key", "index", "nan"))
+topk_block_op = register_op("triton_topk_block_", _topk_block, in_place_fake, mutates=("key", "index", "nan"))

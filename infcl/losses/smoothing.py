@@ -53,7 +53,6 @@ from .softmax import (
     MaskedUpstream,
     SoftmaxPartials,
     SoftmaxSteps,
-    SoftmaxUpstream,
     _finite,
     _nan_unless,
     _poison,
@@ -112,19 +111,11 @@ class SmoothedSoftmaxSteps(SoftmaxSteps):
         col_positive = _scatter_to_columns(rows.positive, block.pos, block.k.shape[0])
         return rows, SmoothedPartials(col_stats, col_positive, col_total, torch.full_like(col_total, q.shape[0]))
 
-    def backward_step(
-        self,
-        backend: BlockBackend,
-        block: Block,
-        rows: SoftmaxUpstream,
-        cols: Optional[SoftmaxUpstream],
-        dq: Tensor,
-        dk: Tensor,
-        k_side=(),
-    ) -> ParamGrads:
-        grads = super().backward_step(backend, block, rows, cols, dq, dk, k_side)
-        own, owner = _smoothing_terms(block, rows, cols, self.eps, self.n_cols, self.n_rows, dq, dk)
-        return ParamGrads(own=grads.own + own, owner=grads.owner + owner)
+    def _backward_block(self, backend: BlockBackend, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        """The plain loss's block gradient plus the smoothing terms (the scale gradient's row and column parts)."""
+        dscale = super()._backward_block(backend, block, dq, dk)
+        own, owner = _smoothing_terms(block, self.eps, self.n_cols, self.n_rows, dq, dk)
+        return dscale + torch.cat((own, owner))
 
     def losses(self, part: SmoothedPartials) -> Tensor:
         return part.losses(self.eps)
@@ -134,19 +125,12 @@ class SmoothedSoftmaxSteps(SoftmaxSteps):
 
 
 def _smoothing_terms(
-    block: Block,
-    rows: SoftmaxUpstream,
-    cols: Optional[SoftmaxUpstream],
-    eps: float,
-    n_cols: int,
-    n_rows: int,
-    dq: Tensor,
-    dk: Tensor,
+    block: Block, eps: float, n_cols: int, n_rows: int, dq: Tensor, dk: Tensor
 ) -> Tuple[Tensor, Tensor]:
-    """Add the block's g * eps * Y - g * eps / n terms to dq, dk in place; return the scale gradient's
-    (rows' part [1], columns' part [1]). Few passes over the [n, D] operands: one gather, one row-wise dot,
-    two sums, two matrix-vector products, and one update of each of dq and dk per kind of term (the rank-one
-    terms of both directions as one rank-two ``addmm_``)."""
+    """Add the block's g * eps * Y - g * eps / n terms to dq, dk in place (g: the block's ``g_row`` and, symmetric,
+    ``g_col``); return the scale gradient's (rows' part [1], columns' part [1]). Few passes over the [n, D]
+    operands: one gather, one row-wise dot, two sums, two matrix-vector products, and one update of each of dq and
+    dk per kind of term (the rank-one terms of both directions as one rank-two ``addmm_``)."""
     acc, scale = dq.dtype, block.scale
     q, k = block.q.to(acc), block.k.to(acc)
     inside = block.pos >= 0
@@ -155,18 +139,18 @@ def _smoothing_terms(
     raw_pos = torch.bmm(q[:, None, :], k_pos[:, :, None]).view(-1)  # q_i . k_pos (batched dots: one pass)
     k_sum, q_sum = _column_sums(k), _column_sums(q)
 
-    w = torch.where(inside, rows.grad * eps, 0.0)  # dS[i, pos_i] += eps * g_i
-    u_row = rows.grad * (eps / n_cols)  # dS[i, :] -= eps * g_i / n
+    w = torch.where(inside, block.g_row * eps, 0.0)  # dS[i, pos_i] += eps * g_i
+    u_row = block.g_row * (eps / n_cols)  # dS[i, :] -= eps * g_i / n
     q_u = torch.mv(q.T, u_row)  # sum_i u_i q_i
     own = (w * raw_pos).sum() - torch.dot(q_u, k_sum)
     owner = torch.zeros((), dtype=acc, device=dq.device)
     # dq -= scale * (u_row (x) k_sum [+ 1 (x) k^T u_col]); dk -= scale * (1 (x) q^T u_row [+ u_col (x) q_sum])
     dq_left, dq_right = [u_row], [k_sum]
     dk_left, dk_right = [torch.ones_like(k_sum[:1]).expand(k.shape[0])], [q_u]
-    if cols is not None:
-        w = w + torch.where(inside, cols.grad.index_select(0, idx) * eps, 0.0)  # dS[i, pos_i] += eps * g_col
-        w_col = w - torch.where(inside, rows.grad * eps, 0.0)
-        u_col = cols.grad * (eps / n_rows)  # dS[:, j] -= eps * g_col_j / n
+    if block.g_col is not None:
+        w = w + torch.where(inside, block.g_col.index_select(0, idx) * eps, 0.0)  # dS[i, pos_i] += eps * g_col
+        w_col = w - torch.where(inside, block.g_row * eps, 0.0)
+        u_col = block.g_col * (eps / n_rows)  # dS[:, j] -= eps * g_col_j / n
         k_u = torch.mv(k.T, u_col)  # sum_j u_col_j k_j
         owner = (w_col * raw_pos).sum() - torch.dot(k_u, q_sum)
         dq_left.append(torch.ones_like(u_row))

@@ -146,8 +146,13 @@ class SoftmaxSteps:
         fields = self._fields(rows, "row")
         if cols is not None:
             fields.update(self._fields(cols, "col"))
-        dscale = backend.backward_block(self._block(block, k_side, **fields), dq, dk)
+        dscale = self._backward_block(backend, self._block(block, k_side, **fields), dq, dk)
         return ParamGrads(own=dscale[:1], owner=dscale[1:])  # the rows' term, the columns' term
+
+    @staticmethod
+    def _backward_block(backend: BlockBackend, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        """The backend's backward block operation for this loss's blocks (MaxSim: its own)."""
+        return backend.backward_block(block, dq, dk)
 
     # What the autograd Function calls with a forward result (infcl.function).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -164,19 +164,14 @@ class MiningPlan:
                 f"after skipping the first range_min={range_min} of range_max={range_max}. Consider decreasing "
                 "num_negatives or range_min, or increasing range_max."
             )
-        return cls(
+        resolved = dict(
+            args,
             anchor_column_name=anchor,
             positive_column_name=positive,
-            range_min=range_min,
             range_max=range_max,
-            max_score=max_score,
-            min_score=min_score,
             absolute_margin=absolute_margin,
-            relative_margin=relative_margin,
-            num_negatives=num_negatives,
-            sampling_strategy=sampling_strategy,
-            include_positives=args["include_positives"],
             output_format=output_format,
             output_scores=output_scores,
             positives_per_query=positives_per_query,
         )
+        return cls(**{field.name: resolved[field.name] for field in fields(cls)})

@@ -29,8 +29,17 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ...contract import accum_dtype
+from ...contract import DISTILL_ROWS
 from ...masks import KEPT_ROWS, MASKED_ROWS
+from ...op_fakes import (
+    ahead_counts_fake,
+    best_positives_fake,
+    dscale_fake,
+    guide_scores_fake,
+    in_place_fake,
+    row_fake,
+    stats_fake,
+)
 
 EXTENSION_PREFIX = "infcl_cpu"
 DISABLE_VAR = "INFCL_NATIVE"  # INFCL_NATIVE=0 turns the native backend off
@@ -231,115 +240,32 @@ def torch_ops():
 # ---- the ops' fake (shape-only) impls ------------------------------------------------------------
 # The C++ library defines the ops' schemas (TORCH_LIBRARY in csrc/); torch.compile and FakeTensor need a
 # Python impl that gives only the output shapes and dtypes. torch refuses a fake for an op that is not
-# defined yet, so these are registered right after the library loads, by :func:`load_error`.
+# defined yet, so these are registered right after the library loads, by :func:`load_error`. They are the Triton
+# ops' fakes too (:mod:`infcl.op_fakes`).
+
+KEPT_SUMS_AT = 10  # masked_forward_block's kept_sums among the arguments after q and k (schema default False)
 
 
-def _forward_fake(q, k, scale, pos, symmetric):
-    acc = accum_dtype(q.dtype)
-    return q.new_empty(3, q.shape[0], dtype=acc), q.new_empty(2, k.shape[0] if symmetric else 0, dtype=acc)
-
-
-def _backward_fake(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk):
-    return q.new_empty(2, dtype=accum_dtype(q.dtype))
-
-
-def _masked_forward_fake(
-    q,
-    k,
-    scale,
-    pos,
-    symmetric,
-    multi_positive,
-    q_ids,
-    k_ids,
-    guide_q,
-    guide_k,
-    row_threshold,
-    col_threshold,
-    kept_sums=False,
-):
-    acc, n = accum_dtype(q.dtype), KEPT_ROWS if kept_sums else MASKED_ROWS
-    return q.new_empty(n, q.shape[0], dtype=acc), q.new_empty(n, k.shape[0] if symmetric else 0, dtype=acc)
-
-
-def _masked_backward_fake(
-    q,
-    k,
-    scale,
-    pos,
-    row_stats,
-    g_row,
-    col_stats,
-    g_col,
-    multi_positive,
-    q_ids,
-    k_ids,
-    guide_q,
-    guide_k,
-    row_threshold,
-    col_threshold,
-    row_pos_count,
-    row_pos_stats,
-    col_pos_count,
-    col_pos_stats,
-    dq,
-    dk,
-    row_uniform=None,
-    col_uniform=None,
-):
-    return q.new_empty(2, dtype=accum_dtype(q.dtype))
-
-
-def _guide_label_scores_fake(guide_q, guide_k, pos):
-    return guide_q.new_empty(guide_q.shape[0])
-
-
-def _sigmoid_forward_fake(q, k, scale, pos, bias, q_ids=None, k_ids=None):
-    return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
-
-
-def _sigmoid_backward_fake(q, k, scale, pos, bias, g_row, dq, dk, q_ids=None, k_ids=None):
-    return q.new_empty(2, dtype=accum_dtype(q.dtype))
-
-
-def _distill_forward_fake(q, k, scale, teacher_q, teacher_k, teacher_scale, symmetric):
-    acc = accum_dtype(q.dtype)
-    return q.new_empty(5, q.shape[0], dtype=acc), q.new_empty(5, k.shape[0] if symmetric else 0, dtype=acc)
-
-
-def _distill_backward_fake(
-    q, k, scale, teacher_q, teacher_k, teacher_scale, row_stats, g_row, col_stats, g_col, dq, dk
-):
-    return q.new_empty(2, dtype=accum_dtype(q.dtype))
-
-
-def _rank_best_positives_fake(q, k, pos, row_index, col_index, symmetric, q_ids, k_ids):
-    acc, cols = accum_dtype(q.dtype), k.shape[0] if symmetric else 0
-    return tuple(q.new_empty(n, dtype=dtype) for n in (q.shape[0], cols) for dtype in (acc, torch.int64, torch.int64))
-
-
-def _rank_ahead_counts_fake(q, k, row_score, row_best, col_score, col_best, row_index, col_index, q_ids, k_ids):
-    cols = k.shape[0] if col_score is not None else 0
-    return tuple(q.new_empty(n, dtype=torch.int64) for n in (q.shape[0], q.shape[0], cols, cols))
-
-
-def _topk_block_fake(q, k, col_index, key, index, nan, largest, pos, q_ids, k_ids) -> None:
-    return None  # continues key, index and nan in place
+def _masked_forward_fake(q, k, *args, kept_sums=False):
+    """masked_forward_block's: [6, n] partials, [8, n] with kept_sums (label smoothing's kept logits' sums)."""
+    kept_sums = args[KEPT_SUMS_AT] if len(args) > KEPT_SUMS_AT else kept_sums
+    rows = KEPT_ROWS if kept_sums else MASKED_ROWS
+    return stats_fake(rows, rows)(q, k, *args)
 
 
 FAKES = {
-    "infcl::forward_block": _forward_fake,  # csrc/softmax_ops.cpp
-    "infcl::backward_block": _backward_fake,
+    "infcl::forward_block": stats_fake(3, 2),  # csrc/softmax_ops.cpp
+    "infcl::backward_block": dscale_fake,
     "infcl::masked_forward_block": _masked_forward_fake,
-    "infcl::masked_backward_block": _masked_backward_fake,
-    "infcl::guide_label_scores": _guide_label_scores_fake,
-    "infcl::sigmoid_forward_block": _sigmoid_forward_fake,  # csrc/infcl_siglip.cpp
-    "infcl::sigmoid_backward_block": _sigmoid_backward_fake,
-    "infcl::distill_forward_block": _distill_forward_fake,  # csrc/distill.cpp
-    "infcl::distill_backward_block": _distill_backward_fake,
-    "infcl::rank_best_positives": _rank_best_positives_fake,  # csrc/retrieval.cpp
-    "infcl::rank_ahead_counts": _rank_ahead_counts_fake,
-    "infcl::topk_block_": _topk_block_fake,  # csrc/topk.cpp
+    "infcl::masked_backward_block": dscale_fake,
+    "infcl::guide_label_scores": guide_scores_fake,
+    "infcl::sigmoid_forward_block": row_fake,  # csrc/infcl_siglip.cpp
+    "infcl::sigmoid_backward_block": dscale_fake,
+    "infcl::distill_forward_block": stats_fake(DISTILL_ROWS, DISTILL_ROWS, symmetric_at=6),  # csrc/distill.cpp
+    "infcl::distill_backward_block": dscale_fake,
+    "infcl::rank_best_positives": best_positives_fake,  # csrc/retrieval.cpp
+    "infcl::rank_ahead_counts": ahead_counts_fake,
+    "infcl::topk_block_": in_place_fake,  # csrc/topk.cpp
 }
 
 

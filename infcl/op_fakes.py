@@ -1,0 +1,60 @@
+"""The fake (shape-only) impls of the block steps' custom ops, one per output shape, shared by every backend that
+registers ops: the native extension's (:mod:`infcl.backends.native.build`) and the Triton kernels'
+(:mod:`infcl.kernels`). torch.compile and FakeTensor call a fake with the op's arguments in schema order; each
+fake reads only the leading arguments its shapes depend on, which both backends' schemas of an op share, and
+ignores the rest (ids, guides, a backend's own ``precision`` and ``tiling``). Shapes: :mod:`infcl.contract`.
+"""
+
+from typing import Callable
+
+import torch
+
+from .contract import accum_dtype
+
+Tensor = torch.Tensor
+
+
+def stats_fake(rows: int, cols: int, symmetric_at: int = 4) -> Callable:
+    """The fake of a forward step with outputs (row partials [rows, Bq], column partials [cols, Bk]; [cols, 0]
+    unless the argument at position ``symmetric_at`` is true) in the accumulation dtype; q and k come first."""
+
+    def fake(q: Tensor, k: Tensor, *args):
+        acc = accum_dtype(q.dtype)
+        n_cols = k.shape[0] if args[symmetric_at - 2] else 0
+        return q.new_empty(rows, q.shape[0], dtype=acc), q.new_empty(cols, n_cols, dtype=acc)
+
+    return fake
+
+
+def dscale_fake(q: Tensor, *_) -> Tensor:
+    """Every backward step's fake: the scale's (and bias') gradient [2] in the accumulation dtype (dq and dk are
+    updated in place)."""
+    return q.new_empty(2, dtype=accum_dtype(q.dtype))
+
+
+def row_fake(q: Tensor, *_) -> Tensor:
+    """A per-row result [Bq] in the accumulation dtype (the sigmoid forward's row losses)."""
+    return q.new_empty(q.shape[0], dtype=accum_dtype(q.dtype))
+
+
+def guide_scores_fake(guide_q: Tensor, *_) -> Tensor:
+    """Each row's guide score at its positive [Bq], in the guide's dtype."""
+    return guide_q.new_empty(guide_q.shape[0])
+
+
+def best_positives_fake(q: Tensor, k: Tensor, pos, row_index, col_index, symmetric: bool, *_):
+    """The ranks' pass 1 (:class:`infcl.contract.Best` of the rows, then of the columns; [0] unless symmetric)."""
+    acc, cols = accum_dtype(q.dtype), k.shape[0] if symmetric else 0
+    return tuple(q.new_empty(n, dtype=dtype) for n in (q.shape[0], cols) for dtype in (acc, torch.int64, torch.int64))
+
+
+def ahead_counts_fake(q: Tensor, k: Tensor, row_score, row_best, col_score, *_):
+    """The ranks' pass 2 (:class:`infcl.contract.Ahead` of the rows, then of the columns; [0] without column
+    scores)."""
+    cols = k.shape[0] if col_score is not None else 0
+    return tuple(q.new_empty(n, dtype=torch.int64) for n in (q.shape[0], q.shape[0], cols, cols))
+
+
+def in_place_fake(*_) -> None:
+    """An op that only updates its mutable arguments in place (top-k's running lists)."""
+    return None
