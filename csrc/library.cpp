@@ -13,12 +13,13 @@ TORCH_LIBRARY(infcl, m) {
   m.def(
       "masked_forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool symmetric, str? multi_positive, "
       "Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, Tensor? guide_k, Tensor? row_threshold, "
-      "Tensor? col_threshold) -> (Tensor, Tensor)");
+      "Tensor? col_threshold, bool kept_sums=False) -> (Tensor, Tensor)");
   m.def(
       "masked_backward_block(Tensor q, Tensor k, float scale, Tensor pos, Tensor row_stats, Tensor g_row, "
       "Tensor? col_stats, Tensor? g_col, str? multi_positive, Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, "
       "Tensor? guide_k, Tensor? row_threshold, Tensor? col_threshold, Tensor? row_pos_count, "
-      "Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
+      "Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, Tensor(a!) dq, Tensor(b!) dk, "
+      "Tensor? row_uniform=None, Tensor? col_uniform=None) -> Tensor");
   m.def("guide_label_scores(Tensor guide_q, Tensor guide_k, Tensor pos) -> Tensor");
   // every Matryoshka prefix's softmax loss in one pass: softmax_ops.cpp (kernels: matryoshka_*.cpp)
   m.def(

@@ -46,10 +46,17 @@ inline double rescale_factor(T old_max, T new_max) {
 // reads them (contiguous; float32, float64, or bfloat16 on a bf16 GEMM route); brgemm: bfloat16 on the
 // Brgemm route. masks: null for the plain loss.
 
-// rows [3, bq] and cols [2, bk] (plain) or [6, bq] and [6, bk] (masked: the stats over the entries kept,
-// then the positives' max, log-sum relative to it, sum and count); cols [., 0] unless symmetric.
+// Rows of the masked forward's results (infcl/masks.py): MASKED_ROWS, the stats over the entries kept (2),
+// then the positives' max, log-sum relative to it, sum and count; with kept sums (label smoothing's uniform
+// part) KEPT_ROWS, then the sum of the kept logits and their number.
+constexpr int64_t MASKED_ROWS = 6;
+constexpr int64_t KEPT_SUM_ROW = 6;
+constexpr int64_t KEPT_ROWS = 8;
+
+// rows [3, bq] and cols [2, bk] (plain) or [MASKED_ROWS, n] (masked; masks null: the plain loss), [KEPT_ROWS, n]
+// with kept_sums (masked only); cols [., 0] unless symmetric.
 void forward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
-             const MaskArgs* masks, bool brgemm, at::Tensor& rows, at::Tensor& cols);
+             const MaskArgs* masks, bool kept_sums, bool brgemm, at::Tensor& rows, at::Tensor& cols);
 
 // The masked backward's positives of one side: the global count for "mean" ([n]), the stats for "sum"
 // ([2, n]: max, log-sum relative to it); undefined where not needed.
@@ -58,11 +65,14 @@ struct PositiveInputs {
 };
 
 // dq, dk: contiguous, accumulated into; dscale [2] (double): the row and column parts of the scale's
-// gradient. col_stats / g_col undefined for one direction.
+// gradient. col_stats / g_col undefined for one direction. row_uniform [bq] / col_uniform [bk] (masked only,
+// contiguous, accumulation dtype; undefined: none): label smoothing's uniform weights, subtracted from dS on
+// every entry the row (column) keeps; col_uniform defined with row_uniform when col_stats is.
 void backward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
               const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
               const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale, bool brgemm,
-              const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos);
+              const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos,
+              const at::Tensor& row_uniform, const at::Tensor& col_uniform);
 
 }  // namespace softmax
 }  // namespace infcl

@@ -31,20 +31,23 @@ namespace {
 // Masked backward: dS over columns [c0, c1) of one row with exclusions (none of them a positive), as
 // ds_span with each direction's term 0 where that direction excludes the entry (er / ec: one byte per
 // column of the tile). The shared path's row exp is taken before the row's mask, as the columns need it.
-template <Terms terms, typename Acc, typename DS>
+// uniform: each direction's term less its line's uniform weight where it keeps the entry.
+template <Terms terms, bool uniform, typename Acc, typename DS>
 inline void ds_span_masked(int64_t c0, int64_t c1, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
                            Acc row_factor, const ColGrads<Acc>& col, const uint8_t* er, const uint8_t* ec,
                            Acc& acc_row, Acc& acc_col) {
-  const Acc m = row.m, rel = row.rel, g = row.g;
+  const Acc m = row.m, rel = row.rel, g = row.g, u = row.u;
 #pragma omp simd reduction(+ : acc_row, acc_col) simdlen(kLanes<Acc>)
   for (int64_t c = c0; c < c1; ++c) {
     const Acc x = raw[c];
     const Acc e = fast_exp((s[c] - m) - rel);
-    const Acc pr = er[c] ? Acc(0) : g * e;
+    const Acc pr = er[c] ? Acc(0) : (uniform ? g * e - u : g * e);
     Acc v = pr;
     acc_row += pr * x;
     if constexpr (terms != Terms::Rows) {
-      const Acc pc = ec[c] ? Acc(0) : col_term<terms>(s, c, e, row_factor, col);
+      const Acc pc = ec[c] ? Acc(0)
+                           : (uniform ? col_term<terms>(s, c, e, row_factor, col) - col.u[c]
+                                      : col_term<terms>(s, c, e, row_factor, col));
       acc_col += pc * x;
       v += pc;
     }
@@ -82,9 +85,10 @@ inline Acc positive_term(Positives kind, Acc s, Acc m, Acc rel, const PositiveGr
 }
 
 // One row of a masked tile: the spans between its positives (sorted; masked only if the row has an
-// exclusion) and each positive, in column order. Flattened: with the plain and the masked rows in one
+// exclusion) and each positive, in column order (uniform: every kept entry less its lines' uniform weights,
+// a positive's too: it is never excluded). Flattened: with the plain and the masked rows in one
 // caller, GCC stopped inlining fast_exp into these loops, whose scalar calls then cost ~13% of a pass.
-template <Terms terms, typename Acc, typename DS>
+template <Terms terms, bool uniform, typename Acc, typename DS>
 __attribute__((flatten)) inline void ds_masked_row(int64_t nj, const TileMasks& masks, int64_t r, const Acc* raw, const Acc* s, DS* ds,
                           const RowGrad<Acc>& row, Acc row_factor, const ColGrads<Acc>& col,
                           const PositiveGrads<Acc>& row_pos, const PositiveGrads<Acc>& col_pos, Acc& acc_row,
@@ -94,9 +98,9 @@ __attribute__((flatten)) inline void ds_masked_row(int64_t nj, const TileMasks& 
   const uint8_t* ec = masks.col_excluded(r);
   auto span = [&](int64_t c0, int64_t c1) {
     if (any) {
-      ds_span_masked<terms>(c0, c1, raw, s, ds, row, row_factor, col, er, ec, acc_row, acc_col);
+      ds_span_masked<terms, uniform>(c0, c1, raw, s, ds, row, row_factor, col, er, ec, acc_row, acc_col);
     } else {
-      ds_span<terms>(c0, c1, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+      ds_span<terms, uniform>(c0, c1, raw, s, ds, row, row_factor, col, acc_row, acc_col);
     }
   };
   int64_t next = 0;
@@ -104,11 +108,13 @@ __attribute__((flatten)) inline void ds_masked_row(int64_t nj, const TileMasks& 
     const int64_t c = *p;
     span(next, c);
     const Acc x = raw[c];
-    const Acc pr = row.g * positive_term(masks.kind(), s[c], row.m, row.rel, row_pos, r);
+    Acc pr = row.g * positive_term(masks.kind(), s[c], row.m, row.rel, row_pos, r);
+    if constexpr (uniform) pr -= row.u;
     Acc v = pr;
     acc_row += pr * x;
     if constexpr (terms != Terms::Rows) {
-      const Acc pc = col.g[c] * positive_term(masks.kind(), s[c], col.m[c], col.rel[c], col_pos, c);
+      Acc pc = col.g[c] * positive_term(masks.kind(), s[c], col.m[c], col.rel[c], col_pos, c);
+      if constexpr (uniform) pc -= col.u[c];
       acc_col += pc * x;
       v += pc;
     }
@@ -134,6 +140,9 @@ class BackwardLane {
     // The masked loss (null: the plain loss), with the rows' and columns' global positives.
     const MaskArgs* masks = nullptr;
     PositiveGrads<Acc> row_pos{}, col_pos{};
+    // Label smoothing's uniform weights ([bq], and [bk] with col_stats; null: none), masked loss only.
+    const Acc* row_uniform = nullptr;
+    const Acc* col_uniform = nullptr;
     // bfloat16 on the Brgemm route: dq above and each lane's dk are accumulated without the scale (brgemm
     // has no alpha; backward_impl applies it once at the end), dk transposed ([d, bk]); q_t is q.T
     // ([d, ld_t], zero past column bq).
@@ -178,6 +187,7 @@ class BackwardLane {
     scale_tile(raw, s, ni * nj, a_.scale);
     ColGrads<Acc> col;
     if (a_.col_stats) col = {a_.col_stats + j0, a_.col_stats + a_.bk + j0, a_.g_col + j0};
+    if (a_.col_uniform) col.u = a_.col_uniform + j0;
     const bool shared =
         kOneExp<In> && a_.col_stats && shared_.prepare(a_.row_stats + i0, a_.row_stats + a_.bq + i0, ni, col, nj);
     if (shared) col.factor = shared_.col_factors();
@@ -185,7 +195,8 @@ class BackwardLane {
     double tile_row = 0.0, tile_col = 0.0;
     for (int64_t r = 0; r < ni; ++r) {
       const int64_t i = i0 + r;
-      const RowGrad<Acc> row{a_.row_stats[i], a_.row_stats[a_.bq + i], a_.g_row[i]};
+      const RowGrad<Acc> row{a_.row_stats[i], a_.row_stats[a_.bq + i], a_.g_row[i],
+                             a_.row_uniform ? a_.row_uniform[i] : Acc(0)};
       Acc acc_row = 0, acc_col = 0;
       const Acc* raw_r = raw + r * nj;
       const Acc* s_r = s + r * nj;
@@ -217,13 +228,19 @@ class BackwardLane {
   // Row r (global row i) of the tile at key column j0: the plain loss's dS row, or the masked one. A masked
   // row that is the plain loss's (plain_positive) takes ds_row at the plain loss's own call site, so that
   // the compiler cannot lay out its reductions differently: distinct ids give the plain loss bit for bit.
+  // With uniform weights every row is masked (each kept entry takes its weight).
   template <Terms terms>
   void row_terms(int64_t r, int64_t i, int64_t j0, int64_t nj, const Acc* raw_r, const Acc* s_r, DS* ds_r,
                  const RowGrad<Acc>& row, Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
+    if (a_.row_uniform) {
+      ds_masked_row<terms, true>(nj, *masks_, r, raw_r, s_r, ds_r, row, row_factor, col, a_.row_pos.offset(i - r),
+                                 a_.col_pos.offset(j0), acc_row, acc_col);
+      return;
+    }
     const int64_t p = masks_ ? plain_positive(r, i, j0, s_r) : positive_in_tile(a_.pos, i, j0, nj);
     if (p == kNotPlain) {
-      ds_masked_row<terms>(nj, *masks_, r, raw_r, s_r, ds_r, row, row_factor, col, a_.row_pos.offset(i - r),
-                           a_.col_pos.offset(j0), acc_row, acc_col);
+      ds_masked_row<terms, false>(nj, *masks_, r, raw_r, s_r, ds_r, row, row_factor, col, a_.row_pos.offset(i - r),
+                                  a_.col_pos.offset(j0), acc_row, acc_col);
       return;
     }
     ds_row<terms>(nj, p, raw_r, s_r, ds_r, row, row_factor, col, acc_row, acc_col);
@@ -275,7 +292,8 @@ template <typename In>
 void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
                    const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
                    const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale, bool brgemm,
-                   const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos) {
+                   const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos,
+                   const at::Tensor& row_uniform, const at::Tensor& col_uniform) {
   using Acc = typename Types<In>::acc;
   const bool both = col_stats.defined();
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
@@ -289,6 +307,8 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
   args.masks = masks;
   args.row_pos = positive_grads<Acc>(row_pos);
   args.col_pos = positive_grads<Acc>(col_pos);
+  if (row_uniform.defined()) args.row_uniform = row_uniform.data_ptr<Acc>();
+  if (col_uniform.defined()) args.col_uniform = col_uniform.data_ptr<Acc>();
   // Lane 0 accumulates straight into dk; every other lane into its own [Bk, D] partial. Brgemm: every
   // lane into its own [D, Bk] partial and dq into dq_unscaled, q's row length d (even) possibly one past
   // the caller's D, the scale applied once when they join dq and dk.
@@ -329,11 +349,12 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
 void backward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
               const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
               const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale, bool brgemm,
-              const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos) {
+              const MaskArgs* masks, const PositiveInputs& row_pos, const PositiveInputs& col_pos,
+              const at::Tensor& row_uniform, const at::Tensor& col_uniform) {
   switch (q.scalar_type()) {
 #define INFCL_BACKWARD(T)                                                                                     \
   backward_impl<T>(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, dscale, brgemm, masks, row_pos, \
-                   col_pos)
+                   col_pos, row_uniform, col_uniform)
     case at::kFloat: INFCL_BACKWARD(float); break;
     case at::kDouble: INFCL_BACKWARD(double); break;
     case at::kBFloat16: INFCL_BACKWARD(at::BFloat16); break;

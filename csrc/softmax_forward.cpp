@@ -23,6 +23,46 @@ namespace infcl {
 namespace softmax {
 namespace {
 
+// Label smoothing's uniform part (the masked forward with kept sums, softmax.h: KEPT_SUM_ROW): whose kept
+// logits a tile sums, none, its rows', or its rows' and columns' (symmetric).
+enum class Kept { None, Rows, Both };
+
+// One tile's sums and numbers of the kept S, per row (ni) and per column (nj): one thread's scratch, in
+// Acc (a tile's counts, at most TILE_K or TILE_Q, are exact in float).
+template <typename Acc>
+struct KeptTile {
+  Acc* row_sum = nullptr;
+  Acc* row_count = nullptr;
+  Acc* col_sum = nullptr;
+  Acc* col_count = nullptr;
+  void clear(int64_t nj) const {
+    std::fill(col_sum, col_sum + nj, Acc(0));
+    std::fill(col_count, col_count + nj, Acc(0));
+  }
+};
+
+// The running sums and numbers of n lines' kept logits, in double (KeptRun: a view from a tile's first line;
+// sum null: not wanted).
+struct KeptRun {
+  double* sum = nullptr;
+  double* count = nullptr;
+  template <typename Acc>
+  void add(const Acc* tile_sum, const Acc* tile_count, int64_t n) const {
+    for (int64_t t = 0; t < n; ++t) {
+      sum[t] += tile_sum[t];
+      count[t] += tile_count[t];
+    }
+  }
+};
+struct KeptStore {
+  std::vector<double> sum, count;
+  void reset(int64_t n) {
+    sum.assign(n, 0.0);
+    count.assign(n, 0.0);
+  }
+  KeptRun at(int64_t t) { return sum.empty() ? KeptRun{} : KeptRun{sum.data() + t, count.data() + t}; }
+};
+
 // Masked forward: S = raw * scale in place (the product scale_with_maxima forms), and the maxima over
 // the entries each direction keeps. Unless `split` (a guide with the columns wanted: the two directions
 // exclude different entries, add_split_terms reads the mask bytes), the excluded entries are then set
@@ -30,25 +70,36 @@ namespace {
 // exclusion at all every later step sees the plain loss's tile bit for bit. An excluded entry adds
 // nothing: exp(-inf) = 0, and while a whole row (column) so far is excluded its max is -inf, its -inf
 // entries count in `top`, and the first finite max rescales them by exp(-inf) = 0.
-template <bool split, typename Acc>
-void scale_mask_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, const TileMasks& masks, Acc* row_max, Acc* col_max) {
+// With `kept` (label smoothing's uniform part) also the tile's sums of the kept S and their number, per
+// row and (Kept::Both) per column, from the same mask bytes: the entries the stats count.
+template <bool split, Kept kept, typename Acc>
+void scale_mask_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, const TileMasks& masks, Acc* row_max, Acc* col_max,
+                       const KeptTile<Acc>& sums) {
   constexpr Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  constexpr bool rows_kept = kept != Kept::None, cols_kept = kept == Kept::Both;
   std::fill(col_max, col_max + nj, neg_inf);
+  if constexpr (cols_kept) sums.clear(nj);
   for (int64_t r = 0; r < ni; ++r) {
     Acc* sr = s + r * nj;
-    Acc m = neg_inf;
+    Acc m = neg_inf, sum = 0, count = 0;
     if (!masks.any(r)) {
-#pragma omp simd reduction(max : m)
+#pragma omp simd reduction(max : m) reduction(+ : sum)
       for (int64_t c = 0; c < nj; ++c) {
         const Acc v = sr[c] * sc;
         sr[c] = v;
         m = m > v ? m : v;
         col_max[c] = col_max[c] > v ? col_max[c] : v;
+        if constexpr (rows_kept) sum += v;
+        if constexpr (cols_kept) {
+          sums.col_sum[c] += v;
+          sums.col_count[c] += Acc(1);
+        }
       }
+      count = static_cast<Acc>(nj);
     } else {
       const uint8_t* er = masks.row_excluded(r);
       const uint8_t* ec = masks.col_excluded(r);
-#pragma omp simd reduction(max : m) simdlen(kLanes<Acc>)
+#pragma omp simd reduction(max : m) reduction(+ : sum, count) simdlen(kLanes<Acc>)
       for (int64_t c = 0; c < nj; ++c) {
         const Acc v = sr[c] * sc;
         const Acc vr = er[c] ? neg_inf : v;
@@ -56,9 +107,21 @@ void scale_mask_maxima(Acc* s, int64_t ni, int64_t nj, Acc sc, const TileMasks& 
         sr[c] = split ? v : vr;
         m = m > vr ? m : vr;
         col_max[c] = col_max[c] > vc ? col_max[c] : vc;
+        if constexpr (rows_kept) {
+          sum += er[c] ? Acc(0) : v;
+          count += er[c] ? Acc(0) : Acc(1);
+        }
+        if constexpr (cols_kept) {
+          sums.col_sum[c] += ec[c] ? Acc(0) : v;
+          sums.col_count[c] += ec[c] ? Acc(0) : Acc(1);
+        }
       }
     }
     row_max[r] = m;
+    if constexpr (rows_kept) {
+      sums.row_sum[r] = sum;
+      sums.row_count[r] = count;
+    }
   }
 }
 
@@ -187,15 +250,21 @@ class ForwardWorker {
  public:
   using Acc = typename Types<In>::acc;
 
-  // masks: null for the plain loss (tile()), else the masked loss's inputs (masked_tile()).
+  // masks: null for the plain loss (tile()), else the masked loss's inputs (masked_tile()); kept: the masked
+  // tiles also sum and count the kept logits.
   ForwardWorker(const In* q, const In* k, int64_t bk, int64_t d, const RowTiles& tiles, Acc sc, const int64_t* pos,
-                bool brgemm, const MaskArgs* masks = nullptr, bool symmetric = false)
+                bool brgemm, const MaskArgs* masks = nullptr, bool symmetric = false, bool kept = false)
       : q_(q), k_(k), d_(d), sc_(sc), pos_(pos), tiles_(tiles),
         raw_(tiles.size, std::min(TILE_K, bk), d, brgemm, /*backward=*/false),
         s_(tiles.size * std::min(TILE_K, bk)), stats_(tiles.size, TILE_K) {
     if (masks) {
       masks_ = std::make_unique<TileMasks>(*masks, tiles.size, std::min(TILE_K, bk), symmetric);
       split_ = masks->has_guide() && symmetric;
+    }
+    if (kept) {
+      kept_rows_.assign(2 * tiles.size, Acc(0));
+      kept_cols_.assign(2 * TILE_K, Acc(0));
+      kept_ = {kept_rows_.data(), kept_rows_.data() + tiles.size, kept_cols_.data(), kept_cols_.data() + TILE_K};
     }
   }
 
@@ -218,18 +287,26 @@ class ForwardWorker {
   }
 
   // The masked loss's tile: as tile(), over the entries not excluded, with the positives' partials of
-  // its rows (row_pos, offset to the row tile) and of its group's columns (col_pos, offset to the key tile).
+  // its rows (row_pos, offset to the row tile) and of its group's columns (col_pos, offset to the key tile),
+  // and, where the worker was made with `kept`, the kept logits' sums of its rows (row_kept) and of its
+  // group's columns (col_kept; offset likewise).
   void masked_tile(int64_t t, const Running<Acc>& rows, int64_t j0, int64_t nj, const Running<Acc>& cols,
-                   const PositiveRun<Acc>& row_pos, const PositiveRun<Acc>& col_pos) {
+                   const PositiveRun<Acc>& row_pos, const PositiveRun<Acc>& col_pos, const KeptRun& row_kept,
+                   const KeptRun& col_kept) {
     const int64_t i0 = tiles_.begin(t), ni = tiles_.height(t);
     Acc* s = s_.data();
     raw_.product(q_ + i0 * d_, ni, s, nj);
     masks_->build(pos_, i0, ni, j0, nj);
     const bool split = split_ && cols.max;
-    if (split) {
-      scale_mask_maxima<true>(s, ni, nj, sc_, *masks_, stats_.row_max(), stats_.col_max());
-    } else {
-      scale_mask_maxima<false>(s, ni, nj, sc_, *masks_, stats_.row_max(), stats_.col_max());
+    const Kept kept = !kept_.row_sum ? Kept::None : (cols.max ? Kept::Both : Kept::Rows);
+    switch (kept) {
+      case Kept::None: scale_and_mask<Kept::None>(split, s, ni, nj); break;
+      case Kept::Rows: scale_and_mask<Kept::Rows>(split, s, ni, nj); break;
+      case Kept::Both: scale_and_mask<Kept::Both>(split, s, ni, nj); break;
+    }
+    if (kept != Kept::None) {
+      row_kept.add(kept_.row_sum, kept_.row_count, ni);
+      if (kept == Kept::Both) col_kept.add(kept_.col_sum, kept_.col_count, nj);
     }
     // A positive is never excluded: its logit in s is S itself.
     const bool lse_wanted = masks_->kind() == Positives::Sum;
@@ -255,6 +332,17 @@ class ForwardWorker {
   }
 
  private:
+  template <Kept kept>
+  void scale_and_mask(bool split, Acc* s, int64_t ni, int64_t nj) {
+    if (split) {
+      softmax::scale_mask_maxima<true, kept>(s, ni, nj, sc_, *masks_, stats_.row_max(), stats_.col_max(),
+                                             kept_);
+    } else {
+      softmax::scale_mask_maxima<false, kept>(s, ni, nj, sc_, *masks_, stats_.row_max(), stats_.col_max(),
+                                              kept_);
+    }
+  }
+
   const In* q_;
   const In* k_;
   int64_t d_;
@@ -266,6 +354,8 @@ class ForwardWorker {
   TileStats<In> stats_;
   std::unique_ptr<TileMasks> masks_;
   bool split_ = false;  // rows and columns exclude different entries (a guide with the columns wanted)
+  std::vector<Acc> kept_rows_, kept_cols_;
+  KeptTile<Acc> kept_;  // the tile's kept sums (row_sum null: not wanted)
 };
 
 // The positives' rows of a masked result ([4, n] at out: max, log-sum relative to it ("sum" only, else
@@ -307,11 +397,29 @@ void merge_positive_partials(PositiveStore<Acc>& parts, int64_t groups, int64_t 
 // distinct (one positive per column: its partial is exact in any grouping) the loss is the plain one's bits.
 constexpr int64_t MAX_POSITIVE_GROUPS = 16;
 
+// The kept logits' rows of a masked result with kept sums ([2, n] at out: sum, count) from `groups`
+// partials ([groups, n], merged in group order).
+template <typename Acc>
+void merge_kept_partials(const KeptStore& parts, int64_t groups, int64_t n, Acc* out) {
+  at::parallel_for(0, n, 1024, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      double sum = 0.0, count = 0.0;
+      for (int64_t p = 0; p < groups; ++p) {
+        sum += parts.sum[p * n + c];
+        count += parts.count[p * n + c];
+      }
+      out[c] = static_cast<Acc>(sum);
+      out[n + c] = static_cast<Acc>(count);
+    }
+  });
+}
+
 // masks: null for the plain loss (rows [3, bq], cols [2, bk]); else the masked loss's (rows [6, bq],
-// cols [6, bk]: the stats over the entries kept, then the positives' rows, see merge_positive_partials).
+// cols [6, bk]: the stats over the entries kept, then the positives' rows, see merge_positive_partials;
+// kept_sums: [8, n], then the kept logits' sum and number, see merge_kept_partials).
 template <typename In>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
-                  const MaskArgs* masks, bool brgemm, at::Tensor& rows, at::Tensor& cols) {
+                  const MaskArgs* masks, bool kept_sums, bool brgemm, at::Tensor& rows, at::Tensor& cols) {
   using Acc = typename Types<In>::acc;
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1);
   const RowTiles tiles(bq);
@@ -324,10 +432,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
   const int64_t span = masks && symmetric ? (groups + MAX_POSITIVE_GROUPS - 1) / MAX_POSITIVE_GROUPS : 1;
   const int64_t positive_groups = (groups + span - 1) / span;
   PositiveStore<Acc> row_pos, col_pos_parts;  // the masked loss's; col_pos_parts: [positive_groups, bk]
+  KeptStore row_kept, col_kept_parts;  // with kept_sums; col_kept_parts: [positive_groups, bk], as col_pos_parts
   if (masks) {
     const bool lse_wanted = masks->positives == Positives::Sum;
     row_pos.reset(bq, lse_wanted);
     col_pos_parts.reset(symmetric ? positive_groups * bk : 0, lse_wanted);
+    row_kept.reset(kept_sums ? bq : 0);
+    col_kept_parts.reset(kept_sums && symmetric ? positive_groups * bk : 0);
   }
   rows.zero_();  // rows[2] stays 0 where the positive lies in another block
   Acc* out = rows.data_ptr<Acc>();
@@ -335,7 +446,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
     const int64_t g_begin = p_begin * span, g_end = std::min(groups, p_end * span);
     const SingleThreadedBlas one_thread;
     ForwardWorker<In> work(q.data_ptr<In>(), k.data_ptr<In>(), bk, d, tiles, static_cast<Acc>(scale),
-                           pos.data_ptr<int64_t>(), brgemm, masks, symmetric);
+                           pos.data_ptr<int64_t>(), brgemm, masks, symmetric, kept_sums);
     for (int64_t j0 = 0; j0 < bk; j0 += tk) {
       const int64_t nj = std::min(tk, bk - j0);
       work.set_keys(j0, nj);
@@ -349,7 +460,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
           const PositiveRun<Acc> col_pos = symmetric ? PositiveRun<Acc>::at(col_pos_parts, g / span * bk + j0)
                                                      : PositiveRun<Acc>{{nullptr, nullptr, nullptr}, nullptr, nullptr};
           work.masked_tile(t, row_run.at(tiles.begin(t)), j0, nj, part, PositiveRun<Acc>::at(row_pos, tiles.begin(t)),
-                           col_pos);
+                           col_pos, row_kept.at(tiles.begin(t)), col_kept_parts.at(g / span * bk + j0));
         }
       }
     }
@@ -364,16 +475,22 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const 
     merge_positive_partials(row_pos, 1, bq, lse_wanted, out + 2 * bq);
     if (symmetric) merge_positive_partials(col_pos_parts, positive_groups, bk, lse_wanted, cols.data_ptr<Acc>() + 2 * bk);
   }
+  if (kept_sums) {
+    merge_kept_partials(row_kept, 1, bq, out + KEPT_SUM_ROW * bq);
+    if (symmetric) merge_kept_partials(col_kept_parts, positive_groups, bk, cols.data_ptr<Acc>() + KEPT_SUM_ROW * bk);
+  }
 }
 
 }  // namespace
 
 void forward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
-             const MaskArgs* masks, bool brgemm, at::Tensor& rows, at::Tensor& cols) {
+             const MaskArgs* masks, bool kept_sums, bool brgemm, at::Tensor& rows, at::Tensor& cols) {
   switch (q.scalar_type()) {
-    case at::kFloat: forward_impl<float>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
-    case at::kDouble: forward_impl<double>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
-    case at::kBFloat16: forward_impl<at::BFloat16>(q, k, scale, pos, symmetric, masks, brgemm, rows, cols); break;
+    case at::kFloat: forward_impl<float>(q, k, scale, pos, symmetric, masks, kept_sums, brgemm, rows, cols); break;
+    case at::kDouble: forward_impl<double>(q, k, scale, pos, symmetric, masks, kept_sums, brgemm, rows, cols); break;
+    case at::kBFloat16:
+      forward_impl<at::BFloat16>(q, k, scale, pos, symmetric, masks, kept_sums, brgemm, rows, cols);
+      break;
     default: TORCH_CHECK(false, "infcl native: unreachable dtype");
   }
 }

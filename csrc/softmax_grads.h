@@ -37,10 +37,12 @@ inline void store_ds(at::BFloat16* ds, int64_t c, float v) {
   std::memcpy(ds + c, &bits, sizeof bits);
 }
 
-// What the dS pass reads per row, with the symmetric loss's per-column stats (offset to the tile).
+// What the dS pass reads per row, with the symmetric loss's per-column stats (offset to the tile). u: label
+// smoothing's uniform weight, subtracted from dS on each entry the line keeps (read by the `uniform` passes).
 template <typename Acc>
 struct RowGrad {
   Acc m, rel, g;
+  Acc u = 0;
 };
 template <typename Acc>
 struct ColGrads {
@@ -49,6 +51,7 @@ struct ColGrads {
   const Acc* g = nullptr;
   // kOneExp only: per column g * exp(ref - L_col), and per row exp(L_row - ref) (see SharedRef).
   const Acc* factor = nullptr;
+  const Acc* u = nullptr;
 };
 
 // Which terms a tile's dS has: the row's only, both directions with two exps per entry, or both with
@@ -67,20 +70,22 @@ inline Acc col_term(const Acc* s, int64_t c, Acc e, Acc row_factor, const ColGra
 }
 
 // dS over columns [c0, c1) of one row (none of them its positive): g_row * P_row (+ g_col * P_col),
-// P = exp((S - m) - r), with the row's and column's parts of the scale gradient, sum dS_part * raw.
-template <Terms terms, typename Acc, typename DS>
+// P = exp((S - m) - r), each less its line's uniform weight where `uniform`, with the row's and column's
+// parts of the scale gradient, sum dS_part * raw.
+template <Terms terms, bool uniform, typename Acc, typename DS>
 inline void ds_span(int64_t c0, int64_t c1, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
                     Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
-  const Acc m = row.m, rel = row.rel, g = row.g;
+  const Acc m = row.m, rel = row.rel, g = row.g, u = row.u;
 #pragma omp simd reduction(+ : acc_row, acc_col)
   for (int64_t c = c0; c < c1; ++c) {
     const Acc x = raw[c];
     const Acc e = fast_exp((s[c] - m) - rel);
-    const Acc pr = g * e;
+    const Acc pr = uniform ? g * e - u : g * e;
     Acc v = pr;
     acc_row += pr * x;
     if constexpr (terms != Terms::Rows) {
-      const Acc pc = col_term<terms>(s, c, e, row_factor, col);
+      const Acc pc = uniform ? col_term<terms>(s, c, e, row_factor, col) - col.u[c]
+                             : col_term<terms>(s, c, e, row_factor, col);
       acc_col += pc * x;
       v += pc;
     }
@@ -109,10 +114,10 @@ inline void ds_positive(int64_t c, const Acc* raw, const Acc* s, DS* ds, const R
 template <Terms terms, typename Acc, typename DS>
 inline void ds_row(int64_t nj, int64_t pos, const Acc* raw, const Acc* s, DS* ds, const RowGrad<Acc>& row,
                    Acc row_factor, const ColGrads<Acc>& col, Acc& acc_row, Acc& acc_col) {
-  ds_span<terms>(0, pos >= 0 ? pos : nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+  ds_span<terms, false>(0, pos >= 0 ? pos : nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
   if (pos < 0) return;
   ds_positive<terms>(pos, raw, s, ds, row, col, acc_row, acc_col);
-  ds_span<terms>(pos + 1, nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
+  ds_span<terms, false>(pos + 1, nj, raw, s, ds, row, row_factor, col, acc_row, acc_col);
 }
 
 // The one-exp shortcut's reference for one tile (kOneExp, symmetric): ref = the largest row

@@ -6,11 +6,13 @@
 //   backward_block(q, k, scale, pos, row_stats [2,Bq], g_row [Bq], col_stats? [2,Bk], g_col? [Bk], dq!, dk!)
 //       -> dscale [2] (row part, column part)
 //   masked_forward_block(q, k, scale, pos, symmetric, multi_positive?, q_ids? [Bq], k_ids? [Bk],
-//       guide_q? [Bq,D'], guide_k? [Bk,D'], row_threshold? [Bq], col_threshold? [Bk])
-//       -> (rows [6,Bq], cols [6,Bk] or [6,0])
+//       guide_q? [Bq,D'], guide_k? [Bk,D'], row_threshold? [Bq], col_threshold? [Bk], kept_sums=False)
+//       -> (rows [6,Bq], cols [6,Bk] or [6,0]; kept_sums: [8, .], the kept logits' sum and number)
 //   masked_backward_block(q, k, scale, pos, row_stats, g_row, col_stats?, g_col?, multi_positive?, q_ids?,
 //       k_ids?, guide_q?, guide_k?, row_threshold?, col_threshold?, row_pos_count? [Bq], row_pos_stats? [2,Bq],
-//       col_pos_count? [Bk], col_pos_stats? [2,Bk], dq!, dk!) -> dscale [2]
+//       col_pos_count? [Bk], col_pos_stats? [2,Bk], dq!, dk!, row_uniform? [Bq], col_uniform? [Bk])
+//       -> dscale [2]; row_uniform / col_uniform: label smoothing's weights, subtracted from dS on the kept
+//       entries of each row (column)
 //   guide_label_scores(guide_q [Bq,D'], guide_k [Bk,D'], pos [Bq]) -> [Bq] G[i, pos[i]] off the masked
 //       ops' own guide tiles (0 where pos[i] < 0): the guide thresholds' scores
 //
@@ -74,10 +76,6 @@ at::Tensor stats_arg(const at::Tensor& t, std::vector<int64_t> shape, at::Scalar
               at::IntArrayRef(shape), ", got ", t.sizes());
   return t.to(acc).contiguous();
 }
-
-// Rows of the masked ops' forward results (infcl.masks: MASKED_ROWS): the stats over the entries kept (2),
-// then the positives' max, log-sum relative to it, sum and count.
-constexpr int64_t MASKED_ROWS = 6;
 
 // The masked ops' extra inputs, checked and made contiguous; `args` points into the tensors held here.
 struct MaskInputs {
@@ -147,16 +145,18 @@ std::unique_ptr<MaskInputs> mask_inputs(int64_t bq, int64_t bk, bool symmetric,
 
 // Both forward ops: the plain loss (masks null) or the masked one.
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
-                                               const at::Tensor& pos_in, bool symmetric, const MaskArgs* masks) {
+                                               const at::Tensor& pos_in, bool symmetric, const MaskArgs* masks,
+                                               bool kept_sums = false) {
   check_features(q_in, k_in);
   const auto acc = accumulation_type(q_in.scalar_type());
   const Bf16Gemm route = bf16_route(q_in);
   at::Tensor q = prepared(q_in, route), k = prepared(k_in, route);
   at::Tensor pos = positions(pos_in, q.size(0), k.size(0));
   const bool brgemm = route == Bf16Gemm::Brgemm;
-  at::Tensor rows = at::empty({masks ? MASKED_ROWS : 3, q.size(0)}, q_in.options().dtype(acc));
-  at::Tensor cols = at::empty({masks ? MASKED_ROWS : 2, symmetric ? k.size(0) : 0}, q_in.options().dtype(acc));
-  forward(q, k, scale, pos, symmetric, masks, brgemm, rows, cols);
+  const int64_t masked_rows = kept_sums ? KEPT_ROWS : MASKED_ROWS;
+  at::Tensor rows = at::empty({masks ? masked_rows : 3, q.size(0)}, q_in.options().dtype(acc));
+  at::Tensor cols = at::empty({masks ? masked_rows : 2, symmetric ? k.size(0) : 0}, q_in.options().dtype(acc));
+  forward(q, k, scale, pos, symmetric, masks, kept_sums, brgemm, rows, cols);
   return {rows, cols};
 }
 
@@ -170,10 +170,10 @@ std::tuple<at::Tensor, at::Tensor> masked_forward_block(
     const std::optional<c10::string_view> multi_positive, const std::optional<at::Tensor>& q_ids,
     const std::optional<at::Tensor>& k_ids, const std::optional<at::Tensor>& guide_q,
     const std::optional<at::Tensor>& guide_k, const std::optional<at::Tensor>& row_threshold,
-    const std::optional<at::Tensor>& col_threshold) {
+    const std::optional<at::Tensor>& col_threshold, bool kept_sums) {
   const auto masks = mask_inputs(q.size(0), k.size(0), symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k,
                                  row_threshold, col_threshold);
-  return run_forward(q, k, scale, pos, symmetric, &masks->args);
+  return run_forward(q, k, scale, pos, symmetric, &masks->args, kept_sums);
 }
 
 PositiveInputs positive_inputs(Positives kind, const std::optional<at::Tensor>& count,
@@ -195,7 +195,8 @@ at::Tensor run_backward(const at::Tensor& q_in, const at::Tensor& k_in, double s
                         const at::Tensor& row_stats, const at::Tensor& g_row,
                         const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
                         at::Tensor& dq, at::Tensor& dk, const MaskArgs* masks, const PositiveInputs& row_pos,
-                        const PositiveInputs& col_pos) {
+                        const PositiveInputs& col_pos, const std::optional<at::Tensor>& row_uniform = std::nullopt,
+                        const std::optional<at::Tensor>& col_uniform = std::nullopt) {
   check_features(q_in, k_in);
   const auto acc = accumulation_type(q_in.scalar_type());
   const int64_t bq = q_in.size(0), bk = k_in.size(0);
@@ -211,8 +212,15 @@ at::Tensor run_backward(const at::Tensor& q_in, const at::Tensor& k_in, double s
     cs = stats_arg(*col_stats, {2, bk}, acc, "col_stats");
     gc = stats_arg(*g_col, {bk}, acc, "g_col");
   }
+  // Label smoothing's uniform weights: for both directions the loss has, or none.
+  TORCH_CHECK(!col_uniform.has_value() || row_uniform.has_value(), "infcl native: col_uniform needs row_uniform");
+  TORCH_CHECK(!row_uniform.has_value() || col_uniform.has_value() == col_stats.has_value(),
+              "infcl native: a symmetric backward with row_uniform needs col_uniform, one direction none");
+  at::Tensor ru, cu;
+  if (row_uniform.has_value()) ru = stats_arg(*row_uniform, {bq}, acc, "row_uniform");
+  if (col_uniform.has_value()) cu = stats_arg(*col_uniform, {bk}, acc, "col_uniform");
   at::Tensor dscale = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
-  backward(q, k, scale, pos, rs, gr, cs, gc, grads.dq, grads.dk, dscale, brgemm, masks, row_pos, col_pos);
+  backward(q, k, scale, pos, rs, gr, cs, gc, grads.dq, grads.dk, dscale, brgemm, masks, row_pos, col_pos, ru, cu);
   grads.write_back();
   return dscale.to(acc);
 }
@@ -232,7 +240,8 @@ at::Tensor masked_backward_block(
     const std::optional<at::Tensor>& guide_k, const std::optional<at::Tensor>& row_threshold,
     const std::optional<at::Tensor>& col_threshold, const std::optional<at::Tensor>& row_pos_count,
     const std::optional<at::Tensor>& row_pos_stats, const std::optional<at::Tensor>& col_pos_count,
-    const std::optional<at::Tensor>& col_pos_stats, at::Tensor& dq, at::Tensor& dk) {
+    const std::optional<at::Tensor>& col_pos_stats, at::Tensor& dq, at::Tensor& dk,
+    const std::optional<at::Tensor>& row_uniform, const std::optional<at::Tensor>& col_uniform) {
   const bool symmetric = col_stats.has_value();
   const int64_t bq = q.size(0), bk = k.size(0);
   const auto masks = mask_inputs(bq, bk, symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold,
@@ -244,7 +253,8 @@ at::Tensor masked_backward_block(
   const PositiveInputs col_pos = symmetric ? positive_inputs(kind, col_pos_count, col_pos_stats, bk, acc,
                                                              "col_pos_count", "col_pos_stats")
                                            : PositiveInputs{};
-  return run_backward(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, &masks->args, row_pos, col_pos);
+  return run_backward(q, k, scale, pos, row_stats, g_row, col_stats, g_col, dq, dk, &masks->args, row_pos, col_pos,
+                      row_uniform, col_uniform);
 }
 
 // The Matryoshka ops' prefixes: dims increasing in [1, d], one renormalize flag each.

@@ -352,3 +352,79 @@ def test_kept_truth_is_masked_truth_without_guide():
         b = masked_truth(q, k, labels, torch.tensor(5.0), q_ids, k_ids, mode, 0.3, True)
         for x, y in zip(a, b):
             assert_close_verbose(x, y, 1e-12, 1e-12, f"truths {mode}")
+
+
+def _native_in_tile(monkeypatch):
+    """Records the native masked ops' kept-sums requests and fails any call on the torch tiles: a guide (or ids)
+    smoothed on the native kernel must sum and subtract the uniform part in its own tiles, not be rerouted."""
+    from infcl.backends.native.softmax import NativeSoftmax
+    from infcl.backends.torch_tiles.softmax import SoftmaxTiles
+
+    seen = []
+    forward, backward = NativeSoftmax.forward_block, NativeSoftmax.backward_block
+
+    def spy_forward(self, block, symmetric):
+        seen.append(("forward", block.kept_sums))
+        return forward(self, block, symmetric)
+
+    def spy_backward(self, block, dq, dk):
+        seen.append(("backward", block.row_uniform is not None))
+        return backward(self, block, dq, dk)
+
+    def rerouted(*args, **kwargs):
+        raise AssertionError("label smoothing on 'cpu' ran on the torch tiles")
+
+    monkeypatch.setattr(NativeSoftmax, "forward_block", spy_forward)
+    monkeypatch.setattr(NativeSoftmax, "backward_block", spy_backward)
+    monkeypatch.setattr(SoftmaxTiles, "forward_block", rerouted)
+    monkeypatch.setattr(SoftmaxTiles, "backward_block", rerouted)
+    return seen
+
+
+@pytest.mark.parametrize("kind,multi_positive", GUIDE_MODES + (("ids", None), ("ids", "mean"), ("ids", "sum")))
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_native_in_tile(monkeypatch, kind, multi_positive, symmetric):
+    # The native kernel sums the kept logits in its masked forward and subtracts eps * g / n_kept in its masked
+    # backward (a guide is no longer rerouted; ids take the in-tile path too), against the float64 truth.
+    if "cpu" not in tiled_backends():
+        pytest.skip("the native kernel is unavailable here")
+    seen = _native_in_tile(monkeypatch)
+    bq, bk = 17, 17 if symmetric else 23
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(bq, bk, symmetric, seed=31)
+    scale, g = torch.tensor(9.0, dtype=torch.float64), _upstream("none", bq)
+    masks = dict(q_ids=q_ids, k_ids=k_ids, multi_positive=multi_positive) if kind != "guide" else {}
+    if kind != "ids":
+        masks["guide"] = guide
+    kw = dict(symmetric=symmetric, reduction="none", label_smoothing=0.3, backend="cpu", **masks)
+    got = run(q, k, labels, scale, g, **kw)
+    assert seen and all(flag for _, flag in seen), seen
+    qa, ka, sa = (t.detach().clone().requires_grad_() for t in (q, k, scale))
+    rows, cols = kept_truth(
+        qa, ka, labels, sa, masks.get("q_ids"), masks.get("k_ids"), multi_positive, masks.get("guide"), 0.0,
+        "absolute", 0.3, symmetric,
+    )  # fmt: skip
+    want = reduce_masked_truth(rows, cols, "none")
+    torch.where(torch.isnan(want), 0.0, want * g).sum().backward()
+    assert torch.equal(torch.isnan(got[0]), torch.isnan(want))
+    got_loss = torch.where(torch.isnan(got[0]), 0.0, got[0])
+    want_loss = torch.where(torch.isnan(want), 0.0, want.detach())
+    _check((got_loss, *got[1:]), (want_loss, qa.grad, ka.grad, sa.grad), torch.float64, f"cpu {kind} {multi_positive}")
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+def test_native_in_tile_many_tiles(monkeypatch, dtype):
+    # Several row tiles, column groups and key tiles (Bk > the kernel's 512-wide key tile): the kept sums of the
+    # columns merged across groups, the uniform weights across key tiles; guide and ids, symmetric.
+    if "cpu" not in tiled_backends():
+        pytest.skip("the native kernel is unavailable here")
+    seen = _native_in_tile(monkeypatch)
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(530, 530, True, dtype, seed=5)
+    scale, g = torch.tensor(12.0, dtype=dtype), torch.tensor(0.8, dtype=torch.float64)
+    kw = dict(symmetric=True, label_smoothing=0.2, backend="cpu", guide=guide, q_ids=q_ids, k_ids=k_ids)
+    got = run(q, k, labels, scale, g, **kw)
+    assert seen and all(flag for _, flag in seen), seen
+    qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, scale))
+    rows, cols = kept_truth(qa, ka, labels, sa, q_ids, k_ids, None, guide, 0.0, "absolute", 0.2, True)
+    want = reduce_masked_truth(rows, cols, "mean")
+    want.backward(g)
+    _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), dtype, f"cpu many tiles {dtype}")

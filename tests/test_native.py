@@ -142,6 +142,25 @@ def test_ops_pass_opcheck(symmetric):
 
 
 @needs_native
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_masked_ops_with_kept_sums_pass_opcheck(symmetric):
+    """The masked ops with label smoothing's kept sums (forward: [8, n]) and uniform weights (backward)."""
+    q, k = _features(40, 50, 8, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.randint(-1, 50, (40,), generator=gen)
+    q_ids, k_ids = torch.randint(0, 6, (40,), generator=gen), torch.randint(0, 6, (50,), generator=gen)
+    masks = (None, q_ids, k_ids, None, None, None, None)
+    rows, cols = torch.ops.infcl.masked_forward_block(q, k, 2.0, pos, symmetric, *masks, True)
+    assert rows.shape == (8, 40) and cols.shape == (8, 50 if symmetric else 0)
+    torch.library.opcheck(torch.ops.infcl.masked_forward_block.default, (q, k, 2.0, pos, symmetric, *masks, True))
+    col_args = (cols[:2].clone(), torch.rand(50)) if symmetric else (None, None)
+    uniform = (torch.rand(40), torch.rand(50) if symmetric else None)
+    args = (q, k, 2.0, pos, rows[:2].clone(), torch.rand(40), *col_args, *masks, None, None, None, None)
+    args += (torch.zeros(40, 8), torch.zeros(50, 8), *uniform)
+    torch.library.opcheck(torch.ops.infcl.masked_backward_block.default, args)
+
+
+@needs_native
 def test_positions_out_of_range_are_rejected():
     q, k = _features(5, 4, 3, torch.float32)
     with pytest.raises(RuntimeError, match="pos must lie in"):

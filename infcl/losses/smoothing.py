@@ -27,12 +27,13 @@ the softmax over the positives: the tiles' own g * (P - Y') with the positives' 
 -log(1 - eps) (Y' = (1 - eps) * Y, the entry y' * expm1(d') as before); at eps = 1 it has weight 0 and "sum"
 is "mean". Two ways to the kept columns' sum and number:
 
-- :class:`SmoothedKeptSteps`, on a backend whose masked tiles sum them (``kept_sums``: the torch tiles): the
-  tiles that decide E (the guide's scores against its threshold, the ids) sum and count what stays and
-  subtract eps * g / n_kept from dS there (``Block.kept_sums``, ``row_uniform``, ``col_uniform``). Any mask
-  options; a guide needs it (infcl.api.smoothing_backend runs such a call on the torch tiles).
-- :class:`SmoothedIdsSteps`, ids without a guide on the other backends: same-id sums of the features per block
-  (:class:`IdGroups`), O(B * D), no kernel change.
+- :class:`SmoothedKeptSteps`, on a backend whose masked tiles sum them (``kept_sums``: the torch tiles, the
+  native kernel): the tiles that decide E (the guide's scores against its threshold, the ids) sum and count
+  what stays and subtract eps * g / n_kept from dS there (``Block.kept_sums``, ``row_uniform``,
+  ``col_uniform``). Any mask options; a guide needs it (infcl.api.smoothing_backend runs such a call on the
+  torch tiles elsewhere).
+- :class:`SmoothedIdsSteps`, ids without a guide on the other backends (Triton, chunked): same-id sums of the
+  features per block (:class:`IdGroups`), O(B * D), no kernel change.
 """
 
 import math
@@ -338,12 +339,24 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
 class SmoothedKeptSteps(SmoothedIdsSteps):
     """:class:`infcl.ring.driver.RingLoss` for label smoothing with any mask options (a guide, ids, any
     ``multi_positive``) on a backend whose masked tiles sum the kept logits (``backend.kept_sums``: the torch
-    tiles; a guide needs it). Which columns a guide leaves out is decided by the guide scores inside the tiles,
-    so the tiles that decide it also sum
-    and count what stays (``Block.kept_sums``: [8, n] partials) and, in the backward, subtract the uniform
-    target's ``u = eps * g / n_kept`` from dS on every kept entry (``Block.row_uniform`` / ``col_uniform``):
-    one decision, by the same guide product and threshold, for the denominator and the uniform target. The
-    positives' part of the target (eps * g * Y back) is added here as with ids alone."""
+    tiles, the native kernel; a guide needs it). Which columns a guide leaves out is decided by the guide scores
+    inside the tiles, so the tiles that decide it also sum and count what stays (``Block.kept_sums``: [8, n]
+    partials) and, in the backward, subtract the uniform target's ``u = eps * g / n_kept`` from dS on every kept
+    entry (``Block.row_uniform`` / ``col_uniform``): one decision, by the same guide product and threshold, for
+    the denominator and the uniform target. The positives' part of the target, (1 - eps) * Y, is the tiles' own
+    where their positives' inputs can scale it: "sum" (the positives' log-sum raised by -log(1 - eps)) and
+    "mean" below eps = 1 (the tiles' 1 / c at the positives with c raised to |P| / (1 - eps)); else (the one-hot
+    of None; "mean" at eps = 1, whose Y has weight 0) eps * g * Y is added back here as with ids alone."""
+
+    def __init__(self, symmetric: bool, eps: float, masks: MaskOptions):
+        super().__init__(symmetric, eps, masks)
+        self.mean_in_tiles = self.multi_positive == "mean" and self.eps < 1.0
+
+    def upstream(self, saved: Tuple[Tensor, ...], grad: Tensor) -> SmoothedMaskedUpstream:
+        up = super().upstream(saved, grad)
+        if self.mean_in_tiles:  # Y' = (1 - eps) / |P| on the positives: the tiles' 1 / c at c = |P| / (1 - eps)
+            up = up._replace(pos_count=up.pos_count / (1.0 - self.eps))
+        return up
 
     def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
         block = self._block(block, k_side, kept_sums=True)
@@ -356,6 +369,8 @@ class SmoothedKeptSteps(SmoothedIdsSteps):
         if cols is not None:
             fields.update(cols.block_fields("col", self.kind), col_uniform=cols.grad * (self.eps / cols.count))
         dscale = backend.backward_block(self._block(block, k_side, **fields), dq, dk)
+        if self.multi_positive == "sum" or self.mean_in_tiles:  # nothing left: the tiles scaled Y
+            return ParamGrads(own=dscale[:1], owner=dscale[1:])
         own, owner = _smoothing_id_terms(
             self._block(block, k_side), rows, cols, self.eps, self.multi_positive, dq, dk, False
         )
@@ -409,9 +424,6 @@ def _smoothing_id_terms(block: Block, rows, cols, eps: float, multi_positive, dq
     positives' eps * g * Y, the tiles having subtracted the rest); return the scale gradient's (rows' part [1],
     columns' part [1])."""
     acc, scale = dq.dtype, block.scale
-    if multi_positive == "sum" and not uniform:  # nothing left: the tiles scaled Y and subtracted the uniform part
-        zero = torch.zeros(1, dtype=acc, device=dq.device)
-        return zero, zero
     q, k = block.q.to(acc), block.k.to(acc)
     inside = block.pos >= 0
     idx = torch.where(inside, block.pos, 0)

@@ -30,6 +30,8 @@ class NativeSoftmax:
     """The softmax loss's block operations (:mod:`infcl.contract`) on the custom ops; the scale goes in as a host
     float (reading a CPU tensor costs no device sync)."""
 
+    kept_sums = True  # label smoothing's uniform part over the kept entries, in the masked kernel
+
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         if block.masked:
             rows, cols = torch.ops.infcl.masked_forward_block(
@@ -39,6 +41,7 @@ class NativeSoftmax:
                 block.pos,
                 bool(symmetric),
                 *_op_masks(block.masks),
+                block.kept_sums,
             )
         else:
             rows, cols = torch.ops.infcl.forward_block(block.q, block.k, float(block.scale), block.pos, bool(symmetric))
@@ -63,6 +66,8 @@ class NativeSoftmax:
                 block.col_pos_stats,
                 dq,
                 dk,
+                block.row_uniform,
+                block.col_uniform,
             )
         return torch.ops.infcl.backward_block(
             block.q,
