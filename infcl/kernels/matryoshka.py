@@ -274,7 +274,7 @@ def _matryoshka_backward_kernel(
         sums_ptr,
         Tile(BLOCK_M, BLOCK_N, BLOCK_D, True, True, True),
         Dot(ACC, UPCAST, PRECISION),
-        Dot(tl.float32 if GRAD_F32 else q_ptr.dtype.element_ty, UPCAST, GRAD_PRECISION),
+        Dot(ACC, UPCAST, GRAD_PRECISION),  # float32 for 16-bit inputs (GRAD_F32), else the inputs' own dtype
         BY_COLUMN,
         SYMMETRIC,
         BLOCK_OUT,
