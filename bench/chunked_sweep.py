@@ -19,17 +19,18 @@ TRITON_INTERPRET=1, the passes run in Triton's interpreter; the torch tiles stan
 """
 
 import argparse
+import contextlib
 import functools
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
 
+from .errors import relative
 from .gpu_first.speed import chunk_plan, ours
-from .gpu_first.timing import device_for, fwd_bwd, sync, time_step
+from .gpu_first.timing import device_for, fwd_bwd, time_step, timed
 
 # (block_m, block_n, num_warps, split_tiles): the shipped tiling first.
 CANDIDATES = (
@@ -52,8 +53,10 @@ def append_row(path: Path, row: Dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def _stats_run(raw, scale, pos, config: Tuple[int, int, int, int]):
-    """One symmetric chunk_stats call under ``config``: (rows_out, column stats)."""
+@contextlib.contextmanager
+def stats_tiling(config: Tuple[int, int, int, int]):
+    """The stats pass under ``config`` (block_m, block_n, warps, tiles per column split) inside the block; the
+    shipped tiling again after it."""
     from infcl.kernels import chunked_softmax as passes
 
     block_m, block_n, warps, split = config
@@ -61,16 +64,18 @@ def _stats_run(raw, scale, pos, config: Tuple[int, int, int, int]):
     passes.CHUNK_STATS_TILE = replace(saved[0], block_m=block_m, block_n=block_n, num_warps=warps)
     passes.CHUNK_SPLIT_TILES = split
     try:
-        rows_out = torch.empty(3, raw.shape[0], dtype=torch.float32, device=raw.device)
-        cols = passes.chunk_stats(raw, scale, pos, True, rows_out)
-        return rows_out, cols
+        yield
     finally:
         passes.CHUNK_STATS_TILE, passes.CHUNK_SPLIT_TILES = saved
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+def _stats_run(raw, scale, pos, config: Tuple[int, int, int, int]):
+    """One symmetric chunk_stats call under ``config``: (rows_out, column stats)."""
+    from infcl.kernels.chunked_softmax import chunk_stats
+
+    with stats_tiling(config):
+        rows_out = torch.empty(3, raw.shape[0], dtype=torch.float32, device=raw.device)
+        return rows_out, chunk_stats(raw, scale, pos, True, rows_out)
 
 
 def sweep_stats(out: Path, rows: int, cols: int, repeats: int, device, candidates=CANDIDATES) -> List[Dict]:
@@ -78,22 +83,22 @@ def sweep_stats(out: Path, rows: int, cols: int, repeats: int, device, candidate
     raw = (torch.randn(rows, cols, generator=gen) * 0.3).to(device)
     scale = torch.tensor(1 / 0.07, device=device)
     pos = torch.arange(rows, device=device)
-    copy_s = _timed(lambda: raw.clone(), device, repeats)
+    copy_s = timed(lambda: raw.clone(), device, repeats)
     base = _stats_run(raw, scale, pos, CANDIDATES[0])
     results = []
     for config in candidates:
         row = {"step": "stats", "config": "x".join(map(str, config)), "rows": rows, "cols": cols}
         try:
             got = _stats_run(raw, scale, pos, config)
-            seconds = _timed(functools.partial(_stats_run, raw, scale, pos, config), device, repeats)
+            seconds = timed(functools.partial(_stats_run, raw, scale, pos, config), device, repeats)
             row.update(
                 status="ok",
                 ms=seconds * 1e3,
                 gb_s=raw.numel() * 4 / seconds / 1e9,
                 copy_gb_s=2 * raw.numel() * 4 / copy_s / 1e9,
-                row_r_rel=_rel(got[0][1], base[0][1]),
+                row_r_rel=relative(got[0][1], base[0][1]),
                 row_max_equal=bool(torch.equal(got[0][0], base[0][0])),
-                col_r_rel=_rel(got[1][1], base[1][1]),
+                col_r_rel=relative(got[1][1], base[1][1]),
                 col_max_equal=bool(torch.equal(got[1][0], base[1][0])),
             )
         except Exception as err:  # a config that does not compile or fit is a row, the next one runs
@@ -104,41 +109,16 @@ def sweep_stats(out: Path, rows: int, cols: int, repeats: int, device, candidate
     return results
 
 
-def _timed(fn, device, repeats: int) -> float:
-    fn()
-    sync(device)
-    t0 = time.perf_counter()
-    if device.type == "cuda":
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / 1e3 / repeats
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
-
-
 def route_ab(out: Path, best: Tuple[int, int, int, int], batches, dim: int, repeats: int, device, dry: bool):
     """The route's forward + backward (CLIP, symmetric) with the shipped stats tiling and with ``best``."""
-    from infcl.kernels import chunked_softmax as passes
-
     from .methods import make_inputs
 
     for batch in batches:
         q, k, scale = make_inputs(batch, dim, torch.bfloat16, device)
         fn = ours("clip", dry)["chunked"]
         for config in dict.fromkeys((CANDIDATES[0], best)):
-            saved = passes.CHUNK_STATS_TILE, passes.CHUNK_SPLIT_TILES
-            block_m, block_n, warps, split = config
-            passes.CHUNK_STATS_TILE = replace(saved[0], block_m=block_m, block_n=block_n, num_warps=warps)
-            passes.CHUNK_SPLIT_TILES = split
-            try:
+            with stats_tiling(config):
                 result = time_step(fwd_bwd(fn, q, k, scale), repeats, device)
-            finally:
-                passes.CHUNK_STATS_TILE, passes.CHUNK_SPLIT_TILES = saved
             row = {"step": "route", "config": "x".join(map(str, config)), "loss": "clip", "batch": batch,
                    "note": chunk_plan(q, k), **result}  # fmt: skip
             append_row(out / "sweep.jsonl", row)
