@@ -544,3 +544,18 @@ def test_the_sigmoid_loss_offers_its_operands_to_the_measured_table(with_ids, mo
     assert kind == "sigmoid" and (operands is None) == with_ids
     if not with_ids:
         assert operands[0] is x and operands[1] is x
+
+
+def test_a_cpu_call_never_consults_the_route(monkeypatch):
+    """auto on CPU tensors resolves without the chunked route's object or its environment (the measured table
+    answers only for the fused kernels' calls)."""
+
+    def refuse(name):
+        if name == "chunked":
+            raise AssertionError("the chunked route was consulted for a CPU call")
+        return backend_object(name)
+
+    monkeypatch.setattr(resolve, "backend_object", refuse)
+    q = torch.zeros(20000, 4, dtype=torch.bfloat16)
+    name, _ = resolve.call_backend("auto", q.device, "softmax", (q, q))
+    assert name in ("cpu", "torch")

@@ -253,9 +253,10 @@ def call_backend(backend, device: torch.device, kind: str, operands=None) -> Tup
     env = _env_backend() if name == "auto" else ""
     resolved = _resolve(name, device, kind, env)
     chosen = backend if not isinstance(backend, str) else None
-    if name == "auto" and not env and operands is not None:
-        default = backend_object("chunked").for_call() if CHUNKED_FROM.get(kind) else None
-        resolved = measured_route(resolved, kind, *operands, None if default is None else default.budget_mb)
+    if name == "auto" and not env and operands is not None and resolved == "triton" and CHUNKED_FROM.get(kind):
+        # only where the table can answer: a CPU call neither imports the route nor reads its environment
+        default = backend_object("chunked").for_call()
+        resolved = measured_route(resolved, kind, *operands, default.budget_mb)
         chosen = default if resolved == "chunked" else None
     if resolved == "reference":
         return resolved, None
