@@ -250,11 +250,9 @@ def main(argv=None) -> None:
         extra = f"  fused {fused[0]:g} vanilla {fused[1]:g}" if fused[0] else ""
         print(f"  {name:9} {loss:7} B={b:6d} {ms:7.1f}{extra}{verdict}")
     if args.out:
-        columns = list(dict.fromkeys(k for r in everything for k in r))
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(everything)
+        from .report import write_rows  # here: the model itself needs no torch
+
+        write_rows(args.out, everything)
         print(f"wrote {args.out}")
 
 

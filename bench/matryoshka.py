@@ -23,7 +23,6 @@ noisy: read the ratios, and the load average printed with them.
 """
 
 import argparse
-import csv
 import os
 import sys
 from typing import Callable, Dict, List
@@ -31,6 +30,7 @@ from typing import Callable, Dict, List
 import torch
 
 from bench.machine import cpu_name
+from bench.report import write_rows
 from bench.st_loss import measure
 
 MIB = 2**20
@@ -148,10 +148,7 @@ def main(argv=None) -> int:
     ]
     print(f"targets, {fused['method']}: " + "; ".join(verdicts))
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=cols)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.csv, rows, cols)
     return 0
 
 

@@ -23,7 +23,6 @@ tokens' products, 2 * D * (sum of those queries' real lengths) * (sum of the doc
 """
 
 import argparse
-import csv
 import ctypes
 import ctypes.util
 import math
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 from bench.gemm import gemm_flops
 from bench.machine import cpu_name
+from bench.report import write_rows
 from bench.st_loss import MIB, measure
 
 SCALE = 1.0  # MultiVectorMultipleNegativesRankingLoss's default
@@ -212,10 +212,7 @@ def main(argv=None) -> int:
             )
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.csv, rows, list(rows[0]))
     return 0
 
 

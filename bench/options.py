@@ -19,7 +19,6 @@ Read the ratios with the load average printed beside them.
 """
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from bench.machine import cpu_name
+from bench.report import write_rows
 
 SCALE = 20.0
 EPS = 0.1
@@ -113,10 +113,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(" | ".join(str(row[c]) for c in cols))
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=cols)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.csv, rows, cols)
     return 0
 
 

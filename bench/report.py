@@ -124,6 +124,15 @@ def format_table(rows: List[Dict], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def write_rows(path, rows: List[Dict], columns=None) -> None:
+    """``rows`` as they are, as a CSV at ``path``: ``columns``, or every key in the order the rows first name it."""
+    columns = list(dict.fromkeys(k for r in rows for k in r)) if columns is None else columns
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def _csv_cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.{CSV_DIGITS}g}"

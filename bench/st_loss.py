@@ -14,7 +14,6 @@ Prints one table row per (option, batch, backend); ``--csv PATH`` also writes th
 """
 
 import argparse
-import csv
 import ctypes
 import ctypes.util
 import gc
@@ -27,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from bench.machine import cpu_name
+from bench.report import write_rows
 
 MIB = 2**20
 HARDNESS = 5.0  # hardness_strength for the hardness options
@@ -194,12 +194,8 @@ def main(argv=None) -> None:
                 )
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(
-                f, fieldnames=["option", "batch", "backend", "theirs_s", "ours_s", "ratio", "theirs_mib", "ours_mib"]
-            )
-            writer.writeheader()
-            writer.writerows(rows)
+        columns = ["option", "batch", "backend", "theirs_s", "ours_s", "ratio", "theirs_mib", "ours_mib"]
+        write_rows(args.csv, rows, columns)
 
 
 if __name__ == "__main__":
