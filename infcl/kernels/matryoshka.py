@@ -19,10 +19,11 @@ line's maximum.
   D and recomputes each tile's prefixes; prefix k's dS^k = g^k (P^k - Y) (rows' and, symmetric, columns'
   term, :func:`infcl.kernels.tile_stats.softmax_grad`) weighted by a^k_i b^k_j feeds the features of the
   slice below m_k: grad += (dS^k a^k b^k) @ k[cols, slice ∩ [0, m_k)], so each segment's gradient is the sum
-  over the prefixes that hold it. The slice-0 programs also write, per line and prefix, the sums of
-  dS^k_row * u^k and dS^k_col * u^k (u^k = S^k / scale): the scale's gradient and the renormalization's
-  own term (c^k = scale * their sum; the host applies -a^2 c x[:m_k]). No atomics: each output has one
-  program.
+  over the prefixes that hold it; a one-wide renormalized first prefix (``SIGN_ONLY``: its logits
+  scale * sign(q_0) * sign(k_0) do not move with the features) feeds none. The slice-0 programs also write,
+  per line and prefix, the sums of dS^k_row * u^k and dS^k_col * u^k (u^k = S^k / scale): the scale's
+  gradient and the renormalization's own term (c^k = scale * their sum; the host applies -a^2 c x[:m_k]).
+  No atomics: each output has one program.
 
 GEMM-equivalents per block (D, dims m_k, slices of BLOCK_OUT = 128 features on tensor cores): forward 1 per
 direction (symmetric: 2; the plain kernel's symmetric forward takes its column stats from the row walk's
@@ -249,6 +250,7 @@ def _matryoshka_backward_kernel(
     stride_grad1,
     BY_COLUMN: tl.constexpr,
     SYMMETRIC: tl.constexpr,
+    SIGN_ONLY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -277,6 +279,7 @@ def _matryoshka_backward_kernel(
         Dot(ACC, UPCAST, GRAD_PRECISION),  # float32 for 16-bit inputs (GRAD_F32), else the inputs' own dtype
         BY_COLUMN,
         SYMMETRIC,
+        SIGN_ONLY,
         BLOCK_OUT,
     )
 
@@ -292,12 +295,15 @@ def _backward_lines(
     grad_dot,
     BY_COLUMN: tl.constexpr,
     SYMMETRIC: tl.constexpr,
+    SIGN_ONLY: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
 ):
     """The backward program's lines (rows, or BY_COLUMN columns) and feature slice: their gradient slice (added
     to ``grad_out``) and, from the slice-0 programs, the sums per prefix and line of dS_row * u and dS_col * u
     (``sums_ptr`` [2, K, n], from 0). ``upstream``: (row_stats [2, K, Bq], g_row [K, Bq], col_stats, g_col);
-    ``grad_dot``: the gradient products' operand dtype (its ACC: float32 for float16 inputs) and precision."""
+    ``grad_dot``: the gradient products' operand dtype (its ACC: float32 for float16 inputs) and precision.
+    SIGN_ONLY: prefix 0 is one wide and renormalized (:meth:`infcl.matryoshka.Prefixes.sign_only`): its
+    features' gradient is exactly 0, so it joins no product (its sums, the scale's gradient, stay)."""
     GRAD_F32: tl.constexpr = grad_dot.ACC != ops.q.ptr.dtype.element_ty
     BLOCK_M: tl.constexpr = tile.BLOCK_M
     BLOCK_N: tl.constexpr = tile.BLOCK_N
@@ -340,7 +346,10 @@ def _backward_lines(
                 part = tl.sum(ds_col * u, axis=AXIS)
                 tl.store(at, tl.load(at, mask=write_sums, other=0.0) + part, mask=write_sums)
                 ds = ds + ds_col
-            if hi > f0:  # prefix p holds features of this slice: those below hi
+            holds = hi > f0  # prefix p holds features of this slice: those below hi
+            if SIGN_ONLY:
+                holds = holds & (p > 0)
+            if holds:
                 operand = dot_operand(ds * a[:, None] * b[None, :], grad_dot.ACC, grad_dot.PRECISION)
                 if BY_COLUMN:
                     other = load_tile(
@@ -436,6 +445,7 @@ def _backward(
     g_col: Optional[Tensor],
     dq: Tensor,
     dk: Tensor,
+    sign_only: bool,
     precision: str,
 ) -> Tuple[Tensor, Tensor]:
     args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None)
@@ -463,6 +473,7 @@ def _backward(
             **matrix_args("grad", grad),
             BY_COLUMN=by_column,
             SYMMETRIC=symmetric,
+            SIGN_ONLY=sign_only,
             BLOCK_OUT=block_out,
             **args,
         )
@@ -471,7 +482,7 @@ def _backward(
 
 
 def _backward_fake(
-    q, k, scale, pos, bounds, q_factors, k_factors, row_stats, g_row, col_stats, g_col, dq, dk, precision
+    q, k, scale, pos, bounds, q_factors, k_factors, row_stats, g_row, col_stats, g_col, dq, dk, sign_only, precision
 ):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     count = bounds.shape[0] - 1
@@ -482,7 +493,8 @@ def _backward_fake(
 # ``precision`` a string ("" for None): torch.ops.infcl.triton_matryoshka_forward_block(q, k, scale, pos, bounds
 # [K + 1], q_factors [K, Bq], k_factors [K, Bk], symmetric, precision) -> (rows [3, K, Bq] (m, r, positive
 # logit), cols [3, K, Bk] (m, r, 0) or [3, K, 0]); torch.ops.infcl.triton_matryoshka_backward_block(..., row_stats
-# [2, K, Bq], g_row [K, Bq], col_stats, g_col (None: one direction), dq!, dk!, precision) -> (row sums [2, K, Bq],
-# column sums [2, K, Bk]) of dS_row * u and dS_col * u (the scale's gradient and the renormalization's term).
+# [2, K, Bq], g_row [K, Bq], col_stats, g_col (None: one direction), dq!, dk!, sign_only (prefix 0 one wide and
+# renormalized: no features' gradient), precision) -> (row sums [2, K, Bq], column sums [2, K, Bk]) of dS_row * u
+# and dS_col * u (the scale's gradient and the renormalization's term).
 forward_op = register_op("triton_matryoshka_forward_block", _forward, _forward_fake)
 backward_op = register_op("triton_matryoshka_backward_block", _backward, _backward_fake, ("dq", "dk"))
