@@ -100,10 +100,10 @@ def test_matches_per_prefix_cross_entropy(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_wide_renormalized_prefix(backend):
-    """A one-wide renormalized prefix is scale * sign(q_0) * sign(k_0): its features' gradient is exactly 0, as
-    F.normalize's backward gives it. The fused passes (native, torch tiles, Triton) leave it out of the gradient
-    instead of cancelling two equal sums of size |g| / |x_0| (which left ~7e-5 relative); alone, it gives exact
-    zeros (and its dscale)."""
+    """A one-wide renormalized prefix is scale * sign(q_0) * sign(k_0): its features' gradient is exactly 0
+    (F.normalize's backward gives it to rounding). The fused passes (native, torch tiles, Triton) leave it out
+    of the gradient instead of cancelling two equal sums of size |g| / |x_0| (which left ~7e-5 relative);
+    alone, it gives exact zeros (and its dscale)."""
     _assert_one_wide_renormalized(_backend(backend), backend in ("cpu", "torch", "torch-small-tiles", "triton"))
 
 
