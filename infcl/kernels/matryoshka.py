@@ -8,8 +8,8 @@ A tile's raw product grows segment by segment: raw^k = raw^(k-1) + q[rows, m_(k-
 each segment's product by :func:`infcl.kernels.score_tiles.score_chunks` on the segment's columns (in the q-rows x
 k-rows orientation, over the same chunks in every kernel), so D is walked once per tile for all K prefixes, and
 S^k = scale * ((raw^k * a^k_i) * b^k_j) (one rounded multiply by the scale,
-:func:`~infcl.kernels.score_tiles.masked_scores`): every kernel forms the same bits, and S - m is exact at a
-line's maximum.
+:func:`~infcl.kernels.score_tiles.masked_scores`): every kernel forms the same bits (one step per prefix,
+:func:`_prefix_tile`, for the forward and the backward walks), and S - m is exact at a line's maximum.
 
 - :func:`_matryoshka_forward_kernel`: a program owns BLOCK_M rows (``BY_COLUMN`` False) or BLOCK_N columns
   (True) and walks the other side's blocks; at each prefix's boundary the tile's stats (rest form,
@@ -97,11 +97,25 @@ class Operands(NamedTuple):
 
 
 @triton.jit
-def _grown(q, k, rows, cols, lo, hi, raw, tile, dot):
-    """raw + q[rows, lo:hi] @ k[cols, lo:hi].T: the tile's raw product grown by the segment [lo, hi)
-    (:func:`~infcl.kernels.score_tiles.score_chunks` on the segment's columns, features past hi read 0,
-    continuing ``raw`` in the products' own accumulator)."""
-    return score_chunks(
+def _walk(ops, tile, BY_COLUMN: tl.constexpr):
+    """A program's walk (:func:`~infcl.kernels.rank.program_lines` over q's and k's rows): (lines, n_lines,
+    n_other, step, ok: the lines that exist)."""
+    lines, n_lines, n_other, step = program_lines(ops.q.n, ops.k.n, BY_COLUMN, tile.BLOCK_M, tile.BLOCK_N)
+    return lines, n_lines, n_other, step, lines < n_lines
+
+
+@triton.jit
+def _prefix_tile(ops, p, lo, raw, rows, cols, scale, tile, dot):
+    """Prefix ``p`` on the tile, from prefix p - 1's raw product ``raw`` and end ``lo`` (0 and 0 for p = 0):
+    (raw^p, m_p, u, s, a, b). raw^p = raw + q[rows, lo:m_p] @ k[cols, lo:m_p].T
+    (:func:`~infcl.kernels.score_tiles.score_chunks` on the segment's columns, features past m_p read 0,
+    continuing ``raw`` in the products' own accumulator); a (rows) and b (columns) its factors,
+    u = (raw^p * a) * b and s = scale * u, -inf outside the block. Both walks, forward and backward, step
+    through the prefixes here: every kernel forms the same S^p."""
+    prefixes = ops.prefixes
+    hi = tl.load(prefixes.bounds_ptr + p + 1)
+    q, k = ops.q, ops.k
+    raw = score_chunks(
         Matrix(q.ptr + lo.to(tl.int64) * q.stride_c, q.n, hi - lo, q.stride_r, q.stride_c),
         Matrix(k.ptr + lo.to(tl.int64) * k.stride_c, k.n, hi - lo, k.stride_r, k.stride_c),
         rows,
@@ -110,17 +124,10 @@ def _grown(q, k, rows, cols, lo, hi, raw, tile, dot):
         dot,
         raw=raw,
     )
-
-
-@triton.jit
-def _prefix_scores(raw, ops, p, rows, cols, scale):
-    """(u, s, a, b) of prefix ``p`` on the tile: its factors a (rows) and b (columns), u = (raw * a) * b and
-    s = scale * u, -inf outside the block. Every kernel forms S^p here."""
-    prefixes = ops.prefixes
-    a = load_vector(prefixes.q_factor_ptr + p * prefixes.stride_qf, rows, ops.q.n, 1, 1.0, True)
-    b = load_vector(prefixes.k_factor_ptr + p * prefixes.stride_kf, cols, ops.k.n, 1, 1.0, True)
+    a = load_vector(prefixes.q_factor_ptr + p * prefixes.stride_qf, rows, q.n, 1, 1.0, True)
+    b = load_vector(prefixes.k_factor_ptr + p * prefixes.stride_kf, cols, k.n, 1, 1.0, True)
     u = raw * a[:, None] * b[None, :]
-    return u, masked_scores(u, scale, rows, cols, ops.q.n, ops.k.n, True, True), a, b
+    return raw, hi, u, masked_scores(u, scale, rows, cols, q.n, k.n, True, True), a, b
 
 
 @triton.jit
@@ -174,25 +181,19 @@ def _forward_lines(ops, out_ptr, tile, dot, BY_COLUMN: tl.constexpr):
     BLOCK_M: tl.constexpr = tile.BLOCK_M
     BLOCK_N: tl.constexpr = tile.BLOCK_N
     AXIS: tl.constexpr = 0 if BY_COLUMN else 1  # the tile's axis along a line
-    n_q = ops.q.n
-    n_k = ops.k.n
     count = ops.prefixes.count
-    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
-    ok = lines < n_lines
+    lines, n_lines, n_other, step, ok = _walk(ops, tile, BY_COLUMN)
     scale = tl.load(ops.scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
     if BY_COLUMN:
         pos = lines  # unused: the columns' positives are the rows' (the host scatters them)
     else:
-        pos = load_vector(ops.pos_ptr, lines, n_q, 1, -1, True)
+        pos = load_vector(ops.pos_ptr, lines, ops.q.n, 1, -1, True)
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
         raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=dot.ACC)
         hi = tl.load(ops.prefixes.bounds_ptr)
         for p in range(count):
-            lo = hi
-            hi = tl.load(ops.prefixes.bounds_ptr + p + 1)
-            raw = _grown(ops.q, ops.k, rows, cols, lo, hi, raw, tile, dot)
-            _, s, _, _ = _prefix_scores(raw, ops, p, rows, cols, scale)
+            raw, hi, _, s, _, _ = _prefix_tile(ops, p, hi, raw, rows, cols, scale, tile, dot)
             tile_max, tile_rest = tile_rest_stats(s, AXIS)
             at = out_ptr + p * n_lines.to(tl.int64) + lines  # [3, K, n]: stat rows K * n apart
             run_max = tl.load(at, mask=ok, other=float("-inf"))
@@ -311,8 +312,7 @@ def _backward_lines(
     n_q = ops.q.n
     n_k = ops.k.n
     count = ops.prefixes.count
-    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
-    ok = lines < n_lines
+    lines, n_lines, n_other, step, ok = _walk(ops, tile, BY_COLUMN)
     f0 = tl.program_id(1) * BLOCK_OUT
     feats = f0 + tl.arange(0, BLOCK_OUT)
     # Every slice recomputes the same dS: the first writes the sums of its lines.
@@ -332,10 +332,7 @@ def _backward_lines(
         raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=dot.ACC)
         hi = tl.load(ops.prefixes.bounds_ptr)
         for p in range(count):
-            lo = hi
-            hi = tl.load(ops.prefixes.bounds_ptr + p + 1)
-            raw = _grown(ops.q, ops.k, rows, cols, lo, hi, raw, tile, dot)
-            u, s, a, b = _prefix_scores(raw, ops, p, rows, cols, scale)
+            raw, hi, u, s, a, b = _prefix_tile(ops, p, hi, raw, rows, cols, scale, tile, dot)
             ds = _prefix_grad(s, upstream[0], upstream[1], rows, n_q, p, count, is_pos, True)
             at = sums_ptr + p * n_lines.to(tl.int64) + lines  # [2, K, n]: rows K * n apart
             part = tl.sum(ds * u, axis=AXIS)
