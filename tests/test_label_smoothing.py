@@ -19,6 +19,8 @@ from helpers.support import (
 )
 from infcl import InfCLIPLoss, cal_inf_loss
 from infcl.backends.torch_tiles import TorchTilesBackend
+from infcl.backends.triton.backend import TritonBackend
+from infcl.kernels.configs import TileConfig, Tiling
 
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 EPS = (0.1, 0.37, 1.0)
@@ -354,14 +356,14 @@ def test_kept_truth_is_masked_truth_without_guide():
             assert_close_verbose(x, y, 1e-12, 1e-12, f"truths {mode}")
 
 
-def _native_in_tile(monkeypatch):
-    """Records the native masked ops' kept-sums requests and fails any call on the torch tiles: a guide (or ids)
-    smoothed on the native kernel must sum and subtract the uniform part in its own tiles, not be rerouted."""
-    from infcl.backends.native.softmax import NativeSoftmax
+def _in_tile(monkeypatch, steps, name):
+    """Records the masked block steps' kept-sums requests on the backend class ``steps`` (its forward_block and
+    backward_block) and fails any call on the torch tiles: a guide (or ids) smoothed on backend ``name`` must sum
+    and subtract the uniform part in its own tiles, not be rerouted."""
     from infcl.backends.torch_tiles.softmax import SoftmaxTiles
 
     seen = []
-    forward, backward = NativeSoftmax.forward_block, NativeSoftmax.backward_block
+    forward, backward = steps.forward_block, steps.backward_block
 
     def spy_forward(self, block, symmetric):
         seen.append(("forward", block.kept_sums))
@@ -372,13 +374,19 @@ def _native_in_tile(monkeypatch):
         return backward(self, block, dq, dk)
 
     def rerouted(*args, **kwargs):
-        raise AssertionError("label smoothing on 'cpu' ran on the torch tiles")
+        raise AssertionError(f"label smoothing on {name!r} ran on the torch tiles")
 
-    monkeypatch.setattr(NativeSoftmax, "forward_block", spy_forward)
-    monkeypatch.setattr(NativeSoftmax, "backward_block", spy_backward)
+    monkeypatch.setattr(steps, "forward_block", spy_forward)
+    monkeypatch.setattr(steps, "backward_block", spy_backward)
     monkeypatch.setattr(SoftmaxTiles, "forward_block", rerouted)
     monkeypatch.setattr(SoftmaxTiles, "backward_block", rerouted)
     return seen
+
+
+def _native_in_tile(monkeypatch):
+    from infcl.backends.native.softmax import NativeSoftmax
+
+    return _in_tile(monkeypatch, NativeSoftmax, "cpu")
 
 
 @pytest.mark.parametrize("kind,multi_positive", GUIDE_MODES + (("ids", None), ("ids", "mean"), ("ids", "sum")))
@@ -428,3 +436,77 @@ def test_native_in_tile_many_tiles(monkeypatch, dtype):
     want = reduce_masked_truth(rows, cols, "mean")
     want.backward(g)
     _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), dtype, f"cpu many tiles {dtype}")
+
+
+# --- the Triton kernels' kept sums (the interpreter: small shapes) ----------------------------------------------
+
+# 16 x 16 tiles, 2 row groups and 2 k splits in the forward, 2 splits per dq / dk block: the kept sums of rows merged
+# across splits, of columns across groups, the uniform weights over several ragged tiles of 37 x 45.
+SMALL_SPLIT = Tiling(*(TileConfig(16, 16, block_out=16),) * 3, resident_d=16, chunk_d=16).with_splits(2, 2, 2)
+
+
+def _triton_kept_case(monkeypatch, backend, kind, multi_positive, symmetric, margin, strategy, eps, bq, bk, seed):
+    """One call on the Triton kernels (spied: in-tile, never rerouted) against the float64 row-by-row truth, with
+    upstream gradients of both signs and a zero."""
+    from infcl.backends.triton.softmax import TritonSoftmax
+
+    seen = _in_tile(monkeypatch, TritonSoftmax, "triton")
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(bq, bk, symmetric, torch.float32, seed=seed)
+    g = _upstream("none", bq)
+    g[1] = 0.0
+    masks = dict(q_ids=q_ids, k_ids=k_ids, multi_positive=multi_positive) if kind != "guide" else {}
+    if kind != "ids":
+        masks.update(guide=guide, guide_margin=margin, guide_margin_strategy=strategy)
+    kw = dict(symmetric=symmetric, reduction="none", label_smoothing=eps, backend=backend, **masks)
+    got = run(q, k, labels, torch.tensor(9.0), g, **kw)
+    assert seen and all(flag for _, flag in seen), seen
+    qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, torch.tensor(9.0)))
+    rows, cols = kept_truth(
+        qa, ka, labels, sa, masks.get("q_ids"), masks.get("k_ids"), multi_positive, masks.get("guide"), margin,
+        strategy, eps, symmetric,
+    )  # fmt: skip
+    want = reduce_masked_truth(rows, cols, "none")
+    torch.where(torch.isnan(want), 0.0, want * g).sum().backward()
+    assert torch.equal(torch.isnan(got[0]), torch.isnan(want))
+    got_loss = torch.where(torch.isnan(got[0]), 0.0, got[0])
+    want_loss = torch.where(torch.isnan(want), 0.0, want.detach())
+    what = f"triton {kind} {multi_positive} margin={margin} eps={eps}"
+    _check((got_loss, *got[1:]), (want_loss, qa.grad, ka.grad, sa.grad), torch.float32, what)
+
+
+@pytest.mark.parametrize("backend", ("triton",))  # the interpreter (marker: interpreter)
+@pytest.mark.parametrize("kind,multi_positive", GUIDE_MODES + (("ids", None), ("ids", "mean"), ("ids", "sum")))
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_triton_in_tile(monkeypatch, backend, kind, multi_positive, symmetric):
+    # The Triton kernels sum the kept logits in their masked forward and subtract eps * g / n_kept in their masked
+    # backward (a guide is no longer rerouted to the torch tiles; ids take the in-tile path too). One tile.
+    margin, strategy, eps = (0.25, "relative", 1.0) if multi_positive == "sum" else (0.0, "absolute", 0.3)
+    bq, bk = 17, 17 if symmetric else 23
+    _triton_kept_case(monkeypatch, backend, kind, multi_positive, symmetric, margin, strategy, eps, bq, bk, 31)
+
+
+@pytest.mark.parametrize("backend", ("triton",))
+@pytest.mark.parametrize("kind,multi_positive", (("guide", None), ("both", "mean"), ("both", "sum")))
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_triton_in_tile_many_tiles(monkeypatch, backend, kind, multi_positive, symmetric):
+    # Ragged 16 x 16 tiles, row groups and k splits (SMALL_SPLIT): the partials' kept rows merged on the host.
+    name = TritonBackend(tiling=SMALL_SPLIT)
+    margin, strategy = (0.25, "relative") if symmetric else (0.0, "absolute")
+    bk = 37 if symmetric else 45
+    _triton_kept_case(monkeypatch, name, kind, multi_positive, symmetric, margin, strategy, 0.2, 37, bk, 5)
+
+
+@pytest.mark.parametrize("name", ("triton", "chunked", "torch", "cpu"))
+def test_guided_smoothing_is_not_rerouted(name):
+    # Every built-in backend's masked tiles sum the kept logits, so a guided, smoothed call runs where it was sent.
+    from infcl.api import smoothing_backend
+    from infcl.backends import backend_object
+    from infcl.masks import MaskOptions
+
+    if name == "cpu" and "cpu" not in tiled_backends():
+        pytest.skip("the native kernel is unavailable here")
+    backend = backend_object(name)
+    assert getattr(backend, "kept_sums", False), name
+    guide = (torch.zeros(3, 2), torch.zeros(3, 2))
+    masks = MaskOptions(guide_q=guide[0], guide_k=guide[1])
+    assert smoothing_backend(backend, masks, 0.1) is backend

@@ -210,6 +210,25 @@ def test_maxsim_calls_compile_on_sm_90_80_100():
         assert kernels == {"maxsim_forward", "maxsim_dq", "maxsim_dk"}, (arch, kernels)
 
 
+def test_label_smoothing_guided_calls_compile():
+    """cal_inf_loss with a guide and label_smoothing (issue 56) through the public call: the masked kernels' kept-sums
+    variant (the forward's two more partials, the backward's uniform weights) compiles, forward, dq and dk beside
+    the guide scores' kernel, on sm_90 in every dtype and on sm_80 / sm_100 in bf16 and fp32, without spills,
+    within shared memory and without float atomics (``triton_compile.smoothing_calls``); never rerouted to the
+    torch tiles (which would launch no kernel)."""
+    with _pool() as pool:
+        out = list(pool.map(triton_compile.run_call, triton_compile.smoothing_calls(_float64_dot())))
+    print(f"\n{_summary(out)}")
+    problems = rank_distill_compile.problems(out)
+    assert not problems, "\n".join(problems)
+    seen = defaultdict(set)
+    for r in out:
+        assert {row["kernel"] for row in r["kernels"]} == {"forward", "dq", "dk", "guide_label_scores"}, r["call"]
+        seen[r["call"].split()[0]].add(r["call"].split()[2])
+    assert {"bf16", "fp32-ieee", "fp32-tf32", "fp16"} <= seen["sm_90"], seen
+    assert {"bf16", "fp32-ieee"} <= seen["sm_80"], seen
+
+
 def test_big_one_chunk_tiles_compile():
     """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
     sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (score_tiles.score_dot's [M, N, D]
