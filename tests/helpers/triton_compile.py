@@ -945,7 +945,8 @@ def smoothing_calls(float64_dot: bool) -> List[Call]:
     """cal_inf_loss with label_smoothing and a guide (``backend="triton"``: the masked kernels with their kept sums):
     the masked matrix's heaviest case (ids and a guide, "sum", symmetric, D = 1000 on a ragged batch) in every dtype
     on sm_90 and in bf16 and fp32 "ieee" on sm_80 and (where the wheel's ptxas knows it) sm_100; a guide alone,
-    one-directional with labels and Bk > Bq at D = 40 (one resident chunk) in bf16 and fp32 "ieee" on sm_90."""
+    one-directional with labels and Bk > Bq at D = 40 (one resident chunk) in bf16 and fp32 "ieee" on sm_90, and
+    in bf16 on the chunked route (``backend="chunked"``)."""
     ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
     heaviest = dict(symmetric=True, masks="both", multi_positive="sum", label_smoothing=SMOOTHING)
     out = []
@@ -958,6 +959,8 @@ def smoothing_calls(float64_dot: bool) -> List[Call]:
         out += [Call(arch, "cal_inf_loss", d, p, 1000, *ragged, **heaviest) for d, p in dtypes]
     one_way = dict(labels=True, masks="guide", label_smoothing=SMOOTHING)
     out += [Call(90, "cal_inf_loss", d, "ieee", 40, *wide, **one_way) for d in ("bfloat16", "float32")]
+    # the chunked route hands its masked blocks to these kernels (the same specializations: Triton's cache has them)
+    out.append(Call(90, "cal_inf_loss", "bfloat16", "ieee", 40, *wide, backend="chunked", **one_way))
     return out
 
 
