@@ -62,9 +62,18 @@ def truth(q, k, labels, scale, upstream, eps, symmetric, reduction):
     return loss.detach(), q.grad, k.grad, scale.grad
 
 
+class NoKeptSums(TorchTilesBackend):
+    """A backend object whose masked tiles do not sum the kept logits (every built-in one does): label smoothing
+    with ids takes the same-id sums of the features (SmoothedIdsSteps), with a guide the torch tiles' own."""
+
+    kept_sums = False
+
+
 def _backend(name):
     if name == "torch-small-tiles":
         return TorchTilesBackend(5, 7)  # the torch tiles at these sizes, passed by the call
+    if name == "no-kept-sums":
+        return NoKeptSums(5, 7)
     return name
 
 
@@ -171,7 +180,7 @@ def test_bad_values_raise(value, error, match):
         cal_inf_loss(q, k, label_smoothing=value)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ("no-kept-sums",))
 @pytest.mark.parametrize("multi_positive", (None, "mean", "sum"))
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("partnerless", (False, True))
@@ -510,3 +519,5 @@ def test_guided_smoothing_is_not_rerouted(name):
     guide = (torch.zeros(3, 2), torch.zeros(3, 2))
     masks = MaskOptions(guide_q=guide[0], guide_k=guide[1])
     assert smoothing_backend(backend, masks, 0.1) is backend
+    # one without kept sums is rerouted (the torch tiles decide both the thresholds and the exclusions)
+    assert smoothing_backend(NoKeptSums(), masks, 0.1) is backend_object("torch")
