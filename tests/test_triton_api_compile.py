@@ -272,14 +272,15 @@ def _float64_dot():
     return FLOAT64_DOT
 
 
-@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss", "cal_inf_loss masked"])
+@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss", "cal_inf_loss masked", "cal_inf_loss smoothed"])
 def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     """torch.compile(fullgraph=True) of a step calling the loss with backend="triton" traces (AOTAutograd,
     an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
     break, the kernels as triton_kernel_wrapper nodes in the forward and backward graphs, and the
     compiled step runs forward and backward compile-only."""
     with _pool() as pool:
-        masks = ("both", "sum") if entry.endswith(" masked") else ("", "")  # ids and a guide, "sum"
+        # ids and a guide, "sum"; smoothed: a guide alone (one positive per row) with label smoothing's kept sums
+        masks = {"masked": ("both", "sum", 0.0), "smoothed": ("guide", "", 0.1)}.get(entry.split()[-1], ("", "", 0.0))
         entry = entry.split()[0]
         out = pool.submit(triton_compile.compile_training_step, 90, entry, *masks).result()
     assert "error" not in out, out.get("error")
@@ -288,6 +289,6 @@ def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     # the kernels themselves are in the graphs (triton_op + wrap_triton)
     assert "triton_kernel_wrapper" in forward_graph and "triton_kernel_wrapper" in backward_graph
     expected = {"forward", "dq", "dk"} if entry == "cal_inf_loss" else {"siglip_forward", "siglip_backward"}
-    if masks[0] == "both":  # a guide: its thresholds come from the masked kernels' own guide product
+    if masks[0] in ("both", "guide"):  # a guide: its thresholds come from the masked kernels' own guide product
         expected |= {"guide_label_scores"}
     assert set(out["kernels"]) == expected

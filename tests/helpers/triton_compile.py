@@ -964,11 +964,13 @@ def smoothing_calls(float64_dot: bool) -> List[Call]:
     return out
 
 
-def compile_training_step(arch: int, entry: str, masks: str = "", multi_positive: str = "") -> Dict:
-    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, with ``masks`` and
-    ``multi_positive`` as :class:`Call`'s, or cal_siglip_loss) with backend="triton", through AOTAutograd
-    with an eager backend (Inductor needs a real GPU), run forward and backward compile-only. {"graphs":
-    the AOT forward and backward graphs' code, "frames": frames compiled} or {"error"}."""
+def compile_training_step(
+    arch: int, entry: str, masks: str = "", multi_positive: str = "", label_smoothing: float = 0.0
+) -> Dict:
+    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, with ``masks``,
+    ``multi_positive`` and ``label_smoothing`` as :class:`Call`'s, or cal_siglip_loss) with backend="triton",
+    through AOTAutograd with an eager backend (Inductor needs a real GPU), run forward and backward compile-only.
+    {"graphs": the AOT forward and backward graphs' code, "frames": frames compiled} or {"error"}."""
     import torch
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -993,6 +995,7 @@ def compile_training_step(arch: int, entry: str, masks: str = "", multi_positive
         symmetric=entry == "cal_inf_loss",
         masks=masks,
         multi_positive=multi_positive,
+        label_smoothing=label_smoothing,
     )
     counter = CompileCounterWithBackend(aot_autograd(fw_compiler=keep, bw_compiler=keep))
     try:
