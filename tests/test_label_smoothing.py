@@ -454,20 +454,22 @@ def test_native_in_tile_many_tiles(monkeypatch, dtype):
 SMALL_SPLIT = Tiling(*(TileConfig(16, 16, block_out=16),) * 3, resident_d=16, chunk_d=16).with_splits(2, 2, 2)
 
 
-def _triton_kept_case(monkeypatch, backend, kind, multi_positive, symmetric, margin, strategy, eps, bq, bk, seed):
+def _triton_kept_case(
+    monkeypatch, backend, kind, multi_positive, symmetric, margin, strategy, eps, bq, bk, seed, dtype=torch.float32
+):
     """One call on the Triton kernels (spied: in-tile, never rerouted) against the float64 row-by-row truth, with
     upstream gradients of both signs and a zero."""
     from infcl.backends.triton.softmax import TritonSoftmax
 
     seen = _in_tile(monkeypatch, TritonSoftmax, "triton")
-    q, k, labels, q_ids, k_ids, guide = guided_inputs(bq, bk, symmetric, torch.float32, seed=seed)
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(bq, bk, symmetric, dtype, seed=seed)
     g = _upstream("none", bq)
     g[1] = 0.0
     masks = dict(q_ids=q_ids, k_ids=k_ids, multi_positive=multi_positive) if kind != "guide" else {}
     if kind != "ids":
         masks.update(guide=guide, guide_margin=margin, guide_margin_strategy=strategy)
     kw = dict(symmetric=symmetric, reduction="none", label_smoothing=eps, backend=backend, **masks)
-    got = run(q, k, labels, torch.tensor(9.0), g, **kw)
+    got = run(q, k, labels, torch.tensor(9.0, dtype=dtype), g, **kw)
     assert seen and all(flag for _, flag in seen), seen
     qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, torch.tensor(9.0)))
     rows, cols = kept_truth(
@@ -480,7 +482,7 @@ def _triton_kept_case(monkeypatch, backend, kind, multi_positive, symmetric, mar
     got_loss = torch.where(torch.isnan(got[0]), 0.0, got[0])
     want_loss = torch.where(torch.isnan(want), 0.0, want.detach())
     what = f"triton {kind} {multi_positive} margin={margin} eps={eps}"
-    _check((got_loss, *got[1:]), (want_loss, qa.grad, ka.grad, sa.grad), torch.float32, what)
+    _check((got_loss, *got[1:]), (want_loss, qa.grad, ka.grad, sa.grad), dtype, what)
 
 
 @pytest.mark.parametrize("backend", ("triton",))  # the interpreter (marker: interpreter)
@@ -503,6 +505,14 @@ def test_triton_in_tile_many_tiles(monkeypatch, backend, kind, multi_positive, s
     margin, strategy = (0.25, "relative") if symmetric else (0.0, "absolute")
     bk = 37 if symmetric else 45
     _triton_kept_case(monkeypatch, name, kind, multi_positive, symmetric, margin, strategy, 0.2, 37, bk, 5)
+
+
+@pytest.mark.parametrize("backend", ("triton",))
+@pytest.mark.parametrize("multi_positive", (None, "mean"))
+def test_triton_in_tile_float64(monkeypatch, backend, multi_positive):
+    # float64 features and guide (the FMA kernels in float64, the interpreter's tl.dot): float64's tolerance.
+    kw = dict(kind="both", multi_positive=multi_positive, symmetric=True, margin=0.0, strategy="absolute", eps=0.4)
+    _triton_kept_case(monkeypatch, backend, **kw, bq=19, bk=19, seed=7, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("name", ("triton", "chunked", "torch", "cpu"))
