@@ -166,9 +166,10 @@ def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, bloc
 
 def smoothing_backend(block_backend, masks, eps: float):
     """The backend of a call's blocks: ``block_backend``, but label smoothing with a guide runs on the torch tiles
-    where the backend's masked tiles do not sum the kept logits (``kept_sums``: the torch tiles and the native
-    kernel do; the Triton kernels and the chunked route not yet; :mod:`infcl.losses.smoothing`), so that one
-    backend's guide arithmetic decides both the thresholds and the exclusions."""
+    where the backend's masked tiles do not sum the kept logits (``kept_sums``: the torch tiles, the native
+    kernel, the Triton kernels and the chunked route, whose masked blocks are the fused kernels', all do; a
+    backend object of the user's without it does not; :mod:`infcl.losses.smoothing`), so that one backend's
+    guide arithmetic decides both the thresholds and the exclusions."""
     if not eps or masks is None or not masks.has_guide or getattr(block_backend, "kept_sums", False):
         return block_backend
     return backend_object("torch")

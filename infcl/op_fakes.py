@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from .contract import accum_dtype
+from .masks import KEPT_ROWS, MASKED_ROWS
 
 Tensor = torch.Tensor
 
@@ -22,6 +23,19 @@ def stats_fake(rows: int, cols: int, symmetric_at: int = 4) -> Callable:
         acc = accum_dtype(q.dtype)
         n_cols = k.shape[0] if args[symmetric_at - 2] else 0
         return q.new_empty(rows, q.shape[0], dtype=acc), q.new_empty(cols, n_cols, dtype=acc)
+
+    return fake
+
+
+def masked_stats_fake(kept_sums_at: int) -> Callable:
+    """The fake of a masked forward step (schema: q, k, scale, pos, symmetric, ..., a ``kept_sums`` flag at
+    position ``kept_sums_at`` among the arguments after q and k, or by keyword, default False): row and column
+    partials [6, n], [8, n] with ``kept_sums`` (label smoothing's kept logits' sum and number, :mod:`infcl.masks`)."""
+
+    def fake(q: Tensor, k: Tensor, *args, kept_sums: bool = False):
+        kept_sums = args[kept_sums_at] if len(args) > kept_sums_at else kept_sums
+        rows = KEPT_ROWS if kept_sums else MASKED_ROWS
+        return stats_fake(rows, rows)(q, k, *args)
 
     return fake
 

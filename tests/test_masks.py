@@ -640,6 +640,33 @@ def test_triton_masked_ops_pass_opcheck():
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not TRITON, reason="interpreted Triton")
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_triton_masked_ops_with_kept_sums_pass_opcheck(symmetric):
+    """The masked ops with label smoothing's kept sums (forward: [8, n]) and uniform weights (backward)."""
+    gen = torch.Generator().manual_seed(43)
+    bq, bk, d = 20, 24, 16
+    q, k = torch.randn(bq, d, generator=gen), torch.randn(bk, d, generator=gen)
+    scale, pos = torch.tensor(SCALE), torch.arange(bq)
+    q_ids, k_ids = torch.randint(0, 4, (bq,), generator=gen), torch.randint(0, 4, (bk,), generator=gen)
+    gq, gk = torch.randn(bq, 5, generator=gen), torch.randn(bk, 5, generator=gen)
+    row_thr = torch.randn(bq, generator=gen)
+    col_thr = torch.randn(bk, generator=gen) if symmetric else None
+    tiling = _triton_tiny().to_ints()
+    masks = (q_ids, k_ids, gq, gk, row_thr, col_thr, "")
+    forward = (q, k, scale, pos, symmetric, *masks, "ieee", tiling, True)
+    rows, cols = torch.ops.infcl.triton_masked_forward_block(*forward)
+    assert rows.shape == (8, bq) and cols.shape == (8, bk if symmetric else 0)
+    torch.library.opcheck(torch.ops.infcl.triton_masked_forward_block.default, forward)
+    stats = torch.stack((torch.full((bq,), 3.0), torch.full((bq,), 0.5)))
+    col_up = (torch.stack((torch.full((bk,), 3.0), torch.full((bk,), 0.5))), torch.randn(bk, generator=gen))
+    uniform = (torch.rand(bq, generator=gen), torch.rand(bk, generator=gen) if symmetric else None)
+    args = (q, k, scale, pos, stats, torch.randn(bq, generator=gen), *(col_up if symmetric else (None, None)))
+    args += (None, None, *masks, torch.zeros(bq, d), torch.zeros(bk, d), "ieee", tiling, *uniform)
+    torch.library.opcheck(torch.ops.infcl.triton_masked_backward_block.default, args)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="interpreted Triton")
 def test_triton_masked_loss_under_torch_compile():
     """torch.compile traces the masked custom ops (fake impls) and gives the eager result bit for bit (as
     tests/test_triton.py's plain-loss check; fullgraph tracing is the compile gate's, on a GPU target)."""
