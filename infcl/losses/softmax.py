@@ -319,18 +319,24 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
     def merge(self, acc: MaskedPartials, part: MaskedPartials) -> None:
         acc.merge_(part, self.kind)
 
+    partials = MaskedPartials  # what the backend's packed rows unpack into
+
     def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
         """A NaN threshold (a guide with NaN or inf: :class:`GuideScores`) makes its row's (column's) max
         NaN in every block's partials: a NaN loss and NaN gradients, as NaN features give."""
         block = self._block(block, k_side)
-        rows, cols = backend.forward_block(block, self.symmetric)
-        rows = MaskedPartials.unpack(rows)
+        rows, cols = self._forward_block(backend, block)
+        rows = self.partials.unpack(rows)
         _poison(rows, block.masks.row_threshold)
         if cols is None:
             return rows, None
-        cols = MaskedPartials.unpack(cols)
+        cols = self.partials.unpack(cols)
         _poison(cols, block.masks.col_threshold)
         return rows, cols
+
+    def _forward_block(self, backend: BlockBackend, block: Block) -> Tuple[Tensor, Optional[Tensor]]:
+        """The backend's forward block operation for this loss's blocks (Matryoshka prefixes: their own)."""
+        return backend.forward_block(block, self.symmetric)
 
     def _fields(self, upstream: MaskedUpstream, side: str) -> dict:
         return upstream.block_fields(side, self.kind)
