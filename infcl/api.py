@@ -88,10 +88,11 @@ def cal_inf_loss(
             the features' first m_k columns (each prefix divided by its norm where renormalized, as
             sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
             backward on the native kernel ("cpu", and "auto" on CPU tensors), the "torch" tiles and "triton"
-            (:mod:`infcl.matryoshka`); the other backends run their block
-            operations once per prefix in each ring step, and with the mask options or label smoothing every
-            backend runs one call per prefix. Dims: distinct integers in [1, D],
-            any order; the guide features are never truncated.
+            (:mod:`infcl.matryoshka`); the other backends run their block operations once per prefix in each
+            ring step. With the mask options (ids, ``multi_positive``, ``guide``) the pass stays fused on the
+            native kernel and the torch tiles (each tile's masks formed once for every prefix); Triton and the
+            chunked route then run one call per prefix, and so does every backend with label smoothing.
+            Dims: distinct integers in [1, D], any order; the guide features are never truncated.
             With return_stats the stats are a dict {dim: InfLossStats}.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 import infcl.api
-from helpers.support import TOLERANCE, assert_close_verbose, reduce_masked_truth, tiled_backends
+from helpers.support import (
+    TOLERANCE,
+    assert_close_verbose,
+    assert_same_bits_on_thread_counts,
+    grads_of,
+    reduce_masked_truth,
+    tiled_backends,
+)
 from helpers.truth import truth_directions
 from infcl import Matryoshka, cal_inf_loss
 from infcl.backends import backend_object, unavailable_reason
@@ -38,11 +45,11 @@ def _backend(name):
     return TorchTilesBackend(*TINY_TILES) if name == "torch-tiny" else name
 
 
-def _inputs(bq, bk, d, dtype, seed=0, classes=3):
+def _inputs(bq, bk, d, dtype, seed=0, classes=3, integer_guide=True):
     """Features (rows not unit-norm: the renormalization matters), permutation or random labels, ids from a few
-    classes with each row's labelled column carrying its id (every row and column has a positive), and
-    integer-valued guide features (exact scores) with every third row's labelled column copied onto the next
-    column (a tie with its threshold at margin 0)."""
+    classes with each row's labelled column carrying its id (every row and column has a positive), and guide
+    features, integer-valued (exact scores) or not, with every third row's labelled column copied onto the next
+    column (a tie with its threshold at margin 0, which the truth decides from exactly rounded scores)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(bq, d, generator=gen, dtype=torch.float64) * torch.linspace(0.5, 2.0, d, dtype=torch.float64)
     k = torch.randn(bk, d, generator=gen, dtype=torch.float64)
@@ -50,8 +57,12 @@ def _inputs(bq, bk, d, dtype, seed=0, classes=3):
     q_ids = torch.randint(0, classes, (bq,), generator=gen)
     k_ids = torch.randint(0, classes, (bk,), generator=gen)
     k_ids[labels] = q_ids
-    gq = torch.randint(-2, 3, (bq, 3), generator=gen).double()
-    gk = torch.randint(-2, 3, (bk, 3), generator=gen).double()
+    if integer_guide:
+        gq = torch.randint(-2, 3, (bq, 3), generator=gen).double()
+        gk = torch.randint(-2, 3, (bk, 3), generator=gen).double()
+    else:
+        gq = torch.randn(bq, 5, generator=gen, dtype=torch.float64).to(dtype).double()
+        gk = torch.randn(bk, 5, generator=gen, dtype=torch.float64).to(dtype).double()
     for i in range(0, bq, 3):
         gk[(int(labels[i]) + 1) % bk] = gk[labels[i]]
     return q.to(dtype), k.to(dtype), labels, q_ids, k_ids, (gq.to(dtype), gk.to(dtype))
@@ -91,16 +102,9 @@ def _truth(q, k, labels, scale, symmetric, dims, weights, renormalize, opts, red
     return total
 
 
-def _grads(q, k, scale, upstream, fn):
-    q, k, scale = (t.detach().clone().requires_grad_() for t in (q, k, scale))
-    loss = fn(q, k, scale)
-    loss.backward(upstream.to(loss.dtype))
-    return loss.detach(), q.grad, k.grad, scale.grad
-
-
-def _check(backend, case, dtype, reduction, margin=0.0, seed=0):
+def _check(backend, case, dtype, reduction, margin=0.0, seed=0, integer_guide=True):
     bq, bk, d, symmetric, dims, renormalize, kind, mode = case
-    q, k, labels, q_ids, k_ids, guide = _inputs(bq, bk, d, dtype, seed)
+    q, k, labels, q_ids, k_ids, guide = _inputs(bq, bk, d, dtype, seed, integer_guide=integer_guide)
     opts = _options(kind, mode, q_ids, k_ids, guide, margin)
     weights = tuple(0.25 + 0.5 * i for i in range(len(dims)))
     spec = Matryoshka(dims, weights, renormalize)
@@ -108,13 +112,13 @@ def _check(backend, case, dtype, reduction, margin=0.0, seed=0):
     upstream = torch.randn(bq, generator=gen, dtype=torch.float64) if reduction == "none" else torch.tensor(-1.3)
     scale = torch.tensor(SCALE, dtype=dtype)
     call = dict(symmetric=symmetric, reduction=reduction, matryoshka=spec, backend=_backend(backend), **opts)
-    got = _grads(q, k, scale, upstream, lambda a, b, s: cal_inf_loss(a, b, labels, s, **call))
-    want = _grads(
+    got = grads_of(lambda a, b, s: cal_inf_loss(a, b, labels, s, **call), q, k, scale, upstream)
+    want = grads_of(
+        lambda a, b, s: _truth(a, b, labels, s, symmetric, dims, weights, renormalize, opts, reduction),
         q.double(),
         k.double(),
         scale.double(),
         upstream.double(),
-        lambda a, b, s: _truth(a, b, labels, s, symmetric, dims, weights, renormalize, opts, reduction),
     )
     atol, rtol = TOLERANCE[dtype]
     for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
@@ -134,6 +138,62 @@ def test_matches_per_prefix_masked_truth(backend, case, dtype):
 def test_reductions_and_upstream_gradients(backend, reduction, case):
     """ "none" with a random (signed) gradient per row, "sum"; a guide margin that excludes more columns."""
     _check(backend, case, torch.float32, reduction, margin=0.5, seed=1)
+
+
+@pytest.mark.parametrize("backend", ("torch", "torch-tiny", *tiled_backends()[1:]))
+@pytest.mark.parametrize("case", (CASES[1], CASES[3]))
+def test_float_guide_duplicates_tie_their_threshold(backend, case):
+    """Float guide features with every third row's labelled column duplicated: at margin 0 the duplicate ties the
+    threshold exactly (the thresholds come off the same guide tiles the fused pass forms) and stays."""
+    _check(backend, case, torch.float32, "mean", integer_guide=False, seed=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", FUSED)
+def test_past_one_key_tile(backend):
+    """Blocks past the native kernel's 512-column key tile and 256-row tiles (and many torch tiles)."""
+    if unavailable_reason(backend, torch.device("cpu")) is not None:
+        pytest.skip("the native kernel is not built")
+    _check(backend, (530, 530, 6, True, (6, 2), True, "both", "mean"), torch.float32, "mean", seed=2)
+
+
+def _native():
+    if unavailable_reason("cpu", torch.device("cpu")) is not None:
+        pytest.skip("the native kernel is not built")
+
+
+@pytest.mark.parametrize("mode", (None, "sum"))
+def test_native_does_not_depend_on_the_thread_count(mode):
+    """The fused masked forward (the loss) and dq, whose rows each belong to one lane, are the same bits on 1, 2
+    or 3 threads (the column positives kept per positive group, as the masked kernel keeps them)."""
+    _native()
+    q, k, labels, q_ids, k_ids, guide = _inputs(72, 72, 9, torch.float32, seed=6, integer_guide=False)
+    opts = _options("both", mode, q_ids, k_ids, guide)
+
+    def run():
+        a = q.clone().requires_grad_()
+        loss = cal_inf_loss(a, k, labels, SCALE, symmetric=True, matryoshka=(9, 4), backend="cpu", **opts)
+        loss.backward()
+        return loss.detach(), a.grad
+
+    assert_same_bits_on_thread_counts(run)
+
+
+def test_native_masked_ops_pass_opcheck():
+    """The masked Matryoshka ops' schemas, fake impls and mutation declarations hold (torch.library.opcheck)."""
+    _native()
+    q, k, labels, q_ids, k_ids, (gq, gk) = _inputs(12, 12, 10, torch.float32, seed=7)
+    dims, renorm, threshold = [3, 10], [True, False], torch.zeros(12)
+    masks = ("sum", q_ids, k_ids, gq, gk, threshold, threshold)
+    head = (q, k, 5.0, labels, True, dims, renorm)
+    torch.library.opcheck(torch.ops.infcl.masked_matryoshka_forward_block.default, (*head, *masks))
+    rows, cols = torch.ops.infcl.masked_matryoshka_forward_block(*head, *masks)
+    assert rows.shape == cols.shape == (6, 2, 12)
+    stats, pos_stats = rows[:2].contiguous(), rows[2:4].contiguous()
+    upstream = (stats, torch.ones(2, 12), cols[:2].contiguous(), torch.ones(2, 12))
+    positives = (None, pos_stats, None, cols[2:4].contiguous())
+    args = (q, k, 5.0, labels, dims, renorm, *upstream, *masks, *positives, torch.zeros(12, 10), torch.zeros(12, 10))
+    torch.library.opcheck(torch.ops.infcl.masked_matryoshka_backward_block.default, args)
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton is not installed")
