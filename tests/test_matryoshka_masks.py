@@ -196,6 +196,7 @@ def test_native_masked_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.infcl.masked_matryoshka_backward_block.default, args)
 
 
+@pytest.mark.interpreter  # the Triton route under TRITON_INTERPRET=1 here
 @pytest.mark.skipif(not TRITON, reason="Triton is not installed")
 def test_triton_keeps_one_call_per_prefix():
     """Triton's fused Matryoshka kernels have no masked blocks yet: a masked call runs one call per prefix."""
