@@ -48,8 +48,8 @@ def _backend(name):
 def _inputs(bq, bk, d, dtype, seed=0, classes=3, integer_guide=True):
     """Features (rows not unit-norm: the renormalization matters), permutation or random labels, ids from a few
     classes with each row's labelled column carrying its id (every row and column has a positive), and guide
-    features, integer-valued (exact scores) or not, with every third row's labelled column copied onto the next
-    column (a tie with its threshold at margin 0, which the truth decides from exactly rounded scores)."""
+    features, integer-valued (exact scores, in any dtype) or not, with every third row's labelled column copied onto
+    the next column (a tie with its threshold at margin 0, which the truth decides from exactly rounded scores)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(bq, d, generator=gen, dtype=torch.float64) * torch.linspace(0.5, 2.0, d, dtype=torch.float64)
     k = torch.randn(bk, d, generator=gen, dtype=torch.float64)
@@ -103,6 +103,14 @@ def _truth(q, k, labels, scale, symmetric, dims, weights, renormalize, opts, red
 
 
 def _check(backend, case, dtype, reduction, margin=0.0, seed=0, integer_guide=True):
+    got, want = _got_and_want(backend, case, dtype, reduction, margin, seed, integer_guide)
+    atol, rtol = TOLERANCE[dtype]
+    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
+        assert_close_verbose(a, b, atol, rtol, f"{backend} {case[-2:]} {case[4]} {what}")
+
+
+def _got_and_want(backend, case, dtype, reduction, margin, seed, integer_guide):
+    """((loss, dq, dk, dscale) of the call, the same of the float64 truth on the same inputs)."""
     bq, bk, d, symmetric, dims, renormalize, kind, mode = case
     q, k, labels, q_ids, k_ids, guide = _inputs(bq, bk, d, dtype, seed, integer_guide=integer_guide)
     opts = _options(kind, mode, q_ids, k_ids, guide, margin)
@@ -120,9 +128,7 @@ def _check(backend, case, dtype, reduction, margin=0.0, seed=0, integer_guide=Tr
         scale.double(),
         upstream.double(),
     )
-    atol, rtol = TOLERANCE[dtype]
-    for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
-        assert_close_verbose(a, b, atol, rtol, f"{backend} {kind} {mode} {dims} {what}")
+    return got, want
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -146,6 +152,20 @@ def test_float_guide_duplicates_tie_their_threshold(backend, case):
     """Float guide features with every third row's labelled column duplicated: at margin 0 the duplicate ties the
     threshold exactly (the thresholds come off the same guide tiles the fused pass forms) and stays."""
     _check(backend, case, torch.float32, "mean", integer_guide=False, seed=5)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_bfloat16_inputs(backend):
+    """bfloat16 features, guide and scale are exact in float32, which the fused passes accumulate in: the truth is
+    their float64; the loss is float32, dq, dk and dscale come back rounded to bfloat16 (the inputs' dtypes). (The
+    chunked route's per-prefix calls keep its own bfloat16 arithmetic, tested with its masked loss.)"""
+    if unavailable_reason(backend, torch.device("cpu")) is not None:
+        pytest.skip("the native kernel is not built")
+    got, want = _got_and_want(backend, CASES[2], torch.bfloat16, "mean", 0.0, 3, True)
+    assert got[0].dtype == torch.float32 and got[1].dtype == got[3].dtype == torch.bfloat16
+    assert_close_verbose(got[0], want[0], *TOLERANCE[torch.float32], f"{backend} bf16 loss")
+    for what, a, b in zip(("dq", "dk", "dscale"), got[1:], want[1:]):
+        assert_close_verbose(a, b, 0, 2.0**-8, f"{backend} bf16 {what}")
 
 
 @pytest.mark.slow
