@@ -150,7 +150,11 @@ def init_worker() -> None:
 
 
 # Kernels launched once per direction (their BY_COLUMN constexpr), reported per direction: (row walk, column walk).
-DIRECTIONS = {"backward": ("dq", "dk"), "matryoshka_backward": ("matryoshka_dq", "matryoshka_dk")}
+DIRECTIONS = {
+    "backward": ("dq", "dk"),
+    "matryoshka_backward": ("matryoshka_dq", "matryoshka_dk"),
+    "maxsim_backward": ("maxsim_dq", "maxsim_dk"),
+}
 
 
 class _Direction:
