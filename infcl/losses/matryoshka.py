@@ -184,7 +184,7 @@ class MaskedMatryoshkaSteps(MaskedSoftmaxSteps):
     (``masks``, guide thresholds set): the masked loss's ring steps (its k side, merges, NaN thresholds, losses,
     upstream) with a prefix axis, each block walked once for all K by the backend's fused masked operations."""
 
-    partials = PrefixMaskedPartials
+    parts = PrefixMaskedPartials
 
     def __init__(self, symmetric: bool, masks: MaskOptions, prefixes: Prefixes):
         super().__init__(symmetric, masks)

@@ -307,24 +307,21 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
     def _block(self, block: Block, k_side, **fields) -> Block:
         return replace(block, **fields, masks=self.masks.holding(k_side))
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> MaskedPartials:
-        return MaskedPartials.empty(n, dtype, device)
+    parts = MaskedPartials  # also what the backend's packed rows unpack into
 
     def merge(self, acc: MaskedPartials, part: MaskedPartials) -> None:
         acc.merge_(part, self.kind)
-
-    partials = MaskedPartials  # what the backend's packed rows unpack into
 
     def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
         """A NaN threshold (a guide with NaN or inf: :class:`GuideScores`) makes its row's (column's) max
         NaN in every block's partials: a NaN loss and NaN gradients, as NaN features give."""
         block = self._block(block, k_side)
         rows, cols = self._forward_block(backend, block)
-        rows = self.partials.unpack(rows)
+        rows = self.parts.unpack(rows)
         _poison(rows, block.masks.row_threshold)
         if cols is None:
             return rows, None
-        cols = self.partials.unpack(cols)
+        cols = self.parts.unpack(cols)
         _poison(cols, block.masks.col_threshold)
         return rows, cols
 
