@@ -48,6 +48,14 @@ def prefix_stats_fake(q: Tensor, k: Tensor, scale, pos, symmetric: bool, dims, *
     return q.new_empty(3, count, q.shape[0], dtype=acc), q.new_empty(2, count, n_cols, dtype=acc)
 
 
+def masked_prefix_stats_fake(q: Tensor, k: Tensor, scale, pos, symmetric: bool, dims, *_):
+    """The native masked Matryoshka forward's fake (schema: q, k, scale, pos, symmetric, dims, renormalize, the mask
+    options): every prefix's masked row and column partials [6, K, n] ([6, K, 0] unless symmetric)."""
+    acc, count = accum_dtype(q.dtype), len(dims)
+    n_cols = k.shape[0] if symmetric else 0
+    return q.new_empty(MASKED_ROWS, count, q.shape[0], dtype=acc), q.new_empty(MASKED_ROWS, count, n_cols, dtype=acc)
+
+
 def dscale_fake(q: Tensor, *_) -> Tensor:
     """Every backward step's fake: the scale's (and bias') gradient [2] in the accumulation dtype (dq and dk are
     updated in place)."""

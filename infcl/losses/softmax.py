@@ -307,8 +307,7 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
     def _block(self, block: Block, k_side, **fields) -> Block:
         return replace(block, **fields, masks=self.masks.holding(k_side))
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> MaskedPartials:
-        return MaskedPartials.empty(n, dtype, device)
+    parts = MaskedPartials  # also what the backend's packed rows unpack into
 
     def merge(self, acc: MaskedPartials, part: MaskedPartials) -> None:
         acc.merge_(part, self.kind)
@@ -317,14 +316,18 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
         """A NaN threshold (a guide with NaN or inf: :class:`GuideScores`) makes its row's (column's) max
         NaN in every block's partials: a NaN loss and NaN gradients, as NaN features give."""
         block = self._block(block, k_side)
-        rows, cols = backend.forward_block(block, self.symmetric)
-        rows = MaskedPartials.unpack(rows)
+        rows, cols = self._forward_block(backend, block)
+        rows = self.parts.unpack(rows)
         _poison(rows, block.masks.row_threshold)
         if cols is None:
             return rows, None
-        cols = MaskedPartials.unpack(cols)
+        cols = self.parts.unpack(cols)
         _poison(cols, block.masks.col_threshold)
         return rows, cols
+
+    def _forward_block(self, backend: BlockBackend, block: Block) -> Tuple[Tensor, Optional[Tensor]]:
+        """The backend's forward block operation for this loss's blocks (Matryoshka prefixes: their own)."""
+        return backend.forward_block(block, self.symmetric)
 
     def _fields(self, upstream: MaskedUpstream, side: str) -> dict:
         return upstream.block_fields(side, self.kind)

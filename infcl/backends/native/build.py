@@ -36,6 +36,7 @@ from ...op_fakes import (
     dscale_fake,
     guide_scores_fake,
     in_place_fake,
+    masked_prefix_stats_fake,
     masked_stats_fake,
     maxsim_scores_fake,
     prefix_stats_fake,
@@ -255,6 +256,8 @@ FAKES = {
     "infcl::guide_label_scores": guide_scores_fake,
     "infcl::matryoshka_forward_block": prefix_stats_fake,
     "infcl::matryoshka_backward_block": dscale_fake,
+    "infcl::masked_matryoshka_forward_block": masked_prefix_stats_fake,
+    "infcl::masked_matryoshka_backward_block": dscale_fake,
     "infcl::sigmoid_forward_block": row_fake,  # csrc/infcl_siglip.cpp
     "infcl::sigmoid_backward_block": dscale_fake,
     "infcl::distill_forward_block": stats_fake(DISTILL_ROWS, DISTILL_ROWS, symmetric_at=6),  # csrc/distill.cpp
