@@ -28,6 +28,17 @@ TORCH_LIBRARY(infcl, m) {
   m.def(
       "matryoshka_backward_block(Tensor q, Tensor k, float scale, Tensor pos, int[] dims, bool[] renormalize, "
       "Tensor row_stats, Tensor g_row, Tensor? col_stats, Tensor? g_col, Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
+  // ... with the mask options (the masked ops' arguments; the positives' counts or stats per prefix)
+  m.def(
+      "masked_matryoshka_forward_block(Tensor q, Tensor k, float scale, Tensor pos, bool symmetric, int[] dims, "
+      "bool[] renormalize, str? multi_positive, Tensor? q_ids, Tensor? k_ids, Tensor? guide_q, Tensor? guide_k, "
+      "Tensor? row_threshold, Tensor? col_threshold) -> (Tensor, Tensor)");
+  m.def(
+      "masked_matryoshka_backward_block(Tensor q, Tensor k, float scale, Tensor pos, int[] dims, bool[] renormalize, "
+      "Tensor row_stats, Tensor g_row, Tensor? col_stats, Tensor? g_col, str? multi_positive, Tensor? q_ids, "
+      "Tensor? k_ids, Tensor? guide_q, Tensor? guide_k, Tensor? row_threshold, Tensor? col_threshold, "
+      "Tensor? row_pos_count, Tensor? row_pos_stats, Tensor? col_pos_count, Tensor? col_pos_stats, "
+      "Tensor(a!) dq, Tensor(b!) dk) -> Tensor");
   // the sigmoid (SigLIP) loss: infcl_siglip.cpp
   // (q, k, scale, pos, ...) as the softmax ops have it, then the sigmoid loss's bias; the ids (the positives
   // in place of pos) last, optional.

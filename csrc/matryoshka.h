@@ -40,6 +40,9 @@ constexpr int64_t FACTOR_ROWS = 2;
 // thread of an AMD EPYC family 25 model 17 (loaded): 256 and 512 within noise of each other (1.13 - 1.28x one
 // loss), 128 no faster; 256 halves the buffers.
 constexpr int64_t MATRYOSHKA_TILE_K = TILE_K / 2;
+// With the mask options, both passes take the masked kernel's key tiles (TILE_K): a guide's scores are then the
+// very tiles guide_label_scores reads the thresholds off (softmax_ops.cpp), so a duplicate ties its threshold.
+inline int64_t prefix_tile_k(const MaskArgs* masks) { return masks ? TILE_K : MATRYOSHKA_TILE_K; }
 constexpr double NORM_EPS = 1e-12;  // F.normalize's default eps, as sentence-transformers' shrink (infcl/matryoshka.py)
 
 // One key tile's feature segments as the B operand of per-segment products, each packed once per key tile
@@ -88,17 +91,22 @@ struct PrefixOperands : BlockOperands<T, T> {
 
 // q [Bq, D], k [Bk, D] contiguous float32 or float64; q_factors [2, K, Bq], k_factors [2, K, Bk]. rows
 // [K, 3, Bq] (max, log-sum relative to it, the positive's logit: 0 where it lies in another block), cols
-// [K, 2, Bk] (symmetric; else unused).
+// [K, 2, Bk] (symmetric; else unused). masks (null: the plain loss): the mask options, the same for every
+// prefix (formed once per tile); rows [K, MASKED_ROWS, Bq] and cols [K, MASKED_ROWS, Bk], the masked
+// forward's rows (softmax.h) per prefix.
 void matryoshka_forward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
                         bool symmetric, const Prefixes& prefixes, const at::Tensor& q_factors,
-                        const at::Tensor& k_factors, at::Tensor& rows, at::Tensor& cols);
+                        const at::Tensor& k_factors, const MaskArgs* masks, at::Tensor& rows, at::Tensor& cols);
 
 // row_stats [2, K, Bq], g_row [K, Bq], col_stats [2, K, Bk] / g_col [K, Bk] (undefined: one direction);
 // dq, dk contiguous, accumulated into; dscale [2] (double): the row and column parts of the scale's gradient.
+// masks (null: the plain loss) with each side's positives per prefix: count [K, n] ("mean") or stats
+// [2, K, n] ("sum").
 void matryoshka_backward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
                          const Prefixes& prefixes, const at::Tensor& q_factors, const at::Tensor& k_factors,
                          const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
-                         const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale);
+                         const at::Tensor& g_col, const MaskArgs* masks, const PositiveInputs& row_pos,
+                         const PositiveInputs& col_pos, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale);
 
 }  // namespace softmax
 }  // namespace infcl

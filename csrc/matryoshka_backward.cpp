@@ -5,6 +5,9 @@
 // columns are dq's and dk's share of that segment: W then holds every prefix that includes the segment.
 // After the tiles, the normalization's own gradient, -(a^k)^2 c^k x[:m_k] per renormalized prefix.
 //
+// With the mask options the tile's masks are built once for every prefix (softmax_masks.h) and each dS^k is the
+// masked backward's (softmax_masked_grads.h: ds_masked_row, with prefix k's positives' count or stats).
+//
 // Threads: the plain backward's lanes (dq rows per lane, dk and the column sums per lane, merged in lane
 // order), so the results depend on the backward's thread count, never on scheduling.
 
@@ -13,11 +16,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "matryoshka.h"
 #include "softmax_grads.h"
+#include "softmax_masked_grads.h"
 #include "softmax_stats.h"
 
 namespace infcl {
@@ -90,14 +95,20 @@ class PrefixBackwardLane {
     const T* g_col;
     T* dq;
     double* row_c;  // [K, bq] the rows' normalization sums (each row belongs to one lane)
+    // The masked loss (null: the plain loss), with each side's positives of every prefix: count [K, n]
+    // ("mean") or stats [2, K, n] ("sum"; rel at max + K * n).
+    const MaskArgs* masks = nullptr;
+    PositiveGrads<T> row_pos{}, col_pos{};
   };
 
   explicit PrefixBackwardLane(const Args& a)
-      : a_(a.in), g_(a), tk_(std::min(MATRYOSHKA_TILE_K, a_.bk)),
+      : a_(a.in), g_(a), tk_(std::min(prefix_tile_k(a.masks), a_.bk)),
         keys_(a_.prefixes, /*scores=*/true, a_.tiles.size, tk_, a_.d),
         grads_(a_.prefixes, /*scores=*/false, a_.tiles.size, tk_, a_.d),
         raws_(a_.prefixes.count(), std::vector<T>(a_.tiles.size * tk_)), s_(a_.tiles.size * tk_),
-        w_(a_.tiles.size * tk_), col_sums_(tk_), shared_(tk_) {}
+        w_(a_.tiles.size * tk_), col_sums_(tk_), shared_(tk_) {
+    if (a.masks) masks_ = std::make_unique<TileMasks>(*a.masks, a_.tiles.size, tk_, a.col_stats != nullptr);
+  }
 
   // Row tiles [t_begin, t_end) into dk ([bk, d]) and col_c ([K, bk]); returns the two parts of dscale.
   std::pair<double, double> run(int64_t t_begin, int64_t t_end, T* dk, double* col_c) {
@@ -106,6 +117,7 @@ class PrefixBackwardLane {
       const int64_t nj = std::min(tk_, a_.bk - j0);
       keys_.set(a_.k + j0 * a_.d, nj, T(1));
       grads_.set(a_.k + j0 * a_.d, nj, a_.scale);  // scale * k_j[:, seg], for dq_i += W @ k_j
+      if (masks_) masks_->set_keys(j0, nj);
       for (int64_t t = t_begin; t < t_end; ++t) {
         const auto parts = tile(a_.tiles.begin(t), a_.tiles.height(t), j0, nj, dk, col_c);
         lane_row += parts.first;
@@ -123,6 +135,7 @@ class PrefixBackwardLane {
       if (k) std::copy(raws_[k - 1].begin(), raws_[k - 1].begin() + ni * nj, raws_[k].begin());
       keys_.product(k, ni, a_.q + i0 * a_.d + p.begin(k), a_.d, k ? T(1) : T(0), raws_[k].data(), nj);
     }
+    if (masks_) masks_->build(a_.pos, i0, ni, j0, nj);  // once for every prefix
     double tile_row = 0.0, tile_col = 0.0;
     T* s = s_.data();
     T* w = w_.data();
@@ -174,6 +187,8 @@ class PrefixBackwardLane {
     const bool shared = kOneExp<T> && g_.col_stats && shared_.prepare(row_m + i0, row_rel + i0, ni, col, nj);
     if (shared) col.factor = shared_.col_factors();
     double tile_row = 0.0, tile_col = 0.0;
+    const PositiveGrads<T> row_pos = prefix_positives(g_.row_pos, k, a_.bq).offset(i0);
+    const PositiveGrads<T> col_pos = prefix_positives(g_.col_pos, k, a_.bk).offset(j0);
     for (int64_t r = 0; r < ni; ++r) {
       const int64_t i = i0 + r;
       const RowGrad<T> row{row_m[i], row_rel[i], g_row[i]};
@@ -181,7 +196,9 @@ class PrefixBackwardLane {
       T* u_r = u + r * nj;
       const T* s_r = s + r * nj;
       T acc_row = 0, acc_col = 0;
-      if (!g_.col_stats) {
+      if (masks_) {
+        masked_row(r, nj, u_r, s_r, row, shared, col, row_pos, col_pos, acc_row, acc_col);
+      } else if (!g_.col_stats) {
         ds_row<Terms::Rows>(nj, c, u_r, s_r, u_r, row, T(0), col, acc_row, acc_col);
       } else if (shared) {
         ds_row<Terms::BothShared>(nj, c, u_r, s_r, u_r, row, shared_.row_factor(row.m, row.rel), col, acc_row,
@@ -195,6 +212,29 @@ class PrefixBackwardLane {
     return {tile_row, tile_col};
   }
 
+  // Row r of a masked tile: ds_masked_row (in place over u, as ds_row) with prefix k's positives.
+  void masked_row(int64_t r, int64_t nj, T* u_r, const T* s_r, const RowGrad<T>& row, bool shared,
+                  const ColGrads<T>& col, const PositiveGrads<T>& row_pos, const PositiveGrads<T>& col_pos,
+                  T& acc_row, T& acc_col) {
+    if (!g_.col_stats) {
+      ds_masked_row<Terms::Rows, false>(nj, *masks_, r, u_r, s_r, u_r, row, T(0), col, row_pos, col_pos, acc_row,
+                                        acc_col);
+    } else if (shared) {
+      ds_masked_row<Terms::BothShared, false>(nj, *masks_, r, u_r, s_r, u_r, row, shared_.row_factor(row.m, row.rel),
+                                              col, row_pos, col_pos, acc_row, acc_col);
+    } else {
+      ds_masked_row<Terms::Both, false>(nj, *masks_, r, u_r, s_r, u_r, row, T(0), col, row_pos, col_pos, acc_row,
+                                        acc_col);
+    }
+  }
+
+  // Prefix k's view of every prefix's positives (n lines each).
+  PositiveGrads<T> prefix_positives(const PositiveGrads<T>& all, int64_t k, int64_t n) const {
+    const int64_t count = a_.prefixes.count();
+    return {all.count ? all.count + k * n : nullptr, all.max ? all.max + k * n : nullptr,
+            all.max ? all.max + (count + k) * n : nullptr};
+  }
+
   PrefixOperands<T> a_;
   Args g_;  // the upstream stats and gradients, and what it accumulates into
   int64_t tk_;
@@ -202,7 +242,17 @@ class PrefixBackwardLane {
   std::vector<std::vector<T>> raws_;
   std::vector<T> s_, w_, col_sums_;
   SharedRef<T> shared_;
+  std::unique_ptr<TileMasks> masks_;
 };
+
+// Every prefix's positives of one side (count [K, n] or stats [2, K, n]; undefined: none), as the lanes read them.
+template <typename T>
+PositiveGrads<T> prefix_positive_grads(const PositiveInputs& in) {
+  PositiveGrads<T> out;
+  if (in.count.defined()) out.count = in.count.data_ptr<T>();
+  if (in.stats.defined()) out.max = in.stats.data_ptr<T>();
+  return out;
+}
 
 // dx[:, :m_k] -= (a^k)^2 c^k x[:, :m_k] for every renormalized prefix k: per segment s, one factor
 // sum_(k >= s) of the row's weights times x's segment. x, dx: [n, d]; factors [2, K, n]; c [K, n].
@@ -230,7 +280,8 @@ template <typename T>
 void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
                    const Prefixes& prefixes, const at::Tensor& q_factors, const at::Tensor& k_factors,
                    const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
-                   const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale) {
+                   const at::Tensor& g_col, const MaskArgs* masks, const PositiveInputs& row_pos,
+                   const PositiveInputs& col_pos, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale) {
   const bool both = col_stats.defined();
   const int64_t bq = q.size(0), bk = k.size(0), d = q.size(1), n = prefixes.count();
   const RowTiles tiles(bq);
@@ -244,7 +295,10 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
                                                   both ? col_stats.data_ptr<T>() : nullptr,
                                                   both ? g_col.data_ptr<T>() : nullptr,
                                                   dq.data_ptr<T>(),
-                                                  row_c.data()};
+                                                  row_c.data(),
+                                                  masks,
+                                                  prefix_positive_grads<T>(row_pos),
+                                                  prefix_positive_grads<T>(col_pos)};
   // Lane 0 accumulates straight into dk, every other lane into its own [Bk, D] partial.
   at::Tensor dk_parts = lanes > 1 ? at::zeros({lanes - 1, bk, d}, dk.options()) : at::Tensor();
   std::vector<std::pair<double, double>> parts(lanes);
@@ -273,13 +327,14 @@ void backward_impl(const at::Tensor& q, const at::Tensor& k, double scale, const
 void matryoshka_backward(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
                          const Prefixes& prefixes, const at::Tensor& q_factors, const at::Tensor& k_factors,
                          const at::Tensor& row_stats, const at::Tensor& g_row, const at::Tensor& col_stats,
-                         const at::Tensor& g_col, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale) {
+                         const at::Tensor& g_col, const MaskArgs* masks, const PositiveInputs& row_pos,
+                         const PositiveInputs& col_pos, at::Tensor& dq, at::Tensor& dk, at::Tensor& dscale) {
   if (q.scalar_type() == at::kDouble) {
-    backward_impl<double>(q, k, scale, pos, prefixes, q_factors, k_factors, row_stats, g_row, col_stats, g_col, dq,
-                          dk, dscale);
+    backward_impl<double>(q, k, scale, pos, prefixes, q_factors, k_factors, row_stats, g_row, col_stats, g_col, masks,
+                          row_pos, col_pos, dq, dk, dscale);
   } else {
-    backward_impl<float>(q, k, scale, pos, prefixes, q_factors, k_factors, row_stats, g_row, col_stats, g_col, dq,
-                         dk, dscale);
+    backward_impl<float>(q, k, scale, pos, prefixes, q_factors, k_factors, row_stats, g_row, col_stats, g_col, masks,
+                         row_pos, col_pos, dq, dk, dscale);
   }
 }
 

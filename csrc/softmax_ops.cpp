@@ -306,28 +306,65 @@ at::Tensor factors_of(const at::Tensor& x, const Prefixes& p) {
 
 // matryoshka_forward_block(q, k, scale, pos, symmetric, dims, renormalize) -> (rows [3, K, Bq], cols [2, K, Bk]
 // or [2, K, 0]): every prefix's stats and positive logit, as forward_block's per prefix. float16 and
-// bfloat16 run on exact float32 copies.
-std::tuple<at::Tensor, at::Tensor> matryoshka_forward_block(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                            double scale, const at::Tensor& pos_in, bool symmetric,
-                                                            at::IntArrayRef dims, c10::List<bool> renormalize) {
+// bfloat16 run on exact float32 copies. masks (masked_matryoshka_forward_block): rows [6, K, Bq] and cols
+// [6, K, Bk], masked_forward_block's rows per prefix.
+std::tuple<at::Tensor, at::Tensor> run_matryoshka_forward(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                          double scale, const at::Tensor& pos_in, bool symmetric,
+                                                          at::IntArrayRef dims, const c10::List<bool>& renormalize,
+                                                          const MaskArgs* masks) {
   check_features(q_in, k_in);
   const Prefixes p = prefixes_arg(dims, renormalize, q_in.size(1));
   at::Tensor q = prepared(q_in, Bf16Gemm::None), k = prepared(k_in, Bf16Gemm::None);
   at::Tensor pos = positions(pos_in, q.size(0), k.size(0));
   const int64_t count = p.count();
-  at::Tensor rows = at::empty({count, 3, q.size(0)}, q.options());
-  at::Tensor cols = at::empty({count, 2, symmetric ? k.size(0) : 0}, q.options());
-  matryoshka_forward(q, k, scale, pos, symmetric, p, factors_of(q, p), factors_of(k, p), rows, cols);
+  at::Tensor rows = at::empty({count, masks ? MASKED_ROWS : 3, q.size(0)}, q.options());
+  at::Tensor cols = at::empty({count, masks ? MASKED_ROWS : 2, symmetric ? k.size(0) : 0}, q.options());
+  matryoshka_forward(q, k, scale, pos, symmetric, p, factors_of(q, p), factors_of(k, p), masks, rows, cols);
   return {rows.transpose(0, 1).contiguous(), cols.transpose(0, 1).contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor> matryoshka_forward_block(const at::Tensor& q, const at::Tensor& k, double scale,
+                                                            const at::Tensor& pos, bool symmetric,
+                                                            at::IntArrayRef dims, c10::List<bool> renormalize) {
+  return run_matryoshka_forward(q, k, scale, pos, symmetric, dims, renormalize, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> masked_matryoshka_forward_block(
+    const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, bool symmetric,
+    at::IntArrayRef dims, c10::List<bool> renormalize, const std::optional<c10::string_view> multi_positive,
+    const std::optional<at::Tensor>& q_ids, const std::optional<at::Tensor>& k_ids,
+    const std::optional<at::Tensor>& guide_q, const std::optional<at::Tensor>& guide_k,
+    const std::optional<at::Tensor>& row_threshold, const std::optional<at::Tensor>& col_threshold) {
+  const auto masks = mask_inputs(q.size(0), k.size(0), symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k,
+                                 row_threshold, col_threshold);
+  return run_matryoshka_forward(q, k, scale, pos, symmetric, dims, renormalize, &masks->args);
+}
+
+// A masked Matryoshka backward's positives of one side: every prefix's count [K, n] ("mean") or stats [2, K, n].
+PositiveInputs prefix_positive_inputs(Positives kind, const std::optional<at::Tensor>& count,
+                                      const std::optional<at::Tensor>& stats, int64_t prefixes, int64_t n,
+                                      at::ScalarType acc, const char* count_name, const char* stats_name) {
+  PositiveInputs out;
+  if (kind == Positives::Mean) {
+    TORCH_CHECK(count.has_value(), "infcl native: multi_positive='mean' needs ", count_name);
+    out.count = stats_arg(*count, {prefixes, n}, acc, count_name);
+  } else if (kind == Positives::Sum) {
+    TORCH_CHECK(stats.has_value(), "infcl native: multi_positive='sum' needs ", stats_name);
+    out.stats = stats_arg(*stats, {2, prefixes, n}, acc, stats_name);
+  }
+  return out;
 }
 
 // matryoshka_backward_block(q, k, scale, pos, dims, renormalize, row_stats [2, K, Bq], g_row [K, Bq],
 // col_stats? [2, K, Bk], g_col? [K, Bk], dq!, dk!) -> dscale [2]: backward_block's, summed over the prefixes.
-at::Tensor matryoshka_backward_block(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
-                                     const at::Tensor& pos_in, at::IntArrayRef dims, c10::List<bool> renormalize,
-                                     const at::Tensor& row_stats, const at::Tensor& g_row,
-                                     const std::optional<at::Tensor>& col_stats,
-                                     const std::optional<at::Tensor>& g_col, at::Tensor& dq, at::Tensor& dk) {
+// masked_matryoshka_backward_block: masked_backward_block's likewise, the positives per prefix ([K, n] counts,
+// [2, K, n] stats).
+at::Tensor run_matryoshka_backward(const at::Tensor& q_in, const at::Tensor& k_in, double scale,
+                                   const at::Tensor& pos_in, at::IntArrayRef dims, const c10::List<bool>& renormalize,
+                                   const at::Tensor& row_stats, const at::Tensor& g_row,
+                                   const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
+                                   at::Tensor& dq, at::Tensor& dk, const MaskArgs* masks,
+                                   const PositiveInputs& row_pos, const PositiveInputs& col_pos) {
   check_features(q_in, k_in);
   const Prefixes p = prefixes_arg(dims, renormalize, q_in.size(1));
   const auto acc = accumulation_type(q_in.scalar_type());
@@ -344,10 +381,43 @@ at::Tensor matryoshka_backward_block(const at::Tensor& q_in, const at::Tensor& k
     gc = stats_arg(*g_col, {count, bk}, acc, "g_col");
   }
   at::Tensor dscale = at::zeros({2}, at::TensorOptions().dtype(at::kDouble));
-  matryoshka_backward(q, k, scale, pos, p, factors_of(q, p), factors_of(k, p), rs, gr, cs, gc, grads.dq, grads.dk,
-                      dscale);
+  matryoshka_backward(q, k, scale, pos, p, factors_of(q, p), factors_of(k, p), rs, gr, cs, gc, masks, row_pos, col_pos,
+                      grads.dq, grads.dk, dscale);
   grads.write_back();
   return dscale.to(acc);
+}
+
+at::Tensor matryoshka_backward_block(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos,
+                                     at::IntArrayRef dims, c10::List<bool> renormalize, const at::Tensor& row_stats,
+                                     const at::Tensor& g_row, const std::optional<at::Tensor>& col_stats,
+                                     const std::optional<at::Tensor>& g_col, at::Tensor& dq, at::Tensor& dk) {
+  return run_matryoshka_backward(q, k, scale, pos, dims, renormalize, row_stats, g_row, col_stats, g_col, dq, dk,
+                                 nullptr, {}, {});
+}
+
+at::Tensor masked_matryoshka_backward_block(
+    const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& pos, at::IntArrayRef dims,
+    c10::List<bool> renormalize, const at::Tensor& row_stats, const at::Tensor& g_row,
+    const std::optional<at::Tensor>& col_stats, const std::optional<at::Tensor>& g_col,
+    const std::optional<c10::string_view> multi_positive, const std::optional<at::Tensor>& q_ids,
+    const std::optional<at::Tensor>& k_ids, const std::optional<at::Tensor>& guide_q,
+    const std::optional<at::Tensor>& guide_k, const std::optional<at::Tensor>& row_threshold,
+    const std::optional<at::Tensor>& col_threshold, const std::optional<at::Tensor>& row_pos_count,
+    const std::optional<at::Tensor>& row_pos_stats, const std::optional<at::Tensor>& col_pos_count,
+    const std::optional<at::Tensor>& col_pos_stats, at::Tensor& dq, at::Tensor& dk) {
+  const bool symmetric = col_stats.has_value();
+  const int64_t bq = q.size(0), bk = k.size(0), count = static_cast<int64_t>(dims.size());
+  const auto masks = mask_inputs(bq, bk, symmetric, multi_positive, q_ids, k_ids, guide_q, guide_k, row_threshold,
+                                 col_threshold);
+  const auto acc = accumulation_type(q.scalar_type());
+  const auto kind = masks->args.positives;
+  const PositiveInputs row_pos = prefix_positive_inputs(kind, row_pos_count, row_pos_stats, count, bq, acc,
+                                                        "row_pos_count", "row_pos_stats");
+  const PositiveInputs col_pos = symmetric ? prefix_positive_inputs(kind, col_pos_count, col_pos_stats, count, bk,
+                                                                    acc, "col_pos_count", "col_pos_stats")
+                                           : PositiveInputs{};
+  return run_matryoshka_backward(q, k, scale, pos, dims, renormalize, row_stats, g_row, col_stats, g_col, dq, dk,
+                                 &masks->args, row_pos, col_pos);
 }
 
 // G[i, pos[i]] (0 where pos[i] < 0), each read off the very guide tile TileMasks forms for row i's tile
@@ -412,7 +482,9 @@ TORCH_LIBRARY_IMPL(infcl, CPU, m) {
       .impl("masked_backward_block", &masked_backward_block)
       .impl("guide_label_scores", &guide_label_scores)
       .impl("matryoshka_forward_block", &matryoshka_forward_block)
-      .impl("matryoshka_backward_block", &matryoshka_backward_block);
+      .impl("matryoshka_backward_block", &matryoshka_backward_block)
+      .impl("masked_matryoshka_forward_block", &masked_matryoshka_forward_block)
+      .impl("masked_matryoshka_backward_block", &masked_matryoshka_backward_block);
 }
 
 }  // namespace softmax

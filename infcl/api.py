@@ -88,10 +88,11 @@ def cal_inf_loss(
             the features' first m_k columns (each prefix divided by its norm where renormalized, as
             sentence-transformers' MatryoshkaLoss does), all K out of one tiled pass forward and one
             backward on the native kernel ("cpu", and "auto" on CPU tensors), the "torch" tiles and "triton"
-            (:mod:`infcl.matryoshka`); the other backends run their block
-            operations once per prefix in each ring step, and with the mask options or label smoothing every
-            backend runs one call per prefix. Dims: distinct integers in [1, D],
-            any order; the guide features are never truncated.
+            (:mod:`infcl.matryoshka`); the other backends run their block operations once per prefix in each
+            ring step. With the mask options (ids, ``multi_positive``, ``guide``) the pass stays fused on the
+            native kernel and the torch tiles (each tile's masks formed once for every prefix); Triton and the
+            chunked route then run one call per prefix, and so does every backend with label smoothing.
+            Dims: distinct integers in [1, D], any order; the guide features are never truncated.
             With return_stats the stats are a dict {dim: InfLossStats}.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
             initialized and the group (default: the world) has more than one rank, each rank passes
@@ -156,19 +157,23 @@ def _one_loss(q, k, scale_t, labels_t, symmetric, layout, masks, eps, name, bloc
         plan = LossPlan(block_backend, symmetric, layout, masks, label_smoothing=eps)
         row_loss, col_loss, row_info, col_info = InfLossFunction.apply(q, k, scale_t, labels_t, plan)
         col_info = col_info if symmetric else None
+    return _reduced(row_loss, col_loss, row_info, col_info, symmetric, masks, reduction), row_info, col_info
+
+
+def _reduced(row_loss, col_loss, row_info, col_info, symmetric: bool, masks, reduction: str) -> torch.Tensor:
+    """One loss's reduction: the plain one, or with mask options over the rows (columns) that have a positive."""
     if masks is None:
-        loss = reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
-    else:
-        col_valid = col_info[HAS_POS] > 0 if symmetric else None
-        loss = reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
-    return loss, row_info, col_info
+        return reduce_losses((row_loss + col_loss) / 2 if symmetric else row_loss, reduction)
+    col_valid = col_info[HAS_POS] > 0 if symmetric else None
+    return reduce_masked(row_loss, col_loss if symmetric else None, row_info[HAS_POS] > 0, col_valid, reduction)
 
 
 def smoothing_backend(block_backend, masks, eps: float):
     """The backend of a call's blocks: ``block_backend``, but label smoothing with a guide runs on the torch tiles
-    where the backend's masked tiles do not sum the kept logits (``kept_sums``: the torch tiles and the native
-    kernel do; the Triton kernels and the chunked route not yet; :mod:`infcl.losses.smoothing`), so that one
-    backend's guide arithmetic decides both the thresholds and the exclusions."""
+    where the backend's masked tiles do not sum the kept logits (``kept_sums``: the torch tiles, the native
+    kernel, the Triton kernels and the chunked route, whose masked blocks are the fused kernels', all do; a
+    backend object of the user's without it does not; :mod:`infcl.losses.smoothing`), so that one backend's
+    guide arithmetic decides both the thresholds and the exclusions."""
     if not eps or masks is None or not masks.has_guide or getattr(block_backend, "kept_sums", False):
         return block_backend
     return backend_object("torch")
@@ -196,19 +201,31 @@ def reduce_losses(per_item: torch.Tensor, reduction: str) -> torch.Tensor:
     return per_item
 
 
+def fused_matryoshka(block_backend, masks: Optional[MaskOptions], eps: float, name: str) -> bool:
+    """Whether a Matryoshka call runs all its prefixes in one pass (:class:`MatryoshkaLossFunction`): not on
+    "reference", not with label smoothing, and with mask options only on a backend whose ``masked_matryoshka``
+    attribute says it holds the fused masked block operations."""
+    if name == "reference" or eps:
+        return False
+    return masks is None or getattr(block_backend, "masked_matryoshka", False)
+
+
 def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, options, return_stats):
     """sum_k w_k * (prefix k's loss, reduced), and with return_stats {dim: InfLossStats} in the order given.
 
-    The plain loss: :class:`MatryoshkaLossFunction` (one fused pass on the native kernel, the torch tiles and
-    Triton; the other backends' block operations once per prefix inside each ring step). With mask options or
-    label smoothing: one call per prefix on the prefix's features."""
+    :class:`MatryoshkaLossFunction` (:func:`fused_matryoshka`): the plain loss (one fused pass on the native
+    kernel, the torch tiles and Triton; the other backends' block operations once per prefix inside each ring
+    step) and the mask options on a backend with fused masked blocks (``masked_matryoshka``: the torch tiles and
+    the native kernel). Otherwise (label smoothing; masks on Triton or the chunked route; "reference"): one call
+    per prefix on the prefix's features."""
     symmetric, layout, masks, eps, name, block_backend, reduction = options
-    if masks is None and not eps and name != "reference":
-        plan = LossPlan(block_backend, symmetric, layout, prefixes=prefixes)
+    if fused_matryoshka(block_backend, masks, eps, name):
+        plan = LossPlan(block_backend, symmetric, layout, masks, prefixes=prefixes)
         row_loss, col_loss, row_info, col_info = MatryoshkaLossFunction.apply(q, k, scale_t, labels_t, plan)
-        per_dim = (row_loss + col_loss) / 2 if symmetric else row_loss
-        losses = [reduce_losses(per_dim[i], reduction) for i in range(prefixes.count)]
-        infos = [(row_info[i], col_info[i] if symmetric else None) for i in range(prefixes.count)]
+        losses, infos = [], []
+        for i in range(prefixes.count):
+            infos.append((row_info[i], col_info[i] if symmetric else None))
+            losses.append(_reduced(row_loss[i], col_loss[i], *infos[-1], symmetric, masks, reduction))
     else:
         results = [
             _one_loss(*prefix_features(q, k, prefixes, i), scale_t, labels_t, *options, return_stats)

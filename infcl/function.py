@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from .contract import accum_dtype
 from .losses.distill import DistillSteps, DistillUpstream
-from .losses.matryoshka import MatryoshkaSteps
+from .losses.matryoshka import MaskedMatryoshkaSteps, MatryoshkaSteps
 from .losses.maxsim import MaxSimSteps
 from .losses.sigmoid import SigmoidOnePassSteps, SigmoidSteps, SigmoidUpstream
 from .losses.smoothing import SmoothedIdsSteps, SmoothedKeptSteps, SmoothedSoftmaxSteps
@@ -124,32 +124,49 @@ def _softmax_ring(q, k, labels, plan: LossPlan) -> SoftmaxSteps:
     kept_in_tiles = getattr(plan.backend, "kept_sums", False)
     if plan.label_smoothing and not kept_in_tiles:
         return SmoothedIdsSteps(plan.symmetric, plan.label_smoothing, masks)
-    if masks.has_guide:
-        gdt = guide_dtype(masks.guide_q)
-        guide_q, guide_k = masks.guide_q.to(gdt), masks.guide_k.to(gdt)
-        scores = GuideScores(plan.symmetric, q.dtype)
-        rows, cols = ring_forward(guide_q, guide_k, None, labels, scores, plan.backend, plan.layout)
-        col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy) if plan.symmetric else None
-        masks = replace(
-            masks,
-            guide_q=guide_q,
-            guide_k=guide_k,
-            row_threshold=guide_threshold(rows.score, masks.margin, masks.strategy),
-            col_threshold=col_threshold,
-        )
+    masks = _with_thresholds(q, labels, plan)
     if plan.label_smoothing:
         return SmoothedKeptSteps(plan.symmetric, plan.label_smoothing, masks)
     return MaskedSoftmaxSteps(plan.symmetric, masks)
 
 
+def _with_thresholds(q, labels, plan: LossPlan) -> MaskOptions:
+    """The call's mask options with the guide thresholds set (a pass of :class:`GuideScores` on the one ring loop,
+    the guide features in their accumulation dtype), or as they are without a guide."""
+    masks = plan.masks
+    if not masks.has_guide:
+        return masks
+    gdt = guide_dtype(masks.guide_q)
+    guide_q, guide_k = masks.guide_q.to(gdt), masks.guide_k.to(gdt)
+    scores = GuideScores(plan.symmetric, q.dtype)
+    rows, cols = ring_forward(guide_q, guide_k, None, labels, scores, plan.backend, plan.layout)
+    col_threshold = guide_threshold(cols.score, masks.margin, masks.strategy) if plan.symmetric else None
+    return replace(
+        masks,
+        guide_q=guide_q,
+        guide_k=guide_k,
+        row_threshold=guide_threshold(rows.score, masks.margin, masks.strategy),
+        col_threshold=col_threshold,
+    )
+
+
+def _matryoshka_ring(q, labels, plan: LossPlan):
+    """The Matryoshka loss's ring steps: plain, or with the mask options (thresholds set once: the guide features
+    are never truncated, so every prefix shares them) on a backend with ``masked_matryoshka``."""
+    if plan.masks is None:
+        return MatryoshkaSteps(plan.symmetric, plan.prefixes)
+    return MaskedMatryoshkaSteps(plan.symmetric, _with_thresholds(q, labels, plan), plan.prefixes)
+
+
 class MatryoshkaLossFunction(torch.autograd.Function):
     """(row losses [K, Bq], column losses [K, Bk] or empty, row infos [K, 3, Bq], column infos [K, 3, Bk] or
     empty): the softmax loss of each Matryoshka prefix (:mod:`infcl.matryoshka`, increasing dims), out of one
-    tiled pass forward and one backward; saves q, k, the scale, the labels and the ``[2, K, n]`` stats."""
+    tiled pass forward and one backward; saves q, k, the scale, the labels and the ``[2, K, n]`` stats (with mask
+    options, the whole :class:`~infcl.losses.matryoshka.PrefixMaskedPartials`)."""
 
     @staticmethod
     def forward(ctx, q, k, scale, labels, plan: LossPlan):
-        return _stats_loss_forward(ctx, q, k, scale, labels, plan, MatryoshkaSteps(plan.symmetric, plan.prefixes))
+        return _stats_loss_forward(ctx, q, k, scale, labels, plan, _matryoshka_ring(q, labels, plan))
 
     @staticmethod
     @once_differentiable  # the backward is itself a tiled loop: no double backward

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from .contract import accum_dtype
+from .masks import KEPT_ROWS, MASKED_ROWS
 
 Tensor = torch.Tensor
 
@@ -26,12 +27,33 @@ def stats_fake(rows: int, cols: int, symmetric_at: int = 4) -> Callable:
     return fake
 
 
+def masked_stats_fake(kept_sums_at: int) -> Callable:
+    """The fake of a masked forward step (schema: q, k, scale, pos, symmetric, ..., a ``kept_sums`` flag at
+    position ``kept_sums_at`` among the arguments after q and k, or by keyword, default False): row and column
+    partials [6, n], [8, n] with ``kept_sums`` (label smoothing's kept logits' sum and number, :mod:`infcl.masks`)."""
+
+    def fake(q: Tensor, k: Tensor, *args, kept_sums: bool = False):
+        kept_sums = args[kept_sums_at] if len(args) > kept_sums_at else kept_sums
+        rows = KEPT_ROWS if kept_sums else MASKED_ROWS
+        return stats_fake(rows, rows)(q, k, *args)
+
+    return fake
+
+
 def prefix_stats_fake(q: Tensor, k: Tensor, scale, pos, symmetric: bool, dims, *_):
     """The native Matryoshka forward's fake (schema: q, k, scale, pos, symmetric, dims, renormalize): every prefix's
     row partials [3, K, Bq] (max, log-sum, positive) and column stats [2, K, Bk] ([2, K, 0] unless symmetric)."""
     acc, count = accum_dtype(q.dtype), len(dims)
     n_cols = k.shape[0] if symmetric else 0
     return q.new_empty(3, count, q.shape[0], dtype=acc), q.new_empty(2, count, n_cols, dtype=acc)
+
+
+def masked_prefix_stats_fake(q: Tensor, k: Tensor, scale, pos, symmetric: bool, dims, *_):
+    """The native masked Matryoshka forward's fake (schema: q, k, scale, pos, symmetric, dims, renormalize, the mask
+    options): every prefix's masked row and column partials [6, K, n] ([6, K, 0] unless symmetric)."""
+    acc, count = accum_dtype(q.dtype), len(dims)
+    n_cols = k.shape[0] if symmetric else 0
+    return q.new_empty(MASKED_ROWS, count, q.shape[0], dtype=acc), q.new_empty(MASKED_ROWS, count, n_cols, dtype=acc)
 
 
 def dscale_fake(q: Tensor, *_) -> Tensor:

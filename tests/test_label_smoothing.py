@@ -19,6 +19,8 @@ from helpers.support import (
 )
 from infcl import InfCLIPLoss, cal_inf_loss
 from infcl.backends.torch_tiles import TorchTilesBackend
+from infcl.backends.triton.backend import TritonBackend
+from infcl.kernels.configs import TileConfig, Tiling
 
 BACKENDS = ("reference", *tiled_backends(), "torch-small-tiles")
 EPS = (0.1, 0.37, 1.0)
@@ -60,9 +62,18 @@ def truth(q, k, labels, scale, upstream, eps, symmetric, reduction):
     return loss.detach(), q.grad, k.grad, scale.grad
 
 
+class NoKeptSums(TorchTilesBackend):
+    """A backend object whose masked tiles do not sum the kept logits (every built-in one does): label smoothing
+    with ids takes the same-id sums of the features (SmoothedIdsSteps), with a guide the torch tiles' own."""
+
+    kept_sums = False
+
+
 def _backend(name):
     if name == "torch-small-tiles":
         return TorchTilesBackend(5, 7)  # the torch tiles at these sizes, passed by the call
+    if name == "no-kept-sums":
+        return NoKeptSums(5, 7)
     return name
 
 
@@ -169,7 +180,7 @@ def test_bad_values_raise(value, error, match):
         cal_inf_loss(q, k, label_smoothing=value)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ("no-kept-sums",))
 @pytest.mark.parametrize("multi_positive", (None, "mean", "sum"))
 @pytest.mark.parametrize("symmetric", (False, True))
 @pytest.mark.parametrize("partnerless", (False, True))
@@ -354,14 +365,14 @@ def test_kept_truth_is_masked_truth_without_guide():
             assert_close_verbose(x, y, 1e-12, 1e-12, f"truths {mode}")
 
 
-def _native_in_tile(monkeypatch):
-    """Records the native masked ops' kept-sums requests and fails any call on the torch tiles: a guide (or ids)
-    smoothed on the native kernel must sum and subtract the uniform part in its own tiles, not be rerouted."""
-    from infcl.backends.native.softmax import NativeSoftmax
+def _in_tile(monkeypatch, steps, name):
+    """Records the masked block steps' kept-sums requests on the backend class ``steps`` (its forward_block and
+    backward_block) and fails any call on the torch tiles: a guide (or ids) smoothed on backend ``name`` must sum
+    and subtract the uniform part in its own tiles, not be rerouted."""
     from infcl.backends.torch_tiles.softmax import SoftmaxTiles
 
     seen = []
-    forward, backward = NativeSoftmax.forward_block, NativeSoftmax.backward_block
+    forward, backward = steps.forward_block, steps.backward_block
 
     def spy_forward(self, block, symmetric):
         seen.append(("forward", block.kept_sums))
@@ -372,13 +383,19 @@ def _native_in_tile(monkeypatch):
         return backward(self, block, dq, dk)
 
     def rerouted(*args, **kwargs):
-        raise AssertionError("label smoothing on 'cpu' ran on the torch tiles")
+        raise AssertionError(f"label smoothing on {name!r} ran on the torch tiles")
 
-    monkeypatch.setattr(NativeSoftmax, "forward_block", spy_forward)
-    monkeypatch.setattr(NativeSoftmax, "backward_block", spy_backward)
+    monkeypatch.setattr(steps, "forward_block", spy_forward)
+    monkeypatch.setattr(steps, "backward_block", spy_backward)
     monkeypatch.setattr(SoftmaxTiles, "forward_block", rerouted)
     monkeypatch.setattr(SoftmaxTiles, "backward_block", rerouted)
     return seen
+
+
+def _native_in_tile(monkeypatch):
+    from infcl.backends.native.softmax import NativeSoftmax
+
+    return _in_tile(monkeypatch, NativeSoftmax, "cpu")
 
 
 @pytest.mark.parametrize("kind,multi_positive", GUIDE_MODES + (("ids", None), ("ids", "mean"), ("ids", "sum")))
@@ -428,3 +445,89 @@ def test_native_in_tile_many_tiles(monkeypatch, dtype):
     want = reduce_masked_truth(rows, cols, "mean")
     want.backward(g)
     _check(got, (want.detach(), qa.grad, ka.grad, sa.grad), dtype, f"cpu many tiles {dtype}")
+
+
+# --- the Triton kernels' kept sums (the interpreter: small shapes) ----------------------------------------------
+
+# 16 x 16 tiles, 2 row groups and 2 k splits in the forward, 2 splits per dq / dk block: the kept sums of rows merged
+# across splits, of columns across groups, the uniform weights over several ragged tiles of 37 x 45.
+SMALL_SPLIT = Tiling(*(TileConfig(16, 16, block_out=16),) * 3, resident_d=16, chunk_d=16).with_splits(2, 2, 2)
+
+
+def _triton_kept_case(
+    monkeypatch, backend, kind, multi_positive, symmetric, margin, strategy, eps, bq, bk, seed, dtype=torch.float32
+):
+    """One call on the Triton kernels (spied: in-tile, never rerouted) against the float64 row-by-row truth, with
+    upstream gradients of both signs and a zero."""
+    from infcl.backends.triton.softmax import TritonSoftmax
+
+    seen = _in_tile(monkeypatch, TritonSoftmax, "triton")
+    q, k, labels, q_ids, k_ids, guide = guided_inputs(bq, bk, symmetric, dtype, seed=seed)
+    g = _upstream("none", bq)
+    g[1] = 0.0
+    masks = dict(q_ids=q_ids, k_ids=k_ids, multi_positive=multi_positive) if kind != "guide" else {}
+    if kind != "ids":
+        masks.update(guide=guide, guide_margin=margin, guide_margin_strategy=strategy)
+    kw = dict(symmetric=symmetric, reduction="none", label_smoothing=eps, backend=backend, **masks)
+    got = run(q, k, labels, torch.tensor(9.0, dtype=dtype), g, **kw)
+    assert seen and all(flag for _, flag in seen), seen
+    qa, ka, sa = (t.detach().double().requires_grad_() for t in (q, k, torch.tensor(9.0)))
+    rows, cols = kept_truth(
+        qa, ka, labels, sa, masks.get("q_ids"), masks.get("k_ids"), multi_positive, masks.get("guide"), margin,
+        strategy, eps, symmetric,
+    )  # fmt: skip
+    want = reduce_masked_truth(rows, cols, "none")
+    torch.where(torch.isnan(want), 0.0, want * g).sum().backward()
+    assert torch.equal(torch.isnan(got[0]), torch.isnan(want))
+    got_loss = torch.where(torch.isnan(got[0]), 0.0, got[0])
+    want_loss = torch.where(torch.isnan(want), 0.0, want.detach())
+    what = f"triton {kind} {multi_positive} margin={margin} eps={eps}"
+    _check((got_loss, *got[1:]), (want_loss, qa.grad, ka.grad, sa.grad), dtype, what)
+
+
+@pytest.mark.parametrize("backend", ("triton",))  # the interpreter (marker: interpreter)
+@pytest.mark.parametrize("kind,multi_positive", GUIDE_MODES + (("ids", None), ("ids", "mean"), ("ids", "sum")))
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_triton_in_tile(monkeypatch, backend, kind, multi_positive, symmetric):
+    # The Triton kernels sum the kept logits in their masked forward and subtract eps * g / n_kept in their masked
+    # backward (a guide is no longer rerouted to the torch tiles; ids take the in-tile path too). One tile.
+    margin, strategy, eps = (0.25, "relative", 1.0) if multi_positive == "sum" else (0.0, "absolute", 0.3)
+    bq, bk = 17, 17 if symmetric else 23
+    _triton_kept_case(monkeypatch, backend, kind, multi_positive, symmetric, margin, strategy, eps, bq, bk, 31)
+
+
+@pytest.mark.parametrize("backend", ("triton",))
+@pytest.mark.parametrize("kind,multi_positive", (("guide", None), ("both", "mean"), ("both", "sum")))
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_triton_in_tile_many_tiles(monkeypatch, backend, kind, multi_positive, symmetric):
+    # Ragged 16 x 16 tiles, row groups and k splits (SMALL_SPLIT): the partials' kept rows merged on the host.
+    name = TritonBackend(tiling=SMALL_SPLIT)
+    margin, strategy = (0.25, "relative") if symmetric else (0.0, "absolute")
+    bk = 37 if symmetric else 45
+    _triton_kept_case(monkeypatch, name, kind, multi_positive, symmetric, margin, strategy, 0.2, 37, bk, 5)
+
+
+@pytest.mark.parametrize("backend", ("triton",))
+@pytest.mark.parametrize("multi_positive", (None, "mean"))
+def test_triton_in_tile_float64(monkeypatch, backend, multi_positive):
+    # float64 features and guide (the FMA kernels in float64, the interpreter's tl.dot): float64's tolerance.
+    kw = dict(kind="both", multi_positive=multi_positive, symmetric=True, margin=0.0, strategy="absolute", eps=0.4)
+    _triton_kept_case(monkeypatch, backend, **kw, bq=19, bk=19, seed=7, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", ("triton", "chunked", "torch", "cpu"))
+def test_guided_smoothing_is_not_rerouted(name):
+    # Every built-in backend's masked tiles sum the kept logits, so a guided, smoothed call runs where it was sent.
+    from infcl.api import smoothing_backend
+    from infcl.backends import backend_object
+    from infcl.masks import MaskOptions
+
+    if name == "cpu" and "cpu" not in tiled_backends():
+        pytest.skip("the native kernel is unavailable here")
+    backend = backend_object(name)
+    assert getattr(backend, "kept_sums", False), name
+    guide = (torch.zeros(3, 2), torch.zeros(3, 2))
+    masks = MaskOptions(guide_q=guide[0], guide_k=guide[1])
+    assert smoothing_backend(backend, masks, 0.1) is backend
+    # one without kept sums is rerouted (the torch tiles decide both the thresholds and the exclusions)
+    assert smoothing_backend(NoKeptSums(), masks, 0.1) is backend_object("torch")

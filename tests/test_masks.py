@@ -14,6 +14,7 @@ from helpers.support import (
     assert_close_verbose,
     assert_no_worse,
     assert_normwise,
+    assert_same_bits_on_thread_counts,
     grads_of_inputs,
     masked_loss_truth,
     masked_truth_directions,
@@ -399,20 +400,14 @@ def test_native_masks_do_not_depend_on_the_thread_count(mode, batch):
     name = _use("cpu")
     q, k, labels, q_ids, k_ids, guide = _inputs(batch, batch, d=16, seed=31, classes=batch // 2)
     opts = _options("both", mode, q_ids, k_ids, guide)
-    outputs = []
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
-            loss = cal_inf_loss(a, b, labels, SCALE, symmetric=True, reduction="sum", backend=name, **opts)
-            loss.backward()
-            outputs.append((loss.detach(), a.grad))
-    finally:
-        torch.set_num_threads(before)
-    for threads, (loss, dq) in zip((2, 3), outputs[1:]):
-        assert torch.equal(loss, outputs[0][0]), f"{threads} threads: loss differs"
-        assert torch.equal(dq, outputs[0][1]), f"{threads} threads: dq differs"
+
+    def run():
+        a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
+        loss = cal_inf_loss(a, b, labels, SCALE, symmetric=True, reduction="sum", backend=name, **opts)
+        loss.backward()
+        return loss.detach(), a.grad
+
+    assert_same_bits_on_thread_counts(run)
 
 
 # --- input validation ----------------------------------------------------------------------------------
@@ -636,6 +631,33 @@ def test_triton_masked_ops_pass_opcheck():
             tiling,
         ),
     )
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="interpreted Triton")
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_triton_masked_ops_with_kept_sums_pass_opcheck(symmetric):
+    """The masked ops with label smoothing's kept sums (forward: [8, n]) and uniform weights (backward)."""
+    gen = torch.Generator().manual_seed(43)
+    bq, bk, d = 20, 24, 16
+    q, k = torch.randn(bq, d, generator=gen), torch.randn(bk, d, generator=gen)
+    scale, pos = torch.tensor(SCALE), torch.arange(bq)
+    q_ids, k_ids = torch.randint(0, 4, (bq,), generator=gen), torch.randint(0, 4, (bk,), generator=gen)
+    gq, gk = torch.randn(bq, 5, generator=gen), torch.randn(bk, 5, generator=gen)
+    row_thr = torch.randn(bq, generator=gen)
+    col_thr = torch.randn(bk, generator=gen) if symmetric else None
+    tiling = _triton_tiny().to_ints()
+    masks = (q_ids, k_ids, gq, gk, row_thr, col_thr, "")
+    forward = (q, k, scale, pos, symmetric, *masks, "ieee", tiling, True)
+    rows, cols = torch.ops.infcl.triton_masked_forward_block(*forward)
+    assert rows.shape == (8, bq) and cols.shape == (8, bk if symmetric else 0)
+    torch.library.opcheck(torch.ops.infcl.triton_masked_forward_block.default, forward)
+    stats = torch.stack((torch.full((bq,), 3.0), torch.full((bq,), 0.5)))
+    col_up = (torch.stack((torch.full((bk,), 3.0), torch.full((bk,), 0.5))), torch.randn(bk, generator=gen))
+    uniform = (torch.rand(bq, generator=gen), torch.rand(bk, generator=gen) if symmetric else None)
+    args = (q, k, scale, pos, stats, torch.randn(bq, generator=gen), *(col_up if symmetric else (None, None)))
+    args += (None, None, *masks, torch.zeros(bq, d), torch.zeros(bk, d), "ieee", tiling, *uniform)
+    torch.library.opcheck(torch.ops.infcl.triton_masked_backward_block.default, args)
 
 
 @pytest.mark.interpreter

@@ -219,7 +219,8 @@ def test_bad_specs_raise(spec, error, match):
 
 @pytest.mark.parametrize("backend", BACKENDS[:-1])
 def test_with_ids_and_label_smoothing_per_prefix(backend):
-    # Mask options and label smoothing run one pass per prefix: the truth is their float64 loss per prefix.
+    # The truth is the float64 loss per prefix (mask options: fused on the torch tiles and the native kernel, one
+    # call per prefix elsewhere, tests/test_matryoshka_masks.py; label smoothing: one call per prefix everywhere).
     q, k, labels = features_and_labels(12, 12, 10, "perm", torch.float64, seed=6)
     ids = torch.tensor([0, 1, 2, 0, 1, 3, 4, 5, 2, 6, 7, 8])
     k_ids = torch.empty_like(ids)

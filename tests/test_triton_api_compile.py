@@ -210,6 +210,25 @@ def test_maxsim_calls_compile_on_sm_90_80_100():
         assert kernels == {"maxsim_forward", "maxsim_dq", "maxsim_dk"}, (arch, kernels)
 
 
+def test_label_smoothing_guided_calls_compile():
+    """cal_inf_loss with a guide and label_smoothing (issue 56) through the public call: the masked kernels' kept-sums
+    variant (the forward's two more partials, the backward's uniform weights) compiles, forward, dq and dk beside
+    the guide scores' kernel, on sm_90 in every dtype and on sm_80 / sm_100 in bf16 and fp32, without spills,
+    within shared memory and without float atomics (``triton_compile.smoothing_calls``); never rerouted to the
+    torch tiles (which would launch no kernel)."""
+    with _pool() as pool:
+        out = list(pool.map(triton_compile.run_call, triton_compile.smoothing_calls(_float64_dot())))
+    print(f"\n{_summary(out)}")
+    problems = rank_distill_compile.problems(out)
+    assert not problems, "\n".join(problems)
+    seen = defaultdict(set)
+    for r in out:
+        assert {row["kernel"] for row in r["kernels"]} == {"forward", "dq", "dk", "guide_label_scores"}, r["call"]
+        seen[r["call"].split()[0]].add(r["call"].split()[2])
+    assert {"bf16", "fp32-ieee", "fp32-tf32", "fp16"} <= seen["sm_90"], seen
+    assert {"bf16", "fp32-ieee"} <= seen["sm_80"], seen
+
+
 def test_big_one_chunk_tiles_compile():
     """A pinned tiling whose one-chunk S tile holds more than 2**20 products (128 x 128 at D = 128) compiles for
     sm_90, softmax and sigmoid, forward and backward: no interpreter-only code (score_tiles.score_dot's [M, N, D]
@@ -253,14 +272,15 @@ def _float64_dot():
     return FLOAT64_DOT
 
 
-@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss", "cal_inf_loss masked"])
+@pytest.mark.parametrize("entry", ["cal_inf_loss", "cal_siglip_loss", "cal_inf_loss masked", "cal_inf_loss smoothed"])
 def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     """torch.compile(fullgraph=True) of a step calling the loss with backend="triton" traces (AOTAutograd,
     an eager backend: Inductor needs a GPU) through the custom ops into the kernels: one frame, no graph
     break, the kernels as triton_kernel_wrapper nodes in the forward and backward graphs, and the
     compiled step runs forward and backward compile-only."""
     with _pool() as pool:
-        masks = ("both", "sum") if entry.endswith(" masked") else ("", "")  # ids and a guide, "sum"
+        # ids and a guide, "sum"; smoothed: a guide alone (one positive per row) with label smoothing's kept sums
+        masks = {"masked": ("both", "sum", 0.0), "smoothed": ("guide", "", 0.1)}.get(entry.split()[-1], ("", "", 0.0))
         entry = entry.split()[0]
         out = pool.submit(triton_compile.compile_training_step, 90, entry, *masks).result()
     assert "error" not in out, out.get("error")
@@ -269,6 +289,6 @@ def test_torch_compile_fullgraph_traces_into_the_kernels(entry):
     # the kernels themselves are in the graphs (triton_op + wrap_triton)
     assert "triton_kernel_wrapper" in forward_graph and "triton_kernel_wrapper" in backward_graph
     expected = {"forward", "dq", "dk"} if entry == "cal_inf_loss" else {"siglip_forward", "siglip_backward"}
-    if masks[0] == "both":  # a guide: its thresholds come from the masked kernels' own guide product
+    if masks[0] in ("both", "guide"):  # a guide: its thresholds come from the masked kernels' own guide product
         expected |= {"guide_label_scores"}
     assert set(out["kernels"]) == expected

@@ -46,6 +46,15 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--losses", default="clip,siglip", help="clip (cal_inf_loss), siglip (cal_siglip_loss)")
     parser.add_argument(
+        "--masks",
+        choices=("ids", "guide", "both"),
+        help="cal_inf_loss with mask options (ids of 7 classes, a guide of width 100): the masked kernels",
+    )
+    parser.add_argument("--multi-positive", choices=("mean", "sum"), help="with --masks ids or both")
+    parser.add_argument(
+        "--label-smoothing", type=float, default=0.0, help="cal_inf_loss's label_smoothing (with --masks: kept sums)"
+    )
+    parser.add_argument(
         "--inf-cl",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -89,6 +98,17 @@ def main(argv=None) -> None:
         entries = tuple(losses[name] for name in args.losses.replace(",", " ").split())
     except KeyError as err:
         parser.error(f"--losses: unknown loss {err}; choose from {sorted(losses)}")
+    if args.multi_positive and args.masks not in ("ids", "both"):
+        parser.error("--multi-positive needs --masks ids or both")
+    options = {
+        name: value
+        for name, value in (
+            ("masks", args.masks),
+            ("multi_positive", args.multi_positive),
+            ("label_smoothing", args.label_smoothing),
+        )
+        if value
+    }
     dims = tuple(int(d) for d in args.dims.replace(",", " ").split())
     model_batches = tuple(int(b) for b in args.model_batches.replace(",", " ").split())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,6 +127,7 @@ def main(argv=None) -> None:
             tiles=tiles,
             inf_cl=inf_cl,
             sms=args.sms,
+            options=options,
         )
         print(format_table(rows, batches))
         write_csv(rows, path)
@@ -119,7 +140,9 @@ def main(argv=None) -> None:
         if not args.no_plot:
             write_plot(rows, path.with_suffix(".png"))
             print(f"wrote {path.with_suffix('.png')}")
-    models = model_rows(rows, model_batches, devices_from(args), read_measured(args.measured) if args.measured else {})
+    # The measured times are the plain calls' kernels: not compared with other options' kernels.
+    measured = read_measured(args.measured) if args.measured and not options else {}
+    models = model_rows(rows, model_batches, devices_from(args), measured)
     print(format_model(models))
     model_path = args.out / f"{args.name}-model.csv"
     write_csv(models, model_path)

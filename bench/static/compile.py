@@ -28,25 +28,29 @@ def report_target(
     tiles: Optional[Dict[str, Tuple[int, ...]]] = None,
     no_positive: bool = False,
     sms: Optional[int] = None,
+    options: Optional[Dict] = None,
 ) -> List[Dict]:
     """Compile both losses' calls for ``arch`` at each batch of ``batches`` (with ``tiles`` in place of the
     default configs, and with ``no_positive`` as :func:`without_positives`) on a stand-in GPU of ``sms`` SMs
-    (default: the target's flagship); one row per kernel. Runs in a worker process
-    (:func:`triton_compile.init_worker`)."""
+    (default: the target's flagship); one row per kernel. ``options``: more of cal_inf_loss's options, as
+    :class:`triton_compile.Call` fields (``masks``, ``multi_positive``, ``label_smoothing``). Runs in a worker
+    process (:func:`triton_compile.init_worker`)."""
     with tile_overrides(arch, dtype, precision, tiles or {}):
         with without_positives() if no_positive else contextlib.nullcontext():
-            return _report_target(arch, dtype, precision, dim, batches, entries, sms or LIMITS[arch].sms)
+            sms = sms or LIMITS[arch].sms
+            return _report_target(arch, dtype, precision, dim, batches, entries, sms, options or {})
 
 
-def _report_target(arch, dtype, precision, dim, batches, entries, sms) -> List[Dict]:
+def _report_target(arch, dtype, precision, dim, batches, entries, sms, options) -> List[Dict]:
     import torch
 
     rows: Dict[Tuple[str, str], Dict] = {}
     elt = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     for batch in batches:
         for entry in entries:
+            softmax = entry == "cal_inf_loss"
             call = triton_compile.Call(
-                arch, entry, dtype, precision, dim, batch, batch, symmetric=entry == "cal_inf_loss"
+                arch, entry, dtype, precision, dim, batch, batch, symmetric=softmax, **(options if softmax else {})
             )
             torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
             with triton_compile.compile_only(arch, sms=sms) as (compiled, start):
@@ -55,6 +59,8 @@ def _report_target(arch, dtype, precision, dim, batches, entries, sms) -> List[D
                 launches = list(zip(compiled[start:], triton_compile._RECORDER.launches[start:]))
             for (fn, kernel, log), launch in launches:
                 name = triton_compile._kernel_name(fn)
+                if name == "guide_label_scores":  # a guide's thresholds, one pass per block before the loss
+                    continue
                 key = (entry, name)
                 if key not in rows:
                     # dq / dk: grid axis 1 is the D slices, each recomputing S (the same at every B)

@@ -21,14 +21,15 @@ property of the data: the forward's maxima, the backward's winners and the score
 A NaN product makes its row's maximum NaN (and its winner the first NaN), as torch.amax does.
 
 **Passes.** :func:`_maxsim_forward_kernel`: a program per row block, the rows' (m, rest, positive score).
-Backward, deterministic without atomics, two kernels as the softmax family's dq and dk:
+Backward, deterministic without atomics, two launches of :func:`_maxsim_backward_kernel` as the softmax
+family's dq and dk (its BY_COLUMN constexpr picks the walk):
 
-- :func:`_maxsim_dq_kernel`: a program per (row block, feature slice) recomputes each document's maxima and
+- dq (:func:`_maxsim_dq_rows`): a program per (row block, feature slice) recomputes each document's maxima and
   scores, forms dS (:func:`infcl.kernels.tile_stats.softmax_grad`) and C = scale * dS * w per query token, and
   adds C times the winning document token to its rows of dq. P has one entry per (query token, document), so
   this row of P @ k is that token, loaded by its index: a gather of Lq x D values per document beside the
   Lq x Lk x D product, summed in document order. It writes its rows' dscale partial sums.
-- :func:`_maxsim_dk_kernel`: a program per (document, feature slice) walks the row blocks, recomputes the same
+- dk (:func:`_maxsim_dk_rows`): a program per (document, feature slice) walks the row blocks, recomputes the same
   maxima, scores and dS, and adds P[:, chunk].T @ q (a ``tl.dot`` per document token chunk, the routing as a
   [BLOCK_M, BLOCK_N] one-hot tile of C) to its document's rows of dk: only this program writes them.
 
@@ -162,6 +163,15 @@ def _maxsim_dk_rows(qs, docs, labels, grad, tile, dot):
 
 
 @triton.jit
+def _maxsim_backward_rows(qs, docs, labels, grad, partials_ptr, tile, dot, BY_COLUMN: tl.constexpr):
+    """The backward program's walk: dk's (BY_COLUMN; ``grad`` is dk) or dq's (``grad`` is dq)."""
+    if BY_COLUMN:
+        _maxsim_dk_rows(qs, docs, labels, grad, tile, dot)
+    else:
+        _maxsim_dq_rows(qs, docs, labels, grad, partials_ptr, tile, dot)
+
+
+@triton.jit
 def _maxsim_forward_kernel(
     q_ptr,
     k_ptr,
@@ -204,7 +214,7 @@ def _maxsim_forward_kernel(
 
 
 @triton.jit
-def _maxsim_dq_kernel(
+def _maxsim_backward_kernel(
     q_ptr,
     k_ptr,
     weight_ptr,
@@ -231,6 +241,7 @@ def _maxsim_dq_kernel(
     stride_grad0,
     stride_grad1,
     stride_grad2,
+    BY_COLUMN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -242,62 +253,27 @@ def _maxsim_dq_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    _maxsim_dq_rows(
+    """dq (BY_COLUMN false: ``grad_ptr`` is dq, ``partials_ptr`` the dscale partials) or dk (BY_COLUMN: ``grad_ptr``
+    is dk, ``partials_ptr`` None). The named tuples are built in the call: a tuple held in a local loses its
+    constexprs (the tile's sizes, the specialized strides, the absent pointers)."""
+    _maxsim_backward_rows(
         Tokens(q_ptr, n_q, LQ, D, stride_q0, stride_q1, stride_q2, weight_ptr),
         Tokens(k_ptr, n_k, LK, D, stride_k0, stride_k1, stride_k2, k_mask_ptr),
         Labels(pos_ptr, q_ids_ptr, k_ids_ptr, scale_ptr, stats_ptr, g_ptr),
-        Tokens(grad_ptr, n_q, LQ, D, stride_grad0, stride_grad1, stride_grad2, None),
+        Tokens(
+            grad_ptr,
+            n_k if BY_COLUMN else n_q,
+            LK if BY_COLUMN else LQ,
+            D,
+            stride_grad0,
+            stride_grad1,
+            stride_grad2,
+            None,
+        ),
         partials_ptr,
         TokenTile(BLOCK_M, BLOCK_N, BLOCK_D, TOKENS, ONE_CHUNK, ONE_QCHUNK, BLOCK_OUT),
         Dot(ACC, UPCAST, PRECISION),
-    )
-
-
-@triton.jit
-def _maxsim_dk_kernel(
-    q_ptr,
-    k_ptr,
-    weight_ptr,
-    k_mask_ptr,
-    pos_ptr,
-    q_ids_ptr,
-    k_ids_ptr,
-    scale_ptr,
-    stats_ptr,
-    g_ptr,
-    grad_ptr,
-    n_q,
-    n_k,
-    LQ,
-    LK,
-    D,
-    stride_q0,
-    stride_q1,
-    stride_q2,
-    stride_k0,
-    stride_k1,
-    stride_k2,
-    stride_grad0,
-    stride_grad1,
-    stride_grad2,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    TOKENS: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
-    ONE_QCHUNK: tl.constexpr,
-    BLOCK_OUT: tl.constexpr,
-    ACC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    _maxsim_dk_rows(
-        Tokens(q_ptr, n_q, LQ, D, stride_q0, stride_q1, stride_q2, weight_ptr),
-        Tokens(k_ptr, n_k, LK, D, stride_k0, stride_k1, stride_k2, k_mask_ptr),
-        Labels(pos_ptr, q_ids_ptr, k_ids_ptr, scale_ptr, stats_ptr, g_ptr),
-        Tokens(grad_ptr, n_k, LK, D, stride_grad0, stride_grad1, stride_grad2, None),
-        TokenTile(BLOCK_M, BLOCK_N, BLOCK_D, TOKENS, ONE_CHUNK, ONE_QCHUNK, BLOCK_OUT),
-        Dot(ACC, UPCAST, PRECISION),
+        BY_COLUMN,
     )
 
 
@@ -391,10 +367,12 @@ def _backward(
     partials = torch.zeros(blocks, dtype=acc, device=q.device)
     args.update(stats_ptr=row_stats.to(acc).contiguous(), g_ptr=g_row.to(acc).contiguous(), BLOCK_OUT=block_out)
     slices = triton.cdiv(dim, block_out)
-    wrap(_maxsim_dq_kernel)[(blocks, triton.cdiv(lq, args["TOKENS"]), slices)](
-        **_tokens_args("grad", dq), partials_ptr=partials, **args
+    wrap(_maxsim_backward_kernel)[(blocks, triton.cdiv(lq, args["TOKENS"]), slices)](
+        **_tokens_args("grad", dq), partials_ptr=partials, BY_COLUMN=False, **args
     )
-    wrap(_maxsim_dk_kernel)[(k.shape[0], slices)](**_tokens_args("grad", dk), **args)
+    wrap(_maxsim_backward_kernel)[(k.shape[0], slices)](
+        **_tokens_args("grad", dk), partials_ptr=None, BY_COLUMN=True, **args
+    )
     return torch.stack((partials.sum(), partials.new_zeros(())))
 
 

@@ -81,16 +81,18 @@ def _query_rows(qs, i0, t0, tile):
 
 
 @triton.jit
+def _token_ptrs(x, b, tokens, feats):
+    """The addresses of x[b, tokens, feats] (``x`` a :class:`Tokens`; ``b`` and ``tokens`` a column or a scalar,
+    ``feats`` the row of feature indices), in int64."""
+    return x.ptr + b * x.stride_b + tokens.to(tl.int64) * x.stride_t + feats[None, :].to(tl.int64) * x.stride_d
+
+
+@triton.jit
 def _load_rows(qs, rows, feats):
     """q[queries, tokens, feats] of ``rows`` (:func:`_query_rows`), 0 for a token that does not exist or is
     masked (weight 0: as the torch tiles zero it, a NaN there multiplies nothing) and past D."""
     queries, tokens, exists, w = rows
-    ptrs = (
-        qs.ptr
-        + queries[:, None] * qs.stride_b
-        + tokens[:, None].to(tl.int64) * qs.stride_t
-        + feats[None, :].to(tl.int64) * qs.stride_d
-    )
+    ptrs = _token_ptrs(qs, queries[:, None], tokens[:, None], feats)
     return tl.load(ptrs, mask=(exists & (w != 0))[:, None] & (feats[None, :] < qs.d), other=0.0)
 
 
@@ -251,12 +253,7 @@ def _routing(c, n_real, rows, tile):
 def _winning_tokens(docs, j, rows, winner, p, feats):
     """p * k[j, winner] per row ([BLOCK_M, len(feats)]): the rows' part of P @ k for document j, P having one
     entry per row. Rows with p = 0 read nothing (a masked token's NaN stays unread)."""
-    ptrs = (
-        docs.ptr
-        + j * docs.stride_b
-        + winner[:, None].to(tl.int64) * docs.stride_t
-        + feats[None, :].to(tl.int64) * docs.stride_d
-    )
+    ptrs = _token_ptrs(docs, j, winner[:, None], feats)
     read = (rows[2] & (p != 0))[:, None] & (feats[None, :] < docs.d)
     return p[:, None] * tl.load(ptrs, mask=read, other=0.0).to(p.dtype)
 
@@ -266,12 +263,7 @@ def _add_tokens(grad, rows, feats, value):
     """grad[queries, tokens, feats] += value for the rows that exist (``grad`` a :class:`Tokens`); only the
     program owning them calls it."""
     queries, tokens, exists, w = rows
-    ptrs = (
-        grad.ptr
-        + queries[:, None] * grad.stride_b
-        + tokens[:, None].to(tl.int64) * grad.stride_t
-        + feats[None, :].to(tl.int64) * grad.stride_d
-    )
+    ptrs = _token_ptrs(grad, queries[:, None], tokens[:, None], feats)
     mask = exists[:, None] & (feats[None, :] < grad.d)
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
 
@@ -287,6 +279,6 @@ def _route_to_doc(qs, grad, j, rows, winner, p, feats, tile, dot):
         routed = tl.where(winner[:, None] == u[None, :], p[:, None], 0.0)
         operand = dot_operand(tl.trans(routed), qs.ptr.dtype.element_ty, dot.PRECISION)
         part = tile_dot(operand, q_slice, tl.zeros([tile.BLOCK_N, tile.BLOCK_OUT], dot.ACC), dot.UPCAST, dot.PRECISION)
-        ptrs = grad.ptr + j * grad.stride_b + u[:, None].to(tl.int64) * grad.stride_t + feats[None, :] * grad.stride_d
+        ptrs = _token_ptrs(grad, j, u[:, None], feats)
         mask = (u[:, None] < grad.length) & (feats[None, :] < grad.d)
         tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + part, mask=mask)

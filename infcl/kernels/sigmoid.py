@@ -48,9 +48,9 @@ Tensor = torch.Tensor
 DEFAULT_TILINGS = SIGMOID_TILINGS
 
 
-def _pick(tiling, dtype, precision):
-    """The caller's tiling, else the active target's (:func:`infcl.kernels.tiling.target_tiling`)."""
-    return tiling if tiling is not None else target_tiling("sigmoid", dtype, precision)
+def _pinned(tiling: List[int]) -> Optional[Tiling]:
+    """The op's ``tiling`` argument (:meth:`Tiling.to_ints`, [] for none) as the caller's pinned tiling, or None."""
+    return Tiling.from_ints(tiling) if tiling else None
 
 
 @triton.jit
@@ -275,24 +275,31 @@ def _ids(ids):
 
 
 def siglip_forward(
-    q, k, scale, pos, bias, tiling: Tiling = None, precision=None, wrap=lambda kernel: kernel, q_ids=None, k_ids=None
-):
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
     """Row losses [Bq] (accumulation dtype): sum_j softplus(-z_ij * (scale * q_i.k_j + bias)).
 
     q [Bq, D], k [Bk, D] (any strides, one dtype), scale a 0-d tensor on q's device, pos [Bq] int64: each
     row's positive column in k, -1 for none; bias a 0-d tensor like scale (the argument order of every block
-    operation: q, k, scale, pos, then the loss's own). ``tiling`` overrides the default
-    (:func:`infcl.kernels.tiling.sigmoid_tiling`; the interpreter's big tiles under TRITON_INTERPRET=1);
-    ``precision`` picks tl.dot's input precision for float32 ("ieee", "tf32"; None follows torch's,
-    kernel_args.torch_matmul_precision); ``wrap`` wraps the kernel before its launch (``torch.library.wrap_triton``
-    inside a triton_op). ``q_ids`` [Bq], ``k_ids`` [Bk] (both or neither): every column with the row's id is a
-    positive, pos unread.
+    operation: q, k, scale, pos, then the loss's own). ``q_ids`` [Bq], ``k_ids`` [Bk] (both or neither, else
+    None): every column with the row's id is a positive, pos unread. ``precision`` picks tl.dot's input
+    precision for float32 ("ieee", "tf32"; "" follows torch's, kernel_args.torch_matmul_precision); ``tiling``
+    (:meth:`Tiling.to_ints`) overrides the default (:func:`infcl.kernels.tiling.sigmoid_tiling`; the
+    interpreter's big tiles under TRITON_INTERPRET=1), [] for none.
     """
-    args, tiling = launch_args(q, k, precision, "sigmoid", tiling)
+    args, chosen = launch_args(q, k, precision or None, "sigmoid", _pinned(tiling))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_q = q.shape[0]
     out = torch.empty(n_q, dtype=acc, device=q.device)
-    wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, tiling.forward.block_m),)](
+    wrap(_siglip_forward_kernel)[(triton.cdiv(n_q, chosen.forward.block_m),)](
         pos_ptr=pos.contiguous(),
         q_ids_ptr=_ids(q_ids),
         k_ids_ptr=_ids(k_ids),
@@ -304,31 +311,30 @@ def siglip_forward(
 
 
 def siglip_backward(
-    q,
-    k,
-    scale,
-    pos,
-    bias,
-    g_row,
-    dq,
-    dk,
-    tiling: Tiling = None,
-    precision=None,
-    wrap=lambda kernel: kernel,
-    q_ids=None,
-    k_ids=None,
-) -> torch.Tensor:
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    pos: Tensor,
+    bias: Tensor,
+    q_ids: Optional[Tensor],
+    k_ids: Optional[Tensor],
+    g_row: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    precision: str,
+    tiling: List[int],
+) -> Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (accumulation dtype, any strides); return the
     (scale, bias) gradients [2]. g_row [Bq]: the upstream gradient of each row's loss; the rest as in
     :func:`siglip_forward`."""
-    opts = launch_options(q.dtype, precision)
+    opts = launch_options(q.dtype, precision or None)
     q, k = tf32_operands(opts["PRECISION"], q, k)
     acc = dq.dtype
     n_q, dim = q.shape
     n_k = k.shape[0]
-    tiling = _pick(tiling, q.dtype, opts["PRECISION"])
-    cfg = tiling.dq
-    chunk = tiling.block_d(dim)
+    chosen = _pinned(tiling) or target_tiling("sigmoid", q.dtype, opts["PRECISION"])
+    cfg = chosen.dq
+    chunk = chosen.block_d(dim)
     params, pos, g_row = _params(scale, bias, acc), pos.contiguous(), g_row.to(acc).contiguous()
     programs = triton.cdiv(n_q, cfg.block_m)
     partials = torch.zeros(programs, 2, dtype=acc, device=q.device)
@@ -363,45 +369,9 @@ def siglip_backward(
     return partials.sum(dim=0)
 
 
-# ---- the custom ops ``torch.ops.infcl.triton_sigmoid_*`` (:func:`.registration.register_op`) -------------------
+# The launchers as the custom ops ``torch.ops.infcl.triton_sigmoid_*`` (:func:`.registration.register_op`):
 # triton_sigmoid_forward_block(q, k, scale, pos, bias, q_ids, k_ids, precision, tiling) -> rows;
 # triton_sigmoid_backward_block(q, k, scale, pos, bias, q_ids, k_ids, g_row, dq!, dk!, precision, tiling) -> dparams
-# (accumulates into dq and dk). ``q_ids`` / ``k_ids``: None, or the ids (the positives: every column with the
-# row's id; pos unread). ``precision`` and ``tiling`` as the softmax ops take them (:mod:`.softmax_ops`).
-
-
-def _forward_op(
-    q: Tensor,
-    k: Tensor,
-    scale: Tensor,
-    pos: Tensor,
-    bias: Tensor,
-    q_ids: Optional[Tensor],
-    k_ids: Optional[Tensor],
-    precision: str,
-    tiling: List[int],
-) -> Tensor:
-    chosen = Tiling.from_ints(tiling) if tiling else None
-    return siglip_forward(q, k, scale, pos, bias, chosen, precision or None, wrap, q_ids, k_ids)
-
-
-def _backward_op(
-    q: Tensor,
-    k: Tensor,
-    scale: Tensor,
-    pos: Tensor,
-    bias: Tensor,
-    q_ids: Optional[Tensor],
-    k_ids: Optional[Tensor],
-    g_row: Tensor,
-    dq: Tensor,
-    dk: Tensor,
-    precision: str,
-    tiling: List[int],
-) -> Tensor:
-    chosen = Tiling.from_ints(tiling) if tiling else None
-    return siglip_backward(q, k, scale, pos, bias, g_row, dq, dk, chosen, precision or None, wrap, q_ids, k_ids)
-
-
-sigmoid_forward_block = register_op("triton_sigmoid_forward_block", _forward_op, row_fake)
-sigmoid_backward_block = register_op("triton_sigmoid_backward_block", _backward_op, dscale_fake, ("dq", "dk"))
+# (accumulates into dq and dk). ``precision`` and ``tiling`` as the softmax ops take them (:mod:`.softmax_ops`).
+sigmoid_forward_block = register_op("triton_sigmoid_forward_block", siglip_forward, row_fake)
+sigmoid_backward_block = register_op("triton_sigmoid_backward_block", siglip_backward, dscale_fake, ("dq", "dk"))

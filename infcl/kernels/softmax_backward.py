@@ -27,7 +27,10 @@ g * p (1e-9 for a mean over 65536 rows) do not flush to zero in float16's range.
 
 With mask options (as in the forward: HAS_IDS, HAS_GUIDE, POSITIVES) the kernels form each tile's positives
 and exclusions the same way and dS with :func:`infcl.kernels.softmax_mask_tiles.masked_softmax_grad`: P is 0 on the
-exclusions and Y is the one-hot of ``pos``, 1/|P| on the positives ("mean") or their softmax ("sum").
+exclusions and Y is the one-hot of ``pos``, 1/|P| on the positives ("mean") or their softmax ("sum"). With label
+smoothing's uniform weights (``row_uniform`` / ``col_uniform``: KEPT_SUMS, read off whether they are given) dS also
+loses each line's weight on its kept entries (:func:`infcl.kernels.softmax_mask_tiles.subtract_uniform`), so dq, dk
+and dscale take it as they take the rest of dS; without them the kernel compiles to the code it had before.
 
 GEMM count per call, for D up to one slice (BLOCK_OUT, 256 by default; D <= 128 is one chunk): 4 —
 S in each kernel, dq, dk — whether the loss is one-directional or symmetric. A wider D runs
@@ -158,6 +161,8 @@ def softmax_backward(
     masks: Optional[MaskOptions] = None,
     row_positives: Optional[torch.Tensor] = None,
     col_positives: Optional[torch.Tensor] = None,
+    row_uniform: Optional[torch.Tensor] = None,
+    col_uniform: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Accumulate dq [Bq, D] and dk [Bk, D] in place (any strides); return dscale [2] (row part, column part).
 
@@ -166,7 +171,9 @@ def softmax_backward(
     accumulation dtype, any strides. ``tiling``, ``autotune``, ``sms`` and ``wrap`` as in the forward.
     ``masks`` as in the forward, with each row's (column's, symmetric) positives: with ``multi_positive``
     "mean" their global count ``row_positives`` [Bq] (``col_positives`` [Bk]), with "sum" their global
-    stats [2, Bq] ([2, Bk]); None with one positive per row.
+    stats [2, Bq] ([2, Bk]); None with one positive per row. ``row_uniform`` [Bq] (``col_uniform`` [Bk],
+    symmetric; masked only): label smoothing's weights, subtracted from dS on each kept entry of the row
+    (column), as the accumulation dtype; None: none.
     """
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
@@ -174,6 +181,10 @@ def softmax_backward(
     n_q, dim = q.shape
     n_k = k.shape[0]
     symmetric = col_stats is not None
+    if row_uniform is not None and masks is None:
+        raise ValueError("softmax_backward: row_uniform needs mask options (the uniform part is over the kept entries)")
+    if (row_uniform is not None and symmetric) != (col_uniform is not None):
+        raise ValueError("softmax_backward: col_uniform goes with row_uniform on the symmetric loss, alone never")
     normalize = q.dtype == torch.float16
     # float16: max|g_row| (and max|g_col|, read only when symmetric), the dS normalizers; else absent.
     g_max = torch.stack([g.abs().amax() for g in (g_row, g_col) if g is not None]) if normalize else None
@@ -200,6 +211,8 @@ def softmax_backward(
         col_pos_ptr=col_positives,
         stride_row_pos=_stat_stride(row_positives),
         stride_col_pos=_stat_stride(col_positives),
+        row_uniform_ptr=_contiguous(row_uniform),
+        col_uniform_ptr=_contiguous(col_uniform),
         **COMPILE_OPTIONS,
     )
     dscale_parts = None

@@ -30,6 +30,7 @@ from .softmax_backward_tiles import (
     _inverse,
     _load_positives,
     _load_stats,
+    _load_uniform,
     _masked_tile_grads,
     _plain_tile_grads,
     _store_slice,
@@ -73,6 +74,8 @@ def _backward_kernel(
     col_pos_ptr,
     stride_row_pos,
     stride_col_pos,
+    row_uniform_ptr,
+    col_uniform_ptr,
     DG,
     stride_gq,
     stride_gk,
@@ -102,6 +105,7 @@ def _backward_kernel(
     # arguments of the program's body (a tuple assigned to a name would turn its constexprs into tensors).
     HAS_IDS: tl.constexpr = q_ids_ptr is not None
     HAS_GUIDE: tl.constexpr = gq_ptr is not None
+    KEPT_SUMS: tl.constexpr = row_uniform_ptr is not None  # label smoothing's uniform weights (softmax_mask_tiles)
     NORMALIZE: tl.constexpr = q_ptr.dtype.element_ty == tl.float16  # float16: dS is normalized
     UPCAST: tl.constexpr = not PTX and q_ptr.dtype.element_ty.primitive_bitwidth == 16
     ACC: tl.constexpr = scale_ptr.dtype.element_ty
@@ -125,9 +129,10 @@ def _backward_kernel(
             POSITIVES,
             BRANCH_POSITIVES,
             SYMMETRIC,
+            KEPT_SUMS,
         ),
-        Upstream(row_stats_ptr, stride_row_stats, g_row_ptr, row_pos_ptr, stride_row_pos),
-        Upstream(col_stats_ptr, stride_col_stats, g_col_ptr, col_pos_ptr, stride_col_pos),
+        Upstream(row_stats_ptr, stride_row_stats, g_row_ptr, row_pos_ptr, stride_row_pos, row_uniform_ptr),
+        Upstream(col_stats_ptr, stride_col_stats, g_col_ptr, col_pos_ptr, stride_col_pos, col_uniform_ptr),
         GradSlices(
             out_ptr,
             stride_out_split,
@@ -176,6 +181,7 @@ def _backward_program(q, k, masks, row_up, col_up, out, scale_ptr, tile, dot, BY
             col = _load_stats(col_up, cols, n_k, MASK_N)
             if HAS_IDS or HAS_GUIDE:
                 col_pos = _load_positives(col_up, cols, n_k, POSITIVES, MASK_N)
+                col_u = _load_uniform(col_up, cols, n_k, masks.KEPT_SUMS, MASK_N)
         if NORMALIZE:  # float16: each dS column is divided by the largest |g| that reaches it
             factor = tl.zeros([BLOCK_N], dtype=ACC) + tl.load(out.g_max_ptr)
             if SYMMETRIC:
@@ -200,6 +206,7 @@ def _backward_program(q, k, masks, row_up, col_up, out, scale_ptr, tile, dot, BY
             q_ids = load_optional(masks.q_ids_ptr, rows, n_q, HAS_IDS, MASK_M)
             row_thr = load_optional(masks.row_thr_ptr, rows, n_q, HAS_GUIDE, MASK_M)
             row_pos = _load_positives(row_up, rows, n_q, POSITIVES, MASK_M)
+            row_u = _load_uniform(row_up, rows, n_q, masks.KEPT_SUMS, MASK_M)
         if NORMALIZE:  # float16: each dS row is divided by the largest |g| that reaches it
             factor = tl.abs(row[2])
             if SYMMETRIC:
@@ -232,14 +239,23 @@ def _backward_program(q, k, masks, row_up, col_up, out, scale_ptr, tile, dot, BY
                 q_ids = load_optional(masks.q_ids_ptr, rows, n_q, HAS_IDS, MASK_M)
                 row_thr = load_optional(masks.row_thr_ptr, rows, n_q, HAS_GUIDE, MASK_M)
                 row_pos = _load_positives(row_up, rows, n_q, POSITIVES, MASK_M)
+                row_u = _load_uniform(row_up, rows, n_q, masks.KEPT_SUMS, MASK_M)
             elif SYMMETRIC:
                 col_pos = _load_positives(col_up, cols, n_k, POSITIVES, MASK_N)
+                col_u = _load_uniform(col_up, cols, n_k, masks.KEPT_SUMS, MASK_N)
             if not SYMMETRIC:
-                col, col_pos = row, row_pos  # unused
+                col, col_pos, col_u = row, row_pos, row_u  # unused
             EXCLUDES: tl.constexpr = HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE)
             tile_masks = block_masks(masks, rows, cols, pos, q_ids, row_thr)
             ds_row, ds_col = _masked_tile_grads(
-                s, tile_masks, row, row_pos, col, col_pos, SYMMETRIC, POSITIVES, EXCLUDES
+                s,
+                tile_masks,
+                (row, row_pos, row_u),
+                (col, col_pos, col_u),
+                SYMMETRIC,
+                POSITIVES,
+                EXCLUDES,
+                masks.KEPT_SUMS,
             )
         else:
             if BY_COLUMN:

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .score_tiles import Matrix, load_tile, load_vector
-from .softmax_mask_tiles import MEAN_POSITIVES, SUM_POSITIVES, masked_softmax_grad
+from .softmax_mask_tiles import MEAN_POSITIVES, SUM_POSITIVES, masked_softmax_grad, subtract_uniform
 from .tile_stats import holds_positive, softmax_grad
 
 
@@ -42,14 +42,26 @@ def _plain_tile_grads(
 
 @triton.jit
 def _masked_tile_grads(
-    s, tile_masks, row, row_pos, col, col_pos, SYMMETRIC: tl.constexpr, POSITIVES: tl.constexpr, EXCLUDES: tl.constexpr
+    s,
+    tile_masks,
+    row_inputs,
+    col_inputs,
+    SYMMETRIC: tl.constexpr,
+    POSITIVES: tl.constexpr,
+    EXCLUDES: tl.constexpr,
+    KEPT_SUMS: tl.constexpr,
 ):
     """The masked path's (row part, column part) of dS for a tile whose (positive, excluded_rows,
     excluded_cols) ``tile_masks`` the kernel formed (:func:`infcl.kernels.softmax_mask_tiles.block_masks`):
-    :func:`infcl.kernels.softmax_mask_tiles.masked_softmax_grad` with the rows' (columns') stats (m, r, g) and
-    positives (pos_count, pos_max, pos_rel): their count ("mean") or their global stats ("sum")
-    (:func:`_load_positives`); the column part is 0 for the one-directional loss."""
+    :func:`infcl.kernels.softmax_mask_tiles.masked_softmax_grad` with the rows' (columns') ``row_inputs``
+    (``col_inputs``) = (stats (m, r, g), positives (pos_count, pos_max, pos_rel): their count ("mean") or their
+    global stats ("sum") (:func:`_load_positives`), uniform weights (:func:`_load_uniform`)), less, with
+    KEPT_SUMS, each line's uniform weight on its kept entries (label smoothing,
+    :func:`infcl.kernels.softmax_mask_tiles.subtract_uniform`); the column part is 0 for the one-directional
+    loss."""
     positive, excluded_rows, excluded_cols = tile_masks
+    row, row_pos, row_u = row_inputs
+    col, col_pos, col_u = col_inputs
     ds_row = masked_softmax_grad(
         s,
         (row[0][:, None], row[1][:, None], row[2][:, None]),
@@ -59,6 +71,8 @@ def _masked_tile_grads(
         POSITIVES,
         EXCLUDES,
     )
+    if KEPT_SUMS:
+        ds_row = subtract_uniform(ds_row, s, excluded_rows, row_u[:, None], EXCLUDES)
     if SYMMETRIC:
         ds_col = masked_softmax_grad(
             s,
@@ -69,6 +83,8 @@ def _masked_tile_grads(
             POSITIVES,
             EXCLUDES,
         )
+        if KEPT_SUMS:
+            ds_col = subtract_uniform(ds_col, s, excluded_cols, col_u[None, :], EXCLUDES)
     else:
         ds_col = 0.0
     return ds_row, ds_col
@@ -77,13 +93,14 @@ def _masked_tile_grads(
 class Upstream(NamedTuple):
     """One side's (rows' or columns') inputs to the backward: its stats [2, n] (m's row ``stride_stat`` before
     r's, each contiguous), its upstream gradients [n] and, with mask options, its positives' count [n] or
-    global stats [2, n] (``stride_pos`` apart)."""
+    global stats [2, n] (``stride_pos`` apart) and label smoothing's uniform weights [n] (None: none)."""
 
     stats_ptr: Any
     stride_stat: Any
     g_ptr: Any
     pos_ptr: Any
     stride_pos: Any
+    uniform_ptr: Any
 
 
 class GradSlices(NamedTuple):
@@ -121,6 +138,17 @@ def _load_positives(up, idx, n, POSITIVES: tl.constexpr, MASK: tl.constexpr):
         pos_max = idx
         pos_rel = idx
     return pos_count, pos_max, pos_rel
+
+
+@triton.jit
+def _load_uniform(up, idx, n, KEPT_SUMS: tl.constexpr, MASK: tl.constexpr):
+    """Label smoothing's uniform weights eps * g / n_kept of the rows (columns) ``idx`` (:class:`Upstream`), 0
+    past ``n``; ``idx`` as a placeholder, never read, without KEPT_SUMS."""
+    if KEPT_SUMS:
+        uniform = load_vector(up.uniform_ptr, idx, n, 1, 0.0, MASK)
+    else:
+        uniform = idx  # unused
+    return uniform
 
 
 @triton.jit

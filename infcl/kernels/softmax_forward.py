@@ -25,7 +25,10 @@ the code above),
 each tile also forms its positives and exclusions (:func:`infcl.kernels.softmax_mask_tiles.block_masks`: the ids,
 and one guide GEMM over D' when a guide is given) and the partials are the ``[6, n]`` rows of :mod:`infcl.masks`,
 for rows and (symmetric) columns alike: the stats over the columns not excluded, the positives' max (and,
-"sum", their rest), the sum of their logits and their count.
+"sum", their rest), the sum of their logits and their count. With KEPT_SUMS (label smoothing's uniform part over
+the kept entries, :mod:`infcl.losses.smoothing`) two more rows, ``[8, n]``: the sum of each line's kept logits
+and their number, folded from the very tile the stats see (:func:`infcl.kernels.softmax_mask_tiles.kept_sums`);
+without it the masked kernel compiles to the code it had before the flag.
 
 Inputs: q [Bq, D], k [Bk, D] of one dtype among float32/bfloat16/float16/float64, any strides; scale a
 0-d tensor in the accumulation dtype (float32, float64 for float64), read in the kernel (no host
@@ -41,7 +44,7 @@ import triton.language as tl
 
 from ..contract import MaskOptions
 from ..lse import MAX, REL, lse_merge
-from ..masks import MASKED_ROWS, POS_MAX, POS_REL, merge_masked
+from ..masks import KEPT_ROWS, MASKED_ROWS, POS_MAX, POS_REL, merge_masked
 from .autotune import autotune_bucket, lazy_autotune, neighbours
 from .configs import TENSOR_CORE_CLASSES, TileConfig, Tiling
 from .kernel_args import (
@@ -65,8 +68,15 @@ from .score_tiles import (
     load_vector,
     masked_scores,
 )
-from .softmax_forward_tiles import _fold_rows, _merge_columns, _merge_masked_columns, _store_rows, _symmetric_pair
-from .softmax_mask_tiles import ONE_POSITIVE, Masks, block_masks, load_optional, positive_partials
+from .softmax_forward_tiles import (
+    KEPT_ROW,
+    _fold_rows,
+    _merge_columns,
+    _merge_masked_columns,
+    _store_rows,
+    _symmetric_pair,
+)
+from .softmax_mask_tiles import ONE_POSITIVE, Masks, block_masks, kept_sums, load_optional, positive_partials
 from .split_plan import plan_forward
 from .target import ARCH_FAMILIES
 from .tile_stats import holds_positive, kept_rest_stats, merge_kept_stats, positive_span, tile_rest_stats
@@ -117,6 +127,7 @@ def _forward_kernel(
     GUIDE_PRECISION: tl.constexpr,
     ROW_TILES: tl.constexpr,
     EVEN_PAIRS: tl.constexpr,
+    KEPT_SUMS: tl.constexpr,
     BUCKET: tl.constexpr,  # the autotuner's size key only (0 when not autotuning)
 ):
     # What the launch's inputs say: the mask options given (absent inputs come as None), the accumulation
@@ -151,6 +162,7 @@ def _forward_kernel(
             POSITIVES,
             BRANCH_POSITIVES,
             SYMMETRIC,
+            KEPT_SUMS,
         ),
         (Matrix(row_out, 0, n_q, stride_rows_stat, 1), Matrix(col_part, 0, n_k, stride_cols_stat, 1)),
         scale_ptr,
@@ -167,6 +179,7 @@ def _forward_program(q, k, masks, out, scale_ptr, tile, dot, ROW_TILES: tl.const
     :func:`_symmetric_pair`, the plain symmetric loss; MASK_M1: a pair's second block may reach past n_q), over
     the k blocks of its split; ``out``: the program's (row, column) partials."""
     tl.static_assert(ROW_TILES == 1 or (masks.SYMMETRIC and not (masks.HAS_IDS or masks.HAS_GUIDE)))
+    tl.static_assert(not masks.KEPT_SUMS or masks.HAS_IDS or masks.HAS_GUIDE)  # kept sums: masked partials only
     # The program walks units of ROW_TILES row blocks (the last unit's second block may lie past n_q).
     n_units = tl.cdiv(tl.cdiv(q.n, tile.BLOCK_M), ROW_TILES)
     rb_lo, rb_hi = block_range(tl.program_id(0), tl.num_programs(0), n_units)
@@ -208,6 +221,9 @@ def _forward_rows(q, k, masks, out, scale, rows, col_blocks, tile, dot):
         pos_count = tl.zeros([BLOCK_M], dtype=ACC)
         q_ids = load_optional(masks.q_ids_ptr, rows, n_q, HAS_IDS, tile.MASK_M)
         row_thr = load_optional(masks.row_thr_ptr, rows, n_q, HAS_GUIDE, tile.MASK_M)
+        if masks.KEPT_SUMS:  # label smoothing: the sum and number of the rows' kept logits
+            kept_sum = tl.zeros([BLOCK_M], dtype=ACC)
+            kept_count = tl.zeros([BLOCK_M], dtype=ACC)
     for cb in range(col_blocks[0], col_blocks[1]):
         cols = cb * BLOCK_N + tl.arange(0, BLOCK_N)
         raw, _ = block_scores(q, k, q_res, rows, cols, tile, dot, True)
@@ -220,6 +236,8 @@ def _forward_rows(q, k, masks, out, scale, rows, col_blocks, tile, dot):
                 kept = tl.where(excluded_rows, float("-inf"), s_rows)
             tile_max, tile_rest = kept_rest_stats(kept, 1)
             run_max, run_rest = merge_kept_stats(run_max, run_rest, tile_max, tile_rest)
+            if masks.KEPT_SUMS:
+                kept_sum, kept_count = kept_sums(kept, kept_sum, kept_count, 1)
             pos_max, pos_rest, pos_logit, pos_count = positive_partials(
                 s_rows, positive, pos_max, pos_rest, pos_logit, pos_count, 1, POSITIVES
             )
@@ -232,12 +250,14 @@ def _forward_rows(q, k, masks, out, scale, rows, col_blocks, tile, dot):
                 kept = s_cols
                 if HAS_GUIDE or (HAS_IDS and POSITIVES == ONE_POSITIVE):
                     kept = tl.where(excluded_cols, float("-inf"), s_cols)
-                _merge_masked_columns(out[1], cols, s_cols, kept, positive, POSITIVES, tile.MASK_N)
+                _merge_masked_columns(out[1], cols, s_cols, kept, positive, POSITIVES, masks.KEPT_SUMS, tile.MASK_N)
             else:
                 col_max, col_rest = tile_rest_stats(s_cols, 0)
                 _merge_columns(out[1], cols, col_max, col_rest, tile.MASK_N)
     if HAS_IDS or HAS_GUIDE:  # the rows of infcl.masks, rest in place of rel
         _store_rows(out[0], rows, (run_max, run_rest, pos_max, pos_rest, pos_logit, pos_count), tile.MASK_M)
+        if masks.KEPT_SUMS:
+            _store_rows(out[0], rows, (kept_sum, kept_count), tile.MASK_M, KEPT_ROW)
     else:
         _store_rows(out[0], rows, (run_max, run_rest, pos_logit), tile.MASK_M)
 
@@ -291,8 +311,8 @@ _forward_autotuned = lazy_autotune(
 
 def merge_partials(parts: torch.Tensor, positives: Optional[str] = None) -> torch.Tensor:
     """[R, S, n] per-split partials -> [R, n], contiguous: stats in rows 0-1, further rows sums (R = 3), or
-    the masked rows of :mod:`infcl.masks` (R = 6) merged by :func:`infcl.masks.merge_masked` for the
-    loss kind ``positives`` ("mean" or "sum").
+    the masked rows of :mod:`infcl.masks` (R = 6, or 8 with the kept sums, which add) merged by
+    :func:`infcl.masks.merge_masked` for the loss kind ``positives`` ("mean" or "sum").
 
     Pairs are merged in a fixed tree order with :func:`infcl.lse.lse_merge` (the further rows added),
     so the result depends on nothing but the inputs.
@@ -305,6 +325,7 @@ def merge_partials(parts: torch.Tensor, positives: Optional[str] = None) -> torc
             parts[2:, :half] += parts[2:, n - half : n]
         else:
             merge_masked(parts[:, :half], parts[:, n - half : n], positives)
+            parts[MASKED_ROWS:, :half] += parts[MASKED_ROWS:, n - half : n]  # the kept sums (KEPT_ROWS), if any
         n -= half
     return parts[:, 0].contiguous()
 
@@ -315,7 +336,7 @@ def _empty_partials(rows: int, parts: int, n: int, dtype: torch.dtype, device: t
     out = torch.zeros(rows, parts, n, dtype=dtype, device=device)
     out[MAX].fill_(float("-inf"))
     out[REL].fill_(-1.0)  # rest = -1: the empty set
-    if rows == MASKED_ROWS:
+    if rows >= MASKED_ROWS:
         out[POS_MAX].fill_(float("-inf"))
         out[POS_REL].fill_(-1.0)
     return out
@@ -333,28 +354,32 @@ def softmax_forward(
     sms: int = 1,
     wrap=lambda kernel: kernel,
     masks: Optional[MaskOptions] = None,
+    kept_sums: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """rows [3, Bq] = (max, log-sum relative to it, positive logit or 0), cols [2, Bk] stats or None.
 
     ``tiling`` gives the block sizes (its forward config, unless ``autotune``) and the feature chunk;
     ``sms`` the device's SM count for the split plan; ``wrap`` wraps each kernel before its launch
     (``torch.library.wrap_triton`` inside a triton_op). ``masks`` (ids, guide; :mod:`infcl.masks`):
-    rows [6, Bq] and cols [6, Bk] are the masked partials (the rows of :mod:`infcl.masks`) instead.
+    rows [6, Bq] and cols [6, Bk] are the masked partials (the rows of :mod:`infcl.masks`) instead, [8, n]
+    with ``kept_sums`` (label smoothing: also the sum and number of each line's kept logits).
     """
     opts = launch_options(q.dtype, precision)
     q, k = tf32_operands(opts["PRECISION"], q, k)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     masked = masks is not None
+    if kept_sums and not masked:
+        raise ValueError("softmax_forward: kept_sums needs mask options (the kept logits are the masked ones')")
     n_q, dim = q.shape
     n_k = k.shape[0]
     # Pairs of row blocks (TileConfig.row_tiles) in the plain symmetric forward; the autotuner keeps BLOCK_M.
     row_tiles = tiling.forward.row_tiles if symmetric and not masked else 1
     plan = plan_forward(n_q, n_k, tiling, symmetric, sms, row_tiles)
-    n_rows = MASKED_ROWS if masked else 3
+    n_rows = (KEPT_ROWS if kept_sums else MASKED_ROWS) if masked else 3
     rows = torch.empty(n_rows, plan.splits, n_q, dtype=acc, device=q.device)
     cols = None  # the column stats exist only for the symmetric loss
     if symmetric:
-        cols = _empty_partials(MASKED_ROWS if masked else 2, plan.groups, n_k, acc, q.device)
+        cols = _empty_partials(n_rows if masked else 2, plan.groups, n_k, acc, q.device)
     args = dict(
         # One direction: an empty placeholder for the column partials, never read (Triton 3.4's autotuner
         # clones every restore_value argument, and fails on None).
@@ -374,6 +399,7 @@ def softmax_forward(
         BRANCH_POSITIVES=branch_positives(q.dtype, precision),
         EVEN_PAIRS=triton.cdiv(n_q, tiling.forward.block_m) % row_tiles == 0,
         **mask_kernel_args(masks, q.dtype, precision),
+        KEPT_SUMS=kept_sums,
         **COMPILE_OPTIONS,
     )
     grid = (plan.groups, plan.splits)

@@ -6,8 +6,9 @@ the stores of a finished row block, and the plain symmetric forward over a pair 
 import triton
 import triton.language as tl
 
+from ..masks import KEPT_SUM
 from .score_tiles import load_tile, load_vector, masked_scores, score_pair
-from .softmax_mask_tiles import positive_partials
+from .softmax_mask_tiles import kept_sums, positive_partials
 from .tile_stats import (
     holds_positive,
     kept_rest_stats,
@@ -17,6 +18,9 @@ from .tile_stats import (
     positive_span,
     tile_rest_stats,
 )
+
+# The first of the masked partials' two kept-sums rows (infcl.masks.KEPT_SUM, then KEPT_COUNT), as the kernels see it.
+KEPT_ROW = tl.constexpr(KEPT_SUM)
 
 
 @triton.jit
@@ -36,9 +40,12 @@ def _store_stat(part, i: tl.constexpr, idx, value, MASK: tl.constexpr):
 
 
 @triton.jit
-def _merge_masked_columns(col_part, cols, s_cols, kept, positive, POSITIVES: tl.constexpr, MASK: tl.constexpr):
-    """Merge one tile's masked column partials (stats of ``kept``, the positives of ``positive``) into the
-    group's [6, Bk] partials: read, merged, written back (the group's program owns them)."""
+def _merge_masked_columns(
+    col_part, cols, s_cols, kept, positive, POSITIVES: tl.constexpr, KEPT_SUMS: tl.constexpr, MASK: tl.constexpr
+):
+    """Merge one tile's masked column partials (stats of ``kept``, the positives of ``positive`` and, with
+    KEPT_SUMS, the sum and number of the kept logits) into the group's [6, Bk] ([8, Bk]) partials: read, merged,
+    written back (the group's program owns them)."""
     col_max, col_rest = kept_rest_stats(kept, 0)
     part_max = _load_stat(col_part, 0, cols, float("-inf"), MASK)
     part_rest = _load_stat(col_part, 1, cols, -1.0, MASK)
@@ -53,6 +60,11 @@ def _merge_masked_columns(col_part, cols, s_cols, kept, positive, POSITIVES: tl.
         s_cols, positive, pos_max, pos_rest, pos_sum, pos_count, 0, POSITIVES
     )
     _store_rows(col_part, cols, (pos_max, pos_rest, pos_sum, pos_count), MASK, 2)
+    if KEPT_SUMS:
+        kept_sum = _load_stat(col_part, KEPT_ROW, cols, 0.0, MASK)
+        kept_count = _load_stat(col_part, KEPT_ROW + 1, cols, 0.0, MASK)
+        kept_sum, kept_count = kept_sums(kept, kept_sum, kept_count, 0)
+        _store_rows(col_part, cols, (kept_sum, kept_count), MASK, KEPT_ROW)
 
 
 @triton.jit

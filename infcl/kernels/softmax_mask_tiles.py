@@ -26,8 +26,10 @@ class Masks(NamedTuple):
     the kernel entry: ``pos`` (the column of each row's one positive in this block, -1: elsewhere), the ids'
     and guide thresholds' pointers (None: absent), the guide operands (:class:`Matrix` gq [n_q, D'] and gk
     [n_k, D']: their row counts are the block's even without a guide), the guide's S tile and dot, and the
-    constexprs: HAS_IDS, HAS_GUIDE, POSITIVES, BRANCH_POSITIVES (:func:`infcl.kernels.tile_stats.holds_positive`)
-    and SYMMETRIC."""
+    constexprs: HAS_IDS, HAS_GUIDE, POSITIVES, BRANCH_POSITIVES (:func:`infcl.kernels.tile_stats.holds_positive`),
+    SYMMETRIC and KEPT_SUMS (label smoothing's uniform part over the kept entries, :mod:`infcl.losses.smoothing`:
+    the forward also sums and counts each line's kept logits, :func:`kept_sums`; the backward subtracts each
+    line's uniform weight from dS on its kept entries, :func:`subtract_uniform`)."""
 
     pos_ptr: Any
     q_ids_ptr: Any
@@ -43,6 +45,7 @@ class Masks(NamedTuple):
     POSITIVES: Any
     BRANCH_POSITIVES: Any
     SYMMETRIC: Any
+    KEPT_SUMS: Any
 
 
 @triton.jit
@@ -127,6 +130,29 @@ def positive_partials(s, positive, pos_max, pos_rest, pos_sum, pos_count, AXIS: 
     pos_sum += tl.sum(tl.where(positive, s, 0.0), axis=AXIS)
     pos_count += tl.sum(positive.to(s.dtype), axis=AXIS)
     return pos_max, pos_rest, pos_sum, pos_count
+
+
+@triton.jit
+def kept_sums(kept, kept_sum, kept_count, AXIS: tl.constexpr):
+    """Fold one tile's kept logits into the running sum and number of each row's (AXIS 1) or column's (AXIS 0):
+    ``kept`` is the tile the stats see, -inf on the excluded entries and past the block's edge, so an entry is
+    kept where it is above -inf (:func:`subtract_uniform` keeps the same ones)."""
+    keep = kept > float("-inf")
+    kept_sum += tl.sum(tl.where(keep, kept, 0.0), axis=AXIS)
+    kept_count += tl.sum(keep.to(kept.dtype), axis=AXIS)
+    return kept_sum, kept_count
+
+
+@triton.jit
+def subtract_uniform(ds, s, excluded, uniform, EXCLUDES: tl.constexpr):
+    """ds - uniform on the tile's kept entries (label smoothing's eps * g / n_kept; ``uniform`` broadcast like
+    the stats): those not excluded and inside the block (``s`` above -inf, as :func:`kept_sums` counted them).
+    An excluded entry's dS stays 0."""
+    if EXCLUDES:
+        keep = (s > float("-inf")) & ~excluded
+    else:
+        keep = s > float("-inf")
+    return ds - tl.where(keep, uniform, 0.0)
 
 
 @triton.jit

@@ -8,10 +8,12 @@ torch.compile see them (each loss registers its own: the sigmoid loss's in :mod:
 With the mask options (ids, guide; :mod:`infcl.masks`), the same steps as their own ops, the masks as optional
 tensors and ``multi_positive`` as "" (None), "mean" or "sum":
 - ``torch.ops.infcl.triton_masked_forward_block(q, k, scale, pos, symmetric, q_ids, k_ids, guide_q, guide_k,
-  row_threshold, col_threshold, multi_positive, precision, tiling) -> (rows [6, Bq], cols [6, Bk])``
+  row_threshold, col_threshold, multi_positive, precision, tiling, kept_sums=False) -> (rows [6, Bq], cols [6, Bk])``
+  (``[8, n]`` with ``kept_sums``: label smoothing's kept logits' sum and number, :mod:`infcl.masks`)
 - ``torch.ops.infcl.triton_masked_backward_block(q, k, scale, pos, row_stats, g_row, col_stats, g_col,
   row_positives, col_positives, q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive,
-  dq!, dk!, precision, tiling) -> dscale``
+  dq!, dk!, precision, tiling, row_uniform=None, col_uniform=None) -> dscale`` (``row_uniform`` [Bq] /
+  ``col_uniform`` [Bk]: label smoothing's weights, subtracted from dS on each kept entry; :mod:`infcl.contract`)
 
 - ``torch.ops.infcl.triton_guide_label_scores(guide_q, guide_k, pos, feature_dtype, precision) -> [Bq]``: each
   row's guide threshold score G[i, pos[i]] by the masked kernels' guide product (:mod:`.softmax_guide_scores`).
@@ -28,8 +30,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..masks import MASKED_ROWS, MaskOptions
-from ..op_fakes import dscale_fake, guide_scores_fake, stats_fake
+from ..masks import MaskOptions
+from ..op_fakes import dscale_fake, guide_scores_fake, masked_stats_fake, stats_fake
 from . import softmax_backward, softmax_forward, softmax_guide_scores
 from .configs import Tiling, autotuning
 from .registration import register_op, wrap
@@ -57,9 +59,11 @@ def _run_forward(
     precision: str,
     tiling: List[int],
     masks: Optional[MaskOptions] = None,
+    kept_sums: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """The forward ops' one body, plain (``masks`` None) or masked (the masked ops' tiling): the launch, and an
-    empty placeholder for the one-directional loss's column partials (an op returns a tensor, never None)."""
+    """The forward ops' one body, plain (``masks`` None) or masked (the masked ops' tiling; ``kept_sums``: the
+    kept logits' two more rows): the launch, and an empty placeholder for the one-directional loss's column
+    partials (an op returns a tensor, never None)."""
     masked = masks is not None
     chosen, autotune = _tiling(tiling, q, precision, masked, masked and masks.has_guide)
     rows, cols = softmax_forward.softmax_forward(
@@ -74,8 +78,9 @@ def _run_forward(
         sms=target_facts().sms,
         wrap=wrap,
         masks=masks,
+        kept_sums=kept_sums,
     )
-    return rows, (cols if cols is not None else rows.new_empty(MASKED_ROWS if masked else 2, 0))
+    return rows, (cols if cols is not None else rows.new_empty(rows.shape[0] if masked else 2, 0))
 
 
 def _run_backward(
@@ -90,9 +95,11 @@ def _run_backward(
     tiling: List[int],
     masks: Optional[MaskOptions] = None,
     positives: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
+    uniform: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
 ) -> Tensor:
     """The backward ops' one body, plain (``masks`` None) or masked: ``stats`` (row_stats, g_row, col_stats,
-    g_col) and the masked loss's ``positives`` (row, column) as :func:`softmax_backward` takes them."""
+    g_col), the masked loss's ``positives`` (row, column) and label smoothing's ``uniform`` weights (row,
+    column) as :func:`softmax_backward` takes them."""
     masked = masks is not None
     chosen, autotune = _tiling(tiling, q, precision, masked, masked and masks.has_guide)
     row_stats, g_row, col_stats, g_col = stats
@@ -115,6 +122,8 @@ def _run_backward(
         masks=masks,
         row_positives=positives[0],
         col_positives=positives[1],
+        row_uniform=uniform[0],
+        col_uniform=uniform[1],
     )
 
 
@@ -176,9 +185,10 @@ def _masked_forward(
     multi_positive: str,
     precision: str,
     tiling: List[int],
+    kept_sums: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     masks = _mask_options(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
-    return _run_forward(q, k, scale, pos, symmetric, precision, tiling, masks)
+    return _run_forward(q, k, scale, pos, symmetric, precision, tiling, masks, kept_sums)
 
 
 def _masked_backward(
@@ -203,10 +213,13 @@ def _masked_backward(
     dk: Tensor,
     precision: str,
     tiling: List[int],
+    row_uniform: Optional[Tensor] = None,
+    col_uniform: Optional[Tensor] = None,
 ) -> Tensor:
     masks = _mask_options(q_ids, k_ids, guide_q, guide_k, row_threshold, col_threshold, multi_positive)
     stats, positives = (row_stats, g_row, col_stats, g_col), (row_positives, col_positives)
-    return _run_backward(q, k, scale, pos, stats, dq, dk, precision, tiling, masks, positives)
+    uniform = (row_uniform, col_uniform)
+    return _run_backward(q, k, scale, pos, stats, dq, dk, precision, tiling, masks, positives, uniform)
 
 
 def _guide_label_scores(
@@ -217,7 +230,8 @@ def _guide_label_scores(
 
 forward_block = register_op("triton_forward_block", _forward, stats_fake(3, 2))
 backward_block = register_op("triton_backward_block", _backward, dscale_fake, ("dq", "dk"))
-masked_forward_block = register_op("triton_masked_forward_block", _masked_forward, stats_fake(MASKED_ROWS, MASKED_ROWS))
+# kept_sums: argument 12 after q and k (after scale, pos, symmetric, 6 mask tensors, multi_positive, precision, tiling).
+masked_forward_block = register_op("triton_masked_forward_block", _masked_forward, masked_stats_fake(12))
 masked_backward_block = register_op("triton_masked_backward_block", _masked_backward, dscale_fake, ("dq", "dk"))
 guide_label_scores = register_op("triton_guide_label_scores", _guide_label_scores, guide_scores_fake)
 

@@ -5,7 +5,8 @@ One function per architecture family, as flash-attention's ``hopper/tile_size.h`
 :func:`sm80`, :func:`sm86` (sm_86 / sm_89) and :func:`sm120` each answer, for one :class:`Kernel` on tensor cores,
 which :class:`TileConfig` it takes. "Which tile does dq take on sm_90 in bf16 at D = 512?" is
 ``sm90(Kernel("softmax", "dq", "mma"))``: read :func:`sm90`. The FMA classes (fp32 "ieee", fp64) take the same
-configs on every family (:func:`fma`); :func:`config` picks among them. Every branch says why. Not tuned on a
+configs on every family (:func:`fma`), and the sigmoid and MaxSim kernels one config per operand class on every
+family (their tables, :data:`ONE_TABLE`); :func:`config` picks among them. Every branch says why. Not tuned on a
 GPU: each config is the one that compiles without spills and within shared memory on its family
 (tests/test_triton_api_compile.py; ``python -m bench.static`` reports the figures).
 
@@ -173,10 +174,6 @@ def _masked(kernel: Kernel, stages: int = 2, block_out: int = 128) -> TileConfig
 def sm90(kernel: Kernel) -> TileConfig:
     """Hopper (sm_90): S on wgmma, 227 KiB of shared memory, ptxas 12/13."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
-    if kernel.family == "maxsim":
-        return MAXSIM_TILINGS[kernel.operand_class].forward
-    if kernel.family == "sigmoid":
-        return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):
         # bf16/fp16 on the wgmma-friendly 64 x 64. Top-k: the ranks' tile, with the rows' lists (a key and an int64
         # index per slot, kernels.topk.max_top slots) beside it: 196-254 registers at D = 384 (the compile gate).
@@ -208,10 +205,6 @@ def sm90(kernel: Kernel) -> TileConfig:
 def sm100(kernel: Kernel) -> TileConfig:
     """Blackwell (sm_100): S on tcgen05, ptxas 13."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
-    if kernel.family == "maxsim":
-        return MAXSIM_TILINGS[kernel.operand_class].forward
-    if kernel.family == "sigmoid":
-        return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):  # bf16/fp16 take tf32's 64 x 32 (below); top-k as the ranks (see sm90)
         return RANK_TILINGS["tf32"].forward
     if kernel.masks is not None:
@@ -234,10 +227,6 @@ def sm100(kernel: Kernel) -> TileConfig:
 def sm80(kernel: Kernel) -> TileConfig:
     """Ampere (sm_80): S on mma.sync, 163 KiB of shared memory, ptxas 12."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
-    if kernel.family == "maxsim":
-        return MAXSIM_TILINGS[kernel.operand_class].forward
-    if kernel.family == "sigmoid":
-        return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):  # top-k as the ranks (see sm90)
         # bf16/fp16 take tf32's 64 x 32 tiles and 32-wide slices: the distillation backward's 64 x 64 tile,
         # 64-wide slices, spills 32-68 B at 255 registers, 12 B with 32-wide slices (its float32 teacher product
@@ -265,10 +254,6 @@ def sm80(kernel: Kernel) -> TileConfig:
 def sm86(kernel: Kernel) -> TileConfig:
     """sm_86 / sm_89 (99 KiB of shared memory): S on mma.sync, ptxas 13."""
     mma, ragged = kernel.operand_class == "mma", kernel.ragged
-    if kernel.family == "maxsim":
-        return MAXSIM_TILINGS[kernel.operand_class].forward
-    if kernel.family == "sigmoid":
-        return SIGMOID_TILINGS[kernel.operand_class].forward
     if kernel.family in ("rank", "topk"):  # bf16/fp16 take tf32's 64 x 32 (see sm80); top-k as the ranks (sm90)
         return RANK_TILINGS["tf32"].forward
     if kernel.masks is not None:
@@ -302,9 +287,8 @@ ARCHITECTURES = {90: sm90, 100: sm100, 80: sm80, 86: sm86, 120: sm120}
 def fma(kernel: Kernel) -> TileConfig:
     """The FMA classes (fp32 "ieee", fp64) on every family: operands in registers, maxnreg 255."""
     fp64 = kernel.operand_class == "fp64"
-    if kernel.family != "softmax":  # top-k takes the ranks' tiles
-        tilings = {"sigmoid": SIGMOID_TILINGS, "maxsim": MAXSIM_TILINGS}.get(kernel.family, RANK_TILINGS)
-        return tilings[kernel.operand_class].forward
+    if kernel.family != "softmax":  # the ranks', the distillation loss's and (top-k) their tiles
+        return RANK_TILINGS[kernel.operand_class].forward
     if kernel.masks is not None:  # the plain 32 x 32 tiles halved in columns (fp64: twice the registers an entry)
         rows, block_out = (16 if fp64 else 32), (0 if kernel.phase == "forward" else 64)
         return TileConfig(rows, 16, num_warps=4, num_stages=2, max_registers=FMA_REGISTERS, **_slice(block_out))
@@ -322,8 +306,15 @@ def _slice(block_out: int) -> dict:
     return {"block_out": block_out} if block_out else {}
 
 
+# The families with one config per operand class on every architecture family: their tables.
+ONE_TABLE = {"sigmoid": SIGMOID_TILINGS, "maxsim": MAXSIM_TILINGS}
+
+
 def config(arch: int, kernel: Kernel) -> TileConfig:
-    """The config ``kernel`` takes on architecture family ``arch``."""
+    """The config ``kernel`` takes on architecture family ``arch``: a family of :data:`ONE_TABLE` its table's
+    forward config, else the architecture's function (the FMA classes: :func:`fma`)."""
+    if kernel.family in ONE_TABLE:
+        return ONE_TABLE[kernel.family][kernel.operand_class].forward
     if kernel.operand_class not in TENSOR_CORE_CLASSES:
         return fma(kernel)
     return ARCHITECTURES[arch](kernel)

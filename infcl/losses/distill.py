@@ -34,7 +34,7 @@ import torch
 
 from ..contract import CROSS, STUDENT, TEACHER, Block, DistillBlockBackend, Teacher, Tensor
 from ..lse import REL, cross_merge_, empty_stats
-from ..ring.driver import ParamGrads
+from ..ring.driver import MergedParts, ParamGrads
 
 
 class DistillPartials(NamedTuple):
@@ -73,11 +73,12 @@ class DistillUpstream(NamedTuple):
     grad: Tensor  # [n]
 
 
-class DistillSteps:
+class DistillSteps(MergedParts):
     """:class:`infcl.ring.driver.RingLoss` for the distillation loss, one direction or symmetric, on a
     :class:`infcl.contract.DistillBlockBackend`."""
 
     n_params = 1  # the student's scale
+    parts = DistillPartials
 
     def __init__(self, symmetric: bool, teacher_q: Tensor, teacher_k: Tensor, teacher_scale: Tensor):
         self.symmetric = symmetric
@@ -87,13 +88,6 @@ class DistillSteps:
     def _teacher(self, k_side) -> Teacher:
         (teacher_k,) = k_side
         return Teacher(self.teacher_q, teacher_k, self.teacher_scale)
-
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> DistillPartials:
-        return DistillPartials.empty(n, dtype, device)
-
-    @staticmethod
-    def merge(acc: DistillPartials, part: DistillPartials) -> None:
-        acc.merge_(part)
 
     def forward_step(self, backend: DistillBlockBackend, block: Block, k_side=()):
         rows, cols = backend.distill_forward_block(block, self._teacher(k_side), self.symmetric)

@@ -4,6 +4,12 @@ Every prefix k has its own softmax loss on S^k, so every field of the plain loss
 axis before the items: forward :class:`PrefixPartials` (stats ``[2, K, n]``, positive ``[K, n]``), backward
 :class:`PrefixUpstream` (stats ``[2, K, n]``, grad ``[K, n]``). The backend walks each tile once for all K
 (``matryoshka_forward_block`` / ``matryoshka_backward_block``, :mod:`infcl.backends.torch_tiles.matryoshka`).
+
+With the mask options (:mod:`infcl.masks`), :class:`MaskedMatryoshkaSteps`: the masked loss's partials
+(:class:`~infcl.losses.softmax.MaskedPartials`) with the same prefix axis, ``[6, K, n]`` packed (the masks' rows per
+prefix), on a backend whose ``masked_matryoshka`` attribute is True: a tile's positives and exclusions do not depend
+on the prefix (ids, and a guide whose features are never truncated), so the backend forms them once per tile and
+applies them to every prefix's S^k. The other backends run one call per prefix (:func:`infcl.api.matryoshka_loss`).
 """
 
 from dataclasses import replace
@@ -13,9 +19,10 @@ import torch
 
 from ..contract import Block, Tensor, accum_dtype
 from ..lse import empty_stats, lse_merge
+from ..masks import MaskOptions, empty_masked
 from ..matryoshka import NORM_EPS, Prefixes
 from ..ring.driver import ParamGrads
-from .softmax import SoftmaxPartials
+from .softmax import MaskedPartials, MaskedSoftmaxSteps, SoftmaxPartials
 
 
 class PrefixUpstream(NamedTuple):
@@ -158,3 +165,39 @@ def _through_normalization(grad_hat: Tensor, unit: Tensor, factor: Optional[Tens
         return grad_hat
     radial = torch.bmm(grad_hat[:, None, :], unit[:, :, None]).view(-1)
     return grad_hat.addcmul_(unit, radial[:, None], value=-1.0).mul_(factor[:, None])
+
+
+class PrefixMaskedPartials(MaskedPartials):
+    """:class:`~infcl.losses.softmax.MaskedPartials` whose fields carry a prefix axis before the items (stats and
+    the positives' stats ``[2, K, n]``, their logits' sum and count ``[K, n]``); every method of the masked
+    partials is elementwise over it but :meth:`info`, whose rows go after the prefix axis."""
+
+    __slots__ = ()
+
+    def info(self) -> Tensor:
+        """[K, 3, n] per-prefix row infos (:mod:`infcl.stats`)."""
+        return super().info().transpose(0, 1)
+
+
+class MaskedMatryoshkaSteps(MaskedSoftmaxSteps):
+    """:class:`infcl.ring.driver.RingLoss` for the softmax loss over Matryoshka prefixes with mask options
+    (``masks``, guide thresholds set): the masked loss's ring steps (its k side, merges, NaN thresholds, losses,
+    upstream) with a prefix axis, each block walked once for all K by the backend's fused masked operations."""
+
+    parts = PrefixMaskedPartials
+
+    def __init__(self, symmetric: bool, masks: MaskOptions, prefixes: Prefixes):
+        super().__init__(symmetric, masks)
+        self.prefixes = prefixes
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> PrefixMaskedPartials:
+        return PrefixMaskedPartials.unpack(
+            empty_masked(self.prefixes.count * n, dtype, device).view(-1, self.prefixes.count, n)
+        )
+
+    def _forward_block(self, backend, block: Block) -> Tuple[Tensor, Optional[Tensor]]:
+        """(rows [6, K, Bq], columns [6, K, Bk] or None)."""
+        return backend.matryoshka_forward_block(block, self.prefixes, self.symmetric)
+
+    def _backward_block(self, backend, block: Block, dq: Tensor, dk: Tensor) -> Tensor:
+        return backend.matryoshka_backward_block(block, self.prefixes, dq, dk)

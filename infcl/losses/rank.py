@@ -13,26 +13,20 @@ from dataclasses import replace
 import torch
 
 from ..contract import Ahead, Best, Block, MaskOptions, RankBlockBackend, Tensor
-from ..ring.driver import SummedParts
+from ..ring.driver import MergedParts, SummedParts
 
 
-class BestPositives:
+class BestPositives(MergedParts):
     """:class:`infcl.ring.driver.RingLoss` (forward only) for pass 1: each row's and column's best positive."""
 
     symmetric = True
     n_params = 0
+    parts = Best
 
     def __init__(self, row_index: Tensor, col_index: Tensor, ids, any_positive: bool):
         self.row_index, self.any_positive = row_index, any_positive
         self.q_ids, k_ids = ids
         self.k_side = (col_index,) if k_ids is None else (col_index, k_ids)
-
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Best:
-        return Best.empty(n, dtype, device)
-
-    @staticmethod
-    def merge(acc: Best, part: Best) -> None:
-        acc.merge_(part)
 
     def forward_step(self, backend: RankBlockBackend, block: Block, k_side=()):
         col_index, *k_ids = k_side

@@ -28,12 +28,12 @@ the softmax over the positives: the tiles' own g * (P - Y') with the positives' 
 is "mean". Two ways to the kept columns' sum and number:
 
 - :class:`SmoothedKeptSteps`, on a backend whose masked tiles sum them (``kept_sums``: the torch tiles, the
-  native kernel): the tiles that decide E (the guide's scores against its threshold, the ids) sum and count
-  what stays and subtract eps * g / n_kept from dS there (``Block.kept_sums``, ``row_uniform``,
-  ``col_uniform``). Any mask options; a guide needs it (infcl.api.smoothing_backend runs such a call on the
-  torch tiles elsewhere).
-- :class:`SmoothedIdsSteps`, ids without a guide on the other backends (Triton, chunked): same-id sums of the
-  features per block (:class:`IdGroups`), O(B * D), no kernel change.
+  native kernel, the Triton kernels, the chunked route, whose masked blocks are the fused kernels'): the tiles
+  that decide E (the guide's scores against its threshold, the ids) sum and count what stays and subtract
+  eps * g / n_kept from dS there (``Block.kept_sums``, ``row_uniform``, ``col_uniform``). Any mask options; a
+  guide needs it (infcl.api.smoothing_backend runs such a call on the torch tiles elsewhere).
+- :class:`SmoothedIdsSteps`, ids without a guide on a backend object without ``kept_sums``: same-id sums of
+  the features per block (:class:`IdGroups`), O(B * D), no kernel change.
 """
 
 import math
@@ -339,14 +339,15 @@ class SmoothedIdsSteps(MaskedSoftmaxSteps):
 class SmoothedKeptSteps(SmoothedIdsSteps):
     """:class:`infcl.ring.driver.RingLoss` for label smoothing with any mask options (a guide, ids, any
     ``multi_positive``) on a backend whose masked tiles sum the kept logits (``backend.kept_sums``: the torch
-    tiles, the native kernel; a guide needs it). Which columns a guide leaves out is decided by the guide scores
-    inside the tiles, so the tiles that decide it also sum and count what stays (``Block.kept_sums``: [8, n]
-    partials) and, in the backward, subtract the uniform target's ``u = eps * g / n_kept`` from dS on every kept
-    entry (``Block.row_uniform`` / ``col_uniform``): one decision, by the same guide product and threshold, for
-    the denominator and the uniform target. The positives' part of the target, (1 - eps) * Y, is the tiles' own
-    where their positives' inputs can scale it: "sum" (the positives' log-sum raised by -log(1 - eps)) and
-    "mean" below eps = 1 (the tiles' 1 / c at the positives with c raised to |P| / (1 - eps)); else (the one-hot
-    of None; "mean" at eps = 1, whose Y has weight 0) eps * g * Y is added back here as with ids alone."""
+    tiles, the native kernel, the Triton kernels, the chunked route; a guide needs it). Which columns a guide
+    leaves out is decided by the guide scores inside the tiles, so the tiles that decide it also sum and count
+    what stays (``Block.kept_sums``: [8, n] partials) and, in the backward, subtract the uniform target's
+    ``u = eps * g / n_kept`` from dS on every kept entry (``Block.row_uniform`` / ``col_uniform``): one decision,
+    by the same guide product and threshold, for the denominator and the uniform target. The positives' part of
+    the target, (1 - eps) * Y, is the tiles' own where their positives' inputs can scale it: "sum" (the positives'
+    log-sum raised by -log(1 - eps)) and "mean" below eps = 1 (the tiles' 1 / c at the positives with c raised to
+    |P| / (1 - eps)); else (the one-hot of None; "mean" at eps = 1, whose Y has weight 0) eps * g * Y is added
+    back here as with ids alone."""
 
     def __init__(self, symmetric: bool, eps: float, masks: MaskOptions):
         super().__init__(symmetric, eps, masks)

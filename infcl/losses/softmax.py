@@ -33,7 +33,7 @@ import torch
 from ..contract import Block, BlockBackend, Tensor
 from ..lse import MAX, REL, empty_stats, lse_merge
 from ..masks import MaskOptions, empty_masked, masked_fields, merge_masked_fields
-from ..ring.driver import ParamGrads, SummedParts
+from ..ring.driver import MergedParts, ParamGrads, SummedParts
 from ..stats import row_info
 
 POS = 2  # row of the positive logit in the backend's packed [3, Bq] forward rows (infcl.contract)
@@ -103,11 +103,12 @@ class SoftmaxPartials(NamedTuple):
         return row_info(self.positive >= self.stats[MAX], self.positive, torch.ones_like(self.positive))
 
 
-class SoftmaxSteps:
+class SoftmaxSteps(MergedParts):
     """:class:`infcl.ring.driver.RingLoss` for the softmax loss, one direction or symmetric."""
 
     n_params = 1
     k_side = ()  # nothing travels with k but k
+    parts = SoftmaxPartials
 
     def __init__(self, symmetric: bool):
         self.symmetric = symmetric
@@ -115,13 +116,6 @@ class SoftmaxSteps:
     def _block(self, block: Block, k_side, **fields) -> Block:
         """The held block with this loss's fields (and, masked, its k-side tensors) added."""
         return replace(block, **fields)
-
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> SoftmaxPartials:
-        return SoftmaxPartials.empty(n, dtype, device)
-
-    @staticmethod
-    def merge(acc: SoftmaxPartials, part: SoftmaxPartials) -> None:
-        acc.merge_(part)
 
     def forward_step(self, backend: BlockBackend, block: Block, k_side=()):
         rows, col_stats = backend.forward_block(block, self.symmetric)
@@ -313,8 +307,7 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
     def _block(self, block: Block, k_side, **fields) -> Block:
         return replace(block, **fields, masks=self.masks.holding(k_side))
 
-    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> MaskedPartials:
-        return MaskedPartials.empty(n, dtype, device)
+    parts = MaskedPartials  # also what the backend's packed rows unpack into
 
     def merge(self, acc: MaskedPartials, part: MaskedPartials) -> None:
         acc.merge_(part, self.kind)
@@ -323,14 +316,18 @@ class MaskedSoftmaxSteps(SoftmaxSteps):
         """A NaN threshold (a guide with NaN or inf: :class:`GuideScores`) makes its row's (column's) max
         NaN in every block's partials: a NaN loss and NaN gradients, as NaN features give."""
         block = self._block(block, k_side)
-        rows, cols = backend.forward_block(block, self.symmetric)
-        rows = MaskedPartials.unpack(rows)
+        rows, cols = self._forward_block(backend, block)
+        rows = self.parts.unpack(rows)
         _poison(rows, block.masks.row_threshold)
         if cols is None:
             return rows, None
-        cols = MaskedPartials.unpack(cols)
+        cols = self.parts.unpack(cols)
         _poison(cols, block.masks.col_threshold)
         return rows, cols
+
+    def _forward_block(self, backend: BlockBackend, block: Block) -> Tuple[Tensor, Optional[Tensor]]:
+        """The backend's forward block operation for this loss's blocks (Matryoshka prefixes: their own)."""
+        return backend.forward_block(block, self.symmetric)
 
     def _fields(self, upstream: MaskedUpstream, side: str) -> dict:
         return upstream.block_fields(side, self.kind)

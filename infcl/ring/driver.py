@@ -84,6 +84,20 @@ class SummedParts:
     merge = staticmethod(add_parts)
 
 
+class MergedParts:
+    """A base for a :class:`RingLoss` whose partials type (``parts``) makes its own empty partials
+    (``parts.empty(n, dtype, device)``) and merges another into itself (``acc.merge_(part)``)."""
+
+    parts: type
+
+    def init_rows(self, n: int, dtype: torch.dtype, device: torch.device) -> Parts:
+        return self.parts.empty(n, dtype, device)
+
+    @staticmethod
+    def merge(acc: Parts, part: Parts) -> None:
+        acc.merge_(part)
+
+
 def _resized(parts: Parts, n: int) -> Parts:
     """Uninitialized :data:`Parts` like ``parts`` for ``n`` rows (their last dim)."""
     return type(parts)(*(t.new_empty(*t.shape[:-1], n) for t in parts))

@@ -32,6 +32,7 @@ def _loss_of(loss, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tens
         margin=loss.margin,
         contrast_anchors=loss.contrast_anchors,
         contrast_positives=loss.contrast_positives,
+        matryoshka=getattr(loss, "matryoshka", None),  # set by infcl.sentence_transformers.MatryoshkaLoss
         **call_options(loss),
     )
 

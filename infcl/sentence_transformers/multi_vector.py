@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..maxsim import cal_maxsim_loss
 from .mirror import mirrors
+from .objective import keep_options
 
 # model.similarity_fn_name -> length_normalize
 MODEL_SIMILARITIES = {"maxsim": False, "meanmaxsim": True}
@@ -79,12 +80,6 @@ def _docs_before_this_rank(count: int, group, device) -> int:
     return int(sum(c.item() for c in counts[: dist.get_rank(group)]))
 
 
-def _keep(loss, group, backend: str) -> None:
-    if group is not None and not loss.gather_across_devices:
-        raise ValueError("group is only used with gather_across_devices=True")
-    loss.group, loss.backend = group, backend
-
-
 class MultiVectorMultipleNegativesRankingLoss(st_losses.MultiVectorMultipleNegativesRankingLoss):
     """sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss`` with the loss computed by infcl.
 
@@ -103,7 +98,7 @@ class MultiVectorMultipleNegativesRankingLoss(st_losses.MultiVectorMultipleNegat
     @mirrors(st_losses.MultiVectorMultipleNegativesRankingLoss)
     def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
         super().__init__(**arguments)
-        _keep(self, group, backend)
+        keep_options(self, group, backend)
 
     def forward(self, sentence_features: Iterable[Dict[str, Tensor]], labels: Optional[Tensor] = None) -> Tensor:
         """The loss of [queries, positives, negatives...] feature dicts; labels are unused (as upstream's)."""
@@ -131,7 +126,7 @@ class CachedMultiVectorMultipleNegativesRankingLoss(st_losses.CachedMultiVectorM
     @mirrors(st_losses.CachedMultiVectorMultipleNegativesRankingLoss)
     def __init__(self, arguments: Dict[str, Any], group, backend: str) -> None:
         super().__init__(**arguments)
-        _keep(self, group, backend)
+        keep_options(self, group, backend)
 
     def calculate_loss(
         self, reps: List[List[Tensor]], masks_chunks: List[List[Tensor]], *, with_backward: bool = False

@@ -107,6 +107,21 @@ def grads_of_inputs(fn, inputs, upstream=None):
     return (loss.detach(), *torch.autograd.grad(loss, leaves, grad_out))
 
 
+def assert_same_bits_on_thread_counts(run, counts=(1, 2, 3)):
+    """``run()`` -> (loss, dq) on each intra-op thread count of ``counts`` (restored after): the same bits on every
+    count (a native kernel whose tiles and routes are fixed by the shapes, and dq's rows each one lane's)."""
+    outputs, before = [], torch.get_num_threads()
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            outputs.append(run())
+    finally:
+        torch.set_num_threads(before)
+    for threads, (loss, dq) in zip(counts[1:], outputs[1:]):
+        assert torch.equal(loss, outputs[0][0]), f"{threads} threads: loss differs"
+        assert torch.equal(dq, outputs[0][1]), f"{threads} threads: dq differs"
+
+
 def assert_close_verbose(actual, expected, atol, rtol, what="", magnitude=None):
     """torch.testing-style check that prints the worst offending entries when it fails.
 

@@ -150,7 +150,11 @@ def init_worker() -> None:
 
 
 # Kernels launched once per direction (their BY_COLUMN constexpr), reported per direction: (row walk, column walk).
-DIRECTIONS = {"backward": ("dq", "dk"), "matryoshka_backward": ("matryoshka_dq", "matryoshka_dk")}
+DIRECTIONS = {
+    "backward": ("dq", "dk"),
+    "matryoshka_backward": ("matryoshka_dq", "matryoshka_dk"),
+    "maxsim_backward": ("maxsim_dq", "maxsim_dk"),
+}
 
 
 class _Direction:
@@ -417,6 +421,7 @@ class Call:
     backend: str = "triton"  # or "chunked": the chunked route's passes (cal_inf_loss and cal_siglip_loss)
     reduction: str = "mean"  # cal_siglip_loss's ("none": the chunked route's loss-only and gradient-only passes)
     matryoshka: tuple = ()  # cal_inf_loss's Matryoshka prefix dims (renormalized but the last), () for none
+    label_smoothing: float = 0.0  # cal_inf_loss's label_smoothing (with masks: the masked kernels' kept sums)
 
     def label(self) -> str:
         dtype = dtype_label(self.dtype, self.precision)
@@ -432,6 +437,7 @@ class Call:
                 f" {self.backend}" if self.backend != "triton" else "",
                 f" {self.reduction}" if self.reduction != "mean" else "",
                 f" matryoshka={'-'.join(map(str, self.matryoshka))}" if self.matryoshka else "",
+                f" ls={self.label_smoothing}" if self.label_smoothing else "",
             ]
         )
         return f"sm_{self.arch} {self.entry} {dtype} D={self.dim} {self.n_q}x{self.n_k}{extra}"
@@ -586,6 +592,8 @@ def call_loss(call: Call, q, k, labels, scale, bias, masks: Optional[Dict] = Non
         if call.matryoshka:
             flags = (True,) * (len(call.matryoshka) - 1) + (False,)
             masks = {**masks, "matryoshka": infcl.Matryoshka(call.matryoshka, renormalize=flags)}
+        if call.label_smoothing:
+            masks = {**masks, "label_smoothing": call.label_smoothing}
         return infcl.cal_inf_loss(q, k, labels, scale=scale, symmetric=call.symmetric, backend=backend, **masks)
     if call.entry == "cal_siglip_loss":
         return infcl.cal_siglip_loss(
@@ -838,22 +846,24 @@ FLOOR_KERNELS = frozenset(
 
 def floor_calls() -> List[Call]:
     """The part of :func:`api_calls`'s CI matrix that compiles every kernel family once, for the oldest Triton
-    infcl supports (.ci/run's floor step, in a second virtual environment; every call is one of the matrix's, so
-    under the newest Triton it costs nothing beside the matrix): on sm_90 the softmax kernels on tensor cores
-    (bf16, D = 384: whole chunks and a ragged slice), in fp32 FMA and (Triton >= 3.5) fp64 (D = 40), autotuned (bf16,
-    D = 1000), with ids and a guide ("sum", D = 1000), the sigmoid kernels, the top-k search and the chunked
-    route's passes and the fused Matryoshka loss (bf16, D = 1000; also with a one-wide renormalized first
-    prefix); on sm_80 the softmax kernels in bf16 (the pre-wgmma MMA). The ranks' and distillation
-    kernels: :func:`rank_distill_compile.floor_calls`."""
+    infcl supports (.ci/run's floor step, in a second virtual environment; every call is one of the matrix's or
+    :func:`smoothing_calls`', so under the newest Triton it costs nothing beside them): on sm_90 the softmax
+    kernels on tensor cores (bf16, D = 384: whole chunks and a ragged slice), in fp32 FMA and (Triton >= 3.5) fp64
+    (D = 40), autotuned (bf16, D = 1000), with ids and a guide ("sum", D = 1000; and with label smoothing: the
+    masked kernels' kept sums), the sigmoid kernels, the top-k search and the chunked route's passes and the fused
+    Matryoshka loss (bf16, D = 1000; also with a one-wide renormalized first prefix); on sm_80 the softmax kernels
+    in bf16 (the pre-wgmma MMA). The ranks' and distillation kernels: :func:`rank_distill_compile.floor_calls`."""
     from infcl.kernels.configs import FLOAT64_DOT
 
     ragged = (RAGGED_BATCH, RAGGED_BATCH)
+    smoothing = dict(symmetric=True, masks="both", multi_positive="sum", label_smoothing=SMOOTHING)
     float64 = [Call(90, "cal_inf_loss", "float64", "ieee", 40, *ragged, symmetric=True)] if FLOAT64_DOT else []
     return float64 + [
         Call(90, "cal_inf_loss", "bfloat16", "ieee", 384, *ragged, symmetric=True),
         Call(90, "cal_inf_loss", "float32", "ieee", 40, *ragged, symmetric=True),
         Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, autotune=True),
         Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, masks="both", multi_positive="sum"),
+        Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, **smoothing),
         Call(90, "cal_siglip_loss", "bfloat16", "ieee", 1000, *ragged),
         Call(90, "topk_scores", "bfloat16", "ieee", 384, RAGGED_BATCH, WIDE_BATCH + 3, labels=True, topk=TOPK_N),
         Call(90, "cal_inf_loss", "bfloat16", "ieee", 40, *ragged, symmetric=True, backend="chunked"),
@@ -938,11 +948,42 @@ def masked_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call
     return [Call(arch, "cal_inf_loss", dtype, precision, dim, *sizes, **kw) for dim, sizes, kw in cases]
 
 
-def compile_training_step(arch: int, entry: str, masks: str = "", multi_positive: str = "") -> Dict:
-    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, with ``masks`` and
-    ``multi_positive`` as :class:`Call`'s, or cal_siglip_loss) with backend="triton", through AOTAutograd
-    with an eager backend (Inductor needs a real GPU), run forward and backward compile-only. {"graphs":
-    the AOT forward and backward graphs' code, "frames": frames compiled} or {"error"}."""
+# Label smoothing with mask options (issue 56): the masked kernels' kept-sums variant (KEPT_SUMS: two more forward
+# partials, the backward's uniform weights), on these targets.
+SMOOTHING_TARGETS = (90, 80, 100)
+SMOOTHING = 0.1
+
+
+def smoothing_calls(float64_dot: bool) -> List[Call]:
+    """cal_inf_loss with label_smoothing and a guide (``backend="triton"``: the masked kernels with their kept sums):
+    the masked matrix's heaviest case (ids and a guide, "sum", symmetric, D = 1000 on a ragged batch) in every dtype
+    on sm_90 and in bf16 and fp32 "ieee" on sm_80 and (where the wheel's ptxas knows it) sm_100; a guide alone,
+    one-directional with labels and Bk > Bq at D = 40 (one resident chunk) in bf16 and fp32 "ieee" on sm_90, and
+    in bf16 on the chunked route (``backend="chunked"``)."""
+    ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
+    heaviest = dict(symmetric=True, masks="both", multi_positive="sum", label_smoothing=SMOOTHING)
+    out = []
+    for arch in SMOOTHING_TARGETS:
+        if not ptxas_knows(arch):
+            continue
+        dtypes = api_dtypes(arch, False, float64_dot)
+        if arch != 90:
+            dtypes = [(d, p) for d, p in dtypes if (d, p) in (("bfloat16", "ieee"), ("float32", "ieee"))]
+        out += [Call(arch, "cal_inf_loss", d, p, 1000, *ragged, **heaviest) for d, p in dtypes]
+    one_way = dict(labels=True, masks="guide", label_smoothing=SMOOTHING)
+    out += [Call(90, "cal_inf_loss", d, "ieee", 40, *wide, **one_way) for d in ("bfloat16", "float32")]
+    # the chunked route hands its masked blocks to these kernels (the same specializations: Triton's cache has them)
+    out.append(Call(90, "cal_inf_loss", "bfloat16", "ieee", 40, *wide, backend="chunked", **one_way))
+    return out
+
+
+def compile_training_step(
+    arch: int, entry: str, masks: str = "", multi_positive: str = "", label_smoothing: float = 0.0
+) -> Dict:
+    """torch.compile(fullgraph=True) of a step calling ``entry`` (cal_inf_loss symmetric, with ``masks``,
+    ``multi_positive`` and ``label_smoothing`` as :class:`Call`'s, or cal_siglip_loss) with backend="triton",
+    through AOTAutograd with an eager backend (Inductor needs a real GPU), run forward and backward compile-only.
+    {"graphs": the AOT forward and backward graphs' code, "frames": frames compiled} or {"error"}."""
     import torch
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -967,6 +1008,7 @@ def compile_training_step(arch: int, entry: str, masks: str = "", multi_positive
         symmetric=entry == "cal_inf_loss",
         masks=masks,
         multi_positive=multi_positive,
+        label_smoothing=label_smoothing,
     )
     counter = CompileCounterWithBackend(aot_autograd(fw_compiler=keep, bw_compiler=keep))
     try:

@@ -31,8 +31,8 @@ RINGS = {2: (1, 2), 3: (0, 1, 2)}
 class OptionRingCase(ring_cases.RingCase):
     label_smoothing: float = 0.0
     matryoshka: Optional[Tuple[int, ...]] = None  # prefix dims (weights WEIGHTS[:K], renormalized)
-    ids: Optional[str] = None  # label smoothing with ids: "one" (multi_positive None), "mean" or "sum"
-    guide: bool = False  # label smoothing with a guide (integer-valued guide features, ties; margin 0)
+    ids: Optional[str] = None  # ids: "one" (multi_positive None), "mean" or "sum"
+    guide: bool = False  # a guide (integer-valued guide features, ties; margin 0; never truncated)
 
     @property
     def multi_positive(self) -> Optional[str]:
@@ -78,6 +78,19 @@ def option_cases(world: int) -> List[OptionRingCase]:
             ids="one",
         ),
         replace(base, name="mat-sym-perm-mean", matryoshka=(6, 2, 4)),
+        # The mask options in the fused pass (torch tiles, native) or one call per prefix (the others).
+        replace(base, name="mat-ids-sym-mean-positives", matryoshka=(6, 3), ids="mean"),
+        replace(
+            base,
+            name="mat-guide-ids-one-hardneg-none-f32",
+            symmetric=False,
+            k_sizes=hard,
+            reduction="none",
+            dtype=torch.float32,
+            matryoshka=(2, 6, 4),
+            ids="one",
+            guide=True,
+        ),
         replace(
             base,
             name="mat-one-hardneg-none-f32",
@@ -143,10 +156,10 @@ def _ids_losses(case: OptionRingCase, q, k, labels, params) -> list:
 
 
 def _local_losses(case: OptionRingCase, q, k, labels, params) -> list:
-    if case.ids or case.guide:
-        return _ids_losses(case, q, k, labels, params)
     if case.matryoshka:
         return _prefix_losses(case, q, k, labels, params)
+    if case.ids or case.guide:
+        return _ids_losses(case, q, k, labels, params)
     inverse = torch.argsort(labels) if case.symmetric else None
     eps, losses = case.label_smoothing, []
     for s, (scale,) in enumerate(params):

@@ -40,6 +40,10 @@ from .workspace import Workspace
 class ChunkedSoftmax(ChunkedOptions):
     """The softmax loss's block operations on the chunked route (masked blocks: the fused kernels')."""
 
+    # Label smoothing's uniform part over the kept entries: every masked block is handed off (plan_block) to the
+    # fused backend (the Triton kernels or the torch tiles), whose masked tiles sum the kept logits.
+    kept_sums = True
+
     @staticmethod
     def _passes(plan: ChunkPlan):
         if plan.triton_passes:

@@ -30,13 +30,14 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ...contract import DISTILL_ROWS
-from ...masks import KEPT_ROWS, MASKED_ROWS
 from ...op_fakes import (
     ahead_counts_fake,
     best_positives_fake,
     dscale_fake,
     guide_scores_fake,
     in_place_fake,
+    masked_prefix_stats_fake,
+    masked_stats_fake,
     maxsim_scores_fake,
     prefix_stats_fake,
     row_fake,
@@ -247,22 +248,16 @@ def torch_ops():
 
 KEPT_SUMS_AT = 10  # masked_forward_block's kept_sums among the arguments after q and k (schema default False)
 
-
-def _masked_forward_fake(q, k, *args, kept_sums=False):
-    """masked_forward_block's: [6, n] partials, [8, n] with kept_sums (label smoothing's kept logits' sums)."""
-    kept_sums = args[KEPT_SUMS_AT] if len(args) > KEPT_SUMS_AT else kept_sums
-    rows = KEPT_ROWS if kept_sums else MASKED_ROWS
-    return stats_fake(rows, rows)(q, k, *args)
-
-
 FAKES = {
     "infcl::forward_block": stats_fake(3, 2),  # csrc/softmax_ops.cpp
     "infcl::backward_block": dscale_fake,
-    "infcl::masked_forward_block": _masked_forward_fake,
+    "infcl::masked_forward_block": masked_stats_fake(KEPT_SUMS_AT),
     "infcl::masked_backward_block": dscale_fake,
     "infcl::guide_label_scores": guide_scores_fake,
     "infcl::matryoshka_forward_block": prefix_stats_fake,
     "infcl::matryoshka_backward_block": dscale_fake,
+    "infcl::masked_matryoshka_forward_block": masked_prefix_stats_fake,
+    "infcl::masked_matryoshka_backward_block": dscale_fake,
     "infcl::sigmoid_forward_block": row_fake,  # csrc/infcl_siglip.cpp
     "infcl::sigmoid_backward_block": dscale_fake,
     "infcl::distill_forward_block": stats_fake(DISTILL_ROWS, DISTILL_ROWS, symmetric_at=6),  # csrc/distill.cpp

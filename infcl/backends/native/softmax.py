@@ -12,7 +12,7 @@ import torch
 from ...contract import Block, MaskOptions, Tensor
 
 
-def _op_masks(masks: MaskOptions) -> tuple:
+def op_masks(masks: MaskOptions) -> tuple:
     """The launch's flattening of the mask options: the masked ops' arguments (multi_positive, q_ids, k_ids,
     guide_q, guide_k, row_threshold, col_threshold), the flat schema a custom op needs."""
     return (
@@ -40,7 +40,7 @@ class NativeSoftmax:
                 float(block.scale),
                 block.pos,
                 bool(symmetric),
-                *_op_masks(block.masks),
+                *op_masks(block.masks),
                 block.kept_sums,
             )
         else:
@@ -59,7 +59,7 @@ class NativeSoftmax:
                 float(block.scale),
                 block.pos,
                 *block.upstream,
-                *_op_masks(block.masks),
+                *op_masks(block.masks),
                 block.row_pos_count,
                 block.row_pos_stats,
                 block.col_pos_count,

@@ -8,18 +8,28 @@ dS^k = g^k * (P^k - Y) (:func:`.softmax.probabilities`), the scale's gradient, t
 per-row and per-column sums c^k = sum dS^k * S^k, and W = sum over the prefixes so far of dS^k * scale * a^k b^k,
 whose products with the segment's columns are dq's and dk's share of that segment.
 
-GEMMs per block: forward one (over D), backward three (over D), as the plain loss; the elementwise work is
-K times the plain loss's. Extra memory: K + 3 tile buffers.
+With the mask options (:mod:`infcl.masks`; ``masked_matryoshka``): a tile's positives and exclusions do not
+depend on the prefix (ids; a guide, whose features are never truncated), so each pass forms them once per tile
+with the masked softmax tiles' own :func:`.softmax._tile_masks` (one guide product per tile, whatever K) and
+applies them to every prefix's S^k: the forward merges each prefix's masked partials (``[6, K, n]``, the masks'
+rows per prefix) with :func:`.softmax._masked_partials`, the backward forms each dS^k with
+:func:`.softmax.probabilities` as the masked backward does.
+
+GEMMs per block: forward one (over D), backward three (over D), as the plain loss (plus one guide product per
+tile in each pass with a guide); the elementwise work is K times the plain loss's. Extra memory: K + 3 tile
+buffers (+ 1 with several positives per row), and the masks' bool tiles.
 """
 
-from typing import Optional, Tuple
+from dataclasses import replace
+from typing import Optional
 
 import torch
 
 from ...contract import Block, Tensor
 from ...lse import empty_stats, lse_merge, tile_stats
+from ...masks import MASKED_ROWS, empty_masked
 from ...matryoshka import Prefixes, prefix_factors
-from .softmax import _plain_masks, probabilities
+from .softmax import _col_positives, _masked_partials, _plain_masks, _row_positives, _tile_masks, probabilities
 from .walk import TileSizes, Walk, positives
 
 
@@ -30,13 +40,31 @@ def _scaled(raw: Tensor, scale: Tensor, a: Optional[Tensor], b: Optional[Tensor]
     return torch.mul(raw, a[:, None], out=out).mul_(b[None, :])
 
 
+def _prefix_upstream(block: Block, k: int) -> Block:
+    """The backward's block with prefix k's slices of the per-prefix fields (stats, upstream gradients and the
+    positives' stats or counts), which the masked tiles' helpers read as one loss's."""
+    fields = {}
+    for name in ("row_stats", "col_stats", "row_pos_stats", "col_pos_stats"):
+        value = getattr(block, name)
+        if value is not None:
+            fields[name] = value[:, k]
+    for name in ("g_row", "g_col", "row_pos_count", "col_pos_count"):
+        value = getattr(block, name)
+        if value is not None:
+            fields[name] = value[k]
+    return replace(block, **fields)
+
+
 class MatryoshkaTiles(TileSizes):
     """The Matryoshka softmax loss's block operations on the torch tiles (:mod:`infcl.losses.matryoshka`)."""
 
-    def matryoshka_forward_block(
-        self, block: Block, prefixes: Prefixes, symmetric: bool
-    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """(row stats [2, K, Bq], row positives [K, Bq], column stats [2, K, Bk] or None)."""
+    masked_matryoshka = True  # the mask options in the fused pass (infcl.api.fused_matryoshka)
+
+    def matryoshka_forward_block(self, block: Block, prefixes: Prefixes, symmetric: bool):
+        """Plain: (row stats [2, K, Bq], row positives [K, Bq], column stats [2, K, Bk] or None). With
+        ``block.masks``: (rows [6, K, Bq], columns [6, K, Bk] or None), the masks' rows per prefix."""
+        if block.masked:
+            return self._masked_matryoshka_forward(block, prefixes, symmetric)
         walk = Walk(block, self.tiles(block.q.device))
         bq, bk, acc, dev, n = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device, prefixes.count
         row_stats = empty_stats(n * bq, acc, dev).view(2, n, bq)
@@ -60,17 +88,48 @@ class MatryoshkaTiles(TileSizes):
                 torch.where(inside, s.gather(1, idx).squeeze(1), pos_row, out=pos_row)
         return row_stats, row_pos, col_stats
 
+    def _masked_matryoshka_forward(self, block: Block, prefixes: Prefixes, symmetric: bool):
+        """(rows [6, K, Bq], columns [6, K, Bk] or None): each prefix's masked partials, the tile's masks formed
+        once for all K."""
+        walk = Walk(block, self.tiles(block.q.device))
+        bq, bk, acc, dev, n = walk.q.shape[0], walk.k.shape[0], walk.acc, walk.device, prefixes.count
+        kind = block.masks.loss_kind
+        rows = empty_masked(n * bq, acc, dev).view(MASKED_ROWS, n, bq)
+        cols = empty_masked(n * bk, acc, dev).view(MASKED_ROWS, n, bk) if symmetric else None
+        a, b = prefix_factors(walk.q, prefixes), prefix_factors(walk.k, prefixes)
+        raw_buf, s_buf, kept_buf, scratch = walk.buffers(4)
+        for tile in walk:
+            raw = tile.view(raw_buf).zero_()
+            masks = _tile_masks(block, tile, symmetric, kept_buf)
+            kept, spare = tile.view(kept_buf), tile.view(scratch)
+            for k in range(n):
+                seg = prefixes.segment(k)
+                raw.addmm_(tile.qi[:, seg], tile.kj[:, seg].T)
+                renorm = prefixes.renormalize[k]
+                u = _scaled(raw, block.scale, a[k, tile.rows] if renorm else None, b[k, tile.cols], tile.view(s_buf))
+                s = torch.mul(u, block.scale, out=tile.view(s_buf))  # as the plain forward's S^k, bit for bit
+                _masked_partials(rows[:, k, tile.rows], s, masks, masks.excluded, kept, spare, 1, kind)
+                if symmetric:
+                    _masked_partials(cols[:, k, tile.cols], s, masks, masks.col_excluded, kept, spare, 0, kind)
+        return rows, cols
+
     def matryoshka_backward_block(self, block: Block, prefixes: Prefixes, dq: Tensor, dk: Tensor) -> Tensor:
         """dq, dk accumulated in place; returns dscale [2] (rows' part, columns' part). ``block.row_stats``
-        [2, K, Bq] and ``block.g_row`` [K, Bq] (symmetric: ``col_stats``, ``g_col`` likewise) per prefix."""
+        [2, K, Bq] and ``block.g_row`` [K, Bq] (symmetric: ``col_stats``, ``g_col`` likewise) per prefix; with
+        ``block.masks`` also the positives' count [K, n] ("mean") or stats [2, K, n] ("sum") per prefix."""
         walk = Walk(block, self.tiles(block.q.device))
         scale, symmetric, n = block.scale, block.symmetric, prefixes.count
+        single = block.masks is None or block.masks.multi_positive is None
+        per_prefix = [_prefix_upstream(block, k) for k in range(n)]
         dscale = walk.zeros(2)
         a, b = prefix_factors(walk.q, prefixes), prefix_factors(walk.k, prefixes)
         row_c, col_c = walk.zeros(n, walk.q.shape[0]), walk.zeros(n, walk.k.shape[0])
         raws = walk.buffers(n)
         u_buf, s_buf, ds_buf, w_buf = walk.buffers(4)
         col_buf = walk.buffers(1)[0] if symmetric else None
+        # Several positives per row: probabilities holds the positives' entries in a scratch tile, and s is read
+        # after it (the renormalization's sums), so the scratch is a tile of its own.
+        pos_buf = None if single else walk.buffers(1)[0]
         for tile in walk:
             raw = tile.view(raws[0]).zero_()
             for k in range(n):
@@ -78,7 +137,8 @@ class MatryoshkaTiles(TileSizes):
                 if k:
                     raw = tile.view(raws[k]).copy_(raw)  # R^k starts from R^(k-1), as the forward grows it
                 raw.addmm_(tile.qi[:, seg], tile.kj[:, seg].T)
-            masks = _plain_masks(block, tile)
+            # The tile's masks, once for every prefix (ds_buf holds the guide scores until dS^k's first use).
+            masks = _tile_masks(block, tile, symmetric, ds_buf) if block.masked else _plain_masks(block, tile)
             w = tile.view(w_buf).zero_()
             for k in reversed(range(n)):
                 raw = tile.view(raws[k])
@@ -86,15 +146,16 @@ class MatryoshkaTiles(TileSizes):
                 ak, bk = (a[k, tile.rows], b[k, tile.cols]) if renorm else (None, None)
                 u = _scaled(raw, scale, ak, bk, tile.view(u_buf))
                 s = torch.mul(u, scale, out=tile.view(s_buf))
+                up = per_prefix[k]
                 ds = probabilities(
                     tile.view(ds_buf),
                     s,
                     masks,
-                    None,
-                    block.row_stats[:, k, tile.rows, None],
-                    block.g_row[k, tile.rows, None],
-                    None,
-                    s,
+                    masks.excluded,
+                    up.row_stats[:, tile.rows, None],
+                    up.g_row[tile.rows, None],
+                    None if single else _row_positives(up, tile),
+                    s if single else tile.view(pos_buf),
                 )
                 dscale[0] += torch.dot(ds.view(-1), u.reshape(-1))
                 if symmetric:
@@ -102,17 +163,17 @@ class MatryoshkaTiles(TileSizes):
                         tile.view(col_buf),
                         s,
                         masks,
-                        None,
-                        block.col_stats[:, k, None, tile.cols],
-                        block.g_col[k, None, tile.cols],
-                        None,
-                        s,
+                        masks.col_excluded,
+                        up.col_stats[:, None, tile.cols],
+                        up.g_col[None, tile.cols],
+                        None if single else _col_positives(up, tile),
+                        s if single else tile.view(pos_buf),
                     )
                     dscale[1] += torch.dot(pc.view(-1), u.reshape(-1))
                     ds.add_(pc)
                 if prefixes.sign_only(k):
                     pass  # its features' gradient is exactly 0: nothing joins W or the normalization's sums
-                elif renorm:  # probabilities left s as it was (one positive per row: no scratch use)
+                elif renorm:  # probabilities left s as it was (its scratch is s only with one positive per row)
                     prod = s.mul_(ds)
                     row_c[k, tile.rows] += prod.sum(dim=1)
                     col_c[k, tile.cols] += prod.sum(dim=0)

@@ -10,7 +10,10 @@ for either loss (forward 1, backward 4) while D fits one backward slice (see
 With mask options (``Block.masked``: ids, ``multi_positive``, a guide; :mod:`infcl.masks`) the same kernels
 run with their mask flags set, through ``triton_masked_forward_block`` / ``triton_masked_backward_block``:
 the positives and exclusions are formed inside each tile, from the ids and the guide scores of one extra
-guide GEMM (width D') per tile in each of the three kernels (none without a guide).
+guide GEMM (width D') per tile in each of the three kernels (none without a guide). Label smoothing over the kept
+entries (``kept_sums``; :mod:`infcl.losses.smoothing`): the masked forward also sums and counts each line's kept
+logits (``Block.kept_sums``, ``[8, n]``) and the masked backward subtracts ``Block.row_uniform`` /
+``col_uniform`` from dS on the kept entries, in the tiles that decide them.
 """
 
 from typing import Optional, Tuple
@@ -48,13 +51,15 @@ def op_masks(masks: MaskOptions, symmetric: bool) -> tuple:
 class TritonSoftmax(TritonOptions):
     """The softmax loss's block operations on the fused kernels."""
 
+    kept_sums = True  # label smoothing's uniform part over the kept entries, in the masked kernels
+
     def forward_block(self, block: Block, symmetric: bool) -> Tuple[Tensor, Optional[Tensor]]:
         if on_torch_tiles(*_dtypes(block)):
             return FALLBACK.forward_block(block, symmetric)
         if block.masked:
             masks = op_masks(block.masks, symmetric)
             rows, cols = masked_forward_block(
-                block.q, block.k, block.scale, block.pos, symmetric, *masks, *self._options()
+                block.q, block.k, block.scale, block.pos, symmetric, *masks, *self._options(), block.kept_sums
             )
         else:
             rows, cols = forward_block(block.q, block.k, block.scale, block.pos, symmetric, *self._options())
@@ -90,6 +95,8 @@ class TritonSoftmax(TritonOptions):
                 dq,
                 dk,
                 *self._options(),
+                block.row_uniform,
+                block.col_uniform if block.symmetric else None,
             )
         return backward_block(
             block.q,

@@ -9,6 +9,11 @@ rank puts every other rank's anchors above any threshold. A row's own anchor and
 blocks are never its negatives (sentence-transformers 6.3), whatever the guide says: ids (each row's global
 index, and the same index on its anchor-anchor and positive-positive columns) leave them out.
 docs/integrations.md has the math.
+
+Matryoshka prefixes (``matryoshka=``, set by infcl.sentence_transformers.MatryoshkaLoss) fuse into that one call
+where the rows are the anchors alone (:func:`prefixes_fuse`: no ``contrast_positives``): every key block then
+holds one column of embeddings at width D, so a prefix of the features is a prefix of each embedding. The guide
+is never truncated, as under sentence-transformers' MatryoshkaLoss, which shrinks the model's embeddings only.
 """
 
 from dataclasses import dataclass
@@ -41,6 +46,7 @@ def gist_loss(
     contrast_positives: bool,
     group=None,
     backend: str = "auto",
+    matryoshka=None,
 ) -> torch.Tensor:
     """The local mean GISTEmbedLoss (module docstring), O(B·D) memory.
 
@@ -56,7 +62,13 @@ def gist_loss(
             positive-positive (every rank's positives) columns, each row's own anchor / positive left out.
         group: the process group to ring over (:func:`~.groups.loss_group`), None for a single process.
         backend: ``cal_inf_loss``'s backend (the guide runs on "torch").
+        matryoshka: ``cal_inf_loss``'s Matryoshka prefixes of the model's embeddings (the guide's stay whole),
+            only where :func:`prefixes_fuse` holds (else ValueError): the weighted sum of every prefix's loss.
     """
+    if matryoshka is not None and not prefixes_fuse(contrast_positives):
+        raise ValueError(
+            "matryoshka prefixes fuse into GISTEmbedLoss's call only without contrast_positives (prefixes_fuse)"
+        )
     a = prepare(anchors, COSINE)
     docs = [prepare(c, COSINE) for c in candidates]
     ga = prepare(guide_anchors.detach(), COSINE)
@@ -92,7 +104,15 @@ def gist_loss(
         guide_margin_strategy="absolute",
         group=group,
         backend=backend,
+        matryoshka=matryoshka,
     )
+
+
+def prefixes_fuse(contrast_positives: bool) -> bool:
+    """Whether :func:`gist_loss` takes Matryoshka prefixes in its one call: without ``contrast_positives``. With
+    it the rows are [a_i | p_i], each segment renormalized by its own prefix norm under sentence-transformers'
+    MatryoshkaLoss, while a fused prefix has one norm per row."""
+    return not contrast_positives
 
 
 @dataclass(frozen=True)
