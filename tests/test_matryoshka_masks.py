@@ -247,6 +247,34 @@ def test_triton_fused_past_one_tile(monkeypatch, case):
     _check("triton", case, torch.float32, "none", margin=0.25, seed=8)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("symmetric,mode", ((True, "sum"), (False, "mean"), (True, "")))
+def test_triton_masked_ops_pass_opcheck(symmetric, mode):
+    """torch.library.opcheck of the Triton masked Matryoshka ops (schema, fake impls, the mutated dq and dk): the
+    forward, then the backward on the forward's own partials (standing in for the global ones); 14 columns against
+    12 rows, so each side's outputs have their own size."""
+    from infcl.kernels.matryoshka import masked_backward_op, masked_forward_op
+
+    q, k, labels, q_ids, k_ids, (gq, gk) = _inputs(12, 14, 10, torch.float32, seed=7)
+    bounds = torch.tensor((0, 3, 10), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    q_factors, k_factors = torch.rand(2, 12, generator=gen) + 0.5, torch.rand(2, 14, generator=gen) + 0.5
+    scale = torch.tensor(5.0)
+    masks = (q_ids, k_ids, gq, gk, torch.zeros(12), torch.zeros(14) if symmetric else None, mode)
+    head = (q, k, scale, labels, bounds, q_factors, k_factors)
+    torch.library.opcheck(masked_forward_op, (*head, symmetric, *masks, "ieee"))
+    rows, cols = masked_forward_op(*head, symmetric, *masks, "ieee")
+    assert rows.shape == (6, 2, 12) and cols.shape == (6, 2, 14 if symmetric else 0)
+    pick = {"sum": lambda p: p[2:4].contiguous(), "mean": lambda p: p[5].contiguous(), "": lambda p: None}[mode]
+    g_row, g_col = torch.full((2, 12), 1 / 12), torch.full((2, 14), 1 / 14)
+    col_args = (cols[:2].contiguous(), g_col) if symmetric else (None, None)
+    positives = (pick(rows), pick(cols) if symmetric else None)
+    grads = (torch.zeros(12, 10), torch.zeros(14, 10))
+    args = (*head, rows[:2].contiguous(), g_row, *col_args, *positives, *masks, *grads, False, "ieee")
+    torch.library.opcheck(masked_backward_op, args)
+
+
 @pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("kind,mode", (("ids", None), ("ids", "sum"), ("guide", None), ("both", "mean")))
 def test_fused_pass_is_taken(monkeypatch, backend, kind, mode):

@@ -25,6 +25,18 @@ S^k = scale * ((raw^k * a^k_i) * b^k_j) (one rounded multiply by the scale,
   gradient and the renormalization's own term (c^k = scale * their sum; the host applies -a^2 c x[:m_k]).
   No atomics: each output has one program.
 
+With the mask options (ids, ``multi_positive``, a guide; :mod:`infcl.masks`): :func:`_masked_matryoshka_forward_kernel`
+and :func:`_masked_matryoshka_backward_kernel`, the same walks (:func:`_forward_lines`, :func:`_backward_lines`)
+with the masked softmax kernels' per-tile helpers (:mod:`infcl.kernels.softmax_mask_tiles`). A tile's positives
+and exclusions do not depend on the prefix (ids; the guide features are never truncated), so each tile forms them
+once (:func:`_tile_masks`: ``block_masks``, with one guide product over D' at the masked kernels' guide precision
+and chunks, so its exclusions are those the guide thresholds were read off) and applies them to every prefix's
+S^k: forward, each prefix's masked partials (the ``[6, n]`` rows of :mod:`infcl.masks`, ``[6, K, n]``; a program
+owns its lines whole, so the host merges nothing); backward, dS^k as the masked softmax backward forms it
+(``masked_softmax_grad``, per prefix, from the prefix's stats and positives' count or stats), into the same
+products, sums and SIGN_ONLY rule as the plain backward. The plain kernels pass no mask options: every masked
+branch is a constexpr False and they compile to the code they had before.
+
 GEMM-equivalents per block (D, dims m_k, slices of BLOCK_OUT = 128 features on tensor cores): forward 1 per
 direction (symmetric: 2; the plain kernel's symmetric forward takes its column stats from the row walk's
 tiles, this one walks the columns too); backward, per walk, one S per slice (ceil(D / BLOCK_OUT)) plus the

@@ -3,7 +3,8 @@ steps: :mod:`infcl.losses.matryoshka`; the math: :mod:`infcl.matryoshka`), throu
 ``torch.ops.infcl.triton_matryoshka_forward_block`` / ``triton_matryoshka_backward_block``: every prefix out of
 one walk of the tiles forward and one backward. The prefixes' factors (1 / |x[:m_k]| where renormalized) are
 formed here, O(B * D), and the renormalization's own gradient, -a^2 c x[:m_k], is applied here from the
-kernels' per-line sums."""
+kernels' per-line sums. With the mask options the ops ``triton_masked_matryoshka_forward_block`` /
+``triton_masked_matryoshka_backward_block`` (the masked kernels: each tile's masks formed once for every prefix)."""
 
 from typing import Tuple
 
