@@ -51,8 +51,8 @@ class Prefixes:
 
     def sign_only(self, k: int) -> bool:
         """Prefix k is one wide and renormalized: its logits are scale * sign(q_0) * sign(k_0), which do not move
-        with the features, so its gradient of q and k is exactly 0 (``F.normalize``'s backward gives exact
-        zeros there). The fused passes leave it out of the features' gradient instead of forming it as the
+        with the features, so its gradient of q and k is exactly 0 (autograd through ``F.normalize`` gives it
+        only to rounding). The fused passes leave it out of the features' gradient instead of forming it as the
         difference of two equal sums of size |g| / |x_0| (the tangential product and the normalization's own
         term), which cancel only to their rounding. (Where |x_0| < eps, ``F.normalize``'s g / eps is 0 here.)"""
         return self.renormalize[k] and self.dims[k] == 1

@@ -2,7 +2,7 @@
 materialized logits (the prefix ``F.normalize``d where renormalized), built here without infcl: loss and the
 gradients of q, k and the scale, one direction and symmetric, hard negatives, custom labels, reductions,
 non-unit and negative upstream gradients, dims in any order (not multiples of anything), mixed renormalize
-flags, a one-wide renormalized prefix (its gradient exactly 0; not yet on the Triton fused kernels), shapes
+flags, a one-wide renormalized prefix (its gradient exactly 0, the Triton fused kernels included), shapes
 past one tile, bfloat16 inputs; the
 stats per dim; bad dims raise; the native ops' schemas (opcheck). The ring: tests/test_options_ring.py.
 """
@@ -100,15 +100,28 @@ def test_matches_per_prefix_cross_entropy(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_wide_renormalized_prefix(backend):
-    """A one-wide renormalized prefix is scale * sign(q_0) * sign(k_0): its features' gradient is exactly 0, as
-    F.normalize's backward gives it. The fused passes (native, torch tiles) leave it out of the gradient instead
-    of cancelling two equal sums of size |g| / |x_0| (which left ~7e-5 relative); alone, it gives exact zeros."""
+    """A one-wide renormalized prefix is scale * sign(q_0) * sign(k_0): its features' gradient is exactly 0
+    (F.normalize's backward gives it to rounding). The fused passes (native, torch tiles, Triton) leave it out
+    of the gradient instead of cancelling two equal sums of size |g| / |x_0| (which left ~7e-5 relative);
+    alone, it gives exact zeros (and its dscale)."""
+    _assert_one_wide_renormalized(_backend(backend), backend in ("cpu", "torch", "torch-small-tiles", "triton"))
+
+
+@pytest.mark.interpreter
+def test_triton_fused_one_wide_renormalized_prefix():
+    """test_one_wide_renormalized_prefix on the fused Triton kernels under the interpreter (their SIGN_ONLY)."""
+    _assert_one_wide_renormalized("triton", True)
+
+
+def _assert_one_wide_renormalized(backend, fused):
+    """Dims (9, 4, 1), all renormalized, against the float64 truth; ``fused``: dims (1,) alone gives q and k
+    gradients of exactly 0 and the truth's dscale."""
     bq, bk, d, label_kind, symmetric, dims, _ = CASES[0]
     q, k, labels = features_and_labels(bq, bk, d, label_kind, torch.float32)
     q = q * torch.linspace(0.5, 2.0, d)
     scale, g, weights = torch.tensor(9.0), torch.tensor(-1.3), (0.25, 0.75, 1.25)
     spec = Matryoshka(dims, weights, True)
-    opts = dict(symmetric=symmetric, backend=_backend(backend), matryoshka=spec)
+    opts = dict(symmetric=symmetric, backend=backend, matryoshka=spec)
     got = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **opts))
     want = _grads(
         q.double(),
@@ -119,10 +132,18 @@ def test_one_wide_renormalized_prefix(backend):
     )
     for what, a, b in zip(("loss", "dq", "dk", "dscale"), got, want):
         assert_close_verbose(a, b, *TOLERANCE[torch.float32], f"{backend} {what}")
-    if backend in ("cpu", "torch", "torch-small-tiles"):
+    if fused:
         alone = dict(opts, matryoshka=Matryoshka((1,), renormalize=True))
-        _, dq, dk, _ = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **alone))
+        _, dq, dk, dscale = _grads(q, k, scale, g, lambda a, b, s: cal_inf_loss(a, b, labels, s, **alone))
         assert not dq.any() and not dk.any(), f"{backend}: the one-wide prefix's gradient is not exactly 0"
+        _, _, _, want_dscale = _grads(
+            q.double(),
+            k.double(),
+            scale.double(),
+            g.double(),
+            lambda a, b, s: truth_losses(a, b, labels, s, symmetric, (1,), (1.0,), True).mean(),
+        )
+        assert_close_verbose(dscale, want_dscale, *TOLERANCE[torch.float32], f"{backend} alone dscale")
 
 
 @pytest.mark.parametrize("backend", BACKENDS[:-1])
@@ -406,7 +427,7 @@ def test_triton_fused_ops_pass_opcheck(symmetric):
     g_row, g_col = torch.full((2, bq), 1 / bq), torch.full((2, bk), 1 / bk)
     col_args = (cols[:2], g_col) if symmetric else (None, None)
     grads = (torch.zeros(bq, dim), torch.zeros(bk, dim))
-    backward = (q, k, scale, pos, bounds, q_factors, k_factors, rows[:2], g_row, *col_args, *grads, "ieee")
+    backward = (q, k, scale, pos, bounds, q_factors, k_factors, rows[:2], g_row, *col_args, *grads, False, "ieee")
     torch.library.opcheck(backward_op, backward)
 
 

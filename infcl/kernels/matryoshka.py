@@ -8,8 +8,8 @@ A tile's raw product grows segment by segment: raw^k = raw^(k-1) + q[rows, m_(k-
 each segment's product by :func:`infcl.kernels.score_tiles.score_chunks` on the segment's columns (in the q-rows x
 k-rows orientation, over the same chunks in every kernel), so D is walked once per tile for all K prefixes, and
 S^k = scale * ((raw^k * a^k_i) * b^k_j) (one rounded multiply by the scale,
-:func:`~infcl.kernels.score_tiles.masked_scores`): every kernel forms the same bits, and S - m is exact at a
-line's maximum.
+:func:`~infcl.kernels.score_tiles.masked_scores`): every kernel forms the same bits (one step per prefix,
+:func:`_prefix_tile`, for the forward and the backward walks), and S - m is exact at a line's maximum.
 
 - :func:`_matryoshka_forward_kernel`: a program owns BLOCK_M rows (``BY_COLUMN`` False) or BLOCK_N columns
   (True) and walks the other side's blocks; at each prefix's boundary the tile's stats (rest form,
@@ -19,10 +19,11 @@ line's maximum.
   D and recomputes each tile's prefixes; prefix k's dS^k = g^k (P^k - Y) (rows' and, symmetric, columns'
   term, :func:`infcl.kernels.tile_stats.softmax_grad`) weighted by a^k_i b^k_j feeds the features of the
   slice below m_k: grad += (dS^k a^k b^k) @ k[cols, slice ∩ [0, m_k)], so each segment's gradient is the sum
-  over the prefixes that hold it. The slice-0 programs also write, per line and prefix, the sums of
-  dS^k_row * u^k and dS^k_col * u^k (u^k = S^k / scale): the scale's gradient and the renormalization's
-  own term (c^k = scale * their sum; the host applies -a^2 c x[:m_k]). No atomics: each output has one
-  program.
+  over the prefixes that hold it; a one-wide renormalized first prefix (``SIGN_ONLY``: its logits
+  scale * sign(q_0) * sign(k_0) do not move with the features) feeds none. The slice-0 programs also write,
+  per line and prefix, the sums of dS^k_row * u^k and dS^k_col * u^k (u^k = S^k / scale): the scale's
+  gradient and the renormalization's own term (c^k = scale * their sum; the host applies -a^2 c x[:m_k]).
+  No atomics: each output has one program.
 
 GEMM-equivalents per block (D, dims m_k, slices of BLOCK_OUT = 128 features on tensor cores): forward 1 per
 direction (symmetric: 2; the plain kernel's symmetric forward takes its column stats from the row walk's
@@ -96,11 +97,25 @@ class Operands(NamedTuple):
 
 
 @triton.jit
-def _grown(q, k, rows, cols, lo, hi, raw, tile, dot):
-    """raw + q[rows, lo:hi] @ k[cols, lo:hi].T: the tile's raw product grown by the segment [lo, hi)
-    (:func:`~infcl.kernels.score_tiles.score_chunks` on the segment's columns, features past hi read 0,
-    continuing ``raw`` in the products' own accumulator)."""
-    return score_chunks(
+def _walk(ops, tile, BY_COLUMN: tl.constexpr):
+    """A program's walk (:func:`~infcl.kernels.rank.program_lines` over q's and k's rows): (lines, n_lines,
+    n_other, step, ok: the lines that exist)."""
+    lines, n_lines, n_other, step = program_lines(ops.q.n, ops.k.n, BY_COLUMN, tile.BLOCK_M, tile.BLOCK_N)
+    return lines, n_lines, n_other, step, lines < n_lines
+
+
+@triton.jit
+def _prefix_tile(ops, p, lo, raw, rows, cols, scale, tile, dot):
+    """Prefix ``p`` on the tile, from prefix p - 1's raw product ``raw`` and end ``lo`` (0 and 0 for p = 0):
+    (raw^p, m_p, u, s, a, b). raw^p = raw + q[rows, lo:m_p] @ k[cols, lo:m_p].T
+    (:func:`~infcl.kernels.score_tiles.score_chunks` on the segment's columns, features past m_p read 0,
+    continuing ``raw`` in the products' own accumulator); a (rows) and b (columns) its factors,
+    u = (raw^p * a) * b and s = scale * u, -inf outside the block. Both walks, forward and backward, step
+    through the prefixes here: every kernel forms the same S^p."""
+    prefixes = ops.prefixes
+    hi = tl.load(prefixes.bounds_ptr + p + 1)
+    q, k = ops.q, ops.k
+    raw = score_chunks(
         Matrix(q.ptr + lo.to(tl.int64) * q.stride_c, q.n, hi - lo, q.stride_r, q.stride_c),
         Matrix(k.ptr + lo.to(tl.int64) * k.stride_c, k.n, hi - lo, k.stride_r, k.stride_c),
         rows,
@@ -109,17 +124,10 @@ def _grown(q, k, rows, cols, lo, hi, raw, tile, dot):
         dot,
         raw=raw,
     )
-
-
-@triton.jit
-def _prefix_scores(raw, ops, p, rows, cols, scale):
-    """(u, s, a, b) of prefix ``p`` on the tile: its factors a (rows) and b (columns), u = (raw * a) * b and
-    s = scale * u, -inf outside the block. Every kernel forms S^p here."""
-    prefixes = ops.prefixes
-    a = load_vector(prefixes.q_factor_ptr + p * prefixes.stride_qf, rows, ops.q.n, 1, 1.0, True)
-    b = load_vector(prefixes.k_factor_ptr + p * prefixes.stride_kf, cols, ops.k.n, 1, 1.0, True)
+    a = load_vector(prefixes.q_factor_ptr + p * prefixes.stride_qf, rows, q.n, 1, 1.0, True)
+    b = load_vector(prefixes.k_factor_ptr + p * prefixes.stride_kf, cols, k.n, 1, 1.0, True)
     u = raw * a[:, None] * b[None, :]
-    return u, masked_scores(u, scale, rows, cols, ops.q.n, ops.k.n, True, True), a, b
+    return raw, hi, u, masked_scores(u, scale, rows, cols, q.n, k.n, True, True), a, b
 
 
 @triton.jit
@@ -173,25 +181,19 @@ def _forward_lines(ops, out_ptr, tile, dot, BY_COLUMN: tl.constexpr):
     BLOCK_M: tl.constexpr = tile.BLOCK_M
     BLOCK_N: tl.constexpr = tile.BLOCK_N
     AXIS: tl.constexpr = 0 if BY_COLUMN else 1  # the tile's axis along a line
-    n_q = ops.q.n
-    n_k = ops.k.n
     count = ops.prefixes.count
-    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
-    ok = lines < n_lines
+    lines, n_lines, n_other, step, ok = _walk(ops, tile, BY_COLUMN)
     scale = tl.load(ops.scale_ptr)  # a device tensor, not a launch argument: no host sync, no fp32 rounding
     if BY_COLUMN:
         pos = lines  # unused: the columns' positives are the rows' (the host scatters them)
     else:
-        pos = load_vector(ops.pos_ptr, lines, n_q, 1, -1, True)
+        pos = load_vector(ops.pos_ptr, lines, ops.q.n, 1, -1, True)
     for o0 in range(0, n_other, step):
         rows, cols = tile_at(lines, o0, BY_COLUMN, BLOCK_M, BLOCK_N)
         raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=dot.ACC)
         hi = tl.load(ops.prefixes.bounds_ptr)
         for p in range(count):
-            lo = hi
-            hi = tl.load(ops.prefixes.bounds_ptr + p + 1)
-            raw = _grown(ops.q, ops.k, rows, cols, lo, hi, raw, tile, dot)
-            _, s, _, _ = _prefix_scores(raw, ops, p, rows, cols, scale)
+            raw, hi, _, s, _, _ = _prefix_tile(ops, p, hi, raw, rows, cols, scale, tile, dot)
             tile_max, tile_rest = tile_rest_stats(s, AXIS)
             at = out_ptr + p * n_lines.to(tl.int64) + lines  # [3, K, n]: stat rows K * n apart
             run_max = tl.load(at, mask=ok, other=float("-inf"))
@@ -249,6 +251,7 @@ def _matryoshka_backward_kernel(
     stride_grad1,
     BY_COLUMN: tl.constexpr,
     SYMMETRIC: tl.constexpr,
+    SIGN_ONLY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -277,6 +280,7 @@ def _matryoshka_backward_kernel(
         Dot(ACC, UPCAST, GRAD_PRECISION),  # float32 for 16-bit inputs (GRAD_F32), else the inputs' own dtype
         BY_COLUMN,
         SYMMETRIC,
+        SIGN_ONLY,
         BLOCK_OUT,
     )
 
@@ -292,12 +296,15 @@ def _backward_lines(
     grad_dot,
     BY_COLUMN: tl.constexpr,
     SYMMETRIC: tl.constexpr,
+    SIGN_ONLY: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
 ):
     """The backward program's lines (rows, or BY_COLUMN columns) and feature slice: their gradient slice (added
     to ``grad_out``) and, from the slice-0 programs, the sums per prefix and line of dS_row * u and dS_col * u
     (``sums_ptr`` [2, K, n], from 0). ``upstream``: (row_stats [2, K, Bq], g_row [K, Bq], col_stats, g_col);
-    ``grad_dot``: the gradient products' operand dtype (its ACC: float32 for float16 inputs) and precision."""
+    ``grad_dot``: the gradient products' operand dtype (its ACC: float32 for float16 inputs) and precision.
+    SIGN_ONLY: prefix 0 is one wide and renormalized (:meth:`infcl.matryoshka.Prefixes.sign_only`): its
+    features' gradient is exactly 0, so it joins no product (its sums, the scale's gradient, stay)."""
     GRAD_F32: tl.constexpr = grad_dot.ACC != ops.q.ptr.dtype.element_ty
     BLOCK_M: tl.constexpr = tile.BLOCK_M
     BLOCK_N: tl.constexpr = tile.BLOCK_N
@@ -305,8 +312,7 @@ def _backward_lines(
     n_q = ops.q.n
     n_k = ops.k.n
     count = ops.prefixes.count
-    lines, n_lines, n_other, step = program_lines(n_q, n_k, BY_COLUMN, BLOCK_M, BLOCK_N)
-    ok = lines < n_lines
+    lines, n_lines, n_other, step, ok = _walk(ops, tile, BY_COLUMN)
     f0 = tl.program_id(1) * BLOCK_OUT
     feats = f0 + tl.arange(0, BLOCK_OUT)
     # Every slice recomputes the same dS: the first writes the sums of its lines.
@@ -326,10 +332,7 @@ def _backward_lines(
         raw = tl.zeros([BLOCK_M, BLOCK_N], dtype=dot.ACC)
         hi = tl.load(ops.prefixes.bounds_ptr)
         for p in range(count):
-            lo = hi
-            hi = tl.load(ops.prefixes.bounds_ptr + p + 1)
-            raw = _grown(ops.q, ops.k, rows, cols, lo, hi, raw, tile, dot)
-            u, s, a, b = _prefix_scores(raw, ops, p, rows, cols, scale)
+            raw, hi, u, s, a, b = _prefix_tile(ops, p, hi, raw, rows, cols, scale, tile, dot)
             ds = _prefix_grad(s, upstream[0], upstream[1], rows, n_q, p, count, is_pos, True)
             at = sums_ptr + p * n_lines.to(tl.int64) + lines  # [2, K, n]: rows K * n apart
             part = tl.sum(ds * u, axis=AXIS)
@@ -340,7 +343,10 @@ def _backward_lines(
                 part = tl.sum(ds_col * u, axis=AXIS)
                 tl.store(at, tl.load(at, mask=write_sums, other=0.0) + part, mask=write_sums)
                 ds = ds + ds_col
-            if hi > f0:  # prefix p holds features of this slice: those below hi
+            holds = hi > f0  # prefix p holds features of this slice: those below hi
+            if SIGN_ONLY:
+                holds = holds & (p > 0)
+            if holds:
                 operand = dot_operand(ds * a[:, None] * b[None, :], grad_dot.ACC, grad_dot.PRECISION)
                 if BY_COLUMN:
                     other = load_tile(
@@ -436,6 +442,7 @@ def _backward(
     g_col: Optional[Tensor],
     dq: Tensor,
     dk: Tensor,
+    sign_only: bool,
     precision: str,
 ) -> Tuple[Tensor, Tensor]:
     args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None)
@@ -463,6 +470,7 @@ def _backward(
             **matrix_args("grad", grad),
             BY_COLUMN=by_column,
             SYMMETRIC=symmetric,
+            SIGN_ONLY=sign_only,
             BLOCK_OUT=block_out,
             **args,
         )
@@ -471,7 +479,7 @@ def _backward(
 
 
 def _backward_fake(
-    q, k, scale, pos, bounds, q_factors, k_factors, row_stats, g_row, col_stats, g_col, dq, dk, precision
+    q, k, scale, pos, bounds, q_factors, k_factors, row_stats, g_row, col_stats, g_col, dq, dk, sign_only, precision
 ):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     count = bounds.shape[0] - 1
@@ -482,7 +490,8 @@ def _backward_fake(
 # ``precision`` a string ("" for None): torch.ops.infcl.triton_matryoshka_forward_block(q, k, scale, pos, bounds
 # [K + 1], q_factors [K, Bq], k_factors [K, Bk], symmetric, precision) -> (rows [3, K, Bq] (m, r, positive
 # logit), cols [3, K, Bk] (m, r, 0) or [3, K, 0]); torch.ops.infcl.triton_matryoshka_backward_block(..., row_stats
-# [2, K, Bq], g_row [K, Bq], col_stats, g_col (None: one direction), dq!, dk!, precision) -> (row sums [2, K, Bq],
-# column sums [2, K, Bk]) of dS_row * u and dS_col * u (the scale's gradient and the renormalization's term).
+# [2, K, Bq], g_row [K, Bq], col_stats, g_col (None: one direction), dq!, dk!, sign_only (prefix 0 one wide and
+# renormalized: no features' gradient), precision) -> (row sums [2, K, Bq], column sums [2, K, Bk]) of dS_row * u
+# and dS_col * u (the scale's gradient and the renormalization's term).
 forward_op = register_op("triton_matryoshka_forward_block", _forward, _forward_fake)
 backward_op = register_op("triton_matryoshka_backward_block", _backward, _backward_fake, ("dq", "dk"))

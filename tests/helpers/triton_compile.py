@@ -760,16 +760,22 @@ def sigmoid_id_calls(arch: int, dtype: str, precision: str, full: bool) -> List[
 # chunk boundary in every segment and one below a chunk, the widest not renormalized.
 MATRYOSHKA_TARGETS = (90, 80, 100)
 MATRYOSHKA_DIMS = (1000, 512, 100, 37)
+# A one-wide renormalized first prefix: the backward's SIGN_ONLY variant (Prefixes.sign_only), on sm_90 in CI.
+MATRYOSHKA_SIGN_ONLY_DIMS = (1, 1000, 512, 100)
 
 
 def matryoshka_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
     """cal_inf_loss with ``matryoshka`` (issue 56; infcl/kernels/matryoshka.py): symmetric on a ragged batch at
-    D = 1000 (several chunks and slices, every segment ragged) on :data:`MATRYOSHKA_TARGETS`; ``full``: also
-    one-directional with labels and Bk > Bq at D = 384 (dims 384, 64), on every target."""
+    D = 1000 (several chunks and slices, every segment ragged) on :data:`MATRYOSHKA_TARGETS`, and with a one-wide
+    renormalized first prefix (:data:`MATRYOSHKA_SIGN_ONLY_DIMS`) on sm_90; ``full``: also one-directional with
+    labels and Bk > Bq at D = 384 (dims 384, 64), and the one-wide prefix, on every target."""
     if not (full or arch in MATRYOSHKA_TARGETS):
         return []
     ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
     out = [Call(arch, "cal_inf_loss", dtype, precision, 1000, *ragged, symmetric=True, matryoshka=MATRYOSHKA_DIMS)]
+    if full or arch == 90:
+        sign_only = MATRYOSHKA_SIGN_ONLY_DIMS
+        out.append(Call(arch, "cal_inf_loss", dtype, precision, 1000, *ragged, symmetric=True, matryoshka=sign_only))
     if full:
         out.append(Call(arch, "cal_inf_loss", dtype, precision, 384, *wide, labels=True, matryoshka=(384, 64)))
     return out
@@ -845,8 +851,8 @@ def floor_calls() -> List[Call]:
     kernels on tensor cores (bf16, D = 384: whole chunks and a ragged slice), in fp32 FMA and (Triton >= 3.5) fp64
     (D = 40), autotuned (bf16, D = 1000), with ids and a guide ("sum", D = 1000; and with label smoothing: the
     masked kernels' kept sums), the sigmoid kernels, the top-k search and the chunked route's passes and the fused
-    Matryoshka loss (bf16, D = 1000); on sm_80 the softmax kernels in bf16 (the pre-wgmma MMA). The ranks' and
-    distillation kernels: :func:`rank_distill_compile.floor_calls`."""
+    Matryoshka loss (bf16, D = 1000; also with a one-wide renormalized first prefix); on sm_80 the softmax kernels
+    in bf16 (the pre-wgmma MMA). The ranks' and distillation kernels: :func:`rank_distill_compile.floor_calls`."""
     from infcl.kernels.configs import FLOAT64_DOT
 
     ragged = (RAGGED_BATCH, RAGGED_BATCH)
@@ -862,7 +868,10 @@ def floor_calls() -> List[Call]:
         Call(90, "topk_scores", "bfloat16", "ieee", 384, RAGGED_BATCH, WIDE_BATCH + 3, labels=True, topk=TOPK_N),
         Call(90, "cal_inf_loss", "bfloat16", "ieee", 40, *ragged, symmetric=True, backend="chunked"),
         Call(80, "cal_inf_loss", "bfloat16", "ieee", 384, *ragged, symmetric=True),
-        Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, matryoshka=MATRYOSHKA_DIMS),
+        *(
+            Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, matryoshka=dims)
+            for dims in (MATRYOSHKA_DIMS, MATRYOSHKA_SIGN_ONLY_DIMS)
+        ),
     ]
 
 

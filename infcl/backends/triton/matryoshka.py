@@ -53,12 +53,14 @@ class TritonMatryoshka(TritonOptions):
             *block.upstream,
             dq,
             dk,
+            prefixes.sign_only(0),
             self._options()[0],
         )
         # The normalization's own gradient, per renormalized prefix: -a_i^2 c_i q_i[:m] with
-        # c_i = sum_j dS_ij S_ij = scale * (the row's two sums); columns alike.
+        # c_i = sum_j dS_ij S_ij = scale * (the row's two sums); columns alike. A one-wide renormalized prefix has
+        # none (Prefixes.sign_only: the kernels left it out of the products too); its sums still give dscale.
         for i, (m, renorm) in enumerate(zip(prefixes.dims, prefixes.renormalize)):
-            if renorm:
+            if renorm and not prefixes.sign_only(i):
                 c_q = (row_sums[0, i] + row_sums[1, i]) * block.scale
                 c_k = (col_sums[0, i] + col_sums[1, i]) * block.scale
                 dq[:, :m].sub_(q[:, :m] * (q_factors[i] * q_factors[i] * c_q)[:, None])
