@@ -695,11 +695,20 @@ def _backward_lines(
 # ---- launchers ----------------------------------------------------------------------------------
 
 
-def _launch_args(q: Tensor, k: Tensor, scale: Tensor, bounds: Tensor, q_factors: Tensor, k_factors: Tensor, precision):
+def _launch_args(
+    q: Tensor,
+    k: Tensor,
+    scale: Tensor,
+    bounds: Tensor,
+    q_factors: Tensor,
+    k_factors: Tensor,
+    precision,
+    masked: bool = False,
+):
     """The rank kernels' arguments (:func:`infcl.kernels.rank.launch_args`: q, k, the S tile of
-    :func:`infcl.kernels.tiling.matryoshka_tiling`, tl.dot's precision) plus the scale, the prefixes and their
-    factors; the tiling and the accumulation dtype."""
-    args, tiling = launch_args(q, k, precision, "matryoshka")
+    :func:`infcl.kernels.tiling.matryoshka_tiling`, or ``masked`` of ``masked_matryoshka_tiling``, tl.dot's
+    precision) plus the scale, the prefixes and their factors; the tiling and the accumulation dtype."""
+    args, tiling = launch_args(q, k, precision, "masked_matryoshka" if masked else "matryoshka")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_factors, k_factors = (f.to(acc).contiguous() for f in (q_factors, k_factors))
     args.update(
@@ -739,7 +748,7 @@ def _run_forward(q, k, scale, pos, bounds, q_factors, k_factors, symmetric, prec
     """The forward ops' one body: the plain kernels' (rows [3, K, Bq], cols [3, K, Bk] or [3, K, 0]) or, with
     ``masks``, the masked kernels' [6, K, n] partials (the rows of :mod:`infcl.masks`): each program owns its
     lines whole (no splits), so they need no merge on the host, only rest -> r."""
-    args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None)
+    args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None, masks is not None)
     if masks is not None:
         args.update(_masked_args(masks, q, precision or None), SYMMETRIC=symmetric)
     kernel = _matryoshka_forward_kernel if masks is None else _masked_matryoshka_forward_kernel
@@ -816,7 +825,7 @@ def _run_backward(
     ``masks``, ``positives``: the rows' and columns' positives' count [K, n] ("mean") or global stats [2, K, n]
     ("sum"), None with one positive per row (columns: None for the one-directional loss)."""
     row_stats, g_row, col_stats, g_col = upstream  # [2, K, n] stats and [K, n] gradients; columns None: one way
-    args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None)
+    args, tiling, acc = _launch_args(q, k, scale, bounds, q_factors, k_factors, precision or None, masks is not None)
     cfg, dim, count = tiling.dq, args["D"], args["K"]
     block_out = tiling.block_out(cfg, dim)
     symmetric = col_stats is not None
