@@ -35,7 +35,9 @@ S^k: forward, each prefix's masked partials (the ``[6, n]`` rows of :mod:`infcl.
 owns its lines whole, so the host merges nothing); backward, dS^k as the masked softmax backward forms it
 (``masked_softmax_grad``, per prefix, from the prefix's stats and positives' count or stats), into the same
 products, sums and SIGN_ONLY rule as the plain backward. The plain kernels pass no mask options: every masked
-branch is a constexpr False and they compile to the code they had before.
+branch is a constexpr False and they compile to the code they had before. The masked kernels' tiling
+(:func:`infcl.kernels.tiling.masked_matryoshka_tiling`) halves the backward slices (the masks beside the plain
+128-wide slice spilled on sm_80 and sm_100), so a backward walk rebuilds S and the masks twice as often.
 
 GEMM-equivalents per block (D, dims m_k, slices of BLOCK_OUT = 128 features on tensor cores): forward 1 per
 direction (symmetric: 2; the plain kernel's symmetric forward takes its column stats from the row walk's
