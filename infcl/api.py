@@ -90,8 +90,8 @@ def cal_inf_loss(
             backward on the native kernel ("cpu", and "auto" on CPU tensors), the "torch" tiles and "triton"
             (:mod:`infcl.matryoshka`); the other backends run their block operations once per prefix in each
             ring step. With the mask options (ids, ``multi_positive``, ``guide``) the pass stays fused on the
-            native kernel and the torch tiles (each tile's masks formed once for every prefix); Triton and the
-            chunked route then run one call per prefix, and so does every backend with label smoothing.
+            native kernel, the torch tiles and Triton (each tile's masks formed once for every prefix); the
+            chunked route then runs one call per prefix, and so does every backend with label smoothing.
             Dims: distinct integers in [1, D], any order; the guide features are never truncated.
             With return_stats the stats are a dict {dim: InfLossStats}.
         group: torch.distributed process group for the ring over ranks. When torch.distributed is
@@ -215,8 +215,8 @@ def matryoshka_loss(q, k, scale_t, labels_t, prefixes: Prefixes, options, return
 
     :class:`MatryoshkaLossFunction` (:func:`fused_matryoshka`): the plain loss (one fused pass on the native
     kernel, the torch tiles and Triton; the other backends' block operations once per prefix inside each ring
-    step) and the mask options on a backend with fused masked blocks (``masked_matryoshka``: the torch tiles and
-    the native kernel). Otherwise (label smoothing; masks on Triton or the chunked route; "reference"): one call
+    step) and the mask options on a backend with fused masked blocks (``masked_matryoshka``: the torch tiles,
+    the native kernel and Triton). Otherwise (label smoothing; masks on the chunked route; "reference"): one call
     per prefix on the prefix's features."""
     symmetric, layout, masks, eps, name, block_backend, reduction = options
     if fused_matryoshka(block_backend, masks, eps, name):

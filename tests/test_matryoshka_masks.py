@@ -4,8 +4,8 @@ a float64 truth built without infcl: per prefix, the rules of infcl.masks applie
 masked loss is, weighted and summed. Loss and the gradients of q, k and the scale, one direction and symmetric,
 hard negatives, odd shapes past one tile, non-unit and negative upstream gradients, guide ties (integer guide
 features, exact scores); the stats per dim; which backends run the fused pass (``masked_matryoshka``: the torch
-tiles, the native kernel) and which keep one call per prefix (Triton, the chunked route). The ring:
-tests/test_options_ring.py.
+tiles, the native kernel, Triton (here under TRITON_INTERPRET=1)) and which keep one call per prefix (the chunked
+route). The ring: tests/test_options_ring.py.
 """
 
 import pytest
@@ -28,8 +28,12 @@ from infcl.backends.torch_tiles import TorchTilesBackend
 
 TINY_TILES = (4, 7)  # every block spans many tiles: masks cut across tile edges
 TRITON = unavailable_reason("triton", torch.device("cpu")) is None
-FUSED = ("torch", "cpu")  # the backends with masked_matryoshka (where built)
-BACKENDS = ("reference", "torch-tiny", *tiled_backends())
+# Triton's kernels under the interpreter here (tiled_backends() counts it only on a GPU): the tests' small blocks cost
+# a fraction of a second each.
+TRITON_HERE = ("triton",) if TRITON and "triton" not in tiled_backends() else ()
+FUSED = ("torch", "cpu", "triton")  # the backends with masked_matryoshka (where built)
+BACKENDS = ("reference", "torch-tiny", *tiled_backends(), *TRITON_HERE)
+OTHERS = ("torch", "torch-tiny", *tiled_backends()[1:], *TRITON_HERE)  # the tiled backends, two torch tilings
 SCALE = 6.0
 # (Bq, Bk, D, symmetric, dims, renormalize, kind, multi_positive)
 CASES = (
@@ -138,7 +142,7 @@ def test_matches_per_prefix_masked_truth(backend, case, dtype):
     _check(backend, case, dtype, "mean")
 
 
-@pytest.mark.parametrize("backend", ("torch", "torch-tiny", *tiled_backends()[1:]))
+@pytest.mark.parametrize("backend", OTHERS)
 @pytest.mark.parametrize("reduction", ("sum", "none"))
 @pytest.mark.parametrize("case", CASES[1:3])
 def test_reductions_and_upstream_gradients(backend, reduction, case):
@@ -146,7 +150,7 @@ def test_reductions_and_upstream_gradients(backend, reduction, case):
     _check(backend, case, torch.float32, reduction, margin=0.5, seed=1)
 
 
-@pytest.mark.parametrize("backend", ("torch", "torch-tiny", *tiled_backends()[1:]))
+@pytest.mark.parametrize("backend", OTHERS)
 @pytest.mark.parametrize("case", (CASES[1], CASES[3]))
 def test_float_guide_duplicates_tie_their_threshold(backend, case):
     """Float guide features with every third row's labelled column duplicated: at margin 0 the duplicate ties the
@@ -172,6 +176,8 @@ def test_bfloat16_inputs(backend):
 @pytest.mark.parametrize("backend", FUSED)
 def test_past_one_key_tile(backend):
     """Blocks past the native kernel's 512-column key tile and 256-row tiles (and many torch tiles)."""
+    if backend == "triton" and "triton" not in tiled_backends():
+        pytest.skip("the interpreter's many tiles: test_triton_fused_past_one_tile")
     if unavailable_reason(backend, torch.device("cpu")) is not None:
         pytest.skip("the native kernel is not built")
     _check(backend, (530, 530, 6, True, (6, 2), True, "both", "mean"), torch.float32, "mean", seed=2)
@@ -216,12 +222,57 @@ def test_native_masked_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.infcl.masked_matryoshka_backward_block.default, args)
 
 
+# Blocks past the interpreter's 32 x 32 Matryoshka tile (infcl.kernels.tiling.INTERPRETER_TILINGS): ragged row and
+# column blocks in both walks, forward and backward, each mask kind.
+RAGGED_TRITON_CASES = (
+    (45, 45, 9, True, (9, 4), True, "both", "mean"),
+    (37, 70, 6, False, (2, 6), (True, False), "both", "sum"),
+    (40, 40, 5, True, (1, 5), True, "ids", None),  # a one-wide renormalized prefix (SIGN_ONLY)
+    (33, 33, 7, True, (7, 3), True, "guide", None),
+)
+
+
 @pytest.mark.interpreter  # the Triton route under TRITON_INTERPRET=1 here
 @pytest.mark.skipif(not TRITON, reason="Triton is not installed")
-def test_triton_keeps_one_call_per_prefix():
-    """Triton's fused Matryoshka kernels have no masked blocks yet: a masked call runs one call per prefix."""
-    assert not getattr(backend_object("triton"), "masked_matryoshka", False)
-    _check("triton", (6, 6, 5, True, (5, 2), True, "both", "mean"), torch.float32, "mean")
+@pytest.mark.parametrize("case", RAGGED_TRITON_CASES)
+def test_triton_fused_past_one_tile(monkeypatch, case):
+    """Triton's fused masked Matryoshka kernels (masked_matryoshka): never a call per prefix, equal to the truth on
+    blocks of several ragged tiles, with a signed upstream gradient per row."""
+    assert getattr(backend_object("triton"), "masked_matryoshka", False)
+
+    def per_prefix(*args, **kwargs):
+        raise AssertionError("a call per prefix")
+
+    monkeypatch.setattr(infcl.api, "_one_loss", per_prefix)
+    _check("triton", case, torch.float32, "none", margin=0.25, seed=8)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("symmetric,mode", ((True, "sum"), (False, "mean"), (True, "")))
+def test_triton_masked_ops_pass_opcheck(symmetric, mode):
+    """torch.library.opcheck of the Triton masked Matryoshka ops (schema, fake impls, the mutated dq and dk): the
+    forward, then the backward on the forward's own partials (standing in for the global ones); 14 columns against
+    12 rows, so each side's outputs have their own size."""
+    from infcl.kernels.matryoshka import masked_backward_op, masked_forward_op
+
+    q, k, labels, q_ids, k_ids, (gq, gk) = _inputs(12, 14, 10, torch.float32, seed=7)
+    bounds = torch.tensor((0, 3, 10), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    q_factors, k_factors = torch.rand(2, 12, generator=gen) + 0.5, torch.rand(2, 14, generator=gen) + 0.5
+    scale = torch.tensor(5.0)
+    masks = (q_ids, k_ids, gq, gk, torch.zeros(12), torch.zeros(14) if symmetric else None, mode)
+    head = (q, k, scale, labels, bounds, q_factors, k_factors)
+    torch.library.opcheck(masked_forward_op, (*head, symmetric, *masks, "ieee"))
+    rows, cols = masked_forward_op(*head, symmetric, *masks, "ieee")
+    assert rows.shape == (6, 2, 12) and cols.shape == (6, 2, 14 if symmetric else 0)
+    pick = {"sum": lambda p: p[2:4].contiguous(), "mean": lambda p: p[5].contiguous(), "": lambda p: None}[mode]
+    g_row, g_col = torch.full((2, 12), 1 / 12), torch.full((2, 14), 1 / 14)
+    col_args = (cols[:2].contiguous(), g_col) if symmetric else (None, None)
+    positives = (pick(rows), pick(cols) if symmetric else None)
+    grads = (torch.zeros(12, 10), torch.zeros(14, 10))
+    args = (*head, rows[:2].contiguous(), g_row, *col_args, *positives, *masks, *grads, False, "ieee")
+    torch.library.opcheck(masked_backward_op, args)
 
 
 @pytest.mark.parametrize("backend", FUSED)
@@ -251,7 +302,7 @@ def test_fused_pass_is_taken(monkeypatch, backend, kind, mode):
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("backend", ("torch", *tiled_backends()[1:]))
+@pytest.mark.parametrize("backend", ("torch", *tiled_backends()[1:], *TRITON_HERE))
 def test_stats_per_dim(backend):
     """return_stats: {dim: InfLossStats} in the order given, each equal to that prefix's own masked call's."""
     q, k, labels, q_ids, k_ids, guide = _inputs(14, 14, 9, torch.float64, seed=3)
@@ -268,7 +319,7 @@ def test_stats_per_dim(backend):
             assert_close_verbose(a, b, 1e-12, 1e-12, f"{backend} stats dim {m}")
 
 
-@pytest.mark.parametrize("backend", ("torch", *tiled_backends()[1:]))
+@pytest.mark.parametrize("backend", ("torch", *tiled_backends()[1:], *TRITON_HERE))
 def test_nan_guide_row_poisons_every_prefix(backend):
     """A guide row with NaN leaves that row's exclusions undefined: its loss is NaN in every prefix, the others'
     are not."""

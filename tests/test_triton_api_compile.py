@@ -148,7 +148,8 @@ def test_masked_calls_cover_every_mask_kind(results):
     for r in results:
         words = r["call"].split()
         kinds = {w for w in words if w in ("ids", "guide", "both", "mean", "sum", "sym")}
-        if words[1] == "cal_inf_loss" and {"ids", "guide", "both"} & kinds and "kernels" in r:
+        matryoshka = any(w.startswith("matryoshka=") for w in words)  # its own kernels: the test below
+        if words[1] == "cal_inf_loss" and {"ids", "guide", "both"} & kinds and "kernels" in r and not matryoshka:
             seen[words[0], words[2]] |= kinds | ({"one"} if "sym" not in kinds else set())
             guided = {"guide", "both"} & kinds  # the thresholds come from the guide-scores kernel
             expected = {"forward", "dq", "dk"} | ({"guide_label_scores"} if guided else set())
@@ -176,20 +177,26 @@ def test_sigmoid_id_calls_compile_on_sm_90_80_100(results):
 
 def test_matryoshka_calls_compile_on_sm_90_80_100(results):
     """cal_inf_loss(matryoshka=...) (issue 56) compiled its fused kernels, forward and both backward walks, in
-    every dtype on sm_90, sm_80 and (where the wheel's ptxas knows it) sm_100; spills are test_no_register_spills'
-    check."""
+    every dtype on sm_90, sm_80 and (where the wheel's ptxas knows it) sm_100, plain and with the mask options (the
+    masked kernels, beside the guide scores' kernel where a guide is given; never a call per prefix, which would
+    launch the softmax kernels); spills are test_no_register_spills' check."""
     seen = defaultdict(set)
     for r in results:
         words = r["call"].split()
         if any(w.startswith("matryoshka=") for w in words) and "kernels" in r:
-            expected = {"matryoshka_forward", "matryoshka_dq", "matryoshka_dk"}
+            kind = next((w for w in words if w in ("ids", "guide", "both")), None)
+            if kind is None:
+                expected = {"matryoshka_forward", "matryoshka_dq", "matryoshka_dk"}
+            else:
+                expected = {"masked_matryoshka_forward", "masked_matryoshka_dq", "masked_matryoshka_dk"}
+                expected |= {"guide_label_scores"} if kind != "ids" else set()
             assert {row["kernel"] for row in r["kernels"]} == expected, r["call"]
-            seen[words[0]].add(words[2])
+            seen[words[0]].add((words[2], kind is not None))
     arches = [a for a in triton_compile.MATRYOSHKA_TARGETS if triton_compile.ptxas_knows(a)]
     assert 90 in arches and 80 in arches
     for arch in arches:
         dtypes = {triton_compile.dtype_label(d, p) for d, p in triton_compile.api_dtypes(arch, False, _float64_dot())}
-        assert dtypes <= seen[f"sm_{arch}"], (arch, seen[f"sm_{arch}"])
+        assert {(d, masked) for d in dtypes for masked in (False, True)} <= seen[f"sm_{arch}"], arch
 
 
 def test_maxsim_calls_compile_on_sm_90_80_100():

@@ -101,6 +101,17 @@ MATRYOSHKA_TILINGS = {
     "ieee": Tiling(*(TileConfig(32, 16, block_out=64, max_registers=255),) * 3, resident_d=16, chunk_d=16),
     "fp64": Tiling(*(TileConfig(32, 16, block_out=64, max_registers=255),) * 3, resident_d=16, chunk_d=16),
 }
+# With the mask options (the masked kernels of kernels/matryoshka.py): the same S tiles and half the slices. The
+# backward also holds the tile's positive and exclusion masks and, per prefix, the positives' inputs: at the plain
+# slices dq and dk spilled 16-128 B on sm_80 and 36-124 B on sm_100 (bf16, fp16, tf32; fp32 FMA 56 B on sm_80) at
+# D = 1000 with ids and a guide.
+_MASKED_MATRYOSHKA_TENSOR_CORES = TileConfig(64, 32, num_warps=8, block_out=64, max_registers=255)
+MASKED_MATRYOSHKA_TILINGS = {
+    "mma": Tiling(*(_MASKED_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
+    "tf32": Tiling(*(_MASKED_MATRYOSHKA_TENSOR_CORES,) * 3, resident_d=32, chunk_d=32),
+    "ieee": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+    "fp64": Tiling(*(TileConfig(32, 16, block_out=32, max_registers=255),) * 3, resident_d=16, chunk_d=16),
+}
 
 # The MaxSim kernels' tilings per operand class (one config for the forward, dq and dk kernels: the token products
 # are the same bits in each). block_m query-token rows x block_n document tokens; a program holds the rows' resident
@@ -123,6 +134,7 @@ INTERPRETER_TILINGS = {
     "rank": _SMALL_INTERPRETER_TILING,
     "topk": _SMALL_INTERPRETER_TILING,
     "matryoshka": _SMALL_INTERPRETER_TILING,
+    "masked_matryoshka": _SMALL_INTERPRETER_TILING,
     # 16 document tokens a chunk: the tests' documents span several chunks, ragged; 32 query-token rows hold
     # several short queries or a chunk of a long one.
     "maxsim": Tiling(*(TileConfig(32, 16, block_out=32),) * 3, resident_d=32, chunk_d=16),
@@ -425,6 +437,12 @@ def matryoshka_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     return MATRYOSHKA_TILINGS[operand_class_of(dtype, precision)]
 
 
+def masked_matryoshka_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
+    """The masked fused Matryoshka kernels' tiling (:data:`MASKED_MATRYOSHKA_TILINGS`), as
+    :func:`matryoshka_tiling`."""
+    return MASKED_MATRYOSHKA_TILINGS[operand_class_of(dtype, precision)]
+
+
 def maxsim_tiling(arch: int, dtype: torch.dtype, precision: str) -> Tiling:
     """The MaxSim kernels' tiling on family ``arch`` for inputs of ``dtype`` at ``precision``."""
     return _one_config("maxsim", MAXSIM_TILINGS, arch, dtype, precision)
@@ -443,9 +461,9 @@ def target_tiling(
     masked: bool = False,
     guide: bool = False,
 ) -> Tiling:
-    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank", "topk", "matryoshka") on the active target's
-    architecture family, the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``, ``guide``: the softmax
-    kernels')."""
+    """The tiling of kernel ``family`` ("softmax", "sigmoid", "rank", "topk", "matryoshka", "masked_matryoshka")
+    on the active target's architecture family, the interpreter's under TRITON_INTERPRET=1 (``dim``, ``masked``,
+    ``guide``: the softmax kernels')."""
     if INTERPRETED:
         return INTERPRETER_TILINGS[family]
     arch = target_family()
@@ -456,6 +474,7 @@ def target_tiling(
         "rank": rank_tiling,
         "topk": topk_tiling,
         "matryoshka": matryoshka_tiling,
+        "masked_matryoshka": masked_matryoshka_tiling,
         "maxsim": maxsim_tiling,
     }
     return tilings[family](arch, dtype, precision)

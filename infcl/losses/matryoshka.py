@@ -9,7 +9,8 @@ With the mask options (:mod:`infcl.masks`), :class:`MaskedMatryoshkaSteps`: the 
 (:class:`~infcl.losses.softmax.MaskedPartials`) with the same prefix axis, ``[6, K, n]`` packed (the masks' rows per
 prefix), on a backend whose ``masked_matryoshka`` attribute is True: a tile's positives and exclusions do not depend
 on the prefix (ids, and a guide whose features are never truncated), so the backend forms them once per tile and
-applies them to every prefix's S^k. The other backends run one call per prefix (:func:`infcl.api.matryoshka_loss`).
+applies them to every prefix's S^k (the torch tiles, the native kernel, Triton). The other backends run one call
+per prefix (:func:`infcl.api.matryoshka_loss`).
 """
 
 from dataclasses import replace

@@ -17,7 +17,7 @@ maps onto one ``cal_inf_loss`` call per loss term, runs the wrapped loss once wi
   embeddings too, so that case runs their loop).
 
 ``cal_inf_loss`` runs the plain prefixes (MNRL) in one tiled pass on the native kernel, the torch tiles and
-Triton, and the GIST call (a guide and ids) in one pass on the torch tiles and the native kernel; elsewhere one
+Triton, and the GIST call (a guide and ids) in one pass on the same three; elsewhere (the chunked route) one
 pass per prefix inside that one call (:mod:`infcl.matryoshka`, docs/options.md). Anything else (another wrapped
 loss, GIST with ``contrast_positives``, hardness, joint multi-direction partitions) goes to
 sentence-transformers' own per-dimension loop.

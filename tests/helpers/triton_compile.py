@@ -153,6 +153,7 @@ def init_worker() -> None:
 DIRECTIONS = {
     "backward": ("dq", "dk"),
     "matryoshka_backward": ("matryoshka_dq", "matryoshka_dk"),
+    "masked_matryoshka_backward": ("masked_matryoshka_dq", "masked_matryoshka_dk"),
     "maxsim_backward": ("maxsim_dq", "maxsim_dk"),
 }
 
@@ -762,13 +763,19 @@ MATRYOSHKA_TARGETS = (90, 80, 100)
 MATRYOSHKA_DIMS = (1000, 512, 100, 37)
 # A one-wide renormalized first prefix: the backward's SIGN_ONLY variant (Prefixes.sign_only), on sm_90 in CI.
 MATRYOSHKA_SIGN_ONLY_DIMS = (1, 1000, 512, 100)
+# The fused Matryoshka kernels' masked variant (masked_matryoshka_forward / _dq / _dk beside the guide scores'
+# kernel): (masks, multi_positive, symmetric) on MATRYOSHKA_TARGETS in every dtype; a full run adds the rest.
+MATRYOSHKA_MASKS = (("both", "sum", True), ("ids", "", False))
+MATRYOSHKA_MASKS_FULL = (("guide", "", True), ("both", "mean", False), ("ids", "mean", True))
 
 
 def matryoshka_calls(arch: int, dtype: str, precision: str, full: bool) -> List[Call]:
     """cal_inf_loss with ``matryoshka`` (issue 56; infcl/kernels/matryoshka.py): symmetric on a ragged batch at
     D = 1000 (several chunks and slices, every segment ragged) on :data:`MATRYOSHKA_TARGETS`, and with a one-wide
-    renormalized first prefix (:data:`MATRYOSHKA_SIGN_ONLY_DIMS`) on sm_90; ``full``: also one-directional with
-    labels and Bk > Bq at D = 384 (dims 384, 64), and the one-wide prefix, on every target."""
+    renormalized first prefix (:data:`MATRYOSHKA_SIGN_ONLY_DIMS`) on sm_90, and with the mask options
+    (:data:`MATRYOSHKA_MASKS`: the masked kernels); ``full``: also one-directional with labels and Bk > Bq at
+    D = 384 (dims 384, 64), the one-wide prefix and every mask kind (:data:`MATRYOSHKA_MASKS_FULL`), on every
+    target."""
     if not (full or arch in MATRYOSHKA_TARGETS):
         return []
     ragged, wide = (RAGGED_BATCH, RAGGED_BATCH), (RAGGED_BATCH, WIDE_BATCH)
@@ -778,6 +785,21 @@ def matryoshka_calls(arch: int, dtype: str, precision: str, full: bool) -> List[
         out.append(Call(arch, "cal_inf_loss", dtype, precision, 1000, *ragged, symmetric=True, matryoshka=sign_only))
     if full:
         out.append(Call(arch, "cal_inf_loss", dtype, precision, 384, *wide, labels=True, matryoshka=(384, 64)))
+    for masks, mode, symmetric in MATRYOSHKA_MASKS + (MATRYOSHKA_MASKS_FULL if full else ()):
+        out.append(
+            Call(
+                arch,
+                "cal_inf_loss",
+                dtype,
+                precision,
+                1000,
+                *ragged,
+                symmetric=symmetric,
+                masks=masks,
+                multi_positive=mode,
+                matryoshka=MATRYOSHKA_DIMS,
+            )
+        )
     return out
 
 
@@ -841,6 +863,7 @@ FLOOR_KERNELS = frozenset(
     {"forward", "dq", "dk", "siglip_forward", "siglip_backward", "guide_label_scores", "topk"}
     | {"chunk_stats", "merge_chunk", "chunk_grad"}
     | {"matryoshka_forward", "matryoshka_dq", "matryoshka_dk"}
+    | {"masked_matryoshka_forward", "masked_matryoshka_dq", "masked_matryoshka_dk"}
 )
 
 
@@ -851,7 +874,8 @@ def floor_calls() -> List[Call]:
     kernels on tensor cores (bf16, D = 384: whole chunks and a ragged slice), in fp32 FMA and (Triton >= 3.5) fp64
     (D = 40), autotuned (bf16, D = 1000), with ids and a guide ("sum", D = 1000; and with label smoothing: the
     masked kernels' kept sums), the sigmoid kernels, the top-k search and the chunked route's passes and the fused
-    Matryoshka loss (bf16, D = 1000; also with a one-wide renormalized first prefix); on sm_80 the softmax kernels
+    Matryoshka loss (bf16, D = 1000; also with a one-wide renormalized first prefix, and with ids and a guide,
+    "sum": its masked kernels); on sm_80 the softmax kernels
     in bf16 (the pre-wgmma MMA). The ranks' and distillation kernels: :func:`rank_distill_compile.floor_calls`."""
     from infcl.kernels.configs import FLOAT64_DOT
 
@@ -871,6 +895,18 @@ def floor_calls() -> List[Call]:
         *(
             Call(90, "cal_inf_loss", "bfloat16", "ieee", 1000, *ragged, symmetric=True, matryoshka=dims)
             for dims in (MATRYOSHKA_DIMS, MATRYOSHKA_SIGN_ONLY_DIMS)
+        ),
+        Call(
+            90,
+            "cal_inf_loss",
+            "bfloat16",
+            "ieee",
+            1000,
+            *ragged,
+            symmetric=True,
+            masks="both",
+            multi_positive="sum",
+            matryoshka=MATRYOSHKA_DIMS,
         ),
     ]
 
