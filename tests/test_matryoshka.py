@@ -412,7 +412,7 @@ def test_triton_fused_ops_pass_opcheck(symmetric):
     """torch.library.opcheck (schema, fake impls, the mutated dq and dk, FakeTensor and AOT tracing) of the fused
     kernels' custom ops: the forward, then the backward on the forward's own stats (standing in for the global
     ones); 14 columns against 12 rows, so each side's outputs have their own size."""
-    from infcl.kernels.matryoshka import backward_op, forward_op
+    from infcl.kernels.matryoshka_ops import backward_op, forward_op
 
     gen = torch.Generator().manual_seed(5)
     bq, bk, dim = 12, 14, 9

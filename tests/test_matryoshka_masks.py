@@ -254,7 +254,7 @@ def test_triton_masked_ops_pass_opcheck(symmetric, mode):
     """torch.library.opcheck of the Triton masked Matryoshka ops (schema, fake impls, the mutated dq and dk): the
     forward, then the backward on the forward's own partials (standing in for the global ones); 14 columns against
     12 rows, so each side's outputs have their own size."""
-    from infcl.kernels.matryoshka import masked_backward_op, masked_forward_op
+    from infcl.kernels.matryoshka_ops import masked_backward_op, masked_forward_op
 
     q, k, labels, q_ids, k_ids, (gq, gk) = _inputs(12, 14, 10, torch.float32, seed=7)
     bounds = torch.tensor((0, 3, 10), dtype=torch.int32)

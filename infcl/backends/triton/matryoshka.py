@@ -11,7 +11,7 @@ from typing import Tuple
 import torch
 
 from ...contract import Block, Tensor, accum_dtype
-from ...kernels.matryoshka import backward_op, forward_op, masked_backward_op, masked_forward_op
+from ...kernels.matryoshka_ops import backward_op, forward_op, masked_backward_op, masked_forward_op
 from ...matryoshka import Prefixes, prefix_factors
 from .options import FALLBACK, TritonOptions, on_torch_tiles
 from .softmax import _dtypes, op_masks
